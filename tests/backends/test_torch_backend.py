@@ -1,0 +1,155 @@
+"""The PyTorch backend on the tiny DiT: learning, clipping, EMA, accumulation, checkpointing, teardown."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.archs import get_arch
+from trainer.backends.base import Batch
+from trainer.backends.torch_backend.backend import TorchBackend
+from trainer.backends.torch_backend.optim import OptimizerUnavailable, clip_global_norm
+
+
+def fixed_batch(batch_size=2, seed=0, height=4, width=4) -> Batch:
+    rng = np.random.default_rng(seed)
+    return Batch(latents=rng.standard_normal((batch_size, 16, height, width)).astype(np.float32),
+                 noise=rng.standard_normal((batch_size, 16, height, width)).astype(np.float32),
+                 sigmas=rng.uniform(0.2, 0.8, batch_size).astype(np.float32),
+                 weights=np.ones(batch_size, np.float32),
+                 context=rng.standard_normal((batch_size, 8, 32)).astype(np.float32))
+
+
+def split(batch: Batch) -> list[Batch]:
+    return [Batch(latents=batch.latents[i:i + 1], noise=batch.noise[i:i + 1], sigmas=batch.sigmas[i:i + 1],
+                  weights=batch.weights[i:i + 1], context=batch.context[i:i + 1]) for i in range(len(batch.sigmas))]
+
+
+def backend_for(make_model, make_config, **overrides) -> TorchBackend:
+    backend = TorchBackend()
+    backend.setup(make_model(), make_config(**overrides), get_arch("demo"))
+    return backend
+
+
+def test_overfits_one_fixed_batch(make_model, make_config):
+    backend = backend_for(make_model, make_config, rank=8, alpha=8.0, learning_rate=3e-2, max_grad_norm=0.0)
+    batch = fixed_batch()
+    losses = backend.scalars([backend.step([batch], 3e-2).loss for _ in range(50)])
+    assert losses[-1] <= 0.5 * losses[0], (losses[0], losses[-1])
+
+
+def test_clipping_matches_torch_clip_grad_norm():
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 7) * 3, torch.randn(11), torch.randn(2, 3, 4)]
+    reference = [g.clone() for g in grads]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in reference]
+    for p, g in zip(params, reference):
+        p.grad = g
+    expected_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=1.0, foreach=False)
+    total = clip_global_norm(grads, 1.0)
+    assert torch.allclose(total, expected_norm, rtol=1e-6)
+    for got, want in zip(grads, params):
+        assert torch.allclose(got, want.grad, rtol=1e-6, atol=1e-7)
+    small = [torch.full((3,), 1e-3)]
+    clip_global_norm(small, 1.0)
+    assert torch.equal(small[0], torch.full((3,), 1e-3))  # below the threshold: untouched
+
+
+def test_ema_matches_its_formula(make_model, make_config):
+    decay = 0.9
+    backend = backend_for(make_model, make_config, ema=True, ema_decay=decay)
+    name = next(iter(backend.params))
+    expected = backend.params[name].detach().clone()
+    for step in range(5):
+        backend.step([fixed_batch(seed=step)], 1e-2)
+        backend.update_ema()
+        expected = decay * expected + (1 - decay) * backend.params[name].detach()
+    assert torch.allclose(backend.ema.shadow[name], expected, atol=1e-7)
+    assert backend.ema.updates == 5
+    trained = backend.params[name].detach().clone()
+    assert not torch.allclose(trained, expected)        # EMA is really different from the weights
+    with backend.ema_weights():
+        assert torch.equal(backend.params[name].detach(), backend.ema.shadow[name])
+    assert torch.equal(backend.params[name].detach(), trained)  # swapped back
+
+
+def test_gradient_accumulation_equals_the_full_batch(make_model, make_config):
+    batch = fixed_batch(batch_size=2)
+    grads = []
+    for micro in ([batch], split(batch)):
+        backend = backend_for(make_model, make_config, learning_rate=1e-3)
+        backend.optimizer.step = lambda: None            # keep the gradients to compare
+        backend.optimizer.zero_grad = lambda set_to_none=True: None
+        with torch.no_grad():                            # make B non-zero so every gradient matters
+            for p in backend.params.values():
+                p.add_(0.01)
+        backend.step(micro, 1e-3)
+        grads.append(torch.cat([p.grad.flatten() for p in backend.params.values()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
+def test_checkpointing_gives_the_same_gradients(make_model, make_config):
+    batch, grads = fixed_batch(), []
+    for checkpointing in (False, True):
+        backend = backend_for(make_model, make_config, gradient_checkpointing=checkpointing)
+        backend.optimizer.step = lambda: None
+        with torch.no_grad():
+            for p in backend.params.values():
+                p.add_(0.01)
+        backend.optimizer.zero_grad = lambda set_to_none=True: None
+        backend.step([batch], 1e-3)
+        grads.append(torch.cat([p.grad.flatten() for p in backend.params.values()]))
+        assert (backend.checkpointing is not None) == checkpointing
+        backend.teardown()
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    assert torch.count_nonzero(grads[1]) > 0.5 * grads[1].numel()
+
+
+def test_bf16_autocast_keeps_fp32_lora_parameters(make_model, make_config):
+    backend = backend_for(make_model, make_config, mixed_precision="bf16")
+    loss = backend.scalars([backend.step([fixed_batch()], 1e-3).loss])[0]
+    assert np.isfinite(loss)
+    assert all(p.dtype == torch.float32 for p in backend.params.values())
+
+
+def test_teardown_restores_the_model_exactly(make_model, make_config):
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [p.requires_grad for p in model.parameters()]
+    backend = TorchBackend()
+    backend.setup(model, make_config(gradient_checkpointing=True), get_arch("demo"))
+    backend.step([fixed_batch()], 1e-2)
+    backend.teardown()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert [p.requires_grad for p in model.parameters()] == flags
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+def test_builtin_optimizers_step(make_model, make_config, optimizer):
+    backend = backend_for(make_model, make_config, optimizer=optimizer)
+    before = {n: p.detach().clone() for n, p in backend.params.items()}
+    backend.step([fixed_batch()], 1e-3)
+    assert any(not torch.equal(before[n], p) for n, p in backend.params.items())
+
+
+@pytest.mark.parametrize("optimizer,package", [("adamw8bit", "bitsandbytes"), ("prodigy", "prodigyopt")])
+def test_optional_optimizers_say_what_to_install(make_model, make_config, optimizer, package):
+    pytest.importorskip("importlib").util.find_spec(package) and pytest.skip(f"{package} is installed")
+    lr = 1.0 if optimizer == "prodigy" else 1e-4
+    with pytest.raises(OptimizerUnavailable, match=f"pip install {package}"):
+        backend_for(make_model, make_config, optimizer=optimizer, learning_rate=lr)
+
+
+def test_optimizer_state_round_trip(make_model, make_config):
+    backend = backend_for(make_model, make_config)
+    for step in range(3):
+        backend.step([fixed_batch(seed=step)], 1e-3)
+    tensors, meta = backend.optimizer_state()
+    assert any(k.endswith(".exp_avg_sq") for k in tensors) and meta["names"] == list(backend.params)
+    other = backend_for(make_model, make_config)
+    other.load_optimizer_state(tensors, meta)
+    again, _ = other.optimizer_state()
+    assert set(again) == set(tensors)
+    assert all(np.array_equal(again[k], tensors[k]) for k in tensors)

@@ -1,0 +1,153 @@
+"""LoRA injection on torch Linear layers: side branch, init, merge, removal, target errors."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from trainer.backends.torch_backend.lora import LoraSet
+from trainer.targets import TargetError, init_lora_A, matches, select_targets
+
+
+class CastLinear(nn.Linear):
+    """Mimics ComfyUI's cast-on-forward Linear: weights cast to the input's dtype inside its own forward."""
+
+    calls = 0
+
+    def forward(self, x):
+        CastLinear.calls += 1
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.qkv = CastLinear(8, 24)
+        self.attn.proj = nn.Linear(8, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        q, k, v = self.attn.qkv(x).chunk(3, -1)
+        return x + self.attn.proj(q * k.sigmoid() + v) + self.mlp(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _randomise_B(lora: LoraSet):
+    with torch.no_grad():
+        for branch in lora.branches().values():
+            branch.lora_B.normal_(0, 0.1)
+
+
+def test_pattern_kinds():
+    assert matches("blocks.0.attn.qkv", "blocks.0.attn.qkv")          # exact
+    assert matches("blocks.0.attn.qkv", "attn.qkv")                   # dotted suffix
+    assert not matches("blocks.0.xattn.qkv", "attn.qkv")              # suffix respects dots
+    assert matches("blocks.10.attn.qkv", r"re:blocks\.1\d\.attn\.qkv")  # regex, full match
+    assert not matches("blocks.1.attn.qkv", r"re:blocks\.1\d\.attn\.qkv")
+
+
+def test_no_match_error_names_patterns_and_sample_modules():
+    with pytest.raises(TargetError) as err:
+        LoraSet(Net(), ["attn.qkvv"], rank=2, alpha=2, dropout=0, seed=0)
+    message = str(err.value)
+    assert "attn.qkvv" in message and "blocks.0.attn.qkv" in message and "re:" in message
+
+
+def test_every_pattern_must_match():
+    with pytest.raises(TargetError, match="typo_layer"):
+        select_targets(["a.qkv", "a.proj"], ["qkv", "typo_layer"])
+
+
+def test_step_zero_equals_base_model_and_subclass_forward_runs():
+    net, x = Net(), torch.randn(3, 5, 8)
+    before = net(x)
+    CastLinear.calls = 0
+    LoraSet(net, ["attn.qkv", "attn.proj", "mlp.0", "mlp.2"], rank=4, alpha=8, dropout=0.0, seed=1)
+    assert torch.equal(net(x), before)            # B = 0: bit-identical output
+    assert CastLinear.calls == 2                   # the subclass's own forward still runs
+
+
+def test_lora_adds_scaled_low_rank_branch():
+    net, x = Net(), torch.randn(2, 8)
+    lora = LoraSet(net, ["blocks.0.attn.proj"], rank=4, alpha=2, dropout=0.0, seed=1)
+    _randomise_B(lora)
+    branch = lora.branches()["blocks.0.attn.proj"]
+    layer = net.blocks[0].attn.proj
+    expected = F.linear(x, layer.weight, layer.bias) + (x @ branch.lora_A.T @ branch.lora_B.T) * (2 / 4)
+    assert torch.allclose(layer(x), expected, atol=1e-6)
+    assert branch.scale == 0.5
+
+
+def test_A_is_kaiming_uniform_seeded_per_path_and_B_zero():
+    net = Net()
+    lora = LoraSet(net, ["mlp.0"], rank=64, alpha=64, dropout=0.0, seed=3)
+    branch = lora.branches()["blocks.1.mlp.0"]
+    bound = 1 / math.sqrt(8)
+    assert branch.lora_A.abs().max() <= bound and branch.lora_A.abs().max() > 0.9 * bound
+    assert torch.count_nonzero(branch.lora_B) == 0
+    assert np.array_equal(branch.lora_A.detach().numpy(), init_lora_A(3, "blocks.1.mlp.0", 64, 8))
+    assert not np.array_equal(init_lora_A(3, "blocks.0.mlp.0", 64, 8), init_lora_A(3, "blocks.1.mlp.0", 64, 8))
+    assert branch.lora_A.dtype == torch.float32 and branch.lora_A.requires_grad
+
+
+def test_exact_trainable_parameter_count():
+    lora = LoraSet(Net(), ["attn.qkv", "mlp.2"], rank=3, alpha=3, dropout=0, seed=0)
+    assert lora.parameter_count() == 2 * (3 * (8 + 24) + 3 * (16 + 8))
+    assert len(lora.named_parameters()) == 8
+
+
+def test_merge_equals_side_branch_and_unmerge_restores():
+    net, x = Net(), torch.randn(4, 8)
+    original = {k: v.clone() for k, v in net.state_dict().items()}
+    lora = LoraSet(net, ["attn.qkv", "attn.proj", "mlp.0", "mlp.2"], rank=4, alpha=4, dropout=0.0, seed=0)
+    _randomise_B(lora)
+    side = net(x)
+    lora.merge()
+    assert torch.allclose(net(x), side, atol=1e-5)
+    assert "forward" not in net.blocks[0].attn.proj.__dict__   # merged: the branch no longer runs
+    lora.unmerge()
+    assert torch.allclose(net(x), side, atol=1e-6)
+    for key, value in net.state_dict().items():
+        assert torch.allclose(value, original[key], atol=1e-6), key
+
+
+def test_remove_leaves_model_exactly_as_before():
+    net, x = Net(), torch.randn(4, 8)
+    before_out = net(x)
+    before_keys = list(net.state_dict())
+    lora = LoraSet(net, ["attn.qkv", "mlp.0"], rank=2, alpha=2, dropout=0.1, seed=0)
+    _randomise_B(lora)
+    assert list(net.state_dict()) == before_keys       # LoRA never shows up in the model's state_dict
+    lora.remove()
+    assert all("forward" not in m.__dict__ for m in net.modules())
+    assert torch.equal(net(x), before_out)
+
+
+def test_dropout_acts_on_branch_only():
+    net, x = Net(), torch.randn(64, 8)
+    lora = LoraSet(net, ["attn.proj"], rank=4, alpha=4, dropout=0.5, seed=0)
+    _randomise_B(lora)
+    layer, branch = net.blocks[0].attn.proj, lora.branches()["blocks.0.attn.proj"]
+    base = F.linear(x, layer.weight, layer.bias)
+    branch.train()
+    a, b = layer(x), layer(x)
+    assert not torch.equal(a, b)                       # dropout is live in training
+    branch.eval()
+    assert torch.allclose(layer(x) - base, (x @ branch.lora_A.T @ branch.lora_B.T), atol=1e-6)

@@ -1,0 +1,303 @@
+"""trainer/lora_format.py: key layouts, diffusers split/fuse, files, metadata."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from trainer import lora_format as lf
+from trainer import safetensors_io
+from trainer.archs import get_arch
+from trainer.lora_format import LoraWeights
+
+HIDDEN, RANK = 64, 4
+
+# Realistic module paths and (out, in) shapes, at a toy hidden size.
+FLUX2_MODULES = {
+    "double_blocks.0.img_attn.qkv": (3 * HIDDEN, HIDDEN),
+    "double_blocks.0.txt_attn.qkv": (3 * HIDDEN, HIDDEN),
+    "double_blocks.0.img_attn.proj": (HIDDEN, HIDDEN),
+    "double_blocks.1.txt_mlp.2": (HIDDEN, 3 * HIDDEN),
+    "single_blocks.1.linear1": (9 * HIDDEN, HIDDEN),
+    "single_blocks.1.linear2": (HIDDEN, 4 * HIDDEN),
+}
+ZIMAGE_MODULES = {
+    "layers.3.attention.qkv": (3 * HIDDEN, HIDDEN),
+    "layers.3.attention.out": (HIDDEN, HIDDEN),
+    "layers.3.feed_forward.w2": (HIDDEN, 2 * HIDDEN),
+    "noise_refiner.0.feed_forward.w1": (2 * HIDDEN, HIDDEN),
+}
+CASES = [("flux2_klein", FLUX2_MODULES), ("zimage", ZIMAGE_MODULES)]
+
+
+def make_lora(modules, seed=0, alpha=8.0) -> dict[str, LoraWeights]:
+    rng = np.random.default_rng(seed)
+    return {path: LoraWeights(rng.standard_normal((RANK, fan_in), dtype=np.float32),
+                              rng.standard_normal((out, RANK), dtype=np.float32), alpha + i)
+            for i, (path, (out, fan_in)) in enumerate(modules.items())}
+
+
+def delta(w: LoraWeights) -> np.ndarray:
+    return (w.B.astype(np.float64) @ w.A.astype(np.float64)) * w.scale
+
+
+def assert_same(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for path in a:
+        assert np.array_equal(a[path].A, b[path].A), path
+        assert np.array_equal(a[path].B, b[path].B), path
+        assert a[path].alpha == b[path].alpha, path
+
+
+@pytest.mark.parametrize("arch_name,modules", CASES)
+@pytest.mark.parametrize("fmt", list(lf.FORMATS))
+def test_key_round_trip(arch_name, modules, fmt):
+    lora = make_lora(modules)
+    tensors = lf.to_tensors(lora, fmt, arch_name)
+    back, detected = lf.from_tensors(tensors, arch=arch_name, module_names=list(modules))
+    assert detected == fmt
+    assert_same(lora, back)
+
+
+def test_key_names():
+    w = make_lora({"double_blocks.0.img_attn.qkv": (3 * HIDDEN, HIDDEN)})
+    assert sorted(lf.to_tensors(w, "comfy", "flux2_klein")) == [
+        "diffusion_model.double_blocks.0.img_attn.qkv.alpha",
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight",
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight"]
+    assert sorted(lf.to_tensors(w, "kohya", "flux2_klein")) == [
+        "lora_unet_double_blocks_0_img_attn_qkv.alpha",
+        "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight",
+        "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"]
+    assert lf.to_tensors(w, "comfy", None)["diffusion_model.double_blocks.0.img_attn.qkv.alpha"].shape == ()
+
+
+def test_diffusers_split_is_exact_and_shares_A():
+    lora = make_lora(FLUX2_MODULES)
+    tensors = lf.to_tensors(lora, "diffusers", "flux2_klein")
+    qkv = lora["double_blocks.0.img_attn.qkv"]
+    for i, part in enumerate(["to_q", "to_k", "to_v"]):
+        base = f"transformer.transformer_blocks.0.attn.{part}"
+        assert np.array_equal(tensors[base + ".lora_B.weight"], qkv.B[i * HIDDEN:(i + 1) * HIDDEN])
+        assert np.array_equal(tensors[base + ".lora_A.weight"], qkv.A)
+        assert tensors[base + ".alpha"] == np.float32(qkv.alpha)
+    txt = [f"transformer.transformer_blocks.0.attn.add_{p}_proj.lora_B.weight" for p in "qkv"]
+    assert np.array_equal(np.concatenate([tensors[k] for k in txt]), lora["double_blocks.0.txt_attn.qkv"].B)
+    assert "transformer.single_transformer_blocks.1.attn.to_qkv_mlp_proj.lora_A.weight" in tensors
+    assert "transformer.single_transformer_blocks.1.attn.to_out.lora_B.weight" in tensors
+    assert "transformer.transformer_blocks.0.attn.to_out.0.lora_A.weight" in tensors
+    assert "transformer.transformer_blocks.1.ff_context.linear_out.alpha" in tensors
+
+
+def test_zimage_diffusers_names():
+    keys = lf.to_tensors(make_lora(ZIMAGE_MODULES), "diffusers", "zimage")
+    for name in ["layers.3.attention.to_q", "layers.3.attention.to_v", "layers.3.attention.to_out.0",
+                 "layers.3.feed_forward.w2", "noise_refiner.0.feed_forward.w1"]:
+        assert f"transformer.{name}.lora_B.weight" in keys
+
+
+def _foreign_qkv(ranks=(2, 3, 5), alphas=(1.0, 6.0, None), seed=3):
+    """A diffusers file from another trainer: q/k/v with their own A, ranks and alphas."""
+    rng = np.random.default_rng(seed)
+    tensors, parts = {}, []
+    for name, rank, alpha in zip(["to_q", "to_k", "to_v"], ranks, alphas):
+        base = f"transformer.layers.3.attention.{name}"
+        A = rng.standard_normal((rank, HIDDEN), dtype=np.float32)
+        B = rng.standard_normal((HIDDEN, rank), dtype=np.float32)
+        tensors |= {base + ".lora_A.weight": A, base + ".lora_B.weight": B}
+        if alpha is not None:
+            tensors[base + ".alpha"] = np.array(alpha, np.float32)
+        parts.append(LoraWeights(A, B, rank if alpha is None else alpha))  # no alpha: scale 1
+    return tensors, parts
+
+
+def test_block_diagonal_fusion_keeps_the_product():
+    tensors, parts = _foreign_qkv()
+    lora, fmt = lf.from_tensors(tensors, arch="zimage")
+    fused = lora["layers.3.attention.qkv"]
+    assert fmt == "diffusers" and fused.A.shape == (10, HIDDEN) and fused.B.shape == (3 * HIDDEN, 10)
+    expected = np.concatenate([delta(p) for p in parts])
+    assert np.allclose(delta(fused), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_fusion_fills_missing_parts_with_zero_rows():
+    tensors, parts = _foreign_qkv()
+    tensors = {k: v for k, v in tensors.items() if ".to_k." not in k}
+    fused = lf.from_tensors(tensors, arch="zimage")[0]["layers.3.attention.qkv"]
+    got = delta(fused)
+    assert np.allclose(got[:HIDDEN], delta(parts[0]), atol=1e-6)
+    assert not got[HIDDEN:2 * HIDDEN].any()
+    assert np.allclose(got[2 * HIDDEN:], delta(parts[2]), atol=1e-6)
+
+
+def test_diffusers_export_needs_rules():
+    with pytest.raises(ValueError, match="diffusers export needs an arch with diffusers names"):
+        lf.to_tensors(make_lora(FLUX2_MODULES), "diffusers", "generic")
+    with pytest.raises(ValueError, match="no diffusers name"):
+        lf.to_tensors(make_lora({"img_in": (HIDDEN, 128)}), "diffusers", "flux2_klein")
+
+
+def test_diffusers_split_needs_divisible_rows():
+    with pytest.raises(ValueError, match="not divisible into 3"):
+        lf.to_tensors(make_lora({"layers.0.attention.qkv": (100, HIDDEN)}), "diffusers", "zimage")
+
+
+def test_kohya_without_module_names_errors():
+    tensors = lf.to_tensors(make_lora(FLUX2_MODULES), "kohya", "flux2_klein")
+    with pytest.raises(ValueError, match="cannot be undone.*module_names.*kiln.module_paths"):
+        lf.from_tensors(tensors)
+    with pytest.raises(ValueError, match="matches no module name"):
+        lf.from_tensors(tensors, module_names=["double_blocks.0.img_attn.qkv"])
+
+
+def test_comfy_accepts_down_up_and_missing_alpha():
+    rng = np.random.default_rng(0)
+    A, B = rng.standard_normal((RANK, 8), dtype=np.float32), rng.standard_normal((16, RANK), dtype=np.float32)
+    lora, _ = lf.from_tensors({"diffusion_model.img_in.lora_down.weight": A,
+                               "diffusion_model.img_in.lora_up.weight": B})
+    assert lora["img_in"].alpha == RANK and lora["img_in"].scale == 1.0  # ComfyUI: no alpha → scale 1
+
+
+@pytest.mark.parametrize("tensors,message", [
+    ({}, "no LoRA keys"),
+    ({"model.weight": np.ones((2, 2))}, "no LoRA keys"),
+    ({"diffusion_model.x.lora_A.weight": np.ones((4, 8)), "diffusion_model.x.lora_B.weight": np.ones((8, 3))},
+     "rank 4 but B has 3 columns"),
+    ({"diffusion_model.x.lora_A.weight": np.ones((4, 8, 1, 1)), "diffusion_model.x.lora_B.weight": np.ones((8, 4))},
+     "2-D"),
+    ({"diffusion_model.x.lora_A.weight": np.ones((4, 8))}, "no lora_B/lora_up"),
+    ({"diffusion_model.x.lora_A.weight": np.ones((4, 8)), "diffusion_model.x.lora_B.weight": np.ones((8, 4)),
+      "diffusion_model.x.dora_scale": np.ones(8)}, "dora_scale"),
+    ({"diffusion_model.x.lora_A.weight": np.ones((4, 8)), "lora_unet_x.lora_down.weight": np.ones((4, 8))},
+     "several formats"),
+])
+def test_bad_tensors(tensors, message):
+    with pytest.raises(ValueError, match=message) as error:
+        lf.from_tensors(tensors, source="bad.safetensors")
+    assert "bad.safetensors" in str(error.value)
+
+
+# ---------------------------------------------------------------- files
+
+def _metadata():
+    return lf.build_metadata(arch_name="flux2_klein", config={"rank": RANK, "lr": 1e-4}, steps=500,
+                             trigger_words=["ohwx person", "kiln"], title="My LoRA", notes="test run")
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).float().numpy()
+
+
+@pytest.mark.parametrize("fmt", list(lf.FORMATS))
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_save_load(tmp_path, fmt, dtype):
+    lora = make_lora(FLUX2_MODULES)
+    path = tmp_path / "lora.safetensors"
+    lf.save_lora(path, lora, arch="flux2_klein", fmt=fmt, dtype=dtype, metadata=_metadata())
+    back, metadata = lf.load_lora(path)  # arch and kohya module names come from the metadata
+    round_ = _bf16 if dtype == "bf16" else (lambda x: x)
+    assert sorted(back) == sorted(lora)
+    for path_, w in lora.items():
+        assert np.array_equal(back[path_].A, round_(w.A)) and np.array_equal(back[path_].B, round_(w.B))
+        assert back[path_].alpha == w.alpha
+    header, _ = safetensors_io.read_header(path)
+    assert all(e["dtype"] == "F32" and e["shape"] == [] for k, e in header.items() if k.endswith(".alpha"))
+    assert {e["dtype"] for k, e in header.items() if not k.endswith(".alpha")} == {dtype.upper().replace("FP", "F")}
+    assert metadata["kiln.format"] == fmt and os.listdir(tmp_path) == ["lora.safetensors"]
+
+
+def test_metadata_contents():
+    metadata = _metadata()
+    assert all(isinstance(v, str) for v in metadata.values())
+    assert metadata["kiln.arch"] == "flux2_klein" and metadata["kiln.steps"] == "500"
+    assert json.loads(metadata["kiln.config"]) == {"rank": RANK, "lr": 1e-4}
+    assert json.loads(metadata["kiln.trigger_words"]) == ["ohwx person", "kiln"]
+    assert metadata["modelspec.sai_model_spec"] == "1.0.0"
+    assert metadata["modelspec.architecture"].endswith("/lora")
+    assert metadata["modelspec.title"] == "My LoRA" and metadata["modelspec.description"] == "test run"
+    assert metadata["modelspec.trigger_phrase"] == "ohwx person, kiln"
+    assert metadata["modelspec.date"][:4].isdigit() and "T" in metadata["modelspec.date"]
+    assert metadata["kiln.version"]
+    with pytest.raises(ValueError, match="'seed'"):
+        lf.build_metadata(arch_name="zimage", config={}, steps=1, trigger_words=[], title="t", extra={"seed": 1})
+
+
+def test_describe(tmp_path):
+    path = tmp_path / "lora.safetensors"
+    lf.save_lora(path, make_lora(ZIMAGE_MODULES), arch="zimage", fmt="diffusers", metadata=_metadata())
+    info = lf.describe(path)
+    assert info["format"] == "diffusers" and info["modules"] == 6  # qkv split into 3
+    assert info["ranks"] == [RANK] and info["alphas"] == [8.0, 9.0, 10.0, 11.0]
+    assert info["dtypes"] == ["BF16", "F32"] and info["metadata"]["kiln.arch"] == "zimage"
+
+
+def test_export_between_formats(tmp_path):
+    lora = make_lora(ZIMAGE_MODULES)
+    src, mid, dst = (tmp_path / f"{n}.safetensors" for n in ("src", "kohya", "diffusers"))
+    metadata = lf.build_metadata(arch_name="zimage", config={}, steps=1, trigger_words=[], title="t")
+    lf.save_lora(src, lora, arch="zimage", dtype="fp32", metadata=metadata)
+    lf.export(src, mid, "kohya")
+    lf.export(mid, dst, "diffusers")  # arch from "kiln.arch", module names from "kiln.module_paths"
+    back, metadata = lf.load_lora(dst)
+    assert_same(lora, back)
+    assert metadata["kiln.format"] == "diffusers" and "kiln.module_paths" not in metadata
+
+
+# ---------------------------------------------------------------- ComfyUI's own loader
+
+def _comfy():
+    """ComfyUI from COMFYUI_PATH, on the CPU (model_management asserts CUDA otherwise)."""
+    import sys
+    sys.path.insert(0, os.environ["COMFYUI_PATH"])
+    import comfy.cli_args
+    comfy.cli_args.args.cpu = True
+    import comfy.lora
+    import comfy.model_base
+    return comfy
+
+
+def _fake_model(model_class, modules: dict, unet_config: dict):
+    """An instance of ComfyUI's model class holding only bias-free Linears at `modules`: enough for
+    model_lora_keys_unet (it reads state_dict() keys, isinstance and model_config.unet_config)."""
+    model = model_class.__new__(model_class)
+    torch.nn.Module.__init__(model)
+    model.diffusion_model = torch.nn.Module()
+    for path, (out, fan_in) in modules.items():
+        parent = model.diffusion_model
+        *parents, leaf = path.split(".")
+        for name in parents:
+            if not hasattr(parent, name):
+                parent.add_module(name, torch.nn.Module())
+            parent = getattr(parent, name)
+        parent.add_module(leaf, torch.nn.Linear(fan_in, out, bias=False))
+    model.model_config = type("Config", (), {"unet_config": unet_config})()
+    return model
+
+
+@pytest.mark.skipif(not os.environ.get("COMFYUI_PATH"), reason="set COMFYUI_PATH to a ComfyUI checkout")
+@pytest.mark.parametrize("arch_name,modules", CASES)
+@pytest.mark.parametrize("fmt", list(lf.FORMATS))
+def test_comfyui_loader_applies_every_key(arch_name, modules, fmt, caplog):
+    """comfy.lora.model_lora_keys_unet + load_lora + calculate_weight: every key is used and each
+    weight moves by exactly scale·B@A, split diffusers parts landing on their fused rows."""
+    comfy = _comfy()
+    model = (_fake_model(comfy.model_base.Flux2, modules, {"depth": 2, "depth_single_blocks": 2, "hidden_size": HIDDEN})
+             if arch_name.startswith("flux2") else
+             _fake_model(comfy.model_base.Lumina2, modules, {"n_layers": 4, "dim": HIDDEN}))
+    lora = make_lora(modules)
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in lf.to_tensors(lora, fmt, arch_name).items()}
+    key_map = comfy.lora.model_lora_keys_unet(model, {})
+    patches = comfy.lora.load_lora(tensors, key_map)
+    assert "lora key not loaded" not in caplog.text
+    by_weight: dict[str, list] = {}
+    for target, adapter in patches.items():  # as ModelPatcher.add_patches stores them
+        key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
+        by_weight.setdefault(key, []).append((1.0, adapter, 1.0, offset, None))
+    assert sorted(by_weight) == sorted(f"diffusion_model.{p}.weight" for p in modules)
+    for path, w in lora.items():
+        key = f"diffusion_model.{path}.weight"
+        got = comfy.lora.calculate_weight(by_weight[key], torch.zeros(w.B.shape[0], w.A.shape[1]), key)
+        assert np.allclose(got.numpy(), delta(w), atol=1e-4), path

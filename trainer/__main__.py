@@ -1,0 +1,226 @@
+"""Command line: python -m trainer {demo, train, estimate, export, inspect}. Run with --help."""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+def _progress(total: int, start: int):
+    """A tqdm bar fed by the loop's per-step reports."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def on_step(report) -> None:
+        bar.update(report.step - bar.n)
+        if report.loss is not None:
+            bar.set_postfix(loss=f"{report.loss:.4f}", smooth=f"{report.loss_smooth:.4f}", lr=f"{report.lr:.2e}")
+    return bar, on_step
+
+
+class _StopOnSignal:
+    """First Ctrl-C: finish the step, save a resumable checkpoint, stop. Second: abort at once."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nstopping after this step; a resumable checkpoint will be saved (Ctrl-C again to abort)",
+              file=sys.stderr)
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def close(self):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def _run(cfg, model, data, run_dir: Path, resume, stop_after: int | None = None):
+    from .loop import train
+    from .state import list_checkpoints
+
+    start = list_checkpoints(run_dir)[-1][0] if resume and list_checkpoints(run_dir) else 0
+    bar, on_step = _progress(cfg.steps, start)
+    stop = _StopOnSignal()
+    should_stop = (lambda: stop() or bar.n >= stop_after) if stop_after else stop
+    try:
+        return train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
+                     on_step=on_step, should_stop=should_stop)
+    finally:
+        stop.close()
+        bar.close()
+
+
+def _finish(cfg, result, run_dir: Path, name: str) -> None:
+    from .archs import get_arch
+    from .loop import lora_metadata
+    from .lora_format import save_lora
+    from .plot import save_loss_curve
+
+    lora = result.ema_lora if result.ema_lora is not None else result.lora
+    lora_path = run_dir / f"{name}.safetensors"
+    save_lora(lora_path, lora, arch=get_arch(cfg.arch), fmt=cfg.lora_format, dtype=cfg.save_dtype,
+              metadata=lora_metadata(cfg, get_arch(cfg.arch), result.step))
+    curve = save_loss_curve(run_dir / "loss.png", result.history.loss, result.history.lr, title=f"{name}: loss")
+    losses = result.history.loss
+    print(f"{'stopped' if result.stopped else 'finished'} at step {result.step}/{cfg.steps}; "
+          f"trainable parameters {result.trainable_parameters:,}")
+    if losses:
+        head, tail = losses[: max(1, len(losses) // 10)], losses[-max(1, len(losses) // 10):]
+        print(f"loss: first 10% mean {sum(head) / len(head):.4f} -> last 10% mean {sum(tail) / len(tail):.4f}")
+    print(f"LoRA ({'EMA' if result.ema_lora is not None else 'raw'} weights): {lora_path}")
+    print(f"loss curve: {curve}")
+    print(f"checkpoint (resume with --resume): {result.checkpoint}")
+
+
+def cmd_demo(args) -> int:
+    from .demo import build_data, demo_config, make_images
+    from .tiny_dit import build_tiny_flux
+
+    # A shorter demo keeps the warm-up at a tenth of the run.
+    overrides = {}
+    if args.steps:
+        overrides = {"steps": args.steps, "warmup_steps": max(1, args.steps // 10)}
+        if args.steps < 2:
+            overrides.update(lr_schedule="constant", warmup_steps=0)
+    cfg = demo_config(**overrides)
+    run_dir = Path(args.output) / cfg.run_name
+    dataset = run_dir / "dataset"
+    if not args.resume or not dataset.is_dir():
+        make_images(dataset, seed=cfg.seed)
+    started = time.perf_counter()
+    result = _run(cfg, build_tiny_flux(cfg.seed), build_data(dataset, cfg.trigger_word), run_dir,
+                  args.resume, args.stop_after)
+    print(f"demo run folder: {run_dir} ({time.perf_counter() - started:.1f} s)")
+    _finish(cfg, result, run_dir, "demo_lora")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from . import config as config_module
+
+    cfg = config_module.load(args.config)
+    if cfg.arch != "demo":
+        raise SystemExit(_comfy_needed(cfg))
+    from .demo import build_data
+    from .tiny_dit import build_tiny_flux
+    if not cfg.dataset_dir:
+        raise SystemExit(f"{args.config}: set dataset_dir to a folder of .png images with .txt captions")
+    model, data = build_tiny_flux(cfg.seed), build_data(Path(cfg.dataset_dir), cfg.trigger_word)
+    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.output_dir) / name
+    result = _run(cfg, model, data, run_dir, args.resume)
+    _finish(cfg, result, run_dir, name)
+    return 0
+
+
+def _comfy_needed(cfg) -> str:
+    """Why a ComfyUI architecture cannot train headless here, and what to do."""
+    import importlib.util
+    import os
+
+    if not (os.environ.get("COMFYUI_PATH") or importlib.util.find_spec("comfy")):
+        return (f"arch {cfg.arch!r} trains ComfyUI's own model code, and ComfyUI is not importable here: "
+                "set COMFYUI_PATH to a ComfyUI checkout (0.17 or newer) and run again, "
+                "or use arch 'demo' to try the trainer without it")
+    return (f"arch {cfg.arch!r}: headless loading of ComfyUI model files is not in this version yet; "
+            "train it with the Kiln nodes inside ComfyUI")
+
+
+def cmd_estimate(args) -> int:
+    from . import config as config_module
+    from .estimate import VARIANTS, estimate, format_estimate, variant_from_header
+
+    cfg = config_module.load(args.config)
+    variant = args.variant
+    if variant is None and cfg.model_path and Path(cfg.model_path).is_file():
+        from .safetensors_io import read_header
+        header, _ = read_header(cfg.model_path)
+        variant = variant_from_header({k: v["shape"] for k, v in header.items()})
+    if variant is None:
+        raise SystemExit(f"give --variant (one of {sorted(VARIANTS)}) or a model_path in {args.config}")
+    for resolution in cfg.resolutions:
+        est = estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,
+                       targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
+                       gradient_checkpointing=cfg.gradient_checkpointing, base_dtype=args.base_dtype,
+                       mixed_precision=cfg.mixed_precision)
+        print(format_estimate(est, device_memory_gb=args.memory_gb))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .lora_format import export
+
+    export(args.lora, args.output, args.format, arch=None if args.arch is None else _arch(args.arch))
+    print(f"wrote {args.output} ({args.format})")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .lora_format import describe
+
+    info = describe(args.lora)
+    print(json.dumps(info, indent=2, default=str))
+    return 0
+
+
+def _arch(name: str):
+    from .archs import get_arch
+    return get_arch(name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="Kiln: LoRA training for diffusion transformers.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="train the built-in tiny DiT on a generated image set (CPU, ~1 min)")
+    demo.add_argument("--output", default="runs", help="folder for the run folder 'demo' (default: runs)")
+    demo.add_argument("--resume", action="store_true", help="continue the demo run from its newest checkpoint")
+    demo.add_argument("--steps", type=int, help="total optimizer steps (default 200)")
+    demo.add_argument("--stop-after", type=int, help="stop (with a resumable checkpoint) once this step is done")
+    demo.set_defaults(func=cmd_demo)
+
+    train = commands.add_parser("train", help="train from a .toml/.json config (see trainer/config.py for every key)")
+    train.add_argument("config", help="path to the config file")
+    train.add_argument("--resume", action="store_true", help="continue from the run folder's newest checkpoint")
+    train.set_defaults(func=cmd_train)
+
+    est = commands.add_parser("estimate", help="estimate training memory for a config")
+    est.add_argument("config", help="path to the config file")
+    est.add_argument("--variant", help="model size, e.g. flux2-klein-4b (default: read from model_path)")
+    est.add_argument("--base-dtype", default="bf16", choices=["bf16", "fp8", "fp32"], help="base weights dtype")
+    est.add_argument("--memory-gb", type=float, help="device memory, to say whether it fits")
+    est.set_defaults(func=cmd_estimate)
+
+    exp = commands.add_parser("export", help="convert a LoRA file to another key format")
+    exp.add_argument("lora", help="LoRA .safetensors to read")
+    exp.add_argument("--format", required=True, choices=["comfy", "diffusers", "kohya"], help="target key format")
+    exp.add_argument("--output", "-o", required=True, help="file to write")
+    exp.add_argument("--arch", help="architecture (default: the file's kiln.arch metadata)")
+    exp.set_defaults(func=cmd_export)
+
+    ins = commands.add_parser("inspect", help="show a LoRA file's keys, ranks, alphas and metadata")
+    ins.add_argument("lora", help="LoRA .safetensors to read")
+    ins.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The Backend Protocol: what the loop asks of PyTorch and MLX alike.
+
+Arrays cross this boundary as numpy (float32) keyed by ComfyUI module paths, so
+nothing outside a backend knows which one runs. Random draws (noise, sigmas,
+caption dropout) are made outside, in the loop, from one seeded generator.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from ..archs import Arch
+from ..config import TrainConfig
+from ..lora_format import LoraWeights
+
+
+@dataclass
+class Batch:
+    """One micro-batch, all from one bucket. Shapes: x0/noise [B,C,H,W], context [B,T,D]."""
+
+    latents: np.ndarray
+    noise: np.ndarray
+    sigmas: np.ndarray            # [B] float32 in (0,1)
+    weights: np.ndarray           # [B] float32 loss weights
+    context: np.ndarray           # already arch-padded, caption dropout applied
+    extras: dict[str, Any] = field(default_factory=dict)  # arch model_extras (guidance, num_tokens)
+    items: list[str] = field(default_factory=list)        # image names, for error messages
+
+
+@dataclass
+class StepStats:
+    """Device scalars; the loop reads them in bulk when it logs (no host sync per step)."""
+
+    loss: Any
+    grad_norm: Any
+
+
+# A forward function: (model, x_t, sigmas, context, extras) -> velocity, same shape as x_t.
+Forward = Callable[[Any, Any, Any, Any, dict], Any]
+
+
+class Backend(Protocol):
+    name: str
+
+    def setup(self, model: Any, cfg: TrainConfig, arch: Arch, forward: Forward | None = None) -> None:
+        """Inject LoRA into `model` in place, enable checkpointing, build optimizer and EMA."""
+
+    def step(self, micro_batches: list[Batch], lr: float) -> StepStats:
+        """Forward, loss, backward over the micro-batches, clip, one optimizer update."""
+
+    def update_ema(self) -> None: ...
+
+    def scalars(self, values: list[Any]) -> list[float]:
+        """Device scalars → floats, in one transfer."""
+
+    def lora_state(self) -> dict[str, LoraWeights]: ...
+    def load_lora_state(self, lora: dict[str, LoraWeights]) -> None: ...
+    def ema_state(self) -> dict[str, np.ndarray]: ...
+    def load_ema_state(self, tensors: dict[str, np.ndarray]) -> None: ...
+    def optimizer_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]: ...
+    def load_optimizer_state(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None: ...
+    def rng_state(self) -> dict[str, np.ndarray]: ...
+    def load_rng_state(self, tensors: dict[str, np.ndarray]) -> None: ...
+    def ema_weights(self) -> AbstractContextManager[None]:
+        """Within the block the model runs with the EMA weights."""
+
+    def trainable_parameter_count(self) -> int: ...
+    def peak_memory_bytes(self) -> int: ...
+    def teardown(self) -> None:
+        """Remove LoRA and checkpointing: the model is exactly as it was before setup."""

@@ -1,0 +1,214 @@
+"""The PyTorch backend: LoRA on the model's own modules, one optimizer step per call."""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...archs import Arch
+from ...config import TrainConfig
+from ...lora_format import LoraWeights
+from ...objective import interpolate, velocity_target
+from ..base import StepStats
+from .checkpointing import BlockCheckpointing
+from .ema import Ema
+from .lora import LoraSet
+from .optim import build_optimizer, clip_global_norm
+
+
+def pick_device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def default_forward(model, x_t, sigmas, context, extras):
+    """ComfyUI's diffusion-model call convention: model(x, timestep, context, **extras)."""
+    return model(x_t, sigmas, context, **extras)
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
+
+
+class TorchBackend:
+    name = "torch"
+
+    def setup(self, model: nn.Module, cfg: TrainConfig, arch: Arch, forward=None) -> None:
+        self.cfg, self.arch, self.model = cfg, arch, model
+        self.forward = forward or default_forward
+        self.device = pick_device(cfg.device)
+        self.dtype = _model_dtype(model)
+        self.autocast = cfg.mixed_precision == "bf16"
+        # Remember requires_grad so teardown leaves the model exactly as it came.
+        self.frozen = [(p, p.requires_grad) for p in model.parameters()]
+        model.requires_grad_(False)
+        targets = cfg.targets or list(arch.default_targets)
+        self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
+        self.checkpointing = BlockCheckpointing(model, arch.block_lists) if cfg.gradient_checkpointing else None
+        self.params = dict(self.lora.named_parameters())
+        self.optimizer = build_optimizer(list(self.params.values()), cfg, self.device)
+        self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    # --- training -----------------------------------------------------------------
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, dtype=dtype, non_blocking=True)
+
+    def _micro_loss(self, batch) -> torch.Tensor:
+        x0 = self._to_device(batch.latents, torch.float32)
+        noise = self._to_device(batch.noise, torch.float32)
+        sigmas = self._to_device(batch.sigmas, torch.float32)
+        weights = self._to_device(batch.weights, torch.float32)
+        context = self._to_device(batch.context, self.dtype)
+        extras = {k: self._to_device(v, self.dtype) if isinstance(v, np.ndarray) else v
+                  for k, v in batch.extras.items()}
+        x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
+        target = velocity_target(x0, noise)
+        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
+        with amp:
+            prediction = self.forward(self.model, x_t.to(self.dtype), sigmas.to(self.dtype), context, extras)
+        # Loss in fp32: per-sample mean, weighted, batch mean.
+        per_sample = (prediction.float() - target).square().flatten(1).mean(dim=1)
+        return (per_sample * weights).mean()
+
+    def step(self, micro_batches, lr: float):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            loss = self._micro_loss(batch) / len(micro_batches)
+            loss.backward()
+            total += loss.detach()
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        grad_norm = clip_global_norm(grads, self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(loss=total, grad_norm=grad_norm)
+
+    def update_ema(self) -> None:
+        if self.ema is not None:
+            self.ema.update()
+
+    def scalars(self, values) -> list[float]:
+        if not values:
+            return []
+        return torch.stack([v.detach().float().reshape(()) for v in values]).cpu().tolist()
+
+    # --- state in and out (numpy, keyed by ComfyUI module path) ------------------
+    def lora_state(self) -> dict[str, LoraWeights]:
+        return {path: LoraWeights(A=b.lora_A.detach().float().cpu().numpy().copy(),
+                                  B=b.lora_B.detach().float().cpu().numpy().copy(), alpha=b.alpha)
+                for path, b in self.lora.branches().items()}
+
+    @torch.no_grad()
+    def load_lora_state(self, lora: dict[str, LoraWeights]) -> None:
+        branches = self.lora.branches()
+        missing = sorted(set(branches) - set(lora))
+        if missing:
+            raise ValueError(f"LoRA state lacks {len(missing)} module(s), e.g. {missing[:3]}")
+        for path, branch in branches.items():
+            for name, array in (("lora_A", lora[path].A), ("lora_B", lora[path].B)):
+                param = getattr(branch, name)
+                if tuple(array.shape) != tuple(param.shape):
+                    raise ValueError(f"{path}.{name}: shape {tuple(array.shape)} in the file, "
+                                     f"{tuple(param.shape)} in this run (rank or model differ)")
+                param.copy_(torch.from_numpy(np.asarray(array, dtype=np.float32)))
+
+    def ema_state(self) -> dict[str, np.ndarray]:
+        if self.ema is None:
+            return {}
+        return {name: t.cpu().numpy() for name, t in self.ema.state().items()}
+
+    def load_ema_state(self, tensors: dict[str, np.ndarray]) -> None:
+        if self.ema is not None and tensors:
+            self.ema.load_state({k: torch.from_numpy(v) for k, v in tensors.items()})
+
+    def optimizer_state(self):
+        """Tensors keyed '<param name>.<state key>'; everything else as JSON-able meta."""
+        index_to_name = dict(enumerate(self.params))
+        state = self.optimizer.state_dict()
+        tensors, scalars = {}, {}
+        for index, entries in state["state"].items():
+            name = index_to_name[index]
+            for key, value in entries.items():
+                if torch.is_tensor(value):
+                    tensors[f"{name}.{key}"] = value.detach().cpu().numpy()
+                else:
+                    scalars[f"{name}.{key}"] = value
+        meta = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
+                "scalars": scalars, "names": list(self.params)}
+        return tensors, meta
+
+    def load_optimizer_state(self, tensors, meta) -> None:
+        names = list(self.params)
+        if meta.get("names") != names:
+            raise ValueError("optimizer state belongs to other LoRA parameters (targets or rank changed)")
+        template = self.optimizer.state_dict()
+        index_of = {name: index for index, name in enumerate(names)}
+        state: dict[int, dict] = {}
+        # Keys are '<param name>.<state key>'; state keys hold no dots.
+        for key, array in tensors.items():
+            name, entry = key.rsplit(".", 1)
+            state.setdefault(index_of[name], {})[entry] = torch.from_numpy(np.array(array))
+        for key, value in meta["scalars"].items():
+            name, entry = key.rsplit(".", 1)
+            state.setdefault(index_of[name], {})[entry] = value
+        groups = [{**saved, "params": group["params"]}
+                  for saved, group in zip(meta["param_groups"], template["param_groups"])]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def rng_state(self) -> dict[str, np.ndarray]:
+        out = {"torch_cpu": torch.get_rng_state().numpy()}
+        if self.device.type == "cuda":
+            out["torch_cuda"] = torch.cuda.get_rng_state(self.device).numpy()
+        return out
+
+    def load_rng_state(self, tensors: dict[str, np.ndarray]) -> None:
+        if "torch_cpu" in tensors:
+            torch.set_rng_state(torch.from_numpy(np.array(tensors["torch_cpu"], dtype=np.uint8)))
+        if "torch_cuda" in tensors and self.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.from_numpy(np.array(tensors["torch_cuda"], dtype=np.uint8)), self.device)
+
+    # --- inference helpers --------------------------------------------------------
+    @contextmanager
+    def ema_weights(self):
+        if self.ema is None:
+            yield
+            return
+        with self.ema.swapped_in():
+            yield
+
+    def trainable_parameter_count(self) -> int:
+        return self.lora.parameter_count()
+
+    def peak_memory_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.device.type == "mps":
+            return int(torch.mps.driver_allocated_memory())
+        return 0
+
+    def teardown(self) -> None:
+        if getattr(self, "checkpointing", None) is not None:
+            self.checkpointing.remove()
+            self.checkpointing = None
+        if getattr(self, "lora", None) is not None:
+            self.lora.remove()
+        for param, requires_grad in getattr(self, "frozen", []):
+            param.requires_grad_(requires_grad)
+        self.frozen = []
+        self.optimizer = None

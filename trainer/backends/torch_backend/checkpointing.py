@@ -1,0 +1,50 @@
+"""Gradient checkpointing over a model's block lists, by instance-forward override.
+
+Each block's activations are dropped after forward and recomputed in backward;
+only block inputs stay alive. Removal restores the block exactly.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def find_blocks(model: nn.Module, block_lists: tuple[str, ...]) -> list[nn.Module]:
+    """The blocks named by the arch; with no names, every top-level ModuleList."""
+    if not block_lists:
+        lists = [child for child in model.children() if isinstance(child, nn.ModuleList)]
+    else:
+        lists = []
+        for name in block_lists:
+            found = getattr(model, name, None)
+            if not isinstance(found, nn.ModuleList):
+                raise ValueError(f"model has no block list {name!r} for gradient checkpointing; "
+                                 f"its ModuleLists are {[n for n, c in model.named_children() if isinstance(c, nn.ModuleList)]}")
+            lists.append(found)
+    return [block for blocks in lists for block in blocks]
+
+
+def _checkpointed(block_forward):
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return block_forward(*args, **kwargs)
+        return checkpoint(block_forward, *args, use_reentrant=False, **kwargs)
+    return forward
+
+
+class BlockCheckpointing:
+    def __init__(self, model: nn.Module, block_lists: tuple[str, ...]):
+        self.blocks = find_blocks(model, block_lists)
+        self.previous = []
+        for block in self.blocks:
+            self.previous.append(block.__dict__.get("forward"))
+            block.forward = _checkpointed(block.forward)
+
+    def remove(self) -> None:
+        for block, previous in zip(self.blocks, self.previous):
+            if previous is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = previous
+        self.blocks, self.previous = [], []

@@ -1,0 +1,125 @@
+"""LoRA side branches on torch Linear layers: y = base(x) + (α/r)·B(A(dropout(x))).
+
+The base layer is never copied and its weight never rebuilt per step: its own
+forward (ComfyUI's cast-on-forward Linear included) runs unchanged and the
+low-rank branch is added to its output. Injection replaces the instance's
+`forward` attribute, so module paths and state_dict keys stay exactly as
+ComfyUI knows them and removal is `del module.forward`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...targets import init_lora_A, select_targets
+
+
+class LoraBranch(nn.Module):
+    """The trainable low-rank pair for one Linear; parameters are fp32."""
+
+    def __init__(self, A: torch.Tensor, out_features: int, alpha: float, dropout: float):
+        super().__init__()
+        rank = A.shape[0]
+        self.lora_A = nn.Parameter(A)                                             # [r, in]
+        self.lora_B = nn.Parameter(torch.zeros(out_features, rank, device=A.device))  # [out, r]: step 0 = base
+        self.alpha = float(alpha)
+        self.scale = self.alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [..., in] → [..., out]; under autocast the matmuls run in bf16 on fp32 masters.
+        hidden = nn.functional.linear(self.dropout(x.to(self.lora_A.dtype)), self.lora_A)
+        return nn.functional.linear(hidden, self.lora_B) * self.scale
+
+    def delta_weight(self) -> torch.Tensor:
+        """(α/r)·B·A in fp32, [out, in]."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scale
+
+
+@dataclass
+class Injected:
+    module: nn.Linear
+    branch: LoraBranch
+    had_own_forward: bool
+    previous_forward: object
+
+
+def _with_branch(base_forward, branch: LoraBranch):
+    def forward(x, *args, **kwargs):
+        out = base_forward(x, *args, **kwargs)
+        return out + branch(x).to(out.dtype)
+    return forward
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every nn.Linear (and subclass) by module path, in model order."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+
+class LoraSet:
+    """All branches of one run, keyed by ComfyUI module path."""
+
+    def __init__(self, model: nn.Module, patterns, *, rank: int, alpha: float, dropout: float, seed: int):
+        layers = linear_layers(model)
+        self.paths = select_targets(list(layers), list(patterns))
+        self.injected: dict[str, Injected] = {}
+        self.merged = False
+        for path in self.paths:
+            module = layers[path]
+            device = module.weight.device if module.weight.device.type != "meta" else torch.device("cpu")
+            A = torch.from_numpy(init_lora_A(seed, path, rank, module.in_features)).to(device)
+            branch = LoraBranch(A, module.out_features, alpha, dropout)
+            had_own = "forward" in module.__dict__
+            previous = module.__dict__.get("forward")
+            module.forward = _with_branch(module.forward, branch)
+            self.injected[path] = Injected(module, branch, had_own, previous)
+
+    def branches(self) -> dict[str, LoraBranch]:
+        return {path: item.branch for path, item in self.injected.items()}
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Stable order: module order, then A before B."""
+        return [(f"{path}.{kind}", getattr(item.branch, kind))
+                for path, item in self.injected.items() for kind in ("lora_A", "lora_B")]
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for _, p in self.named_parameters())
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold each branch into its base weight and bypass the branch (for fast inference)."""
+        if self.merged:
+            return
+        for item in self.injected.values():
+            weight = item.module.weight
+            weight.copy_((weight.float() + item.branch.delta_weight().to(weight.device)).to(weight.dtype))
+            _unhook(item)
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the branches again and re-enable them (exact up to the weight dtype's rounding)."""
+        if not self.merged:
+            return
+        for item in self.injected.values():
+            weight = item.module.weight
+            weight.copy_((weight.float() - item.branch.delta_weight().to(weight.device)).to(weight.dtype))
+            item.module.forward = _with_branch(item.module.forward, item.branch)
+        self.merged = False
+
+    def remove(self) -> None:
+        """Take every branch out; the model is as it was before injection."""
+        self.unmerge()
+        for item in self.injected.values():
+            _unhook(item)
+        self.injected.clear()
+
+
+def _unhook(item: Injected) -> None:
+    """Give the module back the forward it had before injection."""
+    if item.had_own_forward:
+        item.module.forward = item.previous_forward
+    else:
+        item.module.__dict__.pop("forward", None)

@@ -1,0 +1,314 @@
+"""TrainConfig: every setting of a run, typed, documented and validated at the edge.
+
+Bounds live in `BOUNDS` and choices in `CHOICES`; the ComfyUI nodes build their
+widgets from the same tables, so a widget can never offer a value this module
+rejects. Presets are plain dicts of overrides (see PRESETS).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (ComfyUI still supports it)
+    import tomli as tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .archs import ARCHS
+from .objective import CONTENT_OR_STYLE, LOSS_WEIGHTINGS, SAMPLINGS, SHIFT_MODES
+from .schedules import SCHEDULES
+
+OPTIMIZER_NAMES = ("adamw", "adamw8bit", "adafactor", "prodigy")  # backends register each
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "arch": tuple(ARCHS),
+    "backend": ("torch", "mlx"),
+    "device": ("auto", "cpu", "cuda", "mps"),
+    "mixed_precision": ("bf16", "no"),
+    "optimizer": OPTIMIZER_NAMES,
+    "lr_schedule": tuple(SCHEDULES),
+    "timestep_sampling": SAMPLINGS,
+    "shift_mode": ("auto",) + SHIFT_MODES,
+    "content_or_style": CONTENT_OR_STYLE,
+    "loss_weighting": LOSS_WEIGHTINGS,
+    "save_dtype": ("bf16", "fp16", "fp32"),
+    "lora_format": ("comfy", "diffusers", "kohya"),
+}
+
+# Inclusive (low, high) for numbers; for lists, the bounds of each element.
+BOUNDS: dict[str, tuple[float, float]] = {
+    "seed": (0, 2**32 - 1),
+    "rank": (1, 256),
+    "alpha": (1e-3, 4096.0),
+    "lora_dropout": (0.0, 0.9),
+    "steps": (1, 1_000_000),
+    "batch_size": (1, 64),
+    "grad_accum": (1, 256),
+    "learning_rate": (1e-7, 10.0),
+    "weight_decay": (0.0, 1.0),
+    "adam_beta1": (0.0, 0.9999),
+    "adam_beta2": (0.0, 0.99999),
+    "adam_eps": (1e-12, 1e-3),
+    "warmup_steps": (0, 1_000_000),
+    "min_lr_ratio": (0.0, 1.0),
+    "max_grad_norm": (0.0, 1e4),
+    "logit_mean": (-5.0, 5.0),
+    "logit_std": (0.05, 5.0),
+    "shift": (0.05, 20.0),
+    "ema_decay": (0.5, 0.99999),
+    "caption_dropout": (0.0, 1.0),
+    "resolutions": (64, 4096),
+    "repeats": (1, 1000),
+    "checkpoint_every": (0, 1_000_000),
+    "keep_checkpoints": (1, 1000),
+    "log_every": (1, 100_000),
+}
+
+
+@dataclass
+class TrainConfig:
+    # --- model and backend
+    arch: str = "demo"              # model family (trainer/archs): flux2_klein, flux2_dev, zimage_turbo, zimage, generic, demo
+    model_path: str = ""            # ComfyUI diffusion-model .safetensors (headless `train`); nodes pass the MODEL instead
+    backend: str = "torch"          # "torch" (CUDA, MPS, CPU) or "mlx" (Apple Silicon; Linux CPU for tests)
+    device: str = "auto"            # auto picks cuda, then mps, then cpu
+    mixed_precision: str = "bf16"   # "bf16": autocast with fp32 LoRA parameters; "no": everything fp32
+    training_adapter: str = ""      # Z-Image Turbo: adapter LoRA merged at +1 for training, never saved
+    seed: int = 42                  # one seed for noise, timesteps, captions, data order and LoRA init
+    # --- LoRA
+    rank: int = 32                  # 16-64 for characters, 8-32 for styles
+    alpha: float = 32.0             # scale = alpha / rank; alpha = rank keeps scale 1
+    lora_dropout: float = 0.0       # dropout on the LoRA branch input
+    targets: list[str] = field(default_factory=list)  # module patterns: exact, suffix ("img_attn.qkv") or "re:<regex>"; empty = arch defaults
+    # --- optimisation
+    steps: int = 1000               # optimizer steps (each takes grad_accum micro-batches)
+    batch_size: int = 1             # images per micro-batch (one bucket per batch)
+    grad_accum: int = 1             # micro-batches per optimizer step
+    learning_rate: float = 1e-4     # peak learning rate (prodigy: 1.0)
+    optimizer: str = "adamw"        # adamw, adamw8bit (bitsandbytes), adafactor, prodigy (prodigyopt)
+    weight_decay: float = 1e-4      # decoupled weight decay on LoRA weights
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    lr_schedule: str = "constant"   # constant, linear, cosine, cosine_with_warmup
+    warmup_steps: int = 0           # linear warm-up steps (constant, linear, cosine_with_warmup)
+    min_lr_ratio: float = 0.0       # final lr = min_lr_ratio * learning_rate (linear, cosine)
+    max_grad_norm: float = 1.0      # global-norm clipping; 0 turns it off
+    gradient_checkpointing: bool = True  # recompute each block in backward: far less memory, ~30% slower
+    # --- objective (flow matching)
+    timestep_sampling: str = "uniform"  # uniform or logit_normal
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift_mode: str = "auto"        # auto (the arch's default), none, static, resolution (Flux2-style)
+    shift: float = 3.0              # static shift value
+    content_or_style: str = "balanced"  # content favours high noise (composition), style low noise (texture)
+    loss_weighting: str = "none"    # none or bell (ai-toolkit's "weighted" / linear_timesteps)
+    # --- EMA
+    ema: bool = False               # keep an fp32 EMA of the LoRA weights; used for samples and saves
+    ema_decay: float = 0.99
+    # --- data
+    dataset_dir: str = ""           # folder of images + same-stem .txt captions
+    resolutions: list[int] = field(default_factory=lambda: [512])  # bucket resolutions (area cap res²)
+    repeats: int = 1                # times each image is seen per epoch
+    caption_dropout: float = 0.05   # probability of training on the empty caption
+    trigger_word: str = ""          # replaces {trigger} in captions, else prepended
+    # --- run output
+    output_dir: str = "runs"        # run folders go here
+    run_name: str = ""              # folder name; empty = "<arch>-<date>-<time>"
+    checkpoint_every: int = 250     # steps between resumable checkpoints; 0 = only at the end
+    keep_checkpoints: int = 3       # newest K checkpoints kept
+    log_every: int = 10             # steps between loss reads (a host sync on GPU)
+    save_dtype: str = "bf16"        # dtype of saved LoRA weights
+    lora_format: str = "comfy"      # comfy (ComfyUI-native keys), diffusers, kohya
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_KINDS = {"str": str, "int": int, "float": float, "bool": bool, "list[str]": list, "list[int]": list}
+
+# Presets after ai-toolkit's Z-Image Turbo / Flux2 LoRA preset (shared/REFERENCE.md):
+# rank 32, lr 1e-4, wd 1e-4, [512, 768, 1024], caption dropout 0.05, checkpointing,
+# bf16, "weighted" timesteps (our bell loss weighting). Kiln uses AdamW rather than
+# adamw8bit: on a rank-32 LoRA the 8-bit state saves ~0.5 GB and bitsandbytes is
+# missing on Macs, so the presets run everywhere.
+PRESETS: dict[str, dict[str, Any]] = {
+    "quick_test": dict(steps=100, rank=8, alpha=8.0, learning_rate=4e-4, resolutions=[512],
+                       checkpoint_every=50, keep_checkpoints=2, log_every=5, caption_dropout=0.0),
+    "character": dict(steps=3000, rank=32, alpha=32.0, learning_rate=1e-4, weight_decay=1e-4,
+                      resolutions=[512, 768, 1024], caption_dropout=0.05, loss_weighting="bell",
+                      content_or_style="balanced", gradient_checkpointing=True, mixed_precision="bf16",
+                      checkpoint_every=250),
+    "style": dict(steps=2000, rank=16, alpha=16.0, learning_rate=1e-4, weight_decay=1e-4,
+                  resolutions=[512, 768, 1024], caption_dropout=0.05, loss_weighting="bell",
+                  content_or_style="style", gradient_checkpointing=True, mixed_precision="bf16",
+                  checkpoint_every=250),
+    "concept": dict(steps=2500, rank=32, alpha=32.0, learning_rate=1e-4, weight_decay=1e-4,
+                    resolutions=[512, 768, 1024], caption_dropout=0.05, loss_weighting="bell",
+                    content_or_style="content", gradient_checkpointing=True, mixed_precision="bf16",
+                    checkpoint_every=250),
+}
+
+
+class ConfigError(ValueError):
+    """A bad setting: the message names the key, the value and what is allowed."""
+
+
+def _check_type(key: str, value: Any) -> Any:
+    kind = FIELDS[key].type
+    expected = _KINDS[kind]
+    if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and expected is not bool:
+        raise ConfigError(f"{key} must be {kind}, got a boolean ({value!r})")
+    if not isinstance(value, expected):
+        raise ConfigError(f"{key} must be {kind}, got {type(value).__name__} ({value!r})")
+    if kind.startswith("list["):
+        item = str if kind == "list[str]" else int
+        for element in value:
+            if isinstance(element, bool) or not isinstance(element, item):
+                raise ConfigError(f"{key} must be {kind}; element {element!r} is {type(element).__name__}")
+        return list(value)
+    if kind == "float" and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    return value
+
+
+def _check_range(key: str, value: Any) -> None:
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ConfigError(f"{key} must be one of {list(CHOICES[key])}, got {value!r}")
+    if key not in BOUNDS:
+        return
+    low, high = BOUNDS[key]
+    for number in value if isinstance(value, list) else [value]:
+        if not low <= number <= high:
+            raise ConfigError(f"{key} must be in {low:g}..{high:g}, got {number!r}")
+
+
+def _check_combinations(cfg: TrainConfig) -> None:
+    """Settings that are fine alone but wrong together."""
+    problems = []
+    if cfg.warmup_steps >= cfg.steps:
+        problems.append(f"warmup_steps ({cfg.warmup_steps}) must be below steps ({cfg.steps})")
+    if cfg.lr_schedule == "cosine" and cfg.warmup_steps > 0:
+        problems.append("lr_schedule 'cosine' has no warm-up; use 'cosine_with_warmup' or set warmup_steps = 0")
+    if cfg.lr_schedule == "cosine_with_warmup" and cfg.warmup_steps == 0:
+        problems.append("lr_schedule 'cosine_with_warmup' needs warmup_steps > 0")
+    if cfg.optimizer == "prodigy" and cfg.learning_rate < 0.1:
+        problems.append(f"prodigy finds its own step size; set learning_rate to 1.0 (got {cfg.learning_rate:g})")
+    if cfg.backend == "mlx" and cfg.arch == "generic":
+        problems.append("arch 'generic' trains ComfyUI's own PyTorch model; use backend 'torch'")
+    if cfg.backend == "mlx" and cfg.optimizer in ("adamw8bit", "prodigy"):
+        problems.append(f"optimizer {cfg.optimizer!r} is PyTorch-only; use adamw or adafactor with backend 'mlx'")
+    if cfg.arch == "generic" and not cfg.targets:
+        problems.append("arch 'generic' has no default targets; list module patterns in `targets`")
+    if len(set(cfg.resolutions)) != len(cfg.resolutions) or not cfg.resolutions:
+        problems.append(f"resolutions must be a non-empty list without repeats, got {cfg.resolutions}")
+    bad_res = [r for r in cfg.resolutions if r % ARCHS[cfg.arch].bucket_divisor]
+    if bad_res:
+        problems.append(f"resolutions {bad_res} must be multiples of {ARCHS[cfg.arch].bucket_divisor} for {cfg.arch}")
+    for pattern in cfg.targets:
+        if not pattern.strip():
+            problems.append("targets contains an empty pattern")
+        elif pattern.startswith("re:"):
+            _check_regex(pattern, problems)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _check_regex(pattern: str, problems: list[str]) -> None:
+    import re
+
+    try:
+        re.compile(pattern[3:])
+    except re.error as err:
+        problems.append(f"target {pattern!r} is not a valid regular expression: {err}")
+
+
+def from_dict(values: dict[str, Any], *, preset: str | None = None) -> TrainConfig:
+    """Defaults, then the preset (argument or `preset` key), then `values`; validated."""
+    values = dict(values)
+    preset = values.pop("preset", None) or preset
+    merged: dict[str, Any] = {}
+    if preset:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
+        merged.update(PRESETS[preset])
+    unknown = [key for key in values if key not in FIELDS]
+    if unknown:
+        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, FIELDS, 1)) else repr(k)
+                 for k in unknown]
+        raise ConfigError(f"unknown config key(s): {', '.join(hints)}")
+    merged.update(values)
+    checked = {}
+    for key, value in merged.items():
+        checked[key] = _check_type(key, value)
+        _check_range(key, checked[key])
+    cfg = TrainConfig(**checked)
+    _check_combinations(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Re-check a config built or edited in code."""
+    return from_dict(cfg.to_dict())
+
+
+def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
+    return from_dict({**cfg.to_dict(), **changes})
+
+
+def load(path: str | Path) -> TrainConfig:
+    """Read a .toml or .json config; errors name the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read config ({err})") from err
+    try:
+        if path.suffix.lower() == ".json":
+            values = json.loads(text)
+        elif path.suffix.lower() == ".toml":
+            values = tomllib.loads(text)
+        else:
+            raise ConfigError(f"{path}: config must end in .toml or .json")
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {err}") from err
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: the top level must be a table of settings")
+    try:
+        return from_dict(values)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def save(cfg: TrainConfig, path: str | Path) -> None:
+    """Write .toml or .json (atomically: a crash never leaves half a config)."""
+    from .atomic import atomic_write_text
+
+    path = Path(path)
+    data = cfg.to_dict()
+    if path.suffix.lower() == ".json":
+        text = json.dumps(data, indent=2) + "\n"
+    elif path.suffix.lower() == ".toml":
+        text = "".join(f"{key} = {_toml_value(value)}\n" for key, value in data.items())
+    else:
+        raise ConfigError(f"{path}: config must end in .toml or .json")
+    atomic_write_text(path, text)
+
+
+def _toml_value(value: Any) -> str:
+    """TOML for the flat scalar/list values a TrainConfig holds (no extra dependency)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
+    return "[" + ", ".join(_toml_value(item) for item in value) + "]"

@@ -1,0 +1,47 @@
+"""Training data as the loop sees it: cached latents and text embeddings, grouped in buckets."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class TrainingData(Protocol):
+    buckets: dict[str, list[int]]      # bucket key ("WxH") -> item indices (repeats included)
+
+    def latent(self, index: int) -> np.ndarray: ...      # [C,H,W] float32
+    def context(self, index: int) -> np.ndarray: ...     # [T,D] float32
+    def empty_context(self) -> np.ndarray: ...           # [T,D]: the empty caption, for caption dropout
+    def name(self, index: int) -> str: ...               # the image's file name, for messages
+
+
+@dataclass
+class InMemoryData:
+    """Latents and embeddings held in memory (the demo, tests, small runs)."""
+
+    latents: list[np.ndarray]
+    contexts: list[np.ndarray]
+    names: list[str]
+    empty: np.ndarray
+    buckets: dict[str, list[int]]
+
+    @classmethod
+    def from_arrays(cls, latents, contexts, names, empty, repeats: int = 1) -> "InMemoryData":
+        buckets: dict[str, list[int]] = {}
+        for index, latent in enumerate(latents):
+            key = f"{latent.shape[-1]}x{latent.shape[-2]}"
+            buckets.setdefault(key, []).extend([index] * repeats)
+        return cls(list(latents), list(contexts), list(names), empty, buckets)
+
+    def latent(self, index: int) -> np.ndarray:
+        return self.latents[index]
+
+    def context(self, index: int) -> np.ndarray:
+        return self.contexts[index]
+
+    def empty_context(self) -> np.ndarray:
+        return self.empty
+
+    def name(self, index: int) -> str:
+        return self.names[index]

@@ -1,0 +1,350 @@
+"""Memory estimate for one LoRA training step on a full-size Flux2 or Z-Image model.
+
+An estimate, not a measurement: it counts the big tensors and adds a margin.
+Everything is per GPU, diffusion model only; the text encoder and VAE are
+assumed run beforehand (cached latents and embeddings) or offloaded.
+
+    weights      params x bytes(base_dtype)        bf16 2, fp8 1, fp32 4 (frozen, no grads)
+    lora         rank*(in+out) per targeted Linear, fp32 masters
+    gradients    same as lora (fp32)
+    optimizer    per LoRA param: adamw 8 B (exp_avg + exp_avg_sq), adamw8bit 2 B
+                 (bitsandbytes, block scales ignored), prodigy 16 B (exp_avg,
+                 exp_avg_sq, s, p0; p0 of lora_B is a scalar while B is zero, so
+                 ~14 B in practice), adafactor 4 B x (rows + cols) per LoRA matrix
+                 (torch.optim.Adafactor: factored second moment, no momentum)
+    activations  what autograd keeps, from the block model below
+    workspace    ~1 GiB CUDA context + 2x the widest Linear output (that tensor
+                 and its gradient in backward) + for fp8 bases the largest weight
+                 upcast to bf16 on use (ComfyUI casts per layer)
+
+Tokens: one per 16x16 pixels in both families (Flux2: latent /16, patch 1;
+Z-Image: latent /8, patch 2, padded to a multiple of 32), plus 512 text tokens
+(Flux2 pads context to 512; for Z-Image 512 caption tokens is an upper bound,
+real captions are shorter). Buckets have area <= res^2, so a square is the worst case.
+
+Block model: bytes autograd saves per token, measured with saved_tensors_hooks
+on ComfyUI 0.17's own blocks with Kiln's LoRA on every block Linear under bf16
+autocast. D = hidden, M = MLP hidden (Flux2 3D), F = FFN hidden (Z-Image 10240).
+A frozen base Linear saves only its weight; the LoRA branch keeps a bf16 copy
+of its input. RMSNorm runs in fp32 under autocast and keeps an fp32 input.
+    Flux2 double block, per token of either stream, and single block alike:
+      bf16: norm in D, LoRA inputs 3-4 D (the single block's linear2 input is D+M),
+            SDPA q/k/v/out 4D (single: v lives inside linear1's 3D+2M output),
+            gated MLP 2M (gate|up) + M (silu) + M (down input)   -> 9D + 4M
+      fp32: q and k entering the QK RMSNorm                     -> 2D
+    Z-Image block (layers, noise_refiner, context_refiner):
+      bf16: LoRA inputs qkv, out, w1, w3 4D, SDPA 4D, w1/w3/silu out + w2 input 4F -> 8D + 4F
+      fp32: attention_norm1/2, ffn_norm1/2 and q/k norm inputs  -> 6D
+Without checkpointing every block keeps all of this; with per-block
+checkpointing each block keeps only its input (D per token) and one block's
+internals are rebuilt at a time during backward. The final layer adds ~2D per
+image token. Not counted: the RoPE table (shared, ~1 KB per token), the rank-r
+LoRA hiddens (~r per token per Linear), allocator fragmentation, EMA (one more
+LoRA copy). Targeting fewer Linears saves at most ~1D per token per untargeted one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .archs import get_arch
+from .targets import TargetError, select_targets
+
+GIB = 2 ** 30
+CUDA_CONTEXT_BYTES = GIB       # context + cuBLAS/cuDNN workspaces, typical on recent GPUs
+TEXT_TOKENS = 512
+BASE_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+ACTIVATION_BYTES = {"bf16": 2, "no": 4}   # mixed_precision, as in TrainConfig
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Full-size architecture facts, as ComfyUI 0.17 builds the model (comfy/model_detection.py)."""
+
+    variant: str
+    arch: str                 # trainer.archs key: its default_targets apply
+    family: str               # "flux2" | "zimage": picks the layer list and block model
+    hidden: int               # D
+    heads: int                # head dim 128 in all variants
+    double_blocks: int        # Flux2 two-stream blocks; Z-Image 0
+    single_blocks: int        # Flux2 single-stream blocks; Z-Image main `layers`
+    mlp_ratio: float          # MLP hidden / D (both gated: Flux2 3.0, Z-Image 8/3)
+    context_dim: int          # text feature width into txt_in / cap_embedder
+    context_tokens: int       # text tokens per sample
+    latent_downscale: int     # image pixels per latent cell
+    latent_channels: int
+    patch: int                # latent cells per token side
+    refiner_blocks: int = 0   # Z-Image noise_refiner and context_refiner, each
+    guidance_embed: bool = False  # Flux2 Dev's guidance_in
+
+    @property
+    def mlp_hidden(self) -> int:
+        if self.family == "zimage":  # FeedForward: int(multiplier * dim), rounded up to a multiple of 256
+            return -(-int(self.mlp_ratio * self.hidden) // 256) * 256
+        return int(self.hidden * self.mlp_ratio)
+
+
+def _flux2(variant, arch, hidden, double, single, context_dim, guidance=False):
+    return ModelDims(variant, arch, "flux2", hidden, hidden // 128, double, single, 3.0, context_dim,
+                     TEXT_TOKENS, 16, 128, 1, guidance_embed=guidance)
+
+
+VARIANTS: dict[str, ModelDims] = {
+    "flux2-klein-4b": _flux2("flux2-klein-4b", "flux2_klein", 3072, 5, 20, 7680),
+    "flux2-klein-9b": _flux2("flux2-klein-9b", "flux2_klein", 4096, 8, 24, 12288),
+    "flux2-dev": _flux2("flux2-dev", "flux2_dev", 6144, 8, 48, 15360, guidance=True),
+    "zimage": ModelDims("zimage", "zimage", "zimage", 3840, 30, 0, 30, 8.0 / 3.0, 2560, TEXT_TOKENS, 8, 16, 2,
+                        refiner_blocks=2),  # Turbo and base share these dims
+}
+
+
+def get_dims(variant: str | ModelDims) -> ModelDims:
+    if isinstance(variant, ModelDims):
+        return variant
+    try:
+        return VARIANTS[variant]
+    except KeyError:
+        raise ValueError(f"unknown model variant {variant!r}; choose one of {list(VARIANTS)}") from None
+
+
+def linear_layers(dims: ModelDims) -> dict[str, tuple[int, int]]:
+    """Every Linear of the diffusion model: ComfyUI module path -> (in, out), in model order."""
+    D, M, io = dims.hidden, dims.mlp_hidden, dims.latent_channels * dims.patch ** 2
+    if dims.family == "zimage":
+        return _zimage_layers(dims, D, M, io)
+    layers = {"img_in": (io, D), "time_in.in_layer": (256, D), "time_in.out_layer": (D, D)}
+    if dims.guidance_embed:
+        layers.update({"guidance_in.in_layer": (256, D), "guidance_in.out_layer": (D, D)})
+    layers["txt_in"] = (dims.context_dim, D)
+    for i in range(dims.double_blocks):
+        for stream in ("img", "txt"):
+            p = f"double_blocks.{i}.{stream}"
+            layers.update({f"{p}_attn.qkv": (D, 3 * D), f"{p}_attn.proj": (D, D),
+                           f"{p}_mlp.0": (D, 2 * M), f"{p}_mlp.2": (M, D)})  # mlp.0: gate | up
+    for i in range(dims.single_blocks):
+        layers.update({f"single_blocks.{i}.linear1": (D, 3 * D + 2 * M),   # qkv | gate | up
+                       f"single_blocks.{i}.linear2": (D + M, D)})          # attn | mlp -> D
+    layers.update({"final_layer.linear": (D, io), "final_layer.adaLN_modulation.1": (D, 2 * D),
+                   "double_stream_modulation_img.lin": (D, 6 * D), "double_stream_modulation_txt.lin": (D, 6 * D),
+                   "single_stream_modulation.lin": (D, 3 * D)})
+    return layers
+
+
+def _zimage_layers(dims, D, F, io):
+    def blocks(group, count, modulated):
+        for i in range(count):
+            p = f"{group}.{i}"
+            yield from {f"{p}.attention.qkv": (D, 3 * D), f"{p}.attention.out": (D, D),
+                        f"{p}.feed_forward.w1": (D, F), f"{p}.feed_forward.w2": (F, D),
+                        f"{p}.feed_forward.w3": (D, F)}.items()
+            if modulated:  # z_image_modulation: from the 256-wide t embedding, no SiLU
+                yield f"{p}.adaLN_modulation.0", (256, 4 * D)
+
+    # In ComfyUI's module order: the embedders sit between the refiners and the main layers.
+    return {"x_embedder": (io, D),
+            **dict(blocks("noise_refiner", dims.refiner_blocks, True)),
+            **dict(blocks("context_refiner", dims.refiner_blocks, False)),
+            "t_embedder.mlp.0": (256, 1024), "t_embedder.mlp.2": (1024, 256), "cap_embedder.1": (dims.context_dim, D),
+            **dict(blocks("layers", dims.single_blocks, True)),
+            "final_layer.linear": (D, io), "final_layer.adaLN_modulation.1": (256, D)}
+
+
+def param_count(dims: ModelDims) -> int:
+    """Linear weights + biases + norm scales + pad tokens (everything a checkpoint holds)."""
+    layers = linear_layers(dims)
+    total = sum(i * o for i, o in layers.values())
+    head_dim = dims.hidden // dims.heads
+    if dims.family == "flux2":  # no biases; QK RMSNorm scales: 2 per attention
+        return total + head_dim * 2 * (2 * dims.double_blocks + dims.single_blocks)
+    # Z-Image: biases on every Linear outside the blocks' attention and feed-forward
+    total += sum(o for name, (i, o) in layers.items() if ".attention." not in name and ".feed_forward." not in name)
+    blocks = 2 * dims.refiner_blocks + dims.single_blocks
+    total += blocks * (4 * dims.hidden + 2 * head_dim)  # 4 RMSNorms + q/k norms per block
+    return total + dims.context_dim + 2 * dims.hidden   # cap_embedder.0 RMSNorm, x/cap pad tokens
+
+
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+
+def variant_from_header(shapes: dict[str, list[int]]) -> str:
+    """The VARIANTS key of a ComfyUI diffusion-model safetensors header (key -> shape)."""
+    keys = {}
+    for key, shape in shapes.items():
+        if isinstance(shape, (list, tuple)):
+            keys[next((key[len(p):] for p in _PREFIXES if key.startswith(p)), key)] = list(shape)
+    if "double_stream_modulation_img.lin.weight" in keys and "img_in.weight" in keys:
+        found = {"family": "flux2", "hidden": keys["img_in.weight"][0],
+                 "double_blocks": _count(keys, "double_blocks."), "single_blocks": _count(keys, "single_blocks.")}
+    elif "cap_embedder.1.weight" in keys and "noise_refiner.0.attention.qkv.weight" in keys:
+        found = {"family": "zimage", "hidden": keys["cap_embedder.1.weight"][0],
+                 "single_blocks": _count(keys, "layers.")}
+    else:
+        sample = sorted(keys)[:5]
+        raise ValueError(f"not a Flux2 or Z-Image diffusion model (no double_stream_modulation_img.lin or "
+                         f"cap_embedder.1 weight among {len(keys)} tensors, e.g. {sample}); "
+                         f"known variants: {list(VARIANTS)}")
+    for name, dims in VARIANTS.items():
+        if all(getattr(dims, k) == v for k, v in found.items()):
+            return name
+    raise ValueError(f"{found['family']} model with {found} matches none of the known variants {list(VARIANTS)}")
+
+
+def _count(keys, prefix: str) -> int:
+    indices = {int(k[len(prefix):].split(".")[0]) for k in keys if k.startswith(prefix)}
+    return max(indices) + 1 if indices else 0
+
+
+def _lora_shapes(dims: ModelDims, targets) -> list[tuple[int, int]]:
+    layers = linear_layers(dims)
+    patterns = get_arch(dims.arch).default_targets if targets is None else tuple(targets)
+    try:
+        return [layers[name] for name in select_targets(list(layers), patterns)]
+    except TargetError as err:
+        raise ValueError(f"{dims.variant}: {err}") from None
+
+
+def _per_param(nbytes: int):
+    return lambda shapes, rank: nbytes * sum(rank * (i + o) for i, o in shapes)
+
+
+# Optimizer state in bytes, from the targeted (in, out) shapes and the rank.
+OPTIMIZER_STATE = {
+    "adamw": _per_param(8),
+    "adamw8bit": _per_param(2),
+    "adafactor": lambda shapes, rank: 4 * sum((rank + i) + (o + rank) for i, o in shapes),  # A [r,in], B [out,r]
+    "prodigy": _per_param(16),
+}
+
+
+@dataclass
+class Estimate:
+    weights: int
+    lora: int
+    gradients: int
+    optimizer: int
+    activations: int
+    workspace: int
+    total: int
+    lora_params: int
+    tokens: int               # sequence tokens per step: batch x (image + text)
+    notes: list[str] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)  # the estimate() arguments, for what-if advice
+
+
+def _block_groups(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[tuple[int, int]]:
+    """(blocks, tokens each sees) per block list."""
+    joint = image_tokens + text_tokens
+    if dims.family == "flux2":
+        return [(dims.double_blocks, joint), (dims.single_blocks, joint)]
+    return [(dims.refiner_blocks, image_tokens), (dims.refiner_blocks, text_tokens), (dims.single_blocks, joint)]
+
+
+def _block_bytes_per_token(dims: ModelDims, act: int) -> int:
+    D, M = dims.hidden, dims.mlp_hidden
+    fp32 = 4
+    if dims.family == "flux2":
+        return (9 * D + 4 * M) * act + 2 * D * fp32
+    return (8 * D + 4 * M) * act + 6 * D * fp32
+
+
+def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, rank: int = 32,
+             targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
+             gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16") -> Estimate:
+    """Bytes one training step needs at square `resolution` (the largest bucket)."""
+    settings = dict(variant=variant, resolution=resolution, batch_size=batch_size, rank=rank, targets=targets,
+                    optimizer=optimizer, gradient_checkpointing=gradient_checkpointing, base_dtype=base_dtype,
+                    mixed_precision=mixed_precision)
+    dims = get_dims(variant)
+    for name, value, table in (("optimizer", optimizer, OPTIMIZER_STATE), ("base_dtype", base_dtype, BASE_DTYPE_BYTES),
+                               ("mixed_precision", mixed_precision, ACTIVATION_BYTES)):
+        if value not in table:
+            raise ValueError(f"{name} must be one of {list(table)}, got {value!r}")
+    side = dims.latent_downscale * dims.patch
+    if resolution < side or resolution % side:
+        raise ValueError(f"resolution must be a positive multiple of {side} px for {dims.variant}, got {resolution}")
+    if batch_size < 1 or rank < 1:
+        raise ValueError(f"batch_size and rank must be >= 1, got {batch_size} and {rank}")
+
+    image_tokens = (resolution // side) ** 2
+    if dims.family == "zimage":
+        image_tokens = -(-image_tokens // 32) * 32  # pad_tokens_multiple
+    text_tokens = dims.context_tokens
+    act = ACTIVATION_BYTES[mixed_precision]
+    D = dims.hidden
+
+    shapes = _lora_shapes(dims, targets)
+    lora_params = sum(rank * (i + o) for i, o in shapes)
+    weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
+
+    per_token = _block_bytes_per_token(dims, act)
+    groups = [(n, t * batch_size) for n, t in _block_groups(dims, image_tokens, text_tokens) if n]
+    head = 2 * D * act * image_tokens * batch_size
+    if gradient_checkpointing:
+        boundaries = sum(n * t * D * act for n, t in groups)
+        activations = boundaries + max(t for _, t in groups) * per_token + head
+    else:
+        activations = sum(n * t * per_token for n, t in groups) + head
+
+    widest = 3 * D + 2 * dims.mlp_hidden if dims.family == "flux2" else max(3 * D, dims.mlp_hidden)
+    workspace = CUDA_CONTEXT_BYTES + 2 * widest * max(t for _, t in groups) * act
+    if base_dtype == "fp8":
+        workspace += 2 * max(i * o for i, o in linear_layers(dims).values())
+
+    parts = dict(weights=weights, lora=4 * lora_params, gradients=4 * lora_params,
+                 optimizer=OPTIMIZER_STATE[optimizer](shapes, rank), activations=activations, workspace=workspace)
+    notes = [f"{image_tokens} image + {text_tokens} text tokens per sample"
+             + (" (512 caption tokens is an upper bound)" if dims.family == "zimage" else " (context padded to 512)"),
+             "diffusion model only: text encoder and VAE cached or offloaded",
+             "an estimate: expect the real peak within ~15%, higher on a fragmented allocator"]
+    if optimizer == "prodigy":
+        notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
+    return Estimate(**parts, total=sum(parts.values()), lora_params=lora_params,
+                    tokens=batch_size * (image_tokens + text_tokens), notes=notes, settings=settings)
+
+
+def _advice(settings: dict) -> list[tuple[str, dict]]:
+    """Changes that lower memory, cheapest in quality first."""
+    steps = []
+    if not settings["gradient_checkpointing"]:
+        steps.append(("gradient checkpointing on", {"gradient_checkpointing": True}))
+    if settings["optimizer"] in ("adamw", "prodigy"):
+        steps.append(("optimizer adamw8bit", {"optimizer": "adamw8bit"}))
+    if settings["base_dtype"] not in ("fp8",):
+        steps.append(("base weights fp8", {"base_dtype": "fp8"}))
+    if settings["batch_size"] > 1:
+        steps.append(("batch size 1 (raise grad_accum instead)", {"batch_size": 1}))
+    for res in (768, 512):
+        if res < settings["resolution"]:
+            steps.append((f"resolution {res}", {"resolution": res}))
+    return steps
+
+
+def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> str:
+    """A readable table; with device memory (GiB, as nvidia-smi shows): fits or not, and what to change."""
+    s = est.settings
+    title = (f"Memory estimate: {get_dims(s['variant']).variant}, {s['resolution']} px, batch {s['batch_size']}, "
+             f"rank {s['rank']}, {s['optimizer']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, "
+             f"base {s['base_dtype']}, mixed precision {s['mixed_precision']}") if s else "Memory estimate"
+    rows = [("weights", est.weights), ("LoRA (fp32)", est.lora), ("gradients", est.gradients),
+            ("optimizer state", est.optimizer), ("activations", est.activations),
+            ("workspace", est.workspace), ("total", est.total)]
+    lines = [title] + [f"  {name:<16}{size / GIB:8.2f} GiB" for name, size in rows]
+    lines.append(f"  LoRA params {est.lora_params / 1e6:.1f} M, {est.tokens} tokens per step")
+    lines += [f"  note: {note}" for note in est.notes]
+    if device_memory_gb is None:
+        return "\n".join(lines)
+    budget = device_memory_gb * GIB
+    if est.total <= budget:
+        lines.append(f"fits in {device_memory_gb:g} GiB ({(budget - est.total) / GIB:.1f} GiB to spare)")
+        return "\n".join(lines)
+    lines.append(f"does not fit in {device_memory_gb:g} GiB (needs {est.total / GIB:.1f} GiB); try, in order:")
+    changes: dict = {}
+    for label, change in _advice(s):
+        changes.update(change)
+        total = estimate(**{**s, **changes}).total
+        fits = total <= budget
+        lines.append(f"  + {label}: {total / GIB:.1f} GiB" + (" (fits)" if fits else ""))
+        if fits:
+            break
+    else:
+        lines.append("  still too large: use a GPU with more memory or a smaller variant")
+    return "\n".join(lines)

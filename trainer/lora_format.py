@@ -1,0 +1,411 @@
+"""LoRA files: one in-memory form, three key layouts that ComfyUI's loader reads.
+
+In memory a LoRA is {ComfyUI module path: LoraWeights}, the path without
+"diffusion_model." (e.g. "double_blocks.0.img_attn.qkv"). On disk
+(comfy/lora.py model_lora_keys_unet + comfy/weight_adapter/lora.py LoRAAdapter):
+  comfy      diffusion_model.<path>.lora_A.weight / .lora_B.weight / .alpha
+  diffusers  transformer.<diffusers path>.lora_A/.lora_B/.alpha, fused layers split
+  kohya      lora_unet_<path, '.'→'_'>.lora_down.weight / .lora_up.weight / .alpha
+ComfyUI scales every pair by alpha / rank, and by 1 when `.alpha` is absent.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import itertools
+import json
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, Mapping, NamedTuple
+
+import numpy as np
+
+from . import safetensors_io
+from .archs import Arch, DiffusersRule, get_arch
+
+
+@dataclass
+class LoraWeights:
+    A: np.ndarray  # [rank, in] float32 (lora_A / lora_down)
+    B: np.ndarray  # [out, rank] float32 (lora_B / lora_up)
+    alpha: float   # scale = alpha / rank
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+Lora = dict[str, LoraWeights]
+_ROLES = {".lora_A.weight": "A", ".lora_down.weight": "A",
+          ".lora_B.weight": "B", ".lora_up.weight": "B", ".alpha": "alpha"}
+_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+
+
+# ---------------------------------------------------------------- shared key handling
+
+def _weights(source: str, name: str, parts: dict[str, np.ndarray]) -> LoraWeights:
+    """Validated LoraWeights from one module's A, B and optional alpha."""
+    for role, names in (("A", "lora_A/lora_down"), ("B", "lora_B/lora_up")):
+        if role not in parts:
+            raise ValueError(f"{source}: {name} has no {names} weight; the file is incomplete, re-export it")
+    A, B = parts["A"], parts["B"]
+    if A.ndim != 2 or B.ndim != 2:
+        raise ValueError(f"{source}: {name}: A {list(A.shape)} and B {list(B.shape)} must both be 2-D; "
+                         "only Linear LoRAs are supported (not conv/LoCon/LoKr)")
+    if B.shape[1] != A.shape[0] or A.shape[0] == 0:
+        raise ValueError(f"{source}: {name}: A has rank {A.shape[0]} but B has {B.shape[1]} columns; "
+                         "the pair does not belong together, re-export the file")
+    if "alpha" not in parts:
+        alpha = float(A.shape[0])  # ComfyUI: no alpha → scale 1
+    elif parts["alpha"].size != 1:
+        raise ValueError(f"{source}: {name}.alpha has shape {list(parts['alpha'].shape)}; it must be a scalar")
+    else:
+        alpha = float(parts["alpha"].reshape(-1)[0])
+    return LoraWeights(np.asarray(A, np.float32), np.asarray(B, np.float32), alpha)
+
+
+def _split_keys(tensors: Mapping[str, np.ndarray], prefix: str, source: str) -> Lora:
+    """Keys under `prefix` → {module name without prefix/suffix: LoraWeights}."""
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        suffix = next((s for s in _ROLES if key.endswith(s)), None)
+        if not key.startswith(prefix) or suffix is None:
+            raise ValueError(f"{source}: key {key!r} is not a LoRA weight or alpha under {prefix!r}; Kiln reads "
+                             "plain diffusion-model LoRAs (lora_A/lora_B or lora_down/lora_up), nothing else")
+        name, role = key[len(prefix):-len(suffix)], _ROLES[suffix]
+        if role in modules.setdefault(name, {}):
+            raise ValueError(f"{source}: {prefix}{name} has both lora_A and lora_down (or lora_B and "
+                             "lora_up) keys; keep one naming")
+        modules[name][role] = np.asarray(value)
+    return {name: _weights(source, prefix + name, parts) for name, parts in modules.items()}
+
+
+def _put(out: dict, name: str, weights: LoraWeights, down: str, up: str) -> None:
+    out[f"{name}.{down}.weight"] = weights.A
+    out[f"{name}.{up}.weight"] = weights.B
+    out[f"{name}.alpha"] = np.array(weights.alpha, dtype=np.float32)  # scalar: ComfyUI calls .item()
+
+
+def _check(lora: Lora) -> None:
+    for path, w in lora.items():
+        _weights("LoRA to save", path, {"A": np.asarray(w.A), "B": np.asarray(w.B), "alpha": np.array(w.alpha)})
+
+
+# ---------------------------------------------------------------- comfy and kohya
+
+COMFY_PREFIX, KOHYA_PREFIX, DIFFUSERS_PREFIX = "diffusion_model.", "lora_unet_", "transformer."
+
+
+def _comfy_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for path, w in lora.items():
+        _put(out, COMFY_PREFIX + path, w, "lora_A", "lora_B")
+    return out
+
+
+def _comfy_from(tensors, arch, module_names, source) -> Lora:
+    return _split_keys(tensors, COMFY_PREFIX, source)
+
+
+def _kohya_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for path, w in lora.items():  # the name model_lora_keys_unet builds from each state-dict key
+        _put(out, KOHYA_PREFIX + path.replace(".", "_"), w, "lora_down", "lora_up")
+    return out
+
+
+def _kohya_from(tensors, arch, module_names, source) -> Lora:
+    flat = _split_keys(tensors, KOHYA_PREFIX, source)
+    if module_names is None:
+        raise ValueError(f"{source}: kohya keys (lora_unet_…) turn '.' into '_', which cannot be undone "
+                         "without the model's module names; pass module_names, or use a file Kiln exported "
+                         "(it records them in 'kiln.module_paths')")
+    paths_by_flat: dict[str, set[str]] = {}
+    for path in module_names:
+        paths_by_flat.setdefault(path.replace(".", "_"), set()).add(path)
+    lora = {}
+    for name, weights in flat.items():
+        paths = paths_by_flat.get(name, set())
+        if len(paths) != 1:
+            problem = "matches no module name" if not paths else f"matches several modules {sorted(paths)}"
+            raise ValueError(f"{source}: {KOHYA_PREFIX}{name} {problem}; pass the module names of the model "
+                             "this LoRA was trained for")
+        lora[paths.pop()] = weights
+    return lora
+
+
+# ---------------------------------------------------------------- diffusers
+
+def _require_rules(arch: Arch | None, source: str) -> Arch:
+    if arch is None or not arch.diffusers_rules:
+        name = "no arch" if arch is None else f"arch {arch.name!r} (family {arch.family!r})"
+        raise ValueError(f"{source}: diffusers export needs an arch with diffusers names, got {name}; "
+                         "pass arch= (e.g. 'flux2_klein', 'zimage') or use the comfy or kohya format")
+    return arch
+
+
+def _targets(arch: Arch, path: str) -> tuple[DiffusersRule, list[str]] | None:
+    """The first rule matching a ComfyUI path, and its diffusers names."""
+    for rule in arch.diffusers_rules:
+        match = re.fullmatch(rule.comfy, path)
+        if match:
+            return rule, [target.format(*match.groups()) for target in rule.targets]
+    return None
+
+
+def _row_sizes(rule: DiffusersRule, rows: int, where: str) -> list[int]:
+    parts = len(rule.targets)
+    if rule.split_sizes is not None:
+        if sum(rule.split_sizes) != rows:
+            raise ValueError(f"{where}: B has {rows} rows but the diffusers split needs {sum(rule.split_sizes)}; "
+                             "this LoRA is for another model size, export it as comfy")
+        return list(rule.split_sizes)
+    if rows % parts:
+        raise ValueError(f"{where}: B has {rows} rows, not divisible into {parts} diffusers parts "
+                         f"{[t.split('.')[-1] for t in rule.targets]}; export it as comfy")
+    return [rows // parts] * parts
+
+
+def _diffusers_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
+    arch = _require_rules(arch, "diffusers export")
+    out: dict[str, np.ndarray] = {}
+    for path, w in lora.items():
+        found = _targets(arch, path)
+        if found is None:
+            raise ValueError(f"{path}: no diffusers name for this module in arch {arch.name!r}; "
+                             "export as comfy or kohya, or leave it out of the targets")
+        rule, names = found
+        start = 0
+        # Every part gets the same A and alpha (so the same scale) and its exact rows of B.
+        for name, rows in zip(names, _row_sizes(rule, w.B.shape[0], path)):
+            _put(out, arch.diffusers_prefix + name, LoraWeights(w.A, w.B[start:start + rows], w.alpha),
+                 "lora_A", "lora_B")
+            start += rows
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _target_pattern(template: str) -> re.Pattern:
+    """'layers.{0}.feed_forward.{1}' → regex with named groups g0, g1 for the placeholders."""
+    pieces = re.split(r"\{(\d+)\}", template)
+    regex, seen = "", set()
+    for i, piece in enumerate(pieces):
+        if i % 2 == 0:
+            regex += re.escape(piece)
+        else:
+            regex += f"(?P=g{piece})" if piece in seen else f"(?P<g{piece}>[^.]+)"
+            seen.add(piece)
+    return re.compile(regex)
+
+
+def _comfy_path(rule: DiffusersRule, groups: dict[int, str]) -> str | None:
+    """Fill rule.comfy's capture groups with values: r'layers\\.(\\d+)\\.attention\\.qkv' → 'layers.3...'."""
+    counter = itertools.count()
+    try:
+        filled = re.sub(r"\((?!\?)[^()]*\)", lambda _: groups[next(counter)], rule.comfy)
+    except KeyError:
+        return None
+    return filled.replace("\\.", ".")
+
+
+def _diffusers_source(arch: Arch, name: str, source: str) -> tuple[DiffusersRule, str, int]:
+    """Diffusers module name → (rule, ComfyUI path, part index); checked by mapping forward again."""
+    for rule in arch.diffusers_rules:
+        for index, template in enumerate(rule.targets):
+            match = _target_pattern(template).fullmatch(name)
+            if not match:
+                continue
+            path = _comfy_path(rule, {int(k[1:]): v for k, v in match.groupdict().items()})
+            forward = _targets(arch, path) if path is not None else None
+            if forward is not None and forward[0] == rule and forward[1][index] == name:
+                return rule, path, index
+    raise ValueError(f"{source}: diffusers module {name!r} has no ComfyUI path in arch {arch.name!r}; "
+                     "is the LoRA for another model?")
+
+
+def _diffusers_from(tensors, arch, module_names, source) -> Lora:
+    arch = _require_rules(arch, source)
+    parts: dict[str, dict[int, LoraWeights]] = {}
+    rules: dict[str, DiffusersRule] = {}
+    for name, weights in _split_keys(tensors, arch.diffusers_prefix, source).items():
+        rule, path, index = _diffusers_source(arch, name, source)
+        parts.setdefault(path, {})[index] = weights
+        rules[path] = rule
+    return {path: _fuse(rules[path], parts[path], f"{source}: {path}") for path in parts}
+
+
+def _fuse(rule: DiffusersRule, parts: dict[int, LoraWeights], where: str) -> LoraWeights:
+    """Split parts back into the fused layer: shared A and alpha (our export) → concat B."""
+    ordered = [parts.get(i) for i in range(len(rule.targets))]
+    first = next(p for p in ordered if p is not None)
+    if all(p is not None and p.alpha == first.alpha and p.A.shape == first.A.shape
+           and np.array_equal(p.A, first.A) for p in ordered):
+        return LoraWeights(first.A, np.concatenate([p.B for p in ordered]), first.alpha)
+    return _block_diagonal(rule, ordered, where)
+
+
+def _block_diagonal(rule: DiffusersRule, ordered: list[LoraWeights | None], where: str) -> LoraWeights:
+    """Parts with their own A (foreign files): A = stacked As (rank Σr), B block-diagonal with each
+    part's alpha/r folded in, alpha = Σr (scale 1), so B@A·scale equals the parts' exactly.
+    A part the file lacks (e.g. only to_q and to_v trained) contributes zero rows."""
+    present = [p for p in ordered if p is not None]
+    sizes = {p.B.shape[0] for p in present}
+    rows = list(rule.split_sizes) if rule.split_sizes else [max(sizes)] * len(ordered)
+    bad = [t for p, n, t in zip(ordered, rows, rule.targets) if p is not None and p.B.shape[0] != n]
+    if bad or len({p.A.shape[1] for p in present}) != 1:
+        raise ValueError(f"{where}: diffusers parts {bad or list(rule.targets)} do not fit one fused layer "
+                         f"(rows {[p and p.B.shape[0] for p in ordered]}, expected {rows}, and equal inputs)")
+    rank = sum(p.rank for p in present)
+    B = np.zeros((sum(rows), rank), np.float32)
+    row = col = 0
+    for part, part_rows in zip(ordered, rows):
+        if part is not None:
+            B[row:row + part_rows, col:col + part.rank] = part.B * np.float32(part.scale)
+            col += part.rank
+        row += part_rows
+    return LoraWeights(np.concatenate([p.A for p in present]), B, float(rank))
+
+
+# ---------------------------------------------------------------- registry and files
+
+class LoraFormat(NamedTuple):
+    to_tensors: Callable[[Lora, Arch | None], dict[str, np.ndarray]]
+    from_tensors: Callable[..., Lora]   # (tensors, arch, module_names, source)
+    key_prefix: str                     # how a file of this format is recognised
+
+
+FORMATS: dict[str, LoraFormat] = {
+    "comfy": LoraFormat(_comfy_to, _comfy_from, COMFY_PREFIX),
+    "diffusers": LoraFormat(_diffusers_to, _diffusers_from, DIFFUSERS_PREFIX),
+    "kohya": LoraFormat(_kohya_to, _kohya_from, KOHYA_PREFIX),
+}
+
+
+def _arch(arch: Arch | str | None) -> Arch | None:
+    return get_arch(arch) if isinstance(arch, str) else arch
+
+
+def _format(fmt: str) -> LoraFormat:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {list(FORMATS)}")
+    return FORMATS[fmt]
+
+
+def to_tensors(lora: Lora, fmt: str, arch: Arch | str | None) -> dict[str, np.ndarray]:
+    _check(lora)
+    return _format(fmt).to_tensors(lora, _arch(arch))
+
+
+def detect_format(keys, source: str = "tensors") -> str:
+    found = {name for key in keys for name, f in FORMATS.items() if key.startswith(f.key_prefix)}
+    if not found:
+        prefixes = ", ".join(f.key_prefix for f in FORMATS.values())
+        raise ValueError(f"{source}: no LoRA keys (none start with {prefixes}); is this a LoRA for the "
+                         "diffusion model?")
+    if len(found) > 1:
+        raise ValueError(f"{source}: keys of several formats {sorted(found)} in one file; Kiln reads one")
+    return found.pop()
+
+
+def from_tensors(tensors: Mapping[str, np.ndarray], *, arch: Arch | str | None = None,
+                 module_names=None, metadata: Mapping[str, str] | None = None,
+                 source: str = "tensors") -> tuple[Lora, str]:
+    """Detect the format and read the LoRA; arch and module names default to the file's metadata."""
+    metadata = metadata or {}
+    fmt = detect_format(tensors, source)
+    arch = _arch(arch if arch is not None else metadata.get("kiln.arch"))
+    if module_names is None and "kiln.module_paths" in metadata:
+        module_names = json.loads(metadata["kiln.module_paths"])
+    return FORMATS[fmt].from_tensors(tensors, arch, module_names, source), fmt
+
+
+def save_lora(path, lora: Lora, *, arch: Arch | str | None, fmt: str = "comfy", dtype: str = "bf16",
+              metadata: Mapping[str, str]) -> None:
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown LoRA dtype {dtype!r}; choose one of {list(_DTYPES)}")
+    arch = _arch(arch)
+    tensors = to_tensors(lora, fmt, arch)
+    meta = {**metadata, "kiln.format": fmt}
+    if arch is not None:
+        meta["kiln.arch"] = arch.name  # the arch that named the keys; export reads it back
+    if fmt == "kohya":  # the only way back from '_' to '.' (see _kohya_from)
+        meta["kiln.module_paths"] = json.dumps(sorted(lora))
+    # Weights in the chosen dtype; alpha stays an F32 scalar.
+    stored = {key: _DTYPES[dtype] for key in tensors if not key.endswith(".alpha")}
+    safetensors_io.write(path, tensors, meta, dtype=stored)
+
+
+def load_lora(path, *, arch: Arch | str | None = None, module_names=None) -> tuple[Lora, dict[str, str]]:
+    tensors, metadata = safetensors_io.read(path)
+    lora, _ = from_tensors(tensors, arch=arch, module_names=module_names, metadata=metadata, source=str(path))
+    return lora, metadata
+
+
+def describe(path) -> dict:
+    """What `python -m trainer inspect` prints; works without arch or module names."""
+    tensors, metadata = safetensors_io.read(path)
+    header, _ = safetensors_io.read_header(path)
+    fmt = detect_format(tensors, str(path))
+    modules = _split_keys(tensors, FORMATS[fmt].key_prefix, str(path))  # file's modules, unfused
+    return {
+        "path": str(path), "format": fmt, "modules": len(modules),
+        "ranks": sorted({w.rank for w in modules.values()}),
+        "alphas": sorted({w.alpha for w in modules.values()}),
+        "dtypes": sorted({entry["dtype"] for entry in header.values()}),
+        "metadata": dict(metadata),
+    }
+
+
+def export(src, dst, fmt: str, *, arch: Arch | str | None = None) -> None:
+    """Rewrite a LoRA file in another format, keeping its metadata and weight dtype."""
+    header, metadata = safetensors_io.read_header(src)
+    arch = _arch(arch if arch is not None else metadata.get("kiln.arch"))
+    lora, metadata = load_lora(src, arch=arch)
+    weight_dtypes = {e["dtype"] for key, e in header.items() if not key.endswith(".alpha")}
+    dtype = {"BF16": "bf16", "F16": "fp16"}.get(weight_dtypes.pop(), "fp32") if len(weight_dtypes) == 1 else "fp32"
+    kept = {k: v for k, v in metadata.items() if k not in ("kiln.format", "kiln.module_paths")}
+    save_lora(dst, lora, arch=arch, fmt=fmt, dtype=dtype, metadata=kept)
+
+
+# ---------------------------------------------------------------- metadata
+
+_IMPL_FLUX2, _IMPL_ZIMAGE = "https://github.com/black-forest-labs/flux2", "https://github.com/Tongyi-MAI/Z-Image"
+# ModelSpec ids "<model>/lora", spelled as musubi-tuner writes them for these models.
+_MODELSPEC = {
+    "flux2_klein": ("Flux.2-klein/lora", _IMPL_FLUX2), "flux2_dev": ("Flux.2-dev/lora", _IMPL_FLUX2),
+    "demo": ("Flux.2-klein/lora", _IMPL_FLUX2),
+    "zimage": ("Z-Image/lora", _IMPL_ZIMAGE), "zimage_turbo": ("Z-Image-Turbo/lora", _IMPL_ZIMAGE),
+}
+
+
+def build_metadata(*, arch_name: str, config: dict, steps: int, trigger_words: list[str], title: str,
+                   notes: str = "", extra: dict | None = None) -> dict[str, str]:
+    """kiln.* fields (what Kiln needs to resume/export) plus modelspec fields (what UIs show)."""
+    get_arch(arch_name)  # an unknown name fails here, not when the file is exported
+    architecture, implementation = _MODELSPEC.get(
+        arch_name, (f"{arch_name}/lora", "https://github.com/comfyanonymous/ComfyUI"))
+    metadata = {
+        "kiln.version": getattr(sys.modules[__package__], "__version__", "0.1.0"),
+        "kiln.arch": arch_name,
+        "kiln.config": json.dumps(config, sort_keys=True, default=str),  # Paths etc. as strings
+        "kiln.steps": str(int(steps)),
+        "kiln.trigger_words": json.dumps(list(trigger_words), ensure_ascii=False),
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": architecture,
+        "modelspec.implementation": implementation,
+        "modelspec.title": title,
+        "modelspec.date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "modelspec.trigger_phrase": ", ".join(trigger_words),
+    }
+    if notes:
+        metadata["modelspec.description"] = notes
+    for key, value in (extra or {}).items():
+        if not isinstance(value, str):
+            raise ValueError(f"metadata {key!r} is {type(value).__name__}; safetensors metadata must be str")
+        metadata[key] = value
+    return metadata
