@@ -1,6 +1,7 @@
 """trainer/lora_format.py: key layouts, diffusers split/fuse, files, metadata."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -10,7 +11,7 @@ import torch
 
 from trainer import lora_format as lf
 from trainer import safetensors_io
-from trainer.archs import get_arch
+from trainer.archs import DiffusersRule, get_arch
 from trainer.lora_format import LoraWeights
 
 HIDDEN, RANK = 64, 4
@@ -46,10 +47,10 @@ def delta(w: LoraWeights) -> np.ndarray:
 
 def assert_same(a: dict, b: dict):
     assert sorted(a) == sorted(b)
-    for path in a:
-        assert np.array_equal(a[path].A, b[path].A), path
-        assert np.array_equal(a[path].B, b[path].B), path
-        assert a[path].alpha == b[path].alpha, path
+    for path, w in a.items():
+        assert np.array_equal(w.A, b[path].A), path
+        assert np.array_equal(w.B, b[path].B), path
+        assert w.alpha == b[path].alpha, path
 
 
 @pytest.mark.parametrize("arch_name,modules", CASES)
@@ -133,6 +134,18 @@ def test_fusion_fills_missing_parts_with_zero_rows():
     assert np.allclose(got[2 * HIDDEN:], delta(parts[2]), atol=1e-6)
 
 
+def test_split_sizes_and_rules_without_groups():
+    """Unequal splits (split_sizes) and paths without a block index also map both ways."""
+    base = get_arch("flux2_klein")
+    arch = dataclasses.replace(base, diffusers_rules=base.diffusers_rules + (
+        DiffusersRule(r"img_in", ("x_embedder",)),
+        DiffusersRule(r"double_blocks\.(\d+)\.img_mod\.lin", ("m.{0}.a", "m.{0}.b"), split_sizes=(16, 48))))
+    lora = make_lora({"img_in": (HIDDEN, 128), "double_blocks.2.img_mod.lin": (64, HIDDEN)})
+    tensors = lf.to_tensors(lora, "diffusers", arch)
+    assert tensors["transformer.m.2.b.lora_B.weight"].shape == (48, RANK)
+    assert_same(lora, lf.from_tensors(tensors, arch=arch)[0])
+
+
 def test_diffusers_export_needs_rules():
     with pytest.raises(ValueError, match="diffusers export needs an arch with diffusers names"):
         lf.to_tensors(make_lora(FLUX2_MODULES), "diffusers", "generic")
@@ -141,7 +154,7 @@ def test_diffusers_export_needs_rules():
 
 
 def test_diffusers_split_needs_divisible_rows():
-    with pytest.raises(ValueError, match="not divisible into 3"):
+    with pytest.raises(ValueError, match="not divisible into the 3"):
         lf.to_tensors(make_lora({"layers.0.attention.qkv": (100, HIDDEN)}), "diffusers", "zimage")
 
 
@@ -221,7 +234,7 @@ def test_metadata_contents():
     assert metadata["modelspec.trigger_phrase"] == "ohwx person, kiln"
     assert metadata["modelspec.date"][:4].isdigit() and "T" in metadata["modelspec.date"]
     assert metadata["kiln.version"]
-    with pytest.raises(ValueError, match="'seed'"):
+    with pytest.raises(TypeError, match="'seed'"):
         lf.build_metadata(arch_name="zimage", config={}, steps=1, trigger_words=[], title="t", extra={"seed": 1})
 
 
@@ -256,6 +269,7 @@ def _comfy():
     comfy.cli_args.args.cpu = True
     import comfy.lora
     import comfy.model_base
+    import comfy.utils
     return comfy
 
 
@@ -280,15 +294,18 @@ def _fake_model(model_class, modules: dict, unet_config: dict):
 @pytest.mark.skipif(not os.environ.get("COMFYUI_PATH"), reason="set COMFYUI_PATH to a ComfyUI checkout")
 @pytest.mark.parametrize("arch_name,modules", CASES)
 @pytest.mark.parametrize("fmt", list(lf.FORMATS))
-def test_comfyui_loader_applies_every_key(arch_name, modules, fmt, caplog):
-    """comfy.lora.model_lora_keys_unet + load_lora + calculate_weight: every key is used and each
-    weight moves by exactly scale·B@A, split diffusers parts landing on their fused rows."""
+def test_comfyui_loader_applies_every_key(tmp_path, arch_name, modules, fmt, caplog):
+    """Our bf16 file through comfy.utils.load_torch_file, model_lora_keys_unet, load_lora and
+    calculate_weight: every key is used and each weight moves by scale·B@A, alpha included, split
+    diffusers parts landing on their fused rows."""
     comfy = _comfy()
     model = (_fake_model(comfy.model_base.Flux2, modules, {"depth": 2, "depth_single_blocks": 2, "hidden_size": HIDDEN})
              if arch_name.startswith("flux2") else
              _fake_model(comfy.model_base.Lumina2, modules, {"n_layers": 4, "dim": HIDDEN}))
-    lora = make_lora(modules)
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in lf.to_tensors(lora, fmt, arch_name).items()}
+    path = tmp_path / "lora.safetensors"
+    lf.save_lora(path, make_lora(modules), arch=arch_name, fmt=fmt, metadata=_metadata())
+    lora, _ = lf.load_lora(path)  # the bf16-rounded weights ComfyUI will see
+    tensors = comfy.utils.load_torch_file(str(path), safe_load=True)
     key_map = comfy.lora.model_lora_keys_unet(model, {})
     patches = comfy.lora.load_lora(tensors, key_map)
     assert "lora key not loaded" not in caplog.text
@@ -297,7 +314,7 @@ def test_comfyui_loader_applies_every_key(arch_name, modules, fmt, caplog):
         key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
         by_weight.setdefault(key, []).append((1.0, adapter, 1.0, offset, None))
     assert sorted(by_weight) == sorted(f"diffusion_model.{p}.weight" for p in modules)
-    for path, w in lora.items():
-        key = f"diffusion_model.{path}.weight"
+    for module, w in lora.items():
+        key = f"diffusion_model.{module}.weight"
         got = comfy.lora.calculate_weight(by_weight[key], torch.zeros(w.B.shape[0], w.A.shape[1]), key)
-        assert np.allclose(got.numpy(), delta(w), atol=1e-4), path
+        assert np.allclose(got.numpy(), delta(w), atol=1e-4), module

@@ -119,14 +119,22 @@ def test_metadata_values_must_be_str(tmp_path):
 def test_unstorable_dtype_names_key(tmp_path):
     with pytest.raises(SafetensorsError, match="'z'"):
         st.write(tmp_path / "t.safetensors", {"z": np.ones(2, np.complex64)})
+    with pytest.raises(SafetensorsError, match="__metadata__"):
+        st.write(tmp_path / "t.safetensors", {"__metadata__": np.ones(2)})
+    with pytest.raises(SafetensorsError, match="'F8'"):
+        st.write(tmp_path / "t.safetensors", {"w": np.ones(2)}, dtype="F8")
 
 
 # ---------------------------------------------------------------- hostile files
 
 def _file(tmp_path, header, data: bytes = b"", raw_header: bytes | None = None, length: int | None = None):
     body = raw_header if raw_header is not None else json.dumps(header).encode()
+    return _raw_file(tmp_path, struct.pack("<Q", len(body) if length is None else length) + body + data)
+
+
+def _raw_file(tmp_path, content: bytes):
     path = tmp_path / "bad.safetensors"
-    path.write_bytes(struct.pack("<Q", len(body) if length is None else length) + body + data)
+    path.write_bytes(content)
     return path
 
 
@@ -165,7 +173,7 @@ def test_malformed_header(tmp_path, case):
                                   "not object"])
 def test_malformed_framing(tmp_path, case):
     path = {
-        "short": lambda: (tmp_path / "bad.safetensors").write_bytes(b"\x01\x02\x03") and tmp_path / "bad.safetensors",
+        "short": lambda: _raw_file(tmp_path, b"\x01\x02\x03"),
         "length past file": lambda: _file(tmp_path, {}, length=1000),
         "absurd length": lambda: _file(tmp_path, {}, length=2 ** 40),
         "not utf8": lambda: _file(tmp_path, None, raw_header=b"{\xff\xfe}"),

@@ -267,18 +267,17 @@ def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
 def load(path: str | Path) -> TrainConfig:
     """Read a .toml or .json config; errors name the file."""
     path = Path(path)
+    parsers = {".json": (json.loads, json.JSONDecodeError), ".toml": (tomllib.loads, tomllib.TOMLDecodeError)}
+    if path.suffix.lower() not in parsers:
+        raise ConfigError(f"{path}: config must end in .toml or .json")
+    parse, parse_error = parsers[path.suffix.lower()]
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot read config ({err})") from err
     try:
-        if path.suffix.lower() == ".json":
-            values = json.loads(text)
-        elif path.suffix.lower() == ".toml":
-            values = tomllib.loads(text)
-        else:
-            raise ConfigError(f"{path}: config must end in .toml or .json")
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+        values = parse(text)
+    except parse_error as err:
         raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {err}") from err
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: the top level must be a table of settings")

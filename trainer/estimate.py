@@ -13,34 +13,45 @@ assumed run beforehand (cached latents and embeddings) or offloaded.
                  ~14 B in practice), adafactor 4 B x (rows + cols) per LoRA matrix
                  (torch.optim.Adafactor: factored second moment, no momentum)
     activations  what autograd keeps, from the block model below
-    workspace    ~1 GiB CUDA context + 2x the widest Linear output (that tensor
-                 and its gradient in backward) + for fp8 bases the largest weight
-                 upcast to bf16 on use (ComfyUI casts per layer)
+    workspace    1 GiB (CUDA context, cuBLAS workspace, allocator slack) + 2x the
+                 widest Linear output (that tensor and its gradient in backward)
+                 + for fp8 bases the largest weight upcast to bf16 on use
 
 Tokens: one per 16x16 pixels in both families (Flux2: latent /16, patch 1;
 Z-Image: latent /8, patch 2, padded to a multiple of 32), plus 512 text tokens
 (Flux2 pads context to 512; for Z-Image 512 caption tokens is an upper bound,
 real captions are shorter). Buckets have area <= res^2, so a square is the worst case.
 
-Block model: bytes autograd saves per token, measured with saved_tensors_hooks
-on ComfyUI 0.17's own blocks with Kiln's LoRA on every block Linear under bf16
-autocast. D = hidden, M = MLP hidden (Flux2 3D), F = FFN hidden (Z-Image 10240).
-A frozen base Linear saves only its weight; the LoRA branch keeps a bf16 copy
-of its input. RMSNorm runs in fp32 under autocast and keeps an fp32 input.
-    Flux2 double block, per token of either stream, and single block alike:
-      bf16: norm in D, LoRA inputs 3-4 D (the single block's linear2 input is D+M),
-            SDPA q/k/v/out 4D (single: v lives inside linear1's 3D+2M output),
-            gated MLP 2M (gate|up) + M (silu) + M (down input)   -> 9D + 4M
-      fp32: q and k entering the QK RMSNorm                     -> 2D
+Block model: bytes autograd keeps per token, read with saved_tensors_hooks from
+ComfyUI 0.17's own blocks at full size on CUDA with Kiln's LoRA on every block
+Linear under bf16 autocast. D = hidden, M = MLP hidden (Flux2 3D; Z-Image 10240).
+A frozen base Linear keeps only its weight; each LoRA branch keeps a bf16 copy of
+its input. LayerNorm (Flux2) keeps an fp32 copy of its input; RMSNorm keeps its
+bf16 input, and the q/k RMSNorm's input is a view that keeps the whole qkv output.
+    Flux2 double block, per token of either stream:
+      bf16  qkv in D, qkv out 3D, SDPA q/k/v/out 4D, proj in D, mlp.0 in D,
+            mlp.0 out 2M (gate|up), silu M, mlp.2 in M          = 10D + 4M
+      fp32  norm1 and norm2 inputs                              =  2D
+    Flux2 single block:
+      bf16  linear1 in D, linear1 out 3D + 2M (SDPA's v is a view of it),
+            SDPA q/k/out 3D, silu M, linear2 in D + M           =  8D + 4M
+      fp32  pre_norm input                                      =  1D
     Z-Image block (layers, noise_refiner, context_refiner):
-      bf16: LoRA inputs qkv, out, w1, w3 4D, SDPA 4D, w1/w3/silu out + w2 input 4F -> 8D + 4F
-      fp32: attention_norm1/2, ffn_norm1/2 and q/k norm inputs  -> 6D
+      bf16  norm1 in D, qkv in D, qkv out 3D, SDPA 4D, out in D, norm2 in D,
+            ffn_norm1 in D, w1 in + w3 in 2D (one copy per branch),
+            w1/w3/silu out 3M, w2 in M, ffn_norm2 in D          = 15D + 4M
 Without checkpointing every block keeps all of this; with per-block
 checkpointing each block keeps only its input (D per token) and one block's
 internals are rebuilt at a time during backward. The final layer adds ~2D per
-image token. Not counted: the RoPE table (shared, ~1 KB per token), the rank-r
-LoRA hiddens (~r per token per Linear), allocator fragmentation, EMA (one more
-LoRA copy). Targeting fewer Linears saves at most ~1D per token per untargeted one.
+image token. Not counted: the RoPE table (shared by all blocks), the rank-r LoRA
+hiddens (r per token per Linear), EMA (one more LoRA copy). Targeting fewer
+Linears saves up to ~1D per token per untargeted Linear; mixed_precision "no"
+keeps the same tensors in fp32.
+
+Checked on an H200 (torch 2.11, ComfyUI 0.17 models with random weights, Kiln's
+LoRA, AdamW, one step): the total lands within -7%..+9% of peak reserved memory
+plus CUDA context for Klein 4B/9B and Z-Image at 512 and 1024 px, checkpointing
+on and off; the low end is Z-Image without checkpointing (allocator slack).
 """
 from __future__ import annotations
 
@@ -50,7 +61,7 @@ from .archs import get_arch
 from .targets import TargetError, select_targets
 
 GIB = 2 ** 30
-CUDA_CONTEXT_BYTES = GIB       # context + cuBLAS/cuDNN workspaces, typical on recent GPUs
+CUDA_CONTEXT_BYTES = GIB       # context (~0.25 GiB on an H200, more beside a desktop) + slack
 TEXT_TOKENS = 512
 BASE_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 ACTIVATION_BYTES = {"bf16": 2, "no": 4}   # mixed_precision, as in TrainConfig
@@ -230,20 +241,22 @@ class Estimate:
     settings: dict = field(default_factory=dict)  # the estimate() arguments, for what-if advice
 
 
-def _block_groups(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[tuple[int, int]]:
-    """(blocks, tokens each sees) per block list."""
+def _block_groups(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[tuple[str, int, int]]:
+    """(block kind, blocks, tokens each sees) per block list, in forward order."""
     joint = image_tokens + text_tokens
     if dims.family == "flux2":
-        return [(dims.double_blocks, joint), (dims.single_blocks, joint)]
-    return [(dims.refiner_blocks, image_tokens), (dims.refiner_blocks, text_tokens), (dims.single_blocks, joint)]
+        return [("double", dims.double_blocks, joint), ("single", dims.single_blocks, joint)]
+    return [("zimage", dims.refiner_blocks, image_tokens), ("zimage", dims.refiner_blocks, text_tokens),
+            ("zimage", dims.single_blocks, joint)]
 
 
-def _block_bytes_per_token(dims: ModelDims, act: int) -> int:
+def _saved_bytes_per_token(kind: str, dims: ModelDims, act: int) -> int:
+    """Bytes autograd keeps per token inside one block (module docstring: the block model)."""
     D, M = dims.hidden, dims.mlp_hidden
-    fp32 = 4
-    if dims.family == "flux2":
-        return (9 * D + 4 * M) * act + 2 * D * fp32
-    return (8 * D + 4 * M) * act + 6 * D * fp32
+    low, fp32 = {"double": (10 * D + 4 * M, 2 * D),   # fp32: norm1 and norm2 inputs
+                 "single": (8 * D + 4 * M, D),        # fp32: pre_norm input
+                 "zimage": (15 * D + 4 * M, 0)}[kind]
+    return low * act + fp32 * 4
 
 
 def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, rank: int = 32,
@@ -275,17 +288,17 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
     lora_params = sum(rank * (i + o) for i, o in shapes)
     weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
 
-    per_token = _block_bytes_per_token(dims, act)
-    groups = [(n, t * batch_size) for n, t in _block_groups(dims, image_tokens, text_tokens) if n]
-    head = 2 * D * act * image_tokens * batch_size
+    groups = [(_saved_bytes_per_token(kind, dims, act), n, t * batch_size)
+              for kind, n, t in _block_groups(dims, image_tokens, text_tokens) if n]
+    head = 2 * D * act * image_tokens * batch_size  # final layer's norm input and modulated output
     if gradient_checkpointing:
-        boundaries = sum(n * t * D * act for n, t in groups)
-        activations = boundaries + max(t for _, t in groups) * per_token + head
+        boundaries = sum(n * t * D * act for _, n, t in groups)
+        activations = boundaries + max(per_token * t for per_token, _, t in groups) + head
     else:
-        activations = sum(n * t * per_token for n, t in groups) + head
+        activations = sum(per_token * n * t for per_token, n, t in groups) + head
 
     widest = 3 * D + 2 * dims.mlp_hidden if dims.family == "flux2" else max(3 * D, dims.mlp_hidden)
-    workspace = CUDA_CONTEXT_BYTES + 2 * widest * max(t for _, t in groups) * act
+    workspace = CUDA_CONTEXT_BYTES + 2 * widest * max(t for _, _, t in groups) * act
     if base_dtype == "fp8":
         workspace += 2 * max(i * o for i, o in linear_layers(dims).values())
 
@@ -294,7 +307,7 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
     notes = [f"{image_tokens} image + {text_tokens} text tokens per sample"
              + (" (512 caption tokens is an upper bound)" if dims.family == "zimage" else " (context padded to 512)"),
              "diffusion model only: text encoder and VAE cached or offloaded",
-             "an estimate: expect the real peak within ~15%, higher on a fragmented allocator"]
+             "an estimate: measured peaks on an H200 fell within -7%..+9% of it"]
     if optimizer == "prodigy":
         notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
     return Estimate(**parts, total=sum(parts.values()), lora_params=lora_params,

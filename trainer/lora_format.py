@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import datetime
 import functools
-import itertools
 import json
 import re
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from . import safetensors_io
-from .archs import Arch, DiffusersRule, get_arch
+from .archs import ARCHS, Arch, DiffusersRule, get_arch
 
 
 @dataclass
@@ -60,13 +60,10 @@ def _weights(source: str, name: str, parts: dict[str, np.ndarray]) -> LoraWeight
     if B.shape[1] != A.shape[0] or A.shape[0] == 0:
         raise ValueError(f"{source}: {name}: A has rank {A.shape[0]} but B has {B.shape[1]} columns; "
                          "the pair does not belong together, re-export the file")
-    if "alpha" not in parts:
-        alpha = float(A.shape[0])  # ComfyUI: no alpha → scale 1
-    elif parts["alpha"].size != 1:
-        raise ValueError(f"{source}: {name}.alpha has shape {list(parts['alpha'].shape)}; it must be a scalar")
-    else:
-        alpha = float(parts["alpha"].reshape(-1)[0])
-    return LoraWeights(np.asarray(A, np.float32), np.asarray(B, np.float32), alpha)
+    alpha = parts.get("alpha", np.array(float(A.shape[0])))  # ComfyUI: no alpha → scale 1
+    if alpha.size != 1:
+        raise ValueError(f"{source}: {name}.alpha has shape {list(alpha.shape)}; it must be a scalar")
+    return LoraWeights(np.asarray(A, np.float32), np.asarray(B, np.float32), float(alpha.reshape(-1)[0]))
 
 
 def _split_keys(tensors: Mapping[str, np.ndarray], prefix: str, source: str) -> Lora:
@@ -89,11 +86,6 @@ def _put(out: dict, name: str, weights: LoraWeights, down: str, up: str) -> None
     out[f"{name}.{down}.weight"] = weights.A
     out[f"{name}.{up}.weight"] = weights.B
     out[f"{name}.alpha"] = np.array(weights.alpha, dtype=np.float32)  # scalar: ComfyUI calls .item()
-
-
-def _check(lora: Lora) -> None:
-    for path, w in lora.items():
-        _weights("LoRA to save", path, {"A": np.asarray(w.A), "B": np.asarray(w.B), "alpha": np.array(w.alpha)})
 
 
 # ---------------------------------------------------------------- comfy and kohya
@@ -160,15 +152,11 @@ def _targets(arch: Arch, path: str) -> tuple[DiffusersRule, list[str]] | None:
 
 def _row_sizes(rule: DiffusersRule, rows: int, where: str) -> list[int]:
     parts = len(rule.targets)
-    if rule.split_sizes is not None:
-        if sum(rule.split_sizes) != rows:
-            raise ValueError(f"{where}: B has {rows} rows but the diffusers split needs {sum(rule.split_sizes)}; "
-                             "this LoRA is for another model size, export it as comfy")
-        return list(rule.split_sizes)
-    if rows % parts:
-        raise ValueError(f"{where}: B has {rows} rows, not divisible into {parts} diffusers parts "
-                         f"{[t.split('.')[-1] for t in rule.targets]}; export it as comfy")
-    return [rows // parts] * parts
+    sizes = list(rule.split_sizes) if rule.split_sizes else [rows // parts] * parts
+    if sum(sizes) != rows:
+        raise ValueError(f"{where}: B has {rows} rows, not divisible into the {parts} diffusers parts "
+                         f"{[t.split('.')[-1] for t in rule.targets]} (sizes {sizes}); export it as comfy")
+    return sizes
 
 
 def _diffusers_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
@@ -189,28 +177,16 @@ def _diffusers_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _target_pattern(template: str) -> re.Pattern:
     """'layers.{0}.feed_forward.{1}' → regex with named groups g0, g1 for the placeholders."""
-    pieces = re.split(r"\{(\d+)\}", template)
-    regex, seen = "", set()
-    for i, piece in enumerate(pieces):
-        if i % 2 == 0:
-            regex += re.escape(piece)
-        else:
-            regex += f"(?P=g{piece})" if piece in seen else f"(?P<g{piece}>[^.]+)"
-            seen.add(piece)
-    return re.compile(regex)
+    return re.compile(re.sub(r"\\\{(\d+)\\\}", lambda m: f"(?P<g{m[1]}>[^.]+)", re.escape(template)))
 
 
-def _comfy_path(rule: DiffusersRule, groups: dict[int, str]) -> str | None:
-    """Fill rule.comfy's capture groups with values: r'layers\\.(\\d+)\\.attention\\.qkv' → 'layers.3...'."""
-    counter = itertools.count()
-    try:
-        filled = re.sub(r"\((?!\?)[^()]*\)", lambda _: groups[next(counter)], rule.comfy)
-    except KeyError:
-        return None
-    return filled.replace("\\.", ".")
+def _fill_groups(pattern: str, values: list[str]) -> str:
+    r"""rule.comfy's capture groups filled in order: r"layers\.(\d+)\.attention\.qkv", ["3"] → "layers.3.…"."""
+    remaining = iter(values)
+    return re.sub(r"\((?!\?)[^()]*\)", lambda _: next(remaining), pattern).replace("\\.", ".")
 
 
 def _diffusers_source(arch: Arch, name: str, source: str) -> tuple[DiffusersRule, str, int]:
@@ -220,8 +196,11 @@ def _diffusers_source(arch: Arch, name: str, source: str) -> tuple[DiffusersRule
             match = _target_pattern(template).fullmatch(name)
             if not match:
                 continue
-            path = _comfy_path(rule, {int(k[1:]): v for k, v in match.groupdict().items()})
-            forward = _targets(arch, path) if path is not None else None
+            groups = {int(k[1:]): v for k, v in match.groupdict().items()}
+            if set(groups) != set(range(re.compile(rule.comfy).groups)):
+                continue  # the names do not carry every group of the ComfyUI path
+            path = _fill_groups(rule.comfy, [groups[i] for i in sorted(groups)])
+            forward = _targets(arch, path)
             if forward is not None and forward[0] == rule and forward[1][index] == name:
                 return rule, path, index
     raise ValueError(f"{source}: diffusers module {name!r} has no ComfyUI path in arch {arch.name!r}; "
@@ -290,15 +269,25 @@ def _arch(arch: Arch | str | None) -> Arch | None:
     return get_arch(arch) if isinstance(arch, str) else arch
 
 
-def _format(fmt: str) -> LoraFormat:
+def to_tensors(lora: Lora, fmt: str, arch: Arch | str | None) -> dict[str, np.ndarray]:
     if fmt not in FORMATS:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {list(FORMATS)}")
-    return FORMATS[fmt]
+    for path, w in lora.items():  # same checks as loading, so we never write what we could not read
+        _weights("LoRA to save", path, {"A": np.asarray(w.A), "B": np.asarray(w.B), "alpha": np.array(w.alpha)})
+    return FORMATS[fmt].to_tensors(lora, _arch(arch))
 
 
-def to_tensors(lora: Lora, fmt: str, arch: Arch | str | None) -> dict[str, np.ndarray]:
-    _check(lora)
-    return _format(fmt).to_tensors(lora, _arch(arch))
+def _module_paths(metadata: Mapping[str, str], source: str) -> list[str] | None:
+    if "kiln.module_paths" not in metadata:
+        return None
+    try:
+        paths = json.loads(metadata["kiln.module_paths"])
+    except json.JSONDecodeError:
+        paths = None
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise ValueError(f"{source}: metadata 'kiln.module_paths' is not a JSON list of module paths; "
+                         "pass module_names instead")
+    return paths
 
 
 def detect_format(keys, source: str = "tensors") -> str:
@@ -318,9 +307,10 @@ def from_tensors(tensors: Mapping[str, np.ndarray], *, arch: Arch | str | None =
     """Detect the format and read the LoRA; arch and module names default to the file's metadata."""
     metadata = metadata or {}
     fmt = detect_format(tensors, source)
-    arch = _arch(arch if arch is not None else metadata.get("kiln.arch"))
-    if module_names is None and "kiln.module_paths" in metadata:
-        module_names = json.loads(metadata["kiln.module_paths"])
+    # An arch name we do not know (a newer Kiln's) only matters for diffusers, which then says so.
+    arch = _arch(arch) if arch is not None else ARCHS.get(metadata.get("kiln.arch", ""))
+    if module_names is None:
+        module_names = _module_paths(metadata, source)
     return FORMATS[fmt].from_tensors(tensors, arch, module_names, source), fmt
 
 
@@ -352,19 +342,15 @@ def describe(path) -> dict:
     header, _ = safetensors_io.read_header(path)
     fmt = detect_format(tensors, str(path))
     modules = _split_keys(tensors, FORMATS[fmt].key_prefix, str(path))  # file's modules, unfused
-    return {
-        "path": str(path), "format": fmt, "modules": len(modules),
-        "ranks": sorted({w.rank for w in modules.values()}),
-        "alphas": sorted({w.alpha for w in modules.values()}),
-        "dtypes": sorted({entry["dtype"] for entry in header.values()}),
-        "metadata": dict(metadata),
-    }
+    return {"path": str(path), "format": fmt, "modules": len(modules),
+            "ranks": sorted({w.rank for w in modules.values()}), "alphas": sorted({w.alpha for w in modules.values()}),
+            "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata)}
 
 
 def export(src, dst, fmt: str, *, arch: Arch | str | None = None) -> None:
     """Rewrite a LoRA file in another format, keeping its metadata and weight dtype."""
     header, metadata = safetensors_io.read_header(src)
-    arch = _arch(arch if arch is not None else metadata.get("kiln.arch"))
+    arch = _arch(arch) if arch is not None else ARCHS.get(metadata.get("kiln.arch", ""))
     lora, metadata = load_lora(src, arch=arch)
     weight_dtypes = {e["dtype"] for key, e in header.items() if not key.endswith(".alpha")}
     dtype = {"BF16": "bf16", "F16": "fp16"}.get(weight_dtypes.pop(), "fp32") if len(weight_dtypes) == 1 else "fp32"
@@ -406,6 +392,6 @@ def build_metadata(*, arch_name: str, config: dict, steps: int, trigger_words: l
         metadata["modelspec.description"] = notes
     for key, value in (extra or {}).items():
         if not isinstance(value, str):
-            raise ValueError(f"metadata {key!r} is {type(value).__name__}; safetensors metadata must be str")
+            raise TypeError(f"metadata {key!r} is {type(value).__name__}; safetensors metadata must be str")
         metadata[key] = value
     return metadata

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Mapping
+from itertools import pairwise
 from math import prod
-from typing import Mapping
 
 import numpy as np
 
@@ -78,10 +79,13 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 
 def _encode(path, key: str, array, target: str | None) -> tuple[str, np.ndarray]:
     """One tensor → (stored dtype, little-endian contiguous array of its bytes)."""
+    if not isinstance(key, str) or key == "__metadata__":
+        raise SafetensorsError(f"{path}: tensor name {key!r} is not allowed; use a str other than '__metadata__'")
     array = np.asarray(array)
     if target is not None and array.dtype.kind == "f":
         if target not in _FLOAT_TARGETS:
-            raise SafetensorsError(f"{path}: tensor {key!r}: cannot store as {target!r}; use one of {sorted(_FLOAT_TARGETS)}")
+            raise SafetensorsError(f"{path}: tensor {key!r}: cannot store as {target!r}; "
+                                   f"use one of {sorted(_FLOAT_TARGETS)}")
         if target == "BF16":
             return "BF16", float32_to_bf16_bits(array.astype(np.float32))
         array = array.astype(_RAW[target])
@@ -218,7 +222,7 @@ def _check_entry(path, key: str, entry, data_length: int) -> dict:
 
 def _check_overlaps(path, entries: dict[str, dict]) -> None:
     spans = sorted((e["data_offsets"][0], e["data_offsets"][1], k) for k, e in entries.items())
-    for (_, prev_end, prev_key), (begin, _, key) in zip(spans, spans[1:]):
+    for (_, prev_end, prev_key), (begin, _, key) in pairwise(spans):
         if begin < prev_end:
             raise SafetensorsError(f"{path}: tensor {key!r} overlaps tensor {prev_key!r}; {_DAMAGED}")
 

@@ -60,6 +60,10 @@ class TorchBackend:
         self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        # LoRA dropout draws from torch's global RNG (so checkpointing's recompute replays the
+        # same masks); seed it for the run and give the caller's state back at teardown.
+        self.outer_rng = self.rng_state()
+        torch.manual_seed(cfg.seed)
 
     # --- training -----------------------------------------------------------------
     def _to_device(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -208,6 +212,9 @@ class TorchBackend:
             self.checkpointing = None
         if getattr(self, "lora", None) is not None:
             self.lora.remove()
+        if getattr(self, "outer_rng", None) is not None:
+            self.load_rng_state(self.outer_rng)
+            self.outer_rng = None
         for param, requires_grad in getattr(self, "frozen", []):
             param.requires_grad_(requires_grad)
         self.frozen = []

@@ -1,0 +1,100 @@
+"""`python -m trainer` as a user runs it: demo, resume, inspect, export, estimate, train, --help."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args, cwd=ROOT, env=None):
+    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """A short demo stopped part-way, then resumed: the user's two commands."""
+    out = tmp_path_factory.mktemp("demo")
+    first = cli("demo", "--output", out, "--steps", 12, "--stop-after", 6)
+    assert first.returncode == 0, first.stderr
+    assert "stopped at step 6/12" in first.stdout
+    second = cli("demo", "--output", out, "--steps", 12, "--resume")
+    assert second.returncode == 0, second.stderr
+    assert "finished at step 12/12" in second.stdout
+    return out / "demo"
+
+
+def test_demo_writes_lora_run_folder_and_curve(demo_run):
+    assert (demo_run / "demo_lora.safetensors").is_file()
+    assert (demo_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (demo_run / "step-000012" / "run.json").is_file()
+    assert len(list((demo_run / "dataset").glob("*.png"))) == 12
+    info = json.loads((demo_run / "step-000012" / "run.json").read_text())
+    assert len(info["history"]["loss"]) == 12        # the resumed run kept the first six losses
+
+
+def test_inspect_and_export(demo_run, tmp_path):
+    shown = cli("inspect", demo_run / "demo_lora.safetensors")
+    assert shown.returncode == 0, shown.stderr
+    info = json.loads(shown.stdout)
+    assert info["format"] == "comfy" and 16 in info["ranks"]
+    for fmt in ("diffusers", "kohya"):
+        target = tmp_path / f"{fmt}.safetensors"
+        exported = cli("export", demo_run / "demo_lora.safetensors", "--format", fmt, "-o", target)
+        assert exported.returncode == 0, exported.stderr
+        assert json.loads(cli("inspect", target).stdout)["format"] == fmt
+
+
+def test_estimate_prints_a_table(tmp_path):
+    config = tmp_path / "klein.toml"
+    config.write_text('arch = "flux2_klein"\nresolutions = [512, 1024]\nrank = 32\n')
+    result = cli("estimate", config, "--variant", "flux2-klein-4b", "--memory-gb", 24)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("GiB") >= 4 and "1024 px" in result.stdout and "fits in 24 GiB" in result.stdout
+
+
+def test_train_demo_arch_from_a_config(tmp_path, demo_run):
+    config = tmp_path / "run.toml"
+    config.write_text(f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 3\nrank = 4\nalpha = 4.0\n'
+                      f'dataset_dir = "{demo_run / "dataset"}"\noutput_dir = "{tmp_path / "runs"}"\n'
+                      f'run_name = "mine"\nresolutions = [128]\ncheckpoint_every = 0\n')
+    result = cli("train", config)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "runs" / "mine" / "mine.safetensors").is_file()
+    assert (tmp_path / "runs" / "mine" / "step-000003").is_dir()
+
+
+def test_train_comfy_arch_without_comfyui_says_what_to_do(tmp_path):
+    config = tmp_path / "klein.toml"
+    config.write_text('arch = "flux2_klein"\n')
+    env = {k: v for k, v in __import__("os").environ.items() if k != "COMFYUI_PATH"}
+    result = cli("train", config, env=env)
+    assert result.returncode != 0
+    assert "COMFYUI_PATH" in (result.stdout + result.stderr) or "ComfyUI" in (result.stdout + result.stderr)
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("rank = 0\n")
+    result = cli("train", config)
+    assert result.returncode == 2 and "bad.toml: rank must be in 1..256, got 0" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command,options", [
+    ("demo", ["--output", "--resume", "--steps", "--stop-after"]),
+    ("train", ["config", "--resume"]),
+    ("estimate", ["--variant", "--base-dtype", "--memory-gb"]),
+    ("export", ["--format", "--output", "--arch"]),
+    ("inspect", ["lora"]),
+])
+def test_help_documents_every_option(command, options):
+    result = cli(command, "--help")
+    assert result.returncode == 0
+    for option in options:
+        assert option in result.stdout

@@ -1,0 +1,108 @@
+"""Exact resume: stopping after N steps and resuming gives bitwise the weights of an uninterrupted run."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from trainer import safetensors_io, state
+from trainer.loop import train
+
+
+def run(tmp_path, name, make_model, make_data, cfg, *, stop_at=None, resume=False):
+    run_dir = tmp_path / name
+    stop = (lambda: len(progress) >= stop_at) if stop_at else None
+    progress = []
+    return train(cfg, make_model(), make_data(), run_dir=run_dir, resume=run_dir if resume else None,
+                 on_step=progress.append, should_stop=stop)
+
+
+def final_state(result):
+    tensors, _ = safetensors_io.read(result.checkpoint / "state.safetensors")
+    return tensors
+
+
+@pytest.fixture
+def resume_config(make_config):
+    # Everything random is switched on: caption dropout (numpy RNG), LoRA dropout (torch RNG),
+    # EMA, two buckets, accumulation, a schedule with warm-up.
+    return make_config(steps=12, checkpoint_every=4, caption_dropout=0.3, lora_dropout=0.1, ema=True,
+                       ema_decay=0.9, grad_accum=2, lr_schedule="cosine_with_warmup", warmup_steps=3,
+                       log_every=5, gradient_checkpointing=True)
+
+
+def test_resume_is_bitwise_exact(tmp_path, make_model, make_data, resume_config):
+    straight = run(tmp_path, "straight", make_model, make_data, resume_config)
+    first = run(tmp_path, "stopped", make_model, make_data, resume_config, stop_at=5)
+    assert first.stopped and first.step == 5
+    resumed = run(tmp_path, "stopped", make_model, make_data, resume_config, resume=True)
+    assert resumed.step == 12 and not resumed.stopped
+    a, b = final_state(straight), final_state(resumed)
+    assert set(a) == set(b)
+    assert any(k.startswith("ema.") for k in a) and any(k.startswith("optim.") for k in a)
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+    assert straight.history.loss == resumed.history.loss          # the loss history carries over too
+    assert straight.history.lr == resumed.history.lr
+
+
+def test_second_resume_does_not_drift(tmp_path, make_model, make_data, resume_config):
+    straight = run(tmp_path, "straight", make_model, make_data, resume_config)
+    run(tmp_path, "twice", make_model, make_data, resume_config, stop_at=3)
+    run(tmp_path, "twice", make_model, make_data, resume_config, stop_at=4, resume=True)  # 3 → 7
+    resumed = run(tmp_path, "twice", make_model, make_data, resume_config, resume=True)
+    a, b = final_state(straight), final_state(resumed)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoints_pruned_to_newest_k_and_complete(tmp_path, make_model, make_data, make_config):
+    cfg = make_config(steps=10, checkpoint_every=2, keep_checkpoints=2)
+    result = run(tmp_path, "prune", make_model, make_data, cfg)
+    steps = [step for step, _ in state.list_checkpoints(result.run_dir)]
+    assert steps == [8, 10]
+    folder = result.run_dir / "step-000010"
+    assert {p.name for p in folder.iterdir()} == {"lora.safetensors", "state.safetensors", "run.json"}
+    info = json.loads((folder / "run.json").read_text())
+    assert info["step"] == 10 and info["config"]["steps"] == 10 and len(info["history"]["loss"]) == 10
+    assert not list(result.run_dir.glob(".tmp-*"))
+
+
+def test_partial_checkpoints_are_never_chosen(tmp_path, make_model, make_data, make_config):
+    cfg = make_config(steps=4, checkpoint_every=2)
+    result = run(tmp_path, "partial", make_model, make_data, cfg)
+    broken = result.run_dir / "step-000006"                 # newer, but run.json never written
+    broken.mkdir()
+    (broken / "state.safetensors").write_bytes(b"\x00" * 10)
+    (result.run_dir / ".tmp-step-000008-999").mkdir()        # a killed writer's temp folder
+    assert state.load_checkpoint(result.run_dir).step == 4
+
+
+def test_stop_request_saves_a_resumable_checkpoint(tmp_path, make_model, make_data, make_config):
+    result = run(tmp_path, "stop", make_model, make_data, make_config(steps=10), stop_at=3)
+    assert result.stopped and result.checkpoint.name == "step-000003"
+
+
+def test_an_error_raised_by_the_ui_callback_saves_then_propagates(tmp_path, make_model, make_data, make_config):
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class Interrupted(Exception):
+        pass
+
+    def on_step(report):
+        if report.step == 2:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        train(make_config(steps=10), model, make_data(), run_dir=tmp_path / "int", on_step=on_step)
+    assert state.load_checkpoint(tmp_path / "int").step == 2
+    assert all("forward" not in m.__dict__ for m in model.modules())   # model restored after the error
+    assert all((v == before[k]).all() for k, v in model.state_dict().items())
+
+
+def test_resume_with_other_rank_is_refused_clearly(tmp_path, make_model, make_data, make_config):
+    run(tmp_path, "rank", make_model, make_data, make_config(steps=2, checkpoint_every=2))
+    with pytest.raises(ValueError, match="rank"):
+        train(make_config(steps=4, rank=8), make_model(), make_data(), run_dir=tmp_path / "rank",
+              resume=tmp_path / "rank")
