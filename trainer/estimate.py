@@ -1,57 +1,53 @@
 """Memory estimate for one LoRA training step on a full-size Flux2 or Z-Image model.
 
 An estimate, not a measurement: it counts the big tensors and adds a margin.
-Everything is per GPU, diffusion model only; the text encoder and VAE are
-assumed run beforehand (cached latents and embeddings) or offloaded.
+Per GPU, diffusion model only; the text encoder and VAE are assumed run
+beforehand (cached latents and embeddings) or offloaded.
 
-    weights      params x bytes(base_dtype)        bf16 2, fp8 1, fp32 4 (frozen, no grads)
-    lora         rank*(in+out) per targeted Linear, fp32 masters
-    gradients    same as lora (fp32)
-    optimizer    per LoRA param: adamw 8 B (exp_avg + exp_avg_sq), adamw8bit 2 B
-                 (bitsandbytes, block scales ignored), prodigy 16 B (exp_avg,
-                 exp_avg_sq, s, p0; p0 of lora_B is a scalar while B is zero, so
-                 ~14 B in practice), adafactor 4 B x (rows + cols) per LoRA matrix
-                 (torch.optim.Adafactor: factored second moment, no momentum)
-    activations  what autograd keeps, from the block model below
+    weights      params x bytes(base_dtype): bf16 2, fp8 1, fp32 4 (frozen, no grads)
+    lora         rank*(in+out) per targeted Linear, fp32; gradients the same
+    optimizer    per LoRA param: adamw 8 B (exp_avg, exp_avg_sq), adamw8bit 2 B
+                 (bitsandbytes; block scales ignored), prodigy 16 B (exp_avg,
+                 exp_avg_sq, s, p0; p0 of a zero lora_B is a scalar, so ~14 B real);
+                 adafactor 4 B x (rows + cols) per LoRA matrix (torch.optim.Adafactor:
+                 factored second moment, no momentum)
+    activations  what autograd keeps: the block model below
     workspace    1 GiB (CUDA context, cuBLAS workspace, allocator slack) + 2x the
-                 widest Linear output (that tensor and its gradient in backward)
-                 + for fp8 bases the largest weight upcast to bf16 on use
+                 widest Linear output (it and its gradient in backward) + for fp8
+                 bases the largest weight upcast to bf16 on use
 
-Tokens: one per 16x16 pixels in both families (Flux2: latent /16, patch 1;
-Z-Image: latent /8, patch 2, padded to a multiple of 32), plus 512 text tokens
-(Flux2 pads context to 512; for Z-Image 512 caption tokens is an upper bound,
-real captions are shorter). Buckets have area <= res^2, so a square is the worst case.
+Tokens: one per 16x16 pixels of the (square, worst-case) bucket in both families (Flux2: latent /16,
+patch 1; Z-Image: latent /8, patch 2, padded to a multiple of 32), plus 512 text tokens (Flux2 pads
+context to 512; for Z-Image 512 caption tokens is an upper bound).
 
 Block model: bytes autograd keeps per token, read with saved_tensors_hooks from
-ComfyUI 0.17's own blocks at full size on CUDA with Kiln's LoRA on every block
-Linear under bf16 autocast. D = hidden, M = MLP hidden (Flux2 3D; Z-Image 10240).
-A frozen base Linear keeps only its weight; each LoRA branch keeps a bf16 copy of
-its input. LayerNorm (Flux2) keeps an fp32 copy of its input; RMSNorm keeps its
-bf16 input, and the q/k RMSNorm's input is a view that keeps the whole qkv output.
+ComfyUI 0.17's own full-size blocks on CUDA with Kiln's LoRA on every block
+Linear under bf16 autocast. D = hidden, M = MLP hidden (Flux2 3D, Z-Image 10240).
+A frozen base Linear keeps only its weight; each LoRA branch keeps a bf16 copy
+of its input; Flux2's LayerNorm keeps an fp32 copy of its input; the q/k
+RMSNorm's input is a view that keeps the whole qkv output alive.
     Flux2 double block, per token of either stream:
       bf16  qkv in D, qkv out 3D, SDPA q/k/v/out 4D, proj in D, mlp.0 in D,
-            mlp.0 out 2M (gate|up), silu M, mlp.2 in M          = 10D + 4M
-      fp32  norm1 and norm2 inputs                              =  2D
+            mlp.0 out 2M (gate|up), silu M, mlp.2 in M      = 10D + 4M
+      fp32  norm1 and norm2 inputs                          =  2D
     Flux2 single block:
-      bf16  linear1 in D, linear1 out 3D + 2M (SDPA's v is a view of it),
-            SDPA q/k/out 3D, silu M, linear2 in D + M           =  8D + 4M
-      fp32  pre_norm input                                      =  1D
+      bf16  linear1 in D, out 3D + 2M (SDPA's v is a view of it), SDPA q/k/out 3D,
+            silu M, linear2 in D + M                        =  8D + 4M
+      fp32  pre_norm input                                  =  1D
     Z-Image block (layers, noise_refiner, context_refiner):
       bf16  norm1 in D, qkv in D, qkv out 3D, SDPA 4D, out in D, norm2 in D,
-            ffn_norm1 in D, w1 in + w3 in 2D (one copy per branch),
-            w1/w3/silu out 3M, w2 in M, ffn_norm2 in D          = 15D + 4M
+            ffn_norm1 in D, w1 and w3 in 2D (a copy per branch), w1/w3/silu
+            out 3M, w2 in M, ffn_norm2 in D                 = 15D + 4M
 Without checkpointing every block keeps all of this; with per-block
 checkpointing each block keeps only its input (D per token) and one block's
-internals are rebuilt at a time during backward. The final layer adds ~2D per
-image token. Not counted: the RoPE table (shared by all blocks), the rank-r LoRA
-hiddens (r per token per Linear), EMA (one more LoRA copy). Targeting fewer
-Linears saves up to ~1D per token per untargeted Linear; mixed_precision "no"
-keeps the same tensors in fp32.
+internals are rebuilt at a time in backward. The final layer adds 2D per image
+token. Not counted: the RoPE table (shared), the rank-r LoRA hiddens, EMA (one
+more LoRA copy). Fewer targets save up to ~1D per token per untargeted Linear;
+mixed_precision "no" keeps the same tensors in fp32.
 
-Checked on an H200 (torch 2.11, ComfyUI 0.17 models with random weights, Kiln's
-LoRA, AdamW, one step): the total lands within -7%..+9% of peak reserved memory
-plus CUDA context for Klein 4B/9B and Z-Image at 512 and 1024 px, checkpointing
-on and off; the low end is Z-Image without checkpointing (allocator slack).
+Checked on an H200 (torch 2.11, ComfyUI 0.17 models with random weights, Kiln's LoRA, AdamW, one
+step): totals within -7%..+9% of peak reserved memory plus context for Klein 4B/9B and Z-Image at
+512 and 1024 px, checkpointing on and off (low end: Z-Image without checkpointing, allocator slack).
 """
 from __future__ import annotations
 
@@ -99,6 +95,9 @@ def _flux2(variant, arch, hidden, double, single, context_dim, guidance=False):
                      TEXT_TOKENS, 16, 128, 1, guidance_embed=guidance)
 
 
+# Flux2: model_detection.py's flux2 branch (heads = hidden/128, mlp_ratio 3.0, global modulation, gated
+# SiLU MLP, no biases; hidden from img_in, blocks counted). Z-Image: its `dim == 3840` branch (30 heads,
+# ffn multiplier 8/3 -> 10240, z_image_modulation) and lumina/model.py NextDiT's 2 + 2 refiners.
 VARIANTS: dict[str, ModelDims] = {
     "flux2-klein-4b": _flux2("flux2-klein-4b", "flux2_klein", 3072, 5, 20, 7680),
     "flux2-klein-9b": _flux2("flux2-klein-9b", "flux2_klein", 4096, 8, 24, 12288),
@@ -109,6 +108,7 @@ VARIANTS: dict[str, ModelDims] = {
 
 
 def get_dims(variant: str | ModelDims) -> ModelDims:
+    """VARIANTS[variant]; a ModelDims passes through (for hypothetical sizes)."""
     if isinstance(variant, ModelDims):
         return variant
     try:
@@ -228,6 +228,8 @@ OPTIMIZER_STATE = {
 
 @dataclass
 class Estimate:
+    """Bytes per part of one training step; `total` is their sum."""
+
     weights: int
     lora: int
     gradients: int
@@ -241,32 +243,19 @@ class Estimate:
     settings: dict = field(default_factory=dict)  # the estimate() arguments, for what-if advice
 
 
-def _block_groups(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[tuple[str, int, int]]:
-    """(block kind, blocks, tokens each sees) per block list, in forward order."""
-    joint = image_tokens + text_tokens
+def _blocks(dims: ModelDims, image_tokens: int, text_tokens: int, act: int) -> list[tuple[int, int, int]]:
+    """(bytes kept per token inside one block, blocks, tokens each sees) per block list (docstring model)."""
+    D, M, joint = dims.hidden, dims.mlp_hidden, image_tokens + text_tokens
     if dims.family == "flux2":
-        return [("double", dims.double_blocks, joint), ("single", dims.single_blocks, joint)]
-    return [("zimage", dims.refiner_blocks, image_tokens), ("zimage", dims.refiner_blocks, text_tokens),
-            ("zimage", dims.single_blocks, joint)]
+        return [((10 * D + 4 * M) * act + 2 * D * 4, dims.double_blocks, joint),  # fp32: norm1, norm2 inputs
+                ((8 * D + 4 * M) * act + D * 4, dims.single_blocks, joint)]       # fp32: pre_norm input
+    per_token = (15 * D + 4 * M) * act
+    return [(per_token, dims.refiner_blocks, image_tokens), (per_token, dims.refiner_blocks, text_tokens),
+            (per_token, dims.single_blocks, joint)]
 
 
-def _saved_bytes_per_token(kind: str, dims: ModelDims, act: int) -> int:
-    """Bytes autograd keeps per token inside one block (module docstring: the block model)."""
-    D, M = dims.hidden, dims.mlp_hidden
-    low, fp32 = {"double": (10 * D + 4 * M, 2 * D),   # fp32: norm1 and norm2 inputs
-                 "single": (8 * D + 4 * M, D),        # fp32: pre_norm input
-                 "zimage": (15 * D + 4 * M, 0)}[kind]
-    return low * act + fp32 * 4
-
-
-def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, rank: int = 32,
-             targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
-             gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16") -> Estimate:
-    """Bytes one training step needs at square `resolution` (the largest bucket)."""
-    settings = dict(variant=variant, resolution=resolution, batch_size=batch_size, rank=rank, targets=targets,
-                    optimizer=optimizer, gradient_checkpointing=gradient_checkpointing, base_dtype=base_dtype,
-                    mixed_precision=mixed_precision)
-    dims = get_dims(variant)
+def _check(dims: ModelDims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision) -> int:
+    """Validate the settings; returns the pixels per token side."""
     for name, value, table in (("optimizer", optimizer, OPTIMIZER_STATE), ("base_dtype", base_dtype, BASE_DTYPE_BYTES),
                                ("mixed_precision", mixed_precision, ACTIVATION_BYTES)):
         if value not in table:
@@ -276,59 +265,63 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
         raise ValueError(f"resolution must be a positive multiple of {side} px for {dims.variant}, got {resolution}")
     if batch_size < 1 or rank < 1:
         raise ValueError(f"batch_size and rank must be >= 1, got {batch_size} and {rank}")
+    return side
 
+
+def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int, checkpointing: bool) -> int:
+    D = dims.hidden
+    groups = [group for group in _blocks(dims, image_tokens, text_tokens, act) if group[1]]
+    head = 2 * D * act * image_tokens  # final layer: norm input and modulated output
+    if not checkpointing:
+        return sum(per_token * n * t for per_token, n, t in groups) + head
+    boundaries = sum(n * t * D * act for _, n, t in groups)  # each block's input
+    return boundaries + max(per_token * t for per_token, _, t in groups) + head
+
+
+def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, rank: int = 32,
+             targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
+             gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16") -> Estimate:
+    """Bytes one training step needs at square `resolution` (the largest bucket)."""
+    settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
+                "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
+                "base_dtype": base_dtype, "mixed_precision": mixed_precision}
+    dims = get_dims(variant)
+    side = _check(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
     image_tokens = (resolution // side) ** 2
     if dims.family == "zimage":
         image_tokens = -(-image_tokens // 32) * 32  # pad_tokens_multiple
-    text_tokens = dims.context_tokens
-    act = ACTIVATION_BYTES[mixed_precision]
-    D = dims.hidden
-
+    text_tokens, act = dims.context_tokens, ACTIVATION_BYTES[mixed_precision]
+    tokens = batch_size * (image_tokens + text_tokens)
     shapes = _lora_shapes(dims, targets)
     lora_params = sum(rank * (i + o) for i, o in shapes)
+
     weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
-
-    groups = [(_saved_bytes_per_token(kind, dims, act), n, t * batch_size)
-              for kind, n, t in _block_groups(dims, image_tokens, text_tokens) if n]
-    head = 2 * D * act * image_tokens * batch_size  # final layer's norm input and modulated output
-    if gradient_checkpointing:
-        boundaries = sum(n * t * D * act for _, n, t in groups)
-        activations = boundaries + max(per_token * t for per_token, _, t in groups) + head
-    else:
-        activations = sum(per_token * n * t for per_token, n, t in groups) + head
-
-    widest = 3 * D + 2 * dims.mlp_hidden if dims.family == "flux2" else max(3 * D, dims.mlp_hidden)
-    workspace = CUDA_CONTEXT_BYTES + 2 * widest * max(t for _, _, t in groups) * act
+    activations = batch_size * _activations(dims, image_tokens, text_tokens, act, gradient_checkpointing)
+    widest = 3 * dims.hidden + 2 * dims.mlp_hidden if dims.family == "flux2" else 3 * dims.hidden
+    workspace = CUDA_CONTEXT_BYTES + 2 * widest * tokens * act
     if base_dtype == "fp8":
         workspace += 2 * max(i * o for i, o in linear_layers(dims).values())
-
-    parts = dict(weights=weights, lora=4 * lora_params, gradients=4 * lora_params,
-                 optimizer=OPTIMIZER_STATE[optimizer](shapes, rank), activations=activations, workspace=workspace)
+    optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
     notes = [f"{image_tokens} image + {text_tokens} text tokens per sample"
              + (" (512 caption tokens is an upper bound)" if dims.family == "zimage" else " (context padded to 512)"),
              "diffusion model only: text encoder and VAE cached or offloaded",
              "an estimate: measured peaks on an H200 fell within -7%..+9% of it"]
     if optimizer == "prodigy":
         notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
-    return Estimate(**parts, total=sum(parts.values()), lora_params=lora_params,
-                    tokens=batch_size * (image_tokens + text_tokens), notes=notes, settings=settings)
+    total = weights + 8 * lora_params + optimizer_bytes + activations + workspace
+    return Estimate(weights=weights, lora=4 * lora_params, gradients=4 * lora_params, optimizer=optimizer_bytes,
+                    activations=activations, workspace=workspace, total=total, lora_params=lora_params,
+                    tokens=tokens, notes=notes, settings=settings)
 
 
-def _advice(settings: dict) -> list[tuple[str, dict]]:
+def _advice(s: dict) -> list[tuple[str, dict]]:
     """Changes that lower memory, cheapest in quality first."""
-    steps = []
-    if not settings["gradient_checkpointing"]:
-        steps.append(("gradient checkpointing on", {"gradient_checkpointing": True}))
-    if settings["optimizer"] in ("adamw", "prodigy"):
-        steps.append(("optimizer adamw8bit", {"optimizer": "adamw8bit"}))
-    if settings["base_dtype"] not in ("fp8",):
-        steps.append(("base weights fp8", {"base_dtype": "fp8"}))
-    if settings["batch_size"] > 1:
-        steps.append(("batch size 1 (raise grad_accum instead)", {"batch_size": 1}))
-    for res in (768, 512):
-        if res < settings["resolution"]:
-            steps.append((f"resolution {res}", {"resolution": res}))
-    return steps
+    steps = [("gradient checkpointing on", {"gradient_checkpointing": True}, not s["gradient_checkpointing"]),
+             ("optimizer adamw8bit (bitsandbytes)", {"optimizer": "adamw8bit"}, s["optimizer"] in ("adamw", "prodigy")),
+             ("base weights fp8", {"base_dtype": "fp8"}, s["base_dtype"] != "fp8"),
+             ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, s["batch_size"] > 1)]
+    steps += [(f"resolution {res}", {"resolution": res}, res < s["resolution"]) for res in (768, 512)]
+    return [(label, change) for label, change, useful in steps if useful]
 
 
 def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> str:
@@ -351,7 +344,7 @@ def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> 
         return "\n".join(lines)
     lines.append(f"does not fit in {device_memory_gb:g} GiB (needs {est.total / GIB:.1f} GiB); try, in order:")
     changes: dict = {}
-    for label, change in _advice(s):
+    for label, change in _advice(s) if s else []:
         changes.update(change)
         total = estimate(**{**s, **changes}).total
         fits = total <= budget

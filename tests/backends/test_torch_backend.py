@@ -153,3 +153,49 @@ def test_optimizer_state_round_trip(make_model, make_config):
     again, _ = other.optimizer_state()
     assert set(again) == set(tensors)
     assert all(np.array_equal(again[k], tensors[k]) for k in tensors)
+
+
+class InPlaceBlock(torch.nn.Module):
+    """Like ComfyUI's Flux2 blocks: adds into its own input tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale=None):
+        x += self.lin(x * 2.0) * scale   # autograd keeps x * 2, not x: only the checkpoint holds x
+        return x
+
+
+class InPlaceNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList([InPlaceBlock(), InPlaceBlock()])
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h, scale=torch.tensor(0.5))
+        return h
+
+
+def test_checkpointing_survives_blocks_that_modify_their_input():
+    from trainer.backends.torch_backend.checkpointing import BlockCheckpointing
+    from trainer.backends.torch_backend.lora import LoraSet
+
+    x, grads = torch.randn(2, 3, 8), []
+    for checkpointing in (False, True):
+        net = InPlaceNet()
+        net.requires_grad_(False)
+        lora = LoraSet(net, ["inp", "lin"], rank=2, alpha=2, dropout=0, seed=0)
+        with torch.no_grad():
+            for _, p in lora.named_parameters():
+                p.add_(0.1)
+        hooks = BlockCheckpointing(net, ("blocks",)) if checkpointing else None
+        net(x).square().sum().backward()   # raised "modified by an inplace operation" before the fix
+        grads.append(torch.cat([p.grad.flatten() for _, p in lora.named_parameters()]))
+        if hooks:
+            hooks.remove()
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)

@@ -24,5 +24,7 @@ def get_backend(name: str):
     except ModuleNotFoundError as err:
         if err.name and err.name.split(".")[0] in ("torch", "mlx"):
             raise RuntimeError(f"backend {name!r} needs {err.name}: {_INSTALL_HINT[name]}") from err
+        if err.name == module_name.rsplit(".", 1)[0]:
+            raise RuntimeError(f"backend {name!r} is not part of this Kiln version yet; use backend 'torch'") from err
         raise
     return getattr(module, class_name)()

@@ -25,11 +25,20 @@ def find_blocks(model: nn.Module, block_lists: tuple[str, ...]) -> list[nn.Modul
     return [block for blocks in lists for block in blocks]
 
 
+def _copy_floats(value):
+    return value.clone() if torch.is_tensor(value) and value.is_floating_point() else value
+
+
 def _checkpointed(block_forward):
+    # ComfyUI's Flux2 blocks add into their own inputs (`img += ...`), while the checkpoint
+    # keeps those inputs for the recompute: the block must work on copies (transient memory).
+    def fresh_inputs(*args, **kwargs):
+        return block_forward(*map(_copy_floats, args), **{k: _copy_floats(v) for k, v in kwargs.items()})
+
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return block_forward(*args, **kwargs)
-        return checkpoint(block_forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fresh_inputs, *args, use_reentrant=False, **kwargs)
     return forward
 
 

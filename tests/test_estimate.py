@@ -1,0 +1,149 @@
+"""trainer/estimate.py: full-size dims, parameter counts, header detection and the memory model."""
+import subprocess
+import sys
+
+import pytest
+
+from trainer.estimate import GIB, VARIANTS, estimate, format_estimate, linear_layers, param_count, variant_from_header
+
+# Published sizes. Klein 4B's "4B" rounds 3.88B up: its bf16 checkpoint is ~7.75 GB, and
+# ComfyUI's own module holds 3,875,544,576 parameters (3.1% under 4.0B), hence 3.5% there.
+PUBLISHED = {"flux2-klein-4b": (4.0e9, 0.035), "flux2-klein-9b": (9.0e9, 0.03),
+             "flux2-dev": (32.0e9, 0.03), "zimage": (6.15e9, 0.03)}
+
+# Exact counts of ComfyUI 0.17's Flux / NextDiT modules built on the meta device from the
+# config model_detection.py sets for each checkpoint (checked when this file was written).
+COMFYUI_COUNTS = {"flux2-klein-4b": 3_875_544_576, "flux2-klein-9b": 9_078_581_248,
+                  "flux2-dev": 32_223_281_152, "zimage": 6_154_908_736}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_param_count_matches_published_size(variant):
+    published, tolerance = PUBLISHED[variant]
+    assert param_count(VARIANTS[variant]) == pytest.approx(published, rel=tolerance)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_param_count_matches_comfyui_module(variant):
+    assert param_count(VARIANTS[variant]) == COMFYUI_COUNTS[variant]
+
+
+def test_linear_shapes_follow_comfyui():
+    klein = linear_layers(VARIANTS["flux2-klein-4b"])
+    assert klein["double_blocks.0.img_attn.qkv"] == (3072, 9216)
+    assert klein["double_blocks.4.txt_mlp.0"] == (3072, 2 * 9216)        # gated: gate | up
+    assert klein["single_blocks.19.linear1"] == (3072, 3 * 3072 + 2 * 9216)
+    assert klein["single_blocks.0.linear2"] == (3072 + 9216, 3072)
+    assert klein["txt_in"] == (7680, 3072) and "guidance_in.in_layer" not in klein
+    assert len(klein) == 5 * 8 + 20 * 2 + 9
+    assert "guidance_in.in_layer" in linear_layers(VARIANTS["flux2-dev"])
+    zimage = linear_layers(VARIANTS["zimage"])
+    assert zimage["layers.29.feed_forward.w1"] == (3840, 10240)
+    assert zimage["noise_refiner.1.adaLN_modulation.0"] == (256, 4 * 3840)
+    assert "context_refiner.0.adaLN_modulation.0" not in zimage   # context refiner is unmodulated
+    assert zimage["cap_embedder.1"] == (2560, 3840)
+
+
+def header(variant, prefix=""):
+    return {f"{prefix}{name}.weight": [out, inp] for name, (inp, out) in linear_layers(VARIANTS[variant]).items()}
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_from_header(variant, prefix):
+    shapes = header(variant, prefix)
+    shapes["__metadata__"] = {"format": "pt"}  # a raw safetensors header carries this; it is skipped
+    assert variant_from_header(shapes) == variant
+
+
+def test_header_of_another_model_is_rejected():
+    flux1 = {"double_blocks.0.img_attn.qkv.weight": [9216, 3072], "img_in.weight": [3072, 64]}
+    with pytest.raises(ValueError, match="not a Flux2 or Z-Image"):
+        variant_from_header(flux1)
+    small = {k: v for k, v in header("flux2-klein-4b").items() if not k.startswith("single_blocks.19.")}
+    with pytest.raises(ValueError, match="flux2-klein-9b"):  # 19 single blocks: no known variant; lists them
+        variant_from_header(small)
+
+
+def test_unknown_variant_lists_variants():
+    with pytest.raises(ValueError) as err:
+        estimate("flux3", resolution=1024)
+    assert all(name in str(err.value) for name in VARIANTS)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("resolution", [512, 1024])
+def test_checkpointing_lowers_activations(variant, resolution):
+    on = estimate(variant, resolution=resolution, gradient_checkpointing=True)
+    off = estimate(variant, resolution=resolution, gradient_checkpointing=False)
+    assert on.activations * 4 < off.activations
+    assert on.total < off.total and on.weights == off.weights
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_activations_grow_linearly_in_tokens(variant):
+    # SDPA/flash keeps no T x T matrix, so bytes per token stay put as the image grows.
+    small, large = (estimate(variant, resolution=r, gradient_checkpointing=False) for r in (1024, 2048))
+    assert large.tokens > 3 * small.tokens
+    assert large.activations / small.activations == pytest.approx(large.tokens / small.tokens, rel=0.05)
+    batched = estimate(variant, resolution=1024, batch_size=2, gradient_checkpointing=False)
+    assert batched.activations == 2 * small.activations and batched.tokens == 2 * small.tokens
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "prodigy"])
+def test_rank_doubles_lora_bytes(optimizer):
+    r16, r32 = (estimate("zimage", resolution=512, rank=rank, optimizer=optimizer) for rank in (16, 32))
+    assert r32.lora_params == 2 * r16.lora_params
+    assert (r32.lora, r32.gradients, r32.optimizer) == (2 * r16.lora, 2 * r16.gradients, 2 * r16.optimizer)
+
+
+def test_lora_params_follow_targets():
+    rank, klein = 32, linear_layers(VARIANTS["flux2-klein-4b"])
+    qkv_only = estimate("flux2-klein-4b", resolution=512, rank=rank, targets=("img_attn.qkv",))
+    assert qkv_only.lora_params == 5 * rank * (3072 + 9216)
+    default = estimate("flux2-klein-4b", resolution=512, rank=rank)
+    blocks = [shape for name, shape in klein.items() if name.startswith(("double_blocks.", "single_blocks."))]
+    assert default.lora_params == sum(rank * (i + o) for i, o in blocks)  # arch defaults: every block Linear
+    regex = estimate("flux2-klein-4b", resolution=512, rank=rank, targets=(r"re:single_blocks\.0\.linear[12]",))
+    assert regex.lora_params == rank * (3072 + 27648 + 12288 + 3072)
+    with pytest.raises(ValueError, match="img_attn.qvk"):
+        estimate("flux2-klein-4b", resolution=512, targets=("img_attn.qvk",))
+
+
+def test_optimizer_and_dtype_bytes():
+    adamw, adam8, prodigy, adafactor = (estimate("flux2-klein-9b", resolution=512, optimizer=o)
+                                        for o in ("adamw", "adamw8bit", "prodigy", "adafactor"))
+    assert adamw.optimizer == 8 * adamw.lora_params == 4 * adam8.optimizer
+    assert prodigy.optimizer == 2 * adamw.optimizer
+    assert 0 < adafactor.optimizer < adamw.optimizer / 20  # factored: rows + cols per matrix
+    fp8 = estimate("flux2-klein-9b", resolution=512, base_dtype="fp8")
+    assert 2 * fp8.weights == adamw.weights == 2 * param_count(VARIANTS["flux2-klein-9b"])
+    fp32 = estimate("flux2-klein-9b", resolution=512, mixed_precision="no")
+    assert fp32.activations > adamw.activations
+    for bad in ({"optimizer": "sgd"}, {"base_dtype": "int4"}, {"resolution": 1000}, {"rank": 0}):
+        with pytest.raises(ValueError):
+            estimate("flux2-klein-9b", **{"resolution": 512, **bad})
+
+
+def test_tokens_per_family():
+    assert estimate("flux2-klein-4b", resolution=1024).tokens == 64 * 64 + 512
+    assert estimate("zimage", resolution=1024).tokens == 64 * 64 + 512
+    assert estimate("zimage", resolution=16 * 33).tokens == 1120 + 512  # 33² = 1089 padded to 32s
+
+
+def test_format_estimate_says_fit_or_not():
+    est = estimate("flux2-klein-4b", resolution=1024, gradient_checkpointing=False)
+    table = format_estimate(est)
+    assert "weights" in table and "activations" in table and "total" in table and "fit" not in table
+    assert "fits in 80 GiB" in format_estimate(est, device_memory_gb=80)
+    advice = format_estimate(est, device_memory_gb=12)
+    assert "does not fit in 12 GiB" in advice and "gradient checkpointing on" in advice
+    assert advice.rstrip().endswith("(fits)")
+    hopeless = format_estimate(estimate("flux2-dev", resolution=1024), device_memory_gb=8)
+    assert "still too large" in hopeless
+    assert f"{est.total / GIB:.2f}" in table
+
+
+def test_estimate_imports_no_torch():
+    code = "import sys, trainer.estimate; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
