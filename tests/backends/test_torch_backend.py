@@ -199,3 +199,13 @@ def test_checkpointing_survives_blocks_that_modify_their_input():
         if hooks:
             hooks.remove()
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_bf16_base_model_trains_fp32_lora(make_model, make_config, mixed_precision):
+    backend = TorchBackend()
+    backend.setup(make_model().to(torch.bfloat16), make_config(mixed_precision=mixed_precision), get_arch("demo"))
+    losses = backend.scalars([backend.step([fixed_batch()], 1e-2).loss for _ in range(3)])
+    assert all(np.isfinite(losses))
+    assert all(p.dtype == torch.float32 and p.grad is None for p in backend.params.values())  # zeroed after step
+    assert any(torch.count_nonzero(b.lora_B) for b in backend.lora.branches().values())     # it learned

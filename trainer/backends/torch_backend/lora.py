@@ -29,8 +29,11 @@ class LoraBranch(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [..., in] → [..., out]; under autocast the matmuls run in bf16 on fp32 masters.
-        hidden = nn.functional.linear(self.dropout(x.to(self.lora_A.dtype)), self.lora_A)
+        # x [..., in] → [..., out]. Under autocast the matmuls run in bf16 on the fp32 masters and x
+        # is used as it comes (no fp32 copy for autograd to keep); otherwise the branch runs in fp32.
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.lora_A.dtype)
+        hidden = nn.functional.linear(self.dropout(x), self.lora_A)
         return nn.functional.linear(hidden, self.lora_B) * self.scale
 
     def delta_weight(self) -> torch.Tensor:
