@@ -237,7 +237,7 @@ def from_dict(values: dict[str, Any], *, preset: str | None = None) -> TrainConf
     preset = values.pop("preset", None) or preset
     merged: dict[str, Any] = {}
     if preset:
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
         merged.update(PRESETS[preset])
     unknown = [key for key in values if key not in FIELDS]
