@@ -2,7 +2,7 @@
 
 ComfyUI loads this folder as a custom-node pack through the V3 entry point
 below. Nodes are imported lazily so that loading the pack costs nothing until
-ComfyUI asks for them. (No NODE_CLASS_MAPPINGS here: ComfyUI would then ignore
+ComfyUI asks for them. (No V1 node-mapping dict here: ComfyUI would then ignore
 comfy_entrypoint.)
 """
 WEB_DIRECTORY = "./web"

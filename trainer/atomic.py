@@ -32,6 +32,8 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
+            # mkstemp makes the file 0600; give it the old file's mode, or the usual 0644.
+            os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o644)
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())

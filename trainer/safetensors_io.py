@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from itertools import pairwise
 from math import prod
 
 import numpy as np
+
+from .atomic import atomic_write
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # real headers are KB..MB; more means a corrupt length
 _DAMAGED = "the file is damaged or not a safetensors file; re-download or re-save it"
@@ -125,38 +126,14 @@ def write(path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] |
         entries[key] = {"dtype": stored, "shape": list(data.shape), "data_offsets": [offset, offset + data.nbytes]}
         offset += data.nbytes
     header = _header_bytes(entries, metadata, path)
-    _atomic_write(path, [len(header).to_bytes(8, "little"), header] + [encoded[k][1] for k in order])
+    _write_chunks(path, [len(header).to_bytes(8, "little"), header] + [encoded[k][1] for k in order])
 
 
-def _atomic_write(path, chunks) -> None:
-    """Temp file in the same folder → fsync → os.replace → fsync folder: never a partial `path`."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            # mkstemp makes the file 0600; give it the old file's mode, or the usual 0644.
-            os.chmod(tmp, os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o644)
-            for chunk in chunks:
-                f.write(chunk.data if isinstance(chunk, np.ndarray) else chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_folder(folder)
-
-
-def _fsync_folder(folder: str) -> None:
-    # Makes the rename itself durable; Windows cannot open a folder for fsync.
-    if os.name == "nt":
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _write_chunks(path, chunks) -> None:
+    def write_all(handle) -> None:
+        for chunk in chunks:
+            handle.write(chunk.data if isinstance(chunk, np.ndarray) else chunk)
+    atomic_write(path, write_all)
 
 
 # ---------------------------------------------------------------- reading
