@@ -23,8 +23,11 @@ context to 512; for Z-Image 512 caption tokens is an upper bound).
 Block model: bytes autograd keeps per token, read with saved_tensors_hooks from
 ComfyUI 0.17's own full-size blocks on CUDA with Kiln's LoRA on every block
 Linear under bf16 autocast. D = hidden, M = MLP hidden (Flux2 3D, Z-Image 10240).
-A frozen base Linear keeps only its weight; each LoRA branch keeps a bf16 copy
-of its input; Flux2's LayerNorm keeps an fp32 copy of its input; the q/k
+A frozen base Linear keeps only its weight; each LoRA branch keeps its bf16
+input (measured when every branch kept its own copy; since the branch uses the
+input as it comes, Linears sharing one input share it, so Z-Image's w1/w3 term
+below counts D per token more than autograd now keeps: a conservative ~4 %
+of a Z-Image block); Flux2's LayerNorm keeps an fp32 copy of its input; the q/k
 RMSNorm's input is a view that keeps the whole qkv output alive.
     Flux2 double block, per token of either stream:
       bf16  qkv in D, qkv out 3D, SDPA q/k/v/out 4D, proj in D, mlp.0 in D,
@@ -314,13 +317,14 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
                     tokens=tokens, notes=notes, settings=settings)
 
 
-def _advice(s: dict) -> list[tuple[str, dict]]:
+def _advice(settings: dict) -> list[tuple[str, dict]]:
     """Changes that lower memory, cheapest in quality first."""
-    steps = [("gradient checkpointing on", {"gradient_checkpointing": True}, not s["gradient_checkpointing"]),
-             ("optimizer adamw8bit (bitsandbytes)", {"optimizer": "adamw8bit"}, s["optimizer"] in ("adamw", "prodigy")),
-             ("base weights fp8", {"base_dtype": "fp8"}, s["base_dtype"] != "fp8"),
-             ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, s["batch_size"] > 1)]
-    steps += [(f"resolution {res}", {"resolution": res}, res < s["resolution"]) for res in (768, 512)]
+    steps = [("gradient checkpointing on", {"gradient_checkpointing": True}, not settings["gradient_checkpointing"]),
+             ("optimizer adamw8bit (bitsandbytes)", {"optimizer": "adamw8bit"},
+              settings["optimizer"] in ("adamw", "prodigy")),
+             ("base weights fp8", {"base_dtype": "fp8"}, settings["base_dtype"] != "fp8"),
+             ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1)]
+    steps += [(f"resolution {res}", {"resolution": res}, res < settings["resolution"]) for res in (768, 512)]
     return [(label, change) for label, change, useful in steps if useful]
 
 

@@ -269,6 +269,12 @@ def _arch(arch: Arch | str | None) -> Arch | None:
     return get_arch(arch) if isinstance(arch, str) else arch
 
 
+def _arch_or_metadata(arch: Arch | str | None, metadata: Mapping[str, str]) -> Arch | None:
+    """The given arch, else the file's kiln.arch; a name we do not know (a newer Kiln's) gives None,
+    which only matters for diffusers, which then says so."""
+    return _arch(arch) if arch is not None else ARCHS.get(metadata.get("kiln.arch", ""))
+
+
 def to_tensors(lora: Lora, fmt: str, arch: Arch | str | None) -> dict[str, np.ndarray]:
     if fmt not in FORMATS:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {list(FORMATS)}")
@@ -307,8 +313,7 @@ def from_tensors(tensors: Mapping[str, np.ndarray], *, arch: Arch | str | None =
     """Detect the format and read the LoRA; arch and module names default to the file's metadata."""
     metadata = metadata or {}
     fmt = detect_format(tensors, source)
-    # An arch name we do not know (a newer Kiln's) only matters for diffusers, which then says so.
-    arch = _arch(arch) if arch is not None else ARCHS.get(metadata.get("kiln.arch", ""))
+    arch = _arch_or_metadata(arch, metadata)
     if module_names is None:
         module_names = _module_paths(metadata, source)
     return FORMATS[fmt].from_tensors(tensors, arch, module_names, source), fmt
@@ -350,7 +355,7 @@ def describe(path) -> dict:
 def export(src, dst, fmt: str, *, arch: Arch | str | None = None) -> None:
     """Rewrite a LoRA file in another format, keeping its metadata and weight dtype."""
     header, metadata = safetensors_io.read_header(src)
-    arch = _arch(arch) if arch is not None else ARCHS.get(metadata.get("kiln.arch", ""))
+    arch = _arch_or_metadata(arch, metadata)
     lora, metadata = load_lora(src, arch=arch)
     weight_dtypes = {e["dtype"] for key, e in header.items() if not key.endswith(".alpha")}
     dtype = {"BF16": "bf16", "F16": "fp16"}.get(weight_dtypes.pop(), "fp32") if len(weight_dtypes) == 1 else "fp32"
