@@ -49,3 +49,33 @@ def test_reports_every_step_with_loss_when_logged(tmp_path, make_model, make_dat
     assert reports[-1].eta_s == 0.0 and reports[0].it_per_s > 0
     assert len(result.history.loss) == 6 and all(np.isfinite(result.history.loss))
     assert result.trainable_parameters > 0 and result.ema_lora is None
+
+
+def test_validate_runs_every_n_with_ema_weights(make_model, make_data, make_config, tmp_path):
+    """validate() sees the EMA weights: its output equals the base model with the EMA LoRA merged by hand."""
+    import torch
+
+    from trainer.loop import train
+
+    torch.manual_seed(0)
+    x, sigma, ctx = torch.randn(1, 16, 4, 4), torch.tensor([0.5]), torch.randn(1, 8, 32)
+    model, outputs = make_model(), {}
+
+    def validate(step):
+        with torch.no_grad():
+            outputs[step] = model(x, sigma, ctx)
+
+    cfg = make_config(steps=6, ema=True, ema_decay=0.5, checkpoint_every=0)
+    result = train(cfg, model, make_data(), run_dir=tmp_path, validate=validate, validate_every=4)
+    assert sorted(outputs) == [4, 6]
+
+    def merged(lora):
+        base = make_model()
+        layers = dict(base.named_modules())
+        with torch.no_grad():
+            for path, w in lora.items():
+                layers[path].weight += torch.from_numpy(w.B @ w.A) * (w.alpha / w.A.shape[0])
+            return base(x, sigma, ctx)
+
+    torch.testing.assert_close(outputs[6], merged(result.ema_lora), atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(outputs[6], merged(result.lora), atol=1e-5)

@@ -106,3 +106,17 @@ def test_resume_with_other_rank_is_refused_clearly(tmp_path, make_model, make_da
     with pytest.raises(ValueError, match="rank"):
         train(make_config(steps=4, rank=8), make_model(), make_data(), run_dir=tmp_path / "rank",
               resume=tmp_path / "rank")
+
+
+def test_checkpoint_lora_matches_run_result(make_model, make_data, make_config, tmp_path):
+    from trainer.loop import train
+    from trainer.state import checkpoint_history, checkpoint_lora, load_checkpoint
+
+    cfg = make_config(steps=4, ema=True, checkpoint_every=0)
+    result = train(cfg, make_model(), make_data(), run_dir=tmp_path)
+    checkpoint = load_checkpoint(tmp_path)
+    for mine, theirs in ((checkpoint_lora(checkpoint), result.lora), (checkpoint_lora(checkpoint, ema=True), result.ema_lora)):
+        assert set(mine) == set(theirs)
+        for path in mine:
+            np.testing.assert_array_equal(mine[path].B, theirs[path].B)
+    assert checkpoint_history(checkpoint).loss == result.history.loss

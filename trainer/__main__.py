@@ -1,4 +1,4 @@
-"""Command line: python -m trainer {demo, train, estimate, export, inspect}. Run with --help."""
+"""Command line: python -m trainer {demo, train, check-dataset, cache, estimate, export, inspect}. Run with --help."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +48,8 @@ def _run(cfg, model, data, run_dir: Path, resume, stop_after: int | None = None)
     from .state import list_checkpoints
 
     start = list_checkpoints(run_dir)[-1][0] if resume and list_checkpoints(run_dir) else 0
+    for problem in getattr(data, "skipped", []):
+        print(f"skipped {problem.line()}", file=sys.stderr)
     bar, on_step = _progress(cfg.steps, start)
     stop = _StopOnSignal()
     should_stop = (lambda: stop() or bar.n >= stop_after) if stop_after else stop
@@ -97,7 +99,7 @@ def cmd_demo(args) -> int:
     if not args.resume or not dataset.is_dir():
         make_images(dataset, seed=cfg.seed)
     started = time.perf_counter()
-    result = _run(cfg, build_tiny_flux(cfg.seed), build_data(dataset, cfg.trigger_word), run_dir,
+    result = _run(cfg, build_tiny_flux(cfg.seed), build_data(cfg, dataset), run_dir,
                   args.resume, args.stop_after)
     print(f"demo run folder: {run_dir} ({time.perf_counter() - started:.1f} s)")
     _finish(cfg, result, run_dir, "demo_lora")
@@ -113,8 +115,9 @@ def cmd_train(args) -> int:
     from .demo import build_data
     from .tiny_dit import build_tiny_flux
     if not cfg.dataset_dir:
-        raise SystemExit(f"{args.config}: set dataset_dir to a folder of .png images with .txt captions")
-    model, data = build_tiny_flux(cfg.seed), build_data(Path(cfg.dataset_dir), cfg.trigger_word)
+        raise SystemExit(f"{args.config}: set dataset_dir to a folder of images with same-name .txt captions")
+    model = build_tiny_flux(cfg.seed)
+    data = build_data(cfg, Path(cfg.dataset_dir), Path(cfg.cache_dir) if cfg.cache_dir else None)
     name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.output_dir) / name
     result = _run(cfg, model, data, run_dir, args.resume)
@@ -133,6 +136,25 @@ def _comfy_needed(cfg) -> str:
                 "or use arch 'demo' to try the trainer without it")
     return (f"arch {cfg.arch!r}: headless loading of ComfyUI model files is not in this version yet; "
             "train it with the Kiln nodes inside ComfyUI")
+
+
+def cmd_check_dataset(args) -> int:
+    from .data.scan import format_report, scan
+
+    report = scan(args.dir, deep=args.deep, resolutions=args.resolutions)
+    print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else format_report(report))
+    return 0 if report.ok else 1
+
+
+def _resolutions(text: str) -> list[int]:
+    """--resolutions 512,768 → [512, 768]."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated pixel sizes like 512,768, got {text!r}")
+    return values
 
 
 def cmd_estimate(args) -> int:
@@ -161,6 +183,19 @@ def cmd_export(args) -> int:
 
     export(args.lora, args.output, args.format, arch=None if args.arch is None else _arch(args.arch))
     print(f"wrote {args.output} ({args.format})")
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from .data.cache import Cache
+
+    cache = Cache(args.dir)
+    if not cache.root.is_dir():
+        raise FileNotFoundError(f"{cache.root}: no such cache folder")
+    if args.clear or args.max_gb is not None:
+        removed = cache.clear() if args.clear else cache.prune(int(args.max_gb * 2**30))
+        print(f"removed {removed}")
+    print(f"{cache.root}: {cache.usage()}")
     return 0
 
 
@@ -193,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the run folder's newest checkpoint")
     train.set_defaults(func=cmd_train)
 
+    check = commands.add_parser("check-dataset", help="scan a dataset folder: usable images, skipped files, fixes")
+    check.add_argument("dir", help="the dataset folder (images with same-name .txt captions)")
+    check.add_argument("--deep", action="store_true", help="decode every image fully (slower; catches corrupt data)")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.add_argument("--resolutions", type=_resolutions,
+                       help="bucket resolutions, e.g. 512,768 (default: dataset.json's, else 512)")
+    check.set_defaults(func=cmd_check_dataset)
+
     est = commands.add_parser("estimate", help="estimate training memory for a config")
     est.add_argument("config", help="path to the config file")
     est.add_argument("--variant", help="model size, e.g. flux2-klein-4b (default: read from model_path)")
@@ -210,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     ins = commands.add_parser("inspect", help="show a LoRA file's keys, ranks, alphas and metadata")
     ins.add_argument("lora", help="LoRA .safetensors to read")
     ins.set_defaults(func=cmd_inspect)
+
+    cache = commands.add_parser("cache", help="show, prune or clear a latent/text cache folder")
+    cache.add_argument("dir", help="the cache folder (a dataset's .kiln_cache, or cache_dir from the config)")
+    cache.add_argument("--max-gb", type=float, help="delete least recently used entries until it fits")
+    cache.add_argument("--clear", action="store_true", help="delete every cached entry")
+    cache.set_defaults(func=cmd_cache)
     return parser
 
 

@@ -38,6 +38,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss_weighting": LOSS_WEIGHTINGS,
     "save_dtype": ("bf16", "fp16", "fp32"),
     "lora_format": ("comfy", "diffusers", "kohya"),
+    "crop": ("center", "random"),
 }
 
 # Inclusive (low, high) for numbers; for lists, the bounds of each element.
@@ -64,6 +65,9 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "caption_dropout": (0.0, 1.0),
     "resolutions": (64, 4096),
     "repeats": (1, 1000),
+    "keep_tags": (0, 100),
+    "caption_variants": (1, 64),
+    "cache_max_gb": (0.0, 1e6),
     "checkpoint_every": (0, 1_000_000),
     "keep_checkpoints": (1, 1000),
     "log_every": (1, 100_000),
@@ -117,6 +121,15 @@ class TrainConfig:
     repeats: int = 1                # times each image is seen per epoch
     caption_dropout: float = 0.05   # probability of training on the empty caption
     trigger_word: str = ""          # replaces {trigger} in captions, else prepended
+    caption_prefix: str = ""        # put before every caption (after the trigger word)
+    caption_suffix: str = ""        # put after every caption
+    default_caption: str = ""       # for images without a .txt (else the trigger word alone)
+    shuffle_tags: bool = False      # shuffle comma-separated tags (seeded variants, each encoded once)
+    keep_tags: int = 0              # leading tags that shuffling keeps in place
+    caption_variants: int = 4       # shuffled variants cached per caption when shuffle_tags is on
+    crop: str = "center"            # center or random (seeded, fixed per image so latents stay cached)
+    cache_dir: str = ""             # latent/text cache; empty = <dataset_dir>/.kiln_cache
+    cache_max_gb: float = 0.0       # prune other entries (least recently used) above this size; 0 = no limit
     # --- run output
     output_dir: str = "runs"        # run folders go here
     run_name: str = ""              # folder name; empty = "<arch>-<date>-<time>"

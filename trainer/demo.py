@@ -13,7 +13,6 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from . import config as config_module
-from .data import InMemoryData
 
 LATENT_CHANNELS, DOWNSCALE, CONTEXT_TOKENS, CONTEXT_DIM = 16, 8, 8, 32
 
@@ -68,13 +67,13 @@ def _projection(seed: int = 1234) -> np.ndarray:
     return q.T.astype(np.float32)
 
 
-def encode_image(path: Path) -> np.ndarray:
-    """Stand-in VAE: pixels in [-1,1] → 8×8 patches → fixed projection. [16, H/8, W/8], roughly unit scale."""
-    pixels = np.asarray(Image.open(path).convert("RGB"), dtype=np.float32) / 127.5 - 1.0   # [H,W,3]
-    height, width = pixels.shape[0] // DOWNSCALE, pixels.shape[1] // DOWNSCALE
-    patches = pixels.reshape(height, DOWNSCALE, width, DOWNSCALE, 3).transpose(0, 2, 1, 3, 4)
-    patches = patches.reshape(height, width, -1)                                               # [h,w,192]
-    return (patches @ _projection().T).transpose(2, 0, 1) / 4.0
+def encode_pixels(pixels: np.ndarray) -> np.ndarray:
+    """Stand-in VAE: [B,H,W,3] in 0..1 → [-1,1] → 8×8 patches → fixed projection → [B,16,H/8,W/8], ~unit scale."""
+    pixels = np.asarray(pixels, dtype=np.float32) * 2.0 - 1.0
+    batch, height, width = pixels.shape[0], pixels.shape[1] // DOWNSCALE, pixels.shape[2] // DOWNSCALE
+    patches = pixels.reshape(batch, height, DOWNSCALE, width, DOWNSCALE, 3).transpose(0, 1, 3, 2, 4, 5)
+    patches = patches.reshape(batch, height, width, -1)                                    # [B,h,w,192]
+    return (patches @ _projection().T).transpose(0, 3, 1, 2) / 4.0
 
 
 def encode_text(caption: str) -> np.ndarray:
@@ -85,10 +84,16 @@ def encode_text(caption: str) -> np.ndarray:
     return out
 
 
-def build_data(folder: Path, trigger_word: str) -> InMemoryData:
-    images = sorted(folder.glob("*.png"))
-    captions = [p.with_suffix(".txt").read_text(encoding="utf-8").strip().replace("{trigger}", trigger_word)
-                for p in images]
-    return InMemoryData.from_arrays(
-        [encode_image(p) for p in images], [encode_text(c) for c in captions],
-        [p.name for p in images], encode_text(""))
+VAE_IDENTITY, TEXT_IDENTITY = "kiln-demo-vae-1", "kiln-demo-text-1"
+
+
+def build_data(cfg: config_module.TrainConfig, folder: Path, cache_dir: Path | None = None):
+    """The real data path (scan, buckets, captions, caches) with the stand-in encoders."""
+    from .archs import get_arch
+    from .data.dataset import DataSettings, Dataset
+
+    settings = DataSettings.from_config(cfg, get_arch(cfg.arch).bucket_divisor)
+    dataset = Dataset.load(folder, settings, cache_dir=cache_dir)
+    dataset = dataset.encode_images(encode_pixels, VAE_IDENTITY).encode_captions(encode_text, TEXT_IDENTITY)
+    dataset.prune_cache(cfg.cache_max_gb)
+    return dataset.training_data()

@@ -9,6 +9,7 @@ backends see the same draws and a resumed run continues bit for bit.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -72,13 +73,13 @@ def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator
     latents = np.stack([data.latent(i) for i in indices]).astype(np.float32, copy=False)  # [B,C,H,W]
     tokens_img = (latents.shape[2] // arch.patch) * (latents.shape[3] // arch.patch)  # what the model attends over
     draws = objective.draw(rng, latents.shape, settings, caption_dropout, image_tokens=tokens_img)
-    contexts = [data.empty_context() if drop else data.context(i) for i, drop in zip(indices, draws.drop_caption)]
-    tokens = max(c.shape[0] for c in contexts)
-    context = np.zeros((len(contexts), tokens, contexts[0].shape[1]), dtype=np.float32)  # right-padded
-    for row, c in enumerate(contexts):
-        context[row, : c.shape[0]] = c
+    # Shuffled-tag variants are drawn only where an item has several, so other runs' draws are unchanged.
+    variants = [int(rng.integers(n)) if n > 1 else 0 for n in (data.variants(i) for i in indices)]
+    contexts = [data.empty_context() if drop else data.context(i, v)
+                for i, v, drop in zip(indices, variants, draws.drop_caption)]
+    lengths = [c.shape[0] for c in contexts]
     return Batch(latents=latents, noise=draws.noise, sigmas=draws.sigmas, weights=draws.weights,
-                 context=arch.pad_context(context), extras=arch.model_extras(len(indices), tokens),
+                 context=arch.collate_context(contexts), extras=arch.model_extras(len(indices), lengths),
                  items=[data.name(i) for i in indices])
 
 
@@ -92,8 +93,12 @@ def lora_metadata(cfg: TrainConfig, arch: Arch, step: int) -> dict[str, str]:
 def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Path,
           forward: Callable | None = None, resume: str | Path | None = None,
           on_step: Callable[[Report], None] | None = None,
-          should_stop: Callable[[], bool] | None = None) -> RunResult:
-    """Train a LoRA on `model` in place; the model is restored as it was on return, also after an error."""
+          should_stop: Callable[[], bool] | None = None,
+          validate: Callable[[int], None] | None = None, validate_every: int = 0) -> RunResult:
+    """Train a LoRA on `model` in place; the model is restored as it was on return, also after an error.
+
+    `validate(step)` runs every `validate_every` steps and at the last step, with the EMA weights
+    swapped in when EMA is on (it samples through the model, whose LoRA branches are live)."""
     arch = get_arch(cfg.arch)
     run_dir = Path(run_dir)
     backend = get_backend(cfg.backend)
@@ -151,6 +156,13 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
             except BaseException:
                 save(done)
                 raise
+            if validate is not None and validate_every and (done % validate_every == 0 or done == cfg.steps):
+                try:
+                    with backend.ema_weights() if cfg.ema else nullcontext():
+                        validate(done)
+                except BaseException:
+                    save(done)  # the stop button during sampling: keep the step just trained
+                    raise
             if should_stop is not None and should_stop():
                 checkpoint_path, stopped = save(done), True
                 break
@@ -163,6 +175,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                 ema_lora = backend.lora_state()
         return RunResult(run_dir=run_dir, step=len(history.lr), history=history, lora=backend.lora_state(),
                          ema_lora=ema_lora, checkpoint=checkpoint_path, stopped=stopped,
-                         trainable_parameters=backend.trainable_parameter_count())
+                         trainable_parameters=backend.trainable_parameter_count(),
+                         skipped_items=[p.line() for p in getattr(data, "skipped", [])])
     finally:
         backend.teardown()

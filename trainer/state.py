@@ -135,6 +135,24 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path=path, step=int(info["step"]), info=info, tensors=tensors)
 
 
+def checkpoint_lora(checkpoint: Checkpoint, *, ema: bool = False) -> dict[str, LoraWeights]:
+    """The exact fp32 LoRA (or its EMA shadow) saved in a checkpoint, without a backend."""
+    lora = _lora_from(checkpoint.tensors, "lora.")
+    if not ema:
+        return lora
+    shadow = {k[4:]: v for k, v in checkpoint.tensors.items() if k.startswith("ema.")}
+    if not shadow:
+        raise ValueError(f"{checkpoint.path}: this run trained without EMA; set ema on in Training Options "
+                         "(or use the LoRA as trained)")
+    return {path: LoraWeights(A=shadow[f"{path}.lora_A"], B=shadow[f"{path}.lora_B"], alpha=w.alpha)
+            for path, w in lora.items()}
+
+
+def checkpoint_history(checkpoint: Checkpoint) -> History:
+    saved = checkpoint.info["history"]
+    return History(loss=list(saved["loss"]), lr=list(saved["lr"]), grad_norm=list(saved["grad_norm"]))
+
+
 def restore(checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, sampler) -> History:
     """Put every piece of state back: weights, EMA, optimizer, RNGs, cursor. Returns the history."""
     tensors = checkpoint.tensors
@@ -148,5 +166,4 @@ def restore(checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, 
     backend.load_rng_state(section("rng."))
     numpy_rng.bit_generator.state = checkpoint.info["numpy_rng"]
     sampler.load_state(checkpoint.info["cursor"])
-    saved = checkpoint.info["history"]
-    return History(loss=list(saved["loss"]), lr=list(saved["lr"]), grad_norm=list(saved["grad_norm"]))
+    return checkpoint_history(checkpoint)

@@ -40,21 +40,26 @@ class Arch:
     block_lists: tuple[str, ...]    # attribute names of the model's block ModuleLists
     shift_mode: str                 # "none" | "static" | "resolution": timestep shift default
     shift: float                    # static shift value (ignored unless shift_mode == "static")
-    # Batch → model inputs. `model(x_t, sigma, context, **extras)` where
-    # extras = model_extras(batch_size, context_tokens); context is padded first.
-    pad_context: Callable[[np.ndarray], np.ndarray]
-    model_extras: Callable[[int, int], dict]
+    # Batch → model inputs: `model(x_t, sigma, context, **extras)` where
+    # context = collate_context([T_i,D] per row) and extras = model_extras(batch_size, [T_i]).
+    collate_context: Callable[[list[np.ndarray]], np.ndarray]
+    model_extras: Callable[[int, list[int]], dict]
     training_adapter: str = "none"  # "none" | "merge": merged at +1 for training, removed for samples
     diffusers_prefix: str = "transformer."
     diffusers_rules: tuple[DiffusersRule, ...] = field(default_factory=tuple)
     description: str = ""
 
 
-def no_padding(context: np.ndarray) -> np.ndarray:
-    return context
+def right_pad(contexts: list[np.ndarray]) -> np.ndarray:
+    """Rows [T_i,D] → [B,max T,D], zeros after each caption's tokens."""
+    tokens = max(c.shape[0] for c in contexts)
+    out = np.zeros((len(contexts), tokens, contexts[0].shape[1]), dtype=np.float32)
+    for row, c in enumerate(contexts):
+        out[row, : c.shape[0]] = c
+    return out
 
 
-def no_extras(batch_size: int, context_tokens: int) -> dict:
+def no_extras(batch_size: int, lengths: list[int]) -> dict:
     return {}
 
 

@@ -16,19 +16,21 @@ CONTEXT_TOKENS = 512
 TRAIN_GUIDANCE = 1.0  # Dev's distilled guidance embedding during training (ai-toolkit)
 
 
-def pad_context(context: np.ndarray) -> np.ndarray:
-    """[B,T,D] → [B,512,D], zeros in front, exactly as ComfyUI's Flux2.extra_conds."""
-    missing = CONTEXT_TOKENS - context.shape[1]
-    if missing <= 0:
-        return context
-    return np.pad(context, ((0, 0), (missing, 0), (0, 0)))
+def left_pad(contexts: list[np.ndarray]) -> np.ndarray:
+    """Rows [T_i,D] → [B,512,D], each row's zeros in front of its own tokens, exactly as
+    ComfyUI's Flux2.extra_conds pads a single prompt (so a batch trains what sampling sees)."""
+    tokens = max(CONTEXT_TOKENS, *(c.shape[0] for c in contexts))
+    out = np.zeros((len(contexts), tokens, contexts[0].shape[1]), dtype=np.float32)
+    for row, c in enumerate(contexts):
+        out[row, tokens - c.shape[0]:] = c
+    return out
 
 
-def dev_extras(batch_size: int, context_tokens: int) -> dict:
+def dev_extras(batch_size: int, lengths: list[int]) -> dict:
     return {"guidance": np.full((batch_size,), TRAIN_GUIDANCE, dtype=np.float32)}
 
 
-def klein_extras(batch_size: int, context_tokens: int) -> dict:
+def klein_extras(batch_size: int, lengths: list[int]) -> dict:
     return {}
 
 
@@ -60,7 +62,7 @@ _COMMON = dict(
     family="flux2", latent_channels=128, latent_downscale=16, patch=1, bucket_divisor=16,
     default_targets=DEFAULT_TARGETS, block_lists=("double_blocks", "single_blocks"),
     # ComfyUI samples Flux2 with mu 2.02 (ModelSamplingFlux): as a static shift that is e^2.02 ≈ 7.54.
-    shift_mode="resolution", shift=math.exp(2.02), pad_context=pad_context,
+    shift_mode="resolution", shift=math.exp(2.02), collate_context=left_pad,
     diffusers_rules=DIFFUSERS_RULES,
 )
 

@@ -5,11 +5,11 @@ conditioning, so the trainer needs no facts beyond the user's target patterns.
 """
 from __future__ import annotations
 
-from . import Arch, no_extras, no_padding, register
+from . import Arch, no_extras, right_pad, register
 
 register(Arch(
     name="generic", family="generic", latent_channels=0, latent_downscale=8, patch=1, bucket_divisor=16,
     default_targets=(), block_lists=(), shift_mode="none", shift=1.0,
-    pad_context=no_padding, model_extras=no_extras,
+    collate_context=right_pad, model_extras=no_extras,
     description="any ComfyUI MODEL; set `targets` to the module-name patterns to train",
 ))

@@ -8,11 +8,11 @@ for validation samples, never saved.
 """
 from __future__ import annotations
 
-from . import Arch, DiffusersRule, no_padding, register
+from . import Arch, DiffusersRule, right_pad, register
 
 
-def zimage_extras(batch_size: int, context_tokens: int) -> dict:
-    return {"num_tokens": context_tokens}
+def zimage_extras(batch_size: int, lengths: list[int]) -> dict:
+    return {"num_tokens": max(lengths)}
 
 
 DEFAULT_TARGETS = (
@@ -37,7 +37,7 @@ _COMMON = dict(
     family="zimage", latent_channels=16, latent_downscale=8, patch=2, bucket_divisor=16,
     default_targets=DEFAULT_TARGETS,
     block_lists=("noise_refiner", "context_refiner", "layers"),
-    shift_mode="static", shift=3.0, pad_context=no_padding, model_extras=zimage_extras,
+    shift_mode="static", shift=3.0, collate_context=right_pad, model_extras=zimage_extras,
     diffusers_rules=DIFFUSERS_RULES,
 )
 

@@ -11,7 +11,8 @@ class TrainingData(Protocol):
     buckets: dict[str, list[int]]      # bucket key ("WxH") -> item indices (repeats included)
 
     def latent(self, index: int) -> np.ndarray: ...      # [C,H,W] float32
-    def context(self, index: int) -> np.ndarray: ...     # [T,D] float32
+    def variants(self, index: int) -> int: ...           # caption variants (shuffled tags) cached for the item
+    def context(self, index: int, variant: int = 0) -> np.ndarray: ...  # [T,D] float32
     def empty_context(self) -> np.ndarray: ...           # [T,D]: the empty caption, for caption dropout
     def name(self, index: int) -> str: ...               # the image's file name, for messages
 
@@ -37,7 +38,10 @@ class InMemoryData:
     def latent(self, index: int) -> np.ndarray:
         return self.latents[index]
 
-    def context(self, index: int) -> np.ndarray:
+    def variants(self, index: int) -> int:
+        return 1
+
+    def context(self, index: int, variant: int = 0) -> np.ndarray:
         return self.contexts[index]
 
     def empty_context(self) -> np.ndarray:

@@ -1,0 +1,112 @@
+"""Multi-resolution aspect buckets: one bucket per image and resolution, batches from one bucket.
+
+For each resolution R an image of w×h gets the bucket that keeps its aspect
+ratio, has an area of at most R², is never larger than the image (no upscaling)
+and has sides that are multiples of the family's divisor (16 for Flux2 and
+Z-Image). The image is resized to cover the bucket and cropped to it, at the
+centre or at a seeded random offset fixed per image (a fixed offset keeps the
+latent cache valid; a new crop every epoch would need a new VAE pass).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+CROPS = ("center", "random")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One (image, resolution) the model trains on: resize to `resized`, crop `bucket` at `offset`."""
+
+    item: int                       # index into ScanReport.items
+    resolution: int
+    bucket: tuple[int, int]         # (width, height) in pixels
+    resized: tuple[int, int]        # (width, height) the image is resized to before the crop
+    offset: tuple[int, int]         # (x, y) of the crop in the resized image
+
+    @property
+    def key(self) -> str:
+        return f"{self.bucket[0]}x{self.bucket[1]}"
+
+
+def bucket_size(width: int, height: int, resolution: int, divisor: int) -> tuple[int, int]:
+    """Aspect kept, area ≤ resolution², never upscaled, sides floored to the divisor (at least one divisor)."""
+    scale = min(1.0, resolution / math.sqrt(width * height))
+    return (max(divisor, int(width * scale) // divisor * divisor),
+            max(divisor, int(height * scale) // divisor * divisor))
+
+
+def cover(width: int, height: int, bucket: tuple[int, int]) -> tuple[int, int]:
+    """The size the image is resized to so that it covers the bucket with its aspect kept."""
+    scale = max(bucket[0] / width, bucket[1] / height)
+    return max(bucket[0], round(width * scale)), max(bucket[1], round(height * scale))
+
+
+def crop_offset(resized: tuple[int, int], bucket: tuple[int, int], mode: str,
+                rng: np.random.Generator | None = None) -> tuple[int, int]:
+    spare_x, spare_y = resized[0] - bucket[0], resized[1] - bucket[1]
+    if mode == "center":
+        return spare_x // 2, spare_y // 2
+    if mode == "random":
+        if rng is None:
+            raise ValueError("random crop needs a generator")
+        return int(rng.integers(0, spare_x + 1)), int(rng.integers(0, spare_y + 1))
+    raise ValueError(f"crop must be one of {CROPS}, got {mode!r}")
+
+
+@dataclass
+class BucketPlan:
+    entries: list[Entry]
+    smallest_side: int = 0           # an image below this cannot be bucketed (the divisor)
+
+    def buckets(self, repeats: list[int] | None = None) -> dict[str, list[int]]:
+        """Bucket key → entry indices, each repeated `repeats[entry.item]` times (the sampler's input)."""
+        out: dict[str, list[int]] = {}
+        for index, entry in enumerate(self.entries):
+            times = repeats[entry.item] if repeats is not None else 1
+            out.setdefault(entry.key, []).extend([index] * times)
+        return out
+
+    def report(self) -> dict[str, int]:
+        """Images per bucket, largest buckets first within each resolution."""
+        counts: dict[str, int] = {}
+        for entry in sorted(self.entries, key=lambda e: (e.resolution, -e.bucket[0] * e.bucket[1], e.key)):
+            counts[entry.key] = counts.get(entry.key, 0) + 1
+        return counts
+
+    def format_report(self) -> str:
+        by_res: dict[int, dict[str, int]] = {}
+        for entry in self.entries:
+            row = by_res.setdefault(entry.resolution, {})
+            row[entry.key] = row.get(entry.key, 0) + 1
+        lines = [f"{len(self.entries)} training entries in {len(self.report())} buckets"]
+        for res in sorted(by_res):
+            cells = ", ".join(f"{k}: {n}" for k, n in sorted(by_res[res].items(), key=lambda kv: -kv[1]))
+            lines.append(f"  {res}px: {cells}")
+        return "\n".join(lines)
+
+
+def plan_buckets(sizes: list[tuple[int, int]], resolutions: list[int], divisor: int, *,
+                 crop: str = "center", seed: int = 0, hashes: list[str] | None = None) -> BucketPlan:
+    """One entry per image and resolution; a resolution that gives an image the same bucket as a
+    smaller one (a small image is never upscaled) adds no second entry."""
+    if crop not in CROPS:
+        raise ValueError(f"crop must be one of {CROPS}, got {crop!r}")
+    entries = []
+    for item, (width, height) in enumerate(sizes):
+        seen = set()
+        for resolution in sorted(resolutions):
+            bucket = bucket_size(width, height, resolution, divisor)
+            if bucket in seen:
+                continue
+            seen.add(bucket)
+            resized = cover(width, height, bucket)
+            # Random crops are seeded by the image's content, so the same image crops the same
+            # way in every run with this seed, whatever its position in the folder.
+            token = int((hashes[item] if hashes else f"{item:x}")[:15], 16)
+            rng = np.random.default_rng([seed, token, resolution]) if crop == "random" else None
+            entries.append(Entry(item, resolution, bucket, resized, crop_offset(resized, bucket, crop, rng)))
+    return BucketPlan(entries, smallest_side=divisor)

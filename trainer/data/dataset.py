@@ -1,0 +1,301 @@
+"""A dataset from folder to training batches: scan → bucket plan → cached latents and embeddings.
+
+`Dataset` is what the Load Dataset node hands on as KILN_DATASET (no pixels
+yet); Encode Images and Encode Captions each return a new Dataset with their
+cache filled, never mutating the one they were given (ComfyUI may reuse it).
+The VAE and the text encoder come in as plain functions with an identity
+string, so this layer never imports ComfyUI:
+
+    encode_images(pixels [B,H,W,3] float32 in 0..1) -> latents [B,C,h,w]
+    encode_text(caption: str) -> embedding [T,D]
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from PIL import Image
+
+from .buckets import BucketPlan, Entry, plan_buckets
+from .cache import Cache, latent_key, text_key
+from .captions import CaptionSettings, caption_variants
+from .report import DatasetMeta, Problem, ScanReport
+
+ImageEncoder = Callable[[np.ndarray], np.ndarray]
+TextEncoder = Callable[[str], np.ndarray]
+Progress = Callable[[int, int], None]
+
+CACHE_FOLDER = ".kiln_cache"
+
+
+class DatasetError(ValueError):
+    """The dataset cannot train: the message names the folder, the problems and the fixes."""
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    resolutions: tuple[int, ...] = ()  # empty: dataset.json's, else 512
+    divisor: int = 16
+    crop: str = "center"               # "center" | "random" (seeded, fixed per image)
+    repeats: int = 0                   # times every image is seen per epoch (× kohya folder repeats); 0: dataset.json's, else 1
+    captions: CaptionSettings = field(default_factory=CaptionSettings)
+    seed: int = 0
+    deep: bool = False                 # decode every image while scanning
+    caption_dropout: float = 0.05      # carried to training (the Load Dataset node sets it)
+
+    @classmethod
+    def from_config(cls, cfg, divisor: int) -> "DataSettings":
+        """A TrainConfig's data fields."""
+        captions = CaptionSettings(
+            trigger_word=cfg.trigger_word, prefix=cfg.caption_prefix, suffix=cfg.caption_suffix,
+            default_caption=cfg.default_caption, shuffle_tags=cfg.shuffle_tags, keep_tags=cfg.keep_tags,
+            variants=cfg.caption_variants)
+        return cls(resolutions=tuple(cfg.resolutions), divisor=divisor, crop=cfg.crop, repeats=cfg.repeats,
+                   captions=captions, seed=cfg.seed, caption_dropout=cfg.caption_dropout)
+
+    def with_meta(self, meta: DatasetMeta) -> "DataSettings":
+        """dataset.json fills the caption texts left empty here (the node or config wins)."""
+        c = self.captions
+        captions = dataclasses.replace(
+            c, trigger_word=c.trigger_word or meta.trigger_word, prefix=c.prefix or meta.caption_prefix,
+            suffix=c.suffix or meta.caption_suffix, default_caption=c.default_caption or meta.default_caption)
+        return dataclasses.replace(self, captions=captions,
+                                   resolutions=self.resolutions or tuple(meta.resolutions or (512,)),
+                                   repeats=self.repeats or meta.repeats or 1)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    report: ScanReport
+    settings: DataSettings
+    plan: BucketPlan
+    captions: tuple[tuple[str, ...], ...]   # per item: the caption variants to encode
+    cache_dir: Path
+    latent_identity: str | None = None
+    text_identity: str | None = None
+    failed_items: frozenset[int] = frozenset()  # items whose image failed to decode at encode time
+    encode_problems: tuple[Problem, ...] = ()
+
+    # --- building -------------------------------------------------------------------
+    @classmethod
+    def load(cls, root: str | Path, settings: DataSettings = DataSettings(), *,
+             cache_dir: str | Path | None = None, min_side: int = 64) -> "Dataset":
+        from .scan import scan
+
+        report = scan(root, deep=settings.deep, resolutions=settings.resolutions or (512,), min_side=min_side)
+        if not report.ok:
+            raise DatasetError(describe_failure(report))
+        items, settings = report.items, settings.with_meta(report.meta)
+        plan = plan_buckets([(i.width, i.height) for i in items], list(settings.resolutions), settings.divisor,
+                            crop=settings.crop, seed=settings.seed, hashes=[i.sha256 for i in items])
+        captions = tuple(tuple(caption_variants(i.caption, settings.captions, seed=settings.seed, key=i.sha256))
+                         for i in items)
+        cache = Path(cache_dir) if cache_dir else Path(report.root) / CACHE_FOLDER
+        return cls(report, settings, plan, captions, cache)
+
+    @property
+    def cache(self) -> Cache:
+        return Cache(self.cache_dir)
+
+    def usable_entries(self) -> list[int]:
+        return [n for n, e in enumerate(self.plan.entries) if e.item not in self.failed_items]
+
+    def _latent_key(self, entry: Entry) -> str:
+        item = self.report.items[entry.item]
+        return latent_key(item.sha256, entry.bucket, entry.resized, entry.offset, self.latent_identity or "")
+
+    def texts(self) -> list[str]:
+        """Every distinct text to encode, the empty caption (for caption dropout) first."""
+        return list(dict.fromkeys(["", *(c for variants in self.captions for c in variants)]))
+
+    def encode_images(self, encode: ImageEncoder, identity: str, *, batch_size: int = 4,
+                      progress: Progress | None = None) -> "Dataset":
+        """Cache a latent per entry; images that fail to decode are skipped and named, not fatal."""
+        from .images import ImageProblem, load_rgb
+
+        ds = dataclasses.replace(self, latent_identity=identity)
+        cache, entries = ds.cache, ds.plan.entries
+        todo = [n for n in ds.usable_entries() if not cache.has("latents", ds._latent_key(entries[n]))]
+        failed, problems = set(self.failed_items), list(self.encode_problems)
+        pending: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
+
+        def flush(bucket) -> None:
+            rows = pending.pop(bucket, [])
+            if not rows:
+                return
+            latents = np.asarray(encode(np.stack([pixels for _, pixels in rows])), dtype=np.float32)
+            if latents.ndim != 4 or latents.shape[0] != len(rows):
+                raise DatasetError(f"the image encoder returned shape {latents.shape} for {len(rows)} images; "
+                                   "expected [B,C,h,w]")
+            for (n, _), latent in zip(rows, latents):
+                cache.put("latents", ds._latent_key(entries[n]), {"latent": latent},
+                          {"image": ds.report.items[entries[n].item].path, "bucket": entries[n].key})
+
+        done, current, image = 0, None, None
+        for n in sorted(todo, key=lambda n: entries[n].item):  # decode each image once for all its entries
+            entry = entries[n]
+            if entry.item in failed:
+                continue
+            if entry.item != current:
+                current, item = entry.item, ds.report.items[entry.item]
+                try:
+                    image = Image.fromarray(load_rgb(Path(ds.report.root) / item.path))
+                except ImageProblem as err:
+                    failed.add(entry.item)
+                    problems.append(Problem(err.code, item.path, err.message, err.fix, "skipped"))
+                    continue
+            pending.setdefault(entry.bucket, []).append((n, crop_pixels(image, entry)))
+            if len(pending[entry.bucket]) >= batch_size:
+                flush(entry.bucket)
+            done += 1
+            if progress is not None:
+                progress(done, len(todo))
+        for bucket in list(pending):
+            flush(bucket)
+        if len(failed) == len(self.report.items):
+            raise DatasetError(f"{self.report.root}: no image could be decoded:\n"
+                               + "\n".join(p.line() for p in problems))
+        return dataclasses.replace(ds, failed_items=frozenset(failed), encode_problems=tuple(problems))
+
+    def encode_captions(self, encode: TextEncoder, identity: str, *, progress: Progress | None = None) -> "Dataset":
+        ds = dataclasses.replace(self, text_identity=identity)
+        cache, texts = ds.cache, self.texts()
+        width = None
+        for done, text in enumerate(texts, 1):
+            key = text_key(text, identity)
+            if not cache.has("text", key):
+                embedding = np.asarray(encode(text), dtype=np.float32)
+                if embedding.ndim != 2 or (width is not None and embedding.shape[1] != width):
+                    raise DatasetError(f"the text encoder returned shape {embedding.shape} for {text!r}; "
+                                       "expected [tokens, dim] with one dim for every caption")
+                width = embedding.shape[1]
+                cache.put("text", key, {"context": embedding}, {"text": text})
+            if progress is not None:
+                progress(done, len(texts))
+        return ds
+
+    def cache_paths(self) -> set[Path]:
+        """The cache files this dataset reads (kept when the cache is pruned)."""
+        cache, out = self.cache, set()
+        if self.latent_identity is not None:
+            out |= {cache.path("latents", self._latent_key(self.plan.entries[n])) for n in self.usable_entries()}
+        if self.text_identity is not None:
+            out |= {cache.path("text", text_key(t, self.text_identity)) for t in self.texts()}
+        return out
+
+    def prune_cache(self, max_gb: float):
+        """Keep the cache under `max_gb` by deleting least recently used entries of other datasets/encoders."""
+        return self.cache.prune(int(max_gb * 2**30), keep=self.cache_paths()) if max_gb > 0 else None
+
+    # --- training ----------------------------------------------------------------
+    def training_data(self, memory_budget: int = 2 << 30) -> "CachedData":
+        missing = [name for name, ident in (("Encode Images", self.latent_identity),
+                                            ("Encode Captions", self.text_identity)) if ident is None]
+        if missing:
+            raise DatasetError(f"{self.report.root}: run {' and '.join(missing)} on this dataset before training")
+        return CachedData(self, memory_budget)
+
+    @property
+    def skipped(self) -> list[Problem]:
+        """Files left out, by the scan or at encode time; the training log names them again."""
+        return self.report.skipped + list(self.encode_problems)
+
+    def summary(self) -> str:
+        report = self.report
+        lines = [f"{report.root}: {len(report.items) - len(self.failed_items)} usable images, "
+                 f"{len(self.skipped)} skipped, {len(report.warnings)} warnings",
+                 self.plan.format_report()]
+        lines += [f"  skipped {p.line()}" for p in self.skipped]
+        return "\n".join(lines)
+
+
+def crop_pixels(image: Image.Image, entry: Entry) -> np.ndarray:
+    """Resize to cover the bucket (Lanczos), crop at the entry's offset → float32 [H,W,3] in 0..1."""
+    resized = image.resize(entry.resized, Image.Resampling.LANCZOS) if image.size != entry.resized else image
+    x, y = entry.offset
+    box = resized.crop((x, y, x + entry.bucket[0], y + entry.bucket[1]))
+    return np.asarray(box, dtype=np.float32) / 255.0
+
+
+def describe_failure(report: ScanReport) -> str:
+    lines = [f"dataset {report.root} has nothing to train on:"]
+    lines += [f"  {p.line()}" for p in report.fatal + report.skipped]
+    if not report.fatal and not report.skipped:
+        lines.append("  no images found: add .png/.jpg/.webp files with same-name .txt captions")
+    return "\n".join(lines)
+
+
+class CachedData:
+    """TrainingData over a Dataset's caches, with the latents and embeddings it read held in an LRU."""
+
+    def __init__(self, dataset: Dataset, memory_budget: int):
+        self.dataset, self.cache = dataset, dataset.cache
+        entries, items = dataset.plan.entries, dataset.report.items
+        usable = set(dataset.usable_entries())
+        repeats = [item.repeats * dataset.settings.repeats for item in items]
+        self.buckets = {key: [n for n in indices if n in usable]
+                        for key, indices in dataset.plan.buckets(repeats).items()}
+        self.buckets = {k: v for k, v in self.buckets.items() if v}
+        self.entries, self.items = entries, items
+        self.skipped = dataset.skipped
+        self._memory: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._budget, self._held = memory_budget, 0
+
+    def _read(self, kind: str, key: str, name: str, what: str) -> np.ndarray:
+        if key in self._memory:
+            self._memory.move_to_end(key)
+            return self._memory[key]
+        tensors = self.cache.get(kind, key)
+        if tensors is None:
+            raise DatasetError(f"the {what} for {name!r} is missing from the cache {self.cache.root} "
+                               "(deleted while training?): run the encode nodes again")
+        array = tensors[next(iter(tensors))]
+        self._memory[key] = array
+        self._held += array.nbytes
+        while self._held > self._budget and len(self._memory) > 1:
+            _, old = self._memory.popitem(last=False)
+            self._held -= old.nbytes
+        return array
+
+    def latent(self, index: int) -> np.ndarray:
+        entry = self.entries[index]
+        return self._read("latents", self.dataset._latent_key(entry), self.items[entry.item].path, "latent")
+
+    def variants(self, index: int) -> int:
+        return len(self.dataset.captions[self.entries[index].item])
+
+    def context(self, index: int, variant: int = 0) -> np.ndarray:
+        text = self.dataset.captions[self.entries[index].item][variant]
+        return self._read("text", text_key(text, self.dataset.text_identity), text, "text embedding")
+
+    def empty_context(self) -> np.ndarray:
+        return self._read("text", text_key("", self.dataset.text_identity), "", "empty-caption embedding")
+
+    def name(self, index: int) -> str:
+        return self.items[self.entries[index].item].path
+
+    def caption(self, index: int, variant: int = 0) -> str:
+        return self.dataset.captions[self.entries[index].item][variant]
+
+
+def folder_fingerprint(root: str | Path) -> str:
+    """Names, sizes and mtimes of every file below `root` (cache folder excluded): cheap, and it
+    changes when an image or caption is added, removed or edited (ComfyUI re-runs Load Dataset then)."""
+    import hashlib
+    import os
+
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            try:
+                stat = os.stat(os.path.join(folder, name))
+            except OSError:
+                continue
+            digest.update(f"{os.path.relpath(os.path.join(folder, name), root)}\0{stat.st_size}\0"
+                          f"{stat.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
