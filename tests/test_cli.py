@@ -98,3 +98,25 @@ def test_help_documents_every_option(command, options):
     assert result.returncode == 0
     for option in options:
         assert option in result.stdout
+
+
+def test_train_names_skipped_files_in_the_log(tmp_path, demo_run):
+    import shutil
+
+    dataset = tmp_path / "ds"
+    shutil.copytree(demo_run / "dataset", dataset, ignore=shutil.ignore_patterns(".kiln_cache"))
+    (dataset / "empty.png").write_bytes(b"")
+    config = tmp_path / "run.toml"
+    config.write_text(f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 2\nrank = 4\nalpha = 4.0\n'
+                      f'dataset_dir = "{dataset}"\noutput_dir = "{tmp_path / "runs"}"\nrun_name = "x"\n'
+                      f'resolutions = [128]\ncheckpoint_every = 0\n')
+    result = cli("train", config)
+    assert result.returncode == 0, result.stderr
+    assert "zero_byte" in result.stderr and "empty.png" in result.stderr
+
+
+def test_check_dataset_on_the_demo_folder(demo_run):
+    result = cli("check-dataset", demo_run / "dataset", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["usable"] == 12 and report["ok"] is True

@@ -79,3 +79,46 @@ def test_validate_runs_every_n_with_ema_weights(make_model, make_data, make_conf
 
     torch.testing.assert_close(outputs[6], merged(result.ema_lora), atol=1e-5, rtol=1e-4)
     assert not torch.allclose(outputs[6], merged(result.lora), atol=1e-5)
+
+
+def test_batches_collate_rows_as_each_arch_needs():
+    """Flux2 left-pads every row to 512 as ComfyUI pads one prompt; Z-Image right-pads and counts tokens."""
+    from trainer.archs import get_arch
+
+    rows = [np.ones((3, 4), np.float32), 2 * np.ones((5, 4), np.float32)]
+    flux = get_arch("flux2_klein").collate_context(rows)
+    assert flux.shape == (2, 512, 4)
+    assert (flux[0, :509] == 0).all() and (flux[0, 509:] == 1).all() and (flux[1, 507:] == 2).all()
+    zimage = get_arch("zimage").collate_context(rows)
+    assert zimage.shape == (2, 5, 4) and (zimage[0, 3:] == 0).all()
+    assert get_arch("zimage").model_extras(2, [3, 5])["num_tokens"] == 5
+    assert get_arch("flux2_dev").model_extras(2, [3, 5])["guidance"].tolist() == [1.0, 1.0]
+
+
+def test_caption_variants_are_drawn_from_the_run_generator():
+    from trainer import objective
+    from trainer.archs import get_arch
+    from trainer.loop import build_batch
+
+    class Variants:
+        buckets = {"a": [0]}
+
+        def latent(self, i):
+            return np.zeros((16, 2, 2), np.float32)
+
+        def variants(self, i):
+            return 3
+
+        def context(self, i, variant=0):
+            return np.full((1, 4), variant, np.float32)
+
+        def empty_context(self):
+            return np.full((1, 4), -1, np.float32)
+
+        def name(self, i):
+            return "x.png"
+
+    settings = objective.ObjectiveSettings()
+    picks = [build_batch(Variants(), [0], rng, settings, get_arch("demo"), 0.0).context[0, 0, 0]
+             for rng in [np.random.default_rng(s) for s in range(30)]]
+    assert set(picks) == {0.0, 1.0, 2.0}
