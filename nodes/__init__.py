@@ -1,9 +1,15 @@
-"""Kiln's ComfyUI nodes (V3 API): thin I/O shells over trainer/, one registration list."""
+"""Kiln's ComfyUI nodes (V3 API): thin I/O shells over trainer/, one registration list.
+
+Imports are relative (`..trainer`): ComfyUI loads this pack as a package named
+after its folder, and a top-level `trainer` could clash with another pack's.
+"""
 from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
-NODES: list[type[io.ComfyNode]] = []  # the node classes arrive with the node pack (issue 4)
+from . import dataset_nodes, lora_nodes, train_nodes
+
+NODES: list[type[io.ComfyNode]] = [*dataset_nodes.NODES, *train_nodes.NODES, *lora_nodes.NODES]
 
 
 class KilnExtension(ComfyExtension):

@@ -9,7 +9,6 @@ backends see the same draws and a resumed run continues bit for bit.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -158,7 +157,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                 raise
             if validate is not None and validate_every and (done % validate_every == 0 or done == cfg.steps):
                 try:
-                    with backend.ema_weights() if cfg.ema else nullcontext():
+                    with backend.sampling():
                         validate(done)
                 except BaseException:
                     save(done)  # the stop button during sampling: keep the step just trained

@@ -4,8 +4,8 @@ from __future__ import annotations
 import importlib
 
 _BACKENDS = {
-    "torch": ("trainer.backends.torch_backend.backend", "TorchBackend"),
-    "mlx": ("trainer.backends.mlx_backend.backend", "MlxBackend"),
+    "torch": (".torch_backend.backend", "TorchBackend"),
+    "mlx": (".mlx_backend.backend", "MlxBackend"),
 }
 
 _INSTALL_HINT = {
@@ -20,11 +20,12 @@ def get_backend(name: str):
         raise ValueError(f"unknown backend {name!r}; choose one of {list(_BACKENDS)}")
     module_name, class_name = _BACKENDS[name]
     try:
-        module = importlib.import_module(module_name)
+        # Relative: inside ComfyUI this package is `<pack folder>.trainer.backends`, not `trainer.backends`.
+        module = importlib.import_module(module_name, __package__)
     except ModuleNotFoundError as err:
         if err.name and err.name.split(".")[0] in ("torch", "mlx"):
             raise RuntimeError(f"backend {name!r} needs {err.name}: {_INSTALL_HINT[name]}") from err
-        if err.name == module_name.rsplit(".", 1)[0]:
+        if err.name == f"{__package__}{module_name.rsplit('.', 1)[0]}":
             raise RuntimeError(f"backend {name!r} is not part of this Kiln version yet; use backend 'torch'") from err
         raise
     return getattr(module, class_name)()

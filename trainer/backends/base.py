@@ -56,6 +56,9 @@ class Backend(Protocol):
     def scalars(self, values: list[Any]) -> list[float]:
         """Device scalars → floats, in one transfer."""
 
+    def sampling(self) -> AbstractContextManager:
+        """Around validation sampling: EMA weights in (when on), LoRA dropout off."""
+
     def lora_state(self) -> dict[str, LoraWeights]: ...
     def load_lora_state(self, lora: dict[str, LoraWeights]) -> None: ...
     def ema_state(self) -> dict[str, np.ndarray]: ...

@@ -49,3 +49,17 @@ class InMemoryData:
 
     def name(self, index: int) -> str:
         return self.names[index]
+
+
+class MappedLatents:
+    """TrainingData whose latents pass through `fn` as they are read (a model's latent format:
+    caches hold raw VAE latents, so one cache serves every model that shares the VAE)."""
+
+    def __init__(self, data: TrainingData, fn):
+        self.data, self.fn = data, fn
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)
+
+    def latent(self, index: int) -> np.ndarray:
+        return self.fn(self.data.latent(index))

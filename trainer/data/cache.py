@@ -9,7 +9,8 @@ recomputed. Reads touch the file's mtime, so pruning to a size limit removes
 the least recently used entries first.
 
     <cache>/latents/ab/abcdef….safetensors   {"latent": [C,h,w]}
-    <cache>/text/ab/abcdef….safetensors      {"context": [T,D]}
+    <cache>/text/ab/abcdef….safetensors      {"context": [T,D]} in bf16 (text encoders run in bf16,
+                                             and Flux2 Klein's 512×7680 rows are 15 MB each in fp32)
 """
 from __future__ import annotations
 
@@ -74,11 +75,12 @@ class Cache:
     def has(self, kind: str, key: str) -> bool:
         return self.path(kind, key).is_file()
 
-    def put(self, kind: str, key: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> Path:
+    def put(self, kind: str, key: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
+            dtype: str = "F32") -> Path:
         path = self.path(kind, key)
         path.parent.mkdir(parents=True, exist_ok=True)
         safetensors_io.write(path, {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
-                             metadata=metadata or {})
+                             metadata=metadata or {}, dtype=dtype)
         return path
 
     def files(self) -> list[Path]:

@@ -173,7 +173,7 @@ class Dataset:
                     raise DatasetError(f"the text encoder returned shape {embedding.shape} for {text!r}; "
                                        "expected [tokens, dim] with one dim for every caption")
                 width = embedding.shape[1]
-                cache.put("text", key, {"context": embedding}, {"text": text})
+                cache.put("text", key, {"context": embedding}, {"text": text}, dtype="BF16")
             if progress is not None:
                 progress(done, len(texts))
         return ds

@@ -33,11 +33,15 @@ def default_forward(model, x_t, sigmas, context, extras):
     return model(x_t, sigmas, context, **extras)
 
 
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype activations run in: the first parameter's, skipping fp8 storage (cast on forward)."""
     for param in model.parameters():
-        if param.is_floating_point():
+        if param.dtype in _COMPUTE_DTYPES:
             return param.dtype
-    return torch.float32
+    return torch.bfloat16
 
 
 class TorchBackend:
@@ -54,7 +58,8 @@ class TorchBackend:
         model.requires_grad_(False)
         targets = cfg.targets or list(arch.default_targets)
         self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
-        self.checkpointing = BlockCheckpointing(model, arch.block_lists) if cfg.gradient_checkpointing else None
+        # Blocks are wrapped either way: with checkpointing off the wrapper only copies block inputs.
+        self.checkpointing = BlockCheckpointing(model, arch.block_lists, recompute=cfg.gradient_checkpointing)
         self.params = dict(self.lora.named_parameters())
         self.optimizer = build_optimizer(list(self.params.values()), cfg, self.device)
         self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None
@@ -84,7 +89,8 @@ class TorchBackend:
         target = velocity_target(x0, noise)
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         with amp:
-            prediction = self.forward(self.model, x_t.to(self.dtype), sigmas.to(self.dtype), context, extras)
+            # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
+            prediction = self.forward(self.model, x_t.to(self.dtype), sigmas, context, extras)
         # Loss in fp32: per-sample mean, weighted, batch mean.
         per_sample = (prediction.float() - target).square().flatten(1).mean(dim=1)
         return (per_sample * weights).mean()
@@ -195,6 +201,20 @@ class TorchBackend:
             return
         with self.ema.swapped_in():
             yield
+
+    @contextmanager
+    def sampling(self):
+        """For validation samples: EMA weights swapped in (when on) and LoRA dropout off."""
+        dropouts = [b.dropout for b in self.lora.branches().values() if isinstance(b.dropout, nn.Dropout)]
+        rates = [d.p for d in dropouts]
+        for d in dropouts:
+            d.p = 0.0
+        try:
+            with self.ema_weights():
+                yield
+        finally:
+            for d, rate in zip(dropouts, rates):
+                d.p = rate
 
     def trainable_parameter_count(self) -> int:
         return self.lora.parameter_count()

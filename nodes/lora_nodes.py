@@ -1,0 +1,149 @@
+"""What to do with a trained LoRA: Apply EMA, Save LoRA, Invert Adapter, Loss Graph."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from comfy_api.latest import io, ui
+
+from ..trainer import lora_format
+from ..trainer.config import CHOICES
+
+from . import bridge, run
+from .widgets import CATEGORY, STATE
+
+NAME = re.compile(r"^[\w\-. ]+(/[\w\-. ]+)*$")
+
+
+def lora_target(name: str, overwrite: bool) -> Path:
+    """models/loras/<name>.safetensors; names that leave the folder or exist (unless asked) are refused."""
+    text = (name or "").strip().removesuffix(".safetensors")
+    if not text or not NAME.match(text) or any(part in ("..", ".") for part in text.split("/")):
+        raise ValueError(f"Kiln Save LoRA: name {name!r} must be a plain file name (letters, digits, - _ . and "
+                         "sub-folders with /), not an absolute path or one that leaves the loras folder")
+    root = Path(bridge.folders()["loras"]).resolve()
+    path = (root / f"{text}.safetensors").resolve()
+    if root not in path.parents:
+        raise ValueError(f"Kiln Save LoRA: {name!r} would be written outside {root}")
+    if path.exists() and not overwrite:
+        raise ValueError(f"Kiln Save LoRA: {path} exists; choose another name or turn on overwrite")
+    return path
+
+
+class KilnApplyEMA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnApplyEMA", display_name="Kiln Apply EMA", category=f"{CATEGORY}/lora",
+            description="The EMA weights of a run as a LORA_MODEL (and applied to a model, when given one).",
+            inputs=[
+                STATE.Input("state", tooltip="From Kiln Train LoRA or Kiln Load Run (trained with EMA on)"),
+                io.Model.Input("model", optional=True, tooltip="A model to apply the EMA LoRA to"),
+                io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.05, optional=True,
+                               tooltip="LoRA strength on the model"),
+            ],
+            outputs=[io.LoraModel.Output(display_name="lora", tooltip="The EMA LoRA"),
+                     io.Model.Output(display_name="model", tooltip="The model with the EMA LoRA (None without one)")],
+        )
+
+    @classmethod
+    def execute(cls, state: run.KilnState, model=None, strength=1.0):
+        if state.ema_lora is None:
+            raise ValueError(f"Kiln Apply EMA: the run {state.run_dir} trained without EMA; turn ema on in "
+                             "Kiln Training Options, or use Train LoRA's lora output")
+        lora_model = bridge.lora_model_from(state.ema_lora, state.arch)
+        return io.NodeOutput(lora_model, bridge.apply_lora(model, lora_model, strength) if model is not None else None)
+
+
+class KilnSaveLoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnSaveLoRA", display_name="Kiln Save LoRA", category=f"{CATEGORY}/lora", is_output_node=True,
+            description="Write models/loras/<name>.safetensors; ComfyUI's LoRA loaders list it at once.",
+            inputs=[
+                io.LoraModel.Input("lora", tooltip="From Kiln Train LoRA, Apply EMA or Invert Adapter"),
+                io.String.Input("name", default="kiln/my_lora", tooltip="File name under models/loras/ "
+                                "(sub-folders with /; no .. or absolute paths)"),
+                io.Combo.Input("format", options=list(CHOICES["lora_format"]), default="comfy",
+                               tooltip="comfy: ComfyUI keys; diffusers: split q/k/v, transformer. prefix; "
+                               "kohya: lora_unet_ names. All load in ComfyUI's LoRA loader."),
+                io.Combo.Input("dtype", options=list(CHOICES["save_dtype"]), default="bf16",
+                               tooltip="Weight dtype in the file"),
+                io.String.Input("trigger_word", default="", optional=True, tooltip="Stored in the metadata"),
+                io.String.Input("notes", default="", multiline=True, optional=True, tooltip="Stored in the metadata"),
+                io.Boolean.Input("overwrite", default=False, optional=True, tooltip="Replace an existing file"),
+                STATE.Input("state", optional=True, tooltip="The run, for its config and step count in the metadata"),
+            ],
+            outputs=[io.String.Output(display_name="path", tooltip="The written file")],
+        )
+
+    @classmethod
+    def execute(cls, lora, name, format, dtype, trigger_word="", notes="", overwrite=False, state=None):
+        weights = bridge.lora_weights_from(lora)
+        arch = state.arch if state is not None else lora_format.guess_arch(weights)
+        path = lora_target(name, overwrite)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        metadata = lora_format.build_metadata(
+            arch_name=arch or "generic", config=state.config if state is not None else {},
+            steps=state.step if state is not None else 0,
+            trigger_words=[trigger_word] if trigger_word else [], title=path.stem, notes=notes)
+        lora_format.save_lora(path, weights, arch=arch, fmt=format, dtype=dtype, metadata=metadata)
+        bridge.refresh_loras()
+        return io.NodeOutput(str(path), ui=ui.PreviewText(f"saved {path} ({format}, {dtype}, {len(weights)} modules)"))
+
+
+class KilnInvertAdapter(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnInvertAdapter", display_name="Kiln Invert Adapter", category=f"{CATEGORY}/lora",
+            description="Remove an adapter from a model by applying it at −strength (e.g. a Z-Image Turbo "
+                        "training adapter merged into a checkpoint).",
+            inputs=[
+                io.Model.Input("model", tooltip="The model the adapter is in"),
+                io.Combo.Input("adapter_file", options=["none", *bridge.lora_names()], default="none",
+                               tooltip="The adapter LoRA file (or connect a LORA_MODEL)"),
+                io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.05,
+                               tooltip="The strength it was applied at"),
+                io.LoraModel.Input("adapter", optional=True, tooltip="The adapter as a LORA_MODEL (wins over the file)"),
+            ],
+            outputs=[io.Model.Output(display_name="model", tooltip="The model with the adapter removed"),
+                     io.LoraModel.Output(display_name="inverted", tooltip="The adapter negated, as a LORA_MODEL")],
+        )
+
+    @classmethod
+    def execute(cls, model, adapter_file, strength, adapter=None):
+        if adapter is None:
+            if adapter_file in (None, "none"):
+                raise ValueError("Kiln Invert Adapter: choose an adapter_file or connect an adapter LORA_MODEL")
+            adapter = bridge.load_lora_file(bridge.lora_path(adapter_file))
+        inverted = bridge.negate_lora(adapter, strength)
+        return io.NodeOutput(bridge.apply_lora(model, inverted, 1.0), inverted)
+
+
+class KilnLossGraph(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnLossGraph", display_name="Kiln Loss Graph", category=f"{CATEGORY}/lora",
+            description="Raw and smoothed loss, and the learning rate, against step.",
+            inputs=[io.LossMap.Input("loss_map", optional=True, tooltip="A LOSS_MAP (Kiln's or ComfyUI's trainer)"),
+                    STATE.Input("state", optional=True, tooltip="A KILN_STATE (also draws the learning rate)")],
+            outputs=[io.Image.Output(display_name="image", tooltip="The graph")],
+        )
+
+    @classmethod
+    def execute(cls, loss_map=None, state=None):
+        from ..trainer.plot import loss_curve
+
+        if state is not None:
+            image = run.loss_image(state)
+        elif loss_map is not None:
+            image = bridge.image_tensor(loss_curve(list(loss_map["loss"]), None, title="loss"))
+        else:
+            raise ValueError("Kiln Loss Graph: connect a loss_map or a state")
+        return io.NodeOutput(image, ui=ui.PreviewImage(image, cls=cls))
+
+
+NODES = [KilnApplyEMA, KilnSaveLoRA, KilnInvertAdapter, KilnLossGraph]

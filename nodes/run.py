@@ -1,0 +1,161 @@
+"""One Train LoRA execution: config, run folder, resume rule, the loop, validation, outputs.
+
+ComfyUI objects are reached only through bridge.py; this file decides what a
+run is. A run's folder is named by a hash of everything that determines its
+result (config, dataset content and captions, encoders, model arch, resume
+source), so re-queueing the same workflow finds its own run:
+  - newest checkpoint < steps (stopped, crashed, or ComfyUI restarted) → resume from it;
+  - newest checkpoint == steps → load that result, train nothing (the UI says so);
+  - no checkpoint → train from the start (or from a KILN_STATE input).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..trainer import config as cfg_module
+from ..trainer import state as state_module
+from ..trainer.data import MappedLatents
+from ..trainer.data.dataset import Dataset
+from ..trainer.lora_format import LoraWeights
+from ..trainer.loop import RunResult, train
+from ..trainer.plot import loss_curve
+
+from . import bridge
+
+
+@dataclass(frozen=True)
+class KilnState:
+    """KILN_STATE: a finished or stopped run, resumable from `checkpoint`."""
+
+    run_dir: str
+    checkpoint: str                     # step-NNNNNN folder
+    step: int
+    arch: str
+    config: dict
+    lora: dict[str, LoraWeights]
+    ema_lora: dict[str, LoraWeights] | None
+    history: state_module.History = field(default_factory=state_module.History)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> "KilnState":
+        checkpoint = state_module.load_checkpoint(path)
+        info = checkpoint.info
+        has_ema = any(k.startswith("ema.") for k in checkpoint.tensors)
+        return cls(run_dir=str(checkpoint.path.parent), checkpoint=str(checkpoint.path), step=checkpoint.step,
+                   arch=info["arch"], config=info["config"], lora=state_module.checkpoint_lora(checkpoint),
+                   ema_lora=state_module.checkpoint_lora(checkpoint, ema=True) if has_ema else None,
+                   history=state_module.checkpoint_history(checkpoint))
+
+    def best_lora(self) -> dict[str, LoraWeights]:
+        """What the run is for: the EMA weights when EMA was on, else the trained weights."""
+        return self.ema_lora if self.ema_lora is not None else self.lora
+
+
+def dataset_identity(dataset: Dataset) -> str:
+    parts = [[i.sha256, i.repeats] for i in dataset.report.items], dataset.captions, [
+        dataset.latent_identity, dataset.text_identity, sorted(dataset.failed_items),
+        [[e.item, e.bucket, e.resized, e.offset] for e in dataset.plan.entries]]
+    return hashlib.sha256(json.dumps(parts, default=list).encode()).hexdigest()
+
+
+def run_identity(cfg: cfg_module.TrainConfig, dataset: Dataset, resume_from: str | None) -> str:
+    values = {k: v for k, v in cfg.to_dict().items()
+              if k not in ("output_dir", "run_name", "log_every", "checkpoint_every", "keep_checkpoints",
+                           "dataset_dir", "cache_dir", "cache_max_gb", "steps")}
+    # `steps` is left out on purpose: raising it on a finished run continues that run.
+    blob = json.dumps([values, dataset_identity(dataset), resume_from], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+@dataclass
+class Outcome:
+    state: KilnState
+    samples: list                      # IMAGE tensors from validation
+    message: str
+
+
+def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=None, resume_state: KilnState | None = None,
+            validation=None, output_root: Path) -> Outcome:
+    # Caches hold raw VAE latents; the model sees them in its latent format (Z-Image: shift and scale).
+    data = MappedLatents(dataset.training_data(), lambda raw: bridge.latents_in(model, raw))
+    resume_from = resume_state.checkpoint if resume_state is not None else None
+    run_dir = output_root / f"{cfg.run_name or cfg.arch}-{run_identity(cfg, dataset, resume_from)}"
+    found = state_module.list_checkpoints(run_dir)
+    newest = found[-1] if found else None
+    if newest is not None and newest[0] >= cfg.steps:
+        state = KilnState.from_checkpoint(newest[1])
+        return Outcome(state, [], f"already trained: {newest[1]} (step {newest[0]}); loaded it instead of "
+                                  "training again. Delete that folder or change a setting to train anew.")
+    resume = newest[1] if newest is not None else resume_from
+    lines = [f"resuming from {resume}" if resume else "training from step 0", f"run folder: {run_dir}"]
+    lines += [f"skipped {p.line()}" for p in data.skipped]
+    for line in lines:
+        print(f"[Kiln] {line}")
+
+    train_model = bridge.training_adapter_merged(model, adapter) if adapter is not None else model
+    bar = bridge.progress(cfg.steps)
+    samples: list = []
+    started = time.time()
+
+    def on_step(report) -> None:
+        bar.update(report.step)
+        bridge.send_event("kiln.progress", {
+            "step": report.step, "total": report.total_steps, "lr": report.lr, "loss": report.loss,
+            "loss_smooth": report.loss_smooth, "it_per_s": report.it_per_s, "eta_s": report.eta_s,
+            "peak_memory_bytes": report.peak_memory_bytes, "run": run_dir.name, "started": started})
+
+    def validate(step: int) -> None:
+        v = validation  # sampled on `model`, i.e. without the training adapter; the LoRA branches are live
+        images = bridge.sample(model, v.positive, v.negative, v.vae, seed=v.seed, steps=v.steps, cfg=v.cfg,
+                               sampler_name=v.sampler_name, scheduler=v.scheduler, width=v.width, height=v.height)
+        samples.append(images)
+        bar.update(step, preview=images)
+        bridge.send_event("kiln.sample", {"step": step, "run": run_dir.name})
+
+    try:
+        with bridge.training_session(train_model, cfg.device) as (module, _device):
+            result: RunResult = train(
+                cfg, module, data, run_dir=run_dir, forward=bridge.make_forward(train_model, cfg.arch),
+                resume=resume, on_step=on_step,
+                validate=validate if validation is not None else None,
+                validate_every=validation.every if validation is not None else 0)
+    finally:
+        bridge.free_memory()
+    state = KilnState(run_dir=str(run_dir), checkpoint=str(result.checkpoint), step=result.step, arch=cfg.arch,
+                      config=cfg.to_dict(), lora=result.lora, ema_lora=result.ema_lora, history=result.history)
+    losses = result.history.loss
+    summary = f"trained to step {result.step}/{cfg.steps}; {result.trainable_parameters:,} LoRA parameters"
+    if losses:
+        summary += f"; loss {np.mean(losses[:max(1, len(losses) // 10)]):.4f} → {np.mean(losses[-max(1, len(losses) // 10):]):.4f}"
+    return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]))
+
+
+def loss_image(state: KilnState):
+    """The loss curve (raw, smoothed, learning rate) as an IMAGE tensor."""
+    picture = loss_curve(state.history.loss, state.history.lr, title=f"{Path(state.run_dir).name}: loss")
+    return bridge.image_tensor(picture)
+
+
+def resolve_run(text: str) -> Path:
+    """A run folder name under output/kiln/, or an absolute run or checkpoint folder → its newest checkpoint."""
+    text = (text or "").strip()
+    if not text:
+        raise ValueError("Kiln Load Run: set run_folder to a folder under output/kiln/ (or an absolute path)")
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        root = (Path(bridge.folders()["output"]) / "kiln").resolve()
+        path = (root / path).resolve()
+        if root not in path.parents:
+            raise ValueError(f"Kiln Load Run: {text!r} leaves output/kiln/; give a name inside it or an absolute path")
+    if state_module.STEP_DIR.match(path.name) and (path / "run.json").is_file():
+        return path
+    found = state_module.list_checkpoints(path)
+    if not found:
+        raise ValueError(f"Kiln Load Run: {path} has no complete checkpoint (step-NNNNNN with run.json)")
+    return found[-1][1]

@@ -1,0 +1,179 @@
+"""Train LoRA and the nodes that feed it: Training Options, Validation Settings, Load Run."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from comfy_api.latest import io, ui
+
+from ..trainer import config as cfg_module
+
+from . import bridge, run
+from .widgets import CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, parse_list, widget
+
+TRAIN_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "optimizer", "backend", "seed")
+DATASET_FIELDS = ("dataset_dir", "resolutions", "repeats", "caption_dropout", "trigger_word", "caption_prefix",
+                  "caption_suffix", "default_caption", "shuffle_tags", "keep_tags", "caption_variants", "crop",
+                  "cache_dir", "cache_max_gb")
+NOT_IN_GRAPH = ("arch", "model_path", "training_adapter", "output_dir")  # the graph supplies these
+OPTION_FIELDS = tuple(name for name in cfg_module.FIELDS
+                      if name not in TRAIN_WIDGETS + DATASET_FIELDS + NOT_IN_GRAPH)
+LIST_FIELDS = {"targets": str}
+
+
+class KilnTrainingOptions(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnTrainingOptions", display_name="Kiln Training Options", category=f"{CATEGORY}/train",
+            description="Every other training setting. When connected, these values win over the preset.",
+            inputs=[widget(name) for name in OPTION_FIELDS],
+            outputs=[OPTIONS.Output(display_name="options", tooltip="Plug into Kiln Train LoRA")],
+        )
+
+    @classmethod
+    def execute(cls, **values):
+        for name, kind in LIST_FIELDS.items():
+            values[name] = parse_list(values.get(name, ""), kind)
+        return io.NodeOutput(values)
+
+
+@dataclass(frozen=True)
+class Validation:
+    positive: object
+    negative: object
+    vae: object
+    seed: int
+    steps: int
+    cfg: float
+    sampler_name: str
+    scheduler: str
+    width: int
+    height: int
+    every: int
+
+
+class KilnValidationSettings(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnValidationSettings", display_name="Kiln Validation Settings", category=f"{CATEGORY}/train",
+            description="Sample images during training with ComfyUI's own sampler (EMA weights when EMA is on, "
+                        "the model without the training adapter). Samples stream as previews.",
+            inputs=[
+                io.Conditioning.Input("positive", tooltip="Prompt to sample (use the trigger word)"),
+                io.Conditioning.Input("negative", tooltip="Negative prompt (an empty CLIP Text Encode is fine)"),
+                io.Vae.Input("vae", tooltip="VAE to decode the samples"),
+                io.Int.Input("seed", default=0, min=0, max=2**32 - 1, tooltip="Sampling seed (fixed: compare steps)"),
+                io.Int.Input("steps", default=8, min=1, max=200, tooltip="Sampling steps (Turbo: 8)"),
+                io.Float.Input("cfg", default=1.0, min=0.0, max=30.0, step=0.1, tooltip="CFG scale (Turbo, Klein: 1.0)"),
+                io.Combo.Input("sampler_name", options=bridge.sampler_names(), default="euler",
+                               tooltip="ComfyUI sampler"),
+                io.Combo.Input("scheduler", options=bridge.scheduler_names(), default="simple",
+                               tooltip="ComfyUI scheduler"),
+                io.Int.Input("width", default=512, min=64, max=4096, step=16, tooltip="Sample width"),
+                io.Int.Input("height", default=512, min=64, max=4096, step=16, tooltip="Sample height"),
+                io.Int.Input("every", default=250, min=1, max=1_000_000, tooltip="Sample every N steps and at the end"),
+            ],
+            outputs=[VALIDATION.Output(display_name="validation", tooltip="Plug into Kiln Train LoRA")],
+        )
+
+    @classmethod
+    def execute(cls, **values):
+        return io.NodeOutput(Validation(**values))
+
+
+def build_config(model, dataset, widgets: dict, preset: str, options: dict | None, adapter: bool):
+    """preset < Training Options < this node's widgets; the dataset's own settings; the detected arch."""
+    arch = bridge.detect_arch(model)
+    if arch == "zimage" and adapter:
+        arch = "zimage_turbo"
+    s = dataset.settings
+    values = dict(options or {})
+    values.update(widgets)
+    values.update(arch=arch, resolutions=list(s.resolutions), repeats=s.repeats, caption_dropout=s.caption_dropout,
+                  trigger_word=s.captions.trigger_word, dataset_dir=dataset.report.root)
+    return cfg_module.from_dict(values, preset=None if preset == "none" else preset)
+
+
+class KilnTrainLoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnTrainLoRA", display_name="Kiln Train LoRA", category=f"{CATEGORY}/train",
+            description="Train a LoRA on the model in place (side branches; the model is left as it was). "
+                        "Checkpoints go to output/kiln/<run>; re-queueing resumes a stopped run and reuses a "
+                        "finished one.",
+            is_output_node=True,
+            inputs=[
+                io.Model.Input("model", tooltip="Flux2 Klein/Dev, Z-Image Turbo/base, or any ComfyUI model "
+                               "(then list targets in Training Options)"),
+                DATASET.Input("dataset", tooltip="From Kiln Encode Captions (latents and captions encoded)"),
+                widget("steps", default=1000, tooltip_text="Total optimizer steps (a resumed run continues to this)"),
+                widget("learning_rate"),
+                widget("rank"),
+                widget("alpha"),
+                widget("optimizer"),
+                io.Combo.Input("preset", options=["none", *cfg_module.PRESETS], default="none",
+                               tooltip="Fills the settings that are neither on this node nor in Training Options"),
+                widget("backend"),
+                widget("seed"),
+                OPTIONS.Input("options", optional=True, tooltip="From Kiln Training Options"),
+                io.Combo.Input("training_adapter", options=["none", *bridge.lora_names()], default="none",
+                               optional=True, tooltip="Z-Image Turbo: the training adapter LoRA, merged at +1 for "
+                               "training, removed for samples, never saved"),
+                STATE.Input("resume", optional=True, tooltip="A KILN_STATE to continue (from another Train LoRA "
+                            "or Kiln Load Run)"),
+                VALIDATION.Input("validation", optional=True, tooltip="From Kiln Validation Settings"),
+            ],
+            outputs=[
+                io.Model.Output(display_name="model", tooltip="The input model with the trained LoRA (EMA weights "
+                                "when EMA is on), ready for KSampler"),
+                io.LoraModel.Output(display_name="lora", tooltip="The trained LoRA (ComfyUI's LORA_MODEL)"),
+                STATE.Output(display_name="state", tooltip="The resumable run (KILN_STATE)"),
+                io.LossMap.Output(display_name="loss_map", tooltip="Loss per step (ComfyUI's LOSS_MAP)"),
+                io.Image.Output(display_name="samples", tooltip="Validation samples, else the loss curve"),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, model, dataset, steps, learning_rate, rank, alpha, optimizer, preset, backend, seed,
+                options=None, training_adapter="none", resume=None, validation=None):
+        widgets = dict(steps=steps, learning_rate=learning_rate, rank=rank, alpha=alpha, optimizer=optimizer,
+                       backend=backend, seed=seed)
+        adapter = None if training_adapter in (None, "none") else bridge.load_lora_file(
+            bridge.lora_path(training_adapter))
+        cfg = build_config(model, dataset, widgets, preset, options, adapter is not None)
+        outcome = run.execute(cfg, model, dataset, adapter=adapter, resume_state=resume, validation=validation,
+                              output_root=Path(bridge.folders()["output"]) / "kiln")
+        state = outcome.state
+        lora_model = bridge.lora_model_from(state.best_lora(), state.arch)
+        trained = bridge.apply_lora(model, lora_model, 1.0)
+        images = bridge.cat_images(outcome.samples) if outcome.samples else run.loss_image(state)
+        return io.NodeOutput(trained, lora_model, state, bridge.loss_map(state.history.loss), images,
+                             ui=ui.PreviewText(outcome.message))
+
+
+class KilnLoadRun(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnLoadRun", display_name="Kiln Load Run", category=f"{CATEGORY}/train",
+            description="A run folder (or one step-NNNNNN checkpoint) as KILN_STATE: resume it in Train LoRA, "
+                        "or take its LoRA with Apply EMA.",
+            inputs=[io.String.Input("run_folder", default="", tooltip="A folder under output/kiln/ (name or "
+                                    "absolute path); its newest complete checkpoint is used")],
+            outputs=[STATE.Output(display_name="state", tooltip="The run state (KILN_STATE)")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, run_folder):
+        return str(run.resolve_run(run_folder))
+
+    @classmethod
+    def execute(cls, run_folder):
+        state = run.KilnState.from_checkpoint(run.resolve_run(run_folder))
+        return io.NodeOutput(state, ui=ui.PreviewText(f"{state.checkpoint}: step {state.step}, arch {state.arch}"))
+
+
+NODES = [KilnTrainingOptions, KilnValidationSettings, KilnTrainLoRA, KilnLoadRun]

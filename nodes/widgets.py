@@ -1,0 +1,71 @@
+"""Widgets built from the constants trainer/config.py validates against, and Kiln's socket types.
+
+A widget's bounds and choices come from `config.BOUNDS` and `config.CHOICES`,
+its default from `TrainConfig`, its tooltip from the comment on that field, so
+the UI can never offer a value the trainer would refuse.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+
+from comfy_api.latest import io
+
+from ..trainer import config as cfg_module
+
+DATASET = io.Custom("KILN_DATASET")
+STATE = io.Custom("KILN_STATE")
+OPTIONS = io.Custom("KILN_TRAIN_OPTIONS")
+VALIDATION = io.Custom("KILN_VALIDATION")
+
+CATEGORY = "Kiln"
+_DEFAULTS = cfg_module.TrainConfig()
+
+
+def _field_comments() -> dict[str, str]:
+    """The `# ...` comment after each TrainConfig field: one source for docs and tooltips."""
+    out = {}
+    for line in inspect.getsource(cfg_module.TrainConfig).splitlines():
+        match = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
+        if match:
+            out[match.group(1)] = match.group(2).strip()
+    return out
+
+
+TOOLTIPS = _field_comments()
+
+
+def tooltip(name: str, fallback: str = "") -> str:
+    return TOOLTIPS.get(name) or fallback or name.replace("_", " ")
+
+
+def widget(name: str, *, default=None, tooltip_text: str | None = None, optional: bool = False,
+           display_name: str | None = None):
+    """The widget for TrainConfig field `name`: bounds, choices, default and tooltip from config.py."""
+    field = {f.name: f for f in dataclasses.fields(cfg_module.TrainConfig)}[name]
+    value = getattr(_DEFAULTS, name) if default is None else default
+    common = dict(tooltip=tooltip_text or tooltip(name), optional=optional, display_name=display_name)
+    if name in cfg_module.CHOICES:
+        return io.Combo.Input(name, options=list(cfg_module.CHOICES[name]), default=value, **common)
+    if field.type in ("bool", bool):
+        return io.Boolean.Input(name, default=value, **common)
+    low, high = cfg_module.BOUNDS.get(name, (None, None))
+    if field.type in ("int", int):
+        return io.Int.Input(name, default=value, min=int(low) if low is not None else None,
+                            max=int(high) if high is not None else None, **common)
+    if field.type in ("float", float):
+        step = 1e-6 if name == "learning_rate" else 0.01 if high is not None and high <= 10 else 0.1
+        return io.Float.Input(name, default=value, min=low, max=high, step=step, round=False, **common)
+    if field.type in ("list[int]", "list[str]"):
+        return io.String.Input(name, default=", ".join(str(v) for v in value), **common)
+    return io.String.Input(name, default=value, **common)
+
+
+def parse_list(text: str, kind=str) -> list:
+    """"512, 768,1024" → [512, 768, 1024]; blank → []."""
+    items = [t.strip() for t in re.split(r"[,\n]", text or "") if t.strip()]
+    try:
+        return [kind(t) for t in items]
+    except ValueError as err:
+        raise ValueError(f"could not read {text!r} as a comma-separated list of {kind.__name__}: {err}") from None

@@ -1,0 +1,474 @@
+"""nodes/bridge.py against a real ComfyUI (COMFYUI_PATH) on tiny seeded models; skipped without one.
+
+What is checked: arch detection from ComfyUI's own model classes; that the training forward hands
+the diffusion model exactly what ComfyUI's sampler hands it for the same prompt (bitwise), also for
+a Z-Image batch of captions of different lengths; a few real training steps through trainer.loop
+inside a training session leave the model bitwise as it was; the LORA_MODEL we emit loads through
+ComfyUI's own LoRA loader with every key matched and equals our LoRA side branches; the training
+adapter merge is undone by loading the plain model; validation sampling; VAE/CLIP encoders;
+progress, interrupts, LOSS_MAP, folders.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+for folder in (HERE.parent, HERE):  # tests/ (comfy_env) and tests/nodes/ (tiny_comfy)
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+import comfy_env  # noqa: E402
+
+comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
+
+import comfy.model_management as mm  # noqa: E402
+import comfy.sample  # noqa: E402
+import node_helpers  # noqa: E402
+import tiny_comfy as tc  # noqa: E402
+import torch  # noqa: E402
+
+bridge = comfy_env.import_pack("nodes.bridge")
+archs = comfy_env.import_pack("trainer.archs")
+config = comfy_env.import_pack("trainer.config")
+data_module = comfy_env.import_pack("trainer.data")
+loop = comfy_env.import_pack("trainer.loop")
+LoraWeights = comfy_env.import_pack("trainer.lora_format").LoraWeights
+TorchBackend = comfy_env.import_pack("trainer.backends.torch_backend.backend").TorchBackend
+
+
+# ---------------------------------------------------------------- fixtures (built once)
+
+@pytest.fixture(scope="module")
+def klein(tmp_path_factory):
+    return tc.tiny_flux2(tmp_path_factory.mktemp("klein"))
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory):
+    return tc.tiny_flux2(tmp_path_factory.mktemp("dev"), dev=True, seed=1)
+
+
+@pytest.fixture(scope="module")
+def zimage():
+    return tc.tiny_zimage()
+
+
+@pytest.fixture(scope="module")
+def klein_clip():
+    return tc.tiny_klein_clip()
+
+
+@pytest.fixture(scope="module")
+def zimage_clip():
+    return tc.tiny_zimage_clip()
+
+
+@pytest.fixture(scope="module")
+def flux2_vae():
+    return tc.tiny_vae(flux2=True)
+
+
+@pytest.fixture(scope="module")
+def flux_vae():
+    return tc.tiny_vae(flux2=False)
+
+
+# ---------------------------------------------------------------- helpers
+
+class Calls:
+    """Records (positional args, kwargs, output) of every diffusion-model call."""
+
+    def __init__(self, module):
+        self.calls = []
+        self._pending = []
+        self.handles = [module.register_forward_pre_hook(self._pre, with_kwargs=True),
+                        module.register_forward_hook(self._post, with_kwargs=True)]
+
+    def _pre(self, module, args, kwargs):
+        self._pending.append((args, dict(kwargs)))
+
+    def _post(self, module, args, kwargs, output):
+        call_args, call_kwargs = self._pending.pop()
+        self.calls.append((call_args, call_kwargs, output.detach().clone()))
+
+    def __enter__(self):
+        return self.calls
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+
+def comfy_sampling_calls(model, cond, latent_shape, steps=2, seed=0):
+    """The diffusion-model calls ComfyUI's own sampler makes for one prompt (cfg 1: positive only)."""
+    latent = torch.zeros(latent_shape)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    with Calls(bridge.diffusion_model(model)) as calls, torch.inference_mode():
+        comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", cond, cond, latent,
+                            seed=seed, disable_pbar=True)
+    return calls
+
+
+def our_call(model, arch_name, x, sigmas, embeddings):
+    """The diffusion-model call(s) our forward makes for rows (x, sigma, caption embedding)."""
+    arch = archs.get_arch(arch_name)
+    context = torch.from_numpy(arch.collate_context(embeddings))
+    extras = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+              for k, v in arch.model_extras(len(embeddings), [e.shape[0] for e in embeddings]).items()}
+    forward = bridge.make_forward(model, arch_name)
+    dm = bridge.diffusion_model(model)
+    with Calls(dm) as calls, torch.inference_mode():
+        out = forward(dm, x, sigmas, context, extras)
+    return out, calls
+
+
+def same_call(ours, theirs):
+    """Bitwise-equal inputs: x, timestep, context and every model kwarg but transformer_options."""
+    (args_a, kw_a, _), (args_b, kw_b, _) = ours, theirs
+    assert len(args_a) == len(args_b) == 2
+    for a, b in zip(args_a, args_b, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    keys = set(kw_a) - {"transformer_options"}
+    assert keys == set(kw_b) - {"transformer_options"}
+    for key in keys:
+        a, b = kw_a[key], kw_b[key]
+        if torch.is_tensor(a):
+            assert a.dtype == b.dtype and torch.equal(a, b), key
+        else:
+            assert a == b, key
+
+
+def embedding(clip, text):
+    return bridge.text_encoder(clip)[0](text)
+
+
+def model_output(model, arch_name, x, sigma, emb):
+    return our_call(model, arch_name, x, sigma, [emb])[0]
+
+
+def random_lora(model, arch_name, seed=0, rank=4):
+    """Nonzero LoRA weights on the arch's default targets."""
+    rng = np.random.default_rng(seed)
+    from_targets = comfy_env.import_pack("trainer.targets").select_targets
+    layers = {n: m for n, m in bridge.diffusion_model(model).named_modules() if isinstance(m, torch.nn.Linear)}
+    paths = from_targets(list(layers), list(archs.get_arch(arch_name).default_targets))
+    return {p: LoraWeights(A=rng.standard_normal((rank, layers[p].in_features)).astype(np.float32) * 0.1,
+                           B=rng.standard_normal((layers[p].out_features, rank)).astype(np.float32) * 0.1,
+                           alpha=float(rank)) for p in paths}
+
+
+# ---------------------------------------------------------------- detection
+
+def test_detect_arch(klein, dev, zimage):
+    assert bridge.detect_arch(klein) == "flux2_klein"
+    assert bridge.detect_arch(dev) == "flux2_dev"
+    assert bridge.detect_arch(zimage) == "zimage"
+    for name in ("flux2_klein", "flux2_dev", "zimage", "zimage_turbo", "generic"):
+        assert name in archs.ARCHS
+    assert isinstance(bridge.diffusion_model(klein), torch.nn.Module)
+    assert bridge.compute_dtype(klein) == torch.float32
+
+
+# ---------------------------------------------------------------- the forward is ComfyUI's own call
+
+@pytest.mark.parametrize("which", ["klein", "dev"])
+def test_flux2_forward_equals_comfy_sampling(which, klein, dev, klein_clip):
+    model, name = (klein, "flux2_klein") if which == "klein" else (dev, "flux2_dev")
+    cond = tc.conditioning(klein_clip, "a red fox in the snow")
+    if name == "flux2_dev":  # what FluxGuidance does; the arch trains Dev at guidance 1.0
+        cond = node_helpers.conditioning_set_values(cond, {"guidance": 1.0})
+    emb = embedding(klein_clip, "a red fox in the snow")
+    assert emb.shape == (512, tc.FLUX2_CONTEXT_DIM)  # Klein pads every prompt to 512 tokens
+    steps = 2 if name == "flux2_klein" else 1  # Klein's 512 tokens make each call slow on a CPU
+    theirs = comfy_sampling_calls(model, cond, (1, 128, 2, 3), steps=steps)
+    assert len(theirs) == steps
+    for args, _, output in theirs:
+        ours, calls = our_call(model, name, args[0], args[1], [emb])
+        same_call(calls[0], (args, _, output))
+        assert torch.equal(ours, output)
+
+
+def test_zimage_forward_equals_comfy_sampling_per_caption(zimage, zimage_clip):
+    texts = ["a cat", "a small watercolour painting of a lighthouse on a cliff at dawn"]
+    embs = [embedding(zimage_clip, t) for t in texts]
+    assert embs[0].shape[0] != embs[1].shape[0]
+    theirs = [comfy_sampling_calls(zimage, tc.conditioning(zimage_clip, t), (1, 16, 4, 4), seed=i)
+              for i, t in enumerate(texts)]
+    # One caption: bitwise the call ComfyUI makes (num_tokens = caption length, no mask).
+    for run, emb in zip(theirs, embs, strict=True):
+        args, kwargs, output = run[0]
+        assert kwargs["num_tokens"] == emb.shape[0] and "attention_mask" not in kwargs
+        ours, calls = our_call(zimage, "zimage", args[0], args[1], [emb])
+        same_call(calls[0], run[0])
+        assert torch.equal(ours, output)
+        generic, calls = our_call(zimage, "generic", args[0], args[1], [emb])  # extra_conds alone
+        same_call(calls[0], run[0])
+        assert torch.equal(generic, output)
+    # A batch of both (different lengths, different sigmas): each row as ComfyUI computes it alone.
+    x = torch.cat([theirs[0][0][0][0], theirs[1][1][0][0]])
+    sigmas = torch.cat([theirs[0][0][0][1], theirs[1][1][0][1]])
+    ours, calls = our_call(zimage, "zimage", x, sigmas, embs)
+    assert len(calls) == 2  # one call per caption length, each trimmed to its own tokens
+    torch.testing.assert_close(ours[0:1], theirs[0][0][2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[1:2], theirs[1][1][2], rtol=1e-5, atol=1e-5)
+
+
+def test_timestep_and_velocity_convention(klein, zimage):
+    for model in (klein, zimage):
+        sampling = model.get_model_object("model_sampling")
+        sigma = torch.tensor([0.25, 0.8])
+        assert torch.equal(sampling.timestep(sigma), sigma)  # multiplier 1: the model gets sigma
+        x, v = torch.randn(2, 3, 2, 2), torch.randn(2, 3, 2, 2)
+        denoised = sampling.calculate_denoised(sigma, v, x)
+        torch.testing.assert_close(denoised, x - sigma.view(-1, 1, 1, 1) * v)  # x0 = x_t - sigma * v
+
+
+# ---------------------------------------------------------------- training in a session
+
+def small_config(arch_name, **overrides):
+    values = dict(arch=arch_name, device="cpu", mixed_precision="no", steps=3, batch_size=2, rank=4, alpha=4.0,
+                  learning_rate=1e-3, checkpoint_every=0, keep_checkpoints=1, log_every=1, resolutions=[64],
+                  caption_dropout=0.0, gradient_checkpointing=True, seed=3)
+    values.update(overrides)
+    return config.from_dict(values)
+
+
+def training_data(model, vae, clip, texts, size):
+    encode_image, _ = bridge.vae_encoder(vae)
+    encode_text, _ = bridge.text_encoder(clip)
+    rng = np.random.default_rng(0)
+    pixels = rng.random((len(texts), size, size, 3), dtype=np.float32)
+    latents = bridge.latents_in(model, encode_image(pixels))
+    return data_module.InMemoryData.from_arrays(list(latents), [encode_text(t) for t in texts],
+                                                [f"img{i}.png" for i in range(len(texts))], encode_text(""))
+
+
+@pytest.mark.parametrize("which", ["klein", "zimage"])
+def test_training_steps_leave_model_unchanged(which, tmp_path, klein, zimage, klein_clip, zimage_clip,
+                                              flux2_vae, flux_vae):
+    model, arch_name, vae, clip = ((klein, "flux2_klein", flux2_vae, klein_clip) if which == "klein"
+                                   else (zimage, "zimage", flux_vae, zimage_clip))
+    texts = ["a cat", "a long caption about a dog running on a beach at sunset", "moss"]
+    data = training_data(model, vae, clip, texts, 32)
+    probe_x = torch.from_numpy(data.latent(0)[None])
+    probe = lambda: model_output(model, arch_name, probe_x, torch.tensor([0.6]), data.context(0))  # noqa: E731
+    before = probe()
+    in_training, grad = mm.in_training, torch.is_grad_enabled()
+    flags = [p.requires_grad for p in bridge.diffusion_model(model).parameters()]
+    with bridge.training_session(model) as (dm, device):
+        assert mm.in_training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        assert device == model.load_device and dm is bridge.diffusion_model(model)
+        assert not any(p.is_inference() for p in dm.parameters())
+        result = loop.train(small_config(arch_name, steps=2), dm, data, run_dir=tmp_path / "run",
+                            forward=bridge.make_forward(model, arch_name))
+    assert (mm.in_training, torch.is_grad_enabled()) == (in_training, grad)
+    assert len(result.history.loss) == 2 and all(np.isfinite(result.history.loss))
+    assert all(0 < loss < 50 for loss in result.history.loss)
+    assert any(np.abs(w.B).max() > 0 for w in result.lora.values())  # it learned something
+    assert [p.requires_grad for p in bridge.diffusion_model(model).parameters()] == flags
+    assert torch.equal(probe(), before)  # LoRA branches gone, weights bitwise as before
+
+
+# ---------------------------------------------------------------- LoRAs through ComfyUI's loader
+
+def test_lora_model_loads_through_comfy_and_matches_side_branches(klein, klein_clip):
+    weights = random_lora(klein, "flux2_klein")
+    lora_model = bridge.lora_model_from(weights, "flux2_klein")
+    assert all(k.startswith("diffusion_model.") for k in lora_model)
+    assert all(torch.is_tensor(v) and v.is_contiguous() for v in lora_model.values())
+    assert bridge.unmatched_lora_keys(klein, lora_model) == []
+    patched = bridge.apply_lora(klein, lora_model, 1.0)
+    back = bridge.lora_weights_from(lora_model)
+    assert set(back) == set(weights) and all(np.array_equal(back[k].B, weights[k].B) for k in weights)
+
+    emb = embedding(klein_clip, "a lighthouse")
+    x, sigma = torch.randn(1, 128, 2, 3, generator=torch.Generator().manual_seed(0)), torch.tensor([0.5])
+    base = model_output(klein, "flux2_klein", x, sigma, emb)
+    mm.load_models_gpu([patched], force_full_load=True)  # ComfyUI merges W + ΔW into the weights
+    with_patches = model_output(klein, "flux2_klein", x, sigma, emb)
+    mm.load_models_gpu([klein], force_full_load=True)
+    assert torch.equal(model_output(klein, "flux2_klein", x, sigma, emb), base)
+    assert not torch.allclose(with_patches, base, atol=1e-3)
+
+    # The same LoRA as our trainer's side branches: equal to ComfyUI's merged weights.
+    backend = TorchBackend()
+    cfg = small_config("flux2_klein", rank=4, alpha=4.0)
+    with bridge.training_session(klein) as (dm, _):
+        backend.setup(dm, cfg, archs.get_arch("flux2_klein"), bridge.make_forward(klein, "flux2_klein"))
+        try:
+            backend.load_lora_state(weights)
+            with torch.no_grad():
+                branches = model_output(klein, "flux2_klein", x, sigma, emb)
+        finally:
+            backend.teardown()
+    torch.testing.assert_close(branches, with_patches, rtol=1e-4, atol=1e-4)
+
+
+def test_apply_lora_reports_unmatched_keys(klein):
+    lora_model = bridge.lora_model_from(random_lora(klein, "flux2_klein"), "flux2_klein")
+    lora_model["diffusion_model.no_such_block.lora_A.weight"] = torch.zeros(4, 8)
+    lora_model["diffusion_model.no_such_block.lora_B.weight"] = torch.zeros(8, 4)
+    with pytest.raises(ValueError, match="2 of .* LoRA keys match nothing"):
+        bridge.apply_lora(klein, lora_model, 1.0)
+    assert bridge.unmatched_lora_keys(klein, lora_model) == [f"diffusion_model.no_such_block.lora_{ab}.weight"
+                                                             for ab in "AB"]
+    assert bridge.apply_lora(klein, lora_model, 1.0, strict=False) is not klein
+
+
+def test_negate_lora_undoes_it(zimage, zimage_clip):
+    lora_model = bridge.lora_model_from(random_lora(zimage, "zimage", seed=7), "zimage")
+    emb = embedding(zimage_clip, "a dog")
+    x, sigma = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(2)), torch.tensor([0.4])
+    base = model_output(zimage, "zimage", x, sigma, emb)
+    both = bridge.apply_lora(bridge.apply_lora(zimage, lora_model, 0.5), bridge.negate_lora(lora_model, 0.5), 1.0)
+    mm.load_models_gpu([both], force_full_load=True)
+    torch.testing.assert_close(model_output(zimage, "zimage", x, sigma, emb), base, rtol=1e-5, atol=1e-5)
+    mm.load_models_gpu([zimage], force_full_load=True)
+    assert torch.equal(model_output(zimage, "zimage", x, sigma, emb), base)
+    with pytest.raises(ValueError, match="cannot negate"):
+        bridge.negate_lora({"diffusion_model.x.hada_w1_a": torch.zeros(2, 2)})
+
+
+def test_lora_model_through_comfy_nodes(tmp_path, klein):
+    import folder_paths
+    from comfy_extras import nodes_train
+
+    lora_model = bridge.lora_model_from(random_lora(klein, "flux2_klein", seed=2), "flux2_klein")
+    loaded = nodes_train.LoraModelLoader.execute(klein, lora_model, 1.0).result[0]
+    assert set(loaded.patches) and loaded is not klein
+    previous = folder_paths.get_output_directory()
+    folder_paths.set_output_directory(str(tmp_path))
+    try:
+        nodes_train.SaveLoRA.execute(lora_model, "loras/kiln_test", steps=3)
+    finally:
+        folder_paths.set_output_directory(previous)
+    saved = list((tmp_path / "loras").glob("kiln_test_3_steps_*.safetensors"))
+    assert len(saved) == 1
+    again = bridge.load_lora_file(saved[0])
+    assert set(again) == set(lora_model) and all(torch.equal(again[k], lora_model[k]) for k in again)
+
+
+def test_training_adapter_merge_then_plain_model(zimage, zimage_clip):
+    adapter = bridge.lora_model_from(random_lora(zimage, "zimage", seed=5), "zimage", dtype=torch.bfloat16)
+    merged = bridge.training_adapter_merged(zimage, adapter)
+    emb = embedding(zimage_clip, "a cat")
+    x, sigma = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0.7])
+    base = model_output(zimage, "zimage", x, sigma, emb)
+    with bridge.training_session(merged):
+        with torch.no_grad():
+            trained_on = model_output(merged, "zimage", x, sigma, emb)
+    assert not torch.allclose(trained_on, base, atol=1e-3)
+    mm.load_models_gpu([zimage], force_full_load=True)  # the plain model: adapter unpatched exactly
+    assert torch.equal(model_output(zimage, "zimage", x, sigma, emb), base)
+
+
+# ---------------------------------------------------------------- sampling, encoders, plumbing
+
+def test_sample_returns_image_with_lora_installed(klein, klein_clip, flux2_vae):
+    cond = tc.conditioning(klein_clip, "a cat")
+    backend = TorchBackend()
+    with bridge.training_session(klein) as (dm, _):
+        backend.setup(dm, small_config("flux2_klein"), archs.get_arch("flux2_klein"))
+        try:
+            backend.load_lora_state(random_lora(klein, "flux2_klein", rank=4))
+            image = bridge.sample(klein, cond, cond, flux2_vae, seed=1, steps=2, cfg=1.0, sampler_name="euler",
+                                  scheduler="simple", width=48, height=32)  # reloads the session's model after
+            assert mm.in_training  # restored after sampling
+            assert not any(p.is_inference() for p in dm.parameters())
+        finally:
+            backend.teardown()
+    assert image.shape == (1, 32, 48, 3) and torch.isfinite(image).all()
+    assert 0.0 <= image.min() and image.max() <= 1.0
+
+
+def test_vae_encoder(flux2_vae, flux_vae, zimage, klein):
+    pixels = np.random.default_rng(0).random((2, 32, 48, 3), dtype=np.float32)
+    encode, identity = bridge.vae_encoder(flux2_vae)
+    latents = encode(pixels)
+    with torch.inference_mode():
+        expected = flux2_vae.encode(torch.from_numpy(pixels)).float().numpy()
+    assert latents.dtype == np.float32 and latents.shape == (2, 128, 2, 3)
+    np.testing.assert_array_equal(latents, expected)
+    assert identity == bridge.vae_encoder(flux2_vae)[1] != bridge.vae_encoder(flux_vae)[1]
+    np.testing.assert_array_equal(bridge.latents_in(klein, latents), latents)  # Flux2: identity
+    flux_latents = bridge.vae_encoder(flux_vae)[0](pixels)
+    np.testing.assert_allclose(bridge.latents_in(zimage, flux_latents), (flux_latents - 0.1159) * 0.3611, rtol=1e-6)
+    back = bridge.latents_in(zimage, bridge.latents_in(zimage, flux_latents), reverse=True)
+    np.testing.assert_allclose(back, flux_latents, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="multiple of the VAE"):
+        encode(pixels[:, :30])
+
+
+def test_text_encoder(klein_clip, zimage_clip):
+    encode, identity = bridge.text_encoder(zimage_clip)
+    emb = encode("a photo of a cat")
+    cond = tc.conditioning(zimage_clip, "a photo of a cat")
+    np.testing.assert_array_equal(emb, cond[0][0][0].numpy())
+    assert cond[0][1]["pooled_output"] is None and bool(cond[0][1]["attention_mask"].all())  # so only T counts
+    assert emb.dtype == np.float32 and emb.shape[1] == tc.ZIMAGE_TE_HIDDEN
+    assert encode("").shape[0] > 0  # the chat template makes the empty caption a few tokens
+    assert identity == bridge.text_encoder(zimage_clip)[1] != bridge.text_encoder(klein_clip)[1]
+
+
+def test_progress_interrupt_and_events(klein):
+    bar = bridge.progress(3)
+    bar.update(1, preview=torch.rand(2, 16, 16, 3))  # IMAGE previews become a PIL JPEG preview
+    mm.interrupt_current_processing(True)
+    with pytest.raises(bridge.Interrupted):
+        bar.update(2)
+    assert not mm.processing_interrupted()
+    assert bridge.send_event("kiln.progress", {"step": 1}) is False  # no server in tests
+    # In a session the stop button waits for the step boundary instead of breaking a forward.
+    x, sigma = torch.randn(1, 128, 2, 2), torch.tensor([0.5])
+    emb = np.zeros((512, tc.FLUX2_CONTEXT_DIM), np.float32)
+    with bridge.training_session(klein):
+        mm.interrupt_current_processing(True)
+        model_output(klein, "flux2_klein", x, sigma, emb)  # runs through
+        with pytest.raises(bridge.Interrupted):
+            bar.update(3)
+    mm.interrupt_current_processing(False)
+
+
+def test_loss_map_feeds_comfy_loss_graph():
+    from comfy_extras import nodes_train
+
+    loss = bridge.loss_map([0.5, float("nan"), 0.25, 0.125])
+    assert loss == {"loss": [0.5, 0.25, 0.125]}
+    nodes_train.LossGraphNode.execute(loss, "kiln_loss_test")
+
+
+def test_session_device_and_small_helpers(klein):
+    with bridge.training_session(klein, "auto") as (_, device):
+        assert device.type == "cpu"
+    with bridge.training_session(klein, "cpu"):
+        pass
+    with pytest.raises(ValueError, match="ComfyUI loads this model on cpu"):
+        with bridge.training_session(klein, "cuda"):
+            pass
+    assert not mm.in_training
+    assert "euler" in bridge.sampler_names() and "simple" in bridge.scheduler_names()
+    from PIL import Image
+
+    picture = bridge.image_tensor(Image.new("RGB", (5, 3), (255, 0, 0)))
+    assert picture.shape == (1, 3, 5, 3) and picture[0, 0, 0].tolist() == [1.0, 0.0, 0.0]
+    assert bridge.cat_images([picture, torch.zeros(1, 4, 2, 3)]).shape == (2, 4, 5, 3)
+
+
+def test_folders_and_lora_listing(tmp_path):
+    import folder_paths
+
+    found = bridge.folders()
+    assert set(found) == {"input", "output", "loras"} and found["loras"] in folder_paths.get_folder_paths("loras")
+    folder_paths.add_model_folder_path("loras", str(tmp_path), is_default=True)
+    assert bridge.folders()["loras"] == str(tmp_path)
+    before = folder_paths.get_filename_list("loras")
+    (tmp_path / "kiln_new.safetensors").write_bytes(b"")
+    bridge.refresh_loras()
+    assert "kiln_new.safetensors" in folder_paths.get_filename_list("loras")
+    assert "kiln_new.safetensors" not in before
+    assert "kiln_new.safetensors" in bridge.lora_names()
+    assert bridge.lora_path("kiln_new.safetensors") == str(tmp_path / "kiln_new.safetensors")

@@ -1,0 +1,172 @@
+"""The Kiln nodes in a real ComfyUI (COMFYUI_PATH), in process, on tiny Flux2 and Z-Image models.
+
+Generated images → Load Dataset → Encode Images → Encode Captions → Train LoRA (20 steps) → Save
+LoRA in each format → ComfyUI's own LoRA loader matches every key and the LoRA changes the output.
+Also: the model is unchanged after training, re-queueing reuses a finished run, a stopped run
+resumes to the same weights, validation samples come out, the training adapter is never saved.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+HERE = Path(__file__).resolve().parent
+for folder in (HERE.parent, HERE):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+import comfy_env  # noqa: E402
+
+comfy_env.require_comfy()
+
+import folder_paths  # noqa: E402
+import tiny_comfy as tc  # noqa: E402
+import torch  # noqa: E402
+
+pack = comfy_env.import_pack("nodes")
+bridge = comfy_env.import_pack("nodes.bridge")
+dn = comfy_env.import_pack("nodes.dataset_nodes")
+tn = comfy_env.import_pack("nodes.train_nodes")
+ln = comfy_env.import_pack("nodes.lora_nodes")
+safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
+
+
+@pytest.fixture(scope="module")
+def comfy_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("comfy")
+    for name in ("input", "output", "loras"):
+        (root / name).mkdir()
+    folder_paths.set_input_directory(str(root / "input"))
+    folder_paths.set_output_directory(str(root / "output"))
+    folder_paths.folder_names_and_paths["loras"] = ([str(root / "loras")], folder_paths.supported_pt_extensions)
+    return root
+
+
+def make_dataset(folder: Path, count: int = 4) -> Path:
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        size = (64, 64) if i % 2 else (64, 48)
+        Image.fromarray(rng.integers(0, 255, (*size[::-1], 3), dtype=np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
+    return folder
+
+
+def out(result, index=0):
+    return result.result[index] if hasattr(result, "result") else result[index]
+
+
+def encoded_dataset(comfy_dirs, vae, clip, name):
+    make_dataset(comfy_dirs / "input" / name)
+    loaded = dn.KilnLoadDataset.execute(name, "kiln", "", "", "64", 1, 0.0)
+    ds = out(dn.KilnEncodeImages.execute(out(loaded), vae))
+    return out(dn.KilnEncodeCaptions.execute(ds, clip))
+
+
+def train(model, ds, steps=20, **kw):
+    args = dict(steps=steps, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw", preset="none",
+                backend="torch", seed=1)
+    options = dict(kw.pop("options", {}))
+    options.setdefault("device", "cpu")
+    options.setdefault("mixed_precision", "no")
+    options.setdefault("checkpoint_every", 0)
+    return tn.KilnTrainLoRA.execute(model, ds, **args, options=options, **kw)
+
+
+def prediction(model, x, sigma, context, **extras):
+    with torch.no_grad():
+        return bridge.diffusion_model(model)(x, sigma, context, **extras)
+
+
+def test_every_node_is_registered():
+    ids = {n.define_schema().node_id for n in pack.NODES}
+    assert ids == {"KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
+                   "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
+                   "KilnInvertAdapter", "KilnLossGraph"}
+    for node in pack.NODES:
+        schema = node.define_schema()
+        assert schema.category.startswith("Kiln")
+        assert all(i.tooltip for i in schema.inputs), node
+
+
+@pytest.mark.parametrize("family", ["flux2", "zimage"])
+def test_train_save_and_load_through_comfy(comfy_dirs, tmp_path_factory, family):
+    if family == "flux2":
+        model, vae, clip = tc.tiny_flux2(tmp_path_factory.mktemp("f")), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
+    else:
+        model, vae, clip = tc.tiny_zimage(), tc.tiny_vae(flux2=False), tc.tiny_zimage_clip()
+    ds = encoded_dataset(comfy_dirs, vae, clip, f"ds_{family}")
+    dm = bridge.diffusion_model(model)
+    before = {k: v.clone() for k, v in dm.state_dict().items()}
+
+    result = train(model, ds, options={"ema": True, "ema_decay": 0.9})
+    trained, lora, state, loss_map, images = result.result
+    assert state.step == 20 and len(loss_map["loss"]) == 20 and images.ndim == 4
+    after = dm.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)          # the model is as it was
+
+    for fmt in ("comfy", "diffusers", "kohya"):
+        path = Path(out(ln.KilnSaveLoRA.execute(lora, f"kiln/{family}_{fmt}", fmt, "bf16", "kiln", "", False, state)))
+        assert path.is_file() and path.parent.parent == comfy_dirs / "loras"
+        loaded = bridge.load_lora_file(path)
+        assert bridge.unmatched_lora_keys(model, loaded) == []
+    assert f"kiln/{family}_comfy.safetensors" in bridge.lora_names()
+    with pytest.raises(ValueError, match="exists"):
+        ln.KilnSaveLoRA.execute(lora, f"kiln/{family}_comfy", "comfy", "bf16")
+    with pytest.raises(ValueError, match="loras folder|outside"):
+        ln.KilnSaveLoRA.execute(lora, "../escape", "comfy", "bf16")
+
+    # Re-queueing the same graph reuses the finished run instead of training again.
+    again = train(model, ds, options={"ema": True, "ema_decay": 0.9})
+    assert "already trained" in str(again.ui) or again.result[2].checkpoint == state.checkpoint
+
+
+def test_stop_then_resume_equals_an_uninterrupted_run(comfy_dirs, tmp_path_factory, monkeypatch):
+    model, vae, clip = tc.tiny_flux2(tmp_path_factory.mktemp("r")), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
+    ds = encoded_dataset(comfy_dirs, vae, clip, "ds_resume")
+    straight = train(model, ds, steps=8, options={"run_name": "straight"}).result[2]
+
+    calls = {"n": 0}
+    real = bridge.Progress.update
+
+    def stop_at_5(self, step, *a, **k):
+        calls["n"] += 1
+        if step == 5:
+            raise bridge.Interrupted()
+        return real(self, step, *a, **k)
+
+    monkeypatch.setattr(bridge.Progress, "update", stop_at_5)
+    with pytest.raises(bridge.Interrupted):
+        train(model, ds, steps=8, options={"run_name": "stopped"})
+    monkeypatch.setattr(bridge.Progress, "update", real)
+    resumed = train(model, ds, steps=8, options={"run_name": "stopped"}).result[2]   # re-queue: resumes at 5
+    assert resumed.step == 8
+    for path, w in straight.lora.items():
+        np.testing.assert_array_equal(w.A, resumed.lora[path].A)
+        np.testing.assert_array_equal(w.B, resumed.lora[path].B)
+
+
+def test_validation_samples_and_adapter_never_saved(comfy_dirs):
+    model, vae, clip = tc.tiny_zimage(), tc.tiny_vae(flux2=False), tc.tiny_zimage_clip()
+    ds = encoded_dataset(comfy_dirs, vae, clip, "ds_val")
+    # A "training adapter": a small LoRA on the same modules, saved as a file under loras/.
+    adapter_weights = {p: w for p, w in bridge.lora_weights_from(
+        out(train(model, ds, steps=2, options={"run_name": "adapter"}), 1)).items()}
+    for w in adapter_weights.values():
+        w.B[:] = 0.01
+    adapter = bridge.lora_model_from(adapter_weights, "zimage")
+    safetensors_io.write(comfy_dirs / "loras" / "adapter.safetensors", {k: v.numpy() for k, v in adapter.items()})
+    bridge.refresh_loras()
+    validation = out(tn.KilnValidationSettings.execute(
+        positive=tc.conditioning(clip, "kiln"), negative=tc.conditioning(clip, ""), vae=vae, seed=0, steps=2,
+        cfg=1.0, sampler_name="euler", scheduler="simple", width=32, height=32, every=3))
+    result = train(model, ds, steps=6, training_adapter="adapter.safetensors", validation=validation,
+                   options={"run_name": "val"})
+    trained, lora, state, loss_map, images = result.result
+    assert state.arch == "zimage_turbo" and images.shape[0] == 2          # steps 3 and 6
+    assert set(lora) == set(adapter)                                      # same modules, but ...
+    assert not any(torch.equal(lora[k], adapter[k]) for k in lora if k.endswith("lora_B.weight"))
