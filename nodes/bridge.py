@@ -242,6 +242,20 @@ def _identity(kind: str, *facts, tensors: dict, patches: dict) -> str:
 
 # ---------------------------------------------------------------- a training session
 
+def trainable(model):
+    """The patcher to train and sample on. ComfyUI ≥0.17 on NVIDIA runs models with dynamic VRAM
+    (comfy-aimdo), which streams weights and never loads them whole; ComfyUI's own escape hatch,
+    `get_non_dynamic_delegate()`, gives a plain patcher over a second copy of the weights (what its
+    samplers use for hooked conds). Other patchers come back unchanged."""
+    if model.is_dynamic():
+        try:
+            return model.get_non_dynamic_delegate()
+        except RuntimeError as error:  # a patcher not made by a loader cannot be re-created
+            raise RuntimeError(f"this model runs with dynamic VRAM and ComfyUI cannot make a fully loaded copy "
+                               f"({error}); restart ComfyUI with --disable-dynamic-vram to train with Kiln") from error
+    return model
+
+
 @contextlib.contextmanager
 def training_session(model, device=None):
     """Grad on, inference mode off, `in_training` set, the model fully on its compute device.
@@ -256,8 +270,8 @@ def training_session(model, device=None):
         raise ValueError(f"ComfyUI loads this model on {model.load_device}, not {device}; set device to auto, or "
                          "start ComfyUI on the device you want (--cpu, --cuda-device N)")
     if model.is_dynamic():
-        raise RuntimeError("ComfyUI runs this model with dynamic VRAM (comfy-aimdo), which streams weights and "
-                           "never loads them fully; restart ComfyUI with --disable-dynamic-vram to train with Kiln")
+        raise RuntimeError("training_session needs bridge.trainable(model): this patcher uses dynamic VRAM, "
+                           "which never loads weights fully")
     previous = mm.in_training
     with torch.inference_mode(False), torch.enable_grad(), _run_every_op(_deferring_run_every_op):
         try:

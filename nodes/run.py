@@ -82,6 +82,7 @@ class Outcome:
 
 def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=None, resume_state: KilnState | None = None,
             validation=None, output_root: Path) -> Outcome:
+    model = bridge.trainable(model)  # dynamic VRAM: ComfyUI's fully loadable delegate (outputs use the original)
     # Caches hold raw VAE latents; the model sees them in its latent format (Z-Image: shift and scale).
     data = MappedLatents(dataset.training_data(), lambda raw: bridge.latents_in(model, raw))
     resume_from = resume_state.checkpoint if resume_state is not None else None

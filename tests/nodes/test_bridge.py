@@ -472,3 +472,21 @@ def test_folders_and_lora_listing(tmp_path):
     assert "kiln_new.safetensors" not in before
     assert "kiln_new.safetensors" in bridge.lora_names()
     assert bridge.lora_path("kiln_new.safetensors") == str(tmp_path / "kiln_new.safetensors")
+
+
+def test_trainable_swaps_a_dynamic_patcher_for_its_delegate(klein):
+    class Dynamic:
+        def is_dynamic(self):
+            return True
+
+        def get_non_dynamic_delegate(self):
+            return klein
+
+    class Orphan(Dynamic):
+        def get_non_dynamic_delegate(self):
+            raise RuntimeError("Cannot create non-dynamic delegate: cached_patcher_init is not initialized.")
+
+    assert bridge.trainable(klein) is klein
+    assert bridge.trainable(Dynamic()) is klein
+    with pytest.raises(RuntimeError, match="--disable-dynamic-vram"):
+        bridge.trainable(Orphan())
