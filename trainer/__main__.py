@@ -43,7 +43,7 @@ class _StopOnSignal:
         signal.signal(signal.SIGINT, self.previous)
 
 
-def _run(cfg, model, data, run_dir: Path, resume, stop_after: int | None = None):
+def _run(cfg, model, data, run_dir: Path, resume, stop_after: int | None = None, forward=None):
     from .loop import train
     from .state import list_checkpoints
 
@@ -55,7 +55,7 @@ def _run(cfg, model, data, run_dir: Path, resume, stop_after: int | None = None)
     should_stop = (lambda: stop() or bar.n >= stop_after) if stop_after else stop
     try:
         return train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
-                     on_step=on_step, should_stop=should_stop)
+                     on_step=on_step, should_stop=should_stop, forward=forward)
     finally:
         stop.close()
         bar.close()
@@ -111,7 +111,7 @@ def cmd_train(args) -> int:
 
     cfg = config_module.load(args.config)
     if cfg.arch != "demo":
-        raise SystemExit(_comfy_needed(cfg))
+        return _pack_module("nodes.headless", cpu=cfg.device == "cpu").train_command(args.config, args.resume)
     from .demo import build_data
     from .tiny_dit import build_tiny_flux
     if not cfg.dataset_dir:
@@ -125,17 +125,35 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _comfy_needed(cfg) -> str:
-    """Why a ComfyUI architecture cannot train headless here, and what to do."""
+def _pack_module(name: str, cpu: bool = False):
+    """A module of the node pack, for ComfyUI architectures (whose model code is ComfyUI's).
+
+    The library itself never imports ComfyUI: only this command, for these archs, reaches it,
+    through nodes/ (imported as a package, as ComfyUI imports custom_nodes/<folder>)."""
+    import importlib
     import importlib.util
     import os
 
-    if not (os.environ.get("COMFYUI_PATH") or importlib.util.find_spec("comfy")):
-        return (f"arch {cfg.arch!r} trains ComfyUI's own model code, and ComfyUI is not importable here: "
-                "set COMFYUI_PATH to a ComfyUI checkout (0.17 or newer) and run again, "
-                "or use arch 'demo' to try the trainer without it")
-    return (f"arch {cfg.arch!r}: headless loading of ComfyUI model files is not in this version yet; "
-            "train it with the Kiln nodes inside ComfyUI")
+    path = os.environ.get("COMFYUI_PATH", "").strip()
+    if not path and importlib.util.find_spec("comfy") is None:
+        raise SystemExit("this architecture trains ComfyUI's own model code, and ComfyUI is not importable here: "
+                         "set COMFYUI_PATH to a ComfyUI checkout (0.17 or newer) and run again, "
+                         "or use arch 'demo' to try the trainer without it")
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+    if cpu and "comfy.model_management" not in sys.modules:
+        from comfy.cli_args import args as comfy_args  # read once, when model_management is imported
+
+        comfy_args.cpu = True
+    package = "kiln_pack"
+    if package not in sys.modules:
+        root = Path(__file__).resolve().parents[1]
+        spec = importlib.util.spec_from_file_location(package, root / "__init__.py",
+                                                      submodule_search_locations=[str(root)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[package] = module
+        spec.loader.exec_module(module)
+    return importlib.import_module(f"{package}.{name}")
 
 
 def cmd_check_dataset(args) -> int:

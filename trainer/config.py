@@ -79,6 +79,8 @@ class TrainConfig:
     # --- model and backend
     arch: str = "demo"              # model family (trainer/archs): flux2_klein, flux2_dev, zimage_turbo, zimage, generic, demo
     model_path: str = ""            # ComfyUI diffusion-model .safetensors (headless `train`); nodes pass the MODEL instead
+    vae_path: str = ""              # the model's VAE .safetensors (headless `train`)
+    text_encoder_path: str = ""     # the model's text encoder .safetensors (headless `train`)
     backend: str = "torch"          # "torch" (CUDA, MPS, CPU) or "mlx" (Apple Silicon; Linux CPU for tests)
     device: str = "auto"            # auto picks cuda, then mps, then cpu
     mixed_precision: str = "bf16"   # "bf16": autocast with fp32 LoRA parameters; "no": everything fp32
