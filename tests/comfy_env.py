@@ -67,24 +67,11 @@ def prepare(path: str) -> None:
     _prepared = path
 
 
-PACK = "kiln_pack"  # the name the pack is imported under, as ComfyUI imports custom_nodes/<folder>
-
-
 def import_pack(submodule: str = ""):
-    """Import this repository as a custom-node package (ComfyUI's way: the folder's __init__.py under
-    its own name), so `nodes/` is `kiln_pack.nodes` and never shadows ComfyUI's own `nodes` module.
-    Returns `kiln_pack.<submodule>` (or the package)."""
-    import importlib
-    import importlib.util
+    """This repository as ComfyUI imports a custom-node pack (`kiln_pack.<submodule>`); see trainer/__main__.py."""
+    from trainer.__main__ import import_pack as _import
 
-    if PACK not in sys.modules:
-        root = Path(__file__).resolve().parents[1]
-        spec = importlib.util.spec_from_file_location(PACK, root / "__init__.py",
-                                                      submodule_search_locations=[str(root)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[PACK] = module
-        spec.loader.exec_module(module)
-    return importlib.import_module(f"{PACK}.{submodule}" if submodule else PACK)
+    return _import(submodule)
 
 
 def require_comfy() -> str:

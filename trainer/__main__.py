@@ -130,7 +130,6 @@ def _pack_module(name: str, cpu: bool = False):
 
     The library itself never imports ComfyUI: only this command, for these archs, reaches it,
     through nodes/ (imported as a package, as ComfyUI imports custom_nodes/<folder>)."""
-    import importlib
     import importlib.util
     import os
 
@@ -145,15 +144,26 @@ def _pack_module(name: str, cpu: bool = False):
         from comfy.cli_args import args as comfy_args  # read once, when model_management is imported
 
         comfy_args.cpu = True
-    package = "kiln_pack"
-    if package not in sys.modules:
+    return import_pack(name)
+
+
+PACK = "kiln_pack"
+
+
+def import_pack(name: str = ""):
+    """This repository imported as a package (`kiln_pack.<name>`), the way ComfyUI imports
+    custom_nodes/<folder>: `nodes` then never shadows ComfyUI's own `nodes` module."""
+    import importlib
+    import importlib.util
+
+    if PACK not in sys.modules:
         root = Path(__file__).resolve().parents[1]
-        spec = importlib.util.spec_from_file_location(package, root / "__init__.py",
+        spec = importlib.util.spec_from_file_location(PACK, root / "__init__.py",
                                                       submodule_search_locations=[str(root)])
         module = importlib.util.module_from_spec(spec)
-        sys.modules[package] = module
+        sys.modules[PACK] = module
         spec.loader.exec_module(module)
-    return importlib.import_module(f"{package}.{name}")
+    return importlib.import_module(f"{PACK}.{name}" if name else PACK)
 
 
 def cmd_check_dataset(args) -> int:
