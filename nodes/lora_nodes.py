@@ -126,7 +126,7 @@ class KilnLossGraph(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="KilnLossGraph", display_name="Kiln Loss Graph", category=f"{CATEGORY}/lora",
+            node_id="KilnLossGraph", display_name="Kiln Loss Graph", category=f"{CATEGORY}/lora", is_output_node=True,
             description="Raw and smoothed loss, and the learning rate, against step.",
             inputs=[io.LossMap.Input("loss_map", optional=True, tooltip="A LOSS_MAP (Kiln's or ComfyUI's trainer)"),
                     STATE.Input("state", optional=True, tooltip="A KILN_STATE (also draws the learning rate)")],

@@ -15,7 +15,8 @@ TRAIN_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "optimizer", "backen
 DATASET_FIELDS = ("dataset_dir", "resolutions", "repeats", "caption_dropout", "trigger_word", "caption_prefix",
                   "caption_suffix", "default_caption", "shuffle_tags", "keep_tags", "caption_variants", "crop",
                   "cache_dir", "cache_max_gb")
-NOT_IN_GRAPH = ("arch", "model_path", "training_adapter", "output_dir")  # the graph supplies these
+NOT_IN_GRAPH = ("arch", "model_path", "vae_path", "text_encoder_path", "training_adapter",
+                "output_dir")  # the graph supplies these (headless `train` reads them from its config)
 OPTION_FIELDS = tuple(name for name in cfg_module.FIELDS
                       if name not in TRAIN_WIDGETS + DATASET_FIELDS + NOT_IN_GRAPH)
 LIST_FIELDS = {"targets": str}
@@ -64,7 +65,8 @@ class KilnValidationSettings(io.ComfyNode):
                 io.Conditioning.Input("positive", tooltip="Prompt to sample (use the trigger word)"),
                 io.Conditioning.Input("negative", tooltip="Negative prompt (an empty CLIP Text Encode is fine)"),
                 io.Vae.Input("vae", tooltip="VAE to decode the samples"),
-                io.Int.Input("seed", default=0, min=0, max=2**32 - 1, tooltip="Sampling seed (fixed: compare steps)"),
+                io.Int.Input("seed", default=0, min=0, max=2**32 - 1, control_after_generate=io.ControlAfterGenerate.fixed,
+                             tooltip="Sampling seed (fixed: compare steps)"),
                 io.Int.Input("steps", default=8, min=1, max=200, tooltip="Sampling steps (Turbo: 8)"),
                 io.Float.Input("cfg", default=1.0, min=0.0, max=30.0, step=0.1, tooltip="CFG scale (Turbo, Klein: 1.0)"),
                 io.Combo.Input("sampler_name", options=bridge.sampler_names(), default="euler",
@@ -84,12 +86,16 @@ class KilnValidationSettings(io.ComfyNode):
 
 
 def build_config(model, dataset, widgets: dict, preset: str, options: dict | None, adapter: bool):
-    """preset < Training Options < this node's widgets; the dataset's own settings; the detected arch."""
+    """preset < Training Options < this node's widgets; the dataset's own settings; the detected arch.
+
+    With a preset, an Options value left at its default keeps the preset's value (connecting Options
+    just to turn on EMA must not undo the preset's loss weighting)."""
     arch = bridge.detect_arch(model)
     if arch == "zimage" and adapter:
         arch = "zimage_turbo"
     s = dataset.settings
-    values = dict(options or {})
+    defaults = cfg_module.TrainConfig().to_dict()
+    values = {k: v for k, v in (options or {}).items() if preset == "none" or v != defaults.get(k)}
     values.update(widgets)
     values.update(arch=arch, resolutions=list(s.resolutions), repeats=s.repeats, caption_dropout=s.caption_dropout,
                   trigger_word=s.captions.trigger_word, dataset_dir=dataset.report.root)

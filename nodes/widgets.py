@@ -52,8 +52,10 @@ def widget(name: str, *, default=None, tooltip_text: str | None = None, optional
         return io.Boolean.Input(name, default=value, **common)
     low, high = cfg_module.BOUNDS.get(name, (None, None))
     if field.type in ("int", int):
+        # A seed that re-rolls after each queue would start a new run instead of resuming this one.
+        fixed = dict(control_after_generate=io.ControlAfterGenerate.fixed) if name == "seed" else {}
         return io.Int.Input(name, default=value, min=int(low) if low is not None else None,
-                            max=int(high) if high is not None else None, **common)
+                            max=int(high) if high is not None else None, **fixed, **common)
     if field.type in ("float", float):
         step = 1e-6 if name == "learning_rate" else 0.01 if high is not None and high <= 10 else 0.1
         return io.Float.Input(name, default=value, min=low, max=high, step=step, round=False, **common)

@@ -170,3 +170,18 @@ def test_validation_samples_and_adapter_never_saved(comfy_dirs):
     assert state.arch == "zimage_turbo" and images.shape[0] == 2          # steps 3 and 6
     assert set(lora) == set(adapter)                                      # same modules, but ...
     assert not any(torch.equal(lora[k], adapter[k]) for k in lora if k.endswith("lora_B.weight"))
+
+
+def test_options_left_at_defaults_keep_the_preset(comfy_dirs, tmp_path_factory):
+    model = tc.tiny_flux2(tmp_path_factory.mktemp("p"))
+    folder = make_dataset(comfy_dirs / "input" / "ds_preset")
+    ds = out(dn.KilnLoadDataset.execute(str(folder), "kiln", "", "", "64", 1, 0.0))
+    options = out(tn.KilnTrainingOptions.execute(**{name: tn.cfg_module.TrainConfig().to_dict()[name]
+                                                     for name in tn.OPTION_FIELDS if name != "targets"},
+                                                  targets=""))
+    options["ema"] = True
+    widgets = dict(steps=50, learning_rate=1e-4, rank=8, alpha=8.0, optimizer="adamw", backend="torch", seed=3)
+    cfg = tn.build_config(model, ds, widgets, "character", options, adapter=False)
+    assert cfg.ema is True and cfg.loss_weighting == "bell" and cfg.steps == 50 and cfg.arch == "flux2_klein"
+    plain = tn.build_config(model, ds, widgets, "none", options, adapter=False)
+    assert plain.loss_weighting == "none" and plain.resolutions == [64]

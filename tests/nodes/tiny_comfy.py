@@ -220,3 +220,15 @@ def conditioning(clip, text: str):
     """CLIPTextEncode, as nodes.py does it."""
     with torch.inference_mode():
         return clip.encode_from_tokens_scheduled(clip.tokenize(text))
+
+
+# ---------------------------------------------------------------- files for a ComfyUI server (test_server.py)
+
+def write_vae_file(path: Path, *, flux2: bool, seed: int = 0) -> Path:
+    """The tiny VAE of tiny_vae() as a safetensors file that ComfyUI's VAELoader loads and detects (fp16 on
+    disk to halve the file; ComfyUI casts to its VAE dtype on load)."""
+    import safetensors.torch
+
+    sd = _vae_state_dict(flux2=flux2, seed=seed)
+    safetensors.torch.save_file({k: v.half() if v.is_floating_point() else v for k, v in sd.items()}, str(path))
+    return path

@@ -1,0 +1,170 @@
+"""A real ComfyUI server in a subprocess, for tests/nodes/test_server.py.
+
+`ComfyServer` starts ComfyUI's own main.py on a free port with a temporary base directory
+(`--base-directory`: models/, custom_nodes/, input/, output/, user/ under it), waits until it answers,
+talks to it over HTTP (stdlib only) and stops it. Everything it prints goes to one log file.
+
+Run as a script, this file is the launcher the server is started through:
+
+    python comfy_server.py COMFYUI_PATH main.py-arguments...
+
+It applies tests/comfy_env.py's torchvision workaround (a CUDA-only torchvision wheel on CPU torch
+fails to import; ComfyUI imports it at start) and then runs main.py as `python main.py` would, from
+ComfyUI's folder. (comfy_env.prepare() itself cannot be used here: it imports comfy.cli_args before
+main.py enables argument parsing, and ComfyUI would then ignore --port and the rest.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class ComfyServer:
+    def __init__(self, comfy: str, base: Path, *, extra_args: tuple[str, ...] = ()):
+        self.comfy = str(Path(comfy).resolve())
+        self.base = Path(base)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.base / "comfyui.log"
+        self.extra_args = extra_args
+        self.process: subprocess.Popen | None = None
+        self._log_file = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self, timeout: float = 150.0) -> ComfyServer:
+        args = [sys.executable, str(HERE / "comfy_server.py"), self.comfy,
+                "--cpu", "--listen", "127.0.0.1", "--port", str(self.port), "--disable-auto-launch",
+                "--base-directory", str(self.base), "--database-url", "sqlite:///:memory:",
+                "--disable-api-nodes", *self.extra_args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("COMFYUI_PATH", None)
+        self._log_file = open(self.log_path, "wb")  # noqa: SIM115  (open while the server runs; closed in stop())
+        self.process = subprocess.Popen(args, cwd=self.comfy, env=env, stdout=self._log_file,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"ComfyUI exited with {self.process.returncode} while starting:\n{self.log_tail()}")
+            try:
+                self.get("/system_stats", timeout=2)
+                return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"ComfyUI did not answer on {self.url} within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM to the server's own process group (it was started in a new session), SIGKILL if it lingers."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=15)
+            except ProcessLookupError:
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    # ---------------------------------------------------------------- HTTP
+
+    def _request(self, path: str, payload=None, timeout: float = 30):
+        data = json.dumps(payload).encode() if payload is not None else None
+        request = urllib.request.Request(self.url + path, data=data,
+                                         headers={"Content-Type": "application/json"} if data else {})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def get(self, path: str, timeout: float = 30):
+        status, body = self._request(path, timeout=timeout)
+        if status != 200:
+            raise ServerError(f"GET {path}: HTTP {status}: {body[:500]!r}")
+        return json.loads(body)
+
+    def post(self, path: str, payload) -> tuple[int, dict]:
+        status, body = self._request(path, payload)
+        return status, (json.loads(body) if body else {})
+
+    def queue(self, prompt: dict) -> str:
+        """POST /prompt; the prompt id, or ServerError with ComfyUI's validation errors."""
+        status, answer = self.post("/prompt", {"prompt": prompt, "client_id": "kiln-test"})
+        if status != 200:
+            raise ServerError(f"prompt refused (HTTP {status}): {json.dumps(answer, indent=1)[:3000]}")
+        return answer["prompt_id"]
+
+    def wait(self, prompt_id: str, timeout: float = 120.0) -> dict:
+        """The /history entry of a prompt once it has finished (successfully or not)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            if entry and entry.get("status", {}).get("completed") is not None:
+                return entry
+            if self.process is None or self.process.poll() is not None:
+                raise ServerError(f"ComfyUI died while running {prompt_id}:\n{self.log_tail()}")
+            time.sleep(0.25)
+        raise ServerError(f"prompt {prompt_id} did not finish within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def run(self, prompt: dict, timeout: float = 120.0) -> dict:
+        """Queue a prompt and wait for it; ServerError (with the node's error and the log) unless it succeeded."""
+        entry = self.wait(self.queue(prompt), timeout)
+        if entry["status"].get("status_str") != "success":
+            errors = [m[1] for m in entry["status"].get("messages", []) if m[0] == "execution_error"]
+            raise ServerError(f"prompt failed: {json.dumps(errors, indent=1)[:4000]}\n{self.log_tail()}")
+        return entry
+
+    # ---------------------------------------------------------------- log
+
+    def log(self) -> str:
+        if self._log_file is not None:
+            self._log_file.flush()
+        return self.log_path.read_text(encoding="utf-8", errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+
+def _launch(argv: list[str]) -> None:
+    comfy, main_args = str(Path(argv[0]).resolve()), argv[1:]
+    sys.path.insert(0, str(HERE.parent))          # tests/, for comfy_env
+    import comfy_env
+
+    comfy_env._torchvision_workaround()
+    import runpy
+
+    # As `python main.py` from ComfyUI's folder: its folder first on sys.path, not this test folder.
+    sys.path[:] = [comfy] + [p for p in sys.path if p not in ("", str(HERE), str(HERE.parent))]
+    os.chdir(comfy)
+    main = os.path.join(comfy, "main.py")
+    sys.argv = [main, *main_args]
+    runpy.run_path(main, run_name="__main__")
+
+
+if __name__ == "__main__":
+    _launch(sys.argv[1:])

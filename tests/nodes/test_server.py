@@ -1,0 +1,227 @@
+"""The pack inside a real ComfyUI server (COMFYUI_PATH), driven over HTTP as a user's frontend would.
+
+One server per module, on a temporary base directory (`--base-directory`), started through
+tests/nodes/comfy_server.py (ComfyUI's own main.py, CPU, with comfy_env's torchvision workaround):
+
+  custom_nodes/kiln               → this repository (a symlink), imported by ComfyUI as any pack
+  custom_nodes/kiln_test_nodes    → tests/nodes/server_nodes: a test-only node with a tiny text encoder
+  models/diffusion_models/        a tiny Flux2 Klein file (tiny_comfy.write_flux2_file): UNETLoader
+                                  detects it from its shapes like a real one
+  models/vae/                     a tiny Flux2 VAE file (tiny_comfy.write_vae_file): VAELoader detects it
+  input/kiln_tiny_dataset/        four generated images with captions
+
+Text encoders are the one part ComfyUI cannot load tiny from a file: CLIPLoader recognises Qwen3-4B
+by its keys and builds it at full size from a fixed config. So the test workflows take their CLIP
+from the test-only node KilnTestTinyCLIP (tests/nodes/server_nodes), which returns ComfyUI's own Klein
+text encoder at a tiny size; everything else goes through ComfyUI's own loaders.
+
+Checks: the pack imports with no failure; every Kiln node is in GET /object_info with a tooltip on
+every input; the example workflows are served as templates and are valid against the live node
+definitions (API and UI files, and ComfyUI's own /prompt validation finds nothing but the missing model
+files); an API prompt trains a LoRA (Load Dataset → Encode Images → Encode Captions → Train LoRA 20
+steps → Save LoRA) and a second prompt loads it with ComfyUI's LoraLoaderModelOnly and samples with it,
+with no "lora key not loaded" in the log.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for folder in (HERE.parent, HERE):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+import comfy_env  # noqa: E402
+
+COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
+
+import tiny_comfy as tc  # noqa: E402
+from comfy_server import ComfyServer  # noqa: E402
+
+
+def _load_make_workflows():
+    spec = importlib.util.spec_from_file_location("kiln_make_workflows", REPO / "scripts" / "make_workflows.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module      # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+mw = _load_make_workflows()
+WORKFLOWS = HERE / "workflows"
+EXAMPLES = sorted((REPO / "example_workflows" / "api").glob("*.json"))
+KILN_NODES = {"KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
+              "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
+              "KilnInvertAdapter", "KilnLossGraph"}
+
+
+def make_dataset(folder: Path, count: int = 4) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    for i in range(count):
+        width, height = (64, 64) if i % 2 else (80, 64)   # two buckets
+        Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfy_base")
+    for sub in ("custom_nodes", "models/diffusion_models", "models/vae", "models/loras", "input", "output", "user"):
+        (base / sub).mkdir(parents=True)
+    (base / "custom_nodes" / "kiln").symlink_to(REPO, target_is_directory=True)
+    (base / "custom_nodes" / "kiln_test_nodes").symlink_to(HERE / "server_nodes", target_is_directory=True)
+    tc.write_flux2_file(base / "models" / "diffusion_models" / mw.TINY["unet"])
+    tc.write_vae_file(base / "models" / "vae" / mw.TINY["vae"], flux2=True)
+    make_dataset(base / "input" / mw.TINY["dataset"])
+
+    comfy = ComfyServer(COMFY, base)
+    started = time.monotonic()
+    comfy.start()
+    comfy.startup_s = time.monotonic() - started
+    try:
+        yield comfy
+    finally:
+        comfy.stop()
+
+
+@pytest.fixture(scope="module")
+def object_info(server):
+    return server.get("/object_info", timeout=60)
+
+
+def test_pack_imports_without_failure(server):
+    lines = server.log().splitlines()
+    failed = [line for line in lines if ("IMPORT FAILED" in line or "Cannot import" in line
+                                         or "comfy_entrypoint" in line) and "kiln" in line]
+    assert not failed, "\n".join(failed) + "\n" + server.log_tail()
+    loaded = [line for line in lines if line.rstrip().endswith(("custom_nodes/kiln", "custom_nodes/kiln_test_nodes"))]
+    assert len(loaded) == 2, server.log_tail()      # ComfyUI's "Import times for custom nodes" lines
+
+
+def test_every_kiln_node_is_served_with_tooltips(object_info):
+    served = {name for name, info in object_info.items() if info.get("python_module") == "custom_nodes.kiln"}
+    assert served == KILN_NODES
+    for name in KILN_NODES:
+        info = object_info[name]
+        assert info["category"].startswith("Kiln"), name
+        assert info["description"], name
+        for group in ("required", "optional"):
+            for input_name, spec in info["input"].get(group, {}).items():
+                options = spec[1] if len(spec) > 1 else {}
+                assert options.get("tooltip"), f"{name}.{input_name} has no tooltip"
+
+
+def test_example_workflows_are_served_as_templates(server):
+    templates = server.get("/workflow_templates")
+    names = {path.stem for path in EXAMPLES}
+    assert set(templates.get("kiln", [])) == names
+    for name in names:
+        served = server.get(f"/api/workflow_templates/kiln/{name}.json")
+        assert served == json.loads((REPO / "example_workflows" / f"{name}.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_workflow_matches_the_node_definitions(object_info, path):
+    """The API file against the live definitions, and the UI file against the API file: same nodes, links
+    and types, and widgets_values in each node's widget order (the frontend reads them by position)."""
+    api = json.loads(path.read_text(encoding="utf-8"))
+    assert mw.validate(api, object_info) == []
+    ui = json.loads((path.parent.parent / path.name).read_text(encoding="utf-8"))
+    assert ui["version"] == 0.4 and ui["last_node_id"] == max(n["id"] for n in ui["nodes"])
+    assert ui["last_link_id"] == len(ui["links"])
+    nodes = {str(n["id"]): n for n in ui["nodes"] if n["type"] not in ("MarkdownNote", "Note")}
+    assert set(nodes) == set(api)
+    links = {link[0]: link for link in ui["links"]}
+    for node_id, node in nodes.items():
+        info = object_info[node["type"]]
+        assert node["type"] == api[node_id]["class_type"]
+        expected_values, linked = [], {}
+        for name in mw.ordered_inputs(info):
+            kind, options, _ = mw.input_spec(info, name)
+            value = api[node_id]["inputs"].get(name)
+            if mw.is_widget(kind, options):
+                expected_values.append(value)
+                if mw.has_control_widget(name, kind, options):
+                    expected_values.append("fixed")
+            elif isinstance(value, list):
+                linked[name] = value
+        assert node["widgets_values"] == expected_values, f"{path.stem}: node {node_id} {node['type']}"
+        for slot, entry in enumerate(node["inputs"]):
+            if entry["link"] is None:
+                assert entry["name"] not in linked, f"{path.stem}: {node['type']}.{entry['name']} not linked"
+                continue
+            link_id, origin, origin_slot, target, target_slot, kind = links[entry["link"]]
+            assert (target, target_slot) == (int(node_id), slot)
+            assert [str(origin), origin_slot] == linked.pop(entry["name"])
+            assert link_id in nodes[str(origin)]["outputs"][origin_slot]["links"]
+            assert kind == object_info[nodes[str(origin)]["type"]]["output"][origin_slot]
+        assert not linked, f"{path.stem}: node {node_id} links missing in the UI file: {linked}"
+
+
+def _only_missing_files(node_errors: dict) -> list[str]:
+    """Errors other than a model file that is not installed (value_not_in_list on a file input)."""
+    other = []
+    for node_id, entry in node_errors.items():
+        for error in entry["errors"]:
+            name = error.get("extra_info", {}).get("input_name")
+            if not (error["type"] == "value_not_in_list" and mw.is_file_input(name or "")):
+                other.append(f"{node_id} {entry['class_type']}: {error['type']} {error['message']} {error['details']}")
+    return other
+
+
+def test_train_save_then_load_with_comfys_lora_loader(server):
+    train = json.loads((WORKFLOWS / "tiny_flux2_api.json").read_text(encoding="utf-8"))
+    started = time.monotonic()
+    entry = server.run(train, timeout=150)
+    train_s = time.monotonic() - started
+    lora = server.base / "models" / "loras" / f"{mw.TINY['lora']}.safetensors"
+    assert lora.is_file(), server.log_tail()
+    texts = json.dumps(entry["outputs"])
+    assert "trained to step 20/20" in texts and "saved" in texts, texts[:2000]
+    from safetensors import safe_open
+
+    with safe_open(str(lora), "pt") as f:
+        keys = list(f.keys())
+        metadata = f.metadata()
+    assert keys and all(k.startswith("diffusion_model.") for k in keys), keys[:5]
+    assert any(k.endswith(".lora_A.weight") for k in keys) and metadata
+
+    log_before = len(server.log())
+    sample = json.loads((WORKFLOWS / "tiny_flux2_lora_api.json").read_text(encoding="utf-8"))
+    server.run(sample, timeout=120)
+    log = server.log()[log_before:]
+    assert "lora key not loaded" not in log, log
+    images = list((server.base / "output" / "kiln_test").glob("tiny*.png"))
+    assert images, server.log_tail()
+    print(f"\nserver start {server.startup_s:.1f} s, train prompt {train_s:.1f} s")
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_workflow_passes_comfys_validation(server, path):
+    """POST /prompt runs ComfyUI's own validation. With none of the real model files installed, the only
+    errors allowed are those files. Outputs that need no model file pass validation and run: in
+    resume_from_run_folder that is Load Run → Apply EMA → Save LoRA, which must then fail cleanly in Load
+    Run (there is no such run folder here)."""
+    api = json.loads(path.read_text(encoding="utf-8"))
+    status, answer = server.post("/prompt", {"prompt": api, "client_id": "kiln-test"})
+    assert _only_missing_files(answer.get("node_errors", {})) == []
+    if status == 400:
+        assert answer["error"]["type"] == "prompt_outputs_failed_validation", answer
+        return
+    assert status == 200, answer
+    entry = server.wait(answer["prompt_id"], timeout=60)
+    errors = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert entry["status"]["status_str"] == "error" and len(errors) == 1, entry["status"]
+    assert errors[0]["node_type"] == "KilnLoadRun", errors
+    assert "no complete checkpoint" in errors[0]["exception_message"], errors
