@@ -50,7 +50,7 @@ def make_dataset(folder: Path, count: int = 4) -> Path:
     rng = np.random.default_rng(0)
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(count):
-        size = (64, 64) if i % 2 else (64, 48)
+        size = (64, 64) if i % 2 else (96, 64)
         Image.fromarray(rng.integers(0, 255, (*size[::-1], 3), dtype=np.uint8)).save(folder / f"img{i}.png")
         (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
     return folder
@@ -82,6 +82,22 @@ def prediction(model, x, sigma, context, **extras):
         return bridge.diffusion_model(model)(x, sigma, context, **extras)
 
 
+def _output(model):
+    """The model's prediction through ComfyUI's own apply_model on fixed inputs (LoRA patches loaded)."""
+    import comfy.model_management as mm
+
+    mm.load_models_gpu([model])
+    torch.manual_seed(0)
+    fmt = model.get_model_object("latent_format")
+    x = torch.randn(1, fmt.latent_channels, 4, 4)
+    base = model.model
+    context = torch.randn(1, 8, base.diffusion_model.txt_in.in_features if hasattr(base.diffusion_model, "txt_in")
+                          else base.diffusion_model.cap_embedder[1].in_features)
+    extra = {"num_tokens": 8} if hasattr(base.diffusion_model, "cap_embedder") else {}
+    with torch.no_grad():
+        return base.apply_model(x, torch.tensor([0.5]), c_crossattn=context, **extra).clone()
+
+
 def test_every_node_is_registered():
     ids = {n.define_schema().node_id for n in pack.NODES}
     assert ids == {"KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
@@ -109,11 +125,13 @@ def test_train_save_and_load_through_comfy(comfy_dirs, tmp_path_factory, family)
     after = dm.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)          # the model is as it was
 
+    reference = _output(model)
     for fmt in ("comfy", "diffusers", "kohya"):
         path = Path(out(ln.KilnSaveLoRA.execute(lora, f"kiln/{family}_{fmt}", fmt, "bf16", "kiln", "", False, state)))
         assert path.is_file() and path.parent.parent == comfy_dirs / "loras"
         loaded = bridge.load_lora_file(path)
         assert bridge.unmatched_lora_keys(model, loaded) == []
+        assert not torch.allclose(_output(bridge.apply_lora(model, loaded, 1.0)), reference)  # the LoRA does something
     assert f"kiln/{family}_comfy.safetensors" in bridge.lora_names()
     with pytest.raises(ValueError, match="exists"):
         ln.KilnSaveLoRA.execute(lora, f"kiln/{family}_comfy", "comfy", "bf16")
@@ -168,8 +186,14 @@ def test_validation_samples_and_adapter_never_saved(comfy_dirs):
                    options={"run_name": "val"})
     trained, lora, state, loss_map, images = result.result
     assert state.arch == "zimage_turbo" and images.shape[0] == 2          # steps 3 and 6
-    assert set(lora) == set(adapter)                                      # same modules, but ...
-    assert not any(torch.equal(lora[k], adapter[k]) for k in lora if k.endswith("lora_B.weight"))
+    # The outputs hold the trained branches only: the LORA_MODEL is the run's own LoRA exactly, and
+    # the MODEL carries one patch per key (the LoRA), none from the adapter.
+    expected = bridge.lora_model_from(state.best_lora(), state.arch)
+    assert set(lora) == set(expected) and all(torch.equal(lora[k], expected[k]) for k in lora)
+    assert all(len(patches) == 1 for patches in trained.patches.values())
+    saved = Path(out(ln.KilnSaveLoRA.execute(lora, "kiln/turbo", "comfy", "fp32", "", "", False, state)))
+    on_disk = bridge.load_lora_file(saved)
+    assert all(torch.equal(on_disk[k].float().reshape(-1), lora[k].float().reshape(-1)) for k in lora)
 
 
 def test_options_left_at_defaults_keep_the_preset(comfy_dirs, tmp_path_factory):
@@ -185,3 +209,20 @@ def test_options_left_at_defaults_keep_the_preset(comfy_dirs, tmp_path_factory):
     assert cfg.ema is True and cfg.loss_weighting == "bell" and cfg.steps == 50 and cfg.arch == "flux2_klein"
     plain = tn.build_config(model, ds, widgets, "none", options, adapter=False)
     assert plain.loss_weighting == "none" and plain.resolutions == [64]
+
+
+def test_invert_adapter_and_loss_graph(comfy_dirs, tmp_path_factory):
+    model = tc.tiny_flux2(tmp_path_factory.mktemp("inv"))
+    ds = encoded_dataset(comfy_dirs, tc.tiny_vae(flux2=True), tc.tiny_klein_clip(), "ds_inv")
+    trained, lora, state, loss_map, _ = train(model, ds, steps=3, options={"run_name": "inv"}).result
+    reference = _output(model)
+    with_adapter = bridge.apply_lora(model, lora, 1.0)
+    assert not torch.allclose(_output(with_adapter), reference)
+    removed, inverted = ln.KilnInvertAdapter.execute(with_adapter, "none", 1.0, adapter=lora).result
+    torch.testing.assert_close(_output(removed), reference, atol=1e-4, rtol=1e-4)
+    assert set(inverted) == set(lora)
+    with pytest.raises(ValueError, match="adapter_file"):
+        ln.KilnInvertAdapter.execute(model, "none", 1.0)
+    for kwargs in ({"state": state}, {"loss_map": loss_map}):
+        image = out(ln.KilnLossGraph.execute(**kwargs))
+        assert image.ndim == 4 and image.shape[-1] == 3 and float(image.std()) > 0
