@@ -311,10 +311,22 @@ def _load_fully(model, evict_others: bool = True) -> None:
         for module in dm.modules():
             for store in (module._parameters, module._buffers):
                 for name, tensor in store.items():
-                    if tensor is not None and tensor.is_inference():
+                    if tensor is not None and _inference(tensor):
                         copy = tensor.clone()
                         store[name] = torch.nn.Parameter(copy, tensor.requires_grad) \
                             if isinstance(tensor, torch.nn.Parameter) else copy
+
+
+def _inference(tensor) -> bool:
+    """An inference tensor, or a Parameter whose .data was swapped for one (a load under inference
+    mode moves weights with `param.data = ...`; is_inference() then says False, seen on CUDA)."""
+    if tensor.is_inference():
+        return True
+    try:
+        tensor._version  # noqa: B018 — inference storage has no version counter
+    except RuntimeError:
+        return True
+    return False
 
 
 _RUN_EVERY_OP = getattr(comfy.ops, "run_every_op", None)  # every comfy layer calls it; it raises on stop

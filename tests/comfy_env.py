@@ -63,15 +63,25 @@ def prepare(path: str) -> None:
     from comfy.cli_args import args  # parses no argv unless comfy.options enabled it (main.py only)
 
     if "comfy.model_management" not in sys.modules:
-        args.cpu = True  # read once, at import of comfy.model_management (as `main.py --cpu`)
+        # read once, at import of comfy.model_management (as `main.py --cpu`); KILN_COMFY_GPU=1 runs
+        # the same tests on the GPU (bench/ and the device checks use it)
+        args.cpu = not gpu()
     _prepared = path
 
 
 def import_pack(submodule: str = ""):
     """This repository as ComfyUI imports a custom-node pack (`kiln_pack.<submodule>`); see trainer/__main__.py."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # pytest puts it there; a plain script may not
+        sys.path.insert(0, root)
     from trainer.__main__ import import_pack as _import
 
     return _import(submodule)
+
+
+def gpu() -> bool:
+    """KILN_COMFY_GPU=1: let ComfyUI use its GPU instead of forcing the CPU."""
+    return os.environ.get("KILN_COMFY_GPU", "") == "1"
 
 
 def require_comfy() -> str:

@@ -40,7 +40,8 @@ def test_headless_train_of_a_flux2_file(tmp_path, capsys):
         (data / f"{i}.txt").write_text(f"photo {i}", encoding="utf-8")
     config = tmp_path / "klein.toml"
     config.write_text(
-        f'arch = "flux2_klein"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 4\nrank = 4\nalpha = 4.0\n'
+        f'arch = "flux2_klein"\ndevice = "{"auto" if comfy_env.gpu() else "cpu"}"\n'
+        f'mixed_precision = "{"bf16" if comfy_env.gpu() else "no"}"\nsteps = 4\nrank = 4\nalpha = 4.0\n'
         f'model_path = "{model_file}"\nvae_path = "{tmp_path / "vae.safetensors"}"\n'
         f'text_encoder_path = "{tmp_path / "te.safetensors"}"\ndataset_dir = "{data}"\n'
         f'output_dir = "{tmp_path / "runs"}"\nrun_name = "klein"\nresolutions = [64]\ncheckpoint_every = 2\n')

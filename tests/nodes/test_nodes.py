@@ -71,8 +71,8 @@ def train(model, ds, steps=20, **kw):
     args = dict(steps=steps, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw", preset="none",
                 backend="torch", seed=1)
     options = dict(kw.pop("options", {}))
-    options.setdefault("device", "cpu")
-    options.setdefault("mixed_precision", "no")
+    options.setdefault("device", "auto" if comfy_env.gpu() else "cpu")
+    options.setdefault("mixed_precision", "bf16" if comfy_env.gpu() else "no")
     options.setdefault("checkpoint_every", 0)
     return tn.KilnTrainLoRA.execute(model, ds, **args, options=options, **kw)
 
@@ -89,13 +89,14 @@ def _output(model):
     mm.load_models_gpu([model])
     torch.manual_seed(0)
     fmt = model.get_model_object("latent_format")
-    x = torch.randn(1, fmt.latent_channels, 4, 4)
+    x = torch.randn(1, fmt.latent_channels, 4, 4).to(model.load_device)
     base = model.model
     context = torch.randn(1, 8, base.diffusion_model.txt_in.in_features if hasattr(base.diffusion_model, "txt_in")
                           else base.diffusion_model.cap_embedder[1].in_features)
     extra = {"num_tokens": 8} if hasattr(base.diffusion_model, "cap_embedder") else {}
     with torch.no_grad():
-        return base.apply_model(x, torch.tensor([0.5]), c_crossattn=context, **extra).clone()
+        return base.apply_model(x, torch.tensor([0.5], device=x.device), c_crossattn=context.to(x.device),
+                                **extra).clone().float().cpu()
 
 
 def test_every_node_is_registered():
@@ -117,12 +118,12 @@ def test_train_save_and_load_through_comfy(comfy_dirs, tmp_path_factory, family)
         model, vae, clip = tc.tiny_zimage(), tc.tiny_vae(flux2=False), tc.tiny_zimage_clip()
     ds = encoded_dataset(comfy_dirs, vae, clip, f"ds_{family}")
     dm = bridge.diffusion_model(model)
-    before = {k: v.clone() for k, v in dm.state_dict().items()}
+    before = {k: v.detach().cpu().clone() for k, v in dm.state_dict().items()}
 
     result = train(model, ds, options={"ema": True, "ema_decay": 0.9})
     trained, lora, state, loss_map, images = result.result
     assert state.step == 20 and len(loss_map["loss"]) == 20 and images.ndim == 4
-    after = dm.state_dict()
+    after = {k: v.detach().cpu() for k, v in dm.state_dict().items()}
     assert all(torch.equal(before[k], after[k]) for k in before)          # the model is as it was
 
     reference = _output(model)
@@ -163,9 +164,11 @@ def test_stop_then_resume_equals_an_uninterrupted_run(comfy_dirs, tmp_path_facto
     monkeypatch.setattr(bridge.Progress, "update", real)
     resumed = train(model, ds, steps=8, options={"run_name": "stopped"}).result[2]   # re-queue: resumes at 5
     assert resumed.step == 8
+    # Bitwise on CPU; on a GPU default kernels are not deterministic run to run (bench/RESULTS.md).
+    tolerance = dict(rtol=1e-2, atol=1e-4) if comfy_env.gpu() else dict(rtol=0, atol=0)
     for path, w in straight.lora.items():
-        np.testing.assert_array_equal(w.A, resumed.lora[path].A)
-        np.testing.assert_array_equal(w.B, resumed.lora[path].B)
+        np.testing.assert_allclose(w.A, resumed.lora[path].A, **tolerance)
+        np.testing.assert_allclose(w.B, resumed.lora[path].B, **tolerance)
 
 
 def test_validation_samples_and_adapter_never_saved(comfy_dirs):
