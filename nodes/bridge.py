@@ -179,8 +179,9 @@ def vae_encoder(vae):
             latents = vae.encode(torch.from_numpy(np.ascontiguousarray(pixels[..., :3])))
         return latents.float().cpu().numpy()
 
-    identity = _identity("vae", type(vae.first_stage_model).__name__, vae.latent_channels, ratio, vae.vae_dtype,
-                         tensors=_weights(vae.patcher), patches=vae.patcher.patches)
+    identity = _remembered(vae, lambda: _identity(
+        "vae", type(vae.first_stage_model).__name__, vae.latent_channels, ratio, vae.vae_dtype,
+        tensors=_weights(vae.patcher), patches=vae.patcher.patches))
     return encode, identity
 
 
@@ -198,10 +199,26 @@ def text_encoder(clip):
             raise ValueError(f"this CLIP gives {len(conds)} scheduled conds (CLIP hooks); Kiln caches one per caption")
         return conds[0][0][0].float().cpu().numpy()
 
-    identity = _identity("clip", type(clip.cond_stage_model).__name__, type(clip.tokenizer).__name__,
-                         clip.layer_idx, sorted(getattr(clip, "tokenizer_options", {}).items()),
-                         tensors=_weights(clip.patcher), patches=clip.patcher.patches)
+    identity = _remembered(clip, lambda: _identity(
+        "clip", type(clip.cond_stage_model).__name__, type(clip.tokenizer).__name__,
+        clip.layer_idx, sorted(getattr(clip, "tokenizer_options", {}).items()),
+        tensors=_weights(clip.patcher), patches=clip.patcher.patches))
     return encode, identity
+
+
+def _remembered(owner, compute) -> str:
+    """An encoder's identity, computed once per VAE/CLIP object: ComfyUI may cast an encoder's weights
+    when it moves them to the GPU (seen on an H200 with an fp32 text encoder), and a later hash of
+    the cast weights would miss the cache. Patching a VAE/CLIP (LoRA on CLIP) clones the object,
+    so a changed encoder still gets a new identity."""
+    cached = getattr(owner, "_kiln_identity", None)
+    if cached is None:
+        cached = compute()
+        try:
+            owner._kiln_identity = cached
+        except AttributeError:  # an object that takes no attributes: recompute each time
+            pass
+    return cached
 
 
 def _weights(patcher):
