@@ -314,7 +314,8 @@ def _load_fully(model, evict_others: bool = True) -> None:
     """load_models_gpu with no lowvram offload (and, at the start, everything else evicted, as
     nodes_train.py does with memory_required=1e20); then inference tensors become normal ones."""
     try:
-        mm.load_models_gpu([model], memory_required=1e20 if evict_others else 0, force_full_load=True)
+        with _fp32_patches(model.load_device):
+            mm.load_models_gpu([model], memory_required=1e20 if evict_others else 0, force_full_load=True)
     except torch.OutOfMemoryError as error:
         size = model.model_size() / 2**30
         raise RuntimeError(f"the model ({size:.1f} GiB) does not fit on {model.load_device} for training; use an "
@@ -332,6 +333,22 @@ def _load_fully(model, evict_others: bool = True) -> None:
                         copy = tensor.clone()
                         store[name] = torch.nn.Parameter(copy, tensor.requires_grad) \
                             if isinstance(tensor, torch.nn.Parameter) else copy
+
+
+@contextlib.contextmanager
+def _fp32_patches(device):
+    """ComfyUI sums W + ΔW in lora_compute_dtype, fp16 on CUDA sm>=8 / MPS / ROCm; a training adapter
+    is merged once for a whole run, so Kiln has it summed in fp32 (rounded once to the weight dtype)."""
+    table = mm.LORA_COMPUTE_DTYPES
+    had, previous = device in table, table.get(device)
+    table[device] = torch.float32
+    try:
+        yield
+    finally:
+        if had:
+            table[device] = previous
+        else:
+            table.pop(device, None)
 
 
 def _inference(tensor) -> bool:
@@ -464,8 +481,8 @@ def negate_lora(lora_model: dict[str, torch.Tensor], strength: float = 1.0) -> d
 
 def training_adapter_merged(model, adapter: dict[str, torch.Tensor]):
     """A clone with the (Z-Image Turbo) training adapter as +1 weight patches, every key matched.
-    ComfyUI merges when it loads the clone: W' = W + ΔW computed in lora_compute_dtype (fp32 on CPU,
-    fp16 on CUDA sm>=8 / MPS / ROCm), ΔW itself in fp32, then rounded once to the weight dtype."""
+    ComfyUI merges when it loads the clone; inside a training session it does so in full precision
+    (W + ΔW summed in fp32, rounded once to the weight dtype: see _fp32_patches)."""
     return apply_lora(model, adapter, 1.0, strict=True)
 
 

@@ -490,3 +490,27 @@ def test_trainable_swaps_a_dynamic_patcher_for_its_delegate(klein):
     assert bridge.trainable(Dynamic()) is klein
     with pytest.raises(RuntimeError, match="--disable-dynamic-vram"):
         bridge.trainable(Orphan())
+
+
+def test_training_adapter_is_merged_in_fp32_even_where_comfy_would_use_fp16(zimage):
+    """On CUDA ComfyUI sums W + ΔW in fp16; a session loads the adapter clone with fp32 sums instead."""
+    adapter = bridge.lora_model_from(random_lora(zimage, "zimage", seed=6), "zimage")
+    key = next(k for k in adapter if k.endswith(".lora_B.weight"))
+    path = key[len("diffusion_model."):-len(".lora_B.weight")]
+    dm = bridge.diffusion_model(zimage)
+    mm.load_models_gpu([zimage], force_full_load=True)
+    weight = dict(dm.named_parameters())[path + ".weight"].detach().float().clone()
+    down, up = adapter[key.replace("lora_B", "lora_A")].float(), adapter[key].float()
+    alpha = float(adapter[key.replace("lora_B.weight", "alpha")])
+    expected = weight + (alpha / down.shape[0]) * (up @ down)
+    device = zimage.load_device
+    mm.LORA_COMPUTE_DTYPES[device] = torch.float16  # what CUDA sm>=8 would pick
+    try:
+        merged = bridge.training_adapter_merged(zimage, adapter)
+        with bridge.training_session(merged):
+            got = dict(bridge.diffusion_model(merged).named_parameters())[path + ".weight"].detach().float()
+            torch.testing.assert_close(got.cpu(), expected.cpu(), rtol=1e-6, atol=1e-6)
+        assert mm.LORA_COMPUTE_DTYPES[device] == torch.float16  # put back as it was
+    finally:
+        mm.LORA_COMPUTE_DTYPES.pop(device, None)
+        mm.load_models_gpu([zimage], force_full_load=True)
