@@ -111,7 +111,7 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
             "loss_smooth": report.loss_smooth, "it_per_s": report.it_per_s, "eta_s": report.eta_s,
             "peak_memory_bytes": report.peak_memory_bytes, "run": run_dir.name, "started": started})
 
-    def validate(step: int) -> None:
+    def validate(step: int, lora) -> None:
         v = validation  # sampled on `model`, i.e. without the training adapter; the LoRA branches are live
         images = bridge.sample(model, v.positive, v.negative, v.vae, seed=v.seed, steps=v.steps, cfg=v.cfg,
                                sampler_name=v.sampler_name, scheduler=v.scheduler, width=v.width, height=v.height)

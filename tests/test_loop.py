@@ -61,13 +61,18 @@ def test_validate_runs_every_n_with_ema_weights(make_model, make_data, make_conf
     x, sigma, ctx = torch.randn(1, 16, 4, 4), torch.tensor([0.5]), torch.randn(1, 8, 32)
     model, outputs = make_model(), {}
 
-    def validate(step):
+    seen = {}
+
+    def validate(step, lora):
         with torch.no_grad():
             outputs[step] = model(x, sigma, ctx)
+        seen[step] = lora()
 
     cfg = make_config(steps=6, ema=True, ema_decay=0.5, checkpoint_every=0)
     result = train(cfg, model, make_data(), run_dir=tmp_path, validate=validate, validate_every=4)
     assert sorted(outputs) == [4, 6]
+    for path, w in result.ema_lora.items():  # lora() hands a sampler the EMA weights too
+        np.testing.assert_array_equal(seen[6][path].B, w.B)
 
     def merged(lora):
         base = make_model()

@@ -93,11 +93,12 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
           forward: Callable | None = None, resume: str | Path | None = None,
           on_step: Callable[[Report], None] | None = None,
           should_stop: Callable[[], bool] | None = None,
-          validate: Callable[[int], None] | None = None, validate_every: int = 0) -> RunResult:
+          validate: Callable[[int, Callable], None] | None = None, validate_every: int = 0) -> RunResult:
     """Train a LoRA on `model` in place; the model is restored as it was on return, also after an error.
 
-    `validate(step)` runs every `validate_every` steps and at the last step, with the EMA weights
-    swapped in when EMA is on (it samples through the model, whose LoRA branches are live)."""
+    `validate(step, lora)` runs every `validate_every` steps and at the last step, with the EMA
+    weights swapped in when EMA is on. A torch model samples with its LoRA branches live; `lora()`
+    gives the weights as numpy for a sampler that needs them applied (the MLX backend)."""
     arch = get_arch(cfg.arch)
     run_dir = Path(run_dir)
     backend = get_backend(cfg.backend)
@@ -158,7 +159,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
             if validate is not None and validate_every and (done % validate_every == 0 or done == cfg.steps):
                 try:
                     with backend.sampling():
-                        validate(done)
+                        validate(done, backend.lora_state)
                 except BaseException:
                     save(done)  # the stop button during sampling: keep the step just trained
                     raise
