@@ -110,3 +110,21 @@ def test_bfloat16_and_checkpointed_blocks_stay_close(model):
     finally:
         model.checkpoint_blocks = False
     assert np.abs(checkpointed - expected).max() / np.abs(expected).max() <= TOLERANCE
+
+
+def test_rows_of_different_caption_lengths_run_as_separate_prompts():
+    """A batch with per-row num_tokens equals each row run alone with its own caption (as ComfyUI does)."""
+    model = build("zimage", zimage_weights(0), "float32")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 16, 4, 4)).astype(np.float32)
+    sigma = np.array([0.3, 0.6, 0.9], np.float32)
+    lengths = [5, 9, 5]
+    context = np.zeros((3, 9, model.cap_embedder[1].weight.shape[1]), np.float32)
+    for row, n in enumerate(lengths):
+        context[row, :n] = rng.standard_normal((n, context.shape[2]))
+    batch = np.array(model(x, sigma, context, num_tokens=np.array(lengths)))
+    for row, n in enumerate(lengths):
+        alone = np.array(model(x[row:row + 1], sigma[row:row + 1], context[row:row + 1, :n]))
+        np.testing.assert_allclose(batch[row:row + 1], alone, rtol=1e-5, atol=1e-5)
+    padded = np.array(model(x[:1], sigma[:1], context[:1]))          # zero padding is not neutral
+    assert not np.allclose(padded, batch[:1], atol=1e-4)

@@ -8,11 +8,15 @@ for validation samples, never saved.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from . import Arch, DiffusersRule, right_pad, register
 
 
 def zimage_extras(batch_size: int, lengths: list[int]) -> dict:
-    return {"num_tokens": max(lengths)}
+    # Per-row caption lengths: ComfyUI runs each prompt alone (NextDiT ignores masks and attends to
+    # its zero padding), so a forward splits rows of different lengths into separate calls.
+    return {"num_tokens": np.asarray(lengths, dtype=np.int64)}
 
 
 DEFAULT_TARGETS = (

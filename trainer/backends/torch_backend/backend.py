@@ -83,8 +83,9 @@ class TorchBackend:
         sigmas = self._to_device(batch.sigmas, torch.float32)
         weights = self._to_device(batch.weights, torch.float32)
         context = self._to_device(batch.context, self.dtype)
-        extras = {k: self._to_device(v, self.dtype) if isinstance(v, np.ndarray) else v
-                  for k, v in batch.extras.items()}
+        # Float extras (guidance) in the model dtype; integer ones (per-row token counts) stay integers.
+        extras = {k: self._to_device(v, self.dtype if np.issubdtype(v.dtype, np.floating) else None)
+                  if isinstance(v, np.ndarray) else v for k, v in batch.extras.items()}
         x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
         target = velocity_target(x0, noise)
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()

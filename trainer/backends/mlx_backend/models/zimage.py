@@ -205,7 +205,26 @@ class ZImage(nn.Module):
 
     def __call__(self, x, timesteps, context, num_tokens=None, attention_mask=None) -> mx.array:
         """x [B,C,H,W], timesteps = sigma [B], context [B,T,cap_dim] → what NextDiT.forward returns (the flow
-        velocity) [B,C,H,W]. num_tokens and attention_mask are accepted and ignored, as ComfyUI ignores them."""
+        velocity) [B,C,H,W]. attention_mask is ignored, as ComfyUI ignores it. num_tokens: one count, or
+        one per row (Kiln's batches): ComfyUI runs each prompt alone and attends to any zero padding,
+        so rows with different caption lengths run as separate groups, each trimmed to its length."""
+        lengths = _row_lengths(num_tokens)
+        if lengths is None or len(set(lengths)) == 1:
+            if lengths is not None:
+                context = context[:, :lengths[0]]
+            return self._forward(x, timesteps, context)
+        x, context = mx.array(x), mx.array(context)
+        sigma = mx.broadcast_to(mx.array(timesteps).reshape(-1), (x.shape[0],))
+        outputs, order = [], []
+        for length in sorted(set(lengths)):
+            rows = [i for i, n in enumerate(lengths) if n == length]
+            index = mx.array(rows)
+            outputs.append(self._forward(x[index], sigma[index], context[index, :length]))
+            order += rows
+        inverse = mx.array(np.argsort(np.asarray(order)))
+        return mx.concatenate(outputs, axis=0)[inverse]
+
+    def _forward(self, x, timesteps, context) -> mx.array:
         x = mx.array(x).astype(self.dtype)
         context = mx.array(context).astype(self.dtype)
         sigma = mx.array(timesteps).astype(mx.float32).reshape(-1)
@@ -241,6 +260,16 @@ class ZImage(nn.Module):
         out = self.final_layer(h[:, cap_len:cap_len + rows * cols], adaln)       # [B, rows·cols, p·p·C]
         out = out.reshape(B, rows, cols, p, p, C).transpose(0, 5, 1, 3, 2, 4).reshape(B, C, rows * p, cols * p)
         return -out[:, :, :H, :W]
+
+
+def _row_lengths(num_tokens) -> list[int] | None:
+    """num_tokens as per-row caption lengths (None: use the whole context). Must be concrete values:
+    a compiled step passes them as a constant, so each length pattern is its own graph."""
+    if num_tokens is None:
+        return None
+    if isinstance(num_tokens, (int, np.integer)):
+        return [int(num_tokens)]
+    return [int(n) for n in np.asarray(num_tokens).reshape(-1).tolist()]
 
 
 # ---------------------------------------------------------------- build from a state dict
