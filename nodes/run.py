@@ -112,20 +112,26 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
             "peak_memory_bytes": report.peak_memory_bytes, "run": run_dir.name, "started": started})
 
     def validate(step: int, lora) -> None:
-        v = validation  # sampled on `model`, i.e. without the training adapter; the LoRA branches are live
-        images = bridge.sample(model, v.positive, v.negative, v.vae, seed=v.seed, steps=v.steps, cfg=v.cfg,
+        # Sampled on `model`, i.e. without the training adapter. Torch: the LoRA branches are live in
+        # its modules. MLX: the current (EMA) weights are patched onto a clone through ComfyUI's loader.
+        v = validation
+        sampler_model = model if cfg.backend == "torch" else bridge.apply_lora(
+            model, bridge.lora_model_from(lora(), cfg.arch), 1.0)
+        images = bridge.sample(sampler_model, v.positive, v.negative, v.vae, seed=v.seed, steps=v.steps, cfg=v.cfg,
                                sampler_name=v.sampler_name, scheduler=v.scheduler, width=v.width, height=v.height)
         samples.append(images)
         bar.update(step, preview=images)
         bridge.send_event("kiln.sample", {"step": step, "run": run_dir.name})
 
+    hooks = dict(resume=resume, on_step=on_step, validate=validate if validation is not None else None,
+                 validate_every=validation.every if validation is not None else 0)
     try:
-        with bridge.training_session(train_model, cfg.device) as (module, _device):
-            result: RunResult = train(
-                cfg, module, data, run_dir=run_dir, forward=bridge.make_forward(train_model, cfg.arch),
-                resume=resume, on_step=on_step,
-                validate=validate if validation is not None else None,
-                validate_every=validation.every if validation is not None else 0)
+        if cfg.backend == "mlx":
+            result = train(cfg, mlx_model(train_model, cfg), data, run_dir=run_dir, **hooks)
+        else:
+            with bridge.training_session(train_model, cfg.device) as (module, _device):
+                result: RunResult = train(cfg, module, data, run_dir=run_dir,
+                                          forward=bridge.make_forward(train_model, cfg.arch), **hooks)
     finally:
         bridge.free_memory()
     state = KilnState(run_dir=str(run_dir), checkpoint=str(result.checkpoint), step=result.step, arch=cfg.arch,
@@ -135,6 +141,18 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
     if losses:
         summary += f"; loss {np.mean(losses[:max(1, len(losses) // 10)]):.4f} → {np.mean(losses[-max(1, len(losses) // 10):]):.4f}"
     return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]))
+
+
+def mlx_model(model, cfg: cfg_module.TrainConfig):
+    """The ComfyUI model's weights (training adapter merged, as ComfyUI loads the clone) in Kiln's MLX
+    port of the same architecture; ComfyUI's copy is then given back to its memory manager."""
+    from ..trainer.backends.mlx_backend import models as mlx_models
+    from ..trainer.backends.mlx_backend.models.weights import from_state_dict
+
+    with bridge.training_session(model, "auto") as (module, _device):
+        weights = from_state_dict(module.state_dict())
+    bridge.free_memory()
+    return mlx_models.build(cfg.arch, weights, "bfloat16" if cfg.mixed_precision == "bf16" else "float32")
 
 
 def loss_image(state: KilnState):

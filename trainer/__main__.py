@@ -84,8 +84,7 @@ def _finish(cfg, result, run_dir: Path, name: str) -> None:
 
 
 def cmd_demo(args) -> int:
-    from .demo import build_data, demo_config, make_images
-    from .tiny_dit import build_tiny_flux
+    from .demo import build_data, demo_config, make_images, model_for
 
     # A shorter demo keeps the warm-up at a tenth of the run.
     overrides = {}
@@ -93,13 +92,15 @@ def cmd_demo(args) -> int:
         overrides = {"steps": args.steps, "warmup_steps": max(1, args.steps // 10)}
         if args.steps < 2:
             overrides.update(lr_schedule="constant", warmup_steps=0)
+    if args.backend:
+        overrides["backend"] = args.backend
     cfg = demo_config(**overrides)
     run_dir = Path(args.output) / cfg.run_name
     dataset = run_dir / "dataset"
     if not args.resume or not dataset.is_dir():
         make_images(dataset, seed=cfg.seed)
     started = time.perf_counter()
-    result = _run(cfg, build_tiny_flux(cfg.seed), build_data(cfg, dataset), run_dir,
+    result = _run(cfg, model_for(cfg), build_data(cfg, dataset), run_dir,
                   args.resume, args.stop_after)
     print(f"demo run folder: {run_dir} ({time.perf_counter() - started:.1f} s)")
     _finish(cfg, result, run_dir, "demo_lora")
@@ -112,11 +113,10 @@ def cmd_train(args) -> int:
     cfg = config_module.load(args.config)
     if cfg.arch != "demo":
         return _pack_module("nodes.headless", cpu=cfg.device == "cpu").train_command(args.config, args.resume)
-    from .demo import build_data
-    from .tiny_dit import build_tiny_flux
+    from .demo import build_data, model_for
     if not cfg.dataset_dir:
         raise SystemExit(f"{args.config}: set dataset_dir to a folder of images with same-name .txt captions")
-    model = build_tiny_flux(cfg.seed)
+    model = model_for(cfg)
     data = build_data(cfg, Path(cfg.dataset_dir), Path(cfg.cache_dir) if cfg.cache_dir else None)
     name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.output_dir) / name
@@ -249,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--resume", action="store_true", help="continue the demo run from its newest checkpoint")
     demo.add_argument("--steps", type=int, help="total optimizer steps (default 200)")
     demo.add_argument("--stop-after", type=int, help="stop (with a resumable checkpoint) once this step is done")
+    demo.add_argument("--backend", choices=["torch", "mlx"],
+                      help="training backend (default torch; mlx needs MLX: Apple Silicon, or mlx[cpu] on Linux)")
     demo.set_defaults(func=cmd_demo)
 
     train = commands.add_parser("train", help="train from a .toml/.json config (see trainer/config.py for every key)")

@@ -87,6 +87,23 @@ def encode_text(caption: str) -> np.ndarray:
 VAE_IDENTITY, TEXT_IDENTITY = "kiln-demo-vae-1", "kiln-demo-text-1"
 
 
+def model_for(cfg: config_module.TrainConfig):
+    """The tiny DiT for cfg.backend: torch's TinyFlux, or its MLX port with bit-identical weights."""
+    if cfg.backend == "mlx":
+        try:
+            from .backends.mlx_backend.models.tiny import demo_model
+        except ModuleNotFoundError as err:
+            if err.name and err.name.split(".")[0] == "mlx":
+                raise RuntimeError("backend 'mlx' needs MLX: pip install 'kiln-lora[mlx]' (Apple Silicon), "
+                                   "or 'mlx[cpu]' on Linux") from err
+            raise
+        # MLX has no autocast: bf16 mixed precision means a bf16 model (LoRA weights stay fp32).
+        return demo_model(cfg.seed, dtype="bfloat16" if cfg.mixed_precision == "bf16" else "float32")
+    from .tiny_dit import build_tiny_flux
+
+    return build_tiny_flux(cfg.seed)
+
+
 def build_data(cfg: config_module.TrainConfig, folder: Path, cache_dir: Path | None = None):
     """The real data path (scan, buckets, captions, caches) with the stand-in encoders."""
     from .archs import get_arch

@@ -1,0 +1,234 @@
+"""The MLX backend: LoRA layers in the model's own module tree, one compiled step per batch shape.
+
+A step is two `mx.compile`d functions, both with the model's and the optimizer's state as
+captured inputs and outputs: forward + loss + backward, one per micro-batch shape (a bucket
+and batch size; shapeless compiles fail, REFERENCE.md MLX trap 4), and clip + optimizer
+update, one for all shapes. Micro-batch gradients are summed between them, so accumulation
+over mixed buckets never multiplies the compiled variants. The whole step stays lazy until
+its one `mx.eval`. Noise and sigmas come in the Batch; the only randomness inside is LoRA
+dropout, drawn from explicit keys that are inputs of the step (trap 3: no global RNG).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ...archs import Arch
+from ...config import TrainConfig
+from ...lora_format import LoraWeights
+from ...objective import interpolate, velocity_target
+from ..base import StepStats
+from .checkpointing import BlockCheckpointing
+from .ema import Ema
+from .lora import LoraSet, named_modules
+from .optim import build_optimizer, clip_global_norm, state_in, state_out
+
+_COMPUTE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+_BATCH_FIELDS = ("latents", "noise", "sigmas", "weights", "context")
+
+
+def default_forward(model, x_t, sigmas, context, extras):
+    """ComfyUI's diffusion-model call convention: model(x, timestep, context, **extras)."""
+    return model(x_t, sigmas, context, **extras)
+
+
+def model_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype activations run in: the first floating parameter's (quantized weights are integers)."""
+    for _, value in tree_flatten(model.parameters()):
+        if value.dtype in _COMPUTE_DTYPES:
+            return value.dtype
+    return mx.bfloat16
+
+
+class MlxBackend:
+    name = "mlx"
+    compile_step = True   # False (set before setup) runs the same step functions eagerly: benchmarks, tests
+
+    def setup(self, model: nn.Module, cfg: TrainConfig, arch: Arch, forward=None) -> None:
+        self.cfg, self.arch, self.model = cfg, arch, model
+        self.forward = forward or default_forward
+        self.dtype = model_dtype(model)
+        if cfg.mixed_precision == "bf16" and self.dtype != mx.bfloat16:
+            raise ValueError(f"mixed_precision 'bf16' needs the MLX model built in bfloat16 (it is {self.dtype}; "
+                             "MLX has no autocast): build it with dtype 'bfloat16', or set mixed_precision 'no'")
+        # Remember which parameters were frozen, so teardown leaves the model exactly as it came.
+        self.frozen = [(module, set(module._no_grad)) for _, module in [("", model), *named_modules(model)]]
+        try:
+            model.freeze()
+            targets = cfg.targets or list(arch.default_targets)
+            self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout,
+                                seed=cfg.seed, low_precision=cfg.mixed_precision == "bf16")
+            self.checkpointing = BlockCheckpointing(model, arch.block_lists) if cfg.gradient_checkpointing else None
+            self.optimizer = build_optimizer(cfg)
+            self.optimizer.init(model.trainable_parameters())   # state tree fixed before the first compile
+            self.ema = Ema(self.lora.parameters(), cfg.ema_decay) if cfg.ema else None
+        except BaseException:
+            self.teardown()
+            raise
+        self.key = mx.random.key(cfg.seed)      # LoRA dropout keys; part of the run state
+        self.state = [model.state, self.optimizer.state]
+        self.loss_and_grad = nn.value_and_grad(model, self._micro_loss)
+        self.compiled: dict[tuple, Any] = {}    # micro-batch signature → gradient function
+        self.update = self._compiled(self._clip_and_update)
+        mx.reset_peak_memory()
+
+    # --- training -----------------------------------------------------------------
+    def _inputs(self, batch) -> tuple[dict, dict]:
+        """A Batch → (arrays for the step, constant extras that become part of the compiled graph)."""
+        arrays = {name: mx.array(getattr(batch, name), dtype=mx.float32) for name in _BATCH_FIELDS[:4]}
+        arrays["context"] = mx.array(batch.context).astype(self.dtype)
+        constants = {}
+        for key, value in batch.extras.items():
+            if isinstance(value, (np.ndarray, mx.array)):
+                arrays[f"extra.{key}"] = mx.array(value).astype(self.dtype)
+            else:
+                constants[key] = value
+        return arrays, constants
+
+    def _micro_loss(self, arrays: dict, constants: dict, count: int) -> mx.array:
+        x0, noise, sigmas, weights = (arrays[k] for k in _BATCH_FIELDS[:4])
+        extras = {**{k[6:]: v for k, v in arrays.items() if k.startswith("extra.")}, **constants}
+        x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
+        target = velocity_target(x0, noise)
+        # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
+        prediction = self.forward(self.model, x_t.astype(self.dtype), sigmas, arrays["context"], extras)
+        # Loss in fp32: per-sample mean, weighted, batch mean; divided over the micro-batches.
+        per_sample = mx.mean(mx.square(prediction.astype(mx.float32) - target).reshape(x0.shape[0], -1), axis=1)
+        return mx.mean(per_sample * weights) / count
+
+    def _compiled(self, function):
+        # value_and_grad and checkpointing write the traced parameters into the model, so the
+        # state is an output of the gradient function too, not only of the update.
+        return mx.compile(function, inputs=self.state, outputs=self.state) if self.compile_step else function
+
+    def _gradient_function(self, constants: dict, count: int):
+        def gradients(arrays: dict, key: mx.array):
+            self.lora.set_dropout_key(key)
+            try:
+                return self.loss_and_grad(arrays, constants, count)
+            finally:
+                self.lora.set_dropout_key(None)
+        return self._compiled(gradients)
+
+    def _clip_and_update(self, grads: dict) -> mx.array:
+        grads, grad_norm = clip_global_norm(grads, self.cfg.max_grad_norm)
+        self.optimizer.update(self.model, grads)
+        return grad_norm
+
+    def step(self, micro_batches, lr: float) -> StepStats:
+        self.optimizer.learning_rate = lr               # an mx.array in the optimizer state: no recompile
+        keys = mx.random.split(self.key, len(micro_batches) + 1)
+        self.key = keys[0]
+        total, grads = mx.zeros((), mx.float32), None
+        for index, batch in enumerate(micro_batches):
+            arrays, constants = self._inputs(batch)
+            signature = (tuple((k, v.shape, str(v.dtype)) for k, v in arrays.items()),
+                         repr(sorted(constants.items())), len(micro_batches))
+            if signature not in self.compiled:
+                self.compiled[signature] = self._gradient_function(constants, len(micro_batches))
+            loss, micro_grads = self.compiled[signature](arrays, keys[index + 1])
+            total = total + loss
+            grads = micro_grads if grads is None else _add_trees(grads, micro_grads)
+        grad_norm = self.update(grads)
+        pending_ema = list(self.ema.shadow.values()) if self.ema is not None else []
+        mx.eval(self.state, total, grad_norm, self.key, pending_ema)
+        return StepStats(loss=total, grad_norm=grad_norm)
+
+    def update_ema(self) -> None:
+        if self.ema is not None:
+            self.ema.update(self.lora.parameters())
+
+    def scalars(self, values) -> list[float]:
+        if not values:
+            return []
+        return np.array(mx.stack([mx.array(v).astype(mx.float32).reshape(()) for v in values])).tolist()
+
+    # --- state in and out (numpy, keyed by ComfyUI module path) ------------------
+    def lora_state(self) -> dict[str, LoraWeights]:
+        return {path: LoraWeights(A=np.array(layer.lora_A, dtype=np.float32),
+                                  B=np.array(layer.lora_B, dtype=np.float32), alpha=layer.alpha)
+                for path, layer in self.lora.layers.items()}
+
+    def load_lora_state(self, lora: dict[str, LoraWeights]) -> None:
+        missing = sorted(set(self.lora.layers) - set(lora))
+        if missing:
+            raise ValueError(f"LoRA state lacks {len(missing)} module(s), e.g. {missing[:3]}")
+        for path, layer in self.lora.layers.items():
+            for name, array in (("lora_A", lora[path].A), ("lora_B", lora[path].B)):
+                current = getattr(layer, name)
+                if tuple(array.shape) != tuple(current.shape):
+                    raise ValueError(f"{path}.{name}: shape {tuple(array.shape)} in the file, "
+                                     f"{tuple(current.shape)} in this run (rank or model differ)")
+                setattr(layer, name, mx.array(np.asarray(array, dtype=np.float32)))
+
+    def ema_state(self) -> dict[str, np.ndarray]:
+        return {} if self.ema is None else self.ema.state()
+
+    def load_ema_state(self, tensors: dict[str, np.ndarray]) -> None:
+        if self.ema is not None and tensors:
+            self.ema.load_state(tensors)
+
+    def optimizer_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Tensors keyed '<param name>.<state key>'; step and learning rate as JSON-able meta."""
+        return state_out(self.optimizer, list(self.lora.parameters()), self.cfg.optimizer)
+
+    def load_optimizer_state(self, tensors, meta) -> None:
+        state_in(self.optimizer, list(self.lora.parameters()), self.cfg.optimizer, tensors, meta)
+
+    def rng_state(self) -> dict[str, np.ndarray]:
+        return {"mlx_key": np.array(self.key)}
+
+    def load_rng_state(self, tensors: dict[str, np.ndarray]) -> None:
+        if "mlx_key" in tensors:
+            self.key = mx.array(np.asarray(tensors["mlx_key"], dtype=np.uint32))
+
+    # --- inference helpers --------------------------------------------------------
+    @contextmanager
+    def ema_weights(self):
+        if self.ema is None:
+            yield
+            return
+        trained = self.lora.parameters()     # MLX arrays are immutable: references are the backup
+        self.lora.set_parameters(self.ema.shadow)
+        try:
+            yield
+        finally:
+            self.lora.set_parameters(trained)
+
+    @contextmanager
+    def sampling(self):
+        """For validation samples: EMA weights swapped in (when on). LoRA dropout only runs inside a step."""
+        with self.ema_weights():
+            yield
+
+    def trainable_parameter_count(self) -> int:
+        return self.lora.parameter_count()
+
+    def peak_memory_bytes(self) -> int:
+        return int(mx.get_peak_memory())
+
+    def teardown(self) -> None:
+        """Base layers back on their parents, blocks their own class, frozen flags as they were."""
+        if getattr(self, "checkpointing", None) is not None:
+            self.checkpointing.remove()
+        self.checkpointing = None
+        if getattr(self, "lora", None) is not None:
+            self.lora.remove()
+        for module, no_grad in getattr(self, "frozen", []):
+            module._no_grad.clear()
+            module._no_grad.update(no_grad)
+        # Compiled functions hold the optimizer state: let it all go (memory returns after the run).
+        self.frozen, self.compiled, self.update, self.state, self.optimizer = [], {}, None, None, None
+
+
+def _add_trees(a, b):
+    if isinstance(a, dict):
+        return {k: _add_trees(a[k], b[k]) for k in a}
+    if isinstance(a, (list, tuple)):
+        return type(a)(_add_trees(x, y) for x, y in zip(a, b))
+    return a + b
