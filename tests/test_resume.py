@@ -120,3 +120,14 @@ def test_checkpoint_lora_matches_run_result(make_model, make_data, make_config, 
         for path in mine:
             np.testing.assert_array_equal(mine[path].B, theirs[path].B)
     assert checkpoint_history(checkpoint).loss == result.history.loss
+
+
+def test_a_checkpoint_from_another_backend_is_refused_clearly(make_model, make_data, make_config, tmp_path):
+    cfg = make_config(steps=2)
+    train(cfg, make_model(), make_data(), run_dir=tmp_path)
+    info_path = state.list_checkpoints(tmp_path)[-1][1] / "run.json"
+    info = json.loads(info_path.read_text())
+    info["backend"] = "mlx"
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="written by the mlx backend"):
+        train(make_config(steps=4), make_model(), make_data(), run_dir=tmp_path, resume=tmp_path)

@@ -156,6 +156,11 @@ def checkpoint_history(checkpoint: Checkpoint) -> History:
 def restore(checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, sampler) -> History:
     """Put every piece of state back: weights, EMA, optimizer, RNGs, cursor. Returns the history."""
     tensors = checkpoint.tensors
+    saved_by = checkpoint.info.get("backend", backend.name)
+    if saved_by != backend.name:
+        raise ValueError(f"{checkpoint.path}: this checkpoint was written by the {saved_by} backend and cannot "
+                         f"resume with {backend.name} (optimizer state differs); set backend = \"{saved_by}\", "
+                         "or start a new run from its lora.safetensors")
 
     def section(prefix: str) -> dict[str, np.ndarray]:
         return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
