@@ -32,6 +32,25 @@ _COMPUTE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 _BATCH_FIELDS = ("latents", "noise", "sigmas", "weights", "context")
 
 
+def apple_memory_limits() -> dict | None:
+    """On Metal: wire the model's memory (no paging mid-step) up to the GPU's recommended working set
+    and cap MLX's allocations just under it, so a too-large run fails with MLX's error instead of
+    swapping the whole Mac; the previous limits come back at teardown. No-op on the CPU build."""
+    if not (hasattr(mx, "metal") and mx.metal.is_available()):
+        return None
+    working_set = int(mx.metal.device_info().get("max_recommended_working_set_size", 0))
+    if working_set <= 0:
+        return None
+    return {"memory": mx.set_memory_limit(int(working_set * 0.95)), "wired": mx.set_wired_limit(working_set)}
+
+
+def restore_memory_limits(previous: dict | None) -> None:
+    mx.clear_cache()  # give freed buffers back (ComfyUI and the OS share the same unified memory)
+    if previous:
+        mx.set_memory_limit(previous["memory"])
+        mx.set_wired_limit(previous["wired"])
+
+
 def default_forward(model, x_t, sigmas, context, extras):
     """ComfyUI's diffusion-model call convention: model(x, timestep, context, **extras)."""
     return model(x_t, sigmas, context, **extras)
@@ -50,6 +69,7 @@ class MlxBackend:
     compile_step = True   # False (set before setup) runs the same step functions eagerly: benchmarks, tests
 
     def setup(self, model: nn.Module, cfg: TrainConfig, arch: Arch, forward=None) -> None:
+        self.limits = apple_memory_limits()
         self.cfg, self.arch, self.model = cfg, arch, model
         self.forward = forward or default_forward
         self.dtype = model_dtype(model)
@@ -214,6 +234,8 @@ class MlxBackend:
 
     def teardown(self) -> None:
         """Base layers back on their parents, blocks their own class, frozen flags as they were."""
+        restore_memory_limits(getattr(self, "limits", None))
+        self.limits = None
         if getattr(self, "checkpointing", None) is not None:
             self.checkpointing.remove()
         self.checkpointing = None
