@@ -104,7 +104,11 @@ class MlxBackend:
         arrays["context"] = mx.array(batch.context).astype(self.dtype)
         constants = {}
         for key, value in batch.extras.items():
-            if isinstance(value, (np.ndarray, mx.array)):
+            if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.integer):
+                # Integer extras (Z-Image's per-row caption lengths) shape the graph: they are constants
+                # of the compiled step (one graph per length pattern), never traced arrays.
+                constants[key] = tuple(int(v) for v in value.reshape(-1))
+            elif isinstance(value, (np.ndarray, mx.array)):
                 arrays[f"extra.{key}"] = mx.array(value).astype(self.dtype)
             else:
                 constants[key] = value
