@@ -7,6 +7,7 @@ from pathlib import Path
 from comfy_api.latest import io, ui
 
 from ..trainer import lora_format
+from ..trainer.archs import guess_arch
 from ..trainer.config import CHOICES
 
 from . import bridge, run
@@ -81,7 +82,7 @@ class KilnSaveLoRA(io.ComfyNode):
     @classmethod
     def execute(cls, lora, name, format, dtype, trigger_word="", notes="", overwrite=False, state=None):
         weights = bridge.lora_weights_from(lora)
-        arch = state.arch if state is not None else lora_format.guess_arch(weights)
+        arch = state.arch if state is not None else guess_arch(weights)
         path = lora_target(name, overwrite)
         path.parent.mkdir(parents=True, exist_ok=True)
         metadata = lora_format.build_metadata(

@@ -374,18 +374,6 @@ _MODELSPEC = {
 }
 
 
-_FAMILY_MARKERS = (("flux2_klein", re.compile(r"^(double_blocks|single_blocks)\.\d+\.")),
-                   ("zimage", re.compile(r"^(layers|noise_refiner|context_refiner)\.\d+\.(attention|feed_forward)")))
-
-
-def guess_arch(paths) -> str | None:
-    """The family whose key layout these module paths follow (Flux2 Klein and Dev share one), or None."""
-    for name, marker in _FAMILY_MARKERS:
-        if any(marker.match(p) for p in paths):
-            return name
-    return None
-
-
 def build_metadata(*, arch_name: str, config: dict, steps: int, trigger_words: list[str], title: str,
                    notes: str = "", extra: dict | None = None) -> dict[str, str]:
     """kiln.* fields (what Kiln needs to resume/export) plus modelspec fields (what UIs show)."""

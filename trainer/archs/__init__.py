@@ -8,6 +8,7 @@ anywhere outside these files.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -82,3 +83,15 @@ def get_arch(name: str) -> Arch:
 
 # Import order fixes the registry order (the node's combo follows it).
 from . import flux2, zimage, generic, demo  # noqa: E402,F401
+
+
+_FAMILY_MARKERS = (("flux2_klein", re.compile(r"^(double_blocks|single_blocks)\.\d+\.")),
+                   ("zimage", re.compile(r"^(layers|noise_refiner|context_refiner)\.\d+\.(attention|feed_forward)")))
+
+
+def guess_arch(paths) -> str | None:
+    """The arch whose key layout these module paths follow (Flux2 Klein and Dev share one), or None."""
+    for name, marker in _FAMILY_MARKERS:
+        if any(marker.match(p) for p in paths):
+            return name
+    return None
