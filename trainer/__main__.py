@@ -112,7 +112,7 @@ def cmd_train(args) -> int:
 
     cfg = config_module.load(args.config)
     if cfg.arch != "demo":
-        return _pack_module("nodes.headless", cpu=cfg.device == "cpu").train_command(args.config, args.resume)
+        return _headless().train_command(args.config, args.resume)
     from .demo import build_data, model_for
     if not cfg.dataset_dir:
         raise SystemExit(f"{args.config}: set dataset_dir to a folder of images with same-name .txt captions")
@@ -125,11 +125,9 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _pack_module(name: str, cpu: bool = False):
-    """A module of the node pack, for ComfyUI architectures (whose model code is ComfyUI's).
-
-    The library itself never imports ComfyUI: only this command, for these archs, reaches it,
-    through nodes/ (imported as a package, as ComfyUI imports custom_nodes/<folder>)."""
+def _headless():
+    """The pack's headless front end (headless.py, beside nodes/), for ComfyUI architectures, whose
+    model code is ComfyUI's. The library itself never imports ComfyUI or nodes/."""
     import importlib.util
     import os
 
@@ -140,11 +138,7 @@ def _pack_module(name: str, cpu: bool = False):
                          "or use arch 'demo' to try the trainer without it")
     if path and path not in sys.path:
         sys.path.insert(0, path)
-    if cpu and "comfy.model_management" not in sys.modules:
-        from comfy.cli_args import args as comfy_args  # read once, when model_management is imported
-
-        comfy_args.cpu = True
-    return import_pack(name)
+    return import_pack("headless")
 
 
 PACK = "kiln_pack"

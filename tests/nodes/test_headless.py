@@ -23,7 +23,7 @@ comfy_env.require_comfy()
 import comfy.sd  # noqa: E402
 import tiny_comfy as tc  # noqa: E402
 
-headless = comfy_env.import_pack("nodes.headless")
+headless = comfy_env.import_pack("headless")
 bridge = comfy_env.import_pack("nodes.bridge")
 lora_format = comfy_env.import_pack("trainer.lora_format")
 
@@ -60,6 +60,6 @@ def test_headless_train_of_a_flux2_file(tmp_path, capsys):
 
 
 def test_the_cli_reaches_the_same_headless_module():
-    from trainer.__main__ import _pack_module
+    from trainer.__main__ import _headless
 
-    assert _pack_module("nodes.headless") is headless
+    assert _headless() is headless

@@ -8,40 +8,49 @@ config, i.e. a real comfy.sd.CLIP. (The tiny VAE needs no node: ComfyUI's VAELoa
 its file, which the test writes.)
 
 The server test links this folder into the temporary ComfyUI's custom_nodes/; scripts/make_workflows.py
-reads its definition to write tests/nodes/workflows/*.json. V1 API, to keep it small.
+reads its definition to write tests/nodes/workflows/*.json. V3 API, like the pack (DESIGN.md).
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from comfy_api.latest import ComfyExtension, io
+
 _TESTS_NODES = str(Path(__file__).resolve().parents[1])   # tests/nodes (resolve: this folder is symlinked)
 
 
-class KilnTestTinyCLIP:
+class KilnTestTinyCLIP(io.ComfyNode):
     """A tiny Qwen3 text encoder (ComfyUI's Klein or Z-Image classes), seeded random weights."""
 
-    CATEGORY = "Kiln/testing"
-    RETURN_TYPES = ("CLIP",)
-    FUNCTION = "load"
-    DESCRIPTION = "Test only: ComfyUI's Flux.2 Klein or Z-Image text encoder at a tiny size (random weights)."
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnTestTinyCLIP", display_name="Kiln Test Tiny CLIP", category="Kiln/testing",
+            description="Test only: ComfyUI's Flux.2 Klein or Z-Image text encoder at a tiny size (random weights).",
+            inputs=[io.Combo.Input("family", options=["flux2_klein", "zimage"],
+                                   tooltip="Which ComfyUI text encoder to build tiny"),
+                    io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
+                                 tooltip="Seed of the random weights")],
+            outputs=[io.Clip.Output()])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "family": (["flux2_klein", "zimage"], {"tooltip": "Which ComfyUI text encoder to build tiny"}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "control_after_generate": False,
-                             "tooltip": "Seed of the random weights"}),
-        }}
-
-    def load(self, family: str, seed: int = 0):
+    def execute(cls, family: str, seed: int = 0):
         if _TESTS_NODES not in sys.path:
             sys.path.insert(0, _TESTS_NODES)
         import tiny_comfy
 
         clip = tiny_comfy.tiny_klein_clip(seed=seed) if family == "flux2_klein" else tiny_comfy.tiny_zimage_clip(seed=seed)
-        return (clip,)
+        return io.NodeOutput(clip)
 
 
-NODE_CLASS_MAPPINGS = {"KilnTestTinyCLIP": KilnTestTinyCLIP}
-NODE_DISPLAY_NAME_MAPPINGS = {"KilnTestTinyCLIP": "Kiln Test Tiny CLIP"}
+NODES = [KilnTestTinyCLIP]
+
+
+class _TestExtension(ComfyExtension):
+    async def get_node_list(self):
+        return list(NODES)
+
+
+async def comfy_entrypoint():
+    return _TestExtension()

@@ -1,5 +1,8 @@
 """`python -m trainer train CONFIG` for ComfyUI architectures: ComfyUI as a library, no server.
 
+A front end beside nodes/, not part of the library: trainer/ never imports ComfyUI or nodes/; its
+CLI hands ComfyUI architectures to this module, which sets ComfyUI up and then uses the bridge.
+
 Loads the diffusion model, VAE and text encoder from the config's .safetensors
 paths with ComfyUI's own loaders, encodes the dataset through the same bridge
 the nodes use, and runs the same loop, checkpoints and LoRA writer as the demo
@@ -7,13 +10,13 @@ the nodes use, and runs the same loop, checkpoints and LoRA writer as the demo
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
-from ..trainer import config as cfg_module
-from ..trainer.data import MappedLatents
-from ..trainer.data.dataset import DataSettings, Dataset
-from . import bridge
+from .trainer import config as cfg_module
+from .trainer.data import MappedLatents
+from .trainer.data.dataset import DataSettings, Dataset
 
 CLIP_TYPES = {"flux2": "FLUX2", "zimage": "LUMINA2"}  # arch family → comfy.sd.CLIPType name
 
@@ -34,7 +37,7 @@ def load_models(cfg):
     import comfy.sd
     import comfy.utils
 
-    from ..trainer.archs import get_arch
+    from .trainer.archs import get_arch
 
     family = get_arch(cfg.arch).family
     model = comfy.sd.load_diffusion_model(_safetensors(cfg, "model_path"))
@@ -47,10 +50,23 @@ def load_models(cfg):
     return model, vae, clip
 
 
+def _comfy(cpu: bool):
+    """ComfyUI's bridge, with ComfyUI on the CPU when the config asks (read once, at the import of
+    comfy.model_management, which importing the bridge triggers)."""
+    if cpu and "comfy.model_management" not in sys.modules:
+        from comfy.cli_args import args as comfy_args
+
+        comfy_args.cpu = True
+    from .nodes import bridge
+
+    return bridge
+
+
 def train_command(config_path: str, resume: bool, loaders=load_models) -> int:
-    from ..trainer.__main__ import _finish, _run
+    from .trainer.__main__ import _finish, _run
 
     cfg = cfg_module.load(config_path)
+    bridge = _comfy(cfg.device == "cpu")
     if not cfg.dataset_dir:
         raise SystemExit(f"{config_path}: set dataset_dir to a folder of images with same-name .txt captions")
     model, vae, clip = loaders(cfg)
