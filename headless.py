@@ -89,8 +89,13 @@ def train_command(config_path: str, resume: bool, loaders=load_models) -> int:
     data = MappedLatents(dataset.training_data(), lambda raw: bridge.latents_in(model, raw))
     name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.output_dir) / name
-    with bridge.training_session(train_model, cfg.device) as (module, _device):
-        result = _run(cfg, module, data, run_dir, resume, forward=bridge.make_forward(train_model, cfg.arch))
+    if cfg.backend == "mlx":
+        from .nodes.run import mlx_model  # the node's own conversion: same weights, same MLX port
+
+        result = _run(cfg, mlx_model(train_model, cfg), data, run_dir, resume)
+    else:
+        with bridge.training_session(train_model, cfg.device) as (module, _device):
+            result = _run(cfg, module, data, run_dir, resume, forward=bridge.make_forward(train_model, cfg.arch))
     bridge.free_memory()
     _finish(cfg, result, run_dir, name)
     return 0

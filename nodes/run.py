@@ -149,10 +149,11 @@ def mlx_model(model, cfg: cfg_module.TrainConfig):
     from ..trainer.backends.mlx_backend import models as mlx_models
     from ..trainer.backends.mlx_backend.models.weights import from_state_dict
 
+    dtype = "bfloat16" if cfg.mixed_precision == "bf16" else "float32"
     with bridge.training_session(model, "auto") as (module, _device):
-        weights = from_state_dict(module.state_dict())
+        weights = from_state_dict(module.state_dict(), dtype)   # tensor by tensor, straight to dtype
     bridge.free_memory()
-    return mlx_models.build(cfg.arch, weights, "bfloat16" if cfg.mixed_precision == "bf16" else "float32")
+    return mlx_models.build(cfg.arch, weights, dtype, quantize=cfg.base_quantize)
 
 
 def loss_image(state: KilnState):

@@ -85,6 +85,7 @@ def test_every_choice_is_enforced(key):
     ({"optimizer": "prodigy"}, "set learning_rate to 1.0"),
     ({"backend": "mlx", "arch": "generic", "targets": ["x"]}, "use backend 'torch'"),
     ({"backend": "mlx", "optimizer": "adamw8bit"}, "PyTorch-only"),
+    ({"base_quantize": "int4"}, "for backend .mlx."),
     ({"arch": "generic"}, "has no default targets"),
     ({"resolutions": [512, 512]}, "without repeats"),
     ({"resolutions": [520]}, "multiples of 16"),

@@ -39,6 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "save_dtype": ("bf16", "fp16", "fp32"),
     "lora_format": ("comfy", "diffusers", "kohya"),
     "crop": ("center", "random"),
+    "base_quantize": ("none", "int8", "int4"),
 }
 
 # Inclusive (low, high) for numbers; for lists, the bounds of each element.
@@ -84,6 +85,7 @@ class TrainConfig:
     backend: str = "torch"          # "torch" (CUDA, MPS, CPU) or "mlx" (Apple Silicon; Linux CPU for tests)
     device: str = "auto"            # auto picks cuda, then mps, then cpu
     mixed_precision: str = "bf16"   # "bf16": autocast with fp32 LoRA parameters; "no": everything fp32
+    base_quantize: str = "none"     # MLX: store the frozen base's block Linears as int8 or int4 (QLoRA-style, ~2x/3.5x smaller)
     training_adapter: str = ""      # Z-Image Turbo: adapter LoRA merged at +1 for training, never saved
     seed: int = 42                  # one seed for noise, timesteps, captions, data order and LoRA init
     # --- LoRA
@@ -221,6 +223,9 @@ def _check_combinations(cfg: TrainConfig) -> None:
         problems.append("arch 'generic' trains ComfyUI's own PyTorch model; use backend 'torch'")
     if cfg.backend == "mlx" and cfg.optimizer in ("adamw8bit", "prodigy"):
         problems.append(f"optimizer {cfg.optimizer!r} is PyTorch-only; use adamw or adafactor with backend 'mlx'")
+    if cfg.backend == "torch" and cfg.base_quantize != "none":
+        problems.append(f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; with PyTorch load the model "
+                        "with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base")
     if cfg.arch == "generic" and not cfg.targets:
         problems.append("arch 'generic' has no default targets; list module patterns in `targets`")
     if len(set(cfg.resolutions)) != len(cfg.resolutions) or not cfg.resolutions:

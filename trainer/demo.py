@@ -98,7 +98,11 @@ def model_for(cfg: config_module.TrainConfig):
                                    "or 'mlx[cpu]' on Linux") from err
             raise
         # MLX has no autocast: bf16 mixed precision means a bf16 model (LoRA weights stay fp32).
-        return demo_model(cfg.seed, dtype="bfloat16" if cfg.mixed_precision == "bf16" else "float32")
+        model = demo_model(cfg.seed, dtype="bfloat16" if cfg.mixed_precision == "bf16" else "float32")
+        if cfg.base_quantize != "none":
+            from .backends.mlx_backend.models import QUANTIZE_BITS, quantize_blocks
+            model = quantize_blocks(model, "demo", QUANTIZE_BITS[cfg.base_quantize])
+        return model
     from .tiny_dit import build_tiny_flux
 
     return build_tiny_flux(cfg.seed)

@@ -58,6 +58,24 @@ def test_bfloat16_is_close(name):
     assert relative_error(np.array(out.astype(mx.float32)), golden["output"]) <= 5e-2
 
 
+@pytest.mark.parametrize("quantize,tolerance", [("int8", 2e-2), ("int4", 0.12)])
+def test_quantized_base_keeps_the_output(quantize, tolerance):
+    """base_quantize: the block Linears become QuantizedLinear (embedders, modulation and the final
+    layer stay bf16), the weights shrink, and the output stays near the bf16 model's."""
+    golden, weights = read_golden("flux2_klein")
+    reference = run(build("flux2_klein", weights), golden)
+    model = build("flux2_klein", weights, quantize=quantize)
+    assert isinstance(model.double_blocks[0].img_attn.qkv, nn.QuantizedLinear)
+    assert isinstance(model.single_blocks[1].linear2, nn.QuantizedLinear)
+    assert type(model.img_in) is nn.Linear and type(model.final_layer.linear) is nn.Linear
+    assert model.double_blocks[0].img_attn.qkv.bits == {"int8": 8, "int4": 4}[quantize]
+    size = sum(v.nbytes for _, v in _parameters(model))
+    assert size < 0.75 * sum(v.nbytes for _, v in _parameters(build("flux2_klein", weights)))
+    assert relative_error(run(model, golden), reference) <= tolerance
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        build("flux2_klein", weights, quantize="int3")
+
+
 def test_golden_through_a_comfy_file(tmp_path):
     """A checkpoint-style file (`model.diffusion_model.` prefix, other keys beside) loads to the same model."""
     golden, weights = read_golden("flux2_klein")
@@ -184,8 +202,17 @@ def test_from_torch_state_dict():
           "diffusion_model.txt_in.weight": codes, "diffusion_model.txt_in.scale_weight": torch.tensor(4.0)}
     out = from_state_dict(sd)
     assert set(out) == {"img_in.weight", "txt_in.weight"}
-    assert out["img_in.weight"].dtype == np.float32
-    np.testing.assert_array_equal(out["txt_in.weight"], [[2.0, -6.0], [8.0, 0.5]])
+    assert out["img_in.weight"].dtype == mx.float32
+    np.testing.assert_array_equal(np.array(out["txt_in.weight"]), [[2.0, -6.0], [8.0, 0.5]])
+    # bf16 goes across bit for bit (no float32 copy of the model on the way)
+    weight = torch.randn(7, 5)
+    out = from_state_dict({"diffusion_model.img_in.weight": weight.to(torch.bfloat16),
+                           **{k: v for k, v in sd.items() if "txt" in k}},
+                          dtype="bfloat16")
+    assert out["img_in.weight"].dtype == out["txt_in.weight"].dtype == mx.bfloat16
+    np.testing.assert_array_equal(np.array(out["img_in.weight"].astype(mx.float32)),
+                                  weight.to(torch.bfloat16).float().numpy())
+    np.testing.assert_array_equal(np.array(out["txt_in.weight"].astype(mx.float32)), [[2.0, -6.0], [8.0, 0.5]])
     mxfp8 = {"img_in.weight": codes, "img_in.comfy_quant": torch.tensor(list(b'{"format": "mxfp8"}'), dtype=torch.uint8)}
     with pytest.raises(ValueError, match="mxfp8"):
         from_state_dict(mxfp8)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 HERE = Path(__file__).resolve().parent
@@ -28,7 +29,10 @@ bridge = comfy_env.import_pack("nodes.bridge")
 lora_format = comfy_env.import_pack("trainer.lora_format")
 
 
-def test_headless_train_of_a_flux2_file(tmp_path, capsys):
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_headless_train_of_a_flux2_file(tmp_path, capsys, backend):
+    if backend == "mlx":
+        pytest.importorskip("mlx.core", reason="backend mlx needs MLX (mlx[cpu] on Linux)")
     model_file = tc.write_flux2_file(tmp_path / "tiny_flux2.safetensors")
     for name in ("vae", "te"):
         (tmp_path / f"{name}.safetensors").write_bytes(b"stand-in: the loaders below return tiny models")
@@ -40,7 +44,7 @@ def test_headless_train_of_a_flux2_file(tmp_path, capsys):
         (data / f"{i}.txt").write_text(f"photo {i}", encoding="utf-8")
     config = tmp_path / "klein.toml"
     config.write_text(
-        f'arch = "flux2_klein"\ndevice = "{"auto" if comfy_env.gpu() else "cpu"}"\n'
+        f'arch = "flux2_klein"\nbackend = "{backend}"\ndevice = "{"auto" if comfy_env.gpu() else "cpu"}"\n'
         f'mixed_precision = "{"bf16" if comfy_env.gpu() else "no"}"\nsteps = 4\nrank = 4\nalpha = 4.0\n'
         f'model_path = "{model_file}"\nvae_path = "{tmp_path / "vae.safetensors"}"\n'
         f'text_encoder_path = "{tmp_path / "te.safetensors"}"\ndataset_dir = "{data}"\n'

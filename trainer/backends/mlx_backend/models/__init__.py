@@ -1,4 +1,4 @@
-"""MLX diffusion models by arch name: `build(arch_name, weights, dtype)` → an mlx.nn.Module.
+"""MLX diffusion models by arch name: `build(arch_name, weights, dtype, quantize)` → an mlx.nn.Module.
 
 Each model family lives in its own module here with a `build(arch_name, weights, dtype="bfloat16")`;
 BUILDERS names that module per arch, and it is imported only when an arch of it is built (one line
@@ -24,6 +24,38 @@ def builder(arch_name: str):
     return importlib.import_module(f"{__name__}.{module_name}").build
 
 
-def build(arch_name: str, weights, dtype="bfloat16"):
-    """The MLX model of `arch_name` loaded with `weights`, parameters and activations in `dtype`."""
-    return builder(arch_name)(arch_name, weights, dtype)
+# base_quantize → bits of mlx.nn.quantize (affine, per group of GROUP_SIZE input values)
+QUANTIZE_BITS = {"none": None, "int8": 8, "int4": 4}
+GROUP_SIZE = 64
+
+
+def build(arch_name: str, weights, dtype="bfloat16", quantize: str = "none"):
+    """The MLX model of `arch_name` loaded with `weights`, parameters and activations in `dtype`;
+    with quantize "int8"/"int4" the frozen base's block Linears are stored quantized (QLoRA-style)."""
+    model = builder(arch_name)(arch_name, weights, dtype)
+    if QUANTIZE_BITS.get(quantize, 0) is None:
+        return model
+    if quantize not in QUANTIZE_BITS:
+        raise ValueError(f"quantize must be one of {list(QUANTIZE_BITS)}, got {quantize!r}")
+    return quantize_blocks(model, arch_name, QUANTIZE_BITS[quantize])
+
+
+def quantize_blocks(model, arch_name: str, bits: int):
+    """Quantize every Linear inside the arch's block lists (the bulk of the weights) in place.
+
+    Embedders, modulation and the final layer stay in the compute dtype: they are a few percent of
+    the weights and the most sensitive to rounding (as mflux and ai-toolkit keep them)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from ....archs import get_arch
+
+    prefixes = tuple(f"{name}." for name in get_arch(arch_name).block_lists)
+
+    def chosen(path: str, module) -> bool:
+        return (isinstance(module, nn.Linear) and path.startswith(prefixes)
+                and module.weight.shape[1] % GROUP_SIZE == 0)
+
+    nn.quantize(model, group_size=GROUP_SIZE, bits=bits, class_predicate=chosen)
+    mx.eval(model.parameters())
+    return model

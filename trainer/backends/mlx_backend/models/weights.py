@@ -55,11 +55,14 @@ def load_comfy_file(path) -> dict[str, mx.array]:
     return out
 
 
-def from_state_dict(sd: Mapping) -> dict[str, np.ndarray]:
-    """A torch state dict (ComfyUI's diffusion model, prefixed or not) → float32 numpy arrays.
+def from_state_dict(sd: Mapping, dtype="float32") -> dict[str, mx.array]:
+    """A torch state dict (ComfyUI's diffusion model, prefixed or not) → mx arrays in `dtype`.
 
     ComfyUI's fp8 layers export the fp8 weight and its `weight_scale`; the product is returned.
+    Each tensor is cast by torch and handed over on its own (bf16 through its 16-bit pattern, as numpy
+    has no bfloat16), so the conversion never holds a float32 copy of the whole model.
     """
+    target = _MX_DTYPES[dtype] if isinstance(dtype, str) else dtype
     keep = _strip_prefix(list(sd))
     tensors = {short: sd[key] for key, short in keep.items()}
     _refuse_other_formats("state dict", {
@@ -69,13 +72,24 @@ def from_state_dict(sd: Mapping) -> dict[str, np.ndarray]:
     for key, value in tensors.items():
         if key == "scaled_fp8" or key.endswith(_DROPPED_SUFFIXES + _WEIGHT_SCALES):
             continue
-        array = value.detach().float().cpu().numpy()
-        if "float8" in str(value.dtype):
+        tensor = value.detach()
+        if "float8" in str(tensor.dtype):
             scale = _weight_scale("state dict", tensors, key)
-            if scale is not None:
-                array = array * scale.detach().float().cpu().numpy()
-        out[key] = array.astype(np.float32)
+            tensor = tensor.float() if scale is None else tensor.float() * scale.detach().float().to(tensor.device)
+        out[key] = _torch_to_mx(tensor, target)
     return out
+
+
+_MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def _torch_to_mx(tensor, dtype: mx.Dtype) -> mx.array:
+    import torch
+
+    if dtype == mx.bfloat16:
+        bits = tensor.to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy()
+        return mx.array(bits).view(mx.bfloat16)
+    return mx.array(tensor.float().cpu().numpy()).astype(dtype)
 
 
 def _strip_prefix(keys: list[str]) -> dict[str, str]:
