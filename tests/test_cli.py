@@ -58,6 +58,14 @@ def test_estimate_prints_a_table(tmp_path):
     assert result.stdout.count("GiB") >= 4 and "1024 px" in result.stdout and "fits in 24 GiB" in result.stdout
 
 
+def test_estimate_for_a_mac(tmp_path):
+    config = tmp_path / "zimage.toml"
+    config.write_text('arch = "zimage"\nbackend = "mlx"\nbase_quantize = "int4"\nresolutions = [1024]\n')
+    result = cli("estimate", config, "--variant", "zimage", "--memory-gb", 32)
+    assert result.returncode == 0, result.stderr
+    assert "base int4" in result.stdout and "backend mlx" in result.stdout and "fits in a 32 GB Mac" in result.stdout
+
+
 def test_train_demo_arch_from_a_config(tmp_path, demo_run):
     config = tmp_path / "run.toml"
     config.write_text(f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 3\nrank = 4\nalpha = 4.0\n'
@@ -89,7 +97,7 @@ def test_bad_config_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("command,options", [
     ("demo", ["--output", "--resume", "--steps", "--stop-after"]),
     ("train", ["config", "--resume"]),
-    ("estimate", ["--variant", "--base-dtype", "--memory-gb"]),
+    ("estimate", ["--variant", "--backend", "--base-dtype", "--memory-gb"]),
     ("export", ["--format", "--output", "--arch"]),
     ("inspect", ["lora"]),
 ])

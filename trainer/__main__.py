@@ -191,10 +191,14 @@ def cmd_estimate(args) -> int:
         variant = variant_from_header({k: v["shape"] for k, v in header.items()})
     if variant is None:
         raise SystemExit(f"give --variant (one of {sorted(VARIANTS)}) or a model_path in {args.config}")
+    backend = args.backend or cfg.backend
+    if backend == "mlx":
+        from .estimate_mlx import estimate_mlx as estimate
+    base = args.base_dtype or (cfg.base_quantize if backend == "mlx" and cfg.base_quantize != "none" else "bf16")
     for resolution in cfg.resolutions:
         est = estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,
                        targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
-                       gradient_checkpointing=cfg.gradient_checkpointing, base_dtype=args.base_dtype,
+                       gradient_checkpointing=cfg.gradient_checkpointing, base_dtype=base,
                        mixed_precision=cfg.mixed_precision)
         print(format_estimate(est, device_memory_gb=args.memory_gb))
     return 0
@@ -263,8 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     est = commands.add_parser("estimate", help="estimate training memory for a config")
     est.add_argument("config", help="path to the config file")
     est.add_argument("--variant", help="model size, e.g. flux2-klein-4b (default: read from model_path)")
-    est.add_argument("--base-dtype", default="bf16", choices=["bf16", "fp8", "fp32"], help="base weights dtype")
-    est.add_argument("--memory-gb", type=float, help="device memory, to say whether it fits")
+    est.add_argument("--backend", choices=["torch", "mlx"], help="training backend (default: the config's)")
+    est.add_argument("--base-dtype", choices=["bf16", "fp8", "fp32", "int8", "int4"],
+                     help="base weights: bf16 (default), fp8 (torch), int8/int4 (mlx; default the config's base_quantize)")
+    est.add_argument("--memory-gb", type=float,
+                     help="GPU memory in GiB (torch), or the Mac's RAM in GB (mlx), to say whether it fits")
     est.set_defaults(func=cmd_estimate)
 
     exp = commands.add_parser("export", help="convert a LoRA file to another key format")

@@ -328,12 +328,23 @@ def _advice(settings: dict) -> list[tuple[str, dict]]:
     return [(label, change) for label, change, useful in steps if useful]
 
 
+def _rules(backend: str):
+    """(estimate, advice, usable GiB for a device of `memory_gb`, what the memory is) per backend."""
+    if backend == "mlx":
+        from .estimate_mlx import advice, estimate_mlx, mlx_budget_gib
+        return (estimate_mlx, advice, mlx_budget_gib,
+                lambda gb, usable: f"a {gb:g} GB Mac (MLX may use 95 % of its GPU working set: {usable:.1f} GiB)")
+    return estimate, _advice, lambda gb: gb, lambda gb, usable: f"{gb:g} GiB"
+
+
 def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> str:
-    """A readable table; with device memory (GiB, as nvidia-smi shows): fits or not, and what to change."""
+    """A readable table; with device memory (GiB as nvidia-smi shows; for MLX the Mac's RAM in GB):
+    fits or not, and what to change."""
     s = est.settings
     title = (f"Memory estimate: {get_dims(s['variant']).variant}, {s['resolution']} px, batch {s['batch_size']}, "
              f"rank {s['rank']}, {s['optimizer']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, "
-             f"base {s['base_dtype']}, mixed precision {s['mixed_precision']}") if s else "Memory estimate"
+             f"base {s['base_dtype']}, mixed precision {s['mixed_precision']}"
+             + (", backend mlx" if s.get("backend") == "mlx" else "")) if s else "Memory estimate"
     rows = [("weights", est.weights), ("LoRA (fp32)", est.lora), ("gradients", est.gradients),
             ("optimizer state", est.optimizer), ("activations", est.activations),
             ("workspace", est.workspace), ("total", est.total)]
@@ -342,15 +353,19 @@ def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> 
     lines += [f"  note: {note}" for note in est.notes]
     if device_memory_gb is None:
         return "\n".join(lines)
-    budget = device_memory_gb * GIB
+    run, advice, usable, device = _rules(s.get("backend", "torch") if s else "torch")
+    budget_gib = usable(device_memory_gb)
+    where = device(device_memory_gb, budget_gib)
+    budget = budget_gib * GIB
     if est.total <= budget:
-        lines.append(f"fits in {device_memory_gb:g} GiB ({(budget - est.total) / GIB:.1f} GiB to spare)")
+        lines.append(f"fits in {where} ({(budget - est.total) / GIB:.1f} GiB to spare)")
         return "\n".join(lines)
-    lines.append(f"does not fit in {device_memory_gb:g} GiB (needs {est.total / GIB:.1f} GiB); try, in order:")
+    lines.append(f"does not fit in {where} (needs {est.total / GIB:.1f} GiB); try, in order:")
     changes: dict = {}
-    for label, change in _advice(s) if s else []:
+    arguments = {k: v for k, v in s.items() if k != "backend"} if s else {}
+    for label, change in advice(s) if s else []:
         changes.update(change)
-        total = estimate(**{**s, **changes}).total
+        total = run(**{**arguments, **changes}).total
         fits = total <= budget
         lines.append(f"  + {label}: {total / GIB:.1f} GiB" + (" (fits)" if fits else ""))
         if fits:

@@ -1,0 +1,117 @@
+"""Memory estimate for one MLX LoRA training step on Apple Silicon (backend "mlx").
+
+The same parts as trainer/estimate.py (weights, LoRA, gradients, optimizer state, activations,
+workspace), with what differs on MLX:
+
+    weights      bf16 2 B/param (fp8 files are decoded to the compute dtype: MLX has no fp8 matmul);
+                 base_quantize int8/int4 stores the block Linears at bits/8 B plus one bf16 scale
+                 and one bf16 bias per group of 64 inputs (0.0625 B/param); embedders, modulation
+                 and the final layer stay bf16 (models.quantize_blocks)
+    activations  the per-token block model of estimate.py (MLX's autodiff keeps the same tensors:
+                 the measured double-block term matched torch's to 0.2 %), plus ATTENTION: on Metal
+                 (MLX 0.32) a step under a gradient uses the unfused SDPA for forward and backward
+                 (mlx/backend/metal/scaled_dot_product_attention.cpp: `if (is_training) return true`),
+                 so each block keeps its softmax probabilities, B x heads x L^2 values, and the
+                 backward of one block needs a few more such matrices at once
+    workspace    MLX_OVERHEAD (Metal command buffers, allocator slack; no CUDA context) + 2x the
+                 widest Linear output, as on CUDA
+
+ATTENTION_KEPT and ATTENTION_BACKWARD (bytes per B x heads x L^2 value) were fitted to peak memory
+(mx.get_peak_memory) of compiled bf16 steps of the MLX Flux2 and Z-Image ports at hidden 256 and
+two sequence lengths on mlx[cpu], whose SDPA takes the same unfused path (bench/mlx_memory.py
+reruns the fit and prints the estimate's error for every measured case).
+
+A Mac's GPU may use its recommended working set (Metal's recommendedMaxWorkingSetSize), not all of
+its RAM; the backend caps MLX at 95 % of it. Reported values: 16 GB 10.7 GiB, 32 GB 21.3 GiB,
+48 GB 37.4 GiB, 64 GB 48 GiB, 128 GB 96-107.5 GiB (macOS 26); `sudo sysctl iogpu.wired_limit_mb=N`
+raises it. WORKING_SET below takes the conservative value.
+"""
+from __future__ import annotations
+
+from .estimate import (GIB, OPTIMIZER_STATE, Estimate, _blocks, _check, _lora_shapes,
+                       get_dims, linear_layers, param_count)
+
+QUANT_GROUP = 64
+QUANT_BYTES = {"int8": 1.0 + 4 / QUANT_GROUP, "int4": 0.5 + 4 / QUANT_GROUP}  # + bf16 scale and bias per group
+MLX_BASE_BYTES = {"bf16": 2, "fp32": 4, **QUANT_BYTES}
+MLX_OVERHEAD = GIB // 2
+ATTENTION_KEPT = 6.6        # per block: bf16 and fp32 softmax probabilities, kept for backward (measured)
+BACKWARD_FACTOR = 1.0       # the block in backward: its internals' gradients, as large as they are (fitted)
+MLX_OPTIMIZERS = ("adamw", "adafactor")
+
+def working_set_gib(ram_gb: float) -> float:
+    """Metal's recommended working set of a Mac with `ram_gb` of RAM (conservative: 2/3 below 48 GB,
+    3/4 from 48 GB), in GiB, as macOS reports it."""
+    return ram_gb * (2 / 3 if ram_gb < 48 else 3 / 4)
+
+def mlx_budget_gib(ram_gb: float) -> float:
+    """What a run may allocate: the backend's memory limit, 95 % of the working set."""
+    return 0.95 * working_set_gib(ram_gb)
+
+def _weight_bytes(dims, base_dtype: str) -> int:
+    if base_dtype not in QUANT_BYTES:
+        return param_count(dims) * MLX_BASE_BYTES[base_dtype]
+    blocks = sum(i * o for name, (i, o) in linear_layers(dims).items()
+                 if name.startswith(_BLOCK_PREFIXES[dims.family]) and i % QUANT_GROUP == 0)
+    return int(blocks * QUANT_BYTES[base_dtype] + (param_count(dims) - blocks) * 2)
+
+_BLOCK_PREFIXES = {"flux2": ("double_blocks.", "single_blocks."),
+                   "zimage": ("layers.", "noise_refiner.", "context_refiner.")}
+
+def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 32, targets=None,
+                 optimizer: str = "adamw", gradient_checkpointing: bool = True, base_dtype: str = "bf16",
+                 mixed_precision: str = "bf16") -> Estimate:
+    """Bytes one MLX training step needs at square `resolution` (the largest bucket)."""
+    settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
+                "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
+                "base_dtype": base_dtype, "mixed_precision": mixed_precision, "backend": "mlx"}
+    if base_dtype not in MLX_BASE_BYTES:
+        raise ValueError(f"base_dtype for MLX must be one of {list(MLX_BASE_BYTES)} (fp8 files are decoded to "
+                         f"bf16; base_quantize int8/int4 is MLX's smaller base), got {base_dtype!r}")
+    if optimizer not in MLX_OPTIMIZERS:
+        raise ValueError(f"optimizer for MLX must be one of {list(MLX_OPTIMIZERS)}, got {optimizer!r}")
+    dims = get_dims(variant)
+    side = _check(dims, resolution, batch_size, rank, optimizer, "bf16", mixed_precision)
+    act = 2 if mixed_precision == "bf16" else 4
+    image_tokens = (resolution // side) ** 2
+    if dims.family == "zimage":
+        image_tokens = -(-image_tokens // 32) * 32
+    text_tokens = dims.context_tokens
+    shapes = _lora_shapes(dims, targets)
+    lora_params = sum(rank * (i + o) for i, o in shapes)
+
+    groups = [group for group in _blocks(dims, image_tokens, text_tokens, act) if group[1]]
+    heads = dims.heads
+    # (per-token bytes, blocks, tokens) + the attention matrices each such block keeps
+    per_block = [(per_token * tokens + ATTENTION_KEPT * heads * tokens ** 2, count, tokens)
+                 for per_token, count, tokens in groups]
+    head = 2 * dims.hidden * act * image_tokens
+    largest = max(b for b, _, _ in per_block)
+    if gradient_checkpointing:   # block inputs, and one block rebuilt in backward
+        kept = sum(count * tokens * dims.hidden * act for _, count, tokens in per_block) + largest
+    else:
+        kept = sum(b * count for b, count, _ in per_block)
+    # The block being differentiated holds its internals' gradients beside them
+    activations = int(batch_size * (kept + head + BACKWARD_FACTOR * largest))
+
+    widest = 3 * dims.hidden + 2 * dims.mlp_hidden if dims.family == "flux2" else 3 * dims.hidden
+    workspace = MLX_OVERHEAD + 2 * widest * batch_size * (image_tokens + text_tokens) * act
+    weights = _weight_bytes(dims, base_dtype)
+    optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
+    total = weights + 8 * lora_params + optimizer_bytes + activations + workspace
+    notes = [f"{image_tokens} image + {text_tokens} text tokens per sample",
+             "diffusion model only: text encoder and VAE cached or offloaded",
+             "MLX: unfused attention keeps heads x L^2 probabilities per block (checkpointing keeps one block's)",
+             "an estimate fitted on mlx[cpu] at small sizes; not yet checked on a Mac"]
+    return Estimate(weights=weights, lora=4 * lora_params, gradients=4 * lora_params, optimizer=optimizer_bytes,
+                    activations=activations, workspace=workspace, total=total, lora_params=lora_params,
+                    tokens=batch_size * (image_tokens + text_tokens), notes=notes, settings=settings)
+
+def advice(settings: dict) -> list[tuple[str, dict]]:
+    """Changes that lower MLX memory, cheapest in quality first."""
+    steps = [("gradient checkpointing on", {"gradient_checkpointing": True}, not settings["gradient_checkpointing"]),
+             ("base_quantize int8", {"base_dtype": "int8"}, settings["base_dtype"] in ("bf16", "fp32")),
+             ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
+             ("base_quantize int4", {"base_dtype": "int4"}, settings["base_dtype"] != "int4")]
+    steps += [(f"resolution {res}", {"resolution": res}, res < settings["resolution"]) for res in (768, 512)]
+    return [(label, change) for label, change, useful in steps if useful]
