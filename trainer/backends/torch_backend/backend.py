@@ -83,9 +83,12 @@ class TorchBackend:
         sigmas = self._to_device(batch.sigmas, torch.float32)
         weights = self._to_device(batch.weights, torch.float32)
         context = self._to_device(batch.context, self.dtype)
-        # Float extras (guidance) in the model dtype; integer ones (per-row token counts) stay integers.
-        extras = {k: self._to_device(v, self.dtype if np.issubdtype(v.dtype, np.floating) else None)
-                  if isinstance(v, np.ndarray) else v for k, v in batch.extras.items()}
+        # Float extras (guidance) in the model dtype on the device; integer ones (per-row token counts)
+        # stay integers on the host: they choose shapes, and reading them from the GPU would stall the
+        # host once per step (bench/RESULTS.md, lever "no host sync").
+        extras = {k: (torch.from_numpy(np.ascontiguousarray(v)) if np.issubdtype(v.dtype, np.integer)
+                      else self._to_device(v, self.dtype)) if isinstance(v, np.ndarray) else v
+                  for k, v in batch.extras.items()}
         x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
         target = velocity_target(x0, noise)
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()

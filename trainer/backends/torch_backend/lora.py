@@ -33,8 +33,10 @@ class LoraBranch(nn.Module):
         # is used as it comes (no fp32 copy for autograd to keep); otherwise the branch runs in fp32.
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.lora_A.dtype)
-        hidden = nn.functional.linear(self.dropout(x), self.lora_A)
-        return nn.functional.linear(hidden, self.lora_B) * self.scale
+        # The scale goes on the rank-r hidden, not on the [tokens, out] result: one pass less over
+        # the largest tensor of the branch, in forward, recompute and backward.
+        hidden = nn.functional.linear(self.dropout(x), self.lora_A) * self.scale
+        return nn.functional.linear(hidden, self.lora_B)
 
     def delta_weight(self) -> torch.Tensor:
         """(α/r)·B·A in fp32, [out, in]."""

@@ -1,0 +1,798 @@
+"""GPU training benchmark (issue 6, items 1-3): Kiln's Train LoRA step against ComfyUI's native
+TrainLoraNode, on full-size Z-Image / Flux2 Klein built with random weights by ComfyUI's own classes.
+
+    COMFYUI_PATH=/path/to/ComfyUI python bench/gpu_train.py [--arch zimage,klein4b] [--res 1024] ...
+    COMFYUI_PATH=/path/to/ComfyUI python bench/gpu_train.py --rows zimage:1024:1:on:default --out $OUT/r.json
+    COMFYUI_PATH=/path/to/ComfyUI python bench/gpu_train.py --tiny   # tiny dims, 3 steps (CPU: fp32, ~35 s)
+
+One process; per row it prints a summary line (stderr) and a JSON record (stdout) and appends the
+record to `--out` (default bench/results.json, a JSON list, created if absent; written after every
+row, so a run cut short keeps its rows). A record holds: date, commit (+ '-dirty' when the timed
+code differs from it), device, torch, python, comfyui, arch, variant, resolution, batch, rank,
+targets, checkpointing, compile, dtype, image/text tokens, params, the kiln_* and native_* figures
+(s_per_step = median, p95, mean, steps timed, first/last loss, finiteness, forward rows, load or
+setup seconds, peak_alloc_gb / peak_reserved_gb and alloc_at_start_gb), matmul_tflops,
+model_tflop_per_step, mfu, native_mfu, speedup_vs_native (native s/step over Kiln's), lora_params.
+
+Models. No weight files: the architecture's state-dict shapes come from a meta-device build of
+ComfyUI's own class (comfy.ldm.flux.model.Flux / comfy.ldm.lumina.model.NextDiT) with the config
+that ComfyUI's detection derives from a real file; the model config is then what
+comfy.model_detection detects from those shapes (Z-Image below dim 3840 is not detected by ComfyUI,
+so --tiny Z-Image uses supported_models.ZImage(unet_config), as tests/nodes/tiny_comfy.py does).
+`model_config.get_model(device=...)` allocates the weights directly on the target device in bf16
+(comfy.ops skips torch's init), then each parameter is filled in place on that device: matrices
+N(0, 1/fan_in), norm scales N(1, 0.1^2), biases and pad tokens N(0, 0.02^2). The model is wrapped
+in a plain comfy.model_patcher.ModelPatcher (a MODEL as a node receives it; not ComfyUI's dynamic-
+VRAM patcher, which bridge.trainable() would swap for exactly this kind of patcher anyway). Its
+offload device is the load device, so the harness's unloading between trainers (release(): the next
+trainer's peak then counts only what it holds) never moves 12-18 GB to the CPU and back; untimed.
+
+Inputs (synthetic "cached" latents and text embeddings, N(0,1) float32, seeded, one per image):
+    Flux2     latent [B,128,H/16,W/16], context [B,512,context_dim] (Klein pads text to 512 tokens)
+    Z-Image   latent [B,16,H/8,W/8],   context [B,L,2560], L = --zimage-tokens (default 256: a long
+              caption; ComfyUI pads both image and caption tokens to a multiple of 32; 512 is the
+              estimator's upper bound). Every image has its own caption embedding, all of length L.
+
+Kiln (what is timed). The Train LoRA node's own path: bridge.trainable(model) ->
+bridge.training_session(model, "auto") -> trainer.loop.train(cfg, module, data,
+forward=bridge.make_forward(model, arch)) with the data as MappedLatents(InMemoryData, latents_in),
+exactly as nodes/run.py builds it. Config: rank 32, alpha 32, the arch's default targets (or
+`all` = every Linear, 're:.*'), AdamW (fused on CUDA), bf16 autocast with fp32 LoRA weights,
+gradient checkpointing as the row says, lr 1e-4 constant, clipping 1.0, log_every 10 (a loss read
+every 10 steps), caption dropout 0 (native has none), EMA off, no checkpoints until the end.
+One step = the time between two consecutive on_step callbacks of the loop (each doing what the
+node's does: a ProgressBar update, which checks the stop button, and the kiln.progress event, a
+no-op without a server): lr, batch assembly (numpy stacking, noise/sigma draws, latent format),
+pinned host->device copies, forward through ComfyUI's conds preparation and the model, loss,
+backward, clipping, AdamW, EMA hook, report. Not timed: the session's load (`kiln_load_s`), LoRA
+injection and optimizer setup, the final checkpoint written after the last step.
+
+Native (what is timed). comfy_extras.nodes_train.TrainLoraNode.execute itself, called as ComfyUI
+calls it (every input a list), on the same ModelPatcher with the same latents (one LATENT of B
+images) and the same per-image embeddings (one CONDITIONING of B entries): batch_size B, rank 32,
+AdamW (its own torch.optim.AdamW), MSE, training_dtype bf16, lora_dtype --native-lora-dtype
+(default bf16, the node's default), algorithm LoRA, no offloading, no bucket mode, no bypass,
+gradient_checkpointing as the row says with checkpoint_depth --native-ckpt-depth (default 2: every
+block and embedder, as Kiln checkpoints each block; the node's own default 1 checkpoints the whole
+diffusion model as ONE unit, so its backward recomputes everything at once and holds all
+activations: no memory saved at the peak). It trains a LoRA on every Linear (the weight rebuilt as
+W + up.down/rank on every use, alpha 1) and a full diff on every 1-D weight (norm scales) and bias.
+One step = one iteration of TrainSampler.sample's loop: noise (CPU) and sigma draws, cond
+selection, the guider's model call (ComfyUI's cond batching), loss, backward, loss.item(), grad
+dtype cast, optimizer.step, zero_grad; measured at the node's per-iteration ProgressBar.update
+(nodes_train.ProgressBar is swapped for a timing subclass during the call). Not timed: setup
+(adapters, loading: `native_setup_s`) and teardown. Note: native hands every CONDITIONING entry
+the whole batch (calc_cond_batch), so at batch B its model runs B*B rows per step
+(`native_forward_rows` records what it ran); Kiln runs B.
+
+Timing. Steps 1..--warmup are discarded; steps warmup+1..--steps are timed one by one. --timing sync
+(default): torch.cuda.synchronize() then perf_counter at each step boundary (timing only; it also
+stops the CPU running ahead into the next step). --timing events: a CUDA event per boundary, read
+once at the end (no host sync added). Reported: median (`*_s_per_step`), p95, mean.
+Memory: torch.cuda.max_memory_allocated / max_memory_reserved per trainer, reset (after
+empty_cache) before each; in GiB (2^30 bytes). Includes the resident bf16 weights.
+Matmul rate: `--matmul-n`^3 matmuls in the run's dtype (8192 bf16 on CUDA) on the same device in the
+same run: CUDA events around 50 back-to-back products after a warm-up, best of 3; TFLOPS = 2 n^3 / time.
+
+Model FLOPs per step (the numerator of MFU; B = batch, per Linear its own token count T, i.e.
+image tokens, text tokens, both, or 1 for modulation/timestep layers):
+    linear      forward 2*in*out*T; backward 2*in*out*T (activation gradient only: base frozen)
+    LoRA        forward 2*r*(in+out)*T; backward 4*r*(in+out)*T (activation + weight gradients)
+    attention   forward 4*L^2*D per attention layer (QK^T and AV; L its sequence, D = heads*128);
+                backward 8*L^2*D
+    recompute   with checkpointing, + the forward of everything inside the checkpointed blocks
+    total       B * (forward + backward + recompute);   MFU = total / step time / matmul rate
+Native's MFU uses the same model FLOPs with LoRA on every Linear (its weight rebuild is overhead).
+
+Rows: the cartesian product of --arch x --res x --batch x --ckpt x --targets, or an explicit
+--rows list "arch:res:batch:ckpt:targets,..." (e.g. "zimage:1024:1:on:default,zimage:512:4:on:all").
+With none of these given: per arch 1024/b1, 512/b1, 512/b4 on default targets and 1024/b1 on all
+linears, checkpointing on. --no-native skips the native side; --merge FILE... appends the records
+of other result files (e.g. fetched from a GPU box) to --out and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import itertools
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+for _folder in (ROOT, ROOT / "tests"):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
+import torch  # noqa: E402
+
+from trainer.estimate import VARIANTS, ModelDims  # noqa: E402
+
+GIB = 2 ** 30
+ARCH_VARIANTS = {"zimage": "zimage", "klein4b": "flux2-klein-4b", "klein9b": "flux2-klein-9b"}
+KILN_ARCH = {"zimage": "zimage", "flux2": "flux2_klein"}          # trainer.archs key per family
+# --tiny: the same classes at test size (head dim 128 as in the real models; Flux2 1+1 blocks because its
+# 512 text tokens make every block costly on a CPU).
+TINY = {
+    "zimage": ModelDims("zimage-tiny", "zimage", "zimage", hidden=256, heads=2, double_blocks=0, single_blocks=2,
+                        mlp_ratio=8.0 / 3.0, context_dim=64, context_tokens=32, latent_downscale=8,
+                        latent_channels=16, patch=2, refiner_blocks=2),
+    "klein4b": ModelDims("flux2-klein-tiny", "flux2_klein", "flux2", hidden=256, heads=2, double_blocks=1,
+                         single_blocks=1, mlp_ratio=3.0, context_dim=192, context_tokens=512, latent_downscale=16,
+                         latent_channels=128, patch=1),
+}
+TINY["klein9b"] = TINY["klein4b"]
+FLUX2_TEXT_TOKENS = 512
+TIMED_CODE = ("trainer", "nodes", "headless.py", "__init__.py", "bench/gpu_train.py")
+
+
+# ---------------------------------------------------------------- setup
+
+def prepare_comfy(device: str):
+    """ComfyUI on sys.path, on the GPU unless device is cpu (tests/comfy_env.py; read once)."""
+    import comfy_env
+
+    path = comfy_env.comfy_path()
+    if path is None:
+        raise SystemExit("set COMFYUI_PATH to a ComfyUI 0.17+ checkout (ComfyUI is used as a library, never copied)")
+    os.environ["KILN_COMFY_GPU"] = "0" if device == "cpu" else "1"
+    comfy_env.prepare(path)
+    return comfy_env
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepClock:
+    """Step boundaries: perf_counter after a synchronize ('sync'), or CUDA events read at the end."""
+
+    def __init__(self, device: torch.device, mode: str):
+        self.device, self.events = device, mode == "events" and device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            sync(self.device)
+            self.marks.append(time.perf_counter())
+
+    def durations(self) -> list[float]:
+        """Seconds per step: durations()[k] is step k+1 (the first mark is the end of step 1)."""
+        if self.events:
+            sync(self.device)
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+
+def timed_stats(durations: list[float], warmup: int) -> dict:
+    """Median / p95 / mean of steps warmup+1.. (durations[0] is step 2: step 1 has no start mark)."""
+    kept = durations[max(0, warmup - 1):]
+    if not kept:
+        return {"median": None, "p95": None, "mean": None, "n": 0}
+    ordered = sorted(kept)
+    p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+    return {"median": statistics.median(kept), "p95": p95, "mean": statistics.fmean(kept), "n": len(kept)}
+
+
+def release(device: torch.device) -> None:
+    """Harness hygiene between trainers (never timed): ComfyUI forgets every loaded patcher (the native
+    node's clone with its adapters included; weights stay put, the offload device is the GPU), then
+    garbage and cached blocks go, so the next trainer's peak counts only what it holds."""
+    import comfy.model_management as mm
+
+    mm.unload_all_models()
+    mm.cleanup_models_gc()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device, out: dict, prefix: str):
+    """Peak allocated / reserved GiB of the block (None off CUDA), reset after empty_cache; also what was
+    allocated when it began (the resident weights)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        out[f"{prefix}alloc_at_start_gb"] = round(torch.cuda.memory_allocated(device) / GIB, 3)
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            out[f"{prefix}peak_alloc_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 3)
+            out[f"{prefix}peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / GIB, 3)
+        else:
+            out[f"{prefix}peak_alloc_gb"] = out[f"{prefix}peak_reserved_gb"] = None
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters: int = 50) -> float:
+    """Measured dense matmul rate (TFLOPS) of n x n x n products in `dtype` on `device`."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    for _ in range(5):
+        c = a @ b
+    sync(device)
+    best = math.inf
+    for _ in range(3):  # best of 3 runs of `iters` back-to-back products
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                c = a @ b
+            end.record()
+            sync(device)
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            started = time.perf_counter()
+            for _ in range(iters):
+                c = a @ b
+            seconds = time.perf_counter() - started
+        best = min(best, seconds)
+    del c
+    return 2 * n ** 3 * iters / best / 1e12
+
+
+def git_commit() -> str:
+    """HEAD, + '-dirty' when the code that runs here differs from it (TIMED_CODE: changed or untracked);
+    KILN_COMMIT where the copy has no .git (a device box)."""
+    if os.environ.get("KILN_COMMIT"):
+        return os.environ["KILN_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *TIMED_CODE], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+# ---------------------------------------------------------------- the model
+
+def unet_config(dims: ModelDims) -> dict:
+    """The unet_config ComfyUI 0.17's detection derives from a real file of these dims
+    (comfy/model_detection.py: the flux2 branch, and the lumina2 dim-3840 branch for Z-Image)."""
+    heads = dims.hidden // 128
+    if dims.family == "flux2":
+        return dict(image_model="flux2", axes_dim=[32, 32, 32, 32], num_heads=heads, mlp_ratio=3.0, theta=2000,
+                    out_channels=128, global_modulation=True, mlp_silu_act=True, qkv_bias=False, ops_bias=False,
+                    default_ref_method="index", ref_index_scale=10.0, txt_ids_dims=[3], patch_size=1,
+                    in_channels=128, hidden_size=dims.hidden, context_in_dim=dims.context_dim, vec_in_dim=None,
+                    depth=dims.double_blocks, depth_single_blocks=dims.single_blocks,
+                    guidance_embed=dims.guidance_embed, yak_mlp=False, txt_norm=False)
+    return dict(image_model="lumina2", patch_size=2, in_channels=16, dim=dims.hidden, cap_feat_dim=dims.context_dim,
+                n_layers=dims.single_blocks, n_refiner_layers=dims.refiner_blocks, qk_norm=True, n_heads=heads,
+                n_kv_heads=heads, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512], rope_theta=256.0,
+                ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32)
+
+
+def _model_class(family: str):
+    if family == "flux2":
+        from comfy.ldm.flux.model import Flux
+        return Flux
+    from comfy.ldm.lumina.model import NextDiT
+    return NextDiT
+
+
+def model_config_for(dims: ModelDims):
+    """(ComfyUI model config, how it was obtained): detected from the shapes like a real file, else by hand."""
+    import comfy.model_detection
+    import comfy.ops
+    import comfy.supported_models
+
+    config = unet_config(dims)
+    cls = _model_class(dims.family)
+    with torch.device("meta"):
+        shapes = cls(**config, operations=comfy.ops.disable_weight_init).state_dict()
+    wanted = comfy.supported_models.Flux2 if dims.family == "flux2" else comfy.supported_models.ZImage
+    detected = comfy.model_detection.model_config_from_unet(shapes, "")
+    if type(detected) is wanted:
+        return detected, "comfy.model_detection (shapes of a meta-device build)"
+    return wanted(dict(config)), f"supported_models.{wanted.__name__}(unet_config) (ComfyUI detects no {dims.variant})"
+
+
+@torch.no_grad()
+def fill_random_(module: torch.nn.Module, seed: int) -> None:
+    """In place, on the parameters' own device: matrices N(0, 1/fan_in), norm scales N(1, 0.01), the rest N(0, 4e-4)."""
+    generator = None
+    for name, param in sorted(module.named_parameters()):
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if param.ndim >= 2 and not name.endswith("pad_token"):
+            param.normal_(0.0, 1.0 / math.sqrt(math.prod(param.shape[1:])), generator=generator)
+        elif "norm" in name or name.endswith(".scale"):
+            param.normal_(1.0, 0.1, generator=generator)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+
+
+def build_model(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A ComfyUI MODEL (ModelPatcher) of this architecture with random weights on `device`."""
+    import comfy.model_patcher
+
+    model_config, source = model_config_for(dims)
+    model_config.set_inference_dtype(dtype, None)
+    started = time.perf_counter()
+    base = model_config.get_model({}, "", device=device)
+    base.to(device)  # anything a class created off-device (no-op for Flux2 / NextDiT)
+    fill_random_(base.diffusion_model, seed)
+    sync(device)
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
+    params = sum(p.numel() for p in base.diffusion_model.parameters())
+    return patcher, {"model_config": source, "params": params, "build_s": round(time.perf_counter() - started, 2)}
+
+
+# ---------------------------------------------------------------- FLOPs
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def token_counts(dims: ModelDims, resolution: int, text_tokens: int) -> tuple[int, int]:
+    """(image tokens, text tokens) per sample, as the model runs them (Z-Image pads both to 32)."""
+    side = resolution // (dims.latent_downscale * dims.patch)
+    if dims.family == "zimage":
+        return _pad(side * side, 32), _pad(text_tokens, 32)
+    return side * side, text_tokens
+
+
+def _linear_tokens(family: str, name: str, img: int, txt: int) -> int:
+    parts = name.split(".")
+    if family == "flux2":
+        if parts[0] == "double_blocks":
+            return img if parts[2].startswith("img_") else txt
+        if parts[0] == "single_blocks":
+            return img + txt
+        table = {"img_in": img, "final_layer.linear": img, "txt_in": txt}
+        if name in table:
+            return table[name]
+        if parts[0] in ("time_in", "guidance_in", "vector_in") or "modulation" in name:
+            return 1
+    else:
+        if "adaLN_modulation" in name or parts[0] == "t_embedder":
+            return 1
+        if parts[0] == "noise_refiner" or name in ("x_embedder", "final_layer.linear"):
+            return img
+        if parts[0] in ("context_refiner", "cap_embedder"):
+            return txt
+        if parts[0] == "layers":
+            return img + txt
+    raise ValueError(f"no token count for Linear {name!r}: extend _linear_tokens")
+
+
+def _attention_layers(dims: ModelDims, img: int, txt: int) -> list[tuple[str, int]]:
+    """(block list, sequence length) per attention layer."""
+    if dims.family == "flux2":
+        return [("double_blocks", img + txt)] * dims.double_blocks + [("single_blocks", img + txt)] * dims.single_blocks
+    return ([("noise_refiner", img)] * dims.refiner_blocks + [("context_refiner", txt)] * dims.refiner_blocks
+            + [("layers", img + txt)] * dims.single_blocks)
+
+
+def model_flops(dm: torch.nn.Module, dims: ModelDims, *, img: int, txt: int, batch: int, rank: int,
+                lora_paths: list[str], block_lists: tuple[str, ...], checkpointing: bool) -> dict:
+    """Model FLOPs of one training step (module docstring), from the built model's own Linear shapes."""
+    lora = set(lora_paths)
+    fwd = bwd = recompute = 0
+    for name, module in dm.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        tokens = _linear_tokens(dims.family, name, img, txt)
+        base = 2 * module.in_features * module.out_features * tokens
+        low_rank = 2 * rank * (module.in_features + module.out_features) * tokens if name in lora else 0
+        fwd += base + low_rank
+        bwd += base + 2 * low_rank
+        if checkpointing and name.split(".")[0] in block_lists:
+            recompute += base + low_rank
+    attention = 0
+    for block_list, length in _attention_layers(dims, img, txt):
+        flops = 4 * length * length * dims.hidden
+        attention += flops
+        fwd += flops
+        bwd += 2 * flops
+        if checkpointing and block_list in block_lists:
+            recompute += flops
+    return {"total": batch * (fwd + bwd + recompute), "forward": batch * fwd, "attention_forward": batch * attention}
+
+
+# ---------------------------------------------------------------- inputs
+
+@dataclass
+class Inputs:
+    latents: list[np.ndarray]     # raw VAE latents [C,h,w] float32, one per image
+    contexts: list[np.ndarray]    # text embeddings [T,D] float32, one per image
+    img_tokens: int
+    txt_tokens: int
+
+
+def make_inputs(dims: ModelDims, resolution: int, batch: int, text_tokens: int, seed: int = 0) -> Inputs:
+    down = dims.latent_downscale
+    if resolution % (down * dims.patch):
+        raise ValueError(f"resolution {resolution} is not a multiple of {down * dims.patch} px for {dims.variant}")
+    rng = np.random.default_rng([seed, resolution, batch])
+    side = resolution // down
+    latents = [rng.standard_normal((dims.latent_channels, side, side)).astype(np.float32) for _ in range(batch)]
+    contexts = [rng.standard_normal((text_tokens, dims.context_dim)).astype(np.float32) for _ in range(batch)]
+    img, txt = token_counts(dims, resolution, text_tokens)
+    return Inputs(latents, contexts, img, txt)
+
+
+class RowCounter:
+    """Rows (batch entries) the diffusion model runs per forward call, via a forward pre-hook."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.rows: list[int] = []
+        self.handle = module.register_forward_pre_hook(lambda _m, args: self.rows.append(int(args[0].shape[0])))
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+# ---------------------------------------------------------------- Kiln
+
+def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targets: str, checkpointing: bool,
+             steps: int, warmup: int, timing: str, device: torch.device, dtype: str) -> dict:
+    bridge, config, loop, data_module = pack["bridge"], pack["config"], pack["loop"], pack["data"]
+    out: dict = {}
+    model = bridge.trainable(patcher)
+    arch_name = KILN_ARCH[dims.family]
+    detected = bridge.detect_arch(model)
+    if detected != arch_name:
+        raise RuntimeError(f"bridge.detect_arch says {detected!r} for the {dims.variant} model, expected {arch_name!r}")
+    data = data_module.MappedLatents(
+        data_module.InMemoryData.from_arrays(inputs.latents, inputs.contexts, [f"img{i}.png" for i in range(batch)],
+                                             np.zeros_like(inputs.contexts[0])),
+        lambda raw: bridge.latents_in(model, raw))
+    cfg = config.from_dict(dict(
+        arch=arch_name, device="auto", mixed_precision="bf16" if dtype == "bf16" else "no", rank=32, alpha=32.0,
+        targets=["re:.*"] if targets == "all" else [], optimizer="adamw", learning_rate=1e-4,
+        steps=steps, batch_size=batch, gradient_checkpointing=checkpointing, caption_dropout=0.0,
+        checkpoint_every=0, keep_checkpoints=1, log_every=10, ema=False, seed=0))
+    clock = StepClock(device, timing)
+    entered = time.perf_counter()
+    with peak_memory(device, out, ""), tempfile.TemporaryDirectory(prefix="kiln_bench_") as run_dir, \
+            torch.inference_mode(), bridge.training_session(model, "auto") as (module, _device):
+        # inference mode as inside a ComfyUI prompt; the session turns it off
+        out["kiln_load_s"] = round(time.perf_counter() - entered, 2)  # the session's full load (untimed setup)
+        stray = [n for n, m in module.named_modules() if getattr(m, "weight_function", None)]
+        if stray:  # e.g. native's adapters left on the modules: the timing would not be Kiln's
+            raise RuntimeError(f"{len(stray)} modules carry ComfyUI weight functions in Kiln's session, "
+                               f"e.g. {stray[:3]}")
+        counter = RowCounter(module)
+        bar, started = bridge.progress(cfg.steps), time.time()
+
+        def on_step(report) -> None:  # what nodes/run.py's on_step does, then the step boundary
+            bar.update(report.step)
+            bridge.send_event("kiln.progress", {
+                "step": report.step, "total": report.total_steps, "lr": report.lr, "loss": report.loss,
+                "loss_smooth": report.loss_smooth, "it_per_s": report.it_per_s, "eta_s": report.eta_s,
+                "peak_memory_bytes": report.peak_memory_bytes, "run": "bench", "started": started})
+            clock.mark()
+
+        try:
+            result = loop.train(cfg, module, data, run_dir=run_dir, forward=bridge.make_forward(model, arch_name),
+                                on_step=on_step)
+        finally:
+            counter.remove()
+    stats = timed_stats(clock.durations(), warmup)
+    losses = [float(v) for v in result.history.loss]
+    out.update(kiln_s_per_step=stats["median"], kiln_p95=stats["p95"], kiln_mean=stats["mean"],
+               kiln_steps_timed=stats["n"], kiln_loss_first=losses[0] if losses else None,
+               kiln_loss_last=losses[-1] if losses else None,
+               kiln_loss_finite=bool(losses) and all(math.isfinite(v) for v in losses),
+               lora_params=result.trainable_parameters, lora_modules=len(result.lora),
+               kiln_forward_rows=sum(counter.rows) / max(1, result.step))
+    out["_lora_paths"] = list(result.lora)
+    return out
+
+
+# ---------------------------------------------------------------- native
+
+def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, steps: int, warmup: int, timing: str,
+               device: torch.device, dtype: str, lora_dtype: str, checkpoint_depth: int = 2) -> dict:
+    import comfy.utils
+    from comfy_extras import nodes_train
+
+    out: dict = {}
+    clock = StepClock(device, timing)
+
+    class TimedProgressBar(nodes_train.ProgressBar):
+        """TrainSampler.sample makes one right before its loop and updates it at the end of every iteration."""
+
+        def __init__(self, total, node_id=None):
+            out["native_setup_s"] = round(time.perf_counter() - entered, 2)  # adapters, loads (untimed)
+            super().__init__(total, node_id)
+
+        def update(self, value):
+            clock.mark()
+            super().update(value)
+
+    latent = {"samples": torch.from_numpy(np.stack(inputs.latents))}
+    conditioning = [[torch.from_numpy(c)[None], {"pooled_output": None}] for c in inputs.contexts]
+    arguments = dict(model=patcher, latents=latent, positive=conditioning, batch_size=batch, steps=steps,
+                     grad_accumulation_steps=1, learning_rate=1e-4, rank=32, optimizer="AdamW",
+                     loss_function="MSE", seed=0, training_dtype=dtype, lora_dtype=lora_dtype, algorithm="LoRA",
+                     gradient_checkpointing=checkpointing, checkpoint_depth=checkpoint_depth, offloading=False,
+                     existing_lora="[None]", bucket_mode=False, bypass_mode=False)
+    counter = RowCounter(patcher.model.diffusion_model)
+    previous_bar, previous_enabled = nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED
+    nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = TimedProgressBar, False
+    entered = time.perf_counter()
+    try:
+        with peak_memory(device, out, "native_"), torch.inference_mode(), warnings.catch_warnings():
+            # inference mode as inside a ComfyUI prompt; its fp32 autocast on a CPU (--tiny) only warns
+            warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+            result = nodes_train.TrainLoraNode.execute(**{k: [v] for k, v in arguments.items()})
+        lora_sd, loss_map = result.result[0], result.result[1]
+        stats = timed_stats(clock.durations(), warmup)
+        losses = [float(v) for v in loss_map["loss"]]
+        out.update(native_s_per_step=stats["median"], native_p95=stats["p95"], native_mean=stats["mean"],
+                   native_steps_timed=stats["n"], native_loss_first=losses[0] if losses else None,
+                   native_loss_last=losses[-1] if losses else None,
+                   native_loss_finite=bool(losses) and all(math.isfinite(v) for v in losses),
+                   native_trainable_params=sum(t.numel() for t in lora_sd.values()),
+                   native_forward_rows=sum(counter.rows) / steps, native_error=None)
+    except Exception as error:  # noqa: BLE001 — recorded (e.g. its Flux2 backward without checkpointing)
+        out.update(native_s_per_step=None, native_p95=None, native_error=f"{type(error).__name__}: {error}"[:500])
+        print(f"[bench] native trainer failed: {out['native_error']}", file=sys.stderr)
+    finally:
+        counter.remove()
+        nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = previous_bar, previous_enabled
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------- rows and records
+
+@dataclass(frozen=True)
+class Row:
+    arch: str
+    resolution: int
+    batch: int
+    checkpointing: bool
+    targets: str          # "default" | "all"
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("on", "1", "true", "yes"):
+        return True
+    if value in ("off", "0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on/off, got {text!r}")
+
+
+def _list(text: str, kind=str) -> list:
+    return [kind(part.strip()) for part in text.split(",") if part.strip()]
+
+
+def plan_rows(args) -> list[Row]:
+    archs = _list(args.arch)
+    for arch in archs:
+        if arch not in ARCH_VARIANTS:
+            raise SystemExit(f"--arch: unknown {arch!r}; choose from {list(ARCH_VARIANTS)}")
+    if args.rows:
+        rows = []
+        for spec in _list(args.rows):
+            parts = spec.split(":")
+            if len(parts) != 5 or parts[0] not in ARCH_VARIANTS or parts[4] not in ("default", "all"):
+                raise SystemExit(f"--rows: {spec!r} is not arch:res:batch:on|off:default|all "
+                                 f"(arch in {list(ARCH_VARIANTS)})")
+            rows.append(Row(parts[0], int(parts[1]), int(parts[2]), _bool(parts[3]), parts[4]))
+        return rows
+    resolutions = _list(args.res, int) if args.res else None
+    batches = _list(args.batch, int) if args.batch else None
+    ckpts = [_bool(v) for v in _list(args.ckpt)]
+    targets = _list(args.targets) if args.targets else None
+    if resolutions is None and batches is None and targets is None:  # the issue's set
+        default_res = args.tiny_res if args.tiny else None
+        shapes = [(1024, 1, "default"), (512, 1, "default"), (512, 4, "default"), (1024, 1, "all")]
+        if default_res:
+            shapes = [(default_res, 1, "default")]
+        return [Row(a, r, b, c, t) for a in archs for (r, b, t) in shapes for c in ckpts]
+    resolutions = resolutions or ([args.tiny_res] if args.tiny else [1024])
+    return [Row(a, r, b, c, t) for a, r, b, c, t in
+            itertools.product(archs, resolutions, batches or [1], ckpts, targets or ["default"])]
+
+
+def append_records(path: Path, records: list[dict]) -> None:
+    """Append to a JSON list file (created if absent), written to a temp file and renamed."""
+    existing = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and path.stat().st_size else []
+    if not isinstance(existing, list):
+        raise SystemExit(f"{path} does not hold a JSON list")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text(json.dumps(existing + records, indent=1) + "\n", encoding="utf-8")
+    os.replace(temp, path)
+
+
+def _round(value, digits=4):
+    return round(value, digits) if isinstance(value, float) else value
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="zimage,klein4b", help=f"comma list of {list(ARCH_VARIANTS)}")
+    parser.add_argument("--res", help="comma list of square resolutions in px (default: the issue's set)")
+    parser.add_argument("--batch", help="comma list of batch sizes")
+    parser.add_argument("--ckpt", default="on", help="gradient checkpointing: on, off or on,off")
+    parser.add_argument("--targets", help="default (the arch's), all (every Linear) or default,all")
+    parser.add_argument("--rows", help="explicit rows arch:res:batch:on|off:default|all, comma separated")
+    parser.add_argument("--steps", type=int, help="steps per trainer (default 60; --tiny 3)")
+    parser.add_argument("--warmup", type=int, help="untimed first steps (default 10; --tiny 1)")
+    parser.add_argument("--native-steps", type=int, help="steps for the native trainer (default: --steps)")
+    parser.add_argument("--no-native", action="store_true", help="time Kiln only")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"],
+                        help="weights and autocast (default bf16; --tiny on a CPU fp32: CPU bf16 matmuls crawl)")
+    parser.add_argument("--native-lora-dtype", choices=["bf16", "fp32"],
+                        help="the native node's lora_dtype (default: its own default bf16; fp32 with --dtype fp32)")
+    parser.add_argument("--native-ckpt-depth", type=int, default=2,
+                        help="the native node's checkpoint_depth (2: per block, like Kiln; the node's default is 1)")
+    parser.add_argument("--zimage-tokens", type=int, help="Z-Image caption tokens per image (default 256; --tiny 32)")
+    parser.add_argument("--timing", default="sync", choices=["sync", "events"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--matmul-n", type=int, help="matmul size for the rate (default 8192 on CUDA, 512 on CPU)")
+    parser.add_argument("--tiny", action="store_true", help="tiny dims (hidden 256), same code path; CPU is fine")
+    parser.add_argument("--tiny-res", type=int, default=128, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"), help="JSON list to append to")
+    parser.add_argument("--merge", nargs="+", metavar="FILE", help="append these files' records to --out and exit")
+    args = parser.parse_args(argv)
+
+    out_path = Path(args.out)
+    if args.merge:
+        records = [r for f in args.merge for r in json.loads(Path(f).read_text(encoding="utf-8"))]
+        append_records(out_path, records)
+        print(f"appended {len(records)} records to {out_path}")
+        return 0
+
+    steps = args.steps or (3 if args.tiny else 60)
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
+    native_steps = args.native_steps or steps
+    if not 1 <= warmup < min(steps, native_steps):
+        raise SystemExit(f"--warmup must be in 1..steps-1 (step 1 has no start mark), got {warmup} of {steps}")
+    zimage_tokens = args.zimage_tokens or (32 if args.tiny else 256)
+    device_kind = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_kind == "cpu" and not args.tiny:
+        raise SystemExit("full-size rows need a CUDA GPU; use --tiny on a CPU")
+    rows = plan_rows(args)
+
+    prepare = prepare_comfy(device_kind)
+    import comfy.ldm.modules.attention as comfy_attention
+    import comfy.model_management as mm
+
+    pack = {"bridge": prepare.import_pack("nodes.bridge"), "config": prepare.import_pack("trainer.config"),
+            "loop": prepare.import_pack("trainer.loop"), "data": prepare.import_pack("trainer.data")}
+    archs_module = prepare.import_pack("trainer.archs")
+    device = mm.get_torch_device()
+    dtype_name = args.dtype or ("fp32" if args.tiny and device.type == "cpu" else "bf16")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    native_lora_dtype = args.native_lora_dtype or dtype_name
+    try:
+        from comfyui_version import __version__ as comfy_version
+    except ImportError:
+        comfy_version = "unknown"
+    on_gpu = device.type == "cuda"
+    rate = matmul_tflops(device, dtype, args.matmul_n or (8192 if on_gpu else 512), iters=50 if on_gpu else 10)
+    common = {"commit": git_commit(), "device": device_name(device), "torch": torch.__version__,
+              "python": platform.python_version(), "comfyui": comfy_version, "matmul_tflops": float(f"{rate:.4g}"),
+              "attention": getattr(comfy_attention.optimized_attention, "__name__", "?"), "compile": False,
+              "rank": 32, "dtype": dtype_name, "timing": args.timing, "steps": steps, "warmup": warmup,
+              "native_steps": None if args.no_native else native_steps, "tiny": args.tiny}
+    print(f"[bench] {common['device']}, torch {common['torch']}, ComfyUI {comfy_version}, "
+          f"{dtype_name} matmul {rate:.4g} TFLOPS; {len(rows)} row(s)", flush=True)
+
+    block_lists = {family: archs_module.get_arch(name).block_lists for family, name in KILN_ARCH.items()}
+    opts = argparse.Namespace(pack=pack, block_lists=block_lists,
+                              steps=steps, warmup=warmup, native_steps=native_steps, timing=args.timing, device=device,
+                              dtype=dtype_name, native_lora_dtype=native_lora_dtype, no_native=args.no_native,
+                              native_ckpt_depth=args.native_ckpt_depth,
+                              rate=rate, common=common, zimage_tokens=zimage_tokens)
+    models: dict[str, tuple] = {}
+    for row in rows:
+        dims = TINY[row.arch] if args.tiny else VARIANTS[ARCH_VARIANTS[row.arch]]
+        if row.arch not in models:
+            models.clear()  # one full-size model on the GPU at a time
+            release(device)
+            models[row.arch] = build_model(dims, device, dtype)
+            print(f"[bench] built {dims.variant}: {models[row.arch][1]}", flush=True)
+        record = run_row(row, dims, *models[row.arch], opts)
+        append_records(out_path, [record])
+        print(summary(record), file=sys.stderr, flush=True)
+        print(json.dumps(record), flush=True)
+    return 0
+
+
+def summary(r: dict) -> str:
+    def num(value, fmt):
+        return format(value, fmt) if isinstance(value, (int, float)) else "-"
+    native = (f"native {num(r.get('native_s_per_step'), '.3f')} s/step "
+              f"(native/kiln {num(r.get('speedup_vs_native'), '.2f')})"
+              if r.get("native_s_per_step") else f"native: {r.get('native_error')}")
+    return (f"[bench] {r['arch']} {r['resolution']}px b{r['batch']} ckpt {'on' if r['checkpointing'] else 'off'} "
+            f"{r['targets']}: kiln {num(r['kiln_s_per_step'], '.3f')} s/step (p95 {num(r['kiln_p95'], '.3f')}), "
+            f"MFU {num(r['mfu'], '.1%')}, peak {num(r.get('peak_alloc_gb'), '.2f')}/"
+            f"{num(r.get('peak_reserved_gb'), '.2f')} GiB alloc/reserved"
+            + (f" (kiln: {r['kiln_error']})" if r.get("kiln_error") else "") + f"; {native}")
+
+
+def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
+    """Kiln then native on one model and one set of inputs → the record."""
+    text_tokens = opts.zimage_tokens if dims.family == "zimage" else FLUX2_TEXT_TOKENS
+    inputs = make_inputs(dims, row.resolution, row.batch, text_tokens)
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **opts.common,
+              "arch": row.arch, "variant": dims.variant, "resolution": row.resolution, "batch": row.batch,
+              "targets": row.targets, "checkpointing": row.checkpointing, "image_tokens": inputs.img_tokens,
+              "text_tokens": inputs.txt_tokens, "params": build_info["params"],
+              "model_config": build_info["model_config"]}
+    device, rate = opts.device, opts.rate * 1e12
+    started = time.perf_counter()
+    try:
+        kiln = run_kiln(opts.pack, patcher, dims, inputs, batch=row.batch, targets=row.targets,
+                        checkpointing=row.checkpointing, steps=opts.steps, warmup=opts.warmup, timing=opts.timing,
+                        device=device, dtype=opts.dtype)
+        kiln["kiln_error"] = None
+    except Exception as error:  # noqa: BLE001 — recorded (an OOM says what does not fit), the run goes on
+        kiln = {"kiln_s_per_step": None, "kiln_p95": None, "_lora_paths": [],
+                "kiln_error": f"{type(error).__name__}: {error}"[:500]}
+        print(f"[bench] Kiln failed: {kiln['kiln_error']}", file=sys.stderr)
+        cuda = device.type == "cuda"  # the peak of the failed attempt (its stats were reset when it began)
+        kiln["peak_alloc_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 3) if cuda else None
+        kiln["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / GIB, 3) if cuda else None
+    release(device)
+    lora_paths = kiln.pop("_lora_paths")
+    record.update(kiln, kiln_wall_s=round(time.perf_counter() - started, 2))
+    dm, block_lists = patcher.model.diffusion_model, opts.block_lists[dims.family]
+    flops = model_flops(dm, dims, img=inputs.img_tokens, txt=inputs.txt_tokens, batch=row.batch, rank=32,
+                        lora_paths=lora_paths, block_lists=block_lists, checkpointing=row.checkpointing)
+    kiln_s = record["kiln_s_per_step"]
+    record["model_tflop_per_step"] = round(flops["total"] / 1e12, 4)
+    record["mfu"] = round(flops["total"] / kiln_s / rate, 4) if kiln_s else None
+    if opts.no_native:
+        record.update(native_s_per_step=None, native_p95=None, native_error="not run (--no-native)")
+    else:
+        started = time.perf_counter()
+        record.update(run_native(patcher, inputs, batch=row.batch, checkpointing=row.checkpointing,
+                                 steps=opts.native_steps, warmup=opts.warmup, timing=opts.timing, device=device,
+                                 dtype=opts.dtype, lora_dtype=opts.native_lora_dtype,
+                                 checkpoint_depth=opts.native_ckpt_depth))
+        release(device)
+        record.update(native_wall_s=round(time.perf_counter() - started, 2), native_lora_dtype=opts.native_lora_dtype,
+                      native_checkpoint_depth=opts.native_ckpt_depth if row.checkpointing else None)
+        native_s = record.get("native_s_per_step")
+        every_linear = [n for n, m in dm.named_modules() if isinstance(m, torch.nn.Linear)]
+        native_flops = model_flops(dm, dims, img=inputs.img_tokens, txt=inputs.txt_tokens, batch=row.batch, rank=32,
+                                   lora_paths=every_linear, block_lists=block_lists,
+                                   checkpointing=row.checkpointing)["total"]
+        record["native_mfu"] = round(native_flops / native_s / rate, 4) if native_s else None
+        record["speedup_vs_native"] = round(native_s / kiln_s, 3) if native_s and kiln_s else None
+    return {k: _round(v) for k, v in record.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""bench/gpu_train.py --tiny runs end to end: one Flux2 Klein and one Z-Image row, Kiln and ComfyUI's native
+trainer, records appended to a JSON list. A smoke test of the harness, not a timing: it checks the record
+keys and that step times and losses are finite. Needs a ComfyUI checkout (COMFYUI_PATH); the harness runs
+in a subprocess (it sets ComfyUI up for itself and swaps the native node's ProgressBar while it runs).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+
+import comfy_env  # noqa: E402
+
+ROOT = HERE.parents[1]
+KEYS = ("date", "commit", "device", "torch", "arch", "resolution", "batch", "rank", "targets", "checkpointing",
+        "compile", "kiln_s_per_step", "kiln_p95", "native_s_per_step", "mfu", "peak_alloc_gb", "peak_reserved_gb",
+        "native_peak_alloc_gb", "native_peak_reserved_gb", "matmul_tflops", "model_tflop_per_step",
+        "speedup_vs_native", "native_mfu", "native_forward_rows", "kiln_forward_rows")
+
+
+def test_tiny_rows_run_and_record(tmp_path):
+    path = comfy_env.comfy_path()
+    if path is None:
+        pytest.skip(comfy_env.SKIP_REASON)
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps([{"earlier": "record"}]), encoding="utf-8")  # appended to, not replaced
+    env = {**os.environ, "COMFYUI_PATH": path}
+    command = [sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--tiny", "--device", "cpu",
+               "--rows", "klein4b:64:1:on:default,zimage:64:2:on:all", "--steps", "3", "--warmup", "1",
+               "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    records = json.loads(out.read_text(encoding="utf-8"))
+    assert records[0] == {"earlier": "record"} and len(records) == 3
+    printed = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert printed == records[1:]
+    for record, arch, batch, targets in zip(records[1:], ("klein4b", "zimage"), (1, 2), ("default", "all"),
+                                            strict=True):
+        assert all(key in record for key in KEYS), sorted(set(KEYS) - set(record))
+        assert (record["arch"], record["batch"], record["targets"], record["checkpointing"]) == (arch, batch,
+                                                                                                 targets, True)
+        assert record["tiny"] and record["device"].startswith("cpu") and record["compile"] is False
+        assert record["peak_alloc_gb"] is None and record["native_peak_reserved_gb"] is None  # CUDA-only
+        assert record["kiln_error"] is None and record["native_error"] is None
+        assert record["native_checkpoint_depth"] == 2  # per block, as Kiln checkpoints
+        for key in ("kiln_s_per_step", "kiln_p95", "native_s_per_step", "native_p95", "mfu", "native_mfu",
+                    "kiln_loss_first", "kiln_loss_last", "native_loss_first", "native_loss_last",
+                    "matmul_tflops", "model_tflop_per_step"):
+            assert isinstance(record[key], float) and math.isfinite(record[key]) and record[key] > 0, key
+        assert record["kiln_loss_finite"] and record["native_loss_finite"]
+        assert record["kiln_steps_timed"] == record["native_steps_timed"] == 2
+        assert record["kiln_forward_rows"] == batch
+        assert record["native_forward_rows"] == batch * batch  # native hands every caption the whole batch
+    flux2, zimage = records[1:]
+    assert flux2["model_config"].startswith("comfy.model_detection")  # detected like a real Flux2 file
+    assert flux2["text_tokens"] == 512 and zimage["image_tokens"] == 32  # 4x4 latent tokens padded to 32
+    assert zimage["lora_modules"] > 30  # every Linear, not just the 5 default targets in each of the 6 blocks
