@@ -98,11 +98,10 @@ def model_for(cfg: config_module.TrainConfig):
                                    "or 'mlx[cpu]' on Linux") from err
             raise
         # MLX has no autocast: bf16 mixed precision means a bf16 model (LoRA weights stay fp32).
+        from .backends.mlx_backend.models import quantize_base
+
         model = demo_model(cfg.seed, dtype="bfloat16" if cfg.mixed_precision == "bf16" else "float32")
-        if cfg.base_quantize != "none":
-            from .backends.mlx_backend.models import QUANTIZE_BITS, quantize_blocks
-            model = quantize_blocks(model, "demo", QUANTIZE_BITS[cfg.base_quantize])
-        return model
+        return quantize_base(model, "demo", cfg.base_quantize)
     from .tiny_dit import build_tiny_flux
 
     return build_tiny_flux(cfg.seed)
@@ -111,7 +110,7 @@ def model_for(cfg: config_module.TrainConfig):
 def build_data(cfg: config_module.TrainConfig, folder: Path, cache_dir: Path | None = None):
     """The real data path (scan, buckets, captions, caches) with the stand-in encoders."""
     from .archs import get_arch
-    from .data.dataset import DataSettings, Dataset
+    from .data.dataset import Dataset, DataSettings
 
     settings = DataSettings.from_config(cfg, get_arch(cfg.arch).bucket_divisor)
     dataset = Dataset.load(folder, settings, cache_dir=cache_dir)

@@ -271,6 +271,17 @@ def _check(dims: ModelDims, resolution, batch_size, rank, optimizer, base_dtype,
     return side
 
 
+def _image_tokens(dims: ModelDims, resolution: int, side: int) -> int:
+    """Image tokens of a square bucket; Z-Image pads them to a multiple of 32 (pad_tokens_multiple)."""
+    tokens = (resolution // side) ** 2
+    return -(-tokens // 32) * 32 if dims.family == "zimage" else tokens
+
+
+def _widest_output(dims: ModelDims) -> int:
+    """Features of the widest block Linear output (Flux2's fused linear1, Z-Image's qkv)."""
+    return 3 * dims.hidden + 2 * dims.mlp_hidden if dims.family == "flux2" else 3 * dims.hidden
+
+
 def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int, checkpointing: bool) -> int:
     D = dims.hidden
     groups = [group for group in _blocks(dims, image_tokens, text_tokens, act) if group[1]]
@@ -290,9 +301,7 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
                 "base_dtype": base_dtype, "mixed_precision": mixed_precision}
     dims = get_dims(variant)
     side = _check(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
-    image_tokens = (resolution // side) ** 2
-    if dims.family == "zimage":
-        image_tokens = -(-image_tokens // 32) * 32  # pad_tokens_multiple
+    image_tokens = _image_tokens(dims, resolution, side)
     text_tokens, act = dims.context_tokens, ACTIVATION_BYTES[mixed_precision]
     tokens = batch_size * (image_tokens + text_tokens)
     shapes = _lora_shapes(dims, targets)
@@ -300,8 +309,7 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
 
     weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
     activations = batch_size * _activations(dims, image_tokens, text_tokens, act, gradient_checkpointing)
-    widest = 3 * dims.hidden + 2 * dims.mlp_hidden if dims.family == "flux2" else 3 * dims.hidden
-    workspace = CUDA_CONTEXT_BYTES + 2 * widest * tokens * act
+    workspace = CUDA_CONTEXT_BYTES + 2 * _widest_output(dims) * tokens * act
     if base_dtype == "fp8":
         workspace += 2 * max(i * o for i, o in linear_layers(dims).values())
     optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
@@ -328,7 +336,7 @@ def _advice(settings: dict) -> list[tuple[str, dict]]:
     return [(label, change) for label, change, useful in steps if useful]
 
 
-def _rules(backend: str):
+def backend_rules(backend: str):
     """(estimate, advice, usable GiB for a device of `memory_gb`, what the memory is) per backend."""
     if backend == "mlx":
         from .estimate_mlx import advice, estimate_mlx, mlx_budget_gib
@@ -353,7 +361,7 @@ def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> 
     lines += [f"  note: {note}" for note in est.notes]
     if device_memory_gb is None:
         return "\n".join(lines)
-    run, advice, usable, device = _rules(s.get("backend", "torch") if s else "torch")
+    run, advice, usable, device = backend_rules(s.get("backend", "torch") if s else "torch")
     budget_gib = usable(device_memory_gb)
     where = device(device_memory_gb, budget_gib)
     budget = budget_gib * GIB

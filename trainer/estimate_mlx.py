@@ -16,22 +16,35 @@ workspace), with what differs on MLX:
     workspace    MLX_OVERHEAD (Metal command buffers, allocator slack; no CUDA context) + 2x the
                  widest Linear output, as on CUDA
 
-ATTENTION_KEPT and ATTENTION_BACKWARD (bytes per B x heads x L^2 value) were fitted to peak memory
-(mx.get_peak_memory) of compiled bf16 steps of the MLX Flux2 and Z-Image ports at hidden 256 and
-two sequence lengths on mlx[cpu], whose SDPA takes the same unfused path (bench/mlx_memory.py
-reruns the fit and prints the estimate's error for every measured case).
+ATTENTION_KEPT (bytes per B x heads x L^2 value) was measured on chained SDPA calls under a gradient,
+and BACKWARD_FACTOR fitted to peak memory (mx.get_peak_memory) of compiled bf16 steps of the MLX Flux2
+and Z-Image ports at hidden 256 and two sequence lengths, both on mlx[cpu], whose SDPA takes the same
+unfused path (bench/mlx_memory.py reruns both and prints the estimate's error for every case).
 
 A Mac's GPU may use its recommended working set (Metal's recommendedMaxWorkingSetSize), not all of
 its RAM; the backend caps MLX at 95 % of it. Reported values: 16 GB 10.7 GiB, 32 GB 21.3 GiB,
 48 GB 37.4 GiB, 64 GB 48 GiB, 128 GB 96-107.5 GiB (macOS 26); `sudo sysctl iogpu.wired_limit_mb=N`
-raises it. WORKING_SET below takes the conservative value.
+raises it. working_set_gib() takes the conservative value.
 """
 from __future__ import annotations
 
-from .estimate import (GIB, OPTIMIZER_STATE, Estimate, _blocks, _check, _lora_shapes,
-                       get_dims, linear_layers, param_count)
+from .archs import get_arch
+from .estimate import (
+    ACTIVATION_BYTES,
+    GIB,
+    OPTIMIZER_STATE,
+    Estimate,
+    _blocks,
+    _check,
+    _image_tokens,
+    _lora_shapes,
+    _widest_output,
+    get_dims,
+    linear_layers,
+    param_count,
+)
 
-QUANT_GROUP = 64
+QUANT_GROUP = 64            # mlx_backend.models.GROUP_SIZE (not imported: estimates need no MLX)
 QUANT_BYTES = {"int8": 1.0 + 4 / QUANT_GROUP, "int4": 0.5 + 4 / QUANT_GROUP}  # + bf16 scale and bias per group
 MLX_BASE_BYTES = {"bf16": 2, "fp32": 4, **QUANT_BYTES}
 MLX_OVERHEAD = GIB // 2
@@ -39,24 +52,26 @@ ATTENTION_KEPT = 6.6        # per block: bf16 and fp32 softmax probabilities, ke
 BACKWARD_FACTOR = 1.0       # the block in backward: its internals' gradients, as large as they are (fitted)
 MLX_OPTIMIZERS = ("adamw", "adafactor")
 
+
 def working_set_gib(ram_gb: float) -> float:
     """Metal's recommended working set of a Mac with `ram_gb` of RAM (conservative: 2/3 below 48 GB,
     3/4 from 48 GB), in GiB, as macOS reports it."""
     return ram_gb * (2 / 3 if ram_gb < 48 else 3 / 4)
 
+
 def mlx_budget_gib(ram_gb: float) -> float:
     """What a run may allocate: the backend's memory limit, 95 % of the working set."""
     return 0.95 * working_set_gib(ram_gb)
 
+
 def _weight_bytes(dims, base_dtype: str) -> int:
     if base_dtype not in QUANT_BYTES:
         return param_count(dims) * MLX_BASE_BYTES[base_dtype]
+    prefixes = tuple(f"{name}." for name in get_arch(dims.arch).block_lists)  # as models.quantize_blocks
     blocks = sum(i * o for name, (i, o) in linear_layers(dims).items()
-                 if name.startswith(_BLOCK_PREFIXES[dims.family]) and i % QUANT_GROUP == 0)
+                 if name.startswith(prefixes) and i % QUANT_GROUP == 0)
     return int(blocks * QUANT_BYTES[base_dtype] + (param_count(dims) - blocks) * 2)
 
-_BLOCK_PREFIXES = {"flux2": ("double_blocks.", "single_blocks."),
-                   "zimage": ("layers.", "noise_refiner.", "context_refiner.")}
 
 def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 32, targets=None,
                  optimizer: str = "adamw", gradient_checkpointing: bool = True, base_dtype: str = "bf16",
@@ -72,10 +87,8 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
         raise ValueError(f"optimizer for MLX must be one of {list(MLX_OPTIMIZERS)}, got {optimizer!r}")
     dims = get_dims(variant)
     side = _check(dims, resolution, batch_size, rank, optimizer, "bf16", mixed_precision)
-    act = 2 if mixed_precision == "bf16" else 4
-    image_tokens = (resolution // side) ** 2
-    if dims.family == "zimage":
-        image_tokens = -(-image_tokens // 32) * 32
+    act = ACTIVATION_BYTES[mixed_precision]
+    image_tokens = _image_tokens(dims, resolution, side)
     text_tokens = dims.context_tokens
     shapes = _lora_shapes(dims, targets)
     lora_params = sum(rank * (i + o) for i, o in shapes)
@@ -94,8 +107,7 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     # The block being differentiated holds its internals' gradients beside them
     activations = int(batch_size * (kept + head + BACKWARD_FACTOR * largest))
 
-    widest = 3 * dims.hidden + 2 * dims.mlp_hidden if dims.family == "flux2" else 3 * dims.hidden
-    workspace = MLX_OVERHEAD + 2 * widest * batch_size * (image_tokens + text_tokens) * act
+    workspace = MLX_OVERHEAD + 2 * _widest_output(dims) * batch_size * (image_tokens + text_tokens) * act
     weights = _weight_bytes(dims, base_dtype)
     optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
     total = weights + 8 * lora_params + optimizer_bytes + activations + workspace
@@ -106,6 +118,7 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     return Estimate(weights=weights, lora=4 * lora_params, gradients=4 * lora_params, optimizer=optimizer_bytes,
                     activations=activations, workspace=workspace, total=total, lora_params=lora_params,
                     tokens=batch_size * (image_tokens + text_tokens), notes=notes, settings=settings)
+
 
 def advice(settings: dict) -> list[tuple[str, dict]]:
     """Changes that lower MLX memory, cheapest in quality first."""

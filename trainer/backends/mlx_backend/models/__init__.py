@@ -32,12 +32,15 @@ GROUP_SIZE = 64
 def build(arch_name: str, weights, dtype="bfloat16", quantize: str = "none"):
     """The MLX model of `arch_name` loaded with `weights`, parameters and activations in `dtype`;
     with quantize "int8"/"int4" the frozen base's block Linears are stored quantized (QLoRA-style)."""
-    model = builder(arch_name)(arch_name, weights, dtype)
-    if QUANTIZE_BITS.get(quantize, 0) is None:
-        return model
+    return quantize_base(builder(arch_name)(arch_name, weights, dtype), arch_name, quantize)
+
+
+def quantize_base(model, arch_name: str, quantize: str):
+    """`model` with its block Linears quantized as config's base_quantize says ("none": unchanged)."""
     if quantize not in QUANTIZE_BITS:
         raise ValueError(f"quantize must be one of {list(QUANTIZE_BITS)}, got {quantize!r}")
-    return quantize_blocks(model, arch_name, QUANTIZE_BITS[quantize])
+    bits = QUANTIZE_BITS[quantize]
+    return model if bits is None else quantize_blocks(model, arch_name, bits)
 
 
 def quantize_blocks(model, arch_name: str, bits: int):
