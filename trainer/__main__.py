@@ -198,7 +198,7 @@ def cmd_estimate(args) -> int:
         est = estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,
                        targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
                        gradient_checkpointing=cfg.gradient_checkpointing, base_dtype=base,
-                       mixed_precision=cfg.mixed_precision)
+                       mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks)
         print(format_estimate(est, device_memory_gb=args.memory_gb))
     return 0
 

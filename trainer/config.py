@@ -72,6 +72,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "checkpoint_every": (0, 1_000_000),
     "keep_checkpoints": (1, 1000),
     "log_every": (1, 100_000),
+    "skip_checkpoint_blocks": (0, 1000),
 }
 
 
@@ -108,6 +109,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.0       # final lr = min_lr_ratio * learning_rate (linear, cosine)
     max_grad_norm: float = 1.0      # global-norm clipping; 0 turns it off
     gradient_checkpointing: bool = True  # recompute each block in backward: far less memory, ~30% slower
+    skip_checkpoint_blocks: int = 0  # with checkpointing: the last N blocks keep their activations (faster, +memory each)
+    compile_blocks: bool = False    # PyTorch: torch.compile each block (fuses norms, RoPE, gates; the first steps compile)
     # --- objective (flow matching)
     timestep_sampling: str = "uniform"  # uniform or logit_normal
     logit_mean: float = 0.0
@@ -223,6 +226,8 @@ def _check_combinations(cfg: TrainConfig) -> None:
         problems.append("arch 'generic' trains ComfyUI's own PyTorch model; use backend 'torch'")
     if cfg.backend == "mlx" and cfg.optimizer in ("adamw8bit", "prodigy"):
         problems.append(f"optimizer {cfg.optimizer!r} is PyTorch-only; use adamw or adafactor with backend 'mlx'")
+    if cfg.backend == "mlx" and cfg.compile_blocks:
+        problems.append("compile_blocks is for backend 'torch' (MLX compiles its whole step already); turn it off")
     if cfg.backend == "torch" and cfg.base_quantize != "none":
         problems.append(f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; with PyTorch load the model "
                         "with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base")

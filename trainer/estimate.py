@@ -282,23 +282,30 @@ def _widest_output(dims: ModelDims) -> int:
     return 3 * dims.hidden + 2 * dims.mlp_hidden if dims.family == "flux2" else 3 * dims.hidden
 
 
-def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int, checkpointing: bool) -> int:
+def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int, checkpointing: bool,
+                 skip: int = 0) -> int:
     D = dims.hidden
     groups = [group for group in _blocks(dims, image_tokens, text_tokens, act) if group[1]]
     head = 2 * D * act * image_tokens  # final layer: norm input and modulated output
     if not checkpointing:
         return sum(per_token * n * t for per_token, n, t in groups) + head
     boundaries = sum(n * t * D * act for _, n, t in groups)  # each block's input
-    return boundaries + max(per_token * t for per_token, _, t in groups) + head
+    kept = 0  # the last `skip` blocks (checkpointing.checkpointed) keep all of theirs
+    for per_token, n, t in reversed(groups):
+        take = min(n, skip)
+        kept, skip = kept + take * per_token * t, skip - take
+    return boundaries + kept + max(per_token * t for per_token, _, t in groups) + head
 
 
 def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, rank: int = 32,
              targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
-             gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16") -> Estimate:
+             gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16",
+             skip_checkpoint_blocks: int = 0) -> Estimate:
     """Bytes one training step needs at square `resolution` (the largest bucket)."""
     settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
                 "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
-                "base_dtype": base_dtype, "mixed_precision": mixed_precision}
+                "base_dtype": base_dtype, "mixed_precision": mixed_precision,
+                "skip_checkpoint_blocks": skip_checkpoint_blocks}
     dims = get_dims(variant)
     side = _check(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
     image_tokens = _image_tokens(dims, resolution, side)
@@ -308,7 +315,8 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
     lora_params = sum(rank * (i + o) for i, o in shapes)
 
     weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
-    activations = batch_size * _activations(dims, image_tokens, text_tokens, act, gradient_checkpointing)
+    activations = batch_size * _activations(dims, image_tokens, text_tokens, act, gradient_checkpointing,
+                                            skip_checkpoint_blocks)
     workspace = CUDA_CONTEXT_BYTES + 2 * _widest_output(dims) * tokens * act
     if base_dtype == "fp8":
         workspace += 2 * max(i * o for i, o in linear_layers(dims).values())
@@ -327,7 +335,9 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
 
 def _advice(settings: dict) -> list[tuple[str, dict]]:
     """Changes that lower memory, cheapest in quality first."""
-    steps = [("gradient checkpointing on", {"gradient_checkpointing": True}, not settings["gradient_checkpointing"]),
+    steps = [("skip_checkpoint_blocks 0 (every block recomputed)", {"skip_checkpoint_blocks": 0},
+              settings["gradient_checkpointing"] and settings.get("skip_checkpoint_blocks", 0) > 0),
+             ("gradient checkpointing on", {"gradient_checkpointing": True}, not settings["gradient_checkpointing"]),
              ("optimizer adamw8bit (bitsandbytes)", {"optimizer": "adamw8bit"},
               settings["optimizer"] in ("adamw", "prodigy")),
              ("base weights fp8", {"base_dtype": "fp8"}, settings["base_dtype"] != "fp8"),

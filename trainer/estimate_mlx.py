@@ -75,10 +75,11 @@ def _weight_bytes(dims, base_dtype: str) -> int:
 
 def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 32, targets=None,
                  optimizer: str = "adamw", gradient_checkpointing: bool = True, base_dtype: str = "bf16",
-                 mixed_precision: str = "bf16") -> Estimate:
+                 mixed_precision: str = "bf16", skip_checkpoint_blocks: int = 0) -> Estimate:
     """Bytes one MLX training step needs at square `resolution` (the largest bucket)."""
     settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
                 "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
+                "skip_checkpoint_blocks": skip_checkpoint_blocks,
                 "base_dtype": base_dtype, "mixed_precision": mixed_precision, "backend": "mlx"}
     if base_dtype not in MLX_BASE_BYTES:
         raise ValueError(f"base_dtype for MLX must be one of {list(MLX_BASE_BYTES)} (fp8 files are decoded to "
@@ -102,6 +103,10 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     largest = max(b for b, _, _ in per_block)
     if gradient_checkpointing:   # block inputs, and one block rebuilt in backward
         kept = sum(count * tokens * dims.hidden * act for _, count, tokens in per_block) + largest
+        skip = skip_checkpoint_blocks   # the last blocks keep all of theirs
+        for block_bytes, count, _ in reversed(per_block):
+            take = min(count, skip)
+            kept, skip = kept + take * block_bytes, skip - take
     else:
         kept = sum(b * count for b, count, _ in per_block)
     # The block being differentiated holds its internals' gradients beside them
@@ -122,7 +127,9 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
 
 def advice(settings: dict) -> list[tuple[str, dict]]:
     """Changes that lower MLX memory, cheapest in quality first."""
-    steps = [("gradient checkpointing on", {"gradient_checkpointing": True}, not settings["gradient_checkpointing"]),
+    steps = [("skip_checkpoint_blocks 0 (every block recomputed)", {"skip_checkpoint_blocks": 0},
+              settings["gradient_checkpointing"] and settings.get("skip_checkpoint_blocks", 0) > 0),
+             ("gradient checkpointing on", {"gradient_checkpointing": True}, not settings["gradient_checkpointing"]),
              ("base_quantize int8", {"base_dtype": "int8"}, settings["base_dtype"] in ("bf16", "fp32")),
              ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
              ("base_quantize int4", {"base_dtype": "int4"}, settings["base_dtype"] != "int4")]

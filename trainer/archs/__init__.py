@@ -46,6 +46,9 @@ class Arch:
     collate_context: Callable[[list[np.ndarray]], np.ndarray]
     model_extras: Callable[[int, list[int]], dict]
     training_adapter: str = "none"  # "none" | "merge": merged at +1 for training, removed for samples
+    # Blocks never write into their own inputs, so compile_blocks also compiles the blocks that keep
+    # their activations (checkpointing off, skip_checkpoint_blocks). Flux2's `img += ...` blocks do.
+    pure_blocks: bool = False
     diffusers_prefix: str = "transformer."
     diffusers_rules: tuple[DiffusersRule, ...] = field(default_factory=tuple)
     description: str = ""

@@ -42,7 +42,7 @@ _COMMON = dict(
     default_targets=DEFAULT_TARGETS,
     block_lists=("noise_refiner", "context_refiner", "layers"),
     shift_mode="static", shift=3.0, collate_context=right_pad, model_extras=zimage_extras,
-    diffusers_rules=DIFFUSERS_RULES,
+    diffusers_rules=DIFFUSERS_RULES, pure_blocks=True,
 )
 
 register(Arch(name="zimage_turbo", training_adapter="merge",

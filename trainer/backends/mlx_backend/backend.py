@@ -83,7 +83,8 @@ class MlxBackend:
             targets = cfg.targets or list(arch.default_targets)
             self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout,
                                 seed=cfg.seed, low_precision=cfg.mixed_precision == "bf16")
-            self.checkpointing = BlockCheckpointing(model, arch.block_lists) if cfg.gradient_checkpointing else None
+            self.checkpointing = BlockCheckpointing(model, arch.block_lists, cfg.skip_checkpoint_blocks) \
+                if cfg.gradient_checkpointing else None
             self.optimizer = build_optimizer(cfg)
             self.optimizer.init(model.trainable_parameters())   # state tree fixed before the first compile
             self.ema = Ema(self.lora.parameters(), cfg.ema_decay) if cfg.ema else None

@@ -40,10 +40,12 @@ def _checkpointed_class(block: nn.Module) -> type:
 
 
 class BlockCheckpointing:
-    """Each block's activations are dropped after forward and recomputed in backward."""
+    """Each block's activations are dropped after forward and recomputed in backward, but for the
+    last `skip` blocks, which keep theirs (faster, more memory)."""
 
-    def __init__(self, model: nn.Module, block_lists: tuple[str, ...]):
-        self.blocks = find_blocks(model, block_lists)
+    def __init__(self, model: nn.Module, block_lists: tuple[str, ...], skip: int = 0):
+        blocks = find_blocks(model, block_lists)
+        self.blocks = blocks[:len(blocks) - min(max(skip, 0), len(blocks))]
         self.classes = [type(block) for block in self.blocks]
         for block in self.blocks:
             block.__class__ = _checkpointed_class(block)

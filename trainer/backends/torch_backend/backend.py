@@ -44,6 +44,19 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return torch.bfloat16
 
 
+@contextmanager
+def _compile_errors_explained():
+    """compile_blocks on a machine torch.compile cannot build for (no Triton, no C++ compiler): say so."""
+    try:
+        yield
+    except Exception as error:
+        if type(error).__name__ != "BackendCompilerFailed":
+            raise
+        raise RuntimeError(f"compile_blocks: torch.compile could not compile the model's blocks here "
+                           f"({str(error).splitlines()[0][:300]}). Turn compile_blocks off in Kiln Training "
+                           "Options (or the config); it needs Triton on CUDA or a C++ compiler on CPU.") from error
+
+
 class TorchBackend:
     name = "torch"
 
@@ -59,7 +72,9 @@ class TorchBackend:
         targets = cfg.targets or list(arch.default_targets)
         self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
         # Blocks are wrapped either way: with checkpointing off the wrapper only copies block inputs.
-        self.checkpointing = BlockCheckpointing(model, arch.block_lists, recompute=cfg.gradient_checkpointing)
+        self.checkpointing = BlockCheckpointing(model, arch.block_lists, recompute=cfg.gradient_checkpointing,
+                                                skip=cfg.skip_checkpoint_blocks, compile=cfg.compile_blocks,
+                                                pure_blocks=arch.pure_blocks)
         self.params = dict(self.lora.named_parameters())
         self.optimizer = build_optimizer(list(self.params.values()), cfg, self.device)
         self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None
@@ -92,7 +107,7 @@ class TorchBackend:
         x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
         target = velocity_target(x0, noise)
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
-        with amp:
+        with amp, _compile_errors_explained():
             # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
             prediction = self.forward(self.model, x_t.to(self.dtype), sigmas, context, extras)
         # Loss in fp32: per-sample mean, weighted, batch mean.

@@ -1,13 +1,18 @@
 """Gradient checkpointing over a model's block lists, by instance-forward override.
 
-Each block's activations are dropped after forward and recomputed in backward;
-only block inputs stay alive. Removal restores the block exactly.
+Each checkpointed block's activations are dropped after forward and recomputed in backward; only
+block inputs stay alive. `skip` blocks at the end keep their activations (faster backward, more
+memory). `compile` wraps each block in torch.compile (regional compilation: the blocks of one list
+share their compiled code), with the checkpoint inside the compiled region, where it keeps the
+attention outputs (selective checkpointing). Removal restores every block exactly.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 
 def find_blocks(model: nn.Module, block_lists: tuple[str, ...]) -> list[nn.Module]:
@@ -25,11 +30,24 @@ def find_blocks(model: nn.Module, block_lists: tuple[str, ...]) -> list[nn.Modul
     return [block for blocks in lists for block in blocks]
 
 
+# Attention kernels whose outputs a compiled checkpointed block keeps instead of recomputing: one
+# [B, L, D] output and a log-sum-exp, against recomputing 4·L²·D FLOPs (bench/RESULTS.md, lever
+# "selective checkpointing"). Every SDPA backend torch may pick; the math fallback decomposes into
+# matmuls and is recomputed.
+SAVED_OPS = [getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name)]
+
+# torch.compile's inductor backend; tests swap in "aot_eager" (same graphs, no C++/Triton build).
+COMPILE_BACKEND = "inductor"
+
+
 def _copy_floats(value):
     return value.clone() if torch.is_tensor(value) and value.is_floating_point() else value
 
 
-def _wrapped(block_forward, recompute: bool):
+def _wrapped(block_forward, recompute: bool, compile: bool = False):
     # ComfyUI's Flux2 blocks add into their own inputs (`img += ...`), which autograd (and the
     # checkpoint's recompute) still needs: a block under training works on copies (transient memory).
     def fresh_inputs(*args, **kwargs):
@@ -49,26 +67,56 @@ def _wrapped(block_forward, recompute: bool):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             return block_forward(*args, **kwargs)
 
+    def recomputed(*args, **kwargs):
+        return checkpoint(fresh_inputs, *args, use_reentrant=False, **kwargs)
+
+    def recomputed_keeping_attention(*args, **kwargs):
+        return checkpoint(fresh_inputs, *args, use_reentrant=False, context_fn=keep_attention, **kwargs)
+
+    training = recomputed if recompute else keep_residuals
+    if compile:
+        # As torchtitan does: the checkpoint goes inside the compiled region, so the recompute is
+        # compiled too and the partitioner keeps the attention outputs (SAVED_OPS). Eager, that
+        # policy's per-op dispatch cost more than it saved (bench/RESULTS.md). A block that keeps
+        # its activations is compiled alone (only pure blocks: see BlockCheckpointing).
+        keep_attention = functools.partial(create_selective_checkpoint_contexts, list(SAVED_OPS))
+        chosen = (recomputed_keeping_attention if SAVED_OPS else recomputed) if recompute else block_forward
+        training = torch.compile(chosen, backend=COMPILE_BACKEND)
+
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return block_forward(*args, **kwargs)
-        if not recompute:
-            return keep_residuals(*args, **kwargs)
-        return checkpoint(fresh_inputs, *args, use_reentrant=False, **kwargs)
+        return training(*args, **kwargs)
     return forward
+
+
+def checkpointed(count: int, recompute: bool, skip: int) -> list[bool]:
+    """Which of `count` blocks recompute in backward: all but the last `skip` when checkpointing is on."""
+    kept = min(max(skip, 0), count) if recompute else count
+    return [index < count - kept for index in range(count)]
 
 
 class BlockCheckpointing:
     """`recompute=False` keeps only the input copies: gradient checkpointing off, still safe for
     blocks that write into their inputs."""
 
-    def __init__(self, model: nn.Module, block_lists: tuple[str, ...], recompute: bool = True):
+    def __init__(self, model: nn.Module, block_lists: tuple[str, ...], recompute: bool = True, *,
+                 skip: int = 0, compile: bool = False, pure_blocks: bool = False):
+        """`compile` compiles the checkpointed blocks, and the others too when `pure_blocks`: a compiled
+        block that writes into its inputs (Flux2) and keeps its activations gave NaNs and an illegal
+        memory access on an H100 (bench/RESULTS.md), and checkpoint-based fixes fail on the in-place
+        writes; such blocks run eagerly."""
         self.recompute = recompute
         self.blocks = find_blocks(model, block_lists)
         self.previous = []
-        for block in self.blocks:
+        plan = checkpointed(len(self.blocks), recompute, skip)
+        if compile:
+            # The blocks of a list share compiled code; its cache holds one entry per block kind,
+            # grad mode, first-block input and bucket shape (then dims turn dynamic): above torch's 8.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        for block, recomputed in zip(self.blocks, plan):
             self.previous.append(block.__dict__.get("forward"))
-            block.forward = _wrapped(block.forward, recompute)
+            block.forward = _wrapped(block.forward, recomputed, compile and (recomputed or pure_blocks))
 
     def remove(self) -> None:
         for block, previous in zip(self.blocks, self.previous):

@@ -1,0 +1,140 @@
+"""Speed levers of the PyTorch backend (bench/RESULTS.md): partial checkpointing and compiled blocks
+must give the gradients of the plain model; compiled blocks run under torch.compile's "aot_eager"
+backend here (the same dynamo and autograd graphs as inductor, no C++/Triton build on CI)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from trainer import config as config_module
+from trainer.archs import get_arch
+from trainer.backends.torch_backend import checkpointing
+from trainer.backends.torch_backend.backend import TorchBackend
+from trainer.backends.torch_backend.lora import LoraSet
+from trainer.estimate import estimate
+
+from .test_torch_backend import InPlaceNet, fixed_batch
+
+
+@pytest.fixture
+def eager_compile(monkeypatch):
+    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_skip_keeps_the_last_blocks_out_of_checkpointing():
+    assert checkpointing.checkpointed(5, True, 2) == [True, True, True, False, False]
+    assert checkpointing.checkpointed(3, True, 0) == [True, True, True]
+    assert checkpointing.checkpointed(3, True, 99) == [False, False, False]
+    assert checkpointing.checkpointed(3, False, 0) == [False, False, False]   # checkpointing off: skip moot
+
+
+def _gradients(make_model, make_config, **settings) -> torch.Tensor:
+    backend = TorchBackend()
+    backend.setup(make_model(), make_config(**settings), get_arch("demo"))
+    backend.optimizer.step = lambda: None
+    backend.optimizer.zero_grad = lambda set_to_none=True: None
+    with torch.no_grad():
+        for p in backend.params.values():
+            p.add_(0.01)   # B off zero: every LoRA weight gets a gradient
+    backend.step([fixed_batch()], 1e-3)
+    grads = torch.cat([p.grad.flatten() for p in backend.params.values()])
+    backend.teardown()
+    return grads
+
+
+@pytest.mark.parametrize("settings", [
+    dict(gradient_checkpointing=True, skip_checkpoint_blocks=1),
+    dict(gradient_checkpointing=True, compile_blocks=True),
+    dict(gradient_checkpointing=True, compile_blocks=True, skip_checkpoint_blocks=1),
+], ids=["skip", "compile", "compile+skip"])
+def test_levers_give_the_plain_gradients(make_model, make_config, eager_compile, settings):
+    reference = _gradients(make_model, make_config, gradient_checkpointing=False)
+    got = _gradients(make_model, make_config, **settings)
+    assert torch.count_nonzero(reference) > 0.5 * reference.numel()
+    torch.testing.assert_close(got, reference, atol=1e-6, rtol=1e-5)
+    if settings.get("compile_blocks"):
+        assert counters["stats"]["unique_graphs"] >= 1   # it really ran compiled
+
+
+def test_compiled_checkpointed_blocks_may_write_into_their_inputs(eager_compile):
+    """ComfyUI's Flux2 blocks do `x += ...`; compiled with the checkpoint inside, gradients stay true."""
+    x, grads = torch.randn(2, 3, 8), []
+    for compile in (False, True):
+        net = InPlaceNet()
+        net.requires_grad_(False)
+        lora = LoraSet(net, ["inp", "lin"], rank=2, alpha=2, dropout=0, seed=0)
+        with torch.no_grad():
+            for _, p in lora.named_parameters():
+                p.add_(0.1)
+        hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=compile, compile=compile)
+        net(x).square().sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for _, p in lora.named_parameters()]))
+        hooks.remove()
+        assert "forward" not in net.blocks[0].__dict__   # removal gives the class forward back
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
+class PureNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+@pytest.mark.parametrize("net_class, pure", [(InPlaceNet, False), (PureNet, True)])
+def test_blocks_that_keep_activations_compile_only_when_pure(eager_compile, net_class, pure):
+    """A compiled block that writes into its inputs and keeps its activations gave NaNs on an H100:
+    such blocks (arch.pure_blocks False) run eagerly."""
+    net = net_class()
+    net.requires_grad_(False)
+    lora = LoraSet(net, ["re:.*"], rank=2, alpha=2, dropout=0, seed=0)
+    hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=False, compile=True, pure_blocks=pure)
+    net(torch.randn(2, 3, 8)).square().sum().backward()
+    assert all(p.grad is not None for _, p in lora.named_parameters())
+    assert (counters["stats"]["unique_graphs"] > 0) == pure
+    hooks.remove()
+
+
+def test_config_refuses_compile_blocks_on_mlx():
+    with pytest.raises(config_module.ConfigError, match="compile_blocks is for backend 'torch'"):
+        config_module.from_dict({"backend": "mlx", "compile_blocks": True})
+    assert config_module.from_dict({"skip_checkpoint_blocks": 4}).skip_checkpoint_blocks == 4
+    with pytest.raises(config_module.ConfigError, match="skip_checkpoint_blocks"):
+        config_module.from_dict({"skip_checkpoint_blocks": -1})
+
+
+def test_estimate_counts_the_blocks_that_keep_their_activations():
+    base = estimate("zimage", resolution=1024)
+    totals = [estimate("zimage", resolution=1024, skip_checkpoint_blocks=n).total for n in (0, 1, 7)]
+    assert totals[0] == base.total and totals[0] < totals[1] < totals[2]
+    per_block = totals[1] - totals[0]
+    assert totals[2] - totals[0] == 7 * per_block          # the last blocks are alike (Z-Image's layers)
+    off = estimate("zimage", resolution=1024, gradient_checkpointing=False).total
+    assert totals[2] < off
+    from trainer.estimate import _advice
+    first = _advice(estimate("zimage", resolution=1024, skip_checkpoint_blocks=7).settings)[0]
+    assert first[1] == {"skip_checkpoint_blocks": 0}
+
+
+def test_a_failed_compile_says_to_turn_compile_blocks_off(make_model, make_config, monkeypatch):
+    def broken_backend(graph, example_inputs):
+        raise OSError("no C++ compiler")
+    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", broken_backend)
+    torch._dynamo.reset()
+    backend = TorchBackend()
+    backend.setup(make_model(), make_config(gradient_checkpointing=True, compile_blocks=True), get_arch("demo"))
+    try:
+        with pytest.raises(RuntimeError, match="Turn compile_blocks off"):
+            backend.step([fixed_batch()], 1e-3)
+    finally:
+        backend.teardown()
+        torch._dynamo.reset()
