@@ -35,8 +35,11 @@ def fault_point(label: str) -> None:
         os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
 
 
-def _mib(count: int) -> str:
-    return f"{count:,} bytes ({count / 2**20:.1f} MiB)"
+def _size(count: int) -> str:
+    """1,444 bytes; 52,428,800 bytes (50.0 MiB); 3,221,225,472 bytes (3.0 GiB)."""
+    if count < 2**20:
+        return f"{count:,} bytes"
+    return f"{count:,} bytes ({count / 2**30:.1f} GiB)" if count >= 2**30 else f"{count:,} bytes ({count / 2**20:.1f} MiB)"
 
 
 def require_free_space(folder: str | Path, needed: int, what: str, fix: str) -> None:
@@ -50,7 +53,7 @@ def require_free_space(folder: str | Path, needed: int, what: str, fix: str) -> 
     except OSError:
         return  # no figure to check against (some network mounts): the write itself will say
     if free < needed + SPARE_BYTES:
-        raise NotEnoughSpace(f"{folder}: {what} needs {_mib(needed)} but the disk has {_mib(free)} free "
+        raise NotEnoughSpace(f"{folder}: {what} needs {_size(needed)} but the disk has {_size(free)} free "
                              f"(and {SPARE_BYTES >> 20} MiB is kept spare); {fix}")
 
 
