@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..trainer import config as cfg_module
+from ..trainer import paths
 from ..trainer import state as state_module
 from ..trainer.data import MappedLatents
 from ..trainer.data.dataset import Dataset
@@ -86,7 +87,10 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
     # Caches hold raw VAE latents; the model sees them in its latent format (Z-Image: shift and scale).
     data = MappedLatents(dataset.training_data(), lambda raw: bridge.latents_in(model, raw))
     resume_from = resume_state.checkpoint if resume_state is not None else None
-    run_dir = output_root / f"{cfg.run_name or cfg.arch}-{run_identity(cfg, dataset, resume_from)}"
+    if cfg.run_name:
+        paths.check_name(cfg.run_name, "Kiln Training Options: run_name")
+    run_dir = paths.inside(output_root, f"{cfg.run_name or cfg.arch}-{run_identity(cfg, dataset, resume_from)}",
+                           "Kiln Training Options: run_name")
     found = state_module.list_checkpoints(run_dir)
     newest = found[-1] if found else None
     if newest is not None and newest[0] >= cfg.steps:

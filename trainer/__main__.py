@@ -119,12 +119,13 @@ def cmd_train(args) -> int:
     if cfg.arch != "demo":
         return _headless().train_command(args.config, args.resume)
     from .demo import build_data, model_for
+    from .paths import inside
     if not cfg.dataset_dir:
         raise SystemExit(f"{args.config}: set dataset_dir to a folder of images with same-name .txt captions")
+    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = inside(cfg.output_dir, name, f"{args.config}: run_name")
     model = model_for(cfg)
     data = build_data(cfg, Path(cfg.dataset_dir), Path(cfg.cache_dir) if cfg.cache_dir else None)
-    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.output_dir) / name
     result = _run(cfg, model, data, run_dir, args.resume)
     _finish(cfg, result, run_dir, name)
     return 0
