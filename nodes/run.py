@@ -83,12 +83,12 @@ class Outcome:
 
 def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=None, resume_state: KilnState | None = None,
             validation=None, output_root: Path) -> Outcome:
+    if cfg.run_name:  # before anything is loaded or written
+        paths.check_name(cfg.run_name, "Kiln Training Options: run_name")
     model = bridge.trainable(model)  # dynamic VRAM: ComfyUI's fully loadable delegate (outputs use the original)
     # Caches hold raw VAE latents; the model sees them in its latent format (Z-Image: shift and scale).
     data = MappedLatents(dataset.training_data(), lambda raw: bridge.latents_in(model, raw))
     resume_from = resume_state.checkpoint if resume_state is not None else None
-    if cfg.run_name:
-        paths.check_name(cfg.run_name, "Kiln Training Options: run_name")
     run_dir = paths.inside(output_root, f"{cfg.run_name or cfg.arch}-{run_identity(cfg, dataset, resume_from)}",
                            "Kiln Training Options: run_name")
     found = state_module.list_checkpoints(run_dir)

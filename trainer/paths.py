@@ -34,8 +34,8 @@ def check_name(name: str, what: str, *, subfolders: bool = False) -> str:
     if problem is None:
         return name
     allowed = "letters, digits, - _ . and spaces" + (", sub-folders with /" if subfolders else "")
-    raise ValueError(f"{what}: {name!r} {problem}; give a plain name ({allowed}), not a path that leaves "
-                     "its folder")
+    raise ValueError(f"{what}: {name!r} {problem}; give a plain name ({allowed}), not a path that leads "
+                     "outside its folder")
 
 
 def inside(root: str | Path, name: str, what: str, *, subfolders: bool = False, suffix: str = "") -> Path:
