@@ -10,6 +10,7 @@ no more than keep_checkpoints are on disk. One thread per process keeps the run 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,6 +135,7 @@ def test_kills_at_every_stage_of_a_save_resume_exactly(tmp_path, reference):
 
 
 def test_random_kills_resume_exactly(tmp_path, reference):
+    """Kills at seeded moments; a chain that finishes before the next kill is checked, then begun anew."""
     out = tmp_path / "out"
     out.mkdir()
     run_dir = out / "demo"
@@ -142,15 +144,18 @@ def test_random_kills_resume_exactly(tmp_path, reference):
     kills = attempts = 0
     while kills < RANDOM_KILLS and attempts < 4 * RANDOM_KILLS:
         attempts += 1
-        proc = start(out, resume=attempts > 1)
+        proc = start(out, resume=run_dir.exists())
         try:
             proc.wait(timeout=float(rng.uniform(0.1, 0.9)) * duration)
         except subprocess.TimeoutExpired:
             proc.kill()
         code = finish(proc, out)
-        kills += code == -signal.SIGKILL
         assert code in (0, -signal.SIGKILL), log_tail(out)
         check_on_disk(run_dir)
+        if code == 0:
+            assert_same_as(reference, run_dir)
+            shutil.rmtree(run_dir)
+        kills += code == -signal.SIGKILL
     assert kills == RANDOM_KILLS
-    assert finish(start(out), out) == 0, log_tail(out)
+    assert finish(start(out, resume=run_dir.exists()), out) == 0, log_tail(out)
     assert_same_as(reference, run_dir)
