@@ -17,6 +17,7 @@ from pathlib import Path
 from .trainer import config as cfg_module
 from .trainer.data import MappedLatents
 from .trainer.data.dataset import DataSettings, Dataset
+from .trainer.paths import inside
 
 CLIP_TYPES = {"flux2": "FLUX2", "zimage": "LUMINA2"}  # arch family → comfy.sd.CLIPType name
 
@@ -69,6 +70,8 @@ def train_command(config_path: str, resume: bool, loaders=load_models) -> int:
     bridge = _comfy(cfg.device == "cpu")
     if not cfg.dataset_dir:
         raise SystemExit(f"{config_path}: set dataset_dir to a folder of images with same-name .txt captions")
+    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = inside(cfg.output_dir, name, f"{config_path}: run_name")  # refused before any loading
     model, vae, clip = loaders(cfg)
     detected = bridge.detect_arch(model)
     expected = "zimage" if cfg.arch == "zimage_turbo" else cfg.arch
@@ -87,8 +90,6 @@ def train_command(config_path: str, resume: bool, loaders=load_models) -> int:
     if cfg.training_adapter:
         train_model = bridge.training_adapter_merged(model, bridge.load_lora_file(_safetensors(cfg, "training_adapter")))
     data = MappedLatents(dataset.training_data(), lambda raw: bridge.latents_in(model, raw))
-    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.output_dir) / name
     if cfg.backend == "mlx":
         from .nodes.run import mlx_model  # the node's own conversion: same weights, same MLX port
 

@@ -444,12 +444,45 @@ def _patched(model, lora_model: dict[str, torch.Tensor], strength: float):
     patches = comfy.lora.load_lora(tracked, key_map)
     patched = model.clone()
     applied = set(patched.add_patches(patches, strength))
-    return patched, sorted(set(tracked) - tracked.read) + sorted(str(k) for k in patches if k not in applied)
+    return patched, (sorted(set(tracked) - tracked.read) + sorted(str(k) for k in patches if k not in applied)
+                     + _misshapen(model, patches))
+
+
+def _misshapen(model, patches) -> list[str]:
+    """Plain LoRA patches whose B·A cannot take the shape of the weight they patch: ComfyUI logs
+    those when it merges and leaves the weight as it was (a LoRA with no effect, or a training
+    adapter silently not merged)."""
+    bad = []
+    for key, adapter in patches.items():
+        weights = getattr(adapter, "weights", None)
+        if getattr(adapter, "name", None) != "lora" or weights is None or weights[3] is not None:
+            continue  # LoCon mid weights, LoHa, LoKr, diffs: left to ComfyUI
+        name, offset = key if isinstance(key, tuple) else (key, None)
+        try:
+            shape = list(comfy.utils.get_attr(model.model, name).shape)
+        except AttributeError:
+            continue
+        if offset is not None:
+            shape[offset[0]] = offset[2]
+        up, down = weights[0], weights[1]
+        if (up.ndim < 2 or down.ndim < 2 or up.shape[1] != down.shape[0]
+                or up.shape[0] * down[0].numel() != int(np.prod(shape))):
+            bad.append(f"{name}: up/B {list(up.shape)} x down/A {list(down.shape)} does not fit weight {shape}")
+    return bad
 
 
 def unmatched_lora_keys(model, lora_model: dict[str, torch.Tensor]) -> list[str]:
     """The LoRA keys ComfyUI's loader would drop for this model (empty: the LoRA loads whole)."""
     return _patched(model, lora_model, 1.0)[1]
+
+
+def require_fit(model, lora_model: dict[str, torch.Tensor], what: str) -> None:
+    """Raise, naming `what` (node, input and file), unless every key of the LoRA loads into this model."""
+    problems = unmatched_lora_keys(model, lora_model)
+    if problems:
+        raise ValueError(f"{what}: {len(problems)} of {len(lora_model)} keys match nothing in this "
+                         f"{type(model.model).__name__} model or do not fit its weights (e.g. {problems[:3]}); "
+                         "choose the file made for this model")
 
 
 def apply_lora(model, lora_model: dict[str, torch.Tensor], strength: float = 1.0, *, strict: bool = True):
@@ -458,7 +491,8 @@ def apply_lora(model, lora_model: dict[str, torch.Tensor], strength: float = 1.0
     patched, unmatched = _patched(model, lora_model, strength)
     if strict and unmatched:
         raise ValueError(f"{len(unmatched)} of {len(lora_model)} LoRA keys match nothing in this "
-                         f"{type(model.model).__name__} model (e.g. {unmatched[:3]}); is the LoRA for another model?")
+                         f"{type(model.model).__name__} model or do not fit its weights (e.g. {unmatched[:3]}); "
+                         "is the LoRA for another model? Use one made for this model")
     return patched
 
 

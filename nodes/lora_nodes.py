@@ -1,31 +1,22 @@
 """What to do with a trained LoRA: Apply EMA, Save LoRA, Invert Adapter, Loss Graph."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from comfy_api.latest import io, ui
 
-from ..trainer import lora_format
+from ..trainer import lora_format, paths
 from ..trainer.archs import guess_arch
 from ..trainer.config import CHOICES
 
 from . import bridge, run
 from .widgets import CATEGORY, STATE
 
-NAME = re.compile(r"^[\w\-. ]+(/[\w\-. ]+)*$")
-
-
 def lora_target(name: str, overwrite: bool) -> Path:
     """models/loras/<name>.safetensors; names that leave the folder or exist (unless asked) are refused."""
     text = (name or "").strip().removesuffix(".safetensors")
-    if not text or not NAME.match(text) or any(part in ("..", ".") for part in text.split("/")):
-        raise ValueError(f"Kiln Save LoRA: name {name!r} must be a plain file name (letters, digits, - _ . and "
-                         "sub-folders with /), not an absolute path or one that leaves the loras folder")
-    root = Path(bridge.folders()["loras"]).resolve()
-    path = (root / f"{text}.safetensors").resolve()
-    if root not in path.parents:
-        raise ValueError(f"Kiln Save LoRA: {name!r} would be written outside {root}")
+    path = paths.inside(bridge.folders()["loras"], text, "Kiln Save LoRA: name", subfolders=True,
+                        suffix=".safetensors")
     if path.exists() and not overwrite:
         raise ValueError(f"Kiln Save LoRA: {path} exists; choose another name or turn on overwrite")
     return path
@@ -119,6 +110,7 @@ class KilnInvertAdapter(io.ComfyNode):
             if adapter_file in (None, "none"):
                 raise ValueError("Kiln Invert Adapter: choose an adapter_file or connect an adapter LORA_MODEL")
             adapter = bridge.load_lora_file(bridge.lora_path(adapter_file))
+            bridge.require_fit(model, adapter, f"Kiln Invert Adapter: adapter_file {adapter_file!r}")
         inverted = bridge.negate_lora(adapter, strength)
         return io.NodeOutput(bridge.apply_lora(model, inverted, 1.0), inverted)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..trainer import config as cfg_module
+from ..trainer import paths
 from ..trainer import state as state_module
 from ..trainer.data import MappedLatents
 from ..trainer.data.dataset import Dataset
@@ -82,11 +83,14 @@ class Outcome:
 
 def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=None, resume_state: KilnState | None = None,
             validation=None, output_root: Path) -> Outcome:
+    if cfg.run_name:  # before anything is loaded or written
+        paths.check_name(cfg.run_name, "Kiln Training Options: run_name")
     model = bridge.trainable(model)  # dynamic VRAM: ComfyUI's fully loadable delegate (outputs use the original)
     # Caches hold raw VAE latents; the model sees them in its latent format (Z-Image: shift and scale).
     data = MappedLatents(dataset.training_data(), lambda raw: bridge.latents_in(model, raw))
     resume_from = resume_state.checkpoint if resume_state is not None else None
-    run_dir = output_root / f"{cfg.run_name or cfg.arch}-{run_identity(cfg, dataset, resume_from)}"
+    run_dir = paths.inside(output_root, f"{cfg.run_name or cfg.arch}-{run_identity(cfg, dataset, resume_from)}",
+                           "Kiln Training Options: run_name")
     found = state_module.list_checkpoints(run_dir)
     newest = found[-1] if found else None
     if newest is not None and newest[0] >= cfg.steps:

@@ -149,6 +149,8 @@ class KilnTrainLoRA(io.ComfyNode):
                        backend=backend, seed=seed)
         adapter = None if training_adapter in (None, "none") else bridge.load_lora_file(
             bridge.lora_path(training_adapter))
+        if adapter is not None:
+            bridge.require_fit(model, adapter, f"Kiln Train LoRA: training_adapter {training_adapter!r}")
         cfg = build_config(model, dataset, widgets, preset, options, adapter is not None)
         outcome = run.execute(cfg, model, dataset, adapter=adapter, resume_state=resume, validation=validation,
                               output_root=Path(bridge.folders()["output"]) / "kiln")

@@ -156,6 +156,14 @@ BAD_HEADERS = {
     "entry not object": ({"w": [1, 2]}, "not an object"),
     "metadata not object": ({"__metadata__": ["a"]}, "__metadata__"),
     "metadata value not str": ({"__metadata__": {"steps": 5}}, "steps"),
+    "lower-case dtype": ({"w": _entry(dtype="f32")}, "unknown dtype 'f32'"),
+    "dtype not a string": ({"w": _entry() | {"dtype": 4}}, "unknown dtype 4"),
+    "no dtype": ({"w": {"shape": [2], "data_offsets": [0, 8]}}, "unknown dtype None"),
+    "shape null": ({"w": _entry() | {"shape": None}}, "shape None"),
+    "reversed offsets": ({"w": _entry(offsets=(8, 0))}, "outside"),
+    "shape overflow": ({"w": _entry(shape=(2 ** 40, 2 ** 40))}, "needs"),
+    "empty tensor inside another": ({"a": _entry(offsets=(0, 8)), "b": _entry(shape=(0,), offsets=(4, 4))},
+                                    "overlaps"),
 }
 
 
@@ -183,6 +191,17 @@ def test_malformed_framing(tmp_path, case):
     with pytest.raises(SafetensorsError) as error:
         st.read(path)
     assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize("keep", [9, 40, -3, -1])
+def test_a_real_file_cut_short_names_the_file(tmp_path, keep):
+    """A copy interrupted part-way: in the header, or inside the last tensor's bytes."""
+    path = tmp_path / "cut.safetensors"
+    st.write(path, {"a.weight": np.ones((4, 4), np.float32), "b.weight": np.ones(3, np.float16)})
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(SafetensorsError) as error:
+        st.read(path)
+    assert str(path) in str(error.value) and "re-download or re-save" in str(error.value)
 
 
 def test_named_key_in_error(tmp_path):

@@ -80,11 +80,14 @@ def _finish(cfg, result, run_dir: Path, name: str) -> None:
         print(f"loss: first 10% mean {sum(head) / len(head):.4f} -> last 10% mean {sum(tail) / len(tail):.4f}")
     print(f"LoRA ({'EMA' if result.ema_lora is not None else 'raw'} weights): {lora_path}")
     print(f"loss curve: {curve}")
-    print(f"checkpoint (resume with --resume): {result.checkpoint}")
+    from .state import list_checkpoints
+
+    newest = result.checkpoint or next((path for _, path in list_checkpoints(run_dir)[-1:]), None)
+    print(f"checkpoint (resume with --resume): {newest}")
 
 
 def cmd_demo(args) -> int:
-    from .demo import build_data, demo_config, make_images, model_for
+    from .demo import build_data, demo_config, make_dataset, model_for
 
     # A shorter demo keeps the warm-up at a tenth of the run.
     overrides = {}
@@ -94,11 +97,13 @@ def cmd_demo(args) -> int:
             overrides.update(lr_schedule="constant", warmup_steps=0)
     if args.backend:
         overrides["backend"] = args.backend
+    if args.checkpoint_every is not None:
+        overrides["checkpoint_every"] = args.checkpoint_every
     cfg = demo_config(**overrides)
     run_dir = Path(args.output) / cfg.run_name
     dataset = run_dir / "dataset"
     if not args.resume or not dataset.is_dir():
-        make_images(dataset, seed=cfg.seed)
+        make_dataset(dataset, seed=cfg.seed)
     started = time.perf_counter()
     result = _run(cfg, model_for(cfg), build_data(cfg, dataset), run_dir,
                   args.resume, args.stop_after)
@@ -114,12 +119,13 @@ def cmd_train(args) -> int:
     if cfg.arch != "demo":
         return _headless().train_command(args.config, args.resume)
     from .demo import build_data, model_for
+    from .paths import inside
     if not cfg.dataset_dir:
         raise SystemExit(f"{args.config}: set dataset_dir to a folder of images with same-name .txt captions")
+    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = inside(cfg.output_dir, name, f"{args.config}: run_name")
     model = model_for(cfg)
     data = build_data(cfg, Path(cfg.dataset_dir), Path(cfg.cache_dir) if cfg.cache_dir else None)
-    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.output_dir) / name
     result = _run(cfg, model, data, run_dir, args.resume)
     _finish(cfg, result, run_dir, name)
     return 0
@@ -246,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--resume", action="store_true", help="continue the demo run from its newest checkpoint")
     demo.add_argument("--steps", type=int, help="total optimizer steps (default 200)")
     demo.add_argument("--stop-after", type=int, help="stop (with a resumable checkpoint) once this step is done")
+    demo.add_argument("--checkpoint-every", type=int, help="save a checkpoint every N steps (default 50; 0: at the end)")
     demo.add_argument("--backend", choices=["torch", "mlx"],
                       help="training backend (default torch; mlx needs MLX: Apple Silicon, or mlx[cpu] on Linux)")
     demo.set_defaults(func=cmd_demo)
@@ -296,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+    except (ValueError, OSError, RuntimeError) as err:  # OSError: a full disk, a folder where a file goes
         print(f"error: {err}", file=sys.stderr)
         return 2
 

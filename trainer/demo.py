@@ -6,6 +6,9 @@ Flux2-shaped DiT, and the same loop, state and LoRA files as a real run.
 """
 from __future__ import annotations
 
+import io
+import os
+import shutil
 import zlib
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from . import config as config_module
+from .atomic import atomic_write_bytes, atomic_write_text, fsync_dir
 
 LATENT_CHANNELS, DOWNSCALE, CONTEXT_TOKENS, CONTEXT_DIM = 16, 8, 8, 32
 
@@ -54,10 +58,26 @@ def make_images(folder: Path, count: int = 12, seed: int = 0) -> list[Path]:
         else:
             draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLOURS[colour])
         path = folder / f"shape_{index:02d}.png"
-        image.save(path)
-        path.with_suffix(".txt").write_text(f"{{trigger}}, a {colour} {shape} on a soft gradient\n", encoding="utf-8")
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        atomic_write_bytes(path, buffer.getvalue())
+        atomic_write_text(path.with_suffix(".txt"), f"{{trigger}}, a {colour} {shape} on a soft gradient\n")
         paths.append(path)
     return paths
+
+
+def make_dataset(folder: Path, seed: int = 0) -> None:
+    """make_images into a hidden sibling, renamed into place: a killed run never leaves half a dataset."""
+    folder = Path(folder)
+    if folder.is_dir():
+        make_images(folder, seed=seed)  # same bytes again, each file replaced atomically; the cache stays
+        return
+    for stale in folder.parent.glob(f".{folder.name}.tmp-*"):  # a killed run's, or ours from before
+        shutil.rmtree(stale, ignore_errors=True)
+    temp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    make_images(temp, seed=seed)
+    os.replace(temp, folder)
+    fsync_dir(folder.parent)
 
 
 def _projection(seed: int = 1234) -> np.ndarray:

@@ -54,6 +54,10 @@ def _weights(source: str, name: str, parts: dict[str, np.ndarray]) -> LoraWeight
         if role not in parts:
             raise ValueError(f"{source}: {name} has no {names} weight; the file is incomplete, re-export it")
     A, B = parts["A"], parts["B"]
+    for role, array, kinds in (("A", A, "f"), ("B", B, "f"), ("alpha", parts.get("alpha", 1.0), "fiu")):
+        if np.asarray(array).dtype.kind not in kinds:
+            raise ValueError(f"{source}: {name}: {role} is {np.asarray(array).dtype}, not a number of the "
+                             "right kind; the file is damaged or not a LoRA, re-export it")
     if A.ndim != 2 or B.ndim != 2:
         raise ValueError(f"{source}: {name}: A {list(A.shape)} and B {list(B.shape)} must both be 2-D; "
                          "only Linear LoRAs are supported (not conv/LoCon/LoKr)")

@@ -17,7 +17,7 @@ from math import prod
 
 import numpy as np
 
-from .atomic import atomic_write
+from .atomic import atomic_write, require_free_space
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # real headers are KB..MB; more means a corrupt length
 _DAMAGED = "the file is damaged or not a safetensors file; re-download or re-save it"
@@ -112,8 +112,8 @@ def _header_bytes(entries: dict, metadata: Mapping[str, str] | None, path) -> by
 
 def write(path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None, *,
           dtype: str | Mapping[str, str] | None = None) -> None:
-    """Write atomically. `dtype` converts floating arrays ("BF16", "F16", "F32"); a mapping
-    gives the stored dtype per key (keys not in it keep their own dtype)."""
+    """Write atomically, after checking the disk has room. `dtype` converts floating arrays ("BF16",
+    "F16", "F32"); a mapping gives the stored dtype per key (keys not in it keep their own dtype)."""
     encoded = {}
     for key, array in tensors.items():
         target = dtype.get(key) if isinstance(dtype, Mapping) else dtype
@@ -126,6 +126,9 @@ def write(path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] |
         entries[key] = {"dtype": stored, "shape": list(data.shape), "data_offsets": [offset, offset + data.nbytes]}
         offset += data.nbytes
     header = _header_bytes(entries, metadata, path)
+    require_free_space(os.path.dirname(os.path.abspath(path)), 8 + len(header) + offset,
+                       f"writing {os.path.basename(path)}",
+                       "free space on that disk (old runs, caches), or write to a folder on a larger disk")
     _write_chunks(path, [len(header).to_bytes(8, "little"), header] + [encoded[k][1] for k in order])
 
 

@@ -5,7 +5,10 @@ Layout (DESIGN.md):
   <run>/step-000500/state.safetensors   exact fp32 LoRA, EMA shadow, optimizer moments, torch RNG
   <run>/step-000500/run.json            config, step, numpy RNG, data cursor, loss history; written last
 A checkpoint is built in a hidden temp folder and renamed into place, so a
-crash at any moment leaves either no folder or a complete one. No pickle.
+crash at any moment leaves either no folder or a complete one; one being
+deleted is renamed out of sight first. Hidden leftovers of a killed writer
+(.tmp-step-*, .old-step-*) are removed by the next save. No pickle: run.json
+and every tensor are checked on load, and errors name the file and the key.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import lora_format, safetensors_io
-from .atomic import atomic_write_text, fsync_dir
+from .atomic import atomic_write_text, fault_point, fsync_dir, require_free_space
 from .lora_format import LoraWeights
 
 RUN_FORMAT = "kiln-run/1"
@@ -74,65 +77,159 @@ def _lora_from(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, LoraWei
                            alpha=float(tensors[f"{prefix}{p}.alpha"])) for p in paths}
 
 
+_LORA_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+_HEADER_BYTES_PER_TENSOR = 256  # a safetensors header entry: name, dtype, shape, offsets
+
+
+def _checkpoint_bytes(lora: dict[str, LoraWeights], tensors: dict[str, np.ndarray], run_json: str,
+                      save_dtype: str) -> int:
+    """About what a checkpoint takes on disk: lora.safetensors + state.safetensors + run.json."""
+    itemsize = _LORA_ITEMSIZE.get(save_dtype, 4)
+    lora_bytes = sum((w.A.size + w.B.size) * itemsize + 4 for w in lora.values())
+    state_bytes = sum(np.asarray(v).nbytes for v in tensors.values())
+    headers = _HEADER_BYTES_PER_TENSOR * (3 * len(lora) + len(tensors))
+    return lora_bytes + state_bytes + headers + len(run_json.encode("utf-8"))
+
+
 def save_checkpoint(run_dir: str | Path, step: int, *, backend, arch, config: dict, numpy_rng: np.random.Generator,
                     cursor: dict, history: History, keep: int, lora_metadata: dict[str, str],
                     save_dtype: str = "bf16") -> Path:
-    """Write <run>/step-NNNNNN atomically; prune to the newest `keep`."""
+    """Write <run>/step-NNNNNN atomically; prune to the newest `keep`.
+
+    The oldest are pruned first, so `keep` checkpoints never need room for keep+1, but the newest
+    complete one always stays until the new one is complete (keep=1 briefly holds two)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _prune(run_dir, max(keep - 1, 1))  # room first, but never drop the last good one before the new one exists
-    final = step_dir(run_dir, step)
-    temp = run_dir / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir()
+    _prune(run_dir, max(keep - 1, 1), step)
+    fault_point(f"checkpoint:{step}:pruned")
     lora = backend.lora_state()
-    lora_format.save_lora(temp / "lora.safetensors", lora, arch=arch, fmt="comfy",
-                          dtype=save_dtype, metadata=lora_metadata)
     optimizer_tensors, optimizer_meta = backend.optimizer_state()
     tensors = _lora_tensors(lora, "lora.")
     tensors.update({f"ema.{k}": v for k, v in backend.ema_state().items()})
     tensors.update({f"optim.{k}": v for k, v in optimizer_tensors.items()})
     tensors.update({f"rng.{k}": v for k, v in backend.rng_state().items()})
-    safetensors_io.write(temp / "state.safetensors", tensors, {"kiln.format": RUN_FORMAT})
     info = {
         "format": RUN_FORMAT, "step": step, "arch": arch.name, "backend": backend.name, "config": config,
         "numpy_rng": numpy_rng.bit_generator.state, "cursor": cursor, "optimizer": optimizer_meta,
         "history": {"loss": history.loss, "lr": history.lr, "grad_norm": history.grad_norm},
     }
-    atomic_write_text(temp / "run.json", json.dumps(info, indent=1))
-    fsync_dir(temp)
+    run_json = json.dumps(info, indent=1)
+    final = step_dir(run_dir, step)
+    require_free_space(run_dir, _checkpoint_bytes(lora, tensors, run_json, save_dtype), f"checkpoint {final.name}",
+                       f"free space on that disk, lower keep_checkpoints (now {keep}), or set output_dir to a "
+                       "folder on a larger disk; then resume")
+    temp = run_dir / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    try:
+        lora_format.save_lora(temp / "lora.safetensors", lora, arch=arch, fmt="comfy",
+                              dtype=save_dtype, metadata=lora_metadata)
+        safetensors_io.write(temp / "state.safetensors", tensors, {"kiln.format": RUN_FORMAT})
+        atomic_write_text(temp / "run.json", run_json)
+        fsync_dir(temp)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)  # a full disk or an error: no half checkpoint left behind
+        raise
+    fault_point(f"checkpoint:{step}:complete")
+    old = None
     if final.exists():  # the same step saved again (e.g. a stop right after a periodic save)
-        shutil.rmtree(final)
+        old = run_dir / f".old-{final.name}-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(temp, final)
     fsync_dir(run_dir)
-    _prune(run_dir, keep)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    fault_point(f"checkpoint:{step}:renamed")
+    _prune(run_dir, keep, step)
     return final
 
 
-def _prune(run_dir: Path, keep: int) -> None:
+def _prune(run_dir: Path, keep: int, step: int) -> None:
+    """Keep the newest `keep` complete checkpoints; clear the hidden leftovers of killed writers."""
     for _, path in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
-    for stale in run_dir.glob(".tmp-step-*"):  # left by a killed writer
+        trash = run_dir / f".old-{path.name}-{os.getpid()}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(path, trash)  # out of sight in one step: a kill mid-delete never leaves half a step folder
+        fault_point(f"checkpoint:{step}:pruning")
+        shutil.rmtree(trash, ignore_errors=True)
+    for stale in [*run_dir.glob(".tmp-step-*"), *run_dir.glob(".old-step-*")]:
         if not stale.name.endswith(f"-{os.getpid()}"):
             shutil.rmtree(stale, ignore_errors=True)
 
 
+_RESUME_FIX = "resume from an earlier checkpoint (delete this step folder), or start a new run"
+# run.json key → the JSON type it must have.
+_RUN_KEYS = {"step": int, "arch": str, "backend": str, "config": dict, "numpy_rng": dict, "cursor": dict,
+             "optimizer": dict, "history": dict}
+_MOMENTS = ("exp_avg", "exp_avg_sq", "m", "v")  # optimizer entries shaped like their parameter
+
+
 def load_checkpoint(path: str | Path) -> Checkpoint:
-    """A checkpoint folder, or a run folder (its newest complete checkpoint)."""
+    """A checkpoint folder, or a run folder (its newest complete checkpoint). Every field is checked."""
     path = Path(path)
     if not STEP_DIR.match(path.name):
         found = list_checkpoints(path)
         if not found:
             raise FileNotFoundError(f"{path}: no complete checkpoint (step-NNNNNN with run.json) to resume from")
         path = found[-1][1]
+    info_path = path / "run.json"
     try:
-        info = json.loads((path / "run.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path / 'run.json'}: unreadable run state ({err}); resume from an earlier checkpoint") from err
-    if info.get("format") != RUN_FORMAT:
-        raise ValueError(f"{path / 'run.json'}: not a Kiln run state (format {info.get('format')!r})")
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{info_path}: unreadable run state ({err}); {_RESUME_FIX}") from err
+    if not isinstance(info, dict) or info.get("format") != RUN_FORMAT:
+        found = info.get("format") if isinstance(info, dict) else type(info).__name__
+        raise ValueError(f"{info_path}: not a Kiln run state (format {found!r}, expected {RUN_FORMAT!r}); "
+                         f"{_RESUME_FIX}")
+    for key, kind in _RUN_KEYS.items():
+        value = info.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"{info_path}: {key!r} is {type(value).__name__}, not {kind.__name__}; "
+                             f"the file was altered or damaged; {_RESUME_FIX}")
+    history = info["history"]
+    if not all(isinstance(history.get(k), list) for k in ("loss", "lr", "grad_norm")):
+        raise ValueError(f"{info_path}: 'history' needs loss, lr and grad_norm lists; {_RESUME_FIX}")
+    folder_step = STEP_DIR.match(path.name)
+    if folder_step and int(folder_step.group(1)) != info["step"]:
+        raise ValueError(f"{info_path}: says step {info['step']} but its folder is {path.name}; "
+                         f"rename the folder to step-{info['step']:06d} or {_RESUME_FIX}")
     tensors, _ = safetensors_io.read(path / "state.safetensors")
-    return Checkpoint(path=path, step=int(info["step"]), info=info, tensors=tensors)
+    _check_tensors(path / "state.safetensors", tensors)
+    return Checkpoint(path=path, step=info["step"], info=info, tensors=tensors)
+
+
+def _check_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """Dtypes and shapes as save_checkpoint writes them: float32 LoRA (2-D A and B, scalar alpha),
+    EMA and optimizer moments shaped like their parameter, integer RNG states."""
+    def bad(key: str, problem: str) -> ValueError:
+        array = tensors[key]
+        return ValueError(f"{path}: tensor {key!r} is {array.dtype} {list(array.shape)}: {problem}; "
+                          f"the file was altered or damaged; {_RESUME_FIX}")
+
+    shapes = {}  # '<module path>.lora_A' → shape, from the lora.* tensors
+    for key, array in tensors.items():
+        if key.startswith("lora.") and key.endswith((".A", ".B", ".alpha")):
+            if array.dtype != np.float32:
+                raise bad(key, "a checkpoint stores float32")
+            if key.endswith(".alpha"):
+                if array.shape != ():
+                    raise bad(key, "alpha must be a scalar")
+                continue
+            if array.ndim != 2:
+                raise bad(key, "LoRA A and B must be 2-D")
+            shapes[f"{key[5:-2]}.lora_{key[-1]}"] = array.shape
+    for key, array in tensors.items():
+        section, _, rest = key.partition(".")
+        if section == "ema":
+            if array.dtype != np.float32 or shapes.get(rest, array.shape) != array.shape:
+                raise bad(key, f"the EMA copy must be float32 {list(shapes.get(rest, array.shape))}, as its LoRA weight")
+        elif section == "optim":
+            name, _, entry = rest.rpartition(".")
+            if entry in _MOMENTS and name in shapes and (array.dtype.kind != "f" or array.shape != shapes[name]):
+                raise bad(key, f"an optimizer moment must be float {list(shapes[name])}, as its LoRA weight")
+        elif section == "rng" and array.dtype.kind not in "ui":
+            raise bad(key, "an RNG state is an integer array")
 
 
 def checkpoint_lora(checkpoint: Checkpoint, *, ema: bool = False) -> dict[str, LoraWeights]:
@@ -165,10 +262,14 @@ def restore(checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, 
     def section(prefix: str) -> dict[str, np.ndarray]:
         return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
-    backend.load_lora_state(_lora_from(tensors, "lora."))
-    backend.load_ema_state(section("ema."))
-    backend.load_optimizer_state(section("optim."), checkpoint.info["optimizer"])
-    backend.load_rng_state(section("rng."))
-    numpy_rng.bit_generator.state = checkpoint.info["numpy_rng"]
-    sampler.load_state(checkpoint.info["cursor"])
+    try:
+        backend.load_lora_state(_lora_from(tensors, "lora."))
+        backend.load_ema_state(section("ema."))
+        backend.load_optimizer_state(section("optim."), checkpoint.info["optimizer"])
+        backend.load_rng_state(section("rng."))
+        numpy_rng.bit_generator.state = checkpoint.info["numpy_rng"]
+        sampler.load_state(checkpoint.info["cursor"])
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as err:
+        raise ValueError(f"{checkpoint.path}: cannot resume this run from it: {err!s}; resume with the settings "
+                         "it was trained with (rank, targets, optimizer, dataset), or start a new run") from err
     return checkpoint_history(checkpoint)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import numpy as np
 from .. import safetensors_io
 
 KINDS = ("latents", "text")
+KEY = re.compile(r"[0-9a-f]{16,128}")
 
 
 def _digest(*parts) -> str:
@@ -55,6 +57,9 @@ class Cache:
     def path(self, kind: str, key: str) -> Path:
         if kind not in KINDS:
             raise ValueError(f"cache kind must be one of {KINDS}, got {kind!r}")
+        if not isinstance(key, str) or not KEY.fullmatch(key):
+            raise ValueError(f"{self.root}: cache key {key!r} is not a hex digest; make keys with latent_key or "
+                             "text_key (a key is never a path)")
         return self.root / kind / key[:2] / f"{key}.safetensors"
 
     def get(self, kind: str, key: str) -> dict[str, np.ndarray] | None:
@@ -84,8 +89,9 @@ class Cache:
         return path
 
     def files(self) -> list[Path]:
+        """Cache entries; a linked fan-out folder is not followed, so pruning never deletes outside the cache."""
         return sorted(p for kind in KINDS if (self.root / kind).is_dir()
-                      for p in (self.root / kind).glob("*/*.safetensors"))
+                      for p in (self.root / kind).glob("*/*.safetensors") if not p.parent.is_symlink())
 
     def usage(self) -> Usage:
         sizes = [p.stat().st_size for p in self.files()]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import difflib
+import errno
 import hashlib
 import json
 import os
@@ -339,16 +340,20 @@ def _walk(root: Path) -> tuple[list[_File], list[Problem]]:
             elif kind == "broken":
                 problems.append(Problem("broken_link", child, "a link whose target does not exist",
                                         "point it at the file, or delete it", "skipped"))
+            elif kind == "loop":
+                problems.append(Problem("symlink_loop", child, "a link that leads back to itself; not followed",
+                                        "point it at a real file or folder, or delete it", "skipped"))
     files.sort(key=lambda file: file.rel.split("/"))
     return files, problems
 
 
 def _entry_kind(entry: os.DirEntry) -> str:
-    """'dir' or 'file' (links followed), 'broken' (a link to nothing), or 'other' (sockets, no permission)."""
+    """'dir' or 'file' (links followed), 'broken' (a link to nothing), 'loop' (a link chain that comes
+    back to itself), or 'other' (sockets, no permission)."""
     try:
         return "dir" if entry.is_dir() else "file" if entry.is_file() else "broken" if entry.is_symlink() else "other"
-    except OSError:
-        return "other"
+    except OSError as err:
+        return "loop" if err.errno == errno.ELOOP else "other"
 
 
 def _folder_repeats(name: str, rel: str, inherited: int) -> tuple[int, Problem | None]:

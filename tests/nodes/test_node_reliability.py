@@ -1,0 +1,99 @@
+"""Reliability through the nodes (COMFYUI_PATH): names that would leave ComfyUI's folders are refused,
+and a training adapter or adapter file whose tensors do not fit the model is refused by name
+(ComfyUI's own loader would log the mismatch and leave the weight unpatched)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+for folder in (HERE.parent, HERE):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+import comfy_env  # noqa: E402
+
+comfy_env.require_comfy()
+
+import folder_paths  # noqa: E402
+import tiny_comfy as tc  # noqa: E402
+
+bridge = comfy_env.import_pack("nodes.bridge")
+run = comfy_env.import_pack("nodes.run")
+tn = comfy_env.import_pack("nodes.train_nodes")
+ln = comfy_env.import_pack("nodes.lora_nodes")
+safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
+SafetensorsError = safetensors_io.SafetensorsError
+QKV = "diffusion_model.double_blocks.0.img_attn.qkv"
+
+
+@pytest.fixture(scope="module")
+def comfy_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("comfy")
+    for name in ("input", "output", "loras"):
+        (root / name).mkdir()
+    folder_paths.set_output_directory(str(root / "output"))
+    folder_paths.folder_names_and_paths["loras"] = ([str(root / "loras")], folder_paths.supported_pt_extensions)
+    return root
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tc.tiny_flux2(tmp_path_factory.mktemp("model"))
+
+
+def _adapter(model, *, in_features_delta=0) -> dict[str, np.ndarray]:
+    weight = bridge.diffusion_model(model).double_blocks[0].img_attn.qkv.weight
+    out_features, in_features = weight.shape
+    return {f"{QKV}.lora_A.weight": np.full((4, in_features + in_features_delta), 0.01, np.float32),
+            f"{QKV}.lora_B.weight": np.full((out_features, 4), 0.01, np.float32)}
+
+
+@pytest.mark.parametrize("name", ["../escape", "/tmp/abs", "kiln\\\\x", "a/../../b", "C:\\\\x", "~/x"])
+def test_save_lora_refuses_names_outside_the_loras_folder(comfy_dirs, model, name):
+    lora = bridge.lora_model_from({"double_blocks.0.img_attn.qkv": ln.lora_format.LoraWeights(
+        A=np.ones((2, 8), np.float32), B=np.zeros((8, 2), np.float32), alpha=2.0)})
+    with pytest.raises(ValueError, match="Kiln Save LoRA: name") as error:
+        ln.KilnSaveLoRA.execute(lora, name, "comfy", "bf16")
+    assert "plain name" in str(error.value)
+    assert sorted(p.name for p in comfy_dirs.iterdir()) == ["input", "loras", "output"]
+
+
+@pytest.mark.parametrize("run_name", ["../escape", "/tmp/abs", "a/b"])
+def test_train_lora_refuses_a_run_name_outside_output_kiln(comfy_dirs, run_name):
+    cfg = run.cfg_module.from_dict({"arch": "demo", "run_name": run_name})
+    with pytest.raises(ValueError, match=f"Kiln Training Options: run_name: {run_name!r}"):
+        run.execute(cfg, None, None, output_root=comfy_dirs / "output" / "kiln")
+    assert list((comfy_dirs / "output").iterdir()) == []
+
+
+def test_load_run_refuses_a_name_that_leaves_output_kiln(comfy_dirs):
+    with pytest.raises(ValueError, match="leaves output/kiln"):
+        run.resolve_run("../../etc")
+
+
+def test_a_misshapen_training_adapter_is_refused_by_name(comfy_dirs, model):
+    path = comfy_dirs / "loras" / "bad_adapter.safetensors"
+    safetensors_io.write(path, _adapter(model, in_features_delta=3))
+    loaded = bridge.load_lora_file(path)
+    assert bridge.unmatched_lora_keys(model, loaded)                      # ComfyUI alone would only log it
+    with pytest.raises(ValueError, match="Kiln Train LoRA: training_adapter 'bad_adapter.safetensors'.*do not fit"):
+        tn.KilnTrainLoRA.execute(model, None, 2, 1e-3, 4, 4.0, "adamw", "none", "torch", 0,
+                                 training_adapter="bad_adapter.safetensors")
+    with pytest.raises(ValueError, match="Kiln Invert Adapter: adapter_file 'bad_adapter.safetensors'"):
+        ln.KilnInvertAdapter.execute(model, "bad_adapter.safetensors", 1.0)
+    good = comfy_dirs / "loras" / "good_adapter.safetensors"
+    safetensors_io.write(good, _adapter(model))
+    assert bridge.unmatched_lora_keys(model, bridge.load_lora_file(good)) == []
+    ln.KilnInvertAdapter.execute(model, "good_adapter.safetensors", 1.0)  # the same file, fitting: accepted
+
+
+def test_a_truncated_adapter_file_names_the_file(comfy_dirs, model):
+    path = comfy_dirs / "loras" / "cut_adapter.safetensors"
+    safetensors_io.write(path, _adapter(model))
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(SafetensorsError, match=r"cut_adapter\.safetensors.*re-download or re-save"):
+        ln.KilnInvertAdapter.execute(model, "cut_adapter.safetensors", 1.0)
