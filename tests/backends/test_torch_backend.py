@@ -181,18 +181,25 @@ class InPlaceNet(torch.nn.Module):
         return h
 
 
+def inplace_net_with_lora():
+    """InPlaceNet with LoRA branches whose B is off zero (so every LoRA weight gets a gradient)."""
+    from trainer.backends.torch_backend.lora import LoraSet
+
+    net = InPlaceNet()
+    net.requires_grad_(False)
+    lora = LoraSet(net, ["inp", "lin"], rank=2, alpha=2, dropout=0, seed=0)
+    with torch.no_grad():
+        for _, p in lora.named_parameters():
+            p.add_(0.1)
+    return net, lora
+
+
 def test_checkpointing_survives_blocks_that_modify_their_input():
     from trainer.backends.torch_backend.checkpointing import BlockCheckpointing
-    from trainer.backends.torch_backend.lora import LoraSet
 
     x, grads = torch.randn(2, 3, 8), []
     for checkpointing in (False, True):
-        net = InPlaceNet()
-        net.requires_grad_(False)
-        lora = LoraSet(net, ["inp", "lin"], rank=2, alpha=2, dropout=0, seed=0)
-        with torch.no_grad():
-            for _, p in lora.named_parameters():
-                p.add_(0.1)
+        net, lora = inplace_net_with_lora()
         hooks = BlockCheckpointing(net, ("blocks",)) if checkpointing else None
         net(x).square().sum().backward()   # raised "modified by an inplace operation" before the fix
         grads.append(torch.cat([p.grad.flatten() for _, p in lora.named_parameters()]))

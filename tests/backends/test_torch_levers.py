@@ -14,7 +14,7 @@ from trainer.backends.torch_backend.backend import TorchBackend
 from trainer.backends.torch_backend.lora import LoraSet
 from trainer.estimate import estimate
 
-from .test_torch_backend import InPlaceNet, fixed_batch
+from .test_torch_backend import InPlaceNet, fixed_batch, inplace_net_with_lora
 
 
 @pytest.fixture
@@ -65,12 +65,7 @@ def test_compiled_checkpointed_blocks_may_write_into_their_inputs(eager_compile)
     """ComfyUI's Flux2 blocks do `x += ...`; compiled with the checkpoint inside, gradients stay true."""
     x, grads = torch.randn(2, 3, 8), []
     for compile in (False, True):
-        net = InPlaceNet()
-        net.requires_grad_(False)
-        lora = LoraSet(net, ["inp", "lin"], rank=2, alpha=2, dropout=0, seed=0)
-        with torch.no_grad():
-            for _, p in lora.named_parameters():
-                p.add_(0.1)
+        net, lora = inplace_net_with_lora()
         hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=compile, compile=compile)
         net(x).square().sum().backward()
         grads.append(torch.cat([p.grad.flatten() for _, p in lora.named_parameters()]))
