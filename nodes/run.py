@@ -136,8 +136,11 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
         bridge.free_memory()
     state = KilnState(run_dir=str(run_dir), checkpoint=str(result.checkpoint), step=result.step, arch=cfg.arch,
                       config=cfg.to_dict(), lora=result.lora, ema_lora=result.ema_lora, history=result.history)
-    losses = result.history.loss
+    losses = [v for v in result.history.loss if np.isfinite(v)]
     summary = f"trained to step {result.step}/{cfg.steps}; {result.trainable_parameters:,} LoRA parameters"
+    if result.history.skipped:
+        summary += (f"; {len(result.history.skipped)} step(s) skipped for a NaN/inf loss (images: "
+                    f"{', '.join(sorted({n for e in result.history.skipped for n in e['items']}))})")
     if losses:
         summary += f"; loss {np.mean(losses[:max(1, len(losses) // 10)]):.4f} → {np.mean(losses[-max(1, len(losses) // 10):]):.4f}"
     return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]))
