@@ -7,6 +7,13 @@ source), so re-queueing the same workflow finds its own run:
   - newest checkpoint < steps (stopped, crashed, or ComfyUI restarted) → resume from it;
   - newest checkpoint == steps → load that result, train nothing (the UI says so);
   - no checkpoint → train from the start (or from a KILN_STATE input).
+`steps` is not part of the hash: raising it on a finished run continues that run.
+
+Under ComfyUI's own cache: while the server runs and no input changed, ComfyUI returns the node's
+cached outputs without running it (the finished result, nothing retrained). A run that was stopped,
+ran out of memory or hit NaNs raised an error, so nothing was cached and a re-queue runs the node,
+which resumes. After a restart the cache is empty and the rules above apply. Dataset edits on disk
+reach the hash through Load Dataset's fingerprint. tests/nodes/test_node_faults.py holds each case.
 """
 from __future__ import annotations
 
