@@ -61,5 +61,5 @@ def test_captions_and_names_of_any_kind(files):
         for problem in report.problems:
             assert problem.message.strip() and problem.fix.strip() and problem.file in written, problem
         for path, text in expected.items():
-            if text is not None and path in items and not text == "":
+            if text is not None and path in items and text != "":
                 assert items[path].caption == text, (path, text)
