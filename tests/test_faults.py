@@ -227,7 +227,7 @@ def test_out_of_memory_on_the_first_step_saves_nothing_and_sampling_oom_keeps_th
     def validate(step, lora):
         raise torch.OutOfMemoryError("CUDA out of memory (sampling)")
 
-    with pytest.raises(faults.OutOfMemory, match="validation width/height"):
+    with pytest.raises(faults.OutOfMemory, match="lower width/height"):
         train(make_config(steps=4), make_model(), make_data(), run_dir=tmp_path / "val", validate=validate,
               validate_every=2)
     assert state.load_checkpoint(tmp_path / "val").step == 2

@@ -197,7 +197,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                         traceback.clear_frames(error.__traceback__)
                         raise faults.OutOfMemory(
                             f"out of memory while sampling validation images at step {done}; the step is saved "
-                            f"(resumable). Lower the validation width/height, or validate less often") from error
+                            f"(resumable). In Kiln Validation Settings lower width/height, or raise every") from error
                     raise
             if should_stop is not None and should_stop():
                 checkpoint_path, stopped = save(done), True
