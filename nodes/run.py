@@ -7,6 +7,13 @@ source), so re-queueing the same workflow finds its own run:
   - newest checkpoint < steps (stopped, crashed, or ComfyUI restarted) → resume from it;
   - newest checkpoint == steps → load that result, train nothing (the UI says so);
   - no checkpoint → train from the start (or from a KILN_STATE input).
+`steps` is not part of the hash: raising it on a finished run continues that run.
+
+Under ComfyUI's own cache: while the server runs and no input changed, ComfyUI returns the node's
+cached outputs without running it (the finished result, nothing retrained). A run that was stopped,
+ran out of memory or hit NaNs raised an error, so nothing was cached and a re-queue runs the node,
+which resumes. After a restart the cache is empty and the rules above apply. Dataset edits on disk
+reach the hash through Load Dataset's fingerprint. tests/nodes/test_node_faults.py holds each case.
 """
 from __future__ import annotations
 
@@ -140,8 +147,11 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
         bridge.free_memory()
     state = KilnState(run_dir=str(run_dir), checkpoint=str(result.checkpoint), step=result.step, arch=cfg.arch,
                       config=cfg.to_dict(), lora=result.lora, ema_lora=result.ema_lora, history=result.history)
-    losses = result.history.loss
+    losses = [v for v in result.history.loss if np.isfinite(v)]
     summary = f"trained to step {result.step}/{cfg.steps}; {result.trainable_parameters:,} LoRA parameters"
+    if result.history.skipped:
+        summary += (f"; {len(result.history.skipped)} step(s) skipped for a NaN/inf loss (images: "
+                    f"{', '.join(sorted({n for e in result.history.skipped for n in e['items']}))})")
     if losses:
         summary += f"; loss {np.mean(losses[:max(1, len(losses) // 10)]):.4f} → {np.mean(losses[-max(1, len(losses) // 10):]):.4f}"
     return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]))

@@ -72,9 +72,11 @@ def _finish(cfg, result, run_dir: Path, name: str) -> None:
     save_lora(lora_path, lora, arch=get_arch(cfg.arch), fmt=cfg.lora_format, dtype=cfg.save_dtype,
               metadata=lora_metadata(cfg, get_arch(cfg.arch), result.step))
     curve = save_loss_curve(run_dir / "loss.png", result.history.loss, result.history.lr, title=f"{name}: loss")
-    losses = result.history.loss
+    losses = [v for v in result.history.loss if v == v and abs(v) != float("inf")]
     print(f"{'stopped' if result.stopped else 'finished'} at step {result.step}/{cfg.steps}; "
           f"trainable parameters {result.trainable_parameters:,}")
+    for entry in result.history.skipped:
+        print(f"skipped step {entry['step']} (NaN/inf loss or gradient): {', '.join(entry['items'])}")
     if losses:
         head, tail = losses[: max(1, len(losses) // 10)], losses[-max(1, len(losses) // 10):]
         print(f"loss: first 10% mean {sum(head) / len(head):.4f} -> last 10% mean {sum(tail) / len(tail):.4f}")

@@ -194,10 +194,20 @@ def _check_type(key: str, value: Any) -> Any:
         for element in value:
             if isinstance(element, bool) or not isinstance(element, item):
                 raise ConfigError(f"{key} must be {kind}; element {element!r} is {type(element).__name__}")
+            _check_text(key, element)
         return list(value)
     if kind == "float" and not math.isfinite(value):
         raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    _check_text(key, value)
     return value
+
+
+def _check_text(key: str, value: Any) -> None:
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:   # a lone surrogate, e.g. "\ud800" in a JSON file
+            raise ConfigError(f"{key} holds an invalid character ({value[err.start]!r}); retype that text") from None
 
 
 def _check_range(key: str, value: Any) -> None:
@@ -334,5 +344,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
+        # JSON's escapes are TOML's, but not its \uD83D\uDE00 surrogate pairs: non-ASCII stays literal
+        # UTF-8 (emoji in a trigger word), and DEL, which TOML forbids raw, is escaped.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     return "[" + ", ".join(_toml_value(item) for item in value) + "]"

@@ -9,13 +9,14 @@ backends see the same draws and a resumed run continues bit for bit.
 from __future__ import annotations
 
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from . import lora_format, objective, state
+from . import faults, lora_format, objective, state
 from .archs import Arch, get_arch
 from .backends import get_backend
 from .config import TrainConfig
@@ -39,6 +40,7 @@ class Report:
     loss: float | None = None
     loss_smooth: float | None = None
     grad_norm: float | None = None
+    skipped_steps: int = 0       # steps skipped so far for a NaN/inf loss or gradient (as read)
 
 
 @dataclass
@@ -82,6 +84,11 @@ def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator
                  items=[data.name(i) for i in indices])
 
 
+def _finite(value: float) -> float | None:
+    """A figure for a UI (JSON has no NaN): None when not finite."""
+    return value if np.isfinite(value) else None
+
+
 def lora_metadata(cfg: TrainConfig, arch: Arch, step: int) -> dict[str, str]:
     return lora_format.build_metadata(
         arch_name=arch.name, config=cfg.to_dict(), steps=step,
@@ -121,35 +128,59 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                 cursor=sampler.state(), history=history, keep=cfg.keep_checkpoints,
                 lora_metadata=lora_metadata(cfg, arch, step), save_dtype=cfg.save_dtype)
 
-        pending: list = []  # device scalars not yet read (no host sync per step)
+        pending: list = []  # (step, image names, StepStats): device scalars not yet read (no host sync per step)
+        streak: list = []   # the latest run of consecutive skipped (non-finite) steps
 
         def flush() -> None:
-            values = backend.scalars([v for stats in pending for v in (stats.loss, stats.grad_norm)])
-            history.loss.extend(values[0::2])
-            history.grad_norm.extend(values[1::2])
+            values = backend.scalars([v for _, _, stats in pending for v in (stats.loss, stats.grad_norm, stats.finite)])
+            for (step_done, items, _), loss, norm, finite in zip(pending, values[0::3], values[1::3], values[2::3]):
+                history.loss.append(loss)
+                history.grad_norm.append(norm)
+                if finite:
+                    streak.clear()
+                else:  # the backend left weights, optimizer and EMA alone: count it and name the images
+                    history.skipped.append({"step": step_done, "items": items})
+                    streak.append(history.skipped[-1])
             pending.clear()
 
         started, checkpoint_path, stopped = time.perf_counter(), None, False
         for step in range(start, cfg.steps):
             lr = lr_at(step, base_lr=cfg.learning_rate, schedule=cfg.lr_schedule, total_steps=cfg.steps,
                        warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
+            draws_before = (rng.bit_generator.state, sampler.state(), backend.rng_state())  # host copies, µs
             micro_batches = [build_batch(data, sampler.next(), rng, settings, arch, cfg.caption_dropout)
                              for _ in range(cfg.grad_accum)]
-            pending.append(backend.step(micro_batches, lr))
+            names = [name for batch in micro_batches for name in batch.items]
+            done = step + 1
+            try:
+                stats = backend.step(micro_batches, lr)
+            except BaseException as error:
+                if not faults.is_out_of_memory(error):
+                    raise
+                traceback.clear_frames(error.__traceback__)  # let the failed step's activations go now
+                # Weights, optimizer and EMA are still those of `step`; put the draws back to match.
+                rng.bit_generator.state = draws_before[0]
+                sampler.load_state(draws_before[1])
+                backend.load_rng_state(draws_before[2])
+                checkpoint = save(step) if step > start else None
+                raise faults.OutOfMemory(faults.out_of_memory_message(cfg, error, step, names, checkpoint)) from error
+            pending.append((done, names, stats))
             backend.update_ema()
             history.lr.append(lr)
-            done = step + 1
             logged = done % cfg.log_every == 0 or done == cfg.steps
             if logged:
                 flush()
+            if len(streak) >= faults.MAX_NON_FINITE_IN_A_ROW:
+                raise faults.NonFiniteLoss(faults.non_finite_message(cfg, streak, save(done)))
             elapsed = time.perf_counter() - started
             rate = (done - start) / elapsed if elapsed > 0 else 0.0
             report = Report(step=done, total_steps=cfg.steps, lr=lr, it_per_s=rate,
                             eta_s=(cfg.steps - done) / rate if rate > 0 else 0.0,
                             peak_memory_bytes=backend.peak_memory_bytes(),
-                            loss=history.loss[-1] if logged else None,
-                            loss_smooth=smoothed(history.loss[-200:])[-1] if logged else None,
-                            grad_norm=history.grad_norm[-1] if logged else None)
+                            loss=_finite(history.loss[-1]) if logged else None,
+                            loss_smooth=_finite(smoothed(history.loss[-200:])[-1]) if logged else None,
+                            grad_norm=_finite(history.grad_norm[-1]) if logged else None,
+                            skipped_steps=len(history.skipped))
             try:
                 if on_step is not None:
                     on_step(report)  # may raise (ComfyUI's stop button): state is at a clean step boundary
@@ -160,8 +191,13 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                 try:
                     with backend.sampling():
                         validate(done, backend.lora_state)
-                except BaseException:
+                except BaseException as error:
                     save(done)  # the stop button during sampling: keep the step just trained
+                    if faults.is_out_of_memory(error):
+                        traceback.clear_frames(error.__traceback__)
+                        raise faults.OutOfMemory(
+                            f"out of memory while sampling validation images at step {done}; the step is saved "
+                            f"(resumable). In Kiln Validation Settings lower width/height, or raise every") from error
                     raise
             if should_stop is not None and should_stop():
                 checkpoint_path, stopped = save(done), True

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -10,12 +11,13 @@ from .atomic import atomic_write_bytes
 
 
 def smoothed(values: list[float], factor: float = 0.9) -> list[float]:
-    """Bias-corrected exponential moving average at every point."""
+    """Bias-corrected exponential moving average at every point; a NaN/inf value (a skipped step) is passed over."""
     out, average, weight = [], 0.0, 0.0
     for value in values:
-        average = factor * average + (1 - factor) * value
-        weight = factor * weight + (1 - factor)
-        out.append(average / weight)
+        if math.isfinite(value):
+            average = factor * average + (1 - factor) * value
+            weight = factor * weight + (1 - factor)
+        out.append(average / weight if weight else float("nan"))
     return out
 
 

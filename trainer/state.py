@@ -35,6 +35,7 @@ class History:
     loss: list[float] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)   # {"step", "items"}: NaN/inf steps left out of training
 
 
 @dataclass
@@ -111,7 +112,8 @@ def save_checkpoint(run_dir: str | Path, step: int, *, backend, arch, config: di
     info = {
         "format": RUN_FORMAT, "step": step, "arch": arch.name, "backend": backend.name, "config": config,
         "numpy_rng": numpy_rng.bit_generator.state, "cursor": cursor, "optimizer": optimizer_meta,
-        "history": {"loss": history.loss, "lr": history.lr, "grad_norm": history.grad_norm},
+        "history": {"loss": history.loss, "lr": history.lr, "grad_norm": history.grad_norm,
+                    "skipped": history.skipped},
     }
     run_json = json.dumps(info, indent=1)
     final = step_dir(run_dir, step)
@@ -247,7 +249,8 @@ def checkpoint_lora(checkpoint: Checkpoint, *, ema: bool = False) -> dict[str, L
 
 def checkpoint_history(checkpoint: Checkpoint) -> History:
     saved = checkpoint.info["history"]
-    return History(loss=list(saved["loss"]), lr=list(saved["lr"]), grad_norm=list(saved["grad_norm"]))
+    return History(loss=list(saved["loss"]), lr=list(saved["lr"]), grad_norm=list(saved["grad_norm"]),
+                   skipped=list(saved.get("skipped", [])))
 
 
 def restore(checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, sampler) -> History:

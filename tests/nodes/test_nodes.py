@@ -141,7 +141,7 @@ def test_train_save_and_load_through_comfy(comfy_dirs, tmp_path_factory, family)
 
     # Re-queueing the same graph reuses the finished run instead of training again.
     again = train(model, ds, options={"ema": True, "ema_decay": 0.9})
-    assert "already trained" in str(again.ui) or again.result[2].checkpoint == state.checkpoint
+    assert "already trained" in again.ui.value and again.result[2].checkpoint == state.checkpoint
 
 
 def test_stop_then_resume_equals_an_uninterrupted_run(comfy_dirs, tmp_path_factory, monkeypatch):

@@ -36,6 +36,7 @@ class StepStats:
 
     loss: Any
     grad_norm: Any
+    finite: Any = True            # device bool: False when the loss or a gradient was NaN/inf (step skipped)
 
 
 # A forward function: (model, x_t, sigmas, context, extras) -> velocity, same shape as x_t.
@@ -49,7 +50,10 @@ class Backend(Protocol):
         """Inject LoRA into `model` in place, enable checkpointing, build optimizer and EMA."""
 
     def step(self, micro_batches: list[Batch], lr: float) -> StepStats:
-        """Forward, loss, backward over the micro-batches, clip, one optimizer update."""
+        """Forward, loss, backward over the micro-batches, clip, one optimizer update.
+
+        A NaN/inf loss or gradient skips the update: weights, optimizer state (moments, step count)
+        and, at the next update_ema, the EMA shadow stay as they were; StepStats.finite says so."""
 
     def update_ema(self) -> None: ...
 

@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from ...archs import Arch
 from ...config import TrainConfig
@@ -140,10 +140,17 @@ class MlxBackend:
                 self.lora.set_dropout_key(None)
         return self._compiled(gradients)
 
-    def _clip_and_update(self, grads: dict) -> mx.array:
+    def _clip_and_update(self, grads: dict, loss: mx.array) -> tuple[mx.array, mx.array]:
         grads, grad_norm = clip_global_norm(grads, self.cfg.max_grad_norm)
-        self.optimizer.update(self.model, grads)
-        return grad_norm
+        # A NaN/inf loss or gradient keeps weights and optimizer state (moments, step) as they were:
+        # selected inside the graph (MLX arrays are immutable, so the old ones are the backup); no host read.
+        finite = mx.isfinite(loss) & mx.isfinite(grad_norm)
+        before_state = tree_map(lambda value: value, self.optimizer.state)
+        before = tree_map(lambda _, param: param, grads, self.model.parameters())
+        updated = self.optimizer.apply_gradients(grads, self.model)
+        self.model.update(tree_map(lambda new, old: mx.where(finite, new, old), updated, before))
+        _select_in_place(self.optimizer.state, before_state, finite)
+        return grad_norm, finite
 
     def step(self, micro_batches, lr: float) -> StepStats:
         self.optimizer.learning_rate = lr               # an mx.array in the optimizer state: no recompile
@@ -159,14 +166,14 @@ class MlxBackend:
             loss, micro_grads = self.compiled[signature](arrays, keys[index + 1])
             total = total + loss
             grads = micro_grads if grads is None else _add_trees(grads, micro_grads)
-        grad_norm = self.update(grads)
+        grad_norm, self.finite = self.update(grads, total)
         pending_ema = list(self.ema.shadow.values()) if self.ema is not None else []
-        mx.eval(self.state, total, grad_norm, self.key, pending_ema)
-        return StepStats(loss=total, grad_norm=grad_norm)
+        mx.eval(self.state, total, grad_norm, self.finite, self.key, pending_ema)
+        return StepStats(loss=total, grad_norm=grad_norm, finite=self.finite)
 
     def update_ema(self) -> None:
         if self.ema is not None:
-            self.ema.update(self.lora.parameters())
+            self.ema.update(self.lora.parameters(), getattr(self, "finite", None))
 
     def scalars(self, values) -> list[float]:
         if not values:
@@ -251,6 +258,17 @@ class MlxBackend:
             module._no_grad.update(no_grad)
         # Compiled functions hold the optimizer state: let it all go (memory returns after the run).
         self.frozen, self.compiled, self.update, self.state, self.optimizer = [], {}, None, None, None
+
+
+def _select_in_place(tree, before, keep_new: mx.array) -> None:
+    """Every array leaf of `tree` becomes where(keep_new, leaf, before's leaf), in place: a compiled
+    step holds the optimizer's own state containers."""
+    for key in range(len(tree)) if isinstance(tree, list) else list(tree):
+        value = tree[key]
+        if isinstance(value, (dict, list)):
+            _select_in_place(value, before[key], keep_new)
+        elif isinstance(value, mx.array):
+            tree[key] = mx.where(keep_new, value, before[key])
 
 
 def _add_trees(a, b):

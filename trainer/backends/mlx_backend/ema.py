@@ -12,15 +12,18 @@ class Ema:
         self.shadow = {name: p.astype(mx.float32) for name, p in params.items()}
         self.updates = 0
 
-    def update(self, params: dict[str, mx.array]) -> None:
-        """shadow ← lerp(shadow, param, 1 − decay), in torch.lerp's two forms; lazy until the next step's eval."""
+    def update(self, params: dict[str, mx.array], finite: mx.array | None = None) -> None:
+        """shadow ← lerp(shadow, param, 1 − decay), in torch.lerp's two forms; lazy until the next step's eval.
+
+        `finite` False (the step's NaN/inf flag, on device) keeps the shadow as it was."""
         weight = 1.0 - self.decay
         for name, shadow in self.shadow.items():
             current = params[name].astype(mx.float32)
             if weight < 0.5:
-                self.shadow[name] = shadow + weight * (current - shadow)
+                moved = shadow + weight * (current - shadow)
             else:
-                self.shadow[name] = current - (current - shadow) * (1.0 - weight)
+                moved = current - (current - shadow) * (1.0 - weight)
+            self.shadow[name] = moved if finite is None else mx.where(finite, moved, shadow)
         self.updates += 1
 
     def state(self) -> dict[str, np.ndarray]:

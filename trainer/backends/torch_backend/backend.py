@@ -124,13 +124,27 @@ class TorchBackend:
             total += loss.detach()
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         grad_norm = clip_global_norm(grads, self.cfg.max_grad_norm)
-        self.optimizer.step()
+        # A NaN/inf loss or gradient skips the update (weights, moments, step count, EMA unchanged).
+        finite = torch.isfinite(total) & torch.isfinite(grad_norm)       # device bool, no sync
+        if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            # Fused AdamW (the CUDA default) skips on a device flag, as under GradScaler: its kernel
+            # leaves params and moments alone and takes the step count back. No host sync.
+            self.optimizer.found_inf = (~finite).float()
+            self.optimizer.step()
+            self.finite = finite                                          # for update_ema, on device
+        else:
+            # Other optimizers cannot skip on the device: one host read of one bool per step, which
+            # waits for backward to finish (~the host's batch-building time per step on a GPU).
+            self.finite = bool(finite.item())
+            if self.finite:
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss=total, grad_norm=grad_norm)
+        return StepStats(loss=total, grad_norm=grad_norm, finite=finite)
 
     def update_ema(self) -> None:
-        if self.ema is not None:
-            self.ema.update()
+        finite = getattr(self, "finite", True)   # the last step's: a host bool, or a device flag (fused)
+        if self.ema is not None and finite is not False:
+            self.ema.update(None if finite is True else finite)
 
     def scalars(self, values) -> list[float]:
         if not values:

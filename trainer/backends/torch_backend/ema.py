@@ -15,12 +15,20 @@ class Ema:
         self.updates = 0
 
     @torch.no_grad()
-    def update(self) -> None:
-        """shadow ← decay·shadow + (1 − decay)·param, for every tensor in one foreach call."""
+    def update(self, finite: torch.Tensor | None = None) -> None:
+        """shadow ← decay·shadow + (1 − decay)·param, for every tensor in one foreach call.
+
+        `finite`, a device bool, is the step's own flag when it was not read on the host: the shadow
+        then moves by (1 − decay)·finite·(param − shadow), i.e. not at all after a skipped step."""
         names = list(self.params)
         shadows = [self.shadow[n] for n in names]
         current = [self.params[n].detach().float() for n in names]
-        torch._foreach_lerp_(shadows, current, 1.0 - self.decay)
+        if finite is None:
+            torch._foreach_lerp_(shadows, current, 1.0 - self.decay)
+        else:
+            deltas = torch._foreach_sub(current, shadows)
+            torch._foreach_mul_(deltas, finite.float() * (1.0 - self.decay))
+            torch._foreach_add_(shadows, deltas)
         self.updates += 1
 
     @contextmanager

@@ -1,0 +1,241 @@
+"""Faults injected into real runs: NaN/inf steps are skipped untouched and named, three in a row stop
+with a resumable checkpoint, out of memory saves the last good step and names the fix. Both backends
+(MLX where mlx[cpu] is installed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainer import faults, safetensors_io, state
+from trainer.archs import get_arch
+from trainer.backends.base import Batch
+from trainer.backends.torch_backend.backend import TorchBackend
+from trainer.loop import train
+
+BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("mlx"), reason="mlx not installed (pip install 'mlx[cpu]')"))]
+
+
+def model_for(backend: str, make_model):
+    if backend == "torch":
+        return make_model()
+    from trainer.backends.mlx_backend.models.tiny import demo_model
+
+    return demo_model(0, hidden=32, heads=2, double_blocks=1, single_blocks=1, in_channels=16, context_dim=32)
+
+
+@pytest.fixture
+def eager_mlx(monkeypatch):
+    """MLX steps run eagerly (the same function, no g++ kernel builds on mlx[cpu]) unless a test says otherwise."""
+    if __import__("importlib").util.find_spec("mlx"):
+        from trainer.backends.mlx_backend.backend import MlxBackend
+        monkeypatch.setattr(MlxBackend, "compile_step", False)
+
+
+class Poisoned:
+    """Wraps a dataset: chosen items' latents become NaN (always, or once `on` is set)."""
+
+    def __init__(self, data, items=(), when_on=()):
+        self.data, self.items, self.when_on, self.on = data, set(items), set(when_on), False
+        self.buckets, self.skipped = data.buckets, []
+
+    def latent(self, index):
+        bad = index in self.items or (self.on and (not self.when_on or index in self.when_on))
+        return self.data.latent(index) * np.float32("nan") if bad else self.data.latent(index)
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)
+
+
+def batch(poison: str | None = None, seed: int = 0) -> Batch:
+    rng = np.random.default_rng(seed)
+    latents = rng.standard_normal((2, 16, 4, 4)).astype(np.float32)
+    weights = np.ones(2, np.float32)
+    if poison == "nan_latent":
+        latents[1, 0, 0, 0] = np.nan
+    elif poison == "inf_weight":
+        weights[0] = np.inf
+    return Batch(latents=latents, noise=rng.standard_normal(latents.shape).astype(np.float32),
+                 sigmas=np.array([0.3, 0.7], np.float32), weights=weights,
+                 context=rng.standard_normal((2, 8, 32)).astype(np.float32), items=["a.png", "b.png"])
+
+
+def snapshot(backend) -> dict[str, np.ndarray]:
+    tensors, meta = backend.optimizer_state()
+    out = {f"optim.{k}": np.array(v) for k, v in tensors.items()}
+    out.update({f"optim.{k}": np.array(v) for k, v in meta.get("scalars", {}).items()})
+    out.update({f"ema.{k}": np.array(v) for k, v in backend.ema_state().items()})
+    for path, w in backend.lora_state().items():
+        out[f"{path}.A"], out[f"{path}.B"] = w.A, w.B
+    return out
+
+
+def setup_backend(kind: str, make_model, make_config):
+    cfg = make_config(ema=True, ema_decay=0.9, max_grad_norm=1.0, backend="mlx" if kind.startswith("mlx") else "torch")
+    if kind.startswith("mlx"):
+        from trainer.backends.mlx_backend.backend import MlxBackend
+        backend = MlxBackend()
+        backend.compile_step = kind == "mlx-compiled"
+    else:
+        backend = TorchBackend()
+    backend.setup(model_for(cfg.backend, make_model), cfg, get_arch("demo"))
+    if kind == "torch-fused":   # the CUDA default (fused AdamW), run on the CPU's fused kernel
+        backend.optimizer = torch.optim.AdamW(list(backend.params.values()), lr=1e-3, fused=True)
+    return backend
+
+
+KINDS = ["torch", "torch-fused",
+         *(pytest.param(k, marks=BACKENDS[1].marks) for k in ("mlx-eager", "mlx-compiled"))]
+
+
+@pytest.mark.parametrize("poison", ["nan_latent", "inf_weight"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_non_finite_step_changes_nothing(kind, poison, make_model, make_config, monkeypatch):
+    backend = setup_backend(kind, make_model, make_config)
+    try:
+        for seed in (0, 1):      # two good steps: moments, step count and EMA all non-trivial
+            assert backend.scalars([backend.step([batch(seed=seed)], 1e-3).finite]) == [1.0]
+            backend.update_ema()
+        before = snapshot(backend)
+        reads = []
+        if kind == "torch-fused":   # the fused path must not read the flag on the host
+            real_item = torch.Tensor.item
+            monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or real_item(t))
+        stats = backend.step([batch(poison, seed=2)], 1e-3)
+        backend.update_ema()
+        monkeypatch.undo()
+        assert reads == []
+        loss, finite = backend.scalars([stats.loss, stats.finite])
+        assert finite == 0.0 and not np.isfinite(loss)
+        after = snapshot(backend)
+        assert set(after) == set(before)
+        for key in before:
+            assert np.array_equal(before[key], after[key]), key
+        backend.step([batch(seed=3)], 1e-3)          # a good step after it trains again
+        backend.update_ema()
+        moved = snapshot(backend)
+        assert any(not np.array_equal(before[k], moved[k]) for k in before if ".B" in k or "ema." in k)
+    finally:
+        backend.teardown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_skipped_steps_name_their_images_and_resume_exactly(backend, tmp_path, make_model, make_data, make_config,
+                                                            eager_mlx):
+    """One image's latent is NaN: every batch holding it is skipped and names it; the rest trains; a run
+    stopped at step 5 and resumed equals the uninterrupted one bit for bit, skip records included."""
+    cfg = make_config(backend=backend, steps=10, checkpoint_every=3, log_every=4, ema=True, ema_decay=0.9)
+
+    def run(name, stop_at=None, resume=False):
+        reports = []
+        result = train(cfg, model_for(backend, make_model), Poisoned(make_data(count=8), items={1}),
+                       run_dir=tmp_path / name, on_step=reports.append, resume=tmp_path / name if resume else None,
+                       should_stop=(lambda: len(reports) >= stop_at) if stop_at else None)
+        return result, reports
+
+    straight, reports = run("straight")
+    skipped = straight.history.skipped
+    assert skipped and all("img_1.png" in entry["items"] for entry in skipped)
+    assert [i + 1 for i, v in enumerate(straight.history.loss) if not np.isfinite(v)] == [e["step"] for e in skipped]
+    assert reports[-1].skipped_steps == len(skipped) and all(r.loss is None or np.isfinite(r.loss) for r in reports)
+    assert all(np.isfinite(w.B).all() and np.isfinite(w.A).all() for w in straight.lora.values())
+    run("stopped", stop_at=5)
+    resumed, _ = run("stopped", resume=True)
+    a, b = (safetensors_io.read(r.checkpoint / "state.safetensors")[0] for r in (straight, resumed))
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert resumed.history.skipped == skipped
+    assert state.checkpoint_history(state.load_checkpoint(resumed.checkpoint)).skipped == skipped
+
+
+@pytest.mark.parametrize("log_every,stops_at", [(1, 7), (4, 8)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_three_bad_steps_in_a_row_stop_with_a_resumable_checkpoint(backend, log_every, stops_at, tmp_path, make_model,
+                                                                   make_data, make_config, eager_mlx):
+    """From step 5 every latent is NaN. Read every step, the run stops at step 7 (5, 6, 7 skipped); read
+    every 4 steps (no host sync in between), at the read after the third (step 8). The checkpoint holds the
+    weights of step 4 exactly, and a resume with the data fixed trains on to the end."""
+    cfg = make_config(backend=backend, steps=10, checkpoint_every=4, log_every=log_every, ema=True, ema_decay=0.9)
+    data = Poisoned(make_data(count=8))
+
+    def on_step(report):
+        data.on = report.step >= 4
+
+    with pytest.raises(faults.NonFiniteLoss) as caught:
+        train(cfg, model_for(backend, make_model), data, run_dir=tmp_path, on_step=on_step)
+    message = str(caught.value)
+    assert f"steps 5–{stops_at}" in message and "img_" in message and "learning_rate" in message
+    assert f"step-{stops_at:06d}" in message and "resumable" in message
+    stopped = state.load_checkpoint(tmp_path)
+    assert stopped.step == stops_at and len(stopped.info["history"]["skipped"]) == stops_at - 4
+    good = state.load_checkpoint(tmp_path / "step-000004")
+    for key, value in good.tensors.items():
+        if not key.startswith("rng."):
+            assert np.array_equal(value, stopped.tensors[key]), key
+    data.on = False
+    resumed = train(cfg, model_for(backend, make_model), data, run_dir=tmp_path, resume=tmp_path)
+    assert resumed.step == 10 and not resumed.stopped and len(resumed.history.skipped) == stops_at - 4
+
+
+def _oom_forward(backend: str, fail_at: int, error: BaseException):
+    calls = {"n": 0}
+
+    def forward(model, x_t, sigmas, context, extras):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise error
+        return model(x_t, sigmas, context, **extras)
+    return forward
+
+
+@pytest.mark.parametrize("backend,error", [
+    ("torch", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")),
+    pytest.param("mlx", RuntimeError("[metal::malloc] Attempting to allocate 9663676416 bytes"),
+                 marks=BACKENDS[1].marks)])
+def test_out_of_memory_saves_the_last_good_step_and_names_the_fixes(backend, error, tmp_path, make_model, make_data,
+                                                                    make_config, eager_mlx):
+    """A step fails with OOM at step 4: the checkpoint is step 3 exactly (draws put back), the message
+    names what to change, the model is restored, and resuming equals a run that never failed."""
+    cfg = make_config(backend=backend, steps=6, caption_dropout=0.3, lora_dropout=0.1 if backend == "torch" else 0.0,
+                      ema=True, ema_decay=0.9, log_every=2)
+    model = model_for(backend, make_model)
+    flags = [p.requires_grad for p in model.parameters()] if backend == "torch" else None
+    with pytest.raises(faults.OutOfMemory) as caught:
+        train(cfg, model, make_data(), run_dir=tmp_path / "oom", forward=_oom_forward(backend, 4, error))
+    message = str(caught.value)
+    assert "out of memory at step 4" in message and "step-000003" in message and "img_" in message
+    assert "resolutions" in message and "gradient_checkpointing" in message
+    assert ("fp8" in message) if backend == "torch" else ("base_quantize" in message)
+    assert caught.value.__cause__ is error
+    if backend == "torch":
+        assert all("forward" not in m.__dict__ for m in model.modules())   # LoRA gone with the run
+        assert [p.requires_grad for p in model.parameters()] == flags and all(p.grad is None for p in model.parameters())
+    resumed = train(cfg, model_for(backend, make_model), make_data(), run_dir=tmp_path / "oom", resume=tmp_path / "oom")
+    straight = train(cfg, model_for(backend, make_model), make_data(), run_dir=tmp_path / "straight")
+    a, b = (safetensors_io.read(r.checkpoint / "state.safetensors")[0] for r in (straight, resumed))
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_out_of_memory_on_the_first_step_saves_nothing_and_sampling_oom_keeps_the_step(tmp_path, make_model,
+                                                                                       make_data, make_config):
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(faults.OutOfMemory, match="nothing new to save"):
+        train(make_config(steps=3), make_model(), make_data(), run_dir=tmp_path / "first",
+              forward=_oom_forward("torch", 1, oom))
+    assert state.list_checkpoints(tmp_path / "first") == []
+
+    def validate(step, lora):
+        raise torch.OutOfMemoryError("CUDA out of memory (sampling)")
+
+    with pytest.raises(faults.OutOfMemory, match="lower width/height"):
+        train(make_config(steps=4), make_model(), make_data(), run_dir=tmp_path / "val", validate=validate,
+              validate_every=2)
+    assert state.load_checkpoint(tmp_path / "val").step == 2
+
+
+def test_what_counts_as_out_of_memory():
+    assert faults.is_out_of_memory(torch.OutOfMemoryError("x")) and faults.is_out_of_memory(MemoryError())
+    assert faults.is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
+    assert faults.is_out_of_memory(RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory"))
+    assert not faults.is_out_of_memory(RuntimeError("shape mismatch")) and not faults.is_out_of_memory(
+        ValueError("out of memory"))

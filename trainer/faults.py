@@ -1,0 +1,59 @@
+"""Faults a run survives or stops on cleanly: non-finite steps and out of memory, with messages that say the fix."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import TrainConfig
+
+MAX_NON_FINITE_IN_A_ROW = 3   # skipped steps in a row before the run stops (one bad batch is survivable)
+
+
+class NonFiniteLoss(RuntimeError):
+    """Several steps in a row had a NaN/inf loss or gradient; a resumable checkpoint was saved."""
+
+
+class OutOfMemory(RuntimeError):
+    """A step ran out of device memory; a resumable checkpoint at the last good step was saved."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch.OutOfMemoryError (CUDA, MPS), Python's MemoryError, and MLX's allocation failures (RuntimeError)."""
+    if isinstance(error, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(error).__mro__):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(
+        mark in text for mark in ("out of memory", "insufficient memory", "metal::malloc"))
+
+
+def _batches(entries: list[dict]) -> str:
+    return "; ".join(f"step {e['step']}: {', '.join(e['items']) or '(unnamed)'}" for e in entries)
+
+
+def non_finite_message(cfg: TrainConfig, streak: list[dict], checkpoint: Path) -> str:
+    steps = [e["step"] for e in streak]
+    return (f"steps {steps[0]}–{steps[-1]}: {len(steps)} steps in a row gave a NaN/inf loss or gradient and were "
+            f"skipped (weights, optimizer and EMA untouched). Batches: {_batches(streak)}. The run stopped with a "
+            f"resumable checkpoint: {checkpoint}. Fix: lower learning_rate (now {cfg.learning_rate:g})"
+            + (", set max_grad_norm to 1.0 (now 0: no clipping)" if cfg.max_grad_norm <= 0 else "")
+            + ", check those images and captions (delete the latent cache to re-encode them), or train in "
+              "mixed_precision 'bf16' or 'no' rather than on fp16 weights; then queue again (it resumes).")
+
+
+def out_of_memory_message(cfg: TrainConfig, error: BaseException, step: int, items: list[str],
+                          checkpoint: Path | None) -> str:
+    fixes = [f"lower resolutions (now {cfg.resolutions})"]
+    if cfg.batch_size > 1:
+        fixes.append(f"lower batch_size (now {cfg.batch_size}; grad_accum keeps the effective batch)")
+    if not cfg.gradient_checkpointing:
+        fixes.append("turn gradient_checkpointing on")
+    if cfg.backend == "mlx":
+        if cfg.base_quantize == "none":
+            fixes.append("set base_quantize to int8 or int4 (a quantized base)")
+    else:
+        fixes.append("load the base with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base")
+    fixes.append("close other GPU work; `python -m trainer estimate` predicts the memory a config needs")
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    saved = (f"Saved a resumable checkpoint at step {step}, the last good step: {checkpoint}." if checkpoint
+             else f"No step had finished since the start (step {step}); nothing new to save.")
+    return (f"out of memory at step {step + 1} (batch: {', '.join(items) or '(unnamed)'}): {first_line}. {saved} "
+            f"To fit: {'; '.join(fixes)}. Then queue again: an unchanged run resumes, a changed setting starts anew.")
