@@ -39,6 +39,7 @@ class Report:
     loss: float | None = None
     loss_smooth: float | None = None
     grad_norm: float | None = None
+    weights: Callable[[], dict[str, LoraWeights]] | None = field(default=None, repr=False, compare=False)  # best LoRA now
 
 
 @dataclass
@@ -121,6 +122,13 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                 cursor=sampler.state(), history=history, keep=cfg.keep_checkpoints,
                 lora_metadata=lora_metadata(cfg, arch, step), save_dtype=cfg.save_dtype)
 
+        def best_lora() -> dict[str, LoraWeights]:
+            """What a user keeps (a UI's "save now"): the EMA weights when EMA is on, else the trained ones."""
+            if not cfg.ema:
+                return backend.lora_state()
+            with backend.ema_weights():
+                return backend.lora_state()
+
         pending: list = []  # device scalars not yet read (no host sync per step)
 
         def flush() -> None:
@@ -149,7 +157,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                             peak_memory_bytes=backend.peak_memory_bytes(),
                             loss=history.loss[-1] if logged else None,
                             loss_smooth=smoothed(history.loss[-200:])[-1] if logged else None,
-                            grad_norm=history.grad_norm[-1] if logged else None)
+                            grad_norm=history.grad_norm[-1] if logged else None, weights=best_lora)
             try:
                 if on_step is not None:
                     on_step(report)  # may raise (ComfyUI's stop button): state is at a clean step boundary
