@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import folder_paths
+import numpy as np
 from PIL import Image
 
 from ..trainer import lora_format

@@ -94,7 +94,7 @@ function addNodeDashboard(node) {
     hideOnZoom: false,
     getValue: () => "",
     setValue: () => {},
-    getMinHeight: () => 420,
+    getMinHeight: () => 540,
   });
   widget.serialize = false; // not a widget value: keeps widgets_values and the API prompt as they were
   const removed = node.onRemoved;

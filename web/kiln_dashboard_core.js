@@ -32,10 +32,10 @@ export function eta(step, total, itPerS) {
 export function formatDuration(seconds) {
   if (!finite(seconds) || seconds < 0) return "—";
   const s = Math.round(seconds);
-  if (s < 60) return `${s} s`;
-  if (s < 3600) return `${Math.floor(s / 60)} min ${String(s % 60).padStart(2, "0")} s`;
-  if (s < 86400) return `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")} min`;
-  return `${Math.floor(s / 86400)} d ${Math.floor((s % 86400) / 3600)} h`;
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m ${String(s % 60).padStart(2, "0")}s`;
+  if (s < 86400) return `${Math.floor(s / 3600)}h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")}m`;
+  return `${Math.floor(s / 86400)}d ${Math.floor((s % 86400) / 3600)}h`;
 }
 
 export function formatBytes(bytes) {
@@ -131,8 +131,10 @@ export function chartGeometry(run, width, height, pad = { left: 44, right: 10, t
   const smoothed = smooth(loss);
   const right = width - pad.right;
   const bottom = height - pad.bottom;
-  const first = Math.min(steps[0] ?? Infinity, run?.lrSteps?.[0] ?? Infinity, 0);
-  const last = Math.max(steps.at(-1) ?? 0, run?.lrSteps?.at(-1) ?? 0, run?.total ?? 0, first + 1);
+  // x spans the steps seen so far (the progress bar shows the way to the total)
+  const seen = [steps[0], steps.at(-1), run?.lrSteps?.[0], run?.lrSteps?.at(-1)].filter(finite);
+  const first = seen.length ? Math.min(...seen) : 0;
+  const last = Math.max(first + 1, ...seen);
   const x = (step) => pad.left + ((right - pad.left) * (step - first)) / (last - first);
   const values = loss.filter(finite);
   const empty = values.length === 0;
@@ -159,7 +161,6 @@ export function chartGeometry(run, width, height, pad = { left: 44, right: 10, t
     lrMax: lrValues.length ? lrMax : null,
     yTicks: empty ? [] : ticks(lo, hi, 4).map((v) => ({ y: y(v), label: Number(v.toPrecision(3)).toString() })),
     xTicks: ticks(first, last, 4).filter((s) => Number.isInteger(s)).map((s) => ({ x: x(s), label: formatCount(s) })),
-    now: finite(run?.step) && run.step > 0 ? x(run.step) : null,
   };
 }
 

@@ -13,6 +13,9 @@ const CSS = `
   overflow: hidden; height: 100%; }
 .kiln-dash.kd-panel { border: none; border-radius: 0; height: auto; min-height: 100%; padding: 12px; gap: 10px; }
 .kiln-dash * { box-sizing: border-box; }
+.kd-body { display: flex; flex-direction: column; gap: 6px; min-height: 0; }
+.kd-panel .kd-body { gap: 10px; }
+.kd-body > * { flex: none; }
 .kd-head { display: flex; align-items: center; gap: 8px; min-height: 20px; }
 .kd-title { font-weight: 600; flex: 1; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
 .kd-pick { flex: 1; min-width: 0; background: var(--comfy-input-bg, #2a2a2a); color: inherit;
@@ -24,28 +27,29 @@ const CSS = `
 .kd-bar { flex: 1; height: 6px; border-radius: 3px; background: var(--comfy-input-bg, #333); overflow: hidden; }
 .kd-fill { height: 100%; width: 0; background: linear-gradient(90deg, #e0662f, #f3a23a); transition: width .3s; }
 .kd-steps { font-variant-numeric: tabular-nums; white-space: nowrap; opacity: .9; }
-.kd-chart { width: 100%; height: 150px; display: block; background: var(--comfy-input-bg, #181818); border-radius: 6px; }
-.kd-panel .kd-chart { height: 190px; }
+.kd-chart { width: 100%; height: 140px; display: block; background: var(--comfy-input-bg, #181818); border-radius: 6px; }
+.kd-panel .kd-chart { height: 210px; }
 .kd-chart text { font-size: 10px; fill: var(--descrip-text, #999); }
 .kd-chart .grid { stroke: var(--border-color, #333); stroke-width: 1; opacity: .6; }
 .kd-chart .raw { fill: none; stroke: #6fa8dc; stroke-width: 1; opacity: .45; }
 .kd-chart .smooth { fill: none; stroke: #5fb3ff; stroke-width: 2; }
 .kd-chart .lr { fill: none; stroke: #f0a030; stroke-width: 1.2; stroke-dasharray: 4 3; opacity: .85; }
-.kd-chart .now { stroke: #e0662f; stroke-width: 1; opacity: .7; }
-.kd-legend { display: flex; gap: 12px; font-size: 11px; color: var(--descrip-text, #999); }
+.kd-legend { display: flex; flex-wrap: wrap; gap: 2px 12px; font-size: 11px; color: var(--descrip-text, #999); }
+.kd-legend > span { white-space: nowrap; }
 .kd-legend i { display: inline-block; width: 14px; height: 2px; vertical-align: middle; margin-right: 4px; }
 .kd-figures { display: grid; grid-template-columns: repeat(3, 1fr); gap: 4px; }
 .kd-figure { background: var(--comfy-input-bg, #262626); border-radius: 5px; padding: 3px 6px; min-width: 0; }
-.kd-figure b { display: block; font-size: 13px; font-weight: 600; font-variant-numeric: tabular-nums;
+.kd-figure b { display: block; font-size: 12.5px; font-weight: 600; font-variant-numeric: tabular-nums;
   white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .kd-figure span { font-size: 10px; color: var(--descrip-text, #999); text-transform: uppercase; letter-spacing: .03em; }
 .kd-section { font-size: 10px; text-transform: uppercase; letter-spacing: .05em; color: var(--descrip-text, #999); }
 .kd-samples { display: flex; gap: 6px; overflow-x: auto; min-height: 20px; }
+.kd-panel .kd-samples { flex-wrap: wrap; overflow-x: visible; }
 .kd-sample { flex: none; display: flex; flex-direction: column; align-items: center; font-size: 10px;
   color: var(--descrip-text, #999); text-decoration: none; }
 .kd-sample img { width: 64px; height: 64px; object-fit: cover; border-radius: 4px; border: 1px solid var(--border-color, #444);
   image-rendering: auto; background: #111; }
-.kd-panel .kd-sample img { width: 96px; height: 96px; }
+.kd-panel .kd-sample img { width: 88px; height: 88px; }
 .kd-sample.newest img { border-color: #e0662f; }
 .kd-buckets { display: grid; grid-template-columns: auto 1fr auto; gap: 2px 6px; align-items: center; font-size: 11px; }
 .kd-buckets .kd-bbar { height: 6px; border-radius: 3px; background: #7a5cc7; min-width: 2px; }
@@ -55,8 +59,7 @@ const CSS = `
   border: 1px solid transparent; }
 .kd-actions button:disabled { opacity: .4; cursor: default; }
 .kd-stop { background: #a33; } .kd-save { background: #2d5f9a; }
-.kd-note { flex: 1; min-width: 0; font-size: 11px; color: var(--descrip-text, #999); overflow: hidden;
-  text-overflow: ellipsis; white-space: nowrap; }
+.kd-note { flex: 1; min-width: 0; font-size: 11px; color: var(--descrip-text, #999); overflow-wrap: anywhere; }
 .kd-idle { color: var(--descrip-text, #999); font-size: 12px; padding: 6px 0; }
 `;
 
@@ -127,7 +130,8 @@ export class DashboardView {
       const item = el("span");
       const swatch = el("i");
       swatch.style.background = colour;
-      item.append(swatch, name);
+      this.legendText = el("span", "", name); // the last one (learning rate) shows its scale
+      item.append(swatch, this.legendText);
       legend.append(item);
     }
     this.figureBox = el("div", "kd-figures");
@@ -146,8 +150,7 @@ export class DashboardView {
     this.saveButton.addEventListener("click", () => this.act("save"));
     actions.append(this.stopButton, this.saveButton, this.note);
     this.idle = el("div", "kd-idle", this.idleText);
-    this.body = el("div");
-    this.body.style.cssText = "display:flex;flex-direction:column;gap:inherit;min-height:0";
+    this.body = el("div", "kd-body");
     this.body.append(progress, this.chart, legend, this.figureBox, el("div", "kd-section", "Samples"), this.samples,
       el("div", "kd-section", "Buckets"), this.buckets, actions);
     this.element.append(head, this.idle, this.body);
@@ -189,9 +192,11 @@ export class DashboardView {
     const run = this.current();
     if (this.panel) this.renderPicker(run);
     this.idle.style.display = run ? "none" : "";
-    this.body.style.display = run ? "flex" : "none";
+    this.body.style.display = run ? "" : "none";
     this.status.textContent = run ? STATUS_TEXT[run.status] ?? run.status : "idle";
     this.status.className = `kd-status ${run?.status ?? ""}`;
+    this.element.dataset.run = run?.id ?? "";
+    this.element.dataset.status = run?.status ?? "idle";
     if (!run) return;
     this.title.textContent = run.name || "Kiln";
     this.title.title = run.name;
@@ -244,17 +249,10 @@ export class DashboardView {
       label.textContent = tick.label;
       parts.push(label);
     }
-    if (g.now !== null && run.status === "running") {
-      parts.push(svg("line", { class: "now", x1: g.now, x2: g.now, y1: g.pad.top, y2: height - g.pad.bottom }));
-    }
     parts.push(svg("path", { class: "lr", d: g.lr || "M0,0" }));
     parts.push(svg("path", { class: "raw", d: g.raw || "M0,0", "data-kiln": "raw" }));
     parts.push(svg("path", { class: "smooth", d: g.smooth || "M0,0", "data-kiln": "smooth" }));
-    if (g.lrMax !== null) {
-      const label = svg("text", { x: width - g.pad.right, y: g.pad.top + 9, "text-anchor": "end" });
-      label.textContent = `lr max ${g.lrMax.toExponential(1)}`;
-      parts.push(label);
-    }
+    this.legendText.textContent = g.lrMax === null ? "learning rate" : `learning rate (max ${g.lrMax.toExponential(1)})`;
     if (g.empty) {
       const label = svg("text", { x: width / 2, y: height / 2, "text-anchor": "middle" });
       label.textContent = "waiting for the first loss…";
@@ -278,7 +276,7 @@ export class DashboardView {
     const key = run.samples.map((s) => s.image.filename).join("|");
     if (key === this.samplesKey) return;
     this.samplesKey = key;
-    const newest = [...run.samples].reverse().slice(0, this.panel ? 12 : 6);
+    const newest = [...run.samples].reverse().slice(0, 6);
     if (!newest.length) {
       this.samples.replaceChildren(el("span", "kd-idle", "no validation sample yet (connect Kiln Validation Settings)"));
       return;

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 import math
 import sys
@@ -115,7 +116,7 @@ def test_long_histories_are_thinned_evenly_keeping_both_ends():
     assert dashboard.thin(5, 10) == [0, 1, 2, 3, 4]
     kept = dashboard.thin(100_000, 1500)
     assert kept[0] == 0 and kept[-1] == 99_999 and len(kept) <= 1500
-    gaps = {b - a for a, b in zip(kept, kept[1:])}
+    gaps = {b - a for a, b in itertools.pairwise(kept)}
     assert max(gaps) - min(gaps) <= 1
     registry = dashboard.Registry()
     run = started(registry)
