@@ -276,7 +276,7 @@ export class DashboardView {
     const key = run.samples.map((s) => s.image.filename).join("|");
     if (key === this.samplesKey) return;
     this.samplesKey = key;
-    const newest = [...run.samples].reverse().slice(0, 6);
+    const newest = [...run.samples].reverse().slice(0, this.panel ? 6 : 4);
     if (!newest.length) {
       this.samples.replaceChildren(el("span", "kd-idle", "no validation sample yet (connect Kiln Validation Settings)"));
       return;

@@ -121,6 +121,11 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
     assert report["ok"], f"{report.get('error')}\n{done.stderr[-3000:]}\nserver:\n{server.log_tail(80)}"
     assert kiln_errors(report) == [], kiln_errors(report)
 
+    # The dashboard widget is not a value: not in the saved workflow's widgets_values, not in the prompt.
+    serialized = report["serialized"]
+    assert "kiln_dashboard" in serialized["widgets"] and "kiln_dashboard" not in serialized["promptInputs"]
+    assert len(serialized["widgetsValues"]) == len(serialized["widgets"]) - 1, serialized
+
     # While it trained: the curve, the figures, the buckets and a sample, on the node and in the sidebar.
     node, panel = report["running"]["node"], report["running"]["panel"]
     assert node["run"] and panel["run"] == node["run"] and node["status"] == "running"

@@ -120,12 +120,21 @@ try {
     const canvas = app.canvas;
     canvas.ds.scale = 0.9;
     const box = canvas.canvas.getBoundingClientRect();
-    canvas.ds.offset[0] = box.width / 2 / canvas.ds.scale - node.pos[0] - node.size[0] / 2;
+    canvas.ds.offset[0] = (box.width * 0.64) / canvas.ds.scale - node.pos[0] - node.size[0] / 2;
     canvas.ds.offset[1] = 40 / canvas.ds.scale - node.pos[1] + 30;
     canvas.setDirty(true, true);
   }, TRAIN_NODE);
 
   await page.screenshot({ path: path.join(options.out, "dashboard_idle.png") });
+  // The dashboard widget is no value: the saved workflow and the queued prompt stay as they were.
+  report.serialized = await page.evaluate(async (id) => {
+    const app = window.comfyAPI.app.app;
+    const node = app.graph.getNodeById(Number(id));
+    const saved = app.graph.serialize().nodes.find((n) => String(n.id) === id);
+    const prompt = await app.graphToPrompt();
+    return { widgets: node.widgets.map((w) => w.name), widgetsValues: saved.widgets_values,
+      promptInputs: Object.keys(prompt.output[id].inputs) };
+  }, TRAIN_NODE);
   note("queueing the workflow");
   await page.evaluate(() => window.comfyAPI.app.app.queuePrompt(0, 1));
   await until(`a curve of ${minPoints}+ points and a sample on the node`, ready, [NODE_VIEW, minPoints]);
