@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from ..trainer.lora_format import LoraWeights
 from ..trainer.loop import RunResult, train
 from ..trainer.plot import loss_curve
 
-from . import bridge
+from . import bridge, live
 
 
 @dataclass(frozen=True)
@@ -113,14 +112,11 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
     train_model = bridge.training_adapter_merged(model, adapter) if adapter is not None else model
     bar = bridge.progress(cfg.steps)
     samples: list = []
-    started = time.time()
+    tracker = live.Tracker(cfg, run_dir, data, resume)  # the live dashboard: events, Stop, Save now
 
     def on_step(report) -> None:
         bar.update(report.step)
-        bridge.send_event("kiln.progress", {
-            "step": report.step, "total": report.total_steps, "lr": report.lr, "loss": report.loss,
-            "loss_smooth": report.loss_smooth, "it_per_s": report.it_per_s, "eta_s": report.eta_s,
-            "peak_memory_bytes": report.peak_memory_bytes, "run": run_dir.name, "started": started})
+        tracker.on_step(report)
 
     def validate(step: int, lora) -> None:
         # Sampled on `model`, i.e. without the training adapter. Torch: the LoRA branches are live in
@@ -132,9 +128,10 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
                                sampler_name=v.sampler_name, scheduler=v.scheduler, width=v.width, height=v.height)
         samples.append(images)
         bar.update(step, preview=images)
-        bridge.send_event("kiln.sample", {"step": step, "run": run_dir.name})
+        tracker.on_sample(step, images)
 
-    hooks = dict(resume=resume, on_step=on_step, validate=validate if validation is not None else None,
+    hooks = dict(resume=resume, on_step=on_step, should_stop=tracker.should_stop,
+                 validate=validate if validation is not None else None,
                  validate_every=validation.every if validation is not None else 0)
     try:
         if cfg.backend == "mlx":
@@ -143,8 +140,12 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
             with bridge.training_session(train_model, cfg.device) as (module, _device):
                 result: RunResult = train(cfg, module, data, run_dir=run_dir,
                                           forward=bridge.make_forward(train_model, cfg.arch), **hooks)
+    except BaseException as error:
+        tracker.finish(error=error)
+        raise
     finally:
         bridge.free_memory()
+    tracker.finish(result)
     state = KilnState(run_dir=str(run_dir), checkpoint=str(result.checkpoint), step=result.step, arch=cfg.arch,
                       config=cfg.to_dict(), lora=result.lora, ema_lora=result.ema_lora, history=result.history)
     losses = [v for v in result.history.loss if np.isfinite(v)]
@@ -152,6 +153,8 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
     if result.history.skipped:
         summary += (f"; {len(result.history.skipped)} step(s) skipped for a NaN/inf loss (images: "
                     f"{', '.join(sorted({n for e in result.history.skipped for n in e['items']}))})")
+    if result.stopped:
+        summary = f"stopped from the dashboard; queue again to continue. {summary}"
     if losses:
         summary += f"; loss {np.mean(losses[:max(1, len(losses) // 10)]):.4f} → {np.mean(losses[-max(1, len(losses) // 10):]):.4f}"
     return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]))

@@ -8,7 +8,7 @@ from comfy_api.latest import io, ui
 
 from ..trainer import config as cfg_module
 
-from . import bridge, run
+from . import bridge, live, run
 from .widgets import CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, parse_list, widget
 
 TRAIN_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "optimizer", "backend", "seed")
@@ -141,6 +141,10 @@ class KilnTrainLoRA(io.ComfyNode):
                 io.Image.Output(display_name="samples", tooltip="Validation samples, else the loss curve"),
             ],
         )
+
+    @classmethod
+    def fingerprint_inputs(cls, **_inputs):
+        return live.fingerprint()  # after a dashboard Stop, queueing again resumes instead of reusing the cache
 
     @classmethod
     def execute(cls, model, dataset, steps, learning_rate, rank, alpha, optimizer, preset, backend, seed,

@@ -41,6 +41,7 @@ class Report:
     loss_smooth: float | None = None
     grad_norm: float | None = None
     skipped_steps: int = 0       # steps skipped so far for a NaN/inf loss or gradient (as read)
+    weights: Callable[[], dict[str, LoraWeights]] | None = field(default=None, repr=False, compare=False)  # best LoRA now
 
 
 @dataclass
@@ -128,6 +129,13 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                 cursor=sampler.state(), history=history, keep=cfg.keep_checkpoints,
                 lora_metadata=lora_metadata(cfg, arch, step), save_dtype=cfg.save_dtype)
 
+        def best_lora() -> dict[str, LoraWeights]:
+            """What a user keeps (a UI's "save now"): the EMA weights when EMA is on, else the trained ones."""
+            if not cfg.ema:
+                return backend.lora_state()
+            with backend.ema_weights():
+                return backend.lora_state()
+
         pending: list = []  # (step, image names, StepStats): device scalars not yet read (no host sync per step)
         streak: list = []   # the latest run of consecutive skipped (non-finite) steps
 
@@ -180,7 +188,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                             loss=_finite(history.loss[-1]) if logged else None,
                             loss_smooth=_finite(smoothed(history.loss[-200:])[-1]) if logged else None,
                             grad_norm=_finite(history.grad_norm[-1]) if logged else None,
-                            skipped_steps=len(history.skipped))
+                            skipped_steps=len(history.skipped), weights=best_lora)
             try:
                 if on_step is not None:
                     on_step(report)  # may raise (ComfyUI's stop button): state is at a clean step boundary
@@ -205,10 +213,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                 checkpoint_path = save(done)
         flush()
-        ema_lora = None
-        if cfg.ema:
-            with backend.ema_weights():
-                ema_lora = backend.lora_state()
+        ema_lora = best_lora() if cfg.ema else None
         return RunResult(run_dir=run_dir, step=len(history.lr), history=history, lora=backend.lora_state(),
                          ema_lora=ema_lora, checkpoint=checkpoint_path, stopped=stopped,
                          trainable_parameters=backend.trainable_parameter_count(),

@@ -1,0 +1,224 @@
+"""The live dashboard's server side: a registry of training runs and the read-only HTTP answers about them.
+
+Stdlib only (no ComfyUI, no torch), so its tests run anywhere; nodes/live.py feeds it from a running
+Train LoRA node, and `add_routes` puts it on ComfyUI's server:
+
+  GET  /kiln/runs              the runs this server has seen, newest first (summaries)
+  GET  /kiln/runs/{id}         one run: figures, loss and learning-rate history, samples, buckets
+  POST /kiln/runs/{id}/stop    ask the run to stop at the next step: it saves a resumable checkpoint
+  POST /kiln/runs/{id}/save    ask the run to write a LoRA of its current weights at the next step
+
+Answers hold names and ids only, never file-system paths: a run's folder name, a LoRA's name under
+models/loras, and samples as ComfyUI /view arguments (filename, subfolder, type).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+KEEP_RUNS = 16          # finished runs remembered for a reloaded page; running ones are never dropped
+KEEP_SAMPLES = 12       # newest validation samples kept per run
+MAX_POINTS = 1500       # history points in one answer; longer runs are thinned evenly
+RUNNING, FINISHED, STOPPED, INTERRUPTED, FAILED = "running", "finished", "stopped", "interrupted", "error"
+
+
+def _number(value) -> float | None:
+    """A JSON-safe float: None for missing, NaN and inf (JSON has no NaN)."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def thin(count: int, limit: int = MAX_POINTS) -> list[int]:
+    """Indices of at most `limit` evenly spaced points of `count`, always keeping the first and the last."""
+    if count <= limit:
+        return list(range(count))
+    stride = (count - 1) / (limit - 1)
+    return sorted({round(i * stride) for i in range(limit)})
+
+
+@dataclass
+class Run:
+    """One Train LoRA execution as the dashboard sees it. Updated from the training thread, read by
+    the server's thread: every change and every answer happens under the registry's lock."""
+
+    id: str
+    name: str                               # the run folder's name, e.g. "tiny-0a1b2c3d4e"
+    total: int
+    start_step: int = 0                     # > 0 when the run resumed from a checkpoint
+    node: str | None = None                 # the Train LoRA node's id in the queued prompt
+    prompt_id: str | None = None
+    arch: str = ""
+    buckets: dict[str, int] = field(default_factory=dict)   # "WxH" → training entries
+    status: str = RUNNING
+    message: str = ""
+    started: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    step: int = 0
+    figures: dict = field(default_factory=dict)             # the newest step's lr, it/s, ETA, memory, loss
+    steps: list[int] = field(default_factory=list)          # steps with a loss reading
+    loss: list[float | None] = field(default_factory=list)
+    lr_steps: list[int] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+    samples: list[dict] = field(default_factory=list)       # {"step", "image": {filename, subfolder, type}}
+    saved: list[dict] = field(default_factory=list)         # {"step", "name"} LoRAs written by Save now
+    stop_requested: bool = False
+    save_requested: bool = False
+
+    def summary(self) -> dict:
+        return {"id": self.id, "name": self.name, "node": self.node, "prompt_id": self.prompt_id,
+                "arch": self.arch, "status": self.status, "message": self.message, "step": self.step,
+                "total": self.total, "start_step": self.start_step, "started": self.started,
+                "updated": self.updated, "stop_requested": self.stop_requested,
+                "save_requested": self.save_requested}
+
+    def detail(self, max_points: int = MAX_POINTS) -> dict:
+        keep = thin(len(self.steps), max_points)
+        keep_lr = thin(len(self.lr_steps), max_points)
+        return {**self.summary(), "figures": dict(self.figures), "buckets": dict(self.buckets),
+                "history": {"step": [self.steps[i] for i in keep], "loss": [self.loss[i] for i in keep],
+                            "lr_step": [self.lr_steps[i] for i in keep_lr], "lr": [self.lr[i] for i in keep_lr]},
+                "samples": list(self.samples), "saved": list(self.saved)}
+
+
+def progress_payload(run: Run, report) -> dict:
+    """The kiln.progress event for one step: the old fields (step, total, loss, ...) plus the run's id,
+    node and status, so a page can tell runs apart and ask GET /kiln/runs/{id} for what it missed."""
+    figures = {"lr": _number(report.lr), "loss": _number(report.loss), "loss_smooth": _number(report.loss_smooth),
+               "it_per_s": _number(report.it_per_s), "eta_s": _number(report.eta_s),
+               "peak_memory_bytes": int(report.peak_memory_bytes or 0)}
+    return {"run_id": run.id, "run": run.name, "node": run.node, "prompt_id": run.prompt_id, "step": report.step,
+            "total": report.total_steps, "started": run.started, "status": run.status, **figures}
+
+
+class Registry:
+    """The runs of this ComfyUI process, by id. Thread-safe; forgets the oldest finished runs."""
+
+    def __init__(self, keep: int = KEEP_RUNS):
+        self.keep = keep
+        self.lock = threading.Lock()
+        self.runs: dict[str, Run] = {}
+        self.stops_by_node: dict[str, int] = {}
+
+    def start(self, name: str, total: int, **details) -> Run:
+        run = Run(id=uuid.uuid4().hex[:12], name=name, total=total, **details)
+        run.step = run.start_step
+        with self.lock:
+            self.runs[run.id] = run
+            finished = [r for r in self.runs.values() if r.status != RUNNING]
+            for old in sorted(finished, key=lambda r: r.updated)[:max(0, len(self.runs) - self.keep)]:
+                del self.runs[old.id]
+        return run
+
+    def preload(self, run: Run, loss: list, lr: list) -> None:
+        """A resumed run's history before its first new step (one loss and one lr per step from 1)."""
+        with self.lock:
+            run.steps, run.loss = list(range(1, len(loss) + 1)), [_number(v) for v in loss]
+            run.lr_steps, run.lr = list(range(1, len(lr) + 1)), [float(v) for v in lr]
+
+    def record(self, run: Run, report) -> dict:
+        """Add one step's report to the run; returns the kiln.progress payload."""
+        with self.lock:
+            run.step, run.total, run.updated = report.step, report.total_steps, time.time()
+            run.lr_steps.append(report.step)
+            run.lr.append(float(report.lr))
+            if report.loss is not None:
+                run.steps.append(report.step)
+                run.loss.append(_number(report.loss))
+            payload = progress_payload(run, report)
+            run.figures = {k: payload[k] for k in ("lr", "loss", "loss_smooth", "it_per_s", "eta_s",
+                                                   "peak_memory_bytes")}
+            if report.loss is None:  # a step without a loss reading keeps the last one shown
+                run.figures.update(loss=_number(run.loss[-1]) if run.loss else None)
+            return payload
+
+    def add_sample(self, run: Run, step: int, image: dict) -> dict:
+        """A validation sample (ComfyUI /view arguments); returns the kiln.sample payload."""
+        with self.lock:
+            run.samples = [*run.samples, {"step": step, "image": dict(image)}][-KEEP_SAMPLES:]
+            run.updated = time.time()
+            return {"run_id": run.id, "run": run.name, "node": run.node, "step": step, "image": dict(image)}
+
+    def add_saved(self, run: Run, step: int, name: str) -> dict:
+        with self.lock:
+            run.saved.append({"step": step, "name": name})
+            run.save_requested, run.updated = False, time.time()
+            return run.summary() | {"saved": list(run.saved)}
+
+    def finish(self, run: Run, status: str, message: str = "") -> dict:
+        with self.lock:
+            run.status, run.message, run.updated = status, message, time.time()
+            run.save_requested = False
+            if status == STOPPED and run.node is not None:
+                self.stops_by_node[run.node] = self.stops_by_node.get(run.node, 0) + 1
+            return run.summary()
+
+    def take_save(self, run: Run) -> bool:
+        """True once per Save now request (the training thread then writes the LoRA)."""
+        with self.lock:
+            wanted, run.save_requested = run.save_requested, False
+            return wanted
+
+    def stop_wanted(self, run: Run) -> bool:
+        with self.lock:
+            return run.stop_requested
+
+    def stops(self, node: str | None) -> int:
+        """How many runs of this node the dashboard stopped: Train LoRA's fingerprint, so that queueing
+        the same graph again runs the node (and resumes the run) instead of reusing its cached output."""
+        with self.lock:
+            return self.stops_by_node.get(str(node), 0)
+
+    # ---------------------------------------------------------------- the HTTP answers
+
+    def answer(self, method: str, run_id: str | None = None, action: str | None = None) -> tuple[int, dict]:
+        """(HTTP status, JSON body) for the routes above; the aiohttp handlers only translate."""
+        with self.lock:
+            if run_id is None:
+                runs = sorted(self.runs.values(), key=lambda r: r.started, reverse=True)
+                return 200, {"runs": [r.summary() for r in runs]}
+            run = self.runs.get(run_id)
+            if run is None:
+                return 404, {"error": f"no Kiln run {run_id!r} on this server (it may have restarted)"}
+            if action is None:
+                return 200, run.detail()
+            if method != "POST" or action not in ("stop", "save"):
+                return 405, {"error": f"{method} /kiln/runs/{{id}}/{action} is not a Kiln action (POST stop or save)"}
+            if run.status != RUNNING:
+                return 409, {"error": f"run {run.name} is {run.status}; queue the workflow again to continue it",
+                             "run": run.summary()}
+            if action == "stop":
+                run.stop_requested = True
+            else:
+                run.save_requested = True
+            run.updated = time.time()
+            return 202, {"run": run.summary()}
+
+
+REGISTRY = Registry()
+
+
+def add_routes(routes, registry: Registry = REGISTRY) -> None:
+    """Register the four routes on ComfyUI's route table (PromptServer.instance.routes; ComfyUI also
+    serves each under /api)."""
+    from aiohttp import web
+
+    def reply(status_and_body) -> web.Response:
+        status, body = status_and_body
+        return web.json_response(body, status=status)
+
+    @routes.get("/kiln/runs")
+    async def list_runs(request):
+        return reply(registry.answer("GET"))
+
+    @routes.get("/kiln/runs/{run_id}")
+    async def one_run(request):
+        return reply(registry.answer("GET", request.match_info["run_id"]))
+
+    @routes.post("/kiln/runs/{run_id}/{action}")
+    async def act(request):
+        return reply(registry.answer("POST", request.match_info["run_id"], request.match_info["action"]))

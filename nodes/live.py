@@ -1,0 +1,118 @@
+"""A running Train LoRA node on the live dashboard (web/kiln_dashboard.js): the ComfyUI side of dashboard.py.
+
+Per step it records the report in the run registry and sends `kiln.progress`; per validation sample it
+writes a JPEG into ComfyUI's temp folder (served by /view) and sends `kiln.sample`; on start, on
+Save now and at the end it sends `kiln.run` (the run's summary). The dashboard's Stop and Save now
+buttons only set flags in the registry: the training loop reads Stop through `should_stop` (it saves a
+resumable checkpoint and returns), and `on_step` writes a Save now LoRA from the step's best weights.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import folder_paths
+import numpy as np
+from PIL import Image
+
+from ..trainer import lora_format
+from ..trainer.archs import get_arch
+from ..trainer.loop import lora_metadata
+
+from . import bridge, dashboard
+
+SAMPLE_PX = 512               # longest side of a sample as the dashboard shows it
+SAMPLES_SUBFOLDER = "kiln"    # under ComfyUI's temp folder (emptied when ComfyUI starts)
+SAVED_SUBFOLDER = "kiln"      # Save now LoRAs go to models/loras/kiln/
+
+
+def executing_node() -> tuple[str | None, str | None]:
+    """(node id, prompt id) of the node ComfyUI is running now; (None, None) outside a prompt."""
+    utils = sys.modules.get("comfy_execution.utils")
+    context = utils.get_executing_context() if utils is not None else None
+    return (str(context.node_id), context.prompt_id) if context is not None else (None, None)
+
+
+def fingerprint() -> int:
+    """Train LoRA's fingerprint_inputs: changes when the dashboard stopped this node's run, so queueing
+    the graph again runs the node (resuming the run) instead of reusing its cached outputs."""
+    return dashboard.REGISTRY.stops(executing_node()[0])
+
+
+def prior_history(checkpoint) -> tuple[list, list]:
+    """(loss, lr) per step before a resumed run's first step, from the checkpoint's run.json."""
+    if checkpoint is None:
+        return [], []
+    try:
+        saved = json.loads((Path(checkpoint) / "run.json").read_text(encoding="utf-8"))["history"]
+        return list(saved["loss"]), list(saved["lr"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return [], []   # a run folder or an unreadable file: the curve starts at the resumed step
+
+
+class Tracker:
+    """One Train LoRA execution on the dashboard."""
+
+    def __init__(self, cfg, run_dir: Path, data, resume=None, registry: dashboard.Registry = dashboard.REGISTRY):
+        node, prompt_id = executing_node()
+        loss, lr = prior_history(resume)
+        self.cfg, self.registry = cfg, registry
+        self.run = registry.start(Path(run_dir).name, cfg.steps, start_step=len(lr), node=node, prompt_id=prompt_id,
+                                  arch=cfg.arch, buckets={key: len(items) for key, items in data.buckets.items()})
+        registry.preload(self.run, loss, lr)
+        bridge.send_event("kiln.run", self.run.summary())
+
+    def on_step(self, report) -> None:
+        bridge.send_event("kiln.progress", self.registry.record(self.run, report))
+        if self.registry.take_save(self.run) and report.weights is not None:
+            name = self.save_lora(report.step, report.weights())
+            bridge.send_event("kiln.run", self.registry.add_saved(self.run, report.step, name))
+
+    def should_stop(self) -> bool:
+        return self.registry.stop_wanted(self.run)
+
+    def on_sample(self, step: int, images) -> None:
+        """The first image of a validation batch (IMAGE [B,H,W,3] in [0,1]) as a JPEG in temp/kiln/."""
+        pixels = images.reshape(-1, *images.shape[-3:])[0].float().clamp(0, 1).mul(255).round().byte().cpu().numpy()
+        picture = Image.fromarray(np.ascontiguousarray(pixels))
+        picture.thumbnail((SAMPLE_PX, SAMPLE_PX))
+        folder = Path(folder_paths.get_temp_directory()) / SAMPLES_SUBFOLDER
+        folder.mkdir(parents=True, exist_ok=True)
+        filename = f"{self.run.id}-step{step:06d}.jpg"
+        picture.save(folder / filename, quality=90)
+        image = {"filename": filename, "subfolder": SAMPLES_SUBFOLDER, "type": "temp"}
+        bridge.send_event("kiln.sample", self.registry.add_sample(self.run, step, image))
+
+    def save_lora(self, step: int, weights) -> str:
+        """Save now: the LoRA as of this step into models/loras/kiln/ (atomic write); its LoraLoader name."""
+        name = f"{SAVED_SUBFOLDER}/{self.run.name}-step{step:06d}.safetensors"
+        cfg = self.cfg
+        lora_format.save_lora(Path(bridge.folders()["loras"]) / name, weights, arch=cfg.arch, fmt=cfg.lora_format,
+                              dtype=cfg.save_dtype, metadata=lora_metadata(cfg, get_arch(cfg.arch), step))
+        bridge.refresh_loras()
+        print(f"[Kiln] saved {name} (step {step}) from the dashboard")
+        return name
+
+    def finish(self, result=None, error: BaseException | None = None) -> None:
+        if error is not None:
+            status = dashboard.INTERRUPTED if isinstance(error, bridge.Interrupted) else dashboard.FAILED
+            message = "stopped by ComfyUI's stop button" if status == dashboard.INTERRUPTED else str(error)[:300]
+        elif result.stopped:
+            status, message = dashboard.STOPPED, f"stopped at step {result.step} from the dashboard"
+        else:
+            status, message = dashboard.FINISHED, f"trained to step {result.step}"
+        bridge.send_event("kiln.run", self.registry.finish(self.run, status, message))
+
+
+_routes_added = False
+
+
+def add_routes() -> None:
+    """Put /kiln/runs on ComfyUI's server (once); nothing when no server runs (tests, headless)."""
+    global _routes_added
+    server = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
+    if server is None or _routes_added:
+        return
+    dashboard.add_routes(server.routes)
+    _routes_added = True

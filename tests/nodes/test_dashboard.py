@@ -1,0 +1,152 @@
+"""nodes/dashboard.py without ComfyUI: the run registry, the answers of /kiln/runs, and the routes on aiohttp.
+
+The module imports nothing from the pack or ComfyUI, so it is loaded from its file (importing the
+`nodes` package would import ComfyUI's comfy_api).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SOURCE = Path(__file__).resolve().parents[2] / "nodes" / "dashboard.py"
+spec = importlib.util.spec_from_file_location("kiln_dashboard_under_test", SOURCE)
+dashboard = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = dashboard   # dataclasses look their module up while the file runs
+spec.loader.exec_module(dashboard)
+
+
+@dataclass
+class Report:                        # the fields of trainer.loop.Report the registry reads
+    step: int
+    total_steps: int = 10
+    lr: float = 1e-3
+    it_per_s: float = 2.0
+    eta_s: float = 4.0
+    peak_memory_bytes: int = 0
+    loss: float | None = 0.5
+    loss_smooth: float | None = 0.5
+
+
+def started(registry, **details):
+    details = {"node": "8", "prompt_id": "p1", "arch": "flux2_klein", "buckets": {"64x64": 2, "80x64": 2}} | details
+    return registry.start("tiny-0a1b2c3d4e", 10, **details)
+
+
+def test_a_run_records_its_steps_and_answers_with_names_only():
+    registry = dashboard.Registry()
+    run = started(registry)
+    payload = registry.record(run, Report(1, loss=0.9))
+    registry.record(run, Report(2, loss=None, loss_smooth=None))     # a step without a loss reading
+    registry.record(run, Report(3, loss=float("nan")))
+    registry.add_sample(run, 3, {"filename": f"{run.id}-step000003.jpg", "subfolder": "kiln", "type": "temp"})
+    registry.add_saved(run, 3, "kiln/tiny-0a1b2c3d4e-step000003.safetensors")
+
+    assert payload["run_id"] == run.id and payload["node"] == "8" and payload["status"] == "running"
+    assert {"step", "total", "lr", "loss", "loss_smooth", "it_per_s", "eta_s", "peak_memory_bytes", "run",
+            "started"} <= set(payload)                                 # the fields the event always had
+    status, detail = registry.answer("GET", run.id)
+    assert status == 200 and detail["step"] == 3 and detail["total"] == 10
+    assert detail["history"] == {"step": [1, 3], "loss": [0.9, None], "lr_step": [1, 2, 3], "lr": [1e-3] * 3}
+    assert detail["figures"]["loss"] is None and detail["figures"]["it_per_s"] == 2.0
+    assert detail["buckets"] == {"64x64": 2, "80x64": 2}
+    assert detail["samples"][0]["image"]["type"] == "temp" and detail["saved"][0]["step"] == 3
+    text = json.dumps(detail, allow_nan=False)                          # NaN became null: valid JSON
+    assert "\"/" not in text                                             # no absolute file-system paths
+
+    status, listing = registry.answer("GET")
+    assert status == 200 and [r["id"] for r in listing["runs"]] == [run.id]
+    assert "history" not in listing["runs"][0]
+
+
+def test_stop_and_save_are_requests_the_training_thread_takes():
+    registry = dashboard.Registry()
+    run = started(registry)
+    assert not registry.stop_wanted(run) and not registry.take_save(run)
+    assert registry.answer("POST", run.id, "save")[0] == 202
+    assert registry.take_save(run) and not registry.take_save(run)     # once per request
+    status, body = registry.answer("POST", run.id, "stop")
+    assert status == 202 and body["run"]["stop_requested"] and registry.stop_wanted(run)
+
+    assert registry.stops("8") == 0
+    registry.finish(run, dashboard.STOPPED, "stopped at step 4 from the dashboard")
+    assert registry.stops("8") == 1 and registry.stops("9") == 0      # Train LoRA's fingerprint moves on
+    status, body = registry.answer("POST", run.id, "stop")
+    assert status == 409 and "queue the workflow again" in body["error"]
+
+
+def test_unknown_runs_and_actions_are_refused():
+    registry = dashboard.Registry()
+    run = started(registry)
+    assert registry.answer("GET", "nope")[0] == 404
+    assert registry.answer("POST", "nope", "stop")[0] == 404
+    assert registry.answer("POST", run.id, "delete")[0] == 405
+    assert registry.answer("GET", run.id, "stop")[0] == 405
+
+
+def test_old_finished_runs_are_forgotten_running_ones_never():
+    registry = dashboard.Registry(keep=3)
+    running = [started(registry) for _ in range(4)]
+    for run in running[:2]:
+        registry.finish(run, dashboard.FINISHED)
+    newer = [started(registry) for _ in range(2)]
+    ids = set(registry.runs)
+    assert running[0].id not in ids and running[1].id not in ids
+    assert {r.id for r in running[2:] + newer} <= ids
+
+
+def test_a_resumed_run_starts_with_its_history():
+    registry = dashboard.Registry()
+    run = started(registry, start_step=3)
+    registry.preload(run, [1.0, float("inf"), 0.5], [1e-3, 1e-3, 1e-3])
+    registry.record(run, Report(4, loss=0.4))
+    detail = registry.answer("GET", run.id)[1]
+    assert detail["start_step"] == 3
+    assert detail["history"]["step"] == [1, 2, 3, 4] and detail["history"]["loss"] == [1.0, None, 0.5, 0.4]
+
+
+def test_long_histories_are_thinned_evenly_keeping_both_ends():
+    assert dashboard.thin(5, 10) == [0, 1, 2, 3, 4]
+    kept = dashboard.thin(100_000, 1500)
+    assert kept[0] == 0 and kept[-1] == 99_999 and len(kept) <= 1500
+    gaps = {b - a for a, b in itertools.pairwise(kept)}
+    assert max(gaps) - min(gaps) <= 1
+    registry = dashboard.Registry()
+    run = started(registry)
+    for step in range(1, 3001):
+        registry.record(run, Report(step, total_steps=3000, loss=math.sin(step)))
+    history = run.detail(max_points=100)["history"]
+    assert len(history["step"]) == 100 and history["step"][-1] == 3000
+
+
+def test_routes_on_aiohttp():
+    web = pytest.importorskip("aiohttp.web")
+    test_utils = pytest.importorskip("aiohttp.test_utils")
+    registry = dashboard.Registry()
+    run = started(registry)
+    registry.record(run, Report(1))
+
+    async def scenario():
+        routes = web.RouteTableDef()
+        dashboard.add_routes(routes, registry)
+        app = web.Application()
+        app.add_routes(routes)
+        async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+            listing = await (await client.get("/kiln/runs")).json()
+            detail = await client.get(f"/kiln/runs/{run.id}")
+            stop = await client.post(f"/kiln/runs/{run.id}/stop")
+            missing = await client.get("/kiln/runs/nope")
+            return listing, detail.status, await detail.json(), stop.status, missing.status
+
+    listing, detail_status, detail, stop_status, missing_status = asyncio.run(scenario())
+    assert listing["runs"][0]["id"] == run.id
+    assert detail_status == 200 and detail["history"]["step"] == [1]
+    assert stop_status == 202 and registry.stop_wanted(run)
+    assert missing_status == 404

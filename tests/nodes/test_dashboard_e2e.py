@@ -1,0 +1,169 @@
+"""The live dashboard end to end: a real ComfyUI (COMFYUI_PATH) with the pack, its frontend in headless
+Chromium driven by playwright-core (tests/web/e2e_dashboard.mjs), training the tiny Flux2 workflow.
+
+Needs COMFYUI_PATH, node, Chromium (`apt-get install chromium`, or CHROMIUM=/path) and playwright-core
+(`npm install` at the repository root); skips with the reason otherwise. The browser loads the
+workflow (Train LoRA with validation samples every 2 steps), queues it as the Queue button does, and
+checks on the Train LoRA node and in the Kiln sidebar tab: the loss curve, the figures, the bucket
+distribution and a sample thumbnail; then Save now (a LoRA appears in models/loras/kiln/), Stop (a
+resumable checkpoint, the run says stopped) and queueing again (the run resumes from that step). No
+console errors may come from Kiln's files. The screenshot is left in the test's tmp dir;
+KILN_DASHBOARD_SCREENSHOT=docs/dashboard.png copies it there (for the README).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for folder in (HERE.parent, HERE):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+import comfy_env  # noqa: E402
+
+COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
+
+import tiny_comfy as tc  # noqa: E402
+from comfy_server import ComfyServer  # noqa: E402
+
+DRIVER = REPO / "tests" / "web" / "e2e_dashboard.mjs"
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") or ""
+NODE = shutil.which("node") or ""
+PLAYWRIGHT = REPO / "node_modules" / "playwright-core" / "package.json"
+TOTAL_STEPS = 1000        # far more than the test waits for: it stops the run
+MIN_POINTS = int(os.environ.get("KILN_E2E_MIN_POINTS", "4"))
+
+missing = [what for what, present in (("node", NODE), ("chromium (apt-get install chromium, or set CHROMIUM)",
+                                                        CHROMIUM), ("playwright-core (npm install)",
+                                                                    PLAYWRIGHT.is_file())) if not present]
+pytestmark = pytest.mark.skipif(bool(missing), reason=f"the dashboard e2e test needs {', '.join(missing)}")
+
+
+def make_dataset(folder: Path, count: int = 4) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    for i in range(count):
+        width, height = (64, 64) if i % 2 else (80, 64)   # two buckets
+        Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
+
+
+def dashboard_workflow() -> dict:
+    """tiny_flux2_api.json with many steps and validation samples every 2 steps (no Save LoRA node)."""
+    prompt = json.loads((HERE / "workflows" / "tiny_flux2_api.json").read_text(encoding="utf-8"))
+    del prompt["9"]
+    prompt["8"]["inputs"].update(steps=TOTAL_STEPS, validation=["12", 0])
+    prompt["7"]["inputs"].update(log_every=1, checkpoint_every=0, run_name="dash", lr_schedule="cosine_with_warmup",
+                                 warmup_steps=8)
+    for node_id, text in (("10", "kiln, a photo"), ("11", "")):
+        prompt[node_id] = {"class_type": "CLIPTextEncode", "inputs": {"text": text, "clip": ["2", 0]},
+                           "_meta": {"title": "Positive" if text else "Negative"}}
+    prompt["12"] = {"class_type": "KilnValidationSettings", "_meta": {"title": "Kiln Validation Settings"}, "inputs": {
+        "positive": ["10", 0], "negative": ["11", 0], "vae": ["3", 0], "seed": 0, "steps": 2, "cfg": 1.0,
+        "sampler_name": "euler", "scheduler": "simple", "width": 64, "height": 64, "every": 2}}
+    return prompt
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfy_dash")
+    for sub in ("custom_nodes", "models/diffusion_models", "models/vae", "models/loras", "input", "output",
+                "user/default"):
+        (base / sub).mkdir(parents=True)
+    (base / "custom_nodes" / "kiln").symlink_to(REPO, target_is_directory=True)
+    (base / "custom_nodes" / "kiln_test_nodes").symlink_to(HERE / "server_nodes", target_is_directory=True)
+    tc.write_flux2_file(base / "models" / "diffusion_models" / "kiln_tiny_flux2_klein.safetensors")
+    tc.write_vae_file(base / "models" / "vae" / "kiln_tiny_flux2_vae.safetensors", flux2=True)
+    make_dataset(base / "input" / "kiln_tiny_dataset")
+    # A returning user: no first-run tutorial or template browser over the canvas.
+    (base / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    comfy = ComfyServer(COMFY, base)
+    comfy.start()
+    try:
+        yield comfy
+    finally:
+        comfy.stop()
+
+
+def kiln_errors(report: dict) -> list[str]:
+    """Console errors, page errors and failed requests that come from Kiln's files or routes."""
+    found = [f"console: {e['text']} ({e['url']})" for e in report["console"]
+             if e["type"] == "error" and "kiln" in (e["text"] + e["url"]).lower()]
+    found += [f"page error: {e['text']}" for e in report["pageErrors"] if "kiln" in (e["text"] + e["stack"]).lower()]
+    found += [f"request failed: {r['url']} {r['error']}" for r in report["failedRequests"] if "kiln" in r["url"]]
+    return found
+
+
+def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
+    workflow = tmp_path / "workflow.json"
+    workflow.write_text(json.dumps(dashboard_workflow()), encoding="utf-8")
+    shots = tmp_path / "browser"
+    started = time.monotonic()
+    done = subprocess.run([NODE, str(DRIVER), "--url", server.url, "--workflow", str(workflow), "--out", str(shots),
+                           "--chromium", CHROMIUM, "--min-points", str(MIN_POINTS), "--timeout-s", "420"],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, f"driver failed ({done.returncode}):\n{done.stderr[-4000:]}"
+    report = json.loads(lines[-1])
+    assert report["ok"], f"{report.get('error')}\n{done.stderr[-3000:]}\nserver:\n{server.log_tail(80)}"
+    assert kiln_errors(report) == [], kiln_errors(report)
+
+    # The dashboard widget is not a value: not in the saved workflow's widgets_values, not in the prompt.
+    serialized = report["serialized"]
+    assert "kiln_dashboard" in serialized["widgets"] and "kiln_dashboard" not in serialized["promptInputs"]
+    assert len(serialized["widgetsValues"]) == len(serialized["widgets"]) - 1, serialized
+
+    # While it trained: the curve, the figures, the buckets and a sample, on the node and in the sidebar.
+    node, panel = report["running"]["node"], report["running"]["panel"]
+    assert node["run"] and panel["run"] == node["run"] and node["status"] == "running"
+    for view in (node, panel):
+        assert view["points"] >= MIN_POINTS and view["smoothPath"].startswith("M"), view
+        assert re.fullmatch(r"step \d+ / 1,000", view["steps"]), view["steps"]
+        for key in ("loss", "smooth", "lr", "rate", "eta"):
+            assert view["figures"][key] != "—", (key, view["figures"])
+        assert "64x64" in view["buckets"] and "64x48" in view["buckets"], view["buckets"]   # 80x64 → 64x48 at 64 px
+        assert view["sample"]["width"] > 0 and "/view?" in view["sample"]["src"], view["sample"]
+        assert "type=temp" in view["sample"]["src"]
+
+    # Save now wrote a LoRA of the current weights into models/loras/kiln/, loadable as any Kiln LoRA.
+    saved_name = re.search(r"saved (kiln/\S+\.safetensors)", report["saved"]["note"]).group(1)
+    saved = server.base / "models" / "loras" / saved_name
+    from trainer import lora_format
+
+    lora, metadata = lora_format.load_lora(saved)
+    assert lora and metadata["kiln.arch"] == "flux2_klein"
+
+    # Stop: the run says stopped, at a step short of the total, with a resumable checkpoint there.
+    runs = server.get("/kiln/runs")["runs"]
+    assert str(server.base) not in json.dumps(runs)                     # names and ids, no paths
+    first = next(r for r in runs if r["id"] == report["stopped"]["node"]["run"])
+    assert first["status"] == "stopped" and 0 < first["step"] < TOTAL_STEPS
+    assert report["stopped"]["panel"]["status"] == "stopped"
+    checkpoint = server.base / "output" / "kiln" / first["name"] / f"step-{first['step']:06d}"
+    assert (checkpoint / "run.json").is_file(), sorted(p.name for p in checkpoint.parent.iterdir())
+
+    # Queueing again re-ran Train LoRA (its fingerprint moved on) and resumed at the stopped step.
+    second = server.get(f"/kiln/runs/{report['resumed']['run']}")
+    assert str(server.base) not in json.dumps(second)
+    assert second["name"] == first["name"] and second["start_step"] == first["step"]
+    assert second["status"] == "stopped" and second["step"] > first["step"]
+    assert second["history"]["step"][:first["step"]] == list(range(1, first["step"] + 1))
+
+    screenshot = shots / "dashboard.png"
+    assert screenshot.stat().st_size > 10_000
+    if os.environ.get("KILN_DASHBOARD_SCREENSHOT"):
+        shutil.copyfile(screenshot, os.environ["KILN_DASHBOARD_SCREENSHOT"])
+    print(f"\ndashboard e2e: {time.monotonic() - started:.0f} s, screenshot {screenshot}")

@@ -1,0 +1,120 @@
+"""The dashboard's hooks in a real ComfyUI (COMFYUI_PATH), in process, on a tiny Flux2: what Stop and
+Save now do to a Train LoRA run, and the events a page receives (nodes/live.py).
+
+Stop and Save now are pressed through the registry's own answers (what POST /kiln/runs/{id}/stop and
+/save call), from inside the event hook, at fixed steps.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+HERE = Path(__file__).resolve().parent
+for folder in (HERE.parent, HERE):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+import comfy_env  # noqa: E402
+
+comfy_env.require_comfy()
+
+import folder_paths  # noqa: E402
+import tiny_comfy as tc  # noqa: E402
+
+bridge = comfy_env.import_pack("nodes.bridge")
+dashboard = comfy_env.import_pack("nodes.dashboard")
+live = comfy_env.import_pack("nodes.live")
+dn = comfy_env.import_pack("nodes.dataset_nodes")
+tn = comfy_env.import_pack("nodes.train_nodes")
+lora_format = comfy_env.import_pack("trainer.lora_format")
+
+
+@pytest.fixture
+def comfy_dirs(tmp_path, monkeypatch):
+    for name in ("input", "output", "loras", "temp"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setattr(folder_paths, "input_directory", str(tmp_path / "input"))
+    monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path / "output"))
+    monkeypatch.setattr(folder_paths, "temp_directory", str(tmp_path / "temp"))
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
+                        ([str(tmp_path / "loras")], folder_paths.supported_pt_extensions))
+    bridge.refresh_loras()
+    return tmp_path
+
+
+def encoded_dataset(root: Path, vae, clip):
+    folder = root / "input" / "live"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        size = (64, 64) if i % 2 else (96, 64)
+        Image.fromarray(rng.integers(0, 255, (*size[::-1], 3), dtype=np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
+    loaded = dn.KilnLoadDataset.execute("live", "kiln", "", "", "64", 1, 0.0).result[0]
+    return dn.KilnEncodeCaptions.execute(dn.KilnEncodeImages.execute(loaded, vae).result[0], clip).result[0]
+
+
+def test_save_now_and_stop_from_the_dashboard_then_resume(comfy_dirs, monkeypatch):
+    model, vae, clip = tc.tiny_flux2(comfy_dirs), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
+    ds = encoded_dataset(comfy_dirs, vae, clip)
+    validation = tn.KilnValidationSettings.execute(
+        positive=tc.conditioning(clip, "kiln"), negative=tc.conditioning(clip, ""), vae=vae, seed=0, steps=1,
+        cfg=1.0, sampler_name="euler", scheduler="simple", width=32, height=32, every=2).result[0]
+    events: list[tuple[str, dict]] = []
+
+    def send_event(name, data):
+        events.append((name, data))
+        if name == "kiln.progress" and data["step"] == 2:
+            assert dashboard.REGISTRY.answer("POST", data["run_id"], "save")[0] == 202
+        if name == "kiln.progress" and data["step"] == 4:
+            assert dashboard.REGISTRY.answer("POST", data["run_id"], "stop")[0] == 202
+        return True
+
+    monkeypatch.setattr(bridge, "send_event", send_event)
+    monkeypatch.setattr(live, "executing_node", lambda: ("kiln-live-test", "prompt-1"))
+    fingerprint = tn.KilnTrainLoRA.fingerprint_inputs()
+
+    def train():
+        return tn.KilnTrainLoRA.execute(model, ds, steps=8, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw",
+                                        preset="none", backend="torch", seed=1, validation=validation,
+                                        options={"device": "cpu", "mixed_precision": "no", "checkpoint_every": 0,
+                                                 "run_name": "live", "ema": True, "ema_decay": 0.9, "log_every": 1})
+
+    stopped = train()
+    state = stopped.result[2]
+    assert state.step == 4 and "stopped from the dashboard" in stopped.ui.value
+    assert Path(state.checkpoint).name == "step-000004" and (Path(state.checkpoint) / "run.json").is_file()
+
+    names = [name for name, _ in events]
+    assert names[0] == "kiln.run" and events[0][1]["status"] == "running" and events[0][1]["node"] == "kiln-live-test"
+    progress = [data for name, data in events if name == "kiln.progress"]
+    assert [p["step"] for p in progress] == [1, 2, 3, 4]
+    run_id = progress[0]["run_id"]
+    assert all(p["run_id"] == run_id and p["total"] == 8 and p["loss"] is not None for p in progress)
+    samples = [data for name, data in events if name == "kiln.sample"]
+    assert [s["step"] for s in samples] == [2, 4]
+    for sample in samples:   # a JPEG that ComfyUI's /view serves from its temp folder
+        image = sample["image"]
+        assert image["type"] == "temp" and "/" not in image["filename"]
+        assert (comfy_dirs / "temp" / image["subfolder"] / image["filename"]).is_file()
+    saved_event = next(data for name, data in events if name == "kiln.run" and data.get("saved"))
+    assert events[-1][0] == "kiln.run" and events[-1][1]["status"] == "stopped"
+
+    # Save now wrote the LoRA as of step 2 (the EMA weights: EMA is on) where LoraLoader lists it.
+    name = saved_event["saved"][0]["name"]
+    assert name == f"kiln/{Path(state.run_dir).name}-step000002.safetensors" and name in bridge.lora_names()
+    lora, metadata = lora_format.load_lora(comfy_dirs / "loras" / name)
+    assert set(lora) == set(state.lora) and metadata["kiln.steps"] == "2"
+
+    # Queueing again: the node's fingerprint moved on (ComfyUI runs it instead of reusing the cached
+    # outputs) and the run resumes at step 4 with its history.
+    assert tn.KilnTrainLoRA.fingerprint_inputs() == fingerprint + 1
+    finished = train().result[2]
+    assert finished.step == 8 and finished.run_dir == state.run_dir
+    resumed = dashboard.REGISTRY.answer("GET", events[-1][1]["id"])[1]
+    assert resumed["id"] != run_id and resumed["start_step"] == 4 and resumed["status"] == "finished"
+    assert resumed["history"]["step"] == list(range(1, 9))
