@@ -327,20 +327,29 @@ def fill_random_(module: torch.nn.Module, seed: int) -> None:
     for name, param in sorted(module.named_parameters()):
         if generator is None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
+        # Drawn in bf16 for fp8 storage (no normal_ for float8): an fp8 model is the bf16 one rounded.
+        target = param if param.dtype.itemsize > 1 else torch.empty_like(param, dtype=torch.bfloat16)
         if param.ndim >= 2 and not name.endswith("pad_token"):
-            param.normal_(0.0, 1.0 / math.sqrt(math.prod(param.shape[1:])), generator=generator)
+            target.normal_(0.0, 1.0 / math.sqrt(math.prod(param.shape[1:])), generator=generator)
         elif "norm" in name or name.endswith(".scale"):
-            param.normal_(1.0, 0.1, generator=generator)
+            target.normal_(1.0, 0.1, generator=generator)
         else:
-            param.normal_(0.0, 0.02, generator=generator)
+            target.normal_(0.0, 0.02, generator=generator)
+        if target is not param:
+            param.copy_(target)
 
 
-def build_model(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A ComfyUI MODEL (ModelPatcher) of this architecture with random weights on `device`."""
+def build_model(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed: int = 0, base: str = "bf16"):
+    """A ComfyUI MODEL (ModelPatcher) of this architecture with random weights on `device`. base "fp8":
+    stored as Load Diffusion Model's weight_dtype fp8_e4m3fn stores it (manual cast to `dtype` on each
+    use; without comfy_kitchen no fp8 matmul), the same random values rounded to fp8."""
     import comfy.model_patcher
 
     model_config, source = model_config_for(dims)
-    model_config.set_inference_dtype(dtype, None)
+    if base == "fp8":
+        model_config.set_inference_dtype(torch.float8_e4m3fn, dtype)
+    else:
+        model_config.set_inference_dtype(dtype, None)
     started = time.perf_counter()
     base = model_config.get_model({}, "", device=device)
     base.to(device)  # anything a class created off-device (no-op for Flux2 / NextDiT)
@@ -348,7 +357,9 @@ def build_model(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed:
     sync(device)
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
     params = sum(p.numel() for p in base.diffusion_model.parameters())
-    return patcher, {"model_config": source, "params": params, "build_s": round(time.perf_counter() - started, 2)}
+    weight_gb = sum(p.numel() * p.element_size() for p in base.diffusion_model.parameters()) / GIB
+    return patcher, {"model_config": source, "params": params, "weights_gb": round(weight_gb, 3),
+                     "build_s": round(time.perf_counter() - started, 2)}
 
 
 # ---------------------------------------------------------------- FLOPs
@@ -613,10 +624,14 @@ def _bool(text: str) -> bool:
 
 def _settings(text: str) -> dict:
     """'compile_blocks=on+skip_checkpoint_blocks=10+saved_attention=off' → typed overrides. Config keys go
-    to Kiln's TrainConfig; saved_attention (bench only) turns selective checkpointing's kept attention off."""
+    to Kiln's TrainConfig; bench only: saved_attention=off drops selective checkpointing's kept attention,
+    base=fp8 stores the frozen model in fp8 (ComfyUI's weight_dtype fp8_e4m3fn)."""
     out: dict = {}
     for item in filter(None, text.split("+")):
         key, _, value = item.partition("=")
+        if key == "base":   # bench only: bf16 or fp8 storage of the frozen base
+            out[key] = value
+            continue
         try:
             out[key] = int(value)
         except ValueError:
@@ -755,12 +770,14 @@ def main(argv=None) -> int:
     models: dict[str, tuple] = {}
     for row in rows:
         dims = TINY[row.arch] if args.tiny else VARIANTS[ARCH_VARIANTS[row.arch]]
-        if row.arch not in models:
+        base = row.settings.get("base", "bf16")   # bench only: fp8 = ComfyUI's fp8_e4m3fn weight dtype
+        key = f"{row.arch}:{base}"
+        if key not in models:
             models.clear()  # one full-size model on the GPU at a time
             release(device)
-            models[row.arch] = build_model(dims, device, dtype)
-            print(f"[bench] built {dims.variant}: {models[row.arch][1]}", flush=True)
-        record = run_row(row, dims, *models[row.arch], opts)
+            models[key] = build_model(dims, device, dtype, base=base)
+            print(f"[bench] built {dims.variant} ({base}): {models[key][1]}", flush=True)
+        record = run_row(row, dims, *models[key], opts)
         append_records(out_path, [record])
         print(summary(record), file=sys.stderr, flush=True)
         print(json.dumps(record), flush=True)
@@ -787,12 +804,13 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **opts.common,
               "arch": row.arch, "variant": dims.variant, "resolution": row.resolution, "batch": row.batch,
               "targets": row.targets, "checkpointing": row.checkpointing, "image_tokens": inputs.img_tokens,
-              "text_tokens": inputs.txt_tokens, "params": build_info["params"],
+              "text_tokens": inputs.txt_tokens, "params": build_info["params"], "weights_gb": build_info["weights_gb"],
               "model_config": build_info["model_config"]}
     device, rate = opts.device, opts.rate * 1e12
     started = time.perf_counter()
     settings = dict(row.settings)
     saved_attention = settings.pop("saved_attention", True)
+    record["base_dtype"] = settings.pop("base", "bf16")
     ckpt_module = opts.pack["checkpointing"]
     saved_ops = ckpt_module.SAVED_OPS[:]
     record.update(compile=bool(settings.get("compile_blocks", False)), kiln_settings=row.settings,
