@@ -410,10 +410,11 @@ def _attention_layers(dims: ModelDims, img: int, txt: int) -> list[tuple[str, in
 
 def recomputed_blocks(dm: torch.nn.Module, block_lists: tuple[str, ...], checkpointing: bool,
                       skip: int = 0) -> set[str]:
-    """'<list>.<index>' of the blocks whose forward runs again in backward (checkpointing.checkpointed's plan)."""
+    """'<list>.<index>' of the blocks whose forward runs again in backward (the backends' own plan)."""
+    from trainer.backends.base import checkpointed
+
     names = [f"{name}.{index}" for name in block_lists for index in range(len(getattr(dm, name)))]
-    plan = [index < len(names) - min(skip, len(names)) for index in range(len(names))]
-    return {name for name, again in zip(names, plan) if again and checkpointing}
+    return {name for name, again in zip(names, checkpointed(len(names), checkpointing, skip)) if again}
 
 
 def model_flops(dm: torch.nn.Module, dims: ModelDims, *, img: int, txt: int, batch: int, rank: int,

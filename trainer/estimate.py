@@ -282,6 +282,16 @@ def _widest_output(dims: ModelDims) -> int:
     return 3 * dims.hidden + 2 * dims.mlp_hidden if dims.family == "flux2" else 3 * dims.hidden
 
 
+def kept_by_last_blocks(groups: list[tuple[int, int]], skip: int) -> int:
+    """Bytes the last `skip` blocks keep when they are not checkpointed (skip_checkpoint_blocks), from
+    (bytes per block, blocks) groups in block order."""
+    kept = 0
+    for block_bytes, count in reversed(groups):
+        take = min(count, skip)
+        kept, skip = kept + take * block_bytes, skip - take
+    return kept
+
+
 def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int, checkpointing: bool,
                  skip: int = 0) -> int:
     D = dims.hidden
@@ -290,10 +300,7 @@ def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int,
     if not checkpointing:
         return sum(per_token * n * t for per_token, n, t in groups) + head
     boundaries = sum(n * t * D * act for _, n, t in groups)  # each block's input
-    kept = 0  # the last `skip` blocks (checkpointing.checkpointed) keep all of theirs
-    for per_token, n, t in reversed(groups):
-        take = min(n, skip)
-        kept, skip = kept + take * per_token * t, skip - take
+    kept = kept_by_last_blocks([(per_token * t, n) for per_token, n, t in groups], skip)
     return boundaries + kept + max(per_token * t for per_token, _, t in groups) + head
 
 
@@ -333,17 +340,23 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
                     tokens=tokens, notes=notes, settings=settings)
 
 
-def _advice(settings: dict) -> list[tuple[str, dict]]:
-    """Changes that lower memory, cheapest in quality first."""
+def ordered_advice(settings: dict, backend_steps: list[tuple[str, dict, bool]]) -> list[tuple[str, dict]]:
+    """Changes that lower memory, cheapest in quality first: checkpointing (every block), the backend's
+    own steps, then lower resolutions; only those that change something."""
     steps = [("skip_checkpoint_blocks 0 (every block recomputed)", {"skip_checkpoint_blocks": 0},
               settings["gradient_checkpointing"] and settings.get("skip_checkpoint_blocks", 0) > 0),
              ("gradient checkpointing on", {"gradient_checkpointing": True}, not settings["gradient_checkpointing"]),
-             ("optimizer adamw8bit (bitsandbytes)", {"optimizer": "adamw8bit"},
-              settings["optimizer"] in ("adamw", "prodigy")),
-             ("base weights fp8", {"base_dtype": "fp8"}, settings["base_dtype"] != "fp8"),
-             ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1)]
+             *backend_steps]
     steps += [(f"resolution {res}", {"resolution": res}, res < settings["resolution"]) for res in (768, 512)]
     return [(label, change) for label, change, useful in steps if useful]
+
+
+def _advice(settings: dict) -> list[tuple[str, dict]]:
+    """Changes that lower GPU memory, cheapest in quality first."""
+    return ordered_advice(settings, [
+        ("optimizer adamw8bit (bitsandbytes)", {"optimizer": "adamw8bit"}, settings["optimizer"] in ("adamw", "prodigy")),
+        ("base weights fp8", {"base_dtype": "fp8"}, settings["base_dtype"] != "fp8"),
+        ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1)])
 
 
 def backend_rules(backend: str):

@@ -40,7 +40,9 @@ from .estimate import (
     _lora_shapes,
     _widest_output,
     get_dims,
+    kept_by_last_blocks,
     linear_layers,
+    ordered_advice,
     param_count,
 )
 
@@ -103,10 +105,7 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     largest = max(b for b, _, _ in per_block)
     if gradient_checkpointing:   # block inputs, and one block rebuilt in backward
         kept = sum(count * tokens * dims.hidden * act for _, count, tokens in per_block) + largest
-        skip = skip_checkpoint_blocks   # the last blocks keep all of theirs
-        for block_bytes, count, _ in reversed(per_block):
-            take = min(count, skip)
-            kept, skip = kept + take * block_bytes, skip - take
+        kept += kept_by_last_blocks([(b, count) for b, count, _ in per_block], skip_checkpoint_blocks)
     else:
         kept = sum(b * count for b, count, _ in per_block)
     # The block being differentiated holds its internals' gradients beside them
@@ -127,11 +126,7 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
 
 def advice(settings: dict) -> list[tuple[str, dict]]:
     """Changes that lower MLX memory, cheapest in quality first."""
-    steps = [("skip_checkpoint_blocks 0 (every block recomputed)", {"skip_checkpoint_blocks": 0},
-              settings["gradient_checkpointing"] and settings.get("skip_checkpoint_blocks", 0) > 0),
-             ("gradient checkpointing on", {"gradient_checkpointing": True}, not settings["gradient_checkpointing"]),
-             ("base_quantize int8", {"base_dtype": "int8"}, settings["base_dtype"] in ("bf16", "fp32")),
-             ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
-             ("base_quantize int4", {"base_dtype": "int4"}, settings["base_dtype"] != "int4")]
-    steps += [(f"resolution {res}", {"resolution": res}, res < settings["resolution"]) for res in (768, 512)]
-    return [(label, change) for label, change, useful in steps if useful]
+    return ordered_advice(settings, [
+        ("base_quantize int8", {"base_dtype": "int8"}, settings["base_dtype"] in ("bf16", "fp32")),
+        ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
+        ("base_quantize int4", {"base_dtype": "int4"}, settings["base_dtype"] != "int4")])

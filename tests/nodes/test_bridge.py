@@ -10,18 +10,11 @@ progress, interrupts, LOSS_MAP, folders.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-HERE = Path(__file__).resolve().parent
-for folder in (HERE.parent, HERE):  # tests/ (comfy_env) and tests/nodes/ (tiny_comfy)
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-
-import comfy_env  # noqa: E402
+import comfy_env
 
 comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
 

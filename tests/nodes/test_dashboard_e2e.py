@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,9 +25,6 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for folder in (HERE.parent, HERE):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
 
 import comfy_env  # noqa: E402
 

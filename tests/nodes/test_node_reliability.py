@@ -3,18 +3,11 @@ and a training adapter or adapter file whose tensors do not fit the model is ref
 (ComfyUI's own loader would log the mismatch and leave the weight unpatched)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-HERE = Path(__file__).resolve().parent
-for folder in (HERE.parent, HERE):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-
-import comfy_env  # noqa: E402
+import comfy_env
 
 comfy_env.require_comfy()
 

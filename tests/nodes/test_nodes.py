@@ -7,19 +7,13 @@ resumes to the same weights, validation samples come out, the training adapter i
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-HERE = Path(__file__).resolve().parent
-for folder in (HERE.parent, HERE):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-
-import comfy_env  # noqa: E402
+import comfy_env
 
 comfy_env.require_comfy()
 

@@ -39,6 +39,13 @@ class StepStats:
     finite: Any = True            # device bool: False when the loss or a gradient was NaN/inf (step skipped)
 
 
+def checkpointed(count: int, recompute: bool, skip: int) -> list[bool]:
+    """Which of `count` blocks recompute in backward, in block-list order: all but the last `skip`
+    (skip_checkpoint_blocks) when gradient checkpointing is on, none when it is off."""
+    kept = min(max(skip, 0), count) if recompute else count
+    return [index < count - kept for index in range(count)]
+
+
 # A forward function: (model, x_t, sigmas, context, extras) -> velocity, same shape as x_t.
 Forward = Callable[[Any, Any, Any, Any, dict], Any]
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
+from ..base import checkpointed
+
 
 def find_blocks(model: nn.Module, block_lists: tuple[str, ...]) -> list[nn.Module]:
     """The blocks named by the arch; with no names, every top-level list of modules."""
@@ -45,7 +47,7 @@ class BlockCheckpointing:
 
     def __init__(self, model: nn.Module, block_lists: tuple[str, ...], skip: int = 0):
         blocks = find_blocks(model, block_lists)
-        self.blocks = blocks[:len(blocks) - min(max(skip, 0), len(blocks))]
+        self.blocks = [block for block, again in zip(blocks, checkpointed(len(blocks), True, skip)) if again]
         self.classes = [type(block) for block in self.blocks]
         for block in self.blocks:
             block.__class__ = _checkpointed_class(block)

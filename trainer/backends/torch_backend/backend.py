@@ -47,11 +47,11 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 @contextmanager
 def _compile_errors_explained():
     """compile_blocks on a machine torch.compile cannot build for (no Triton, no C++ compiler): say so."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
     try:
         yield
-    except Exception as error:
-        if type(error).__name__ != "BackendCompilerFailed":
-            raise
+    except BackendCompilerFailed as error:
         raise RuntimeError(f"compile_blocks: torch.compile could not compile the model's blocks here "
                            f"({str(error).splitlines()[0][:300]}). Turn compile_blocks off in Kiln Training "
                            "Options (or the config); it needs Triton on CUDA or a C++ compiler on CPU.") from error

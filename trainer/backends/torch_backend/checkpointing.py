@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from ..base import checkpointed
+
 
 def find_blocks(model: nn.Module, block_lists: tuple[str, ...]) -> list[nn.Module]:
     """The blocks named by the arch; with no names, every top-level ModuleList."""
@@ -88,12 +90,6 @@ def _wrapped(block_forward, recompute: bool, compile: bool = False):
             return block_forward(*args, **kwargs)
         return training(*args, **kwargs)
     return forward
-
-
-def checkpointed(count: int, recompute: bool, skip: int) -> list[bool]:
-    """Which of `count` blocks recompute in backward: all but the last `skip` when checkpointing is on."""
-    kept = min(max(skip, 0), count) if recompute else count
-    return [index < count - kept for index in range(count)]
 
 
 class BlockCheckpointing:
