@@ -113,12 +113,13 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-for _folder in (ROOT, ROOT / "tests"):
+for _folder in (ROOT, ROOT / "tests", ROOT / "bench"):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 
 import torch  # noqa: E402
 
+from step_profile import StepProfiler  # noqa: E402
 from trainer.estimate import VARIANTS, ModelDims  # noqa: E402
 
 GIB = 2 ** 30
@@ -485,7 +486,8 @@ class RowCounter:
 # ---------------------------------------------------------------- Kiln
 
 def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targets: str, checkpointing: bool,
-             steps: int, warmup: int, timing: str, device: torch.device, dtype: str, settings: dict | None = None) -> dict:
+             steps: int, warmup: int, timing: str, device: torch.device, dtype: str, settings: dict | None = None,
+             profile_steps: int = 0) -> dict:
     bridge, config, loop, data_module = pack["bridge"], pack["config"], pack["loop"], pack["data"]
     out: dict = {}
     model = bridge.trainable(patcher)
@@ -500,9 +502,11 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
     cfg = config.from_dict(dict(
         arch=arch_name, device="auto", mixed_precision="bf16" if dtype == "bf16" else "no", rank=32, alpha=32.0,
         targets=["re:.*"] if targets == "all" else [], optimizer="adamw", learning_rate=1e-4,
-        steps=steps, batch_size=batch, gradient_checkpointing=checkpointing, caption_dropout=0.0,
+        steps=steps + profile_steps, batch_size=batch, gradient_checkpointing=checkpointing, caption_dropout=0.0,
         checkpoint_every=0, keep_checkpoints=1, log_every=10, ema=False, seed=0, **(settings or {})))
     clock = StepClock(device, timing)
+    # Profiled steps come after the timed ones (the profiler's own host cost stays out of the timing).
+    profiler = StepProfiler(first=steps + 1, count=profile_steps, rank=32, device=device)
     entered = time.perf_counter()
     with peak_memory(device, out, ""), tempfile.TemporaryDirectory(prefix="kiln_bench_") as run_dir, \
             torch.inference_mode(), bridge.training_session(model, "auto") as (module, _device):
@@ -522,6 +526,7 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
                 "loss_smooth": report.loss_smooth, "it_per_s": report.it_per_s, "eta_s": report.eta_s,
                 "peak_memory_bytes": report.peak_memory_bytes, "run": "bench", "started": started})
             clock.mark()
+            profiler.on_step(report.step)
 
         try:
             before = time.perf_counter()
@@ -529,8 +534,8 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
                                 on_step=on_step)
         finally:
             counter.remove()
-    stats = timed_stats(clock.durations(), warmup)
-    losses = [float(v) for v in result.history.loss]
+    stats = timed_stats(clock.durations()[:steps - 1], warmup)
+    losses = [float(v) for v in result.history.loss][:steps]
     # Step 1 from the train() call (LoRA injection, and compiling when compile_blocks is on), then the
     # untimed warm-up steps (recompiles land there): what a user waits before the timed pace.
     out.update(kiln_first_step_s=round(clock.first_mark - before, 2) if clock.first_mark else None,
@@ -542,6 +547,8 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
                lora_params=result.trainable_parameters, lora_modules=len(result.lora),
                kiln_forward_rows=sum(counter.rows) / max(1, result.step))
     out["_lora_paths"] = list(result.lora)
+    if profiler.result:
+        out["kiln_profile"] = profiler.result
     return out
 
 
@@ -626,17 +633,24 @@ def _bool(text: str) -> bool:
 def _settings(text: str) -> dict:
     """'compile_blocks=on+skip_checkpoint_blocks=10+saved_attention=off' → typed overrides. Config keys go
     to Kiln's TrainConfig; bench only: saved_attention=off drops selective checkpointing's kept attention,
-    base=fp8 stores the frozen model in fp8 (ComfyUI's weight_dtype fp8_e4m3fn)."""
+    base=fp8 stores the frozen model in fp8 (ComfyUI's weight_dtype fp8_e4m3fn), native=off skips the
+    native trainer for the row."""
     out: dict = {}
     for item in filter(None, text.split("+")):
         key, _, value = item.partition("=")
         if key == "base":   # bench only: bf16 or fp8 storage of the frozen base
             out[key] = value
             continue
+        if key == "native":  # bench only: native=off skips the native trainer for this row
+            out[key] = _bool(value)
+            continue
         try:
             out[key] = int(value)
         except ValueError:
-            out[key] = _bool(value)
+            try:
+                out[key] = _bool(value)
+            except argparse.ArgumentTypeError:
+                out[key] = value   # a choice, e.g. attention=cudnn
     return out
 
 
@@ -710,6 +724,8 @@ def main(argv=None) -> int:
                         help="the native node's checkpoint_depth (2: per block, like Kiln; the node's default is 1)")
     parser.add_argument("--zimage-tokens", type=int, help="Z-Image caption tokens per image (default 256; --tiny 32)")
     parser.add_argument("--timing", default="sync", choices=["sync", "events"])
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile N steps after the timed ones (bench/step_profile.py; CUDA only)")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--matmul-n", type=int, help="matmul size for the rate (default 8192 on CUDA, 512 on CPU)")
     parser.add_argument("--tiny", action="store_true", help="tiny dims (hidden 256), same code path; CPU is fine")
@@ -742,7 +758,8 @@ def main(argv=None) -> int:
 
     pack = {"bridge": prepare.import_pack("nodes.bridge"), "config": prepare.import_pack("trainer.config"),
             "loop": prepare.import_pack("trainer.loop"), "data": prepare.import_pack("trainer.data"),
-            "checkpointing": prepare.import_pack("trainer.backends.torch_backend.checkpointing")}
+            "checkpointing": prepare.import_pack("trainer.backends.torch_backend.checkpointing"),
+            "attention": prepare.import_pack("trainer.backends.torch_backend.attention")}
     archs_module = prepare.import_pack("trainer.archs")
     device = mm.get_torch_device()
     dtype_name = args.dtype or ("fp32" if args.tiny and device.type == "cpu" else "bf16")
@@ -766,7 +783,7 @@ def main(argv=None) -> int:
     opts = argparse.Namespace(pack=pack, block_lists=block_lists,
                               steps=steps, warmup=warmup, native_steps=native_steps, timing=args.timing, device=device,
                               dtype=dtype_name, native_lora_dtype=native_lora_dtype, no_native=args.no_native,
-                              native_ckpt_depth=args.native_ckpt_depth,
+                              native_ckpt_depth=args.native_ckpt_depth, profile=args.profile, compiled_for=None,
                               rate=rate, common=common, zimage_tokens=zimage_tokens)
     models: dict[str, tuple] = {}
     for row in rows:
@@ -811,18 +828,26 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     started = time.perf_counter()
     settings = dict(row.settings)
     saved_attention = settings.pop("saved_attention", True)
+    with_native = settings.pop("native", True) and not opts.no_native
     record["base_dtype"] = settings.pop("base", "bf16")
     ckpt_module = opts.pack["checkpointing"]
     saved_ops = ckpt_module.SAVED_OPS[:]
     record.update(compile=bool(settings.get("compile_blocks", False)), kiln_settings=row.settings,
                   saved_attention=saved_attention and row.checkpointing and bool(saved_ops)
                   and bool(settings.get("compile_blocks")))  # eager blocks recompute attention
+    record["attention_kernel"] = opts.pack["attention"].resolve(settings.get("attention", "auto"), device)
+    if record["compile"] and opts.compiled_for not in (None, (record["attention_kernel"], saved_attention)):
+        # Compiled blocks bake the SDPA kernel and the saved ops into their graphs, and dynamo does not
+        # guard on either: a row that changes them starts from an empty compile cache.
+        torch._dynamo.reset()
+    if record["compile"]:
+        opts.compiled_for = (record["attention_kernel"], saved_attention)
     try:
         if not saved_attention:
             ckpt_module.SAVED_OPS.clear()
         kiln = run_kiln(opts.pack, patcher, dims, inputs, batch=row.batch, targets=row.targets,
                         checkpointing=row.checkpointing, steps=opts.steps, warmup=opts.warmup, timing=opts.timing,
-                        device=device, dtype=opts.dtype, settings=settings)
+                        device=device, dtype=opts.dtype, settings=settings, profile_steps=opts.profile)
         kiln["kiln_error"] = None
     except Exception as error:  # noqa: BLE001 — recorded (an OOM says what does not fit), the run goes on
         kiln = {"kiln_s_per_step": None, "kiln_p95": None, "_lora_paths": [],
@@ -843,8 +868,8 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     kiln_s = record["kiln_s_per_step"]
     record["model_tflop_per_step"] = round(flops["total"] / 1e12, 4)
     record["mfu"] = round(flops["total"] / kiln_s / rate, 4) if kiln_s else None
-    if opts.no_native:
-        record.update(native_s_per_step=None, native_p95=None, native_error="not run (--no-native)")
+    if not with_native:
+        record.update(native_s_per_step=None, native_p95=None, native_error="not run (--no-native or native=off)")
     else:
         started = time.perf_counter()
         record.update(run_native(patcher, inputs, batch=row.batch, checkpointing=row.checkpointing,

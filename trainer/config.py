@@ -40,6 +40,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "lora_format": ("comfy", "diffusers", "kohya"),
     "crop": ("center", "random"),
     "base_quantize": ("none", "int8", "int4"),
+    "attention": ("auto", "torch", "cudnn", "flash", "efficient", "math"),
 }
 
 # Inclusive (low, high) for numbers; for lists, the bounds of each element.
@@ -111,6 +112,7 @@ class TrainConfig:
     gradient_checkpointing: bool = True  # recompute each block in backward: far less memory, ~30% slower
     skip_checkpoint_blocks: int = 0  # with checkpointing: the last N blocks keep their activations (faster, +memory each)
     compile_blocks: bool = False    # PyTorch: torch.compile each block (fuses norms, RoPE, gates; the first steps compile)
+    attention: str = "auto"         # PyTorch attention kernel tried first: auto (the fastest measured on this GPU), torch (its own order), cudnn, flash, efficient, math
     # --- objective (flow matching)
     timestep_sampling: str = "uniform"  # uniform or logit_normal
     logit_mean: float = 0.0
@@ -236,6 +238,9 @@ def _check_combinations(cfg: TrainConfig) -> None:
         problems.append("arch 'generic' trains ComfyUI's own PyTorch model; use backend 'torch'")
     if cfg.backend == "mlx" and cfg.optimizer in ("adamw8bit", "prodigy"):
         problems.append(f"optimizer {cfg.optimizer!r} is PyTorch-only; use adamw or adafactor with backend 'mlx'")
+    if cfg.backend == "mlx" and cfg.attention != "auto":
+        problems.append(f"attention {cfg.attention!r} picks a PyTorch kernel; MLX has one (mx.fast.scaled_dot_product_attention): "
+                        "set attention to auto")
     if cfg.backend == "mlx" and cfg.compile_blocks:
         problems.append("compile_blocks is for backend 'torch' (MLX compiles its whole step already); turn it off")
     if cfg.backend == "torch" and cfg.base_quantize != "none":

@@ -12,6 +12,7 @@ from ...config import TrainConfig
 from ...lora_format import LoraWeights
 from ...objective import interpolate, velocity_target
 from ..base import StepStats
+from . import attention
 from .checkpointing import BlockCheckpointing
 from .ema import Ema
 from .lora import LoraSet
@@ -66,6 +67,7 @@ class TorchBackend:
         self.device = pick_device(cfg.device)
         self.dtype = _model_dtype(model)
         self.autocast = cfg.mixed_precision == "bf16"
+        self.attention = attention.resolve(cfg.attention, self.device)
         # Remember requires_grad so teardown leaves the model exactly as it came.
         self.frozen = [(p, p.requires_grad) for p in model.parameters()]
         model.requires_grad_(False)
@@ -118,10 +120,12 @@ class TorchBackend:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
-            loss = self._micro_loss(batch) / len(micro_batches)
-            loss.backward()
-            total += loss.detach()
+        # The attention kernel choice covers forward, backward and checkpointing's recompute alike.
+        with attention.kernel_context(self.attention):
+            for batch in micro_batches:
+                loss = self._micro_loss(batch) / len(micro_batches)
+                loss.backward()
+                total += loss.detach()
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         grad_norm = clip_global_norm(grads, self.cfg.max_grad_norm)
         # A NaN/inf loss or gradient skips the update (weights, moments, step count, EMA unchanged).
