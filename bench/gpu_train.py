@@ -420,12 +420,13 @@ def recomputed_blocks(dm: torch.nn.Module, block_lists: tuple[str, ...], checkpo
 
 def model_flops(dm: torch.nn.Module, dims: ModelDims, *, img: int, txt: int, batch: int, rank: int,
                 lora_paths: list[str], block_lists: tuple[str, ...], checkpointing: bool, skip: int = 0,
-                attention_saved: bool = False) -> dict:
+                attention_saved: bool = False, budgeted: bool = False) -> dict:
     """Model FLOPs of one training step (module docstring), from the built model's own Linear shapes.
     Recompute counts the blocks that are checkpointed (all but `skip`), without attention when its
-    outputs are kept (selective checkpointing)."""
+    outputs are kept (selective checkpointing); with a checkpoint_budget (`budgeted`) the compiler
+    chooses what to recompute, and none is counted (MFU then a lower bound)."""
     lora = set(lora_paths)
-    again = recomputed_blocks(dm, block_lists, checkpointing, skip)
+    again = set() if budgeted else recomputed_blocks(dm, block_lists, checkpointing, skip)
     fwd = bwd = recompute = 0
     for name, module in dm.named_modules():
         if not isinstance(module, torch.nn.Linear):
@@ -644,13 +645,12 @@ def _settings(text: str) -> dict:
         if key == "native":  # bench only: native=off skips the native trainer for this row
             out[key] = _bool(value)
             continue
-        try:
-            out[key] = int(value)
-        except ValueError:
+        for kind in (int, float, _bool, str):   # e.g. 7, 0.4, on, cudnn
             try:
-                out[key] = _bool(value)
-            except argparse.ArgumentTypeError:
-                out[key] = value   # a choice, e.g. attention=cudnn
+                out[key] = kind(value)
+                break
+            except (ValueError, argparse.ArgumentTypeError):
+                continue
     return out
 
 
@@ -783,7 +783,7 @@ def main(argv=None) -> int:
     opts = argparse.Namespace(pack=pack, block_lists=block_lists,
                               steps=steps, warmup=warmup, native_steps=native_steps, timing=args.timing, device=device,
                               dtype=dtype_name, native_lora_dtype=native_lora_dtype, no_native=args.no_native,
-                              native_ckpt_depth=args.native_ckpt_depth, profile=args.profile, compiled_for=None,
+                              native_ckpt_depth=args.native_ckpt_depth, profile=args.profile,
                               rate=rate, common=common, zimage_tokens=zimage_tokens)
     models: dict[str, tuple] = {}
     for row in rows:
@@ -836,12 +836,6 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
                   saved_attention=saved_attention and row.checkpointing and bool(saved_ops)
                   and bool(settings.get("compile_blocks")))  # eager blocks recompute attention
     record["attention_kernel"] = opts.pack["attention"].resolve(settings.get("attention", "auto"), device)
-    if record["compile"] and opts.compiled_for not in (None, (record["attention_kernel"], saved_attention)):
-        # Compiled blocks bake the SDPA kernel and the saved ops into their graphs, and dynamo does not
-        # guard on either: a row that changes them starts from an empty compile cache.
-        torch._dynamo.reset()
-    if record["compile"]:
-        opts.compiled_for = (record["attention_kernel"], saved_attention)
     try:
         if not saved_attention:
             ckpt_module.SAVED_OPS.clear()
@@ -864,7 +858,9 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     dm, block_lists = patcher.model.diffusion_model, opts.block_lists[dims.family]
     flops = model_flops(dm, dims, img=inputs.img_tokens, txt=inputs.txt_tokens, batch=row.batch, rank=32,
                         lora_paths=lora_paths, block_lists=block_lists, checkpointing=row.checkpointing,
-                        skip=settings.get("skip_checkpoint_blocks", 0), attention_saved=record["saved_attention"])
+                        skip=settings.get("skip_checkpoint_blocks", 0), attention_saved=record["saved_attention"],
+                        budgeted=settings.get("checkpoint_budget", 0) > 0)
+    record["mfu_counts_recompute"] = not settings.get("checkpoint_budget", 0) > 0
     kiln_s = record["kiln_s_per_step"]
     record["model_tflop_per_step"] = round(flops["total"] / 1e12, 4)
     record["mfu"] = round(flops["total"] / kiln_s / rate, 4) if kiln_s else None

@@ -78,7 +78,9 @@ class StepProfiler:
 
     def summarise(self) -> dict:
         events = self.profile.events()
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        # GPU-side ranges of record_function (e.g. inductor's "## Call CompiledFxGraph ... ##") are not kernels.
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False) and not e.name.startswith("## ")]
         def ms(total_us: float) -> float:   # a total over the profiled steps → ms per step
             return round(total_us / 1e3 / self.count, 2)
 

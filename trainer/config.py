@@ -74,6 +74,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "keep_checkpoints": (1, 1000),
     "log_every": (1, 100_000),
     "skip_checkpoint_blocks": (0, 1000),
+    "checkpoint_budget": (0.0, 1.0),
 }
 
 
@@ -112,6 +113,7 @@ class TrainConfig:
     gradient_checkpointing: bool = True  # recompute each block in backward: far less memory, ~30% slower
     skip_checkpoint_blocks: int = 0  # with checkpointing: the last N blocks keep their activations (faster, +memory each)
     compile_blocks: bool = False    # PyTorch: torch.compile each block (fuses norms, RoPE, gates; the first steps compile)
+    checkpoint_budget: float = 0.0  # with compile_blocks on Z-Image: share of each block's activation memory kept (0 = recompute the block, 1 = keep all); the compiler recomputes the cheapest rest
     attention: str = "auto"         # PyTorch attention kernel tried first: auto (the fastest measured on this GPU), torch (its own order), cudnn, flash, efficient, math
     # --- objective (flow matching)
     timestep_sampling: str = "uniform"  # uniform or logit_normal
@@ -241,6 +243,11 @@ def _check_combinations(cfg: TrainConfig) -> None:
     if cfg.backend == "mlx" and cfg.attention != "auto":
         problems.append(f"attention {cfg.attention!r} picks a PyTorch kernel; MLX has one (mx.fast.scaled_dot_product_attention): "
                         "set attention to auto")
+    if cfg.checkpoint_budget > 0 and not (cfg.backend == "torch" and cfg.compile_blocks and cfg.gradient_checkpointing
+                                          and ARCHS[cfg.arch].pure_blocks):
+        problems.append(f"checkpoint_budget {cfg.checkpoint_budget:g} needs backend 'torch' with compile_blocks and "
+                        f"gradient_checkpointing on, and a model whose blocks never write into their inputs "
+                        f"(Z-Image; not {cfg.arch}); set it to 0 or use skip_checkpoint_blocks")
     if cfg.backend == "mlx" and cfg.compile_blocks:
         problems.append("compile_blocks is for backend 'torch' (MLX compiles its whole step already); turn it off")
     if cfg.backend == "torch" and cfg.base_quantize != "none":

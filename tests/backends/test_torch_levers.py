@@ -133,3 +133,85 @@ def test_a_failed_compile_says_to_turn_compile_blocks_off(make_model, make_confi
     finally:
         backend.teardown()
         torch._dynamo.reset()
+
+
+class MlpNet(torch.nn.Module):
+    """Pure residual MLP blocks: enough intermediate tensors for the partitioner to choose among."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                                               torch.nn.Linear(64, 64), torch.nn.SiLU(),
+                                                               torch.nn.Linear(64, 16)) for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return x
+
+
+def _budget_run(budget: float | None, saved: list[int], reset: bool = True):
+    """LoRA gradients of MlpNet, compiled with the partitioner recording the bytes each block saves."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint, inputs, *, num_fwd_outputs, **kwargs):
+        forward, backward = min_cut_rematerialization_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs,
+                                                                **kwargs)
+        outputs = next(n for n in forward.graph.nodes if n.op == "output").args[0][num_fwd_outputs:]
+        saved.append(sum(o.meta["val"].numel() * o.meta["val"].element_size() for o in outputs
+                         if hasattr(o, "meta") and torch.is_tensor(o.meta.get("val"))))
+        return forward, backward
+
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
+
+    net = MlpNet()
+    net.requires_grad_(False)
+    lora = LoraSet(net, ["re:.*"], rank=4, alpha=4, dropout=0, seed=0)
+    with torch.no_grad():
+        for _, p in lora.named_parameters():
+            p.add_(0.05)
+    previous = checkpointing.COMPILE_BACKEND
+    checkpointing.COMPILE_BACKEND = backend
+    if reset:
+        torch._dynamo.reset()
+    try:
+        hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=budget is not None,
+                                                 compile=budget is not None, pure_blocks=True, budget=budget or 0.0)
+        net(torch.randn(64, 16)).square().sum().backward()
+        hooks.remove()
+    finally:
+        checkpointing.COMPILE_BACKEND = previous
+    return torch.cat([p.grad.flatten() for _, p in lora.named_parameters()])
+
+
+def test_checkpoint_budget_keeps_more_activations_and_the_same_gradients():
+    reference = _budget_run(None, [])
+    saved_small, saved_large = [], []
+    small, large = _budget_run(0.05, saved_small), _budget_run(1.0, saved_large)
+    torch.testing.assert_close(small, reference, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(large, reference, atol=1e-5, rtol=1e-4)
+    assert saved_small and saved_large
+    assert max(saved_small) < max(saved_large)   # the budget reached the partitioner
+
+
+def test_a_run_with_other_settings_compiles_anew(eager_compile):
+    """Dynamo does not guard on the budget (read outside the traced code). A new run still compiles anew
+    because its LoRA branches are new objects under dynamo's guards; if that ever changed, the second
+    run would reuse the first run's partition and this fails."""
+    first, second = [], []
+    _budget_run(0.05, first, reset=False)
+    _budget_run(1.0, second, reset=False)
+    assert first and second and max(first) < max(second)
+
+
+def test_checkpoint_budget_is_refused_where_it_cannot_work():
+    with pytest.raises(ValueError, match="checkpoint_budget needs compile_blocks"):
+        checkpointing.BlockCheckpointing(MlpNet(), ("blocks",), compile=True, pure_blocks=False, budget=0.5)
+    zimage = {"arch": "zimage", "compile_blocks": True, "checkpoint_budget": 0.4}
+    assert config_module.from_dict(zimage).checkpoint_budget == 0.4
+    for change in ({"arch": "flux2_klein"}, {"compile_blocks": False}, {"gradient_checkpointing": False}):
+        with pytest.raises(config_module.ConfigError, match="checkpoint_budget 0.4 needs"):
+            config_module.from_dict({**zimage, **change})

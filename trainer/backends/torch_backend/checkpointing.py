@@ -49,7 +49,17 @@ def _copy_floats(value):
     return value.clone() if torch.is_tensor(value) and value.is_floating_point() else value
 
 
-def _wrapped(block_forward, recompute: bool, compile: bool = False):
+def _budgeted(compiled, budget: float):
+    """Calls of a compiled block under torch's activation memory budget: when the block compiles, the
+    min-cut partitioner keeps `budget` of its activation memory and recomputes the rest, choosing what
+    is cheapest to recompute per byte (pointwise ops first, matmuls and attention last)."""
+    def call(*args, **kwargs):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compiled(*args, **kwargs)
+    return call
+
+
+def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: float = 0.0):
     # ComfyUI's Flux2 blocks add into their own inputs (`img += ...`), which autograd (and the
     # checkpoint's recompute) still needs: a block under training works on copies (transient memory).
     def fresh_inputs(*args, **kwargs):
@@ -69,6 +79,9 @@ def _wrapped(block_forward, recompute: bool, compile: bool = False):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             return block_forward(*args, **kwargs)
 
+    def whole(*args, **kwargs):
+        return block_forward(*args, **kwargs)
+
     def recomputed(*args, **kwargs):
         return checkpoint(fresh_inputs, *args, use_reentrant=False, **kwargs)
 
@@ -80,10 +93,16 @@ def _wrapped(block_forward, recompute: bool, compile: bool = False):
         # As torchtitan does: the checkpoint goes inside the compiled region, so the recompute is
         # compiled too and the partitioner keeps the attention outputs (SAVED_OPS). Eager, that
         # policy's per-op dispatch cost more than it saved (bench/RESULTS.md). A block that keeps
-        # its activations is compiled alone (only pure blocks: see BlockCheckpointing).
+        # its activations is compiled alone (only pure blocks: see BlockCheckpointing). `whole` is a
+        # code object of its own, so budgeted blocks never share compiled graphs with kept ones.
         keep_attention = functools.partial(create_selective_checkpoint_contexts, list(SAVED_OPS))
-        chosen = (recomputed_keeping_attention if SAVED_OPS else recomputed) if recompute else block_forward
-        training = torch.compile(chosen, backend=COMPILE_BACKEND)
+        if recompute and budget > 0:
+            # A pure block compiled whole, without torch.utils.checkpoint: the partitioner decides
+            # what to recompute within the budget (checkpoint_budget).
+            training = _budgeted(torch.compile(whole, backend=COMPILE_BACKEND), budget)
+        else:
+            chosen = (recomputed_keeping_attention if SAVED_OPS else recomputed) if recompute else block_forward
+            training = torch.compile(chosen, backend=COMPILE_BACKEND)
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
@@ -97,11 +116,15 @@ class BlockCheckpointing:
     blocks that write into their inputs."""
 
     def __init__(self, model: nn.Module, block_lists: tuple[str, ...], recompute: bool = True, *,
-                 skip: int = 0, compile: bool = False, pure_blocks: bool = False):
+                 skip: int = 0, compile: bool = False, pure_blocks: bool = False, budget: float = 0.0):
         """`compile` compiles the checkpointed blocks, and the others too when `pure_blocks`: a compiled
         block that writes into its inputs (Flux2) and keeps its activations gave NaNs and an illegal
         memory access on an H100 (bench/RESULTS.md), and checkpoint-based fixes fail on the in-place
-        writes; such blocks run eagerly."""
+        writes; such blocks run eagerly. `budget` > 0 (compiled pure blocks): a recomputed block keeps
+        that share of its activation memory, chosen by the compiler, instead of only its input."""
+        if budget > 0 and not (compile and pure_blocks):
+            raise ValueError("checkpoint_budget needs compile_blocks and a model whose blocks never write into "
+                             "their inputs (Z-Image); use skip_checkpoint_blocks otherwise")
         self.recompute = recompute
         self.blocks = find_blocks(model, block_lists)
         self.previous = []
@@ -112,7 +135,7 @@ class BlockCheckpointing:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for block, recomputed in zip(self.blocks, plan):
             self.previous.append(block.__dict__.get("forward"))
-            block.forward = _wrapped(block.forward, recomputed, compile and (recomputed or pure_blocks))
+            block.forward = _wrapped(block.forward, recomputed, compile and (recomputed or pure_blocks), budget)
 
     def remove(self) -> None:
         for block, previous in zip(self.blocks, self.previous):
