@@ -76,7 +76,8 @@ class TorchBackend:
         # Blocks are wrapped either way: with checkpointing off the wrapper only copies block inputs.
         self.checkpointing = BlockCheckpointing(model, arch.block_lists, recompute=cfg.gradient_checkpointing,
                                                 skip=cfg.skip_checkpoint_blocks, compile=cfg.compile_blocks,
-                                                pure_blocks=arch.pure_blocks, budget=cfg.checkpoint_budget)
+                                                pure_blocks=arch.pure_blocks, budget=cfg.checkpoint_budget,
+                                                compile_key=f"attention={self.attention}")
         self.params = dict(self.lora.named_parameters())
         self.optimizer = build_optimizer(list(self.params.values()), cfg, self.device)
         self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None

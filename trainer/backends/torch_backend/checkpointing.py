@@ -9,6 +9,7 @@ attention outputs (selective checkpointing). Removal restores every block exactl
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 from torch import nn
@@ -49,6 +50,21 @@ def _copy_floats(value):
     return value.clone() if torch.is_tensor(value) and value.is_floating_point() else value
 
 
+# Dynamo keeps compiled graphs on the traced function's code object and does not guard on settings
+# read outside the traced code (the memory budget, the attention kernel, the kept ops). Measured on an
+# H100: a second run on the same MODEL with another checkpoint_budget reused the first run's graphs
+# (no compile, the first budget's memory). So each settings key gets code objects of its own: a run
+# with other settings compiles anew, a run with the same settings (a re-queue, a resume) reuses.
+_CODES: dict[tuple, types.CodeType] = {}
+
+
+def _compiled(fn, key: str):
+    """torch.compile of a copy of `fn` whose code object is shared only by calls with the same key."""
+    code = _CODES.setdefault((fn.__code__, key), fn.__code__.replace())
+    twin = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(twin, backend=COMPILE_BACKEND)
+
+
 def _budgeted(compiled, budget: float):
     """Calls of a compiled block under torch's activation memory budget: when the block compiles, the
     min-cut partitioner keeps `budget` of its activation memory and recomputes the rest, choosing what
@@ -59,7 +75,7 @@ def _budgeted(compiled, budget: float):
     return call
 
 
-def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: float = 0.0):
+def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: float = 0.0, key: str = ""):
     # ComfyUI's Flux2 blocks add into their own inputs (`img += ...`), which autograd (and the
     # checkpoint's recompute) still needs: a block under training works on copies (transient memory).
     def fresh_inputs(*args, **kwargs):
@@ -93,16 +109,16 @@ def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: floa
         # As torchtitan does: the checkpoint goes inside the compiled region, so the recompute is
         # compiled too and the partitioner keeps the attention outputs (SAVED_OPS). Eager, that
         # policy's per-op dispatch cost more than it saved (bench/RESULTS.md). A block that keeps
-        # its activations is compiled alone (only pure blocks: see BlockCheckpointing). `whole` is a
-        # code object of its own, so budgeted blocks never share compiled graphs with kept ones.
+        # its activations is compiled alone (only pure blocks: see BlockCheckpointing).
         keep_attention = functools.partial(create_selective_checkpoint_contexts, list(SAVED_OPS))
+        key = f"{key}|saved={sorted(str(op) for op in SAVED_OPS)}"
         if recompute and budget > 0:
             # A pure block compiled whole, without torch.utils.checkpoint: the partitioner decides
             # what to recompute within the budget (checkpoint_budget).
-            training = _budgeted(torch.compile(whole, backend=COMPILE_BACKEND), budget)
+            training = _budgeted(_compiled(whole, f"{key}|budget={budget!r}"), budget)
         else:
-            chosen = (recomputed_keeping_attention if SAVED_OPS else recomputed) if recompute else block_forward
-            training = torch.compile(chosen, backend=COMPILE_BACKEND)
+            chosen = (recomputed_keeping_attention if SAVED_OPS else recomputed) if recompute else whole
+            training = _compiled(chosen, key)
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
@@ -116,12 +132,14 @@ class BlockCheckpointing:
     blocks that write into their inputs."""
 
     def __init__(self, model: nn.Module, block_lists: tuple[str, ...], recompute: bool = True, *,
-                 skip: int = 0, compile: bool = False, pure_blocks: bool = False, budget: float = 0.0):
+                 skip: int = 0, compile: bool = False, pure_blocks: bool = False, budget: float = 0.0,
+                 compile_key: str = ""):
         """`compile` compiles the checkpointed blocks, and the others too when `pure_blocks`: a compiled
         block that writes into its inputs (Flux2) and keeps its activations gave NaNs and an illegal
         memory access on an H100 (bench/RESULTS.md), and checkpoint-based fixes fail on the in-place
         writes; such blocks run eagerly. `budget` > 0 (compiled pure blocks): a recomputed block keeps
-        that share of its activation memory, chosen by the compiler, instead of only its input."""
+        that share of its activation memory, chosen by the compiler, instead of only its input.
+        `compile_key` names the caller's settings that compiled graphs bake in (the attention kernel)."""
         if budget > 0 and not (compile and pure_blocks):
             raise ValueError("checkpoint_budget needs compile_blocks and a model whose blocks never write into "
                              "their inputs (Z-Image); use skip_checkpoint_blocks otherwise")
@@ -135,7 +153,8 @@ class BlockCheckpointing:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for block, recomputed in zip(self.blocks, plan):
             self.previous.append(block.__dict__.get("forward"))
-            block.forward = _wrapped(block.forward, recomputed, compile and (recomputed or pure_blocks), budget)
+            block.forward = _wrapped(block.forward, recomputed, compile and (recomputed or pure_blocks), budget,
+                                     compile_key)
 
     def remove(self) -> None:
         for block, previous in zip(self.blocks, self.previous):
