@@ -206,7 +206,8 @@ def cmd_estimate(args) -> int:
         est = estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,
                        targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
                        gradient_checkpointing=cfg.gradient_checkpointing, base_dtype=base,
-                       mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks)
+                       mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
+                       **({"checkpoint_budget": cfg.checkpoint_budget} if cfg.checkpoint_budget else {}))  # torch only
         print(format_estimate(est, device_memory_gb=args.memory_gb))
     return 0
 

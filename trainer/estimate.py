@@ -282,6 +282,9 @@ def _widest_output(dims: ModelDims) -> int:
     return 3 * dims.hidden + 2 * dims.mlp_hidden if dims.family == "flux2" else 3 * dims.hidden
 
 
+BUDGET_KEPT = 0.6   # share of checkpointing's savings a compiled block keeps per unit of checkpoint_budget
+
+
 def kept_by_last_blocks(groups: list[tuple[int, int]], skip: int) -> int:
     """Bytes the last `skip` blocks keep when they are not checkpointed (skip_checkpoint_blocks), from
     (bytes per block, blocks) groups in block order."""
@@ -307,12 +310,12 @@ def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int,
 def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, rank: int = 32,
              targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
              gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16",
-             skip_checkpoint_blocks: int = 0) -> Estimate:
+             skip_checkpoint_blocks: int = 0, checkpoint_budget: float = 0.0) -> Estimate:
     """Bytes one training step needs at square `resolution` (the largest bucket)."""
     settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
                 "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
                 "base_dtype": base_dtype, "mixed_precision": mixed_precision,
-                "skip_checkpoint_blocks": skip_checkpoint_blocks}
+                "skip_checkpoint_blocks": skip_checkpoint_blocks, "checkpoint_budget": checkpoint_budget}
     dims = get_dims(variant)
     side = _check(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
     image_tokens = _image_tokens(dims, resolution, side)
@@ -324,6 +327,12 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
     weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
     activations = batch_size * _activations(dims, image_tokens, text_tokens, act, gradient_checkpointing,
                                             skip_checkpoint_blocks)
+    if gradient_checkpointing and checkpoint_budget > 0:
+        # 0.6 x the budget's share of what checkpointing saves (eager): measured on an H100 (Z-Image
+        # 1024 px, bench/RESULTS.md) compiled blocks kept 0.02-0.44 of it at budgets 0.1-0.8, under
+        # 0.6 x budget each time (this estimate 3-14 % above those peaks).
+        kept_all = batch_size * _activations(dims, image_tokens, text_tokens, act, False)
+        activations += int(BUDGET_KEPT * checkpoint_budget * max(0, kept_all - activations))
     workspace = CUDA_CONTEXT_BYTES + 2 * _widest_output(dims) * tokens * act
     if base_dtype == "fp8":
         workspace += 2 * max(i * o for i, o in linear_layers(dims).values())
@@ -343,7 +352,9 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
 def ordered_advice(settings: dict, backend_steps: list[tuple[str, dict, bool]]) -> list[tuple[str, dict]]:
     """Changes that lower memory, cheapest in quality first: checkpointing (every block), the backend's
     own steps, then lower resolutions; only those that change something."""
-    steps = [("skip_checkpoint_blocks 0 (every block recomputed)", {"skip_checkpoint_blocks": 0},
+    steps = [("checkpoint_budget 0 (each block keeps only its input)", {"checkpoint_budget": 0.0},
+              settings["gradient_checkpointing"] and settings.get("checkpoint_budget", 0) > 0),
+             ("skip_checkpoint_blocks 0 (every block recomputed)", {"skip_checkpoint_blocks": 0},
               settings["gradient_checkpointing"] and settings.get("skip_checkpoint_blocks", 0) > 0),
              ("gradient checkpointing on", {"gradient_checkpointing": True}, not settings["gradient_checkpointing"]),
              *backend_steps]
@@ -373,7 +384,9 @@ def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> 
     fits or not, and what to change."""
     s = est.settings
     title = (f"Memory estimate: {get_dims(s['variant']).variant}, {s['resolution']} px, batch {s['batch_size']}, "
-             f"rank {s['rank']}, {s['optimizer']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, "
+             f"rank {s['rank']}, {s['optimizer']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
+             + "".join(f" ({key.replace('_', ' ')} {s[key]:g})" for key in ("skip_checkpoint_blocks", "checkpoint_budget")
+                       if s['gradient_checkpointing'] and s.get(key)) + ", "
              f"base {s['base_dtype']}, mixed precision {s['mixed_precision']}"
              + (", backend mlx" if s.get("backend") == "mlx" else "")) if s else "Memory estimate"
     rows = [("weights", est.weights), ("LoRA (fp32)", est.lora), ("gradients", est.gradients),
