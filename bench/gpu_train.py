@@ -87,7 +87,8 @@ Native's MFU uses the same model FLOPs with LoRA on every Linear (its weight reb
 Rows: the cartesian product of --arch x --res x --batch x --ckpt x --targets, or an explicit
 --rows list "arch:res:batch:ckpt:targets,..." (e.g. "zimage:1024:1:on:default,zimage:512:4:on:all").
 With none of these given: per arch 1024/b1, 512/b1, 512/b4 on default targets and 1024/b1 on all
-linears, checkpointing on. --no-native skips the native side; --merge FILE... appends the records
+linears, checkpointing on. --profile N adds N steps per Kiln run under torch.profiler after the
+timed ones (bench/step_profile.py; `kiln_profile` in the record). --no-native skips the native side; --merge FILE... appends the records
 of other result files (e.g. fetched from a GPU box) to --out and exits.
 """
 from __future__ import annotations
