@@ -29,6 +29,20 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def make_dataset(folder: Path, count: int = 4) -> None:
+    """A tiny captioned dataset in two buckets for a server's input/ folder (numpy and PIL imported here,
+    not at module level: the file also runs as the server's launcher)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    for i in range(count):
+        width, height = (64, 64) if i % 2 else (80, 64)   # two buckets
+        Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

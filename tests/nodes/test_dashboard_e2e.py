@@ -20,7 +20,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
@@ -31,7 +30,7 @@ import comfy_env  # noqa: E402
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
 import tiny_comfy as tc  # noqa: E402
-from comfy_server import ComfyServer  # noqa: E402
+from comfy_server import ComfyServer, make_dataset  # noqa: E402
 
 DRIVER = REPO / "tests" / "web" / "e2e_dashboard.mjs"
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") or ""
@@ -44,17 +43,6 @@ missing = [what for what, present in (("node", NODE), ("chromium (apt-get instal
                                                         CHROMIUM), ("playwright-core (npm install)",
                                                                     PLAYWRIGHT.is_file())) if not present]
 pytestmark = pytest.mark.skipif(bool(missing), reason=f"the dashboard e2e test needs {', '.join(missing)}")
-
-
-def make_dataset(folder: Path, count: int = 4) -> None:
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    folder.mkdir(parents=True)
-    for i in range(count):
-        width, height = (64, 64) if i % 2 else (80, 64)   # two buckets
-        Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
-        (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
 
 
 def dashboard_workflow() -> dict:

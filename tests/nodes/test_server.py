@@ -30,7 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +40,7 @@ import comfy_env  # noqa: E402
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
 import tiny_comfy as tc  # noqa: E402
-from comfy_server import ComfyServer  # noqa: E402
+from comfy_server import ComfyServer, make_dataset  # noqa: E402
 
 
 def _load_make_workflows():
@@ -58,17 +57,6 @@ EXAMPLES = sorted((REPO / "example_workflows" / "api").glob("*.json"))
 KILN_NODES = {"KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
               "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
               "KilnInvertAdapter", "KilnLossGraph"}
-
-
-def make_dataset(folder: Path, count: int = 4) -> None:
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    folder.mkdir(parents=True)
-    for i in range(count):
-        width, height = (64, 64) if i % 2 else (80, 64)   # two buckets
-        Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
-        (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
