@@ -345,6 +345,24 @@ def build_model(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed:
     """A ComfyUI MODEL (ModelPatcher) of this architecture with random weights on `device`. base "fp8":
     stored as Load Diffusion Model's weight_dtype fp8_e4m3fn stores it (manual cast to `dtype` on each
     use; without comfy_kitchen no fp8 matmul), the same random values rounded to fp8."""
+    started = time.perf_counter()
+    patcher, source = _build_patcher(dims, device, dtype, seed, base)
+    dm = patcher.model.diffusion_model
+    params = sum(p.numel() for p in dm.parameters())
+    weight_gb = sum(p.numel() * p.element_size() for p in dm.parameters()) / GIB
+    return patcher, {"model_config": source, "params": params, "weights_gb": round(weight_gb, 3),
+                     "build_s": round(time.perf_counter() - started, 2)}
+
+
+REBUILT: list = []   # callbacks told of every diffusion model _build_patcher makes for a deep clone
+
+
+def _build_patcher(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed: int, base: str,
+                   disable_dynamic: bool = False):
+    """(ModelPatcher, how its config was obtained). Like ComfyUI's own loaders it registers how to build
+    it again (`cached_patcher_init`): from ComfyUI 0.25 on, `clone(force_deepcopy=True)` rebuilds the model
+    through it, and the native Train LoRA node deep-clones its input that way (0.33). The rebuilt copy has
+    the same seeded weights; REBUILT's callbacks see it (the native row counts its forward rows there)."""
     import comfy.model_patcher
 
     model_config, source = model_config_for(dims)
@@ -352,16 +370,21 @@ def build_model(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed:
         model_config.set_inference_dtype(torch.float8_e4m3fn, dtype)
     else:
         model_config.set_inference_dtype(dtype, None)
-    started = time.perf_counter()
-    base = model_config.get_model({}, "", device=device)
-    base.to(device)  # anything a class created off-device (no-op for Flux2 / NextDiT)
-    fill_random_(base.diffusion_model, seed)
+    model = model_config.get_model({}, "", device=device)
+    model.to(device)  # anything a class created off-device (no-op for Flux2 / NextDiT)
+    fill_random_(model.diffusion_model, seed)
     sync(device)
-    patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
-    params = sum(p.numel() for p in base.diffusion_model.parameters())
-    weight_gb = sum(p.numel() * p.element_size() for p in base.diffusion_model.parameters()) / GIB
-    return patcher, {"model_config": source, "params": params, "weights_gb": round(weight_gb, 3),
-                     "build_s": round(time.perf_counter() - started, 2)}
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
+    if hasattr(patcher, "cached_patcher_init"):
+        patcher.cached_patcher_init = (_rebuild, (dims, device, dtype, seed, base))
+    return patcher, source
+
+
+def _rebuild(dims, device, dtype, seed, base, disable_dynamic=False):
+    patcher, _ = _build_patcher(dims, device, dtype, seed, base)
+    for callback in REBUILT:
+        callback(patcher.model.diffusion_model)
+    return patcher
 
 
 # ---------------------------------------------------------------- FLOPs
@@ -475,14 +498,20 @@ def make_inputs(dims: ModelDims, resolution: int, batch: int, text_tokens: int, 
 
 
 class RowCounter:
-    """Rows (batch entries) the diffusion model runs per forward call, via a forward pre-hook."""
+    """Rows (batch entries) the diffusion model runs per forward call, via forward pre-hooks (on the
+    model given, and on any other watched later: the copy a deep clone rebuilds)."""
 
     def __init__(self, module: torch.nn.Module):
         self.rows: list[int] = []
-        self.handle = module.register_forward_pre_hook(lambda _m, args: self.rows.append(int(args[0].shape[0])))
+        self.handles: list = []
+        self.watch(module)
+
+    def watch(self, module: torch.nn.Module) -> None:
+        self.handles.append(module.register_forward_pre_hook(lambda _m, args: self.rows.append(int(args[0].shape[0]))))
 
     def remove(self) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
 
 
 # ---------------------------------------------------------------- Kiln
@@ -582,7 +611,20 @@ def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, step
                      loss_function="MSE", seed=0, training_dtype=dtype, lora_dtype=lora_dtype, algorithm="LoRA",
                      gradient_checkpointing=checkpointing, checkpoint_depth=checkpoint_depth, offloading=False,
                      existing_lora="[None]", bucket_mode=False, bypass_mode=False)
+    # The node's inputs differ by version: 0.19 added quantized_backward (FP8 backward for fp8/nvfp4 bases,
+    # off here: the bf16 baseline). Every input its schema lists must be given.
+    wanted = {item.id for item in nodes_train.TrainLoraNode.define_schema().inputs}
+    if "quantized_backward" in wanted:
+        arguments["quantized_backward"] = False
+    missing = sorted(wanted - set(arguments))
+    if missing:
+        raise RuntimeError(f"this ComfyUI's TrainLoraNode has inputs the bench does not set: {missing}")
+    arguments = {k: v for k, v in arguments.items() if k in wanted}
+    out["native_quantized_backward"] = arguments.get("quantized_backward")
+    # From 0.25 the node deep-clones its model (rebuilt through cached_patcher_init) and trains the copy.
     counter = RowCounter(patcher.model.diffusion_model)
+    REBUILT.append(counter.watch)
+    rebuilt_before = len(counter.handles)
     previous_bar, previous_enabled = nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED
     nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = TimedProgressBar, False
     entered = time.perf_counter()
@@ -599,12 +641,14 @@ def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, step
                    native_loss_last=losses[-1] if losses else None,
                    native_loss_finite=bool(losses) and all(math.isfinite(v) for v in losses),
                    native_trainable_params=sum(t.numel() for t in lora_sd.values()),
-                   native_forward_rows=sum(counter.rows) / steps, native_error=None)
+                   native_forward_rows=sum(counter.rows) / steps, native_error=None,
+                   native_deep_copy=len(counter.handles) > rebuilt_before)
     except Exception as error:  # noqa: BLE001 — recorded (e.g. its Flux2 backward without checkpointing)
         out.update(native_s_per_step=None, native_p95=None, native_error=f"{type(error).__name__}: {error}"[:500])
         print(f"[bench] native trainer failed: {out['native_error']}", file=sys.stderr)
     finally:
         counter.remove()
+        REBUILT.remove(counter.watch)
         nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = previous_bar, previous_enabled
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -148,7 +148,16 @@ def _call(base, sampling, dm, options: dict, x, sigma, context, extras: dict):
              else comfy.model_base.convert_tensor(v, dtype, x.device) for k, v in conds.items()}
     t = base.process_timestep(t, x=x, **conds)
     transformer_options = {**options, "sigmas": sigma}
+    if _PREFETCH_FLAG:  # tells the blocks whether to prefetch dynamic-VRAM weights (False: Kiln trains loaded)
+        transformer_options["prefetch_dynamic_vbars"] = base.current_patcher is not None \
+            and base.current_patcher.is_dynamic()
     return dm(xc, t, context=ctx, control=None, transformer_options=transformer_options, **conds)
+
+
+# Whether this ComfyUI's BaseModel._apply_model sets transformer_options["prefetch_dynamic_vbars"] (0.33
+# does, 0.17 does not; the key is a constant of its code): _call mirrors the version it runs in, and
+# tests/nodes/test_bridge.py compares the options with what ComfyUI's sampler hands the model.
+_PREFETCH_FLAG = "prefetch_dynamic_vbars" in comfy.model_base.BaseModel._apply_model.__code__.co_consts
 
 
 # ---------------------------------------------------------------- latents, images, text

@@ -17,8 +17,19 @@ DATASET_FIELDS = ("dataset_dir", "resolutions", "repeats", "caption_dropout", "t
                   "cache_dir", "cache_max_gb")
 NOT_IN_GRAPH = ("arch", "model_path", "vae_path", "text_encoder_path", "training_adapter",
                 "output_dir")  # the graph supplies these (headless `train` reads them from its config)
-OPTION_FIELDS = tuple(name for name in cfg_module.FIELDS
-                      if name not in TRAIN_WIDGETS + DATASET_FIELDS + NOT_IN_GRAPH)
+# Training Options' widgets as shipped in 0.1.0. A saved workflow's widgets_values are positional, so this
+# order is forever: a field added to config.py later goes after these, wherever config.py lists it
+# (tests/nodes/test_saved_workflows.py holds every node's shipped order and today's workflows).
+SHIPPED_OPTION_ORDER = (
+    "device", "mixed_precision", "base_quantize", "lora_dropout", "targets", "batch_size", "grad_accum",
+    "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "lr_schedule", "warmup_steps", "min_lr_ratio",
+    "max_grad_norm", "gradient_checkpointing", "skip_checkpoint_blocks", "compile_blocks", "checkpoint_budget",
+    "attention", "timestep_sampling", "logit_mean", "logit_std", "shift_mode", "shift", "content_or_style",
+    "loss_weighting", "ema", "ema_decay", "run_name", "checkpoint_every", "keep_checkpoints", "log_every",
+    "save_dtype", "lora_format")
+_OPTION_NAMES = [name for name in cfg_module.FIELDS if name not in TRAIN_WIDGETS + DATASET_FIELDS + NOT_IN_GRAPH]
+OPTION_FIELDS = tuple([name for name in SHIPPED_OPTION_ORDER if name in _OPTION_NAMES]
+                      + [name for name in _OPTION_NAMES if name not in SHIPPED_OPTION_ORDER])
 LIST_FIELDS = {"targets": str}
 
 

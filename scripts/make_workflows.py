@@ -145,6 +145,20 @@ def has_control_widget(name: str, kind: str, options: dict) -> bool:
     return kind in ("COMBO", "FLOAT") and bool(flag)
 
 
+def widget_slots(info: dict) -> list[str]:
+    """What a saved UI workflow's widgets_values hold, position by position, for a node of this definition:
+    each widget input's name, and `<name>.control` after a widget the frontend gives a control_after_generate
+    widget. The values are positional, so a shipped node's slots may only grow at the end."""
+    slots = []
+    for name in ordered_inputs(info):
+        kind, options, _ = input_spec(info, name)
+        if is_widget(kind, options):
+            slots.append(name)
+            if has_control_widget(name, kind, options):
+                slots.append(f"{name}.control")
+    return slots
+
+
 def is_file_input(name: str) -> bool:
     return name in FILE_INPUTS
 

@@ -1,5 +1,12 @@
-"""Tiny models and data built in the tests: nothing is downloaded, everything runs on CPU in seconds."""
+"""Tiny models and data built in the tests: nothing is downloaded, everything runs on CPU in seconds.
+
+`--comfyui without|only` splits the suite: a test file that calls `comfy_env.require_comfy()` needs
+ComfyUI, the rest is the library. ./scripts/test runs the library once and the ComfyUI files once per
+ComfyUI tree, each in that tree's own Python environment.
+"""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,3 +52,25 @@ def make_data():
 @pytest.fixture
 def make_config():
     return tiny_config
+
+
+# ---------------------------------------------------------------- the library / ComfyUI split
+
+COMFYUI_CALL = "comfy_env.require_comfy()"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--comfyui", choices=("with", "without", "only"), default="with",
+                     help="with: every test (ComfyUI tests skip without COMFYUI_PATH); without: only the tests that "
+                          "need no ComfyUI; only: only those that do (test files calling comfy_env.require_comfy())")
+
+
+def needs_comfyui(path: Path) -> bool:
+    return path.suffix == ".py" and path.name.startswith("test_") and COMFYUI_CALL in path.read_text(encoding="utf-8")
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    part = config.getoption("--comfyui")
+    if part == "with" or not collection_path.is_file() or not collection_path.name.startswith("test_"):
+        return None
+    return True if needs_comfyui(collection_path) != (part == "only") else None

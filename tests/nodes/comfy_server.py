@@ -8,8 +8,8 @@ Run as a script, this file is the launcher the server is started through:
 
     python comfy_server.py COMFYUI_PATH main.py-arguments...
 
-It applies tests/comfy_env.py's torchvision workaround (a CUDA-only torchvision wheel on CPU torch
-fails to import; ComfyUI imports it at start) and then runs main.py as `python main.py` would, from
+It applies tests/comfy_env.py's CPU-torch workarounds (PyPI's torchvision and torchaudio wheels do not load
+against the CPU torch; ComfyUI imports both at start) and then runs main.py as `python main.py` would, from
 ComfyUI's folder. (comfy_env.prepare() itself cannot be used here: it imports comfy.cli_args before
 main.py enables argument parsing, and ComfyUI would then ignore --port and the rest.)
 """
@@ -41,6 +41,47 @@ def make_dataset(folder: Path, count: int = 4) -> None:
         width, height = (64, 64) if i % 2 else (80, 64)   # two buckets
         Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
         (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
+
+
+# Tiny model files in a test server's models/ (scripts/make_workflows.py's TINY names the Flux2 ones).
+TINY_FILES = {"flux2_unet": "kiln_tiny_flux2_klein.safetensors", "flux2_vae": "kiln_tiny_flux2_vae.safetensors",
+              "flux_vae": "kiln_tiny_flux_vae.safetensors", "zimage_adapter": "kiln_tiny_zimage_adapter.safetensors",
+              "dataset": "kiln_tiny_dataset"}
+
+
+def tiny_base(base: Path) -> Path:
+    """A --base-directory for a test server: the pack and the test-only nodes (tests/nodes/server_nodes)
+    linked into custom_nodes/, a tiny Flux2 Klein file (UNETLoader detects it from its shapes), tiny Flux2
+    and Flux (Z-Image's) VAE files, a tiny Z-Image training adapter in loras/, a captioned dataset in input/,
+    and a returning user's settings (no first-run tutorial over the canvas)."""
+    import tiny_comfy as tc
+
+    for sub in ("custom_nodes", "models/diffusion_models", "models/vae", "models/loras", "input", "output",
+                "user/default"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    (base / "custom_nodes" / "kiln").symlink_to(HERE.parents[1], target_is_directory=True)
+    (base / "custom_nodes" / "kiln_test_nodes").symlink_to(HERE / "server_nodes", target_is_directory=True)
+    tc.write_flux2_file(base / "models" / "diffusion_models" / TINY_FILES["flux2_unet"])
+    tc.write_vae_file(base / "models" / "vae" / TINY_FILES["flux2_vae"], flux2=True)
+    tc.write_vae_file(base / "models" / "vae" / TINY_FILES["flux_vae"], flux2=False)
+    tc.write_zimage_adapter_file(base / "models" / "loras" / TINY_FILES["zimage_adapter"])
+    make_dataset(base / "input" / TINY_FILES["dataset"])
+    (base / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    return base
+
+
+def make_workflows():
+    """scripts/make_workflows.py as a module (node definitions → widget slots, validation), loaded once."""
+    import importlib.util
+
+    if "kiln_make_workflows" in sys.modules:
+        return sys.modules["kiln_make_workflows"]
+    source = HERE.parents[1] / "scripts" / "make_workflows.py"
+    spec = importlib.util.spec_from_file_location("kiln_make_workflows", source)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module      # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:
@@ -169,7 +210,7 @@ def _launch(argv: list[str]) -> None:
     sys.path.insert(0, str(HERE.parent))          # tests/, for comfy_env
     import comfy_env
 
-    comfy_env._torchvision_workaround()
+    comfy_env.cpu_torch_workarounds()
     import runpy
 
     # As `python main.py` from ComfyUI's folder: its folder first on sys.path, not this test folder.

@@ -10,6 +10,7 @@ progress, interrupts, LOSS_MAP, folders.
 """
 from __future__ import annotations
 
+import contextlib
 
 import numpy as np
 import pytest
@@ -119,8 +120,13 @@ def our_call(model, arch_name, x, sigmas, embeddings):
     return out, calls
 
 
+APPLY_MODEL_OPTIONS = ("prefetch_dynamic_vbars",)  # what BaseModel._apply_model itself adds (0.33, not 0.17)
+
+
 def same_call(ours, theirs):
-    """Bitwise-equal inputs: x, timestep, context and every model kwarg but transformer_options."""
+    """Bitwise-equal inputs: x, timestep, context and every model kwarg. transformer_options: the sampler
+    adds its own bookkeeping (uuids, cond_or_uncond, ...); ours carry a subset with equal values, and
+    what the version's _apply_model adds, ours add too."""
     (args_a, kw_a, _), (args_b, kw_b, _) = ours, theirs
     assert len(args_a) == len(args_b) == 2
     for a, b in zip(args_a, args_b, strict=True):
@@ -133,6 +139,13 @@ def same_call(ours, theirs):
             assert a.dtype == b.dtype and torch.equal(a, b), key
         else:
             assert a == b, key
+    options_a, options_b = kw_a["transformer_options"], kw_b["transformer_options"]
+    assert set(options_a) <= set(options_b), sorted(set(options_a) - set(options_b))
+    for key, a in options_a.items():
+        b = options_b[key]
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b, key
+    for key in APPLY_MODEL_OPTIONS:
+        assert (key in options_a) == (key in options_b), key
 
 
 def embedding(clip, text):
@@ -376,6 +389,85 @@ def test_sample_returns_image_with_lora_installed(klein, klein_clip, flux2_vae):
             backend.teardown()
     assert image.shape == (1, 32, 48, 3) and torch.isfinite(image).all()
     assert 0.0 <= image.min() and image.max() <= 1.0
+
+
+@contextlib.contextmanager
+def fused_rope_calls():
+    """Names of the comfy-kitchen RoPE kernels called in the block: the path ComfyUI's sampler takes
+    with in_training off (0.33: Flux apply_rope, Z-Image's fused rms_rope; 0.17: Flux apply_rope1 via the
+    alias flux/math.py binds at import). Training takes ComfyUI's autograd-safe path instead."""
+    import comfy.ldm.flux.math as flux_math
+    import comfy.quant_ops
+
+    kitchen = getattr(comfy.quant_ops, "ck", None)
+    targets = [(kitchen, name) for name in ("apply_rope", "apply_rope1", "rms_rope", "rms_rope1")
+               if kitchen is not None and hasattr(kitchen, name)]
+    targets += [(flux_math, name) for name in ("q_apply_rope", "q_apply_rope1") if hasattr(flux_math, name)]
+    calls, originals = [], []
+    for owner, name in targets:
+        original = getattr(owner, name)
+        originals.append((owner, name, original))
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(owner, name, spy)
+    try:
+        yield calls
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+@pytest.mark.parametrize("which", ["klein", "zimage"])
+def test_validation_and_training_take_comfys_own_paths(which, klein, zimage, klein_clip, zimage_clip, flux2_vae,
+                                                       flux_vae):
+    """Validation samples inside a run are bitwise what ComfyUI's sampler draws outside it (the same fused
+    kernels, in_training off); the training forward takes the path ComfyUI's own trainer takes
+    (in_training on: no fused kernel, autograd-safe) and agrees with the sampler's model output."""
+    model, arch_name, vae, clip, shape = ((klein, "flux2_klein", flux2_vae, klein_clip, (1, 128, 2, 3))
+                                          if which == "klein" else
+                                          (zimage, "zimage", flux_vae, zimage_clip, (1, 16, 4, 6)))
+    cond, emb = tc.conditioning(clip, "a cat on a roof"), embedding(clip, "a cat on a roof")
+    settings = dict(seed=1, steps=2, cfg=1.0, sampler_name="euler", scheduler="simple", width=48, height=32)
+    with fused_rope_calls() as sampler_kernels, torch.inference_mode():    # ComfyUI's KSampler + VAE Decode
+        fmt = model.get_model_object("latent_format")
+        down = getattr(fmt, "spacial_downscale_ratio", 8)
+        latent = comfy.sample.fix_empty_latent_channels(model, torch.zeros([1, fmt.latent_channels, 32 // down,
+                                                                            48 // down]))
+        samples = comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 1), 2, 1.0, "euler", "simple",
+                                      cond, cond, latent, denoise=1.0, disable_pbar=True, seed=1)
+        reference = vae.decode(samples)
+    theirs = comfy_sampling_calls(model, cond, shape)[0]
+    with bridge.training_session(model) as (dm, _):
+        with fused_rope_calls() as validation_kernels:
+            image = bridge.sample(model, cond, cond, vae, **settings)
+        with fused_rope_calls() as training_kernels:
+            ours, calls = our_call_with_grad(model, arch_name, dm, theirs[0][0], theirs[0][1], emb)
+    assert torch.equal(image, reference.reshape(-1, *reference.shape[-3:])[..., :3])
+    assert validation_kernels == sampler_kernels
+    if which == "klein" or comfy_env.at_least("0.33"):
+        assert sampler_kernels, "ComfyUI's sampler took no comfy-kitchen RoPE kernel"
+    assert training_kernels == [] and ours.requires_grad
+    same_call(calls[0], theirs)
+    torch.testing.assert_close(ours.detach(), theirs[2], rtol=1e-5, atol=1e-5)
+
+
+def our_call_with_grad(model, arch_name, dm, x, sigma, emb):
+    """Our forward as the training step runs it: in a training session, grad on."""
+    arch = archs.get_arch(arch_name)
+    context = torch.from_numpy(arch.collate_context([emb]))
+    extras = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+              for k, v in arch.model_extras(1, [emb.shape[0]]).items()}
+    params = [p for p in dm.parameters()][:1]
+    params[0].requires_grad_(True)
+    try:
+        with Calls(dm) as calls:
+            out = bridge.make_forward(model, arch_name)(dm, x.clone(), sigma.clone(), context, extras)
+    finally:
+        params[0].requires_grad_(False)
+    return out, calls
 
 
 def test_vae_encoder(flux2_vae, flux_vae, zimage, klein):

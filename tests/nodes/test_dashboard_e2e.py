@@ -2,13 +2,15 @@
 Chromium driven by playwright-core (tests/web/e2e_dashboard.mjs), training the tiny Flux2 workflow.
 
 Needs COMFYUI_PATH, node, Chromium (`apt-get install chromium`, or CHROMIUM=/path) and playwright-core
-(`npm install` at the repository root); skips with the reason otherwise. The browser loads the
+(`npm install` at the repository root; ./scripts/test installs both in CI); skips with the reason
+otherwise, and fails in CI. The browser loads the
 workflow (Train LoRA with validation samples every 2 steps), queues it as the Queue button does, and
 checks on the Train LoRA node and in the Kiln sidebar tab: the loss curve, the figures, the bucket
 distribution and a sample thumbnail; then Save now (a LoRA appears in models/loras/kiln/), Stop (a
 resumable checkpoint, the run says stopped) and queueing again (the run resumes from that step). No
-console errors may come from Kiln's files. The screenshot is left in the test's tmp dir;
-KILN_DASHBOARD_SCREENSHOT=docs/dashboard.png copies it there (for the README).
+console errors may come from Kiln's files. The screenshot is kept as a CI artifact,
+runs/test-reports/dashboard-<ComfyUI version>.png; KILN_DASHBOARD_SCREENSHOT=docs/dashboard.png copies it
+there too (for the README).
 """
 from __future__ import annotations
 
@@ -29,8 +31,7 @@ import comfy_env  # noqa: E402
 
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
-import tiny_comfy as tc  # noqa: E402
-from comfy_server import ComfyServer, make_dataset  # noqa: E402
+from comfy_server import ComfyServer, tiny_base  # noqa: E402
 
 DRIVER = REPO / "tests" / "web" / "e2e_dashboard.mjs"
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") or ""
@@ -42,6 +43,8 @@ MIN_POINTS = int(os.environ.get("KILN_E2E_MIN_POINTS", "4"))
 missing = [what for what, present in (("node", NODE), ("chromium (apt-get install chromium, or set CHROMIUM)",
                                                         CHROMIUM), ("playwright-core (npm install)",
                                                                     PLAYWRIGHT.is_file())) if not present]
+if missing and comfy_env.required():
+    pytest.fail(f"the dashboard e2e test needs {', '.join(missing)} and CI must run it", pytrace=False)
 pytestmark = pytest.mark.skipif(bool(missing), reason=f"the dashboard e2e test needs {', '.join(missing)}")
 
 
@@ -63,17 +66,7 @@ def dashboard_workflow() -> dict:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("comfy_dash")
-    for sub in ("custom_nodes", "models/diffusion_models", "models/vae", "models/loras", "input", "output",
-                "user/default"):
-        (base / sub).mkdir(parents=True)
-    (base / "custom_nodes" / "kiln").symlink_to(REPO, target_is_directory=True)
-    (base / "custom_nodes" / "kiln_test_nodes").symlink_to(HERE / "server_nodes", target_is_directory=True)
-    tc.write_flux2_file(base / "models" / "diffusion_models" / "kiln_tiny_flux2_klein.safetensors")
-    tc.write_vae_file(base / "models" / "vae" / "kiln_tiny_flux2_vae.safetensors", flux2=True)
-    make_dataset(base / "input" / "kiln_tiny_dataset")
-    # A returning user: no first-run tutorial or template browser over the canvas.
-    (base / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    base = tiny_base(tmp_path_factory.mktemp("comfy_dash"))
     comfy = ComfyServer(COMFY, base)
     comfy.start()
     try:
@@ -148,6 +141,9 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
 
     screenshot = shots / "dashboard.png"
     assert screenshot.stat().st_size > 10_000
+    artifacts = REPO / "runs" / "test-reports"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(screenshot, artifacts / f"dashboard-{comfy_env.version()}.png")
     if os.environ.get("KILN_DASHBOARD_SCREENSHOT"):
         shutil.copyfile(screenshot, os.environ["KILN_DASHBOARD_SCREENSHOT"])
     print(f"\ndashboard e2e: {time.monotonic() - started:.0f} s, screenshot {screenshot}")

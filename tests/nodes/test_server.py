@@ -24,9 +24,10 @@ with no "lora key not loaded" in the log.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -39,19 +40,10 @@ import comfy_env  # noqa: E402
 
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
-import tiny_comfy as tc  # noqa: E402
-from comfy_server import ComfyServer, make_dataset  # noqa: E402
+from comfy_server import TINY_FILES, ComfyServer, make_workflows, tiny_base  # noqa: E402
 
 
-def _load_make_workflows():
-    spec = importlib.util.spec_from_file_location("kiln_make_workflows", REPO / "scripts" / "make_workflows.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module      # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
-
-
-mw = _load_make_workflows()
+mw = make_workflows()
 WORKFLOWS = HERE / "workflows"
 EXAMPLES = sorted((REPO / "example_workflows" / "api").glob("*.json"))
 KILN_NODES = {"KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
@@ -61,15 +53,8 @@ KILN_NODES = {"KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "Kiln
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("comfy_base")
-    for sub in ("custom_nodes", "models/diffusion_models", "models/vae", "models/loras", "input", "output", "user"):
-        (base / sub).mkdir(parents=True)
-    (base / "custom_nodes" / "kiln").symlink_to(REPO, target_is_directory=True)
-    (base / "custom_nodes" / "kiln_test_nodes").symlink_to(HERE / "server_nodes", target_is_directory=True)
-    tc.write_flux2_file(base / "models" / "diffusion_models" / mw.TINY["unet"])
-    tc.write_vae_file(base / "models" / "vae" / mw.TINY["vae"], flux2=True)
-    make_dataset(base / "input" / mw.TINY["dataset"])
-
+    base = tiny_base(tmp_path_factory.mktemp("comfy_base"))
+    assert mw.TINY["unet"] == TINY_FILES["flux2_unet"] and mw.TINY["vae"] == TINY_FILES["flux2_vae"]
     comfy = ComfyServer(COMFY, base)
     started = time.monotonic()
     comfy.start()
@@ -210,3 +195,93 @@ def test_example_workflow_passes_comfys_validation(server, path):
     assert entry["status"]["status_str"] == "error" and len(errors) == 1, entry["status"]
     assert errors[0]["node_type"] == "KilnLoadRun", errors
     assert "no complete checkpoint" in errors[0]["exception_message"], errors
+
+
+# ---------------------------------------------------------------- the example workflows through comfy-cli
+
+def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
+    """An example API workflow on the tiny models: Z-Image's UNETLoader becomes the test node that builds a
+    tiny Z-Image, CLIPLoader the tiny text encoder of that family, the VAEs and the training adapter tiny
+    files; 64 px, a few steps (steps / 250, so chained and resumed runs keep their order), on the CPU.
+    Every Kiln node and every link stays as shipped."""
+    api, zimage = json.loads(json.dumps(api)), any(n["inputs"].get("type") == "lumina2" for n in api.values())
+    for node in api.values():
+        kind, inputs = node["class_type"], node["inputs"]
+        if kind == "UNETLoader":
+            node.update(class_type="KilnTestTinyZImage", inputs={"seed": 0}) if zimage else \
+                inputs.update(unet_name=TINY_FILES["flux2_unet"])
+        elif kind == "CLIPLoader":
+            node.update(class_type="KilnTestTinyCLIP", inputs={"family": "zimage" if zimage else "flux2_klein",
+                                                                "seed": 0})
+        elif kind == "VAELoader":
+            inputs.update(vae_name=TINY_FILES["flux_vae" if zimage else "flux2_vae"])
+        elif kind == "KilnLoadDataset":
+            inputs.update(folder=TINY_FILES["dataset"], resolutions="64")
+        elif kind == "KilnTrainingOptions":
+            inputs.update(device="cpu", mixed_precision="no", checkpoint_every=2, log_every=1)
+        elif kind == "KilnTrainLoRA":
+            inputs.update(steps=max(2, inputs["steps"] // 250), rank=4, alpha=4.0)
+            if inputs.get("training_adapter", "none") != "none":
+                inputs["training_adapter"] = TINY_FILES["zimage_adapter"]
+        elif kind == "KilnValidationSettings":
+            inputs.update(steps=2, width=64, height=64, every=2)
+        elif kind == "KSampler":
+            inputs.update(steps=2)
+        elif kind.startswith("Empty") and kind.endswith("LatentImage"):
+            inputs.update(width=64, height=64)
+        elif kind == "KilnSaveLoRA":
+            inputs.update(name=f"kiln_cli/{name}_{inputs['name'].rsplit('/', 1)[-1]}", overwrite=True)
+        elif kind == "SaveImage":
+            inputs.update(filename_prefix=f"kiln_cli/{name}")
+        elif kind == "KilnLoadRun":
+            inputs.update(run_folder=run_folder)
+    return api
+
+
+def comfy_run(server, workflow: Path) -> subprocess.CompletedProcess:
+    command = [shutil.which("comfy") or "comfy", "run", "--workflow", str(workflow), "--wait", "--host", "127.0.0.1",
+               "--port", str(server.port), "--timeout", "600"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "DO_NOT_TRACK": "1"})
+
+
+def test_example_workflows_run_through_comfy_cli(server, tmp_path):
+    """`comfy run --workflow FILE --wait` (comfy-cli, the client users script ComfyUI with) runs each example
+    workflow on the tiny models against the live server: LoRAs saved with ComfyUI keys and the right arch,
+    images saved, and the resume workflow continues the Z-Image run the first workflow left."""
+    if shutil.which("comfy") is None:
+        pytest.fail("comfy-cli is not installed: pip install -e '.[test]' installs it", pytrace=False)
+    from trainer import lora_format
+
+    loras, images = server.base / "models" / "loras" / "kiln_cli", server.base / "output" / "kiln_cli"
+    order = ["zimage_turbo_character_lora", "flux2_klein_style_lora", "chained_training", "resume_from_run_folder"]
+    assert sorted(order) == sorted(p.stem for p in EXAMPLES)
+    runs: set[Path] = set()
+    for name in order:
+        api = json.loads((REPO / "example_workflows" / "api" / f"{name}.json").read_text(encoding="utf-8"))
+        run_folder = None
+        if name == "resume_from_run_folder":   # the Z-Image Turbo run the character workflow left
+            run_folder = next(p.name for p in runs if p.name.startswith("zimage_turbo-"))
+        workflow = tmp_path / f"{name}.json"
+        workflow.write_text(json.dumps(tiny_example(api, name, run_folder)), encoding="utf-8")
+        done = comfy_run(server, workflow)
+        assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{server.log_tail(60)}"
+        saved = sorted(loras.glob(f"{name}_*.safetensors"))
+        assert len(saved) == sum(n["class_type"] == "KilnSaveLoRA" for n in api.values()), (name, saved)
+        for path in saved:
+            weights, metadata = lora_format.load_lora(path)
+            assert weights and metadata["kiln.arch"] == ("flux2_klein" if "klein" in name or "chained" in name
+                                                         else "zimage_turbo"), (path.name, metadata["kiln.arch"])
+        wanted_images = sum(n["class_type"] == "SaveImage" for n in api.values())
+        assert len(list(images.glob(f"{name}_*.png"))) == wanted_images, name
+        new_runs = {p for p in (server.base / "output" / "kiln").iterdir() if p.is_dir()} - runs
+        runs |= new_runs
+    # Resuming from a loaded run trains on in a run folder of its own (its identity names where it started):
+    # steps 9-12 after the character run's 8, with the loss history carried over.
+    (resumed_dir,) = new_runs
+    resumed = json.loads(sorted(resumed_dir.glob("step-*/run.json"))[-1].read_text(encoding="utf-8"))
+    first = json.loads(sorted((server.base / "output" / "kiln" / run_folder).glob("step-*/run.json"))[-1]
+                       .read_text(encoding="utf-8"))
+    assert (first["step"], resumed["step"]) == (8, 12)     # 2000 // 250, then 3000 // 250
+    assert resumed["history"]["loss"][:8] == first["history"]["loss"] and len(resumed["history"]["loss"]) == 12
+    assert "lora key not loaded" not in server.log()

@@ -124,6 +124,30 @@ def tiny_zimage(*, seed: int = 0):
                                                 offload_device=mm.unet_offload_device())
 
 
+def write_zimage_adapter_file(path: Path, *, rank: int = 4, seed: int = 5) -> Path:
+    """A training adapter for tiny_zimage() as ai-toolkit names the Z-Image one (split q/k/v, `to_out.0`,
+    feed_forward w1..3, no alpha): small random LoRA weights, loadable by ComfyUI's LoRA loader."""
+    import comfy.ops
+    import safetensors.torch
+    from comfy.ldm.lumina.model import NextDiT
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in NextDiT(**zimage_unet_config(), operations=comfy.ops.disable_weight_init)
+                  .state_dict().items()}
+    generator, tensors, head = torch.Generator().manual_seed(seed), {}, ZIMAGE_DIM
+    for layer in range(zimage_unet_config()["n_layers"]):
+        prefix = f"layers.{layer}"
+        parts = {f"attention.to_{n}": (head, head) for n in "qkv"}
+        parts["attention.to_out.0"] = tuple(shapes[f"{prefix}.attention.out.weight"])
+        parts.update({f"feed_forward.{n}": tuple(shapes[f"{prefix}.feed_forward.{n}.weight"]) for n in ("w1", "w2", "w3")})
+        for name, (out_features, in_features) in parts.items():
+            key = f"diffusion_model.{prefix}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.01
+    safetensors.torch.save_file(tensors, str(path))
+    return path
+
+
 # ---------------------------------------------------------------- VAEs
 
 def _vae_state_dict(*, flux2: bool, seed: int) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Test-only ComfyUI custom node for tests/nodes/test_server.py: a tiny text encoder. Never shipped.
+"""Test-only ComfyUI custom nodes for tests/nodes/test_server.py: a tiny text encoder and a tiny Z-Image.
+Never shipped.
 
 Why a node: ComfyUI's CLIPLoader reads a text-encoder file, recognises Qwen3-4B from its keys and then
 builds the model at its real size (hidden 2560, 36 layers) from a fixed config, so a tiny Qwen3 file
@@ -44,7 +45,29 @@ class KilnTestTinyCLIP(io.ComfyNode):
         return io.NodeOutput(clip)
 
 
-NODES = [KilnTestTinyCLIP]
+class KilnTestTinyZImage(io.ComfyNode):
+    """A tiny Z-Image MODEL: ComfyUI detects Z-Image only at dim 3840, so no tiny file loads through
+    UNETLoader; this node builds ComfyUI's own NextDiT at dim 256 (tiny_comfy.tiny_zimage)."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnTestTinyZImage", display_name="Kiln Test Tiny Z-Image", category="Kiln/testing",
+            description="Test only: ComfyUI's Z-Image (NextDiT) at a tiny size (random weights).",
+            inputs=[io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
+                                 tooltip="Seed of the random weights")],
+            outputs=[io.Model.Output()])
+
+    @classmethod
+    def execute(cls, seed: int = 0):
+        if _TESTS_NODES not in sys.path:
+            sys.path.insert(0, _TESTS_NODES)
+        import tiny_comfy
+
+        return io.NodeOutput(tiny_comfy.tiny_zimage(seed=seed))
+
+
+NODES = [KilnTestTinyCLIP, KilnTestTinyZImage]
 
 
 class _TestExtension(ComfyExtension):

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Prepare a ComfyUI source tree for Kiln's tests: a working copy and a Python environment for it.
+
+    python scripts/comfyui_tree.py TREE WORKDIR      # prints shell lines: COMFYUI_PATH=... COMFYUI_PYTHON=...
+
+ComfyUI is not on PyPI, so the tests run against source trees (../shared/comfyui/v0.17 and v0.33).
+For one tree this:
+  1. copies it to WORKDIR/ComfyUI: ComfyUI writes into its own folder (user/, output/, temp/, and the
+     in-process tests' folder_paths point there), and the source trees stay read-only fixtures;
+  2. makes a virtual environment for it with the system site packages visible (the installed CPU torch,
+     pytest, MLX and Kiln's test tools) and installs the tree's requirements.txt into it with torch held
+     at the installed version (`-c` constraints): otherwise pip replaces the CPU torch with a
+     multi-gigabyte CUDA build. Each ComfyUI version pins its own frontend, comfy-kitchen and
+     comfy-aimdo, so each gets its own environment.
+The environment is cached under runs/comfyui/ (keyed by the requirements, the Python and the torch
+version) and reused while it is complete; a half-built one is never reused (it is marked ready only at
+the end). PyPI's torchvision/torchaudio wheels do not load against the CPU torch: tests/comfy_env.py
+works around that at run time, in the tests and in the server launcher.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / "runs" / "comfyui"
+# What the tests never need from a tree, and what a run leaves in it (a tree used by hand, say).
+NOT_COPIED = shutil.ignore_patterns("__pycache__", "*.pyc", ".git", "user", "output", "temp", "input")
+
+
+def version_of(tree: Path) -> str:
+    """ComfyUI's own version string (comfyui_version.py), e.g. '0.33.0'."""
+    source = tree / "comfyui_version.py"
+    if not source.is_file():
+        raise SystemExit(f"{tree} is not a ComfyUI tree: no comfyui_version.py")
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__version__" for t in node.targets):
+            return str(ast.literal_eval(node.value))
+    raise SystemExit(f"{source} sets no __version__")
+
+
+def torch_version() -> str:
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit("torch is not installed in this Python; ./scripts/test installs it first")
+    return done.stdout.strip().split("+")[0]
+
+
+def copy_tree(tree: Path, workdir: Path) -> Path:
+    target = workdir / "ComfyUI"
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(tree, target, ignore=NOT_COPIED, symlinks=True)
+    for sub in ("custom_nodes", "models", "input", "output", "user"):
+        (target / sub).mkdir(exist_ok=True)
+    return target
+
+
+def environment(tree: Path) -> Path:
+    """The cached virtual environment for this tree's requirements (built when missing): its python."""
+    requirements = (tree / "requirements.txt").read_bytes()
+    torch = torch_version()
+    key = hashlib.sha256(requirements + f"|{sys.version}|{torch}".encode()).hexdigest()[:12]
+    venv = CACHE / f"venv-{version_of(tree)}-{key}"
+    python = venv / "bin" / "python"
+    if (venv / ".ready").is_file() and python.is_file():
+        return python
+    if venv.exists():
+        shutil.rmtree(venv)             # a half-built one from an interrupted run
+    CACHE.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
+        constraints.write(f"torch=={torch}\n")
+    try:
+        print(f"[comfyui] installing ComfyUI {version_of(tree)}'s requirements (torch held at {torch})",
+              file=sys.stderr, flush=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                        "-r", str(tree / "requirements.txt"), "-c", constraints.name], check=True)
+    finally:
+        os.unlink(constraints.name)
+    held = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
+                          capture_output=True, text=True, check=True).stdout.strip().split("+")[0]
+    if held != torch:
+        raise SystemExit(f"installing ComfyUI's requirements changed torch {torch} -> {held}")
+    (venv / ".ready").write_text(f"ComfyUI {version_of(tree)}, torch {torch}\n", encoding="utf-8")
+    return python
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    tree, workdir = Path(argv[0]).resolve(), Path(argv[1]).resolve()
+    version = version_of(tree)
+    workdir.mkdir(parents=True, exist_ok=True)
+    python = environment(tree)
+    copy = copy_tree(tree, workdir)
+    for name, value in (("COMFYUI_PATH", copy), ("COMFYUI_PYTHON", python), ("COMFYUI_VERSION", version)):
+        print(f"{name}={shlex.quote(str(value))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,126 @@
+"""Saved workflows keep working (COMFYUI_PATH): a UI workflow's `widgets_values` are positional, so a
+node that gains an input anywhere but at the end shifts every later value in the graphs users saved.
+
+Fixtures in tests/nodes/saved_workflows/, never regenerated:
+  *.json              the example workflows as shipped in 0.1.0 (UI format), i.e. graphs users saved;
+  widget_order.json   every Kiln node's widgets_values slots as shipped in 0.1.0 (scripts/make_workflows.py
+                      `widget_slots`: widget inputs in order, `<name>.control` after a seed's control widget).
+
+Against a real ComfyUI server with the pack:
+  1. each Kiln node's slots start with the shipped ones (new inputs only at the end);
+  2. each saved workflow, read by position against the served definitions, gives every widget of a Kiln
+     node a value that node accepts (type, bounds, choices);
+  3. in ComfyUI's own frontend (headless Chromium), loading each saved workflow puts on every Kiln widget,
+     by name, the value it was saved with. Both ComfyUI versions' frontends restore widget values by
+     position (V3 input ids are not used for it), which is what 1 protects.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SAVED = HERE / "saved_workflows"
+
+import comfy_env  # noqa: E402
+
+COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
+
+from comfy_server import ComfyServer, make_workflows, tiny_base  # noqa: E402
+
+mw = make_workflows()
+
+SHIPPED = json.loads((SAVED / "widget_order.json").read_text(encoding="utf-8"))
+WORKFLOWS = sorted(p for p in SAVED.glob("*.json") if p.name != "widget_order.json")
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") or ""
+NODE = shutil.which("node") or ""
+PLAYWRIGHT = REPO / "node_modules" / "playwright-core" / "package.json"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tiny_base(tmp_path_factory.mktemp("comfy_saved"))
+    comfy = ComfyServer(COMFY, base).start()
+    try:
+        yield comfy
+    finally:
+        comfy.stop()
+
+
+@pytest.fixture(scope="module")
+def object_info(server):
+    return server.get("/object_info", timeout=60)
+
+
+def kiln_nodes(path: Path) -> list[dict]:
+    graph = json.loads(path.read_text(encoding="utf-8"))
+    return [node for node in graph["nodes"] if node["type"].startswith("Kiln")]
+
+
+def saved_values(node: dict) -> dict:
+    """name → value of a saved node, read with the shipped slots (the order it was saved in)."""
+    slots = SHIPPED[node["type"]]
+    assert len(node["widgets_values"]) == len(slots), node["type"]
+    return dict(zip(slots, node["widgets_values"], strict=True))
+
+
+def test_fixtures_cover_every_shipped_node_and_workflow():
+    assert {p.name for p in WORKFLOWS} == {p.name for p in (REPO / "example_workflows").glob("*.json")}
+    assert len(SHIPPED) == 11 and len(SHIPPED["KilnTrainingOptions"]) == 35
+    assert {node["type"] for path in WORKFLOWS for node in kiln_nodes(path)} >= {
+        "KilnLoadDataset", "KilnTrainLoRA", "KilnTrainingOptions", "KilnSaveLoRA", "KilnLoadRun"}
+
+
+def test_kiln_widgets_only_grow_at_the_end(object_info):
+    for node_type, shipped in SHIPPED.items():
+        now = mw.widget_slots(object_info[node_type])
+        assert now[:len(shipped)] == shipped, (
+            f"{node_type}: the widget order changed; saved workflows would load shifted values. Keep the shipped "
+            f"order and add new inputs after it.\nshipped: {shipped}\nnow:     {now}")
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_saved_values_are_accepted_by_the_current_nodes(object_info, path):
+    problems = []
+    for node in kiln_nodes(path):
+        info = object_info[node["type"]]
+        for name, value in saved_values(node).items():
+            if name.endswith(".control"):
+                continue
+            kind, options, _ = mw.input_spec(info, name)
+            problems += [f"{node['type']}.{name}: {p}" for p in mw._check_widget(name, kind, options, value, False)]
+    assert problems == []
+
+
+def test_the_frontend_loads_saved_workflows_with_the_same_values(server, tmp_path):
+    missing = [what for what, ok in (("node", NODE), ("chromium", CHROMIUM), ("playwright-core (npm install)",
+                                                                           PLAYWRIGHT.is_file())) if not ok]
+    if missing:
+        if comfy_env.required():
+            pytest.fail(f"needs {', '.join(missing)} and CI must run it", pytrace=False)
+        pytest.skip(f"needs {', '.join(missing)}")
+    done = subprocess.run([NODE, str(REPO / "tests" / "web" / "load_workflows.mjs"), "--url", server.url,
+                           "--out", str(tmp_path), "--chromium", CHROMIUM, *map(str, WORKFLOWS)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    report = json.loads(lines[-1])
+    assert report["ok"], report.get("error")
+    for path in WORKFLOWS:
+        loaded = {str(node["id"]): node["widgets"] for node in report["files"][path.name]}   # 1.49: string ids
+        for node in kiln_nodes(path):
+            widgets = loaded[str(node["id"])]
+            names = [name for name, _ in widgets]
+            for slot, value in saved_values(node).items():
+                # A seed's control widget is the widget after it (its name differs between frontends).
+                name, control = slot.removesuffix(".control"), slot.endswith(".control")
+                shown = widgets[names.index(name) + control][1]
+                assert shown == value, (path.name, node["type"], slot, shown, value)
+    kiln_errors = [e for e in report["console"] if "kiln" in (e["text"] + e["url"]).lower()]
+    assert kiln_errors == [] and [e for e in report["pageErrors"] if "kiln" in e.lower()] == []

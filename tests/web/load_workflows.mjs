@@ -1,0 +1,65 @@
+// Loads saved UI workflows into ComfyUI's real frontend (headless Chromium, playwright-core) and reports
+// what each node's widgets then hold, by name. Run by tests/nodes/test_saved_workflows.py:
+//
+//   node tests/web/load_workflows.mjs --url http://127.0.0.1:PORT --out DIR [--chromium PATH] FILE...
+//
+// Prints one JSON line: {ok, files: {FILE: [{id, type, widgets: [[name, value], ...]}]}, console, pageErrors}.
+import fs from "node:fs";
+import path from "node:path";
+import { createRequire } from "node:module";
+import { parseArgs } from "node:util";
+
+const require = createRequire(import.meta.url);
+const { chromium } = require("playwright-core");
+
+const { values: options, positionals: files } = parseArgs({
+  allowPositionals: true,
+  options: {
+    url: { type: "string" },
+    out: { type: "string" },
+    chromium: { type: "string", default: "/usr/bin/chromium" },
+    "timeout-s": { type: "string", default: "180" },
+  },
+});
+const timeout = Number(options["timeout-s"]) * 1000;
+fs.mkdirSync(options.out, { recursive: true });
+const report = { files: {}, console: [], pageErrors: [] };
+
+const context = await chromium.launchPersistentContext(path.join(options.out, "chromium-profile"), {
+  executablePath: options.chromium,
+  headless: true,
+  viewport: { width: 1400, height: 900 },
+  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+});
+const page = context.pages()[0] ?? (await context.newPage());
+page.on("console", (message) => {
+  if (message.type() === "error") report.console.push({ text: message.text(), url: message.location()?.url ?? "" });
+});
+page.on("pageerror", (error) => report.pageErrors.push(String(error)));
+
+try {
+  await page.goto(options.url, { waitUntil: "domcontentloaded" });
+  await page.waitForFunction(() => {
+    const app = window.comfyAPI?.app?.app;
+    return app?.graph && window.LiteGraph?.registered_node_types?.KilnTrainLoRA;
+  }, null, { timeout, polling: 250 });
+  for (const file of files) {
+    const workflow = JSON.parse(fs.readFileSync(file, "utf-8"));
+    report.files[path.basename(file)] = await page.evaluate(async (graph) => {
+      const app = window.comfyAPI.app.app;
+      await app.loadGraphData(graph, true, true, "saved_workflow_check");
+      return app.graph.nodes.map((node) => ({
+        id: node.id, type: node.type,
+        widgets: (node.widgets ?? []).map((widget) => [widget.name, widget.value ?? null]),
+      }));
+    }, workflow);
+  }
+  report.ok = true;
+} catch (error) {
+  report.ok = false;
+  report.error = String(error.stack ?? error);
+} finally {
+  await context.close();
+}
+process.stdout.write(`${JSON.stringify(report)}\n`);
