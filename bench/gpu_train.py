@@ -349,7 +349,9 @@ def build_model(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed:
     patcher, source = _build_patcher(dims, device, dtype, seed, base)
     dm = patcher.model.diffusion_model
     params = sum(p.numel() for p in dm.parameters())
-    weight_gb = sum(p.numel() * p.element_size() for p in dm.parameters()) / GIB
+    # A quantized weight (comfy-kitchen QuantizedTensor) reports its logical dtype; its bytes are in _qdata.
+    stored = [getattr(p, "_qdata", p) for p in dm.parameters()]
+    weight_gb = sum(t.numel() * t.element_size() for t in stored) / GIB
     return patcher, {"model_config": source, "params": params, "weights_gb": round(weight_gb, 3),
                      "build_s": round(time.perf_counter() - started, 2)}
 
@@ -373,11 +375,46 @@ def _build_patcher(dims: ModelDims, device: torch.device, dtype: torch.dtype, se
     model = model_config.get_model({}, "", device=device)
     model.to(device)  # anything a class created off-device (no-op for Flux2 / NextDiT)
     fill_random_(model.diffusion_model, seed)
+    if base == "fp8q":
+        model = _quantized_copy(model, dims, dtype)
     sync(device)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
     if hasattr(patcher, "cached_patcher_init"):
         patcher.cached_patcher_init = (_rebuild, (dims, device, dtype, seed, base))
     return patcher, source
+
+
+def _quantized_copy(model, dims: ModelDims, dtype: torch.dtype):
+    """base "fp8q": the model as ComfyUI loads its own quantized checkpoints (Comfy-Org's fp8 files): every
+    block Linear's weight float8_e4m3fn with a per-tensor `weight_scale` and a `comfy_quant` format tag, so
+    ComfyUI builds them as its mixed-precision Linear (comfy-kitchen QuantizedTensor weights; fp8 matmuls
+    where the GPU has them, and from 0.19 an FP8 backward when training_fp8_bwd is set). Same random
+    values, quantized; embedders, modulation and the final layer stay in `dtype`."""
+    import json
+
+    import comfy.model_management as mm
+
+    blocks = tuple(f"{name}." for name in ("double_blocks", "single_blocks", "layers", "noise_refiner",
+                                           "context_refiner"))
+    tag = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+    sd = {}
+    for key, value in model.diffusion_model.state_dict().items():
+        if key.startswith(blocks) and key.endswith(".weight") and value.ndim == 2:
+            layer, scale = key.removesuffix(".weight"), value.float().abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+            sd[key] = (value.float() / scale).to(torch.float8_e4m3fn)
+            sd[f"{layer}.weight_scale"], sd[f"{layer}.comfy_quant"] = scale.reshape(()), tag.clone()
+        else:
+            sd[key] = value
+    device = next(model.diffusion_model.parameters()).device
+    del model
+    mm.soft_empty_cache()
+    model_config, _ = model_config_for(dims)
+    model_config.quant_config = {"mixed_ops": True}   # what comfy.utils.detect_layer_quantization answers
+    model_config.set_inference_dtype(dtype, dtype)     # the compute dtype the quantized layers cast to
+    quantized = model_config.get_model(sd, "", device=device)
+    quantized.load_model_weights(sd, "")
+    quantized.to(device)
+    return quantized
 
 
 def _rebuild(dims, device, dtype, seed, base, disable_dynamic=False):
@@ -453,8 +490,8 @@ def model_flops(dm: torch.nn.Module, dims: ModelDims, *, img: int, txt: int, bat
     again = set() if budgeted else recomputed_blocks(dm, block_lists, checkpointing, skip)
     fwd = bwd = recompute = 0
     for name, module in dm.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
+        if not isinstance(module, torch.nn.Linear) and not isinstance(getattr(module, "in_features", None), int):
+            continue   # (ComfyUI's quantized mixed-precision Linear is no nn.Linear but has the sizes)
         tokens = _linear_tokens(dims.family, name, img, txt)
         base = 2 * module.in_features * module.out_features * tokens
         low_rank = 2 * rank * (module.in_features + module.out_features) * tokens if name in lora else 0
@@ -518,7 +555,7 @@ class RowCounter:
 
 def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targets: str, checkpointing: bool,
              steps: int, warmup: int, timing: str, device: torch.device, dtype: str, settings: dict | None = None,
-             profile_steps: int = 0) -> dict:
+             profile_steps: int = 0, quantized_matmul: bool = False) -> dict:
     bridge, config, loop, data_module = pack["bridge"], pack["config"], pack["loop"], pack["data"]
     out: dict = {}
     model = bridge.trainable(patcher)
@@ -540,7 +577,8 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
     profiler = StepProfiler(first=steps + 1, count=profile_steps, rank=32, device=device)
     entered = time.perf_counter()
     with peak_memory(device, out, ""), tempfile.TemporaryDirectory(prefix="kiln_bench_") as run_dir, \
-            torch.inference_mode(), bridge.training_session(model, "auto") as (module, _device):
+            torch.inference_mode(), bridge.training_session(model, "auto", quantized_matmul=quantized_matmul) \
+            as (module, _device):
         # inference mode as inside a ComfyUI prompt; the session turns it off
         out["kiln_load_s"] = round(time.perf_counter() - entered, 2)  # the session's full load (untimed setup)
         stray = [n for n, m in module.named_modules() if getattr(m, "weight_function", None)]
@@ -585,8 +623,36 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
 
 # ---------------------------------------------------------------- native
 
+@contextlib.contextmanager
+def comfy_fp8_backward(on: bool):
+    """ComfyUI's training_fp8_bwd (0.19+) set for the block, restored after; yields [calls] counting the
+    forwards of its quantized training function (comfy.ops.QuantLinearFunc), or None where it has none."""
+    import comfy.model_management as mm
+    import comfy.ops
+
+    function = getattr(comfy.ops, "QuantLinearFunc", None)
+    if on and not hasattr(mm, "training_fp8_bwd"):
+        raise RuntimeError("fp8_bwd=on needs ComfyUI 0.19 or newer (comfy.model_management.training_fp8_bwd)")
+    if function is None:
+        yield None
+        return
+    calls, forward, previous = [0], function.forward, getattr(mm, "training_fp8_bwd", False)
+
+    def counted(ctx, *args):
+        calls[0] += 1
+        return forward(ctx, *args)
+
+    function.forward, mm.training_fp8_bwd = staticmethod(counted), on
+    try:
+        yield calls
+    finally:
+        function.forward, mm.training_fp8_bwd = staticmethod(forward), previous
+
+
 def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, steps: int, warmup: int, timing: str,
-               device: torch.device, dtype: str, lora_dtype: str, checkpoint_depth: int = 2) -> dict:
+               device: torch.device, dtype: str, lora_dtype: str, checkpoint_depth: int = 2,
+               quantized_backward: bool = False) -> dict:
+    import comfy.model_management
     import comfy.utils
     from comfy_extras import nodes_train
 
@@ -611,11 +677,13 @@ def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, step
                      loss_function="MSE", seed=0, training_dtype=dtype, lora_dtype=lora_dtype, algorithm="LoRA",
                      gradient_checkpointing=checkpointing, checkpoint_depth=checkpoint_depth, offloading=False,
                      existing_lora="[None]", bucket_mode=False, bypass_mode=False)
-    # The node's inputs differ by version: 0.19 added quantized_backward (FP8 backward for fp8/nvfp4 bases,
-    # off here: the bf16 baseline). Every input its schema lists must be given.
+    # The node's inputs differ by version: 0.19 added quantized_backward (FP8 backward for fp8/nvfp4 bases;
+    # the row's fp8_bwd). Every input its schema lists must be given.
     wanted = {item.id for item in nodes_train.TrainLoraNode.define_schema().inputs}
     if "quantized_backward" in wanted:
-        arguments["quantized_backward"] = False
+        arguments["quantized_backward"] = quantized_backward
+    elif quantized_backward:
+        raise RuntimeError("this ComfyUI's TrainLoraNode has no quantized_backward input (0.19+)")
     missing = sorted(wanted - set(arguments))
     if missing:
         raise RuntimeError(f"this ComfyUI's TrainLoraNode has inputs the bench does not set: {missing}")
@@ -626,6 +694,7 @@ def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, step
     REBUILT.append(counter.watch)
     rebuilt_before = len(counter.handles)
     previous_bar, previous_enabled = nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED
+    previous_fp8_bwd = getattr(comfy.model_management, "training_fp8_bwd", None)   # the node sets it and leaves it
     nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = TimedProgressBar, False
     entered = time.perf_counter()
     try:
@@ -650,6 +719,8 @@ def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, step
         counter.remove()
         REBUILT.remove(counter.watch)
         nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = previous_bar, previous_enabled
+        if previous_fp8_bwd is not None:
+            comfy.model_management.training_fp8_bwd = previous_fp8_bwd
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
@@ -679,15 +750,18 @@ def _bool(text: str) -> bool:
 def _settings(text: str) -> dict:
     """'compile_blocks=on+skip_checkpoint_blocks=10+saved_attention=off' → typed overrides. Config keys go
     to Kiln's TrainConfig; bench only: saved_attention=off drops selective checkpointing's kept attention,
-    base=fp8 stores the frozen model in fp8 (ComfyUI's weight_dtype fp8_e4m3fn), native=off skips the
-    native trainer for the row."""
+    base=fp8 stores the frozen model in fp8 (ComfyUI's weight_dtype fp8_e4m3fn), base=fp8q quantizes it as
+    ComfyUI's own fp8 checkpoints are (comfy_quant: fp8 matmuls), fp8_bwd=on sets ComfyUI's
+    training_fp8_bwd (≥0.19: FP8 backward through quantized layers; native's quantized_backward input) for
+    both trainers, fp8_matmul=on keeps ComfyUI's fp8 matmuls in Kiln's training (by default Kiln dequantizes
+    a quantized base's weights: nodes/bridge.py), native=off skips the native trainer for the row."""
     out: dict = {}
     for item in filter(None, text.split("+")):
         key, _, value = item.partition("=")
         if key == "base":   # bench only: bf16 or fp8 storage of the frozen base
             out[key] = value
             continue
-        if key == "native":  # bench only: native=off skips the native trainer for this row
+        if key in ("native", "fp8_bwd", "fp8_matmul"):  # bench only (see above)
             out[key] = _bool(value)
             continue
         for kind in (int, float, _bool, str):   # e.g. 7, 0.4, on, cudnn
@@ -875,6 +949,9 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     saved_attention = settings.pop("saved_attention", True)
     with_native = settings.pop("native", True) and not opts.no_native
     record["base_dtype"] = settings.pop("base", "bf16")
+    fp8_bwd = settings.pop("fp8_bwd", False)
+    record["fp8_bwd"] = fp8_bwd
+    record["fp8_matmul"] = quantized_matmul = settings.pop("fp8_matmul", False)
     ckpt_module = opts.pack["checkpointing"]
     saved_ops = ckpt_module.SAVED_OPS[:]
     record.update(compile=bool(settings.get("compile_blocks", False)), kiln_settings=row.settings,
@@ -884,11 +961,18 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     try:
         if not saved_attention:
             ckpt_module.SAVED_OPS.clear()
-        kiln = run_kiln(opts.pack, patcher, dims, inputs, batch=row.batch, targets=row.targets,
-                        checkpointing=row.checkpointing, steps=opts.steps, warmup=opts.warmup, timing=opts.timing,
-                        device=device, dtype=opts.dtype, settings=settings, profile_steps=opts.profile)
+        with comfy_fp8_backward(fp8_bwd) as quant_calls:
+            kiln = run_kiln(opts.pack, patcher, dims, inputs, batch=row.batch, targets=row.targets,
+                            checkpointing=row.checkpointing, steps=opts.steps, warmup=opts.warmup, timing=opts.timing,
+                            device=device, dtype=opts.dtype, settings=settings, profile_steps=opts.profile,
+                            quantized_matmul=quantized_matmul)
         kiln["kiln_error"] = None
+        # Layers that ran ComfyUI's quantized training function (fp8 forward, FP8 or dequantized backward)
+        kiln["kiln_quant_linear_calls"] = quant_calls[0] // max(1, opts.steps + opts.profile) if quant_calls else None
     except Exception as error:  # noqa: BLE001 — recorded (an OOM says what does not fit), the run goes on
+        if os.environ.get("KILN_BENCH_TRACE"):
+            import traceback
+            traceback.print_exc()
         kiln = {"kiln_s_per_step": None, "kiln_p95": None, "_lora_paths": [],
                 "kiln_error": f"{type(error).__name__}: {error}"[:500]}
         print(f"[bench] Kiln failed: {kiln['kiln_error']}", file=sys.stderr)
@@ -916,7 +1000,7 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
         record.update(run_native(patcher, inputs, batch=row.batch, checkpointing=row.checkpointing,
                                  steps=opts.native_steps, warmup=opts.warmup, timing=opts.timing, device=device,
                                  dtype=opts.dtype, lora_dtype=opts.native_lora_dtype,
-                                 checkpoint_depth=opts.native_ckpt_depth))
+                                 checkpoint_depth=opts.native_ckpt_depth, quantized_backward=fp8_bwd))
         release(device)
         record.update(native_wall_s=round(time.perf_counter() - started, 2), native_lora_dtype=opts.native_lora_dtype,
                       native_checkpoint_depth=opts.native_ckpt_depth if row.checkpointing else None)

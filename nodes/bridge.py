@@ -30,6 +30,7 @@ import torch
 from comfy.cli_args import args
 from PIL import Image
 
+from . import comfy_paths  # which of ComfyUI's code paths training takes (attention, quantized matmuls)
 # LoRAs through ComfyUI's loader live in lora_patch.py; re-exported so nodes call bridge.* throughout.
 from .lora_patch import (apply_lora, load_lora_file, lora_model_from, lora_weights_from,  # noqa: F401
                          negate_lora, require_fit, training_adapter_merged, unmatched_lora_keys)
@@ -283,8 +284,9 @@ def trainable(model):
 
 
 @contextlib.contextmanager
-def training_session(model, device=None):
+def training_session(model, device=None, *, quantized_matmul: bool = False):
     """Grad on, inference mode off, `in_training` set, the model fully on its compute device.
+    quantized_matmul: keep ComfyUI's fp8 matmuls on a quantized base (off: dequantized, see below).
 
     Yields (diffusion_model module, torch.device). The stop button is honoured at step boundaries
     (Progress.update) rather than inside a forward or backward. On exit the flags come back; the
@@ -299,7 +301,8 @@ def training_session(model, device=None):
         raise RuntimeError("training_session needs bridge.trainable(model): this patcher uses dynamic VRAM, "
                            "which never loads weights fully")
     previous = mm.in_training
-    with torch.inference_mode(False), torch.enable_grad(), _run_every_op(_deferring_run_every_op):
+    with torch.inference_mode(False), torch.enable_grad(), _run_every_op(_deferring_run_every_op), \
+            comfy_paths.training(model, quantized_matmul=quantized_matmul):
         try:
             mm.in_training = True
             _SESSIONS.append(model)
@@ -427,7 +430,7 @@ def sample(model, positive, negative, vae, *, seed: int, steps: int, cfg: float,
     previous = mm.in_training
     try:
         mm.in_training = False
-        with torch.no_grad(), _run_every_op(_RUN_EVERY_OP):
+        with torch.no_grad(), _run_every_op(_RUN_EVERY_OP), comfy_paths.sampling(model):
             samples = comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive, negative,
                                           latent, denoise=1.0, disable_pbar=True, seed=seed)
             images = vae.decode(samples)

@@ -31,8 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "runs" / "comfyui"
-# What the tests never need from a tree, and what a run leaves in it (a tree used by hand, say).
-NOT_COPIED = shutil.ignore_patterns("__pycache__", "*.pyc", ".git", "user", "output", "temp", "input")
+# What the tests never need from a tree, anywhere in it, and what a run leaves at its root (a tree used by
+# hand, say). Only at the root: comfy_api/input/ is ComfyUI's own code.
+NOT_COPIED_ANYWHERE = shutil.ignore_patterns("__pycache__", "*.pyc", ".git")
+NOT_COPIED_AT_ROOT = {"user", "output", "temp", "input"}
 
 
 def version_of(tree: Path) -> str:
@@ -58,7 +60,11 @@ def copy_tree(tree: Path, workdir: Path) -> Path:
     target = workdir / "ComfyUI"
     if target.exists():
         shutil.rmtree(target)
-    shutil.copytree(tree, target, ignore=NOT_COPIED, symlinks=True)
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        left_out = set(NOT_COPIED_ANYWHERE(folder, names))
+        return left_out | (NOT_COPIED_AT_ROOT & set(names)) if Path(folder) == tree else left_out
+
+    shutil.copytree(tree, target, ignore=ignore, symlinks=True)
     for sub in ("custom_nodes", "models", "input", "output", "user"):
         (target / sub).mkdir(exist_ok=True)
     return target

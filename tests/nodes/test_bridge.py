@@ -279,6 +279,36 @@ def test_training_steps_leave_model_unchanged(which, tmp_path, klein, zimage, kl
     assert torch.equal(probe(), before)  # LoRA branches gone, weights bitwise as before
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_trains_on_a_comfy_quantized_fp8_base(checkpointing, tmp_path, klein, klein_clip, flux2_vae):
+    """ComfyUI loads fp8-quantized checkpoints (comfy_quant weights) into its mixed-precision Linear, which is
+    no torch.nn.Linear and holds comfy-kitchen QuantizedTensor weights: the LoRA targets are found all the
+    same, training runs (with and without checkpointing: no storage for a saved quantized weight), the
+    model comes back bitwise, and the LoRA loads on it through ComfyUI's loader with every key matched."""
+    import comfy.sd
+
+    path = tc.write_flux2_file(tmp_path / "tiny_flux2_fp8.safetensors", quantized=True)
+    with torch.inference_mode():
+        model = comfy.sd.load_diffusion_model(str(path))
+    qkv = bridge.diffusion_model(model).double_blocks[0].img_attn.qkv
+    assert not isinstance(qkv, torch.nn.Linear) and qkv.quant_format == "float8_e4m3fn"
+    data = training_data(model, flux2_vae, klein_clip, ["a cat", "a dog on a long walk by the sea"], 32)
+    probe_x = torch.from_numpy(data.latent(0)[None])
+    probe = lambda: model_output(model, "flux2_klein", probe_x, torch.tensor([0.6]), data.context(0))  # noqa: E731
+    before = probe()
+    comfys = qkv._full_precision_mm
+    with bridge.training_session(model) as (dm, _):
+        # Kiln dequantizes for training (ComfyUI's fp8 training path was 1.25-2.1x slower on an H100)
+        assert qkv._full_precision_mm is True
+        result = loop.train(small_config("flux2_klein", steps=2, gradient_checkpointing=checkpointing), dm, data,
+                            run_dir=tmp_path / "run", forward=bridge.make_forward(model, "flux2_klein"))
+    assert qkv._full_precision_mm == comfys
+    assert all(np.isfinite(result.history.loss)) and any(np.abs(w.B).max() > 0 for w in result.lora.values())
+    assert set(result.lora) == set(random_lora(klein, "flux2_klein"))     # the same targets as a bf16/fp32 file
+    assert torch.equal(probe(), before)
+    assert bridge.unmatched_lora_keys(model, bridge.lora_model_from(result.lora, "flux2_klein")) == []
+
+
 # ---------------------------------------------------------------- LoRAs through ComfyUI's loader
 
 def test_lora_model_loads_through_comfy_and_matches_side_branches(klein, klein_clip):
@@ -452,6 +482,42 @@ def test_validation_and_training_take_comfys_own_paths(which, klein, zimage, kle
     assert training_kernels == [] and ours.requires_grad
     same_call(calls[0], theirs)
     torch.testing.assert_close(ours.detach(), theirs[2], rtol=1e-5, atol=1e-5)
+
+
+def test_a_session_calls_sdpa_without_comfys_kernel_order(klein, klein_clip, flux2_vae, monkeypatch):
+    """From 0.2x ComfyUI runs every SDPA call on CUDA inside its own kernel order (flash first). In training
+    that overrode Kiln's `attention` choice, and on an H100 with 0.33 a checkpointed Z-Image block's forward
+    and its recompute ran different kernels (CheckpointError; bench/RESULTS.md). A session calls SDPA without
+    it, sampling inside the session calls ComfyUI's own, and afterwards ComfyUI's is back. (On a CPU ComfyUI
+    picks sub-quadratic attention, so the entry point is checked here, and the plain call's numbers.)"""
+    import comfy.ops
+
+    comfy_paths = comfy_env.import_pack("nodes.comfy_paths")
+    seen = []
+
+    def comfys(q, k, v, *args, **kwargs):
+        seen.append(comfy.ops.scaled_dot_product_attention)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", comfys)
+    monkeypatch.setattr(comfy_paths, "_COMFY_SDPA", comfys)
+    sampled = []
+    monkeypatch.setattr(comfy.sample, "sample", lambda *a, **k: (sampled.append(comfy.ops.scaled_dot_product_attention),
+                                                                torch.zeros(1, 128, 2, 3))[1])
+    with bridge.training_session(klein):
+        assert comfy.ops.scaled_dot_product_attention is comfy_paths._training_sdpa
+        cond = tc.conditioning(klein_clip, "a cat")
+        bridge.sample(klein, cond, cond, flux2_vae, seed=0, steps=1, cfg=1.0, sampler_name="euler",
+                      scheduler="simple", width=48, height=32)
+        assert sampled == [comfys] and comfy.ops.scaled_dot_product_attention is comfy_paths._training_sdpa
+    assert comfy.ops.scaled_dot_product_attention is comfys
+    q, k, v = (torch.randn(1, 4, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    assert torch.equal(comfy_paths._training_sdpa(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    if hasattr(comfy.ops, "repeat_kv_for_gqa"):   # grouped-query attention with a mask, expanded as ComfyUI does
+        mask = torch.zeros(1, 1, 16, 16)
+        got = comfy_paths._training_sdpa(q, k[:, :2], v[:, :2], attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(
+            q, k[:, :2].repeat_interleave(2, 1), v[:, :2].repeat_interleave(2, 1), attn_mask=mask))
 
 
 def our_call_with_grad(model, arch_name, dm, x, sigma, emb):

@@ -34,17 +34,18 @@ def test_tiny_rows_run_and_record(tmp_path):
     out.write_text(json.dumps([{"earlier": "record"}]), encoding="utf-8")  # appended to, not replaced
     env = {**os.environ, "COMFYUI_PATH": path}
     command = [sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--tiny", "--device", "cpu",
-               "--rows", "klein4b:64:1:on:default,zimage:64:2:on:all", "--steps", "3", "--warmup", "1",
+               "--rows", "klein4b:64:1:on:default,zimage:64:2:on:all,klein4b:64:1:on:default:base=fp8q",
+               "--steps", "3", "--warmup", "1",
                "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     records = json.loads(out.read_text(encoding="utf-8"))
-    assert records[0] == {"earlier": "record"} and len(records) == 3
+    assert records[0] == {"earlier": "record"} and len(records) == 4
     printed = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert printed == records[1:]
-    for record, arch, batch, targets in zip(records[1:], ("klein4b", "zimage"), (1, 2), ("default", "all"),
-                                            strict=True):
+    for record, arch, batch, targets in zip(records[1:], ("klein4b", "zimage", "klein4b"), (1, 2, 1),
+                                            ("default", "all", "default"), strict=True):
         assert all(key in record for key in KEYS), sorted(set(KEYS) - set(record))
         assert (record["arch"], record["batch"], record["targets"], record["checkpointing"]) == (arch, batch,
                                                                                                  targets, True)
@@ -65,7 +66,13 @@ def test_tiny_rows_run_and_record(tmp_path):
         # quantized_backward, which the bench leaves off.
         assert record["native_deep_copy"] is comfy_env.at_least("0.25")
         assert record["native_quantized_backward"] is (False if comfy_env.at_least("0.19") else None)
-    flux2, zimage = records[1:]
+    flux2, zimage, quantized = records[1:]
+    # base=fp8q: the blocks as ComfyUI's own fp8 checkpoints store them (its mixed-precision Linear, no
+    # nn.Linear): Kiln finds the same targets and trains; the loss starts where the fp32 model's does,
+    # up to fp8 rounding. (On a CPU ComfyUI dequantizes: no quantized matmul, hence no QuantLinearFunc.)
+    assert quantized["base_dtype"] == "fp8q" and quantized["weights_gb"] < 0.6 * flux2["weights_gb"]
+    assert quantized["lora_modules"] == flux2["lora_modules"] and quantized["kiln_quant_linear_calls"] in (0, None)
+    assert abs(quantized["kiln_loss_first"] - flux2["kiln_loss_first"]) < 0.05 * flux2["kiln_loss_first"]
     assert flux2["model_config"].startswith("comfy.model_detection")  # detected like a real Flux2 file
     assert flux2["text_tokens"] == 512 and zimage["image_tokens"] == 32  # 4x4 latent tokens padded to 32
     assert zimage["lora_modules"] > 30  # every Linear, not just the 5 default targets in each of the 6 blocks

@@ -75,14 +75,28 @@ def flux2_config(dev: bool) -> dict:
                 depth=2, depth_single_blocks=2, guidance_embed=dev, yak_mlp=False, txt_norm=False)
 
 
-def write_flux2_file(path: Path, *, dev: bool = False, seed: int = 0) -> Path:
-    """A ComfyUI-format Flux2 diffusion-model file (`diffusion_model.`-less keys, as UNETLoader reads)."""
+def write_flux2_file(path: Path, *, dev: bool = False, seed: int = 0, quantized: bool = False) -> Path:
+    """A ComfyUI-format Flux2 diffusion-model file (`diffusion_model.`-less keys, as UNETLoader reads).
+    quantized: the blocks' Linear weights stored as ComfyUI's own quantized checkpoints store them
+    (Comfy-Org's fp8 files; comfy/ops.py mixed_precision_ops): float8_e4m3fn `weight`, a per-tensor
+    `weight_scale`, and a `comfy_quant` JSON naming the format. ComfyUI then loads those layers into its
+    mixed-precision Linear, which is not a torch.nn.Linear."""
+    import json
+
     import comfy.ops
     import safetensors.torch
     from comfy.ldm.flux.model import Flux
 
     shapes = _meta_shapes(lambda: Flux(**flux2_config(dev), operations=comfy.ops.disable_weight_init))
-    safetensors.torch.save_file(random_state_dict(shapes, seed), str(path))
+    tensors = random_state_dict(shapes, seed)
+    if quantized:
+        quant = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+        for key in [k for k, v in tensors.items() if "blocks." in k and k.endswith(".weight") and v.ndim == 2]:
+            weight, layer = tensors[key], key.removesuffix(".weight")
+            scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+            tensors[key] = (weight / scale).to(torch.float8_e4m3fn)
+            tensors[f"{layer}.weight_scale"], tensors[f"{layer}.comfy_quant"] = scale.float(), quant.clone()
+    safetensors.torch.save_file(tensors, str(path))
     return path
 
 

@@ -46,9 +46,17 @@ try {
   }, null, { timeout, polling: 250 });
   for (const file of files) {
     const workflow = JSON.parse(fs.readFileSync(file, "utf-8"));
+    // The frontend loads its own start-up workflow asynchronously after the app appears; a graph loaded
+    // before that is replaced. Load until the canvas holds this file's nodes (ids and types).
     report.files[path.basename(file)] = await page.evaluate(async (graph) => {
       const app = window.comfyAPI.app.app;
-      await app.loadGraphData(graph, true, true, "saved_workflow_check");
+      const wanted = graph.nodes.map((node) => `${node.id}:${node.type}`).sort().join(",");
+      for (let attempt = 0; attempt < 40; attempt += 1) {
+        await app.loadGraphData(graph, true, true, "saved_workflow_check");
+        await new Promise((resolve) => setTimeout(resolve, 250));
+        const shown = app.graph.nodes.map((node) => `${node.id}:${node.type}`).sort().join(",");
+        if (shown === wanted) break;
+      }
       return app.graph.nodes.map((node) => ({
         id: node.id, type: node.type,
         widgets: (node.widgets ?? []).map((widget) => [widget.name, widget.value ?? null]),

@@ -86,11 +86,10 @@ def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: floa
         # are copied when saved, because `x += ...` later in the block overwrites them. The
         # checkpointed path needs no copy: its recompute stops before the in-place add.
         args, kwargs = list(map(_copy_floats, args)), {k: _copy_floats(v) for k, v in kwargs.items()}
-        inputs = {t.untyped_storage().data_ptr() for t in [*args, *kwargs.values()]
-                  if torch.is_tensor(t) and t.is_floating_point()}
+        inputs = {_storage(t) for t in [*args, *kwargs.values()] if torch.is_tensor(t) and t.is_floating_point()}
 
         def pack(t):
-            return t.clone() if t.untyped_storage().data_ptr() in inputs else t
+            return t.clone() if _storage(t) in inputs - {None} else t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             return block_forward(*args, **kwargs)
@@ -163,3 +162,12 @@ class BlockCheckpointing:
             else:
                 block.forward = previous
         self.blocks, self.previous = [], []
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of a tensor's storage; None for a tensor subclass that has none (ComfyUI's quantized
+    fp8 weights, comfy-kitchen's QuantizedTensor): never one of a block's inputs."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None

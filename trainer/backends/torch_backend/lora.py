@@ -59,8 +59,20 @@ def _with_branch(base_forward, branch: LoraBranch):
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    """Every nn.Linear (and subclass) by module path, in model order."""
-    return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    """Every Linear by module path, in model order: nn.Linear and its subclasses (ComfyUI's cast-on-forward
+    ops), and modules that compute a Linear without being one: ComfyUI's mixed-precision Linear, which
+    fp8-scaled and other quantized checkpoints load into (`comfy_quant` weights; a torch.nn.Module with
+    in_features, out_features and a 2-D weight, in 0.17 and 0.33 alike). The side branch needs only those."""
+    return {name: module for name, module in model.named_modules() if _is_linear(module)}
+
+
+def _is_linear(module: nn.Module) -> bool:
+    if isinstance(module, nn.Linear):
+        return True
+    weight = getattr(module, "weight", None)
+    sizes = (getattr(module, "out_features", None), getattr(module, "in_features", None))
+    return (all(isinstance(n, int) for n in sizes) and torch.is_tensor(weight) and weight.ndim == 2
+            and tuple(weight.shape) == sizes)
 
 
 class LoraSet:
