@@ -400,7 +400,8 @@ def _quantized_copy(model, dims: ModelDims, dtype: torch.dtype):
     sd = {}
     for key, value in model.diffusion_model.state_dict().items():
         if key.startswith(blocks) and key.endswith(".weight") and value.ndim == 2:
-            layer, scale = key.removesuffix(".weight"), value.float().abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+            layer = key.removesuffix(".weight")
+            scale = value.float().abs().amax() / torch.finfo(torch.float8_e4m3fn).max
             sd[key] = (value.float() / scale).to(torch.float8_e4m3fn)
             sd[f"{layer}.weight_scale"], sd[f"{layer}.comfy_quant"] = scale.reshape(()), tag.clone()
         else:

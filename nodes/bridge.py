@@ -385,17 +385,9 @@ def _deferring_run_every_op() -> None:
         mm.interrupt_current_processing(True)  # keep the request: Progress.update raises it at the step's end
 
 
-@contextlib.contextmanager
 def _run_every_op(function):
     """Swap comfy.ops.run_every_op for the block (the stop button deferred, or live again)."""
-    if _RUN_EVERY_OP is None:
-        yield
-        return
-    previous, comfy.ops.run_every_op = comfy.ops.run_every_op, function
-    try:
-        yield
-    finally:
-        comfy.ops.run_every_op = previous
+    return comfy_paths.swapped(comfy.ops, "run_every_op", function)
 
 
 def free_memory() -> None:

@@ -71,27 +71,28 @@ def _training_sdpa(q, k, v, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def _attention_call(function):
-    """Swap comfy.ops.scaled_dot_product_attention for the block (a no-op where ComfyUI has none)."""
-    if _COMFY_SDPA is None:
+def swapped(owner, name: str, value):
+    """`owner.name = value` for the block, the previous value back after (a no-op where owner has no name)."""
+    if not hasattr(owner, name):
         yield
         return
-    previous, comfy.ops.scaled_dot_product_attention = comfy.ops.scaled_dot_product_attention, function
+    previous = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        comfy.ops.scaled_dot_product_attention = previous
+        setattr(owner, name, previous)
 
 
 @contextlib.contextmanager
 def training(model, *, quantized_matmul: bool = False):
     """The paths a training step takes: SDPA under Kiln's kernel choice, a quantized base dequantized."""
-    with _attention_call(_training_sdpa), _dequantized(model, not quantized_matmul):
+    with swapped(comfy.ops, "scaled_dot_product_attention", _training_sdpa), _dequantized(model, not quantized_matmul):
         yield
 
 
 @contextlib.contextmanager
 def sampling(model):
     """Inside a training session, ComfyUI's own paths again for the block (validation samples)."""
-    with _attention_call(_COMFY_SDPA), _comfys_own_matmul(model):
+    with swapped(comfy.ops, "scaled_dot_product_attention", _COMFY_SDPA), _comfys_own_matmul(model):
         yield

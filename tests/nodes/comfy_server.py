@@ -15,6 +15,7 @@ main.py enables argument parsing, and ComfyUI would then ignore --port and the r
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -68,6 +69,18 @@ def tiny_base(base: Path) -> Path:
     make_dataset(base / "input" / TINY_FILES["dataset"])
     (base / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
     return base
+
+
+@contextlib.contextmanager
+def running(comfy: str, base: Path):
+    """A started ComfyServer on `base` (its start-up time in .startup_s), stopped after the block."""
+    server, started = ComfyServer(comfy, base), time.monotonic()
+    server.start()
+    server.startup_s = time.monotonic() - started
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def make_workflows():

@@ -31,7 +31,7 @@ import comfy_env  # noqa: E402
 
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
-from comfy_server import ComfyServer, tiny_base  # noqa: E402
+from comfy_server import running, tiny_base  # noqa: E402
 
 DRIVER = REPO / "tests" / "web" / "e2e_dashboard.mjs"
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") or ""
@@ -66,13 +66,8 @@ def dashboard_workflow() -> dict:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    base = tiny_base(tmp_path_factory.mktemp("comfy_dash"))
-    comfy = ComfyServer(COMFY, base)
-    comfy.start()
-    try:
+    with running(COMFY, tiny_base(tmp_path_factory.mktemp("comfy_dash"))) as comfy:
         yield comfy
-    finally:
-        comfy.stop()
 
 
 def kiln_errors(report: dict) -> list[str]:

@@ -32,7 +32,7 @@ import comfy_env  # noqa: E402
 
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
 
-from comfy_server import ComfyServer, make_workflows, tiny_base  # noqa: E402
+from comfy_server import make_workflows, running, tiny_base  # noqa: E402
 
 mw = make_workflows()
 
@@ -45,12 +45,8 @@ PLAYWRIGHT = REPO / "node_modules" / "playwright-core" / "package.json"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    base = tiny_base(tmp_path_factory.mktemp("comfy_saved"))
-    comfy = ComfyServer(COMFY, base).start()
-    try:
+    with running(COMFY, tiny_base(tmp_path_factory.mktemp("comfy_saved"))) as comfy:
         yield comfy
-    finally:
-        comfy.stop()
 
 
 @pytest.fixture(scope="module")

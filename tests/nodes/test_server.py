@@ -40,7 +40,7 @@ import comfy_env  # noqa: E402
 
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
-from comfy_server import TINY_FILES, ComfyServer, make_workflows, tiny_base  # noqa: E402
+from comfy_server import TINY_FILES, make_workflows, running, tiny_base  # noqa: E402
 
 
 mw = make_workflows()
@@ -53,16 +53,9 @@ KILN_NODES = {"KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "Kiln
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    base = tiny_base(tmp_path_factory.mktemp("comfy_base"))
     assert mw.TINY["unet"] == TINY_FILES["flux2_unet"] and mw.TINY["vae"] == TINY_FILES["flux2_vae"]
-    comfy = ComfyServer(COMFY, base)
-    started = time.monotonic()
-    comfy.start()
-    comfy.startup_s = time.monotonic() - started
-    try:
+    with running(COMFY, tiny_base(tmp_path_factory.mktemp("comfy_base"))) as comfy:
         yield comfy
-    finally:
-        comfy.stop()
 
 
 @pytest.fixture(scope="module")

@@ -153,7 +153,8 @@ def write_zimage_adapter_file(path: Path, *, rank: int = 4, seed: int = 5) -> Pa
         prefix = f"layers.{layer}"
         parts = {f"attention.to_{n}": (head, head) for n in "qkv"}
         parts["attention.to_out.0"] = tuple(shapes[f"{prefix}.attention.out.weight"])
-        parts.update({f"feed_forward.{n}": tuple(shapes[f"{prefix}.feed_forward.{n}.weight"]) for n in ("w1", "w2", "w3")})
+        parts.update({f"feed_forward.{n}": tuple(shapes[f"{prefix}.feed_forward.{n}.weight"])
+                      for n in ("w1", "w2", "w3")})
         for name, (out_features, in_features) in parts.items():
             key = f"diffusion_model.{prefix}.{name}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.01
