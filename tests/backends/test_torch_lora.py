@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from trainer.backends.torch_backend.lora import LoraSet
+from trainer.backends.torch_backend.lora import LoraSet, linear_layers
 from trainer.targets import TargetError, init_lora_A, matches, select_targets
 
 
@@ -151,3 +151,30 @@ def test_dropout_acts_on_branch_only():
     assert not torch.equal(a, b)                       # dropout is live in training
     branch.eval()
     assert torch.allclose(layer(x) - base, (x @ branch.lora_A.T @ branch.lora_B.T), atol=1e-6)
+
+
+def test_linear_layers_include_modules_that_compute_a_linear_without_being_one():
+    """ComfyUI's mixed-precision Linear (its quantized fp8 checkpoints load into it) is a plain nn.Module
+    with in_features, out_features and a 2-D weight: a LoRA target like nn.Linear. A module whose sizes do
+    not match its weight, or whose weight is not 2-D, is not."""
+    class LinearLike(torch.nn.Module):
+        def __init__(self, fan_in, out, shape=None):
+            super().__init__()
+            self.in_features, self.out_features = fan_in, out
+            self.weight = torch.nn.Parameter(torch.randn(*(shape or (out, fan_in))), requires_grad=False)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight)
+
+    model = torch.nn.Module()
+    model.plain, model.like = torch.nn.Linear(4, 3), LinearLike(4, 5)
+    model.wrong, model.conv = LinearLike(4, 5, shape=(4, 5)), LinearLike(4, 5, shape=(5, 4, 1))
+    assert list(linear_layers(model)) == ["plain", "like"]
+    lora = LoraSet(model, ["like"], rank=2, alpha=2.0, dropout=0.0, seed=0)
+    x = torch.randn(2, 4)
+    base = torch.nn.functional.linear(x, model.like.weight)
+    assert torch.equal(model.like(x), base)                      # B = 0: step 0 is the base
+    lora.branches()["like"].lora_B.data.fill_(0.1)
+    assert not torch.allclose(model.like(x), base)
+    lora.remove()
+    assert torch.equal(model.like(x), base)

@@ -87,9 +87,10 @@ def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: floa
         # checkpointed path needs no copy: its recompute stops before the in-place add.
         args, kwargs = list(map(_copy_floats, args)), {k: _copy_floats(v) for k, v in kwargs.items()}
         inputs = {_storage(t) for t in [*args, *kwargs.values()] if torch.is_tensor(t) and t.is_floating_point()}
+        inputs.discard(None)
 
         def pack(t):
-            return t.clone() if _storage(t) in inputs - {None} else t
+            return t.clone() if _storage(t) in inputs else t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             return block_forward(*args, **kwargs)
