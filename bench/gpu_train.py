@@ -359,8 +359,7 @@ def build_model(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed:
 REBUILT: list = []   # callbacks told of every diffusion model _build_patcher makes for a deep clone
 
 
-def _build_patcher(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed: int, base: str,
-                   disable_dynamic: bool = False):
+def _build_patcher(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed: int, base: str):
     """(ModelPatcher, how its config was obtained). Like ComfyUI's own loaders it registers how to build
     it again (`cached_patcher_init`): from ComfyUI 0.25 on, `clone(force_deepcopy=True)` rebuilds the model
     through it, and the native Train LoRA node deep-clones its input that way (0.33). The rebuilt copy has
@@ -490,9 +489,10 @@ def model_flops(dm: torch.nn.Module, dims: ModelDims, *, img: int, txt: int, bat
     lora = set(lora_paths)
     again = set() if budgeted else recomputed_blocks(dm, block_lists, checkpointing, skip)
     fwd = bwd = recompute = 0
-    for name, module in dm.named_modules():
-        if not isinstance(module, torch.nn.Linear) and not isinstance(getattr(module, "in_features", None), int):
-            continue   # (ComfyUI's quantized mixed-precision Linear is no nn.Linear but has the sizes)
+    # The Linears Kiln's LoRA sees (ComfyUI's quantized mixed-precision Linear included: no nn.Linear)
+    from trainer.backends.torch_backend.lora import linear_layers
+
+    for name, module in linear_layers(dm).items():
         tokens = _linear_tokens(dims.family, name, img, txt)
         base = 2 * module.in_features * module.out_features * tokens
         low_rank = 2 * rank * (module.in_features + module.out_features) * tokens if name in lora else 0

@@ -48,11 +48,12 @@ def version_of(tree: Path) -> str:
     raise SystemExit(f"{source} sets no __version__")
 
 
-def torch_version() -> str:
-    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+def torch_version(python: str = sys.executable) -> str:
+    """The torch version installed for `python`, without its local tag (2.13.0+cpu → 2.13.0)."""
+    done = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
                           capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit("torch is not installed in this Python; ./scripts/test installs it first")
+        raise SystemExit(f"torch is not installed for {python}; ./scripts/test installs it first")
     return done.stdout.strip().split("+")[0]
 
 
@@ -60,6 +61,7 @@ def copy_tree(tree: Path, workdir: Path) -> Path:
     target = workdir / "ComfyUI"
     if target.exists():
         shutil.rmtree(target)
+
     def ignore(folder: str, names: list[str]) -> set[str]:
         left_out = set(NOT_COPIED_ANYWHERE(folder, names))
         return left_out | (NOT_COPIED_AT_ROOT & set(names)) if Path(folder) == tree else left_out
@@ -70,12 +72,12 @@ def copy_tree(tree: Path, workdir: Path) -> Path:
     return target
 
 
-def environment(tree: Path) -> Path:
+def environment(tree: Path, version: str) -> Path:
     """The cached virtual environment for this tree's requirements (built when missing): its python."""
     requirements = (tree / "requirements.txt").read_bytes()
     torch = torch_version()
     key = hashlib.sha256(requirements + f"|{sys.version}|{torch}".encode()).hexdigest()[:12]
-    venv = CACHE / f"venv-{version_of(tree)}-{key}"
+    venv = CACHE / f"venv-{version}-{key}"
     python = venv / "bin" / "python"
     if (venv / ".ready").is_file() and python.is_file():
         return python
@@ -86,17 +88,16 @@ def environment(tree: Path) -> Path:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
         constraints.write(f"torch=={torch}\n")
     try:
-        print(f"[comfyui] installing ComfyUI {version_of(tree)}'s requirements (torch held at {torch})",
+        print(f"[comfyui] installing ComfyUI {version}'s requirements (torch held at {torch})",
               file=sys.stderr, flush=True)
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                         "-r", str(tree / "requirements.txt"), "-c", constraints.name], check=True)
     finally:
         os.unlink(constraints.name)
-    held = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
-                          capture_output=True, text=True, check=True).stdout.strip().split("+")[0]
+    held = torch_version(str(python))
     if held != torch:
         raise SystemExit(f"installing ComfyUI's requirements changed torch {torch} -> {held}")
-    (venv / ".ready").write_text(f"ComfyUI {version_of(tree)}, torch {torch}\n", encoding="utf-8")
+    (venv / ".ready").write_text(f"ComfyUI {version}, torch {torch}\n", encoding="utf-8")
     return python
 
 
@@ -107,7 +108,7 @@ def main(argv: list[str]) -> int:
     tree, workdir = Path(argv[0]).resolve(), Path(argv[1]).resolve()
     version = version_of(tree)
     workdir.mkdir(parents=True, exist_ok=True)
-    python = environment(tree)
+    python = environment(tree, version)
     copy = copy_tree(tree, workdir)
     for name, value in (("COMFYUI_PATH", copy), ("COMFYUI_PYTHON", python), ("COMFYUI_VERSION", version)):
         print(f"{name}={shlex.quote(str(value))}")

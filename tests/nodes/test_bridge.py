@@ -107,16 +107,26 @@ def comfy_sampling_calls(model, cond, latent_shape, steps=2, seed=0):
     return calls
 
 
-def our_call(model, arch_name, x, sigmas, embeddings):
-    """The diffusion-model call(s) our forward makes for rows (x, sigma, caption embedding)."""
+def our_call(model, arch_name, x, sigmas, embeddings, *, grad: bool = False):
+    """The diffusion-model call(s) our forward makes for rows (x, sigma, caption embedding). grad=True runs it
+    as the training step does (inside a training session: grad on, a weight trainable), else as inference."""
     arch = archs.get_arch(arch_name)
     context = torch.from_numpy(arch.collate_context(embeddings))
     extras = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
               for k, v in arch.model_extras(len(embeddings), [e.shape[0] for e in embeddings]).items()}
     forward = bridge.make_forward(model, arch_name)
     dm = bridge.diffusion_model(model)
-    with Calls(dm) as calls, torch.inference_mode():
-        out = forward(dm, x, sigmas, context, extras)
+    if not grad:
+        with Calls(dm) as calls, torch.inference_mode():
+            out = forward(dm, x, sigmas, context, extras)
+        return out, calls
+    weight = next(dm.parameters())
+    weight.requires_grad_(True)
+    try:
+        with Calls(dm) as calls:
+            out = forward(dm, x.clone(), sigmas.clone(), context, extras)
+    finally:
+        weight.requires_grad_(False)
     return out, calls
 
 
@@ -474,7 +484,7 @@ def test_validation_and_training_take_comfys_own_paths(which, klein, zimage, kle
         with fused_rope_calls() as validation_kernels:
             image = bridge.sample(model, cond, cond, vae, **settings)
         with fused_rope_calls() as training_kernels:
-            ours, calls = our_call_with_grad(model, arch_name, dm, theirs[0][0], theirs[0][1], emb)
+            ours, calls = our_call(model, arch_name, theirs[0][0], theirs[0][1], [emb], grad=True)
     assert torch.equal(image, reference.reshape(-1, *reference.shape[-3:])[..., :3])
     assert validation_kernels == sampler_kernels
     if which == "klein" or comfy_env.at_least("0.33"):
@@ -518,22 +528,6 @@ def test_a_session_calls_sdpa_without_comfys_kernel_order(klein, klein_clip, flu
         got = comfy_paths._training_sdpa(q, k[:, :2], v[:, :2], attn_mask=mask, enable_gqa=True)
         torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(
             q, k[:, :2].repeat_interleave(2, 1), v[:, :2].repeat_interleave(2, 1), attn_mask=mask))
-
-
-def our_call_with_grad(model, arch_name, dm, x, sigma, emb):
-    """Our forward as the training step runs it: in a training session, grad on."""
-    arch = archs.get_arch(arch_name)
-    context = torch.from_numpy(arch.collate_context([emb]))
-    extras = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-              for k, v in arch.model_extras(1, [emb.shape[0]]).items()}
-    params = [p for p in dm.parameters()][:1]
-    params[0].requires_grad_(True)
-    try:
-        with Calls(dm) as calls:
-            out = bridge.make_forward(model, arch_name)(dm, x.clone(), sigma.clone(), context, extras)
-    finally:
-        params[0].requires_grad_(False)
-    return out, calls
 
 
 def test_vae_encoder(flux2_vae, flux_vae, zimage, klein):
