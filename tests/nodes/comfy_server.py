@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,6 +82,27 @@ def running(comfy: str, base: Path):
         yield server
     finally:
         server.stop()
+
+
+# What the browser tests drive ComfyUI's frontend with (tests/web/*.mjs): node, Chromium, playwright-core.
+NODE = shutil.which("node") or ""
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") or ""
+
+
+def require_browser(what: str) -> None:
+    """Skip the calling test (or module) without node, Chromium or playwright-core, naming how to get each;
+    fail instead in CI (comfy_env.required()), where ./scripts/test installs them."""
+    import comfy_env
+    import pytest
+
+    playwright = HERE.parents[1] / "node_modules" / "playwright-core" / "package.json"
+    missing = [name for name, present in (("node", NODE), ("chromium (apt-get install chromium, or set CHROMIUM)",
+                                                            CHROMIUM), ("playwright-core (npm install)",
+                                                                        playwright.is_file())) if not present]
+    if missing and comfy_env.required():
+        pytest.fail(f"{what} needs {', '.join(missing)} and CI must run it", pytrace=False)
+    if missing:
+        pytest.skip(f"{what} needs {', '.join(missing)}", allow_module_level=True)
 
 
 def make_workflows():

@@ -31,21 +31,13 @@ import comfy_env  # noqa: E402
 
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
-from comfy_server import running, tiny_base  # noqa: E402
+from comfy_server import CHROMIUM, NODE, require_browser, running, tiny_base  # noqa: E402
+
+require_browser("the dashboard e2e test")   # skips the module without node/Chromium/playwright (fails in CI)
 
 DRIVER = REPO / "tests" / "web" / "e2e_dashboard.mjs"
-CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") or ""
-NODE = shutil.which("node") or ""
-PLAYWRIGHT = REPO / "node_modules" / "playwright-core" / "package.json"
 TOTAL_STEPS = 1000        # far more than the test waits for: it stops the run
 MIN_POINTS = int(os.environ.get("KILN_E2E_MIN_POINTS", "4"))
-
-missing = [what for what, present in (("node", NODE), ("chromium (apt-get install chromium, or set CHROMIUM)",
-                                                        CHROMIUM), ("playwright-core (npm install)",
-                                                                    PLAYWRIGHT.is_file())) if not present]
-if missing and comfy_env.required():
-    pytest.fail(f"the dashboard e2e test needs {', '.join(missing)} and CI must run it", pytrace=False)
-pytestmark = pytest.mark.skipif(bool(missing), reason=f"the dashboard e2e test needs {', '.join(missing)}")
 
 
 def dashboard_workflow() -> dict:

@@ -17,8 +17,6 @@ Against a real ComfyUI server with the pack:
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -32,15 +30,12 @@ import comfy_env  # noqa: E402
 
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
 
-from comfy_server import make_workflows, running, tiny_base  # noqa: E402
+from comfy_server import CHROMIUM, NODE, make_workflows, require_browser, running, tiny_base  # noqa: E402
 
 mw = make_workflows()
 
 SHIPPED = json.loads((SAVED / "widget_order.json").read_text(encoding="utf-8"))
 WORKFLOWS = sorted(p for p in SAVED.glob("*.json") if p.name != "widget_order.json")
-CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") or ""
-NODE = shutil.which("node") or ""
-PLAYWRIGHT = REPO / "node_modules" / "playwright-core" / "package.json"
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +90,7 @@ def test_saved_values_are_accepted_by_the_current_nodes(object_info, path):
 
 
 def test_the_frontend_loads_saved_workflows_with_the_same_values(server, tmp_path):
-    missing = [what for what, ok in (("node", NODE), ("chromium", CHROMIUM), ("playwright-core (npm install)",
-                                                                           PLAYWRIGHT.is_file())) if not ok]
-    if missing:
-        if comfy_env.required():
-            pytest.fail(f"needs {', '.join(missing)} and CI must run it", pytrace=False)
-        pytest.skip(f"needs {', '.join(missing)}")
+    require_browser("loading saved workflows in the frontend")
     done = subprocess.run([NODE, str(REPO / "tests" / "web" / "load_workflows.mjs"), "--url", server.url,
                            "--out", str(tmp_path), "--chromium", CHROMIUM, *map(str, WORKFLOWS)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
