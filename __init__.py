@@ -9,6 +9,6 @@ WEB_DIRECTORY = "./web"
 
 
 async def comfy_entrypoint():
-    from .nodes import KilnExtension
+    from .nodes.extension import KilnExtension
 
     return KilnExtension()

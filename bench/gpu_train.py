@@ -755,7 +755,7 @@ def _settings(text: str) -> dict:
     ComfyUI's own fp8 checkpoints are (comfy_quant: fp8 matmuls), fp8_bwd=on sets ComfyUI's
     training_fp8_bwd (≥0.19: FP8 backward through quantized layers; native's quantized_backward input) for
     both trainers, fp8_matmul=on keeps ComfyUI's fp8 matmuls in Kiln's training (by default Kiln dequantizes
-    a quantized base's weights: nodes/bridge.py), native=off skips the native trainer for the row."""
+    a quantized base's weights: nodes/comfy/), native=off skips the native trainer for the row."""
     out: dict = {}
     for item in filter(None, text.split("+")):
         key, _, value = item.partition("=")
@@ -876,7 +876,7 @@ def main(argv=None) -> int:
     import comfy.ldm.modules.attention as comfy_attention
     import comfy.model_management as mm
 
-    pack = {"bridge": prepare.import_pack("nodes.bridge"), "config": prepare.import_pack("trainer.config"),
+    pack = {"bridge": prepare.import_pack("nodes.comfy.bridge"), "config": prepare.import_pack("trainer.config"),
             "loop": prepare.import_pack("trainer.loop"), "data": prepare.import_pack("trainer.data"),
             "checkpointing": prepare.import_pack("trainer.backends.torch_backend.checkpointing"),
             "attention": prepare.import_pack("trainer.backends.torch_backend.attention")}

@@ -6,11 +6,12 @@ from pathlib import Path
 
 from comfy_api.latest import io, ui
 
+from ..trainer.archs import dataset_divisor
 from ..trainer.data.captions import CaptionSettings
 from ..trainer.data.dataset import DataSettings, Dataset, folder_fingerprint
 from ..trainer.data.scan import format_report
 
-from . import bridge
+from .comfy import bridge
 from .widgets import CATEGORY, DATASET, parse_list, widget
 
 
@@ -74,7 +75,7 @@ class KilnLoadDataset(io.ComfyNode):
         root = resolve_folder(folder)
         captions = CaptionSettings(trigger_word=trigger_word, prefix=caption_prefix, suffix=caption_suffix,
                                    default_caption=default_caption, shuffle_tags=shuffle_tags, keep_tags=keep_tags)
-        settings = DataSettings(resolutions=tuple(parse_list(resolutions, int)), divisor=16, crop=crop,
+        settings = DataSettings(resolutions=tuple(parse_list(resolutions, int)), divisor=dataset_divisor(), crop=crop,
                                 repeats=repeats, captions=captions, deep=deep_check, caption_dropout=caption_dropout)
         dataset = Dataset.load(root, settings)
         text = format_report(dataset.report) + "\n\n" + dataset.plan.format_report()

@@ -8,36 +8,27 @@ resumable checkpoint and returns), and `on_step` writes a Save now LoRA from the
 """
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
-import folder_paths
 import numpy as np
 from PIL import Image
 
-from ..trainer import lora_format
+from ..trainer import lora_format, state
 from ..trainer.archs import get_arch
 from ..trainer.loop import lora_metadata
 
-from . import bridge, dashboard
+from . import dashboard
+from .comfy import bridge
 
 SAMPLE_PX = 512               # longest side of a sample as the dashboard shows it
 SAMPLES_SUBFOLDER = "kiln"    # under ComfyUI's temp folder (emptied when ComfyUI starts)
 SAVED_SUBFOLDER = "kiln"      # Save now LoRAs go to models/loras/kiln/
 
 
-def executing_node() -> tuple[str | None, str | None]:
-    """(node id, prompt id) of the node ComfyUI is running now; (None, None) outside a prompt."""
-    utils = sys.modules.get("comfy_execution.utils")
-    context = utils.get_executing_context() if utils is not None else None
-    return (str(context.node_id), context.prompt_id) if context is not None else (None, None)
-
-
 def fingerprint() -> int:
     """Train LoRA's fingerprint_inputs: changes when the dashboard stopped this node's run, so queueing
     the graph again runs the node (resuming the run) instead of reusing its cached outputs."""
-    return dashboard.REGISTRY.stops(executing_node()[0])
+    return dashboard.REGISTRY.stops(bridge.executing_node()[0])
 
 
 def prior_history(checkpoint) -> tuple[list, list]:
@@ -45,8 +36,8 @@ def prior_history(checkpoint) -> tuple[list, list]:
     if checkpoint is None:
         return [], []
     try:
-        saved = json.loads((Path(checkpoint) / "run.json").read_text(encoding="utf-8"))["history"]
-        return list(saved["loss"]), list(saved["lr"])
+        history = state.read_history(checkpoint)
+        return history.loss, history.lr
     except (OSError, ValueError, KeyError, TypeError):
         return [], []   # a run folder or an unreadable file: the curve starts at the resumed step
 
@@ -55,7 +46,7 @@ class Tracker:
     """One Train LoRA execution on the dashboard."""
 
     def __init__(self, cfg, run_dir: Path, data, resume=None, registry: dashboard.Registry = dashboard.REGISTRY):
-        node, prompt_id = executing_node()
+        node, prompt_id = bridge.executing_node()
         loss, lr = prior_history(resume)
         self.cfg, self.registry = cfg, registry
         self.run = registry.start(Path(run_dir).name, cfg.steps, start_step=len(lr), node=node, prompt_id=prompt_id,
@@ -77,7 +68,7 @@ class Tracker:
         pixels = images.reshape(-1, *images.shape[-3:])[0].float().clamp(0, 1).mul(255).round().byte().cpu().numpy()
         picture = Image.fromarray(np.ascontiguousarray(pixels))
         picture.thumbnail((SAMPLE_PX, SAMPLE_PX))
-        folder = Path(folder_paths.get_temp_directory()) / SAMPLES_SUBFOLDER
+        folder = Path(bridge.folders()["temp"]) / SAMPLES_SUBFOLDER
         folder.mkdir(parents=True, exist_ok=True)
         filename = f"{self.run.id}-step{step:06d}.jpg"
         picture.save(folder / filename, quality=90)
@@ -111,7 +102,7 @@ _routes_added = False
 def add_routes() -> None:
     """Put /kiln/runs on ComfyUI's server (once); nothing when no server runs (tests, headless)."""
     global _routes_added
-    server = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
+    server = bridge.prompt_server()
     if server is None or _routes_added:
         return
     dashboard.add_routes(server.routes)

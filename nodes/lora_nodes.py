@@ -9,7 +9,8 @@ from ..trainer import lora_format, paths
 from ..trainer.archs import guess_arch
 from ..trainer.config import CHOICES
 
-from . import bridge, run
+from . import run
+from .comfy import bridge
 from .widgets import CATEGORY, STATE
 
 def lora_target(name: str, overwrite: bool) -> Path:

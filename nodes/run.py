@@ -1,9 +1,9 @@
 """One Train LoRA execution: config, run folder, resume rule, the loop, validation, outputs.
 
-ComfyUI objects are reached only through bridge.py; this file decides what a
-run is. A run's folder is named by a hash of everything that determines its
-result (config, dataset content and captions, encoders, model arch, resume
-source), so re-queueing the same workflow finds its own run:
+ComfyUI objects are reached only through nodes/comfy/ (its bridge), which also runs the training
+sequence; this file decides what a run is. A run's folder is named by a hash of everything that
+determines its result (config, dataset content and captions, encoders, model arch, resume source),
+so re-queueing the same workflow finds its own run:
   - newest checkpoint < steps (stopped, crashed, or ComfyUI restarted) → resume from it;
   - newest checkpoint == steps → load that result, train nothing (the UI says so);
   - no checkpoint → train from the start (or from a KILN_STATE input).
@@ -17,6 +17,7 @@ reach the hash through Load Dataset's fingerprint. tests/nodes/test_node_faults.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -27,13 +28,13 @@ import numpy as np
 from ..trainer import config as cfg_module
 from ..trainer import paths
 from ..trainer import state as state_module
-from ..trainer.data import MappedLatents
 from ..trainer.data.dataset import Dataset
 from ..trainer.lora_format import LoraWeights
 from ..trainer.loop import RunResult, train
 from ..trainer.plot import loss_curve
 
-from . import bridge, live
+from . import live
+from .comfy import bridge
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,6 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
             validation=None, output_root: Path) -> Outcome:
     if cfg.run_name:  # before anything is loaded or written
         paths.check_name(cfg.run_name, "Kiln Training Options: run_name")
-    model = bridge.trainable(model)  # dynamic VRAM: ComfyUI's fully loadable delegate (outputs use the original)
-    # Caches hold raw VAE latents; the model sees them in its latent format (Z-Image: shift and scale).
-    data = MappedLatents(dataset.training_data(), lambda raw: bridge.latents_in(model, raw))
     resume_from = resume_state.checkpoint if resume_state is not None else None
     run_dir = paths.inside(output_root, f"{cfg.run_name or cfg.arch}-{run_identity(cfg, dataset, resume_from)}",
                            "Kiln Training Options: run_name")
@@ -105,47 +103,47 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
                                   "training again. Delete that folder or change a setting to train anew.")
     resume = newest[1] if newest is not None else resume_from
     lines = [f"resuming from {resume}" if resume else "training from step 0", f"run folder: {run_dir}"]
-    lines += [f"skipped {p.line()}" for p in data.skipped]
-    for line in lines:
-        print(f"[Kiln] {line}")
-
-    train_model = bridge.training_adapter_merged(model, adapter) if adapter is not None else model
     bar = bridge.progress(cfg.steps)
     samples: list = []
-    tracker = live.Tracker(cfg, run_dir, data, resume)  # the live dashboard: events, Stop, Save now
+    trackers: list[live.Tracker] = []
 
-    def on_step(report) -> None:
-        bar.update(report.step)
-        tracker.on_step(report)
+    def setup(model, data) -> dict:
+        """The node's side of a run, once the patcher to sample on and the mapped data exist."""
+        lines.extend(f"skipped {p.line()}" for p in data.skipped)
+        for line in lines:
+            print(f"[Kiln] {line}")
+        tracker = live.Tracker(cfg, run_dir, data, resume)  # the live dashboard: events, Stop, Save now
+        trackers.append(tracker)
 
-    def validate(step: int, lora) -> None:
-        # Sampled on `model`, i.e. without the training adapter. Torch: the LoRA branches are live in
-        # its modules. MLX: the current (EMA) weights are patched onto a clone through ComfyUI's loader.
-        v = validation
-        sampler_model = model if cfg.backend == "torch" else bridge.apply_lora(
-            model, bridge.lora_model_from(lora(), cfg.arch), 1.0)
-        images = bridge.sample(sampler_model, v.positive, v.negative, v.vae, seed=v.seed, steps=v.steps, cfg=v.cfg,
-                               sampler_name=v.sampler_name, scheduler=v.scheduler, width=v.width, height=v.height)
-        samples.append(images)
-        bar.update(step, preview=images)
-        tracker.on_sample(step, images)
+        def on_step(report) -> None:
+            bar.update(report.step)
+            tracker.on_step(report)
 
-    hooks = dict(resume=resume, on_step=on_step, should_stop=tracker.should_stop,
-                 validate=validate if validation is not None else None,
-                 validate_every=validation.every if validation is not None else 0)
+        def validate(step: int, lora) -> None:
+            # Sampled on `model`, i.e. without the training adapter. Torch: the LoRA branches are live in
+            # its modules. MLX: the current (EMA) weights are patched onto a clone through ComfyUI's loader.
+            v = validation
+            sampler_model = model if cfg.backend == "torch" else bridge.apply_lora(
+                model, bridge.lora_model_from(lora(), cfg.arch), 1.0)
+            images = bridge.sample(sampler_model, v.positive, v.negative, v.vae, seed=v.seed, steps=v.steps,
+                                   cfg=v.cfg, sampler_name=v.sampler_name, scheduler=v.scheduler, width=v.width,
+                                   height=v.height)
+            samples.append(images)
+            bar.update(step, preview=images)
+            tracker.on_sample(step, images)
+
+        return dict(resume=resume, on_step=on_step, should_stop=tracker.should_stop,
+                    validate=validate if validation is not None else None,
+                    validate_every=validation.every if validation is not None else 0)
+
     try:
-        if cfg.backend == "mlx":
-            result = train(cfg, mlx_model(train_model, cfg), data, run_dir=run_dir, **hooks)
-        else:
-            with bridge.training_session(train_model, cfg.device) as (module, _device):
-                result: RunResult = train(cfg, module, data, run_dir=run_dir,
-                                          forward=bridge.make_forward(train_model, cfg.arch), **hooks)
+        result: RunResult = bridge.train(cfg, model, dataset, adapter=adapter, setup=setup,
+                                         run=functools.partial(train, run_dir=run_dir))
     except BaseException as error:
-        tracker.finish(error=error)
+        for tracker in trackers:
+            tracker.finish(error=error)
         raise
-    finally:
-        bridge.free_memory()
-    tracker.finish(result)
+    trackers[0].finish(result)
     state = KilnState(run_dir=str(run_dir), checkpoint=str(result.checkpoint), step=result.step, arch=cfg.arch,
                       config=cfg.to_dict(), lora=result.lora, ema_lora=result.ema_lora, history=result.history)
     losses = [v for v in result.history.loss if np.isfinite(v)]
@@ -158,19 +156,6 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
     if losses:
         summary += f"; loss {np.mean(losses[:max(1, len(losses) // 10)]):.4f} → {np.mean(losses[-max(1, len(losses) // 10):]):.4f}"
     return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]))
-
-
-def mlx_model(model, cfg: cfg_module.TrainConfig):
-    """The ComfyUI model's weights (training adapter merged, as ComfyUI loads the clone) in Kiln's MLX
-    port of the same architecture; ComfyUI's copy is then given back to its memory manager."""
-    from ..trainer.backends.mlx_backend import models as mlx_models
-    from ..trainer.backends.mlx_backend.models.weights import from_state_dict
-
-    dtype = "bfloat16" if cfg.mixed_precision == "bf16" else "float32"
-    with bridge.training_session(model, "auto") as (module, _device):
-        weights = from_state_dict(module.state_dict(), dtype)   # tensor by tensor, straight to dtype
-    bridge.free_memory()
-    return mlx_models.build(cfg.arch, weights, dtype, quantize=cfg.base_quantize)
 
 
 def loss_image(state: KilnState):

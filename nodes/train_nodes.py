@@ -7,8 +7,10 @@ from pathlib import Path
 from comfy_api.latest import io, ui
 
 from ..trainer import config as cfg_module
+from ..trainer.archs import ARCHS
 
-from . import bridge, live, run
+from . import live, run
+from .comfy import bridge
 from .widgets import CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, parse_list, widget
 
 TRAIN_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "optimizer", "backend", "seed")
@@ -96,14 +98,16 @@ class KilnValidationSettings(io.ComfyNode):
         return io.NodeOutput(Validation(**values))
 
 
+# What the model input's tooltip lists: the archs detected from a ComfyUI model, in registry order.
+MODEL_FAMILIES = [arch.name for arch in ARCHS.values() if arch.comfy is not None]
+
+
 def build_config(model, dataset, widgets: dict, preset: str, options: dict | None, adapter: bool):
     """preset < Training Options < this node's widgets; the dataset's own settings; the detected arch.
 
     With a preset, an Options value left at its default keeps the preset's value (connecting Options
     just to turn on EMA must not undo the preset's loss weighting)."""
-    arch = bridge.detect_arch(model)
-    if arch == "zimage" and adapter:
-        arch = "zimage_turbo"
+    arch = bridge.detect_arch(model, adapter=adapter)  # with a training adapter: Z-Image Turbo
     s = dataset.settings
     defaults = cfg_module.TrainConfig().to_dict()
     values = {k: v for k, v in (options or {}).items() if preset == "none" or v != defaults.get(k)}
@@ -123,8 +127,8 @@ class KilnTrainLoRA(io.ComfyNode):
                         "finished one.",
             is_output_node=True,
             inputs=[
-                io.Model.Input("model", tooltip="Flux2 Klein/Dev, Z-Image Turbo/base, or any ComfyUI model "
-                               "(then list targets in Training Options)"),
+                io.Model.Input("model", tooltip="A model of a Kiln family (" + ", ".join(MODEL_FAMILIES) + "), "
+                               "or any ComfyUI model (then list targets in Training Options)"),
                 DATASET.Input("dataset", tooltip="From Kiln Encode Captions (latents and captions encoded)"),
                 widget("steps", default=1000, tooltip_text="Total optimizer steps (a resumed run continues to this)"),
                 widget("learning_rate"),

@@ -157,12 +157,12 @@ def comfy_zimage(weights: dict[str, np.ndarray]):
 
 
 def _zimage(*, batch: int, height: int, width: int, tokens: int, sigmas: list[float], seed: int = 0):
-    """A tiny Z-Image (dim 256, 2 layers, 2+2 refiners, caption dim 64) called as nodes/bridge.py calls it
+    """A tiny Z-Image (dim 256, 2 layers, 2+2 refiners, caption dim 64) called as nodes/comfy/ calls it
     (make_forward: extra_conds → num_tokens, model_sampling.timestep, the casts)."""
     import comfy_env
     import torch
 
-    bridge, archs = comfy_env.import_pack("nodes.bridge"), comfy_env.import_pack("trainer.archs")
+    bridge, archs = comfy_env.import_pack("nodes.comfy.bridge"), comfy_env.import_pack("trainer.archs")
     sizes = {"dim": 256, "n_layers": 2, "n_refiner_layers": 2, "cap_feat_dim": 64}
     patcher = comfy_zimage(tiny_weights.zimage_weights(seed, **sizes))
     rng = np.random.default_rng([seed, tokens])
@@ -177,7 +177,7 @@ def _zimage(*, batch: int, height: int, width: int, tokens: int, sigmas: list[fl
             bridge.diffusion_model(patcher), *(torch.from_numpy(inputs[k]) for k in ("x", "timestep", "context")),
             extras)
     metadata = {"kiln.weights": json.dumps({"function": "zimage_weights", "seed": seed, "kwargs": sizes}),
-                "kiln.call": "dm(x, timestep, context, num_tokens) -> output, via nodes/bridge.py make_forward",
+                "kiln.call": "dm(x, timestep, context, num_tokens) -> output, via nodes/comfy/ make_forward",
                 "kiln.num_tokens": str(extras["num_tokens"])}
     return {**inputs, "output": output.float().cpu().numpy()}, metadata
 

@@ -100,7 +100,7 @@ def load_object_info(comfy: str) -> dict:
     # ComfyUI's own core-node registry, read (the pack defines none: V3 only; the name is assembled so
     # the project's check for packs that export a V1 registry does not trip over this read).
     classes = dict(getattr(nodes, "_".join(("NODE", "CLASS", "MAPPINGS"))))
-    for node in comfy_env.import_pack("nodes").NODES:
+    for node in comfy_env.import_pack("nodes.extension").NODES:
         classes[node.GET_SCHEMA().node_id] = node
     spec = importlib.util.spec_from_file_location("kiln_test_server_nodes", TEST_NODES / "__init__.py")
     test_nodes = importlib.util.module_from_spec(spec)

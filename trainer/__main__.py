@@ -3,92 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from pathlib import Path
 
 
-def _progress(total: int, start: int):
-    """A tqdm bar fed by the loop's per-step reports."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-
-    def on_step(report) -> None:
-        bar.update(report.step - bar.n)
-        if report.loss is not None:
-            bar.set_postfix(loss=f"{report.loss:.4f}", smooth=f"{report.loss_smooth:.4f}", lr=f"{report.lr:.2e}")
-    return bar, on_step
-
-
-class _StopOnSignal:
-    """First Ctrl-C: finish the step, save a resumable checkpoint, stop. Second: abort at once."""
-
-    def __init__(self):
-        self.requested = False
-        self.previous = signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\nstopping after this step; a resumable checkpoint will be saved (Ctrl-C again to abort)",
-              file=sys.stderr)
-
-    def __call__(self) -> bool:
-        return self.requested
-
-    def close(self):
-        signal.signal(signal.SIGINT, self.previous)
-
-
-def _run(cfg, model, data, run_dir: Path, resume, stop_after: int | None = None, forward=None):
-    from .loop import train
-    from .state import list_checkpoints
-
-    start = list_checkpoints(run_dir)[-1][0] if resume and list_checkpoints(run_dir) else 0
-    for problem in getattr(data, "skipped", []):
-        print(f"skipped {problem.line()}", file=sys.stderr)
-    bar, on_step = _progress(cfg.steps, start)
-    stop = _StopOnSignal()
-    should_stop = (lambda: stop() or bar.n >= stop_after) if stop_after else stop
-    try:
-        return train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
-                     on_step=on_step, should_stop=should_stop, forward=forward)
-    finally:
-        stop.close()
-        bar.close()
-
-
-def _finish(cfg, result, run_dir: Path, name: str) -> None:
-    from .archs import get_arch
-    from .loop import lora_metadata
-    from .lora_format import save_lora
-    from .plot import save_loss_curve
-
-    lora = result.ema_lora if result.ema_lora is not None else result.lora
-    lora_path = run_dir / f"{name}.safetensors"
-    save_lora(lora_path, lora, arch=get_arch(cfg.arch), fmt=cfg.lora_format, dtype=cfg.save_dtype,
-              metadata=lora_metadata(cfg, get_arch(cfg.arch), result.step))
-    curve = save_loss_curve(run_dir / "loss.png", result.history.loss, result.history.lr, title=f"{name}: loss")
-    losses = [v for v in result.history.loss if v == v and abs(v) != float("inf")]
-    print(f"{'stopped' if result.stopped else 'finished'} at step {result.step}/{cfg.steps}; "
-          f"trainable parameters {result.trainable_parameters:,}")
-    for entry in result.history.skipped:
-        print(f"skipped step {entry['step']} (NaN/inf loss or gradient): {', '.join(entry['items'])}")
-    if losses:
-        head, tail = losses[: max(1, len(losses) // 10)], losses[-max(1, len(losses) // 10):]
-        print(f"loss: first 10% mean {sum(head) / len(head):.4f} -> last 10% mean {sum(tail) / len(tail):.4f}")
-    print(f"LoRA ({'EMA' if result.ema_lora is not None else 'raw'} weights): {lora_path}")
-    print(f"loss curve: {curve}")
-    from .state import list_checkpoints
-
-    newest = result.checkpoint or next((path for _, path in list_checkpoints(run_dir)[-1:]), None)
-    print(f"checkpoint (resume with --resume): {newest}")
-
-
 def cmd_demo(args) -> int:
+    from .console import finish, run_loop
     from .demo import build_data, demo_config, make_dataset, model_for
 
     # A shorter demo keeps the warm-up at a tenth of the run.
@@ -107,10 +28,10 @@ def cmd_demo(args) -> int:
     if not args.resume or not dataset.is_dir():
         make_dataset(dataset, seed=cfg.seed)
     started = time.perf_counter()
-    result = _run(cfg, model_for(cfg), build_data(cfg, dataset), run_dir,
-                  args.resume, args.stop_after)
+    result = run_loop(cfg, model_for(cfg), build_data(cfg, dataset), run_dir=run_dir,
+                      resume=args.resume, stop_after=args.stop_after)
     print(f"demo run folder: {run_dir} ({time.perf_counter() - started:.1f} s)")
-    _finish(cfg, result, run_dir, "demo_lora")
+    finish(cfg, result, run_dir, "demo_lora")
     return 0
 
 
@@ -120,6 +41,7 @@ def cmd_train(args) -> int:
     cfg = config_module.load(args.config)
     if cfg.arch != "demo":
         return _headless().train_command(args.config, args.resume)
+    from .console import finish, run_loop
     from .demo import build_data, model_for
     from .paths import inside
     if not cfg.dataset_dir:
@@ -128,8 +50,8 @@ def cmd_train(args) -> int:
     run_dir = inside(cfg.output_dir, name, f"{args.config}: run_name")
     model = model_for(cfg)
     data = build_data(cfg, Path(cfg.dataset_dir), Path(cfg.cache_dir) if cfg.cache_dir else None)
-    result = _run(cfg, model, data, run_dir, args.resume)
-    _finish(cfg, result, run_dir, name)
+    result = run_loop(cfg, model, data, run_dir=run_dir, resume=args.resume)
+    finish(cfg, result, run_dir, name)
     return 0
 
 
@@ -260,7 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="training backend (default torch; mlx needs MLX: Apple Silicon, or mlx[cpu] on Linux)")
     demo.set_defaults(func=cmd_demo)
 
-    train = commands.add_parser("train", help="train from a .toml/.json config (see trainer/config.py for every key)")
+    from .archs import ARCHS  # the config's `arch`, each with what it is for (the registry's descriptions)
+
+    train = commands.add_parser(
+        "train", help="train from a .toml/.json config (see trainer/config.py for every key)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="arch (in the config):\n" + "\n".join(f"  {a.name:14} {a.description}" for a in ARCHS.values()))
     train.add_argument("config", help="path to the config file")
     train.add_argument("--resume", action="store_true", help="continue from the run folder's newest checkpoint")
     train.set_defaults(func=cmd_train)

@@ -81,7 +81,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
 @dataclass
 class TrainConfig:
     # --- model and backend
-    arch: str = "demo"              # model family (trainer/archs): flux2_klein, flux2_dev, zimage_turbo, zimage, generic, demo
+    arch: str = "demo"              # model family (trainer/archs): flux2_klein, flux2_dev, zimage_turbo, zimage, qwen_image, generic, demo
     model_path: str = ""            # ComfyUI diffusion-model .safetensors (headless `train`); nodes pass the MODEL instead
     vae_path: str = ""              # the model's VAE .safetensors (headless `train`)
     text_encoder_path: str = ""     # the model's text encoder .safetensors (headless `train`)
@@ -236,8 +236,9 @@ def _check_combinations(cfg: TrainConfig) -> None:
         problems.append("lr_schedule 'cosine_with_warmup' needs warmup_steps > 0")
     if cfg.optimizer == "prodigy" and cfg.learning_rate < 0.1:
         problems.append(f"prodigy finds its own step size; set learning_rate to 1.0 (got {cfg.learning_rate:g})")
-    if cfg.backend == "mlx" and cfg.arch == "generic":
-        problems.append("arch 'generic' trains ComfyUI's own PyTorch model; use backend 'torch'")
+    if cfg.backend == "mlx" and not ARCHS[cfg.arch].mlx_model:
+        problems.append(f"arch {cfg.arch!r} has no MLX port (it trains ComfyUI's own PyTorch model); "
+                        "use backend 'torch'")
     if cfg.backend == "mlx" and cfg.optimizer in ("adamw8bit", "prodigy"):
         problems.append(f"optimizer {cfg.optimizer!r} is PyTorch-only; use adamw or adafactor with backend 'mlx'")
     if cfg.backend == "mlx" and cfg.attention != "auto":
@@ -253,8 +254,8 @@ def _check_combinations(cfg: TrainConfig) -> None:
     if cfg.backend == "torch" and cfg.base_quantize != "none":
         problems.append(f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; with PyTorch load the model "
                         "with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base")
-    if cfg.arch == "generic" and not cfg.targets:
-        problems.append("arch 'generic' has no default targets; list module patterns in `targets`")
+    if not ARCHS[cfg.arch].default_targets and not cfg.targets:
+        problems.append(f"arch {cfg.arch!r} has no default targets; list module patterns in `targets`")
     if len(set(cfg.resolutions)) != len(cfg.resolutions) or not cfg.resolutions:
         problems.append(f"resolutions must be a non-empty list without repeats, got {cfg.resolutions}")
     bad_res = [r for r in cfg.resolutions if r % ARCHS[cfg.arch].bucket_divisor]

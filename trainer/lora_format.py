@@ -369,21 +369,12 @@ def export(src, dst, fmt: str, *, arch: Arch | str | None = None) -> None:
 
 # ---------------------------------------------------------------- metadata
 
-_IMPL_FLUX2, _IMPL_ZIMAGE = "https://github.com/black-forest-labs/flux2", "https://github.com/Tongyi-MAI/Z-Image"
-# ModelSpec ids "<model>/lora", spelled as musubi-tuner writes them for these models.
-_MODELSPEC = {
-    "flux2_klein": ("Flux.2-klein/lora", _IMPL_FLUX2), "flux2_dev": ("Flux.2-dev/lora", _IMPL_FLUX2),
-    "demo": ("Flux.2-klein/lora", _IMPL_FLUX2),
-    "zimage": ("Z-Image/lora", _IMPL_ZIMAGE), "zimage_turbo": ("Z-Image-Turbo/lora", _IMPL_ZIMAGE),
-}
-
-
 def build_metadata(*, arch_name: str, config: dict, steps: int, trigger_words: list[str], title: str,
                    notes: str = "", extra: dict | None = None) -> dict[str, str]:
     """kiln.* fields (what Kiln needs to resume/export) plus modelspec fields (what UIs show)."""
-    get_arch(arch_name)  # an unknown name fails here, not when the file is exported
-    architecture, implementation = _MODELSPEC.get(
-        arch_name, (f"{arch_name}/lora", "https://github.com/comfyanonymous/ComfyUI"))
+    # ModelSpec ids "<model>/lora" as the arch spells them (musubi-tuner's); an unknown name fails here.
+    architecture, implementation = get_arch(arch_name).modelspec or (
+        f"{arch_name}/lora", "https://github.com/comfyanonymous/ComfyUI")
     metadata = {
         "kiln.version": getattr(sys.modules[__package__], "__version__", "0.1.0"),
         "kiln.arch": arch_name,

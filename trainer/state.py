@@ -253,6 +253,13 @@ def checkpoint_history(checkpoint: Checkpoint) -> History:
                    skipped=list(saved.get("skipped", [])))
 
 
+def read_history(checkpoint_dir: str | Path) -> History:
+    """A checkpoint's loss/lr history from its run.json alone (no tensors read): for a curve that starts
+    before a resumed run's first step. Raises OSError/ValueError/KeyError/TypeError when unreadable."""
+    info = json.loads((Path(checkpoint_dir) / "run.json").read_text(encoding="utf-8"))
+    return checkpoint_history(Checkpoint(path=Path(checkpoint_dir), step=info["step"], info=info, tensors={}))
+
+
 def restore(checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, sampler) -> History:
     """Put every piece of state back: weights, EMA, optimizer, RNGs, cursor. Returns the history."""
     tensors = checkpoint.tensors

@@ -2,7 +2,7 @@
 
 tests/goldens/zimage*.safetensors hold inputs and ComfyUI's output for the tiny Z-Image of
 `trainer.tiny_weights.zimage_weights(seed)`; scripts/make_goldens.py writes them (`zimage`,
-`zimage_short_caption`), calling ComfyUI's model as nodes/bridge.py does.
+`zimage_short_caption`), calling ComfyUI's model as nodes/comfy/ does.
 """
 from __future__ import annotations
 

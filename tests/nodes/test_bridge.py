@@ -1,4 +1,4 @@
-"""nodes/bridge.py against a real ComfyUI (COMFYUI_PATH) on tiny seeded models; skipped without one.
+"""nodes/comfy/ against a real ComfyUI (COMFYUI_PATH) on tiny seeded models; skipped without one.
 
 What is checked: arch detection from ComfyUI's own model classes; that the training forward hands
 the diffusion model exactly what ComfyUI's sampler hands it for the same prompt (bitwise), also for
@@ -25,7 +25,7 @@ import node_helpers  # noqa: E402
 import tiny_comfy as tc  # noqa: E402
 import torch  # noqa: E402
 
-bridge = comfy_env.import_pack("nodes.bridge")
+bridge = comfy_env.import_pack("nodes.comfy.bridge")
 archs = comfy_env.import_pack("trainer.archs")
 config = comfy_env.import_pack("trainer.config")
 data_module = comfy_env.import_pack("trainer.data")
@@ -183,10 +183,13 @@ def test_detect_arch(klein, dev, zimage):
     assert bridge.detect_arch(klein) == "flux2_klein"
     assert bridge.detect_arch(dev) == "flux2_dev"
     assert bridge.detect_arch(zimage) == "zimage"
-    for name in ("flux2_klein", "flux2_dev", "zimage", "zimage_turbo", "generic"):
+    assert bridge.detect_arch(zimage, adapter=True) == "zimage_turbo"  # Turbo: the model with an adapter
+    assert bridge.detect_arch(klein, adapter=True) == "flux2_klein"     # no Flux2 arch merges one
+    assert bridge.matching_archs(zimage) == ["zimage_turbo", "zimage"]
+    assert bridge.matching_archs(klein) == ["flux2_klein"] and bridge.matching_archs(dev) == ["flux2_dev"]
+    for name in ("flux2_klein", "flux2_dev", "zimage", "zimage_turbo", "qwen_image", "generic"):
         assert name in archs.ARCHS
     assert isinstance(bridge.diffusion_model(klein), torch.nn.Module)
-    assert bridge.compute_dtype(klein) == torch.float32
 
 
 # ---------------------------------------------------------------- the forward is ComfyUI's own call
@@ -502,7 +505,7 @@ def test_a_session_calls_sdpa_without_comfys_kernel_order(klein, klein_clip, flu
     picks sub-quadratic attention, so the entry point is checked here, and the plain call's numbers.)"""
     import comfy.ops
 
-    comfy_paths = comfy_env.import_pack("nodes.comfy_paths")
+    comfy_paths = comfy_env.import_pack("nodes.comfy.paths")
     seen = []
 
     def comfys(q, k, v, *args, **kwargs):
@@ -607,7 +610,8 @@ def test_folders_and_lora_listing(tmp_path):
     import folder_paths
 
     found = bridge.folders()
-    assert set(found) == {"input", "output", "loras"} and found["loras"] in folder_paths.get_folder_paths("loras")
+    assert set(found) == {"input", "output", "temp", "loras"} and found["loras"] in folder_paths.get_folder_paths("loras")
+    assert found["temp"] == folder_paths.get_temp_directory()
     folder_paths.add_model_folder_path("loras", str(tmp_path), is_default=True)
     assert bridge.folders()["loras"] == str(tmp_path)
     before = folder_paths.get_filename_list("loras")

@@ -18,7 +18,7 @@ import comfy.sd  # noqa: E402
 import tiny_comfy as tc  # noqa: E402
 
 headless = comfy_env.import_pack("headless")
-bridge = comfy_env.import_pack("nodes.bridge")
+bridge = comfy_env.import_pack("nodes.comfy.bridge")
 lora_format = comfy_env.import_pack("trainer.lora_format")
 
 

@@ -19,7 +19,7 @@ comfy_env.require_comfy()
 import folder_paths  # noqa: E402
 import tiny_comfy as tc  # noqa: E402
 
-bridge = comfy_env.import_pack("nodes.bridge")
+bridge = comfy_env.import_pack("nodes.comfy.bridge")
 dashboard = comfy_env.import_pack("nodes.dashboard")
 live = comfy_env.import_pack("nodes.live")
 dn = comfy_env.import_pack("nodes.dataset_nodes")
@@ -69,7 +69,7 @@ def test_save_now_and_stop_from_the_dashboard_then_resume(comfy_dirs, monkeypatc
         return True
 
     monkeypatch.setattr(bridge, "send_event", send_event)
-    monkeypatch.setattr(live, "executing_node", lambda: ("kiln-live-test", "prompt-1"))
+    monkeypatch.setattr(bridge, "executing_node", lambda: ("kiln-live-test", "prompt-1"))
     fingerprint = tn.KilnTrainLoRA.fingerprint_inputs()
 
     def train():

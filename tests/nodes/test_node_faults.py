@@ -24,7 +24,9 @@ import tiny_comfy as tc  # noqa: E402
 import torch  # noqa: E402
 from test_nodes import comfy_dirs, encoded_dataset, train  # noqa: E402,F401  (comfy_dirs is a fixture)
 
-bridge = comfy_env.import_pack("nodes.bridge")
+bridge = comfy_env.import_pack("nodes.comfy.bridge")
+door_model = comfy_env.import_pack("nodes.comfy.model")      # what the training sequence calls
+door_session = comfy_env.import_pack("nodes.comfy.session")
 run_module = comfy_env.import_pack("nodes.run")
 faults = comfy_env.import_pack("trainer.faults")
 state_module = comfy_env.import_pack("trainer.state")
@@ -50,10 +52,9 @@ def forwards(monkeypatch):
             if len(calls) in hooks:
                 hooks[len(calls)]()
             return inner(*args)
-        forward.compute_dtype = inner.compute_dtype
         return forward
 
-    monkeypatch.setattr(bridge, "make_forward", make_forward)
+    monkeypatch.setattr(door_model, "make_forward", make_forward)
     return calls, hooks
 
 
@@ -93,8 +94,8 @@ def test_out_of_memory_in_a_step_frees_the_model_and_requeue_resumes(flux, forwa
     dm = bridge.diffusion_model(model)
     keys, flags = set(dm.state_dict()), [p.requires_grad for p in dm.parameters()]
     freed = []
-    real_free = bridge.free_memory
-    monkeypatch.setattr(bridge, "free_memory", lambda: freed.append(1) or real_free())
+    real_free = door_session.free_memory
+    monkeypatch.setattr(door_session, "free_memory", lambda: freed.append(1) or real_free())
 
     def oom():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")

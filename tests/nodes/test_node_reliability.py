@@ -14,7 +14,7 @@ comfy_env.require_comfy()
 import folder_paths  # noqa: E402
 import tiny_comfy as tc  # noqa: E402
 
-bridge = comfy_env.import_pack("nodes.bridge")
+bridge = comfy_env.import_pack("nodes.comfy.bridge")
 run = comfy_env.import_pack("nodes.run")
 tn = comfy_env.import_pack("nodes.train_nodes")
 ln = comfy_env.import_pack("nodes.lora_nodes")

@@ -21,8 +21,8 @@ import folder_paths  # noqa: E402
 import tiny_comfy as tc  # noqa: E402
 import torch  # noqa: E402
 
-pack = comfy_env.import_pack("nodes")
-bridge = comfy_env.import_pack("nodes.bridge")
+pack = comfy_env.import_pack("nodes.extension")
+bridge = comfy_env.import_pack("nodes.comfy.bridge")
 dn = comfy_env.import_pack("nodes.dataset_nodes")
 tn = comfy_env.import_pack("nodes.train_nodes")
 ln = comfy_env.import_pack("nodes.lora_nodes")

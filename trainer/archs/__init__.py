@@ -1,16 +1,20 @@
 """Architecture facts: one file per model family, one dict registry.
 
-An `Arch` says what the loop needs to know about a model family and nothing
-else: default LoRA targets, how a batch becomes model inputs, latent layout,
-bucket divisor, timestep-shift default, the training-adapter rule and how
+An `Arch` says what the rest of Kiln needs to know about a model family and
+nothing else: default LoRA targets, how a batch becomes model inputs (context
+padding, per-row extras, which rows may share a call), latent layout, bucket
+divisor, timestep-shift default, the training-adapter rule, which ComfyUI
+model and text encoder it is, its modelspec name, its MLX port and how
 ComfyUI module paths map onto diffusers LoRA names. No `is_flux` flags live
-anywhere outside these files.
+anywhere outside these files: adding a family is adding a file here (and one
+import line below).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -30,6 +34,20 @@ class DiffusersRule:
 
 
 @dataclass(frozen=True)
+class ComfyModel:
+    """Which loaded ComfyUI models an arch trains. The bridge (nodes/comfy/) reads the facts off the
+    MODEL and asks `matches`; names, not classes, so this file never imports ComfyUI."""
+
+    model_class: str                # a comfy.model_base class the model is an instance of, e.g. "Flux2"
+    config_class: str = ""          # the exact comfy.supported_models class ("" = any): ZImage, not ZImagePixelSpace
+    attributes: tuple[tuple[str, Any], ...] = ()  # (dotted path under model.model, required value)
+
+    def matches(self, classes: set[str], config_class: str, read: Callable[[str], Any]) -> bool:
+        return (self.model_class in classes and (not self.config_class or config_class == self.config_class)
+                and all(read(path) == value for path, value in self.attributes))
+
+
+@dataclass(frozen=True)
 class Arch:
     name: str                       # registry key, e.g. "flux2_klein"
     family: str                     # "flux2", "zimage", "generic": shares key maps
@@ -41,30 +59,46 @@ class Arch:
     block_lists: tuple[str, ...]    # attribute names of the model's block ModuleLists
     shift_mode: str                 # "none" | "static" | "resolution": timestep shift default
     shift: float                    # static shift value (ignored unless shift_mode == "static")
-    # Batch → model inputs: `model(x_t, sigma, context, **extras)` where
-    # context = collate_context([T_i,D] per row) and extras = model_extras(batch_size, [T_i]).
-    collate_context: Callable[[list[np.ndarray]], np.ndarray]
+    # Batch → model inputs: `model(x_t, sigma, context, **extras)` where context = collate_context([T_i,D]
+    # per row) and extras = model_extras(batch_size, [T_i]).
     model_extras: Callable[[int, list[int]], dict]
+    context_side: str = "right"     # where a caption's padding zeros go: "right", or "left" (Flux2)
+    context_tokens: int = 0         # every caption padded to at least this many tokens (Flux2: 512)
+    # Rows whose padded caption lengths differ run as separate calls, each trimmed to its own tokens, as
+    # ComfyUI runs each prompt alone (a model that masks no padding attends to it otherwise).
+    split_by_caption_length: bool = False
     training_adapter: str = "none"  # "none" | "merge": merged at +1 for training, removed for samples
     # Blocks never write into their own inputs, so compile_blocks also compiles the blocks that keep
     # their activations (checkpointing off, skip_checkpoint_blocks). Flux2's `img += ...` blocks do.
     pure_blocks: bool = False
+    comfy: ComfyModel | None = None  # the ComfyUI model it is (None: detected only as the fallback, or never)
+    clip_type: str = ""             # comfy.sd.CLIPType name of its text encoder, for headless loading
+    modelspec: tuple[str, str] = ()  # (modelspec.architecture, modelspec.implementation) in LoRA metadata
+    module_marker: str = ""         # regex on ComfyUI module paths that says a LoRA is of this layout
+    mlx_model: str = ""             # module under trainer/backends/mlx_backend/models/ ("" = none)
     diffusers_prefix: str = "transformer."
     diffusers_rules: tuple[DiffusersRule, ...] = field(default_factory=tuple)
     description: str = ""
 
-
-def right_pad(contexts: list[np.ndarray]) -> np.ndarray:
-    """Rows [T_i,D] → [B,max T,D], zeros after each caption's tokens."""
-    tokens = max(c.shape[0] for c in contexts)
-    out = np.zeros((len(contexts), tokens, contexts[0].shape[1]), dtype=np.float32)
-    for row, c in enumerate(contexts):
-        out[row, : c.shape[0]] = c
-    return out
+    def collate_context(self, contexts: list[np.ndarray]) -> np.ndarray:
+        """Rows [T_i,D] → [B,T,D], T = max(context_tokens, longest), zeros on the padded side."""
+        tokens = max(self.context_tokens, *(c.shape[0] for c in contexts))
+        out = np.zeros((len(contexts), tokens, contexts[0].shape[1]), dtype=np.float32)
+        for row, c in enumerate(contexts):
+            if self.context_side == "left":
+                out[row, tokens - c.shape[0]:] = c
+            else:
+                out[row, : c.shape[0]] = c
+        return out
 
 
 def no_extras(batch_size: int, lengths: list[int]) -> dict:
     return {}
+
+
+def caption_lengths(batch_size: int, lengths: list[int]) -> dict:
+    """{'num_tokens': per-row caption lengths}: how a right-padded batch splits into ComfyUI's calls."""
+    return {"num_tokens": np.asarray(lengths, dtype=np.int64)}
 
 
 ARCHS: dict[str, Arch] = {}
@@ -73,6 +107,8 @@ ARCHS: dict[str, Arch] = {}
 def register(arch: Arch) -> Arch:
     if arch.name in ARCHS:
         raise ValueError(f"architecture {arch.name!r} registered twice")
+    if arch.context_side not in ("left", "right"):
+        raise ValueError(f"{arch.name}: context_side must be 'left' or 'right', got {arch.context_side!r}")
     ARCHS[arch.name] = arch
     return arch
 
@@ -81,20 +117,36 @@ def get_arch(name: str) -> Arch:
     try:
         return ARCHS[name]
     except KeyError:
-        raise ValueError(f"unknown arch {name!r}; choose one of {sorted(ARCHS)}") from None
+        raise ValueError(f"unknown arch {name!r}; known: {', '.join(ARCHS)} "
+                         "(`python -m trainer train --help` says what each is)") from None
 
 
-# Import order fixes the registry order (the node's combo follows it).
-from . import flux2, zimage, generic, demo  # noqa: E402,F401
+# Import order fixes the registry order (detection and the node's combo follow it).
+from . import flux2, zimage, qwen_image, generic, demo  # noqa: E402,F401
 
 
-_FAMILY_MARKERS = (("flux2_klein", re.compile(r"^(double_blocks|single_blocks)\.\d+\.")),
-                   ("zimage", re.compile(r"^(layers|noise_refiner|context_refiner)\.\d+\.(attention|feed_forward)")))
+def matching(classes: set[str], config_class: str, read: Callable[[str], Any]) -> list[str]:
+    """Every arch whose ComfyUI model facts match (Z-Image Turbo and base match the same model)."""
+    return [a.name for a in ARCHS.values() if a.comfy is not None and a.comfy.matches(classes, config_class, read)]
+
+
+def detect(classes: set[str], config_class: str, read: Callable[[str], Any], *, adapter: bool = False) -> str:
+    """The arch to train a ComfyUI model as: among the matching ones, the one that merges a training
+    adapter when one is given (Z-Image Turbo), else one that does not; 'generic' when none matches."""
+    names = matching(classes, config_class, read)
+    wanted = [n for n in names if (ARCHS[n].training_adapter == "merge") == adapter]
+    return (wanted or names or ["generic"])[0]
+
+
+def dataset_divisor() -> int:
+    """The bucket divisor of a dataset prepared before its model is known (Kiln Load Dataset): a multiple
+    of every arch's, so the buckets suit whichever model trains on it."""
+    return math.lcm(*(a.bucket_divisor for a in ARCHS.values()))
 
 
 def guess_arch(paths) -> str | None:
-    """The arch whose key layout these module paths follow (Flux2 Klein and Dev share one), or None."""
-    for name, marker in _FAMILY_MARKERS:
-        if any(marker.match(p) for p in paths):
-            return name
+    """The arch whose module layout these ComfyUI module paths follow (Flux2 Klein and Dev share one), or None."""
+    for arch in ARCHS.values():
+        if arch.module_marker and any(re.match(arch.module_marker, p) for p in paths):
+            return arch.name
     return None

@@ -10,20 +10,11 @@ import math
 
 import numpy as np
 
-from . import Arch, DiffusersRule, register
+from . import Arch, ComfyModel, DiffusersRule, register
 
-CONTEXT_TOKENS = 512
+CONTEXT_TOKENS = 512  # model_base.Flux2.extra_conds left-pads one prompt to this (a batch trains what sampling sees)
 TRAIN_GUIDANCE = 1.0  # Dev's distilled guidance embedding during training (ai-toolkit)
-
-
-def left_pad(contexts: list[np.ndarray]) -> np.ndarray:
-    """Rows [T_i,D] → [B,512,D], each row's zeros in front of its own tokens, exactly as
-    ComfyUI's Flux2.extra_conds pads a single prompt (so a batch trains what sampling sees)."""
-    tokens = max(CONTEXT_TOKENS, *(c.shape[0] for c in contexts))
-    out = np.zeros((len(contexts), tokens, contexts[0].shape[1]), dtype=np.float32)
-    for row, c in enumerate(contexts):
-        out[row, tokens - c.shape[0]:] = c
-    return out
+IMPLEMENTATION = "https://github.com/black-forest-labs/flux2"
 
 
 def dev_extras(batch_size: int, lengths: list[int]) -> dict:
@@ -58,15 +49,24 @@ DIFFUSERS_RULES = (
     DiffusersRule(r"single_blocks\.(\d+)\.linear2", ("single_transformer_blocks.{0}.attn.to_out",)),
 )
 
+MODULE_MARKER = r"^(double_blocks|single_blocks)\.\d+\."  # ComfyUI module paths of a Flux2 LoRA
+
 _COMMON = dict(
     family="flux2", latent_channels=128, latent_downscale=16, patch=1, bucket_divisor=16,
     default_targets=DEFAULT_TARGETS, block_lists=("double_blocks", "single_blocks"),
     # ComfyUI samples Flux2 with mu 2.02 (ModelSamplingFlux): as a static shift that is e^2.02 ≈ 7.54.
-    shift_mode="resolution", shift=math.exp(2.02), collate_context=left_pad,
-    diffusers_rules=DIFFUSERS_RULES,
+    shift_mode="resolution", shift=math.exp(2.02),
+    # Left-padded to 512: a longer caption pads the batch further, and such rows run alone (as ComfyUI's).
+    context_side="left", context_tokens=CONTEXT_TOKENS, split_by_caption_length=True,
+    clip_type="FLUX2", mlx_model="flux2", diffusers_rules=DIFFUSERS_RULES,
 )
 
-register(Arch(name="flux2_klein", model_extras=klein_extras,
+# Klein and Dev are one ComfyUI class; Dev has the guidance embedding (comfy/model_detection.py).
+register(Arch(name="flux2_klein", model_extras=klein_extras, module_marker=MODULE_MARKER,
+              comfy=ComfyModel("Flux2", attributes=(("diffusion_model.params.guidance_embed", False),)),
+              modelspec=("Flux.2-klein/lora", IMPLEMENTATION),
               description="Flux2 Klein 4B/9B (base, undistilled); no guidance input", **_COMMON))
 register(Arch(name="flux2_dev", model_extras=dev_extras,
+              comfy=ComfyModel("Flux2", attributes=(("diffusion_model.params.guidance_embed", True),)),
+              modelspec=("Flux.2-dev/lora", IMPLEMENTATION),
               description="Flux2 Dev; guidance embedding fed 1.0 in training", **_COMMON))

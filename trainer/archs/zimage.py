@@ -8,15 +8,7 @@ for validation samples, never saved.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from . import Arch, DiffusersRule, right_pad, register
-
-
-def zimage_extras(batch_size: int, lengths: list[int]) -> dict:
-    # Per-row caption lengths: ComfyUI runs each prompt alone (NextDiT ignores masks and attends to
-    # its zero padding), so a forward splits rows of different lengths into separate calls.
-    return {"num_tokens": np.asarray(lengths, dtype=np.int64)}
+from . import Arch, ComfyModel, DiffusersRule, caption_lengths, register
 
 
 DEFAULT_TARGETS = (
@@ -41,10 +33,18 @@ _COMMON = dict(
     family="zimage", latent_channels=16, latent_downscale=8, patch=2, bucket_divisor=16,
     default_targets=DEFAULT_TARGETS,
     block_lists=("noise_refiner", "context_refiner", "layers"),
-    shift_mode="static", shift=3.0, collate_context=right_pad, model_extras=zimage_extras,
-    diffusers_rules=DIFFUSERS_RULES, pure_blocks=True,
+    shift_mode="static", shift=3.0, diffusers_rules=DIFFUSERS_RULES, pure_blocks=True,
+    # Per-row caption lengths: ComfyUI runs each prompt alone (NextDiT ignores masks and attends to
+    # its zero padding), so a forward splits rows of different lengths into separate calls.
+    model_extras=caption_lengths, split_by_caption_length=True,
+    # A Lumina2 model with the ZImage config (not ZImagePixelSpace); the Lumina2 text encoder slot.
+    comfy=ComfyModel("Lumina2", config_class="ZImage"), clip_type="LUMINA2", mlx_model="zimage",
 )
+_IMPLEMENTATION = "https://github.com/Tongyi-MAI/Z-Image"
 
-register(Arch(name="zimage_turbo", training_adapter="merge",
+# Turbo and base are one ComfyUI model: Turbo is what a model with a training adapter trains as.
+register(Arch(name="zimage_turbo", training_adapter="merge", modelspec=("Z-Image-Turbo/lora", _IMPLEMENTATION),
               description="Z-Image Turbo (distilled): training adapter merged for training", **_COMMON))
-register(Arch(name="zimage", description="Z-Image base", **_COMMON))
+register(Arch(name="zimage", modelspec=("Z-Image/lora", _IMPLEMENTATION),
+              module_marker=r"^(layers|noise_refiner|context_refiner)\.\d+\.(attention|feed_forward)",
+              description="Z-Image base", **_COMMON))

@@ -24,6 +24,11 @@ class Problem:
         return f"[{self.code}] {where}: {self.message} — fix: {self.fix}"
 
 
+def fatal(code: str, file: str, message: str, fix: str) -> Problem:
+    """A problem that stops the dataset from training until fixed."""
+    return Problem(code, file, message, fix, "fatal")
+
+
 @dataclass
 class Item:
     """One usable image. Sizes are after EXIF orientation."""

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import difflib
 import errno
 import hashlib
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -31,12 +29,11 @@ from pathlib import Path
 
 from ..config import BOUNDS
 from .images import EXTENSION_FORMATS, IMAGE_EXTENSIONS, ImageInfo, ImageProblem, probe, sniff, verify
-from .report import DatasetMeta, Item, Problem, ScanReport
+from .meta import META_FILE, read_meta
+from .report import DatasetMeta, Item, Problem, ScanReport, fatal
 
 REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 DEFAULT_RESOLUTIONS = (512,)
-META_FILE = "dataset.json"
-META_TYPES = ("character", "style", "concept", "")
 # Image formats people drop into datasets that we do not decode: skipped, with a fix.
 UNSUPPORTED_IMAGES = {".gif": "GIF", ".heic": "HEIC", ".heif": "HEIF", ".avif": "AVIF", ".jxl": "JPEG XL",
                       ".svg": "SVG", ".psd": "Photoshop", ".tga": "TGA", ".ico": "ICO", ".jp2": "JPEG 2000",
@@ -70,9 +67,9 @@ def scan(root: str | Path, *, deep: bool = False, resolutions: Sequence[int] | N
     report = ScanReport(root=str(root), meta=DatasetMeta(), deep=deep)
     if not root.is_dir():
         report.problems.append(
-            _fatal("root_not_dir", "", f"{root} is a file, not a folder", "give the folder that holds the images")
+            fatal("root_not_dir", "", f"{root} is a file, not a folder", "give the folder that holds the images")
             if root.exists() else
-            _fatal("root_missing", "", f"the folder {root} does not exist",
+            fatal("root_missing", "", f"the folder {root} does not exist",
                    "check the path (absolute, or relative to where you run this)"))
         return report
     report.meta, problems = read_meta(root)
@@ -92,7 +89,7 @@ def scan(root: str | Path, *, deep: bool = False, resolutions: Sequence[int] | N
     report.items, item_problems = _collect(images, checked, captions)
     problems += walk_problems + item_problems
     if not report.items:
-        problems.append(_fatal("no_images", "", "no usable images in this folder"
+        problems.append(fatal("no_images", "", "no usable images in this folder"
                                + (f" ({len(images)} image files, all skipped)" if images else ""),
                                "add .png/.jpg/.webp images (with same-name .txt captions), or fix the skipped ones"))
     report.problems = sorted(problems, key=lambda p: (p.file != "", p.file.split("/")))
@@ -242,71 +239,6 @@ def read_caption(path: Path, rel: str) -> tuple[str | None, list[Problem]]:
     return text, problems
 
 
-def read_meta(root: Path) -> tuple[DatasetMeta, list[Problem]]:
-    """dataset.json at the root, if any. Bad JSON or a bad value is fatal; an unknown key a warning."""
-    path = root / META_FILE
-    if not path.is_file():
-        return DatasetMeta(), []
-    try:
-        raw = json.loads(path.read_bytes().decode("utf-8-sig"))
-    except OSError as err:
-        return DatasetMeta(), [_fatal("dataset_json_unreadable", META_FILE, f"cannot read: {err.strerror or err}",
-                                      "check the file's permissions")]
-    except UnicodeDecodeError as err:
-        return DatasetMeta(), [_fatal("dataset_json_syntax", META_FILE, f"not UTF-8 (byte offset {err.start})",
-                                      "re-save it as UTF-8")]
-    except json.JSONDecodeError as err:
-        return DatasetMeta(), [_fatal("dataset_json_syntax", META_FILE, f"invalid JSON at line {err.lineno}, "
-                                      f"column {err.colno}: {err.msg}",
-                                      "fix the JSON there (a missing comma or quote, or a trailing comma?)")]
-    if not isinstance(raw, dict):
-        return DatasetMeta(), [_fatal("dataset_json_value", META_FILE, f"must be a JSON object, got {_kind(raw)}",
-                                      'write an object, e.g. {"trigger_word": "ohwx", "type": "character"}')]
-    names = [f.name for f in dataclasses.fields(DatasetMeta)]
-    values, problems = {}, []
-    for key, value in raw.items():
-        if key not in names:
-            match = difflib.get_close_matches(key, names, 1)
-            hint = f" (did you mean {match[0]!r}?)" if match else ""
-            problems.append(Problem("dataset_json_unknown_key", META_FILE, f"unknown key {key!r}{hint}; ignored",
-                                    f"rename or remove it; known keys: {', '.join(names)}", "warning"))
-        elif (error := _meta_value_error(key, value)) is not None:
-            problems.append(_fatal("dataset_json_value", META_FILE, f"{key!r}: {error}",
-                                   f"correct {key!r} in {META_FILE}, or remove it"))
-        else:
-            values[key] = list(value) if key == "resolutions" else value
-    return DatasetMeta(**values), problems
-
-
-def _meta_value_error(key: str, value) -> str | None:
-    if key in ("resolutions", "repeats") and value is None:
-        return None
-    if key == "resolutions":
-        low, high = BOUNDS["resolutions"]
-        if not isinstance(value, list) or not value or not all(_is_int(v) and low <= v <= high for v in value):
-            return f"must be a list of whole numbers {low:g}..{high:g}, e.g. [512, 768], got {value!r}"
-        return None
-    if key == "repeats":
-        low, high = BOUNDS["repeats"]
-        return None if _is_int(value) and low <= value <= high else f"must be a whole number {low:g}..{high:g}"
-    if not isinstance(value, str):
-        return f"must be a string, got {_kind(value)}"
-    if key == "type" and value not in META_TYPES:
-        match = difflib.get_close_matches(value, META_TYPES, 1)
-        return f"must be one of {', '.join(map(repr, META_TYPES))}, got {value!r}" + \
-            (f" (did you mean {match[0]!r}?)" if match else "")
-    return None
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _kind(value) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}.get(
-        type(value), f"the number {value!r}")
-
-
 def _walk(root: Path) -> tuple[list[_File], list[Problem]]:
     """Every file below root, sorted, skipping hidden entries; each directory's real path visited once."""
     files, problems = [], []
@@ -388,9 +320,6 @@ def _other_file(file: _File, suffix: str) -> Problem | None:
 def _stem(rel: str) -> str:
     return rel.rsplit(".", 1)[0]
 
-
-def _fatal(code: str, file: str, message: str, fix: str) -> Problem:
-    return Problem(code, file, message, fix, "fatal")
 
 
 def format_report(report: ScanReport, per_code: int = 10) -> str:

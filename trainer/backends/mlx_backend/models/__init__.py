@@ -1,26 +1,23 @@
 """MLX diffusion models by arch name: `build(arch_name, weights, dtype, quantize)` → an mlx.nn.Module.
 
 Each model family lives in its own module here with a `build(arch_name, weights, dtype="bfloat16")`;
-BUILDERS names that module per arch, and it is imported only when an arch of it is built (one line
-per arch to add one). `weights` are ComfyUI diffusion-model keys without prefix (see weights.py).
+the arch names that module (`Arch.mlx_model`), and it is imported only when an arch of it is built.
+`weights` are ComfyUI diffusion-model keys without prefix (see weights.py).
 """
 from __future__ import annotations
 
 import importlib
 
-BUILDERS = {
-    "flux2_klein": "flux2",
-    "flux2_dev": "flux2",
-    "demo": "tiny",
-    "zimage": "zimage", "zimage_turbo": "zimage",
-}
+from ....archs import ARCHS, get_arch
 
 
 def builder(arch_name: str):
     """The `build` function of the module that implements `arch_name`."""
-    module_name = BUILDERS.get(arch_name)
-    if module_name is None:
-        raise ValueError(f"no MLX model for arch {arch_name!r}; known: {', '.join(sorted(BUILDERS))}")
+    module_name = get_arch(arch_name).mlx_model
+    if not module_name:
+        known = sorted(a.name for a in ARCHS.values() if a.mlx_model)
+        raise ValueError(f"no MLX model for arch {arch_name!r}; known: {', '.join(known)}; "
+                         "train it with backend 'torch'")
     return importlib.import_module(f"{__name__}.{module_name}").build
 
 
@@ -50,8 +47,6 @@ def quantize_blocks(model, arch_name: str, bits: int):
     the weights and the most sensitive to rounding (as mflux and ai-toolkit keep them)."""
     import mlx.core as mx
     import mlx.nn as nn
-
-    from ....archs import get_arch
 
     prefixes = tuple(f"{name}." for name in get_arch(arch_name).block_lists)
 

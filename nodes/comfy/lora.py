@@ -1,6 +1,6 @@
 """LORA_MODEL in and out, and LoRAs applied through ComfyUI's own loader (what LoraLoader does),
 with every key checked: ComfyUI itself only logs a key that matches nothing or a patch whose shape
-does not fit, and applies nothing. Split out of bridge.py, which re-exports these names."""
+does not fit, and applies nothing. Re-exported by bridge.py, the door's surface."""
 from __future__ import annotations
 
 import comfy.lora
@@ -9,8 +9,8 @@ import comfy.utils
 import numpy as np
 import torch
 
-from ..trainer import lora_format, safetensors_io
-from ..trainer.lora_format import LoraWeights
+from ...trainer import lora_format, safetensors_io
+from ...trainer.lora_format import LoraWeights
 
 
 def lora_model_from(weights: dict[str, LoraWeights], arch_name: str | None = None,

@@ -1,6 +1,6 @@
 """Which of ComfyUI's own code paths a training session takes, and how sampling inside a run goes back
 to ComfyUI's: its SDPA entry point (whose kernel order would override Kiln's `attention` choice) and the
-fp8 matmuls of quantized checkpoints. Used by nodes/bridge.py's training_session and sample().
+fp8 matmuls of quantized checkpoints. Used by nodes/comfy/'s training_session and sample().
 """
 from __future__ import annotations
 

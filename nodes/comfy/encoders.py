@@ -1,0 +1,103 @@
+"""ComfyUI's VAE and CLIP as the dataset's encoders, with stable identities for the latent caches."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+
+def vae_encoder(vae):
+    """(encode, identity): encode(pixels [B,H,W,3] float32 in [0,1]) -> raw VAE latents [B,C,h,w]
+    float32, exactly VAEEncode's output (no process_in: caches stay model-independent)."""
+    ratio = vae.downscale_ratio
+
+    def encode(pixels: np.ndarray) -> np.ndarray:
+        pixels = np.asarray(pixels, dtype=np.float32)
+        if pixels.ndim != 4 or pixels.shape[-1] < 3:
+            raise ValueError(f"expected images [B,H,W,3], got {list(pixels.shape)}")
+        if isinstance(ratio, int) and (pixels.shape[1] % ratio or pixels.shape[2] % ratio):
+            raise ValueError(f"image {pixels.shape[2]}x{pixels.shape[1]} is not a multiple of the VAE's {ratio} px; "
+                             "ComfyUI would crop it, so the bucket plan would not match")
+        with torch.inference_mode():
+            latents = vae.encode(torch.from_numpy(np.ascontiguousarray(pixels[..., :3])))
+        if latents.ndim == 5 and latents.shape[2] == 1:  # a video VAE's one frame: cached as an image
+            latents = latents[:, :, 0]
+        return latents.float().cpu().numpy()
+
+    identity = _remembered(vae, lambda: _identity(
+        "vae", type(vae.first_stage_model).__name__, vae.latent_channels, ratio, vae.vae_dtype,
+        tensors=_weights(vae.patcher), patches=vae.patcher.patches))
+    return encode, identity
+
+
+def text_encoder(clip):
+    """(encode, identity): encode(text) -> [T,D] float32, CLIPTextEncode's cond tensor for that text.
+
+    The conditioning's other keys need not be kept: pooled_output is None for the Qwen/Mistral
+    encoders, and attention_mask is unused by Flux2 (ComfyUI reads it only with
+    attention_mask_img_shape) and all ones for one Z-Image prompt (so only num_tokens = T counts).
+    """
+    def encode(text: str) -> np.ndarray:
+        with torch.inference_mode():
+            conds = clip.encode_from_tokens_scheduled(clip.tokenize(text))
+        if len(conds) != 1:
+            raise ValueError(f"this CLIP gives {len(conds)} scheduled conds (CLIP hooks); Kiln caches one per caption")
+        return conds[0][0][0].float().cpu().numpy()
+
+    identity = _remembered(clip, lambda: _identity(
+        "clip", type(clip.cond_stage_model).__name__, type(clip.tokenizer).__name__,
+        clip.layer_idx, sorted(getattr(clip, "tokenizer_options", {}).items()),
+        tensors=_weights(clip.patcher), patches=clip.patcher.patches))
+    return encode, identity
+
+
+def _remembered(owner, compute) -> str:
+    """An encoder's identity, computed once per VAE/CLIP object: ComfyUI may cast an encoder's weights
+    when it moves them to the GPU (seen on an H200 with an fp32 text encoder), and a later hash of
+    the cast weights would miss the cache. Patching a VAE/CLIP (LoRA on CLIP) clones the object,
+    so a changed encoder still gets a new identity."""
+    cached = getattr(owner, "_kiln_identity", None)
+    if cached is None:
+        cached = compute()
+        try:
+            owner._kiln_identity = cached
+        except AttributeError:  # an object that takes no attributes: recompute each time
+            pass
+    return cached
+
+
+def _weights(patcher):
+    """The model's own weights, with in-place-patched ones swapped back for their originals."""
+    sd = patcher.model.state_dict()
+    for key, backup in getattr(patcher, "backup", {}).items():
+        if key in sd:
+            sd[key] = backup.weight
+    return sd
+
+
+def _identity(kind: str, *facts, tensors: dict, patches: dict) -> str:
+    """A stable cache key: facts, every tensor's name/shape/dtype and a strided sample of its values."""
+    digest = hashlib.sha256(repr((kind, facts)).encode())
+
+    def feed(name: str, value) -> None:
+        if not torch.is_tensor(value):
+            digest.update(f"{name}={value!r};".encode())
+            return
+        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
+        try:
+            flat = value.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy()
+            digest.update(sample.tobytes())
+        except Exception:  # noqa: BLE001  (quantized or meta tensors: shape and dtype only)
+            pass
+
+    for key in sorted(tensors):
+        feed(key, tensors[key])
+    for key in sorted(patches):
+        for number, patch in enumerate(patches[key]):
+            strength, data, strength_model = patch[0], patch[1], patch[2]
+            feed(f"{key}#{number}", (strength, strength_model, type(data).__name__))
+            for index, value in enumerate(getattr(data, "weights", data if isinstance(data, tuple) else ())):
+                feed(f"{key}#{number}.{index}", value if torch.is_tensor(value) else repr(value)[:64])
+    return f"{kind}-{digest.hexdigest()[:24]}"

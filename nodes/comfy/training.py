@@ -1,0 +1,53 @@
+"""The one training sequence of both front ends, the Train LoRA node (nodes/run.py) and headless
+training (headless.py): the patcher to train → its latent format on the cached latents → the
+training adapter merged → the backend's model (ComfyUI's module in a training session, or Kiln's
+MLX port of its weights) → the loop. The backend branch lives here and nowhere else."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ...trainer.archs import get_arch
+from ...trainer.data import MappedLatents
+# Called through their modules, so a test can wrap one (a forward that fails at step N, a counted free).
+from . import lora as comfy_lora
+from . import model as comfy_model
+from . import session
+
+
+def train(cfg, model, dataset, *, run: Callable, adapter=None, setup: Callable | None = None):
+    """Train a LoRA for `model` (a ComfyUI MODEL) on `dataset` (latents and captions encoded).
+
+    run(cfg, model, data, forward=None, **hooks) is the loop as the front end runs it (trainer.loop.train
+    with its run folder bound, or the console's run_loop); setup(patcher, data) -> hooks is called once
+    the patcher to train and sample on and the mapped data exist (the node's dashboard and validation
+    need both). Memory is given back to ComfyUI afterwards, also after an error."""
+    arch = get_arch(cfg.arch)
+    divisor = dataset.settings.divisor
+    if divisor % arch.bucket_divisor:
+        raise ValueError(f"the dataset's buckets are multiples of {divisor} px, but {arch.name} needs multiples of "
+                         f"{arch.bucket_divisor}: load the dataset again with divisor {arch.bucket_divisor}")
+    model = session.trainable(model)  # dynamic VRAM: ComfyUI's fully loadable delegate (outputs use the original)
+    # Caches hold raw VAE latents; the model sees them in its latent format (Z-Image: shift and scale).
+    data = MappedLatents(dataset.training_data(), lambda raw: comfy_model.latents_in(model, raw))
+    hooks = setup(model, data) if setup is not None else {}
+    train_model = comfy_lora.training_adapter_merged(model, adapter) if adapter is not None else model
+    try:
+        if cfg.backend == "mlx":
+            return run(cfg, mlx_model(train_model, cfg), data, **hooks)
+        with session.training_session(train_model, cfg.device) as (module, _device):
+            return run(cfg, module, data, forward=comfy_model.make_forward(train_model, cfg.arch), **hooks)
+    finally:
+        session.free_memory()
+
+
+def mlx_model(model, cfg):
+    """The ComfyUI model's weights (training adapter merged, as ComfyUI loads the clone) in Kiln's MLX
+    port of the same architecture; ComfyUI's copy is then given back to its memory manager."""
+    from ...trainer.backends.mlx_backend import models as mlx_models
+    from ...trainer.backends.mlx_backend.models.weights import from_state_dict
+
+    dtype = "bfloat16" if cfg.mixed_precision == "bf16" else "float32"
+    with session.training_session(model, "auto") as (module, _device):
+        weights = from_state_dict(module.state_dict(), dtype)   # tensor by tensor, straight to dtype
+    session.free_memory()
+    return mlx_models.build(cfg.arch, weights, dtype, quantize=cfg.base_quantize)

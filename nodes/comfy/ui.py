@@ -1,0 +1,142 @@
+"""ComfyUI's sampler, progress bar, server events and folders, as the nodes and the dashboard use them."""
+from __future__ import annotations
+
+import sys
+
+import comfy.model_management as mm
+import comfy.sample
+import comfy.samplers
+import comfy.utils
+import folder_paths
+import numpy as np
+import torch
+from comfy.cli_args import args
+from PIL import Image
+
+from . import paths as comfy_paths
+from .session import _RUN_EVERY_OP, _SESSIONS, _run_every_op, reload_for_training
+
+
+def loss_map(history_loss) -> dict:
+    """LOSS_MAP as ComfyUI's LossGraph reads it: {'loss': [float, ...]} (non-finite values left out;
+    LossGraph itself needs at least two distinct values)."""
+    return {"loss": [float(v) for v in history_loss if np.isfinite(v)]}
+
+
+
+# ---------------------------------------------------------------- sampling, progress, folders
+
+def sample(model, positive, negative, vae, *, seed: int, steps: int, cfg: float, sampler_name: str,
+           scheduler: str, width: int, height: int, reload_after=None) -> torch.Tensor:
+    """One image through ComfyUI's own sampler (comfy.sample.sample) and vae.decode: IMAGE [1,H,W,3].
+
+    Runs under no_grad with in_training off (the inference RoPE path) and the stop button live;
+    LoRA side branches installed in the module forwards take part. Afterwards the model of the open
+    training_session (or reload_after) is loaded fully again: sampling may have loaded another clone
+    (e.g. the model without the training adapter) or evicted it for the VAE."""
+    fmt = model.get_model_object("latent_format")
+    down = getattr(fmt, "spacial_downscale_ratio", 8)
+    if width % down or height % down:
+        raise ValueError(f"sample size {width}x{height} must be a multiple of {down} px for this model")
+    latent = torch.zeros([1, fmt.latent_channels, height // down, width // down])
+    latent = comfy.sample.fix_empty_latent_channels(model, latent)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    previous = mm.in_training
+    try:
+        mm.in_training = False
+        with torch.no_grad(), _run_every_op(_RUN_EVERY_OP), comfy_paths.sampling(model):
+            samples = comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive, negative,
+                                          latent, denoise=1.0, disable_pbar=True, seed=seed)
+            images = vae.decode(samples)
+    finally:
+        mm.in_training = previous
+        training = reload_after if reload_after is not None else (_SESSIONS[-1] if _SESSIONS else None)
+        if training is not None:
+            reload_for_training(training)
+    return images.reshape(-1, *images.shape[-3:])[..., :3]
+
+
+def sampler_names() -> list[str]:
+    return list(comfy.samplers.KSampler.SAMPLERS)
+
+
+def scheduler_names() -> list[str]:
+    return list(comfy.samplers.KSampler.SCHEDULERS)
+
+
+def image_tensor(picture) -> torch.Tensor:
+    """A PIL image → IMAGE [1,H,W,3] float in [0,1]."""
+    return torch.from_numpy(np.asarray(picture.convert("RGB"), dtype=np.float32) / 255.0)[None]
+
+
+def cat_images(images: list[torch.Tensor]) -> torch.Tensor:
+    """IMAGE batches → one IMAGE batch; smaller images are padded (black) to the largest size."""
+    height, width = max(i.shape[1] for i in images), max(i.shape[2] for i in images)
+    return torch.cat([torch.nn.functional.pad(i, (0, 0, 0, width - i.shape[2], 0, height - i.shape[1]))
+                      for i in images])
+
+
+class Progress:
+    """Per-step progress on the node (comfy.utils.ProgressBar) that also honours the stop button."""
+
+    def __init__(self, total: int):
+        self.bar = comfy.utils.ProgressBar(total)
+
+    def update(self, step: int, preview=None, *, preview_pil=None) -> None:
+        """preview: a PIL image or an IMAGE tensor (its first image), shown on the node."""
+        mm.throw_exception_if_processing_interrupted()  # raises Interrupted; the hook may be throttled
+        picture = preview if preview is not None else preview_pil
+        if torch.is_tensor(picture):
+            picture = Image.fromarray((picture.reshape(-1, *picture.shape[-3:])[0].clamp(0, 1) * 255)
+                                      .round().byte().cpu().numpy())
+        shown = None if picture is None else ("JPEG", picture, args.preview_size)
+        self.bar.update_absolute(step, self.bar.total, shown)
+
+
+def progress(total: int) -> Progress:
+    return Progress(total)
+
+
+def prompt_server():
+    """ComfyUI's PromptServer.instance, or None when no server runs (tests, headless). Read through
+    sys.modules: importing `server` would start building one."""
+    return getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
+
+
+def executing_node() -> tuple[str | None, str | None]:
+    """(node id, prompt id) of the node ComfyUI is running now; (None, None) outside a prompt."""
+    utils = sys.modules.get("comfy_execution.utils")
+    context = utils.get_executing_context() if utils is not None else None
+    return (str(context.node_id), context.prompt_id) if context is not None else (None, None)
+
+
+def send_event(name: str, data) -> bool:
+    """PromptServer.instance.send_sync(name, data) to every client; False when no server runs (tests)."""
+    instance = prompt_server()
+    if instance is None:
+        return False
+    instance.send_sync(name, data)
+    return True
+
+
+def folders() -> dict[str, str]:
+    return {"input": folder_paths.get_input_directory(), "output": folder_paths.get_output_directory(),
+            "temp": folder_paths.get_temp_directory(), "loras": folder_paths.get_folder_paths("loras")[0]}
+
+
+def lora_names() -> list[str]:
+    """The files LoraLoader lists (relative names under every models/loras folder)."""
+    return folder_paths.get_filename_list("loras")
+
+
+def lora_path(name: str) -> str:
+    """A LoraLoader name → its full path (raises if it is not there)."""
+    return folder_paths.get_full_path_or_raise("loras", name)
+
+
+def refresh_loras() -> None:
+    """Forget the cached `loras` file list so LoraLoader's next listing (object_info) sees new files."""
+    folder_paths.filename_list_cache.pop("loras", None)
+    helper = getattr(folder_paths, "cache_helper", None)  # per-prompt cache, active while validating
+    if helper is not None:
+        helper.cache.pop("loras", None)

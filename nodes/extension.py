@@ -1,0 +1,16 @@
+"""The extension ComfyUI loads (comfy_entrypoint in the pack's __init__.py): one registration list."""
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+from . import dataset_nodes, live, lora_nodes, train_nodes
+
+NODES: list[type[io.ComfyNode]] = [*dataset_nodes.NODES, *train_nodes.NODES, *lora_nodes.NODES]
+
+
+class KilnExtension(ComfyExtension):
+    async def on_load(self) -> None:
+        live.add_routes()  # GET /kiln/runs for the live dashboard (web/), Stop and Save now
+
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)

@@ -1,0 +1,89 @@
+"""The console front end of a run: a progress bar, Ctrl-C as a clean stop, and the files a finished
+run leaves (LoRA, loss curve) with a summary. Used by `python -m trainer` and headless.py."""
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+
+def progress_bar(total: int, start: int):
+    """A tqdm bar fed by the loop's per-step reports."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def on_step(report) -> None:
+        bar.update(report.step - bar.n)
+        if report.loss is not None:
+            bar.set_postfix(loss=f"{report.loss:.4f}", smooth=f"{report.loss_smooth:.4f}", lr=f"{report.lr:.2e}")
+    return bar, on_step
+
+
+class StopOnSignal:
+    """First Ctrl-C: finish the step, save a resumable checkpoint, stop. Second: abort at once."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nstopping after this step; a resumable checkpoint will be saved (Ctrl-C again to abort)",
+              file=sys.stderr)
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def close(self):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None = None, forward=None):
+    """loop.train with a progress bar and Ctrl-C as a clean stop; `resume` true continues the run's
+    newest checkpoint. The demo, `train` and headless.py (through nodes/comfy) run this."""
+    from .loop import train
+    from .state import list_checkpoints
+
+    start = list_checkpoints(run_dir)[-1][0] if resume and list_checkpoints(run_dir) else 0
+    for problem in getattr(data, "skipped", []):
+        print(f"skipped {problem.line()}", file=sys.stderr)
+    bar, on_step = progress_bar(cfg.steps, start)
+    stop = StopOnSignal()
+    should_stop = (lambda: stop() or bar.n >= stop_after) if stop_after else stop
+    try:
+        return train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
+                     on_step=on_step, should_stop=should_stop, forward=forward)
+    finally:
+        stop.close()
+        bar.close()
+
+
+def finish(cfg, result, run_dir: Path, name: str) -> None:
+    """The run's LoRA (EMA weights when on) and loss curve written beside its checkpoints, and a summary."""
+    from .archs import get_arch
+    from .loop import lora_metadata
+    from .lora_format import save_lora
+    from .plot import save_loss_curve
+
+    lora = result.ema_lora if result.ema_lora is not None else result.lora
+    lora_path = run_dir / f"{name}.safetensors"
+    save_lora(lora_path, lora, arch=get_arch(cfg.arch), fmt=cfg.lora_format, dtype=cfg.save_dtype,
+              metadata=lora_metadata(cfg, get_arch(cfg.arch), result.step))
+    curve = save_loss_curve(run_dir / "loss.png", result.history.loss, result.history.lr, title=f"{name}: loss")
+    losses = [v for v in result.history.loss if v == v and abs(v) != float("inf")]
+    print(f"{'stopped' if result.stopped else 'finished'} at step {result.step}/{cfg.steps}; "
+          f"trainable parameters {result.trainable_parameters:,}")
+    for entry in result.history.skipped:
+        print(f"skipped step {entry['step']} (NaN/inf loss or gradient): {', '.join(entry['items'])}")
+    if losses:
+        head, tail = losses[: max(1, len(losses) // 10)], losses[-max(1, len(losses) // 10):]
+        print(f"loss: first 10% mean {sum(head) / len(head):.4f} -> last 10% mean {sum(tail) / len(tail):.4f}")
+    print(f"LoRA ({'EMA' if result.ema_lora is not None else 'raw'} weights): {lora_path}")
+    print(f"loss curve: {curve}")
+    from .state import list_checkpoints
+
+    newest = result.checkpoint or next((path for _, path in list_checkpoints(run_dir)[-1:]), None)
+    print(f"checkpoint (resume with --resume): {newest}")
