@@ -1,13 +1,12 @@
 """Widgets built from the constants trainer/config.py validates against, and Kiln's socket types.
 
 A widget's bounds and choices come from `config.BOUNDS` and `config.CHOICES`,
-its default from `TrainConfig`, its tooltip from the comment on that field, so
-the UI can never offer a value the trainer would refuse.
+its default from `TrainConfig`, its tooltip from that field's help text
+(`config.HELP`), so the UI can never offer a value the trainer would refuse.
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 
 from comfy_api.latest import io
@@ -23,29 +22,12 @@ CATEGORY = "Kiln"
 _DEFAULTS = cfg_module.TrainConfig()
 
 
-def _field_comments() -> dict[str, str]:
-    """The `# ...` comment after each TrainConfig field: one source for docs and tooltips."""
-    out = {}
-    for line in inspect.getsource(cfg_module.TrainConfig).splitlines():
-        match = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
-        if match:
-            out[match.group(1)] = match.group(2).strip()
-    return out
-
-
-TOOLTIPS = _field_comments()
-
-
-def tooltip(name: str, fallback: str = "") -> str:
-    return TOOLTIPS.get(name) or fallback or name.replace("_", " ")
-
-
 def widget(name: str, *, default=None, tooltip_text: str | None = None, optional: bool = False,
            display_name: str | None = None):
     """The widget for TrainConfig field `name`: bounds, choices, default and tooltip from config.py."""
     field = {f.name: f for f in dataclasses.fields(cfg_module.TrainConfig)}[name]
     value = getattr(_DEFAULTS, name) if default is None else default
-    common = dict(tooltip=tooltip_text or tooltip(name), optional=optional, display_name=display_name)
+    common = dict(tooltip=tooltip_text or cfg_module.HELP[name], optional=optional, display_name=display_name)
     if name in cfg_module.CHOICES:
         return io.Combo.Input(name, options=list(cfg_module.CHOICES[name]), default=value, **common)
     if field.type in ("bool", bool):

@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import json
+import os
+import py_compile
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 
 from trainer import config
-from trainer.config import BOUNDS, CHOICES, FIELDS, PRESETS, ConfigError, TrainConfig, from_dict
+from trainer.config import BOUNDS, CHOICES, FIELDS, HELP, PRESETS, ConfigError, TrainConfig, from_dict
 
 
 def test_defaults_are_valid():
@@ -128,3 +134,34 @@ def test_file_errors_name_the_file(tmp_path):
     latin.write_bytes("trigger_word = 'caf\xe9'".encode("latin-1"))
     with pytest.raises(ConfigError, match="latin.toml: cannot read config"):
         config.load(latin)
+
+
+@pytest.mark.parametrize("name", list(FIELDS))
+def test_every_setting_has_help_text(name):
+    """The nodes show HELP as each TrainConfig widget's tooltip (Training Options shows all but a few)."""
+    text = HELP[name].strip()
+    assert text and text.lower() not in (name, name.replace("_", " ")), (
+        f"{name}: no help text beyond its name; write it beside the default: {name} = setting(default, \"...\")")
+
+
+def test_help_text_is_there_without_the_source(tmp_path):
+    """An install of bytecode only (a zip, a compiled wheel): the help comes from the fields, not from reading
+    config.py, which inspect.getsource cannot do there."""
+    package = Path(config.__file__).parent
+    bundle = tmp_path / "trainer.zip"
+    with zipfile.ZipFile(bundle, "w") as archive:
+        for source in package.rglob("*.py"):
+            name = source.relative_to(package.parent)
+            compiled = tmp_path / "pyc" / name.with_suffix(".pyc")       # named for a .py that is not there
+            py_compile.compile(str(source), cfile=str(compiled), dfile=str(bundle / name), doraise=True)
+            archive.write(compiled, name.with_suffix(".pyc").as_posix())
+    probe = ("import inspect, json\nfrom trainer import config\n"
+             "try:\n    inspect.getsource(config.TrainConfig)\nexcept OSError:\n    source = False\n"
+             "else:\n    source = True\n"
+             "print(json.dumps({'file': config.__file__, 'source': source, 'help': config.HELP}))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(bundle)},
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["file"].startswith(str(bundle)) and not seen["source"], f"config.py was readable: {seen['file']}"
+    assert seen["help"] == HELP

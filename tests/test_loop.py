@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from trainer import objective
 from trainer.archs import get_arch
+from trainer.data import InMemoryData
 from trainer.loop import build_batch, objective_settings, train
 
 
@@ -19,17 +21,32 @@ def test_batch_is_one_bucket_with_caption_dropout_from_the_empty_embedding(make_
     assert kept.items == ["img_0.png"]
 
 
-def test_flux2_batches_are_left_padded_to_512_and_dev_gets_guidance(make_data):
-    data = make_data()
+@pytest.mark.parametrize("batch_size", [1, 2, 3])
+def test_flux2_batches_are_left_padded_to_512_and_dev_gets_guidance(batch_size):
+    """Each row keeps its own caption and length: Flux2 left-pads to 512, Z-Image right-pads and counts."""
+    lengths = [8, 5, 7][:batch_size]
+    rng = np.random.default_rng(0)
+    data = InMemoryData.from_arrays([rng.standard_normal((16, 4, 4)).astype(np.float32) for _ in lengths],
+                                    [rng.standard_normal((n, 32)).astype(np.float32) for n in lengths],
+                                    [f"img_{i}.png" for i in range(batch_size)], np.zeros((8, 32), np.float32))
+    rows = list(range(batch_size))
     settings = objective.ObjectiveSettings()
-    dev = build_batch(data, [0], np.random.default_rng(0), settings, get_arch("flux2_dev"), 0.0)
-    assert dev.context.shape == (1, 512, 32)
-    assert np.array_equal(dev.context[0, -8:], data.context(0)) and not dev.context[0, :504].any()
-    assert np.array_equal(dev.extras["guidance"], np.ones(1, np.float32))
-    klein = build_batch(data, [0], np.random.default_rng(0), settings, get_arch("flux2_klein"), 0.0)
+    dev = build_batch(data, rows, np.random.default_rng(0), settings, get_arch("flux2_dev"), 0.0)
+    assert dev.context.shape == (batch_size, 512, 32)
+    for row, n in enumerate(lengths):
+        assert np.array_equal(dev.context[row, -n:], data.context(row)), f"Flux2 row {row}: not its own caption"
+        assert not dev.context[row, :-n].any(), f"Flux2 row {row}: the padding is not zeros in front"
+    np.testing.assert_array_equal(dev.extras["guidance"], np.ones(batch_size, np.float32),
+                                  err_msg="Flux2 Dev: guidance 1.0 for each row")
+    klein = build_batch(data, rows, np.random.default_rng(0), settings, get_arch("flux2_klein"), 0.0)
     assert "guidance" not in klein.extras
-    zimage = build_batch(data, [0], np.random.default_rng(0), settings, get_arch("zimage"), 0.0)
-    assert zimage.extras == {"num_tokens": 8} and zimage.context.shape == (1, 8, 32)
+    zimage = build_batch(data, rows, np.random.default_rng(0), settings, get_arch("zimage"), 0.0)
+    assert zimage.context.shape == (batch_size, max(lengths), 32) and list(zimage.extras) == ["num_tokens"]
+    for row, n in enumerate(lengths):
+        assert np.array_equal(zimage.context[row, :n], data.context(row)), f"Z-Image row {row}: not its own caption"
+        assert not zimage.context[row, n:].any(), f"Z-Image row {row}: the padding is not zeros after it"
+    np.testing.assert_array_equal(zimage.extras["num_tokens"], lengths,
+                                  err_msg="Z-Image: num_tokens is each row's caption length")
 
 
 def test_auto_shift_follows_the_arch(make_config):

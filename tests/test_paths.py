@@ -13,15 +13,23 @@ from trainer.__main__ import main
 from trainer.data.cache import Cache
 from trainer.data.scan import scan
 
-ESCAPES = ["../x", "a/../../x", "/etc/passwd", "/tmp/x", "~/x", "\\\\server\\share\\x", "C:\\x", "c:x", "a\\b",
-           "", "   ", ".", "..", "...", "a//b", "a/./b", "x/", " x", "x ", "a\x00b", "a\nb", "a:b", "a*b"]
+EMPTY, ABSOLUTE, SEPARATOR = "is empty", "is an absolute path", "has a path separator"
+PART = "has an empty, '.', '..' or space-padded part"
+CHARACTERS = "has characters other than letters, digits, - _ . and spaces"
+# Each name, and the problem paths.check_name names for it
+ESCAPES = {"../x": PART, "a/../../x": PART, "/etc/passwd": ABSOLUTE, "/tmp/x": ABSOLUTE, "~/x": ABSOLUTE,
+           "\\\\server\\share\\x": ABSOLUTE, "C:\\x": ABSOLUTE, "c:x": ABSOLUTE, "a\\b": SEPARATOR, "": EMPTY,
+           "   ": EMPTY, ".": PART, "..": PART, "...": PART, "a//b": PART, "a/./b": PART, "x/": PART, " x": PART,
+           "x ": PART, "a\x00b": CHARACTERS, "a\nb": CHARACTERS, "a:b": ABSOLUTE, "a*b": CHARACTERS}
 
 
-@pytest.mark.parametrize("name", ESCAPES, ids=repr)
-def test_names_that_could_leave_the_folder_are_refused(tmp_path, name):
-    with pytest.raises(ValueError, match="Kiln Save LoRA: name") as error:
+@pytest.mark.parametrize("name,problem", ESCAPES.items(), ids=[repr(name) for name in ESCAPES])
+def test_names_that_could_leave_the_folder_are_refused(tmp_path, name, problem):
+    """Refused by the name alone, before any path is built: the message names the problem and the fix."""
+    with pytest.raises(ValueError) as error:
         paths.inside(tmp_path, name, "Kiln Save LoRA: name", subfolders=True, suffix=".safetensors")
-    assert "plain name" in str(error.value) or "outside" in str(error.value)
+    assert str(error.value) == (f"Kiln Save LoRA: name: {name!r} {problem}; give a plain name (letters, digits, "
+                                "- _ . and spaces, sub-folders with /), not a path that leads outside its folder")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -42,8 +50,13 @@ def test_a_link_inside_the_folder_that_points_out_is_refused(tmp_path):
     (tmp_path / "loras").mkdir()
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "loras" / "out").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    with pytest.raises(ValueError, match="outside .*loras"):
+    with pytest.raises(ValueError) as error:
         paths.inside(tmp_path / "loras", "out/mine", "Kiln Save LoRA: name", subfolders=True, suffix=".safetensors")
+    # a plain name, so refused only once the link is followed: the message says where it led
+    root = tmp_path.resolve()
+    assert str(error.value) == (f"Kiln Save LoRA: name: 'out/mine' leads to {root / 'elsewhere' / 'mine.safetensors'}, "
+                                f"outside {root / 'loras'} (through a link?); choose another name")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 @pytest.mark.parametrize("run_name", ["../escaped", "/tmp/kiln-escaped", "a/b"])

@@ -2,7 +2,10 @@
 
 Bounds live in `BOUNDS` and choices in `CHOICES`; the ComfyUI nodes build their
 widgets from the same tables, so a widget can never offer a value this module
-rejects. Presets are plain dicts of overrides (see PRESETS).
+rejects. Each field's help text sits beside its default as field metadata
+(`rank: int = setting(32, "...")`): data, not a comment, so a bytecode-only install
+has it too; `HELP` gathers it for the widgets' tooltips. Presets are plain dicts of
+overrides (see PRESETS).
 """
 from __future__ import annotations
 
@@ -78,83 +81,100 @@ BOUNDS: dict[str, tuple[float, float]] = {
 }
 
 
+def setting(default: Any, help_text: str) -> Any:
+    """A TrainConfig field with its help text (a node's tooltip); a list default is copied for each config."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help_text})
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass
 class TrainConfig:
     # --- model and backend
-    arch: str = "demo"              # model family (trainer/archs): flux2_klein, flux2_dev, zimage_turbo, zimage, qwen_image, generic, demo
-    model_path: str = ""            # ComfyUI diffusion-model .safetensors (headless `train`); nodes pass the MODEL instead
-    vae_path: str = ""              # the model's VAE .safetensors (headless `train`)
-    text_encoder_path: str = ""     # the model's text encoder .safetensors (headless `train`)
-    backend: str = "torch"          # "torch" (CUDA, MPS, CPU) or "mlx" (Apple Silicon; Linux CPU for tests)
-    device: str = "auto"            # auto picks cuda, then mps, then cpu
-    mixed_precision: str = "bf16"   # "bf16": autocast with fp32 LoRA parameters; "no": everything fp32
-    base_quantize: str = "none"     # MLX: store the frozen base's block Linears as int8 or int4 (QLoRA-style, ~2x/3.5x smaller)
-    training_adapter: str = ""      # Z-Image Turbo: adapter LoRA merged at +1 for training, never saved
-    seed: int = 42                  # one seed for noise, timesteps, captions, data order and LoRA init
+    arch: str = setting("demo", "model family (trainer/archs; `python -m trainer train --help` lists them)")
+    model_path: str = setting("", "ComfyUI diffusion-model .safetensors (headless `train`); "
+                                  "nodes pass the MODEL instead")
+    vae_path: str = setting("", "the model's VAE .safetensors (headless `train`)")
+    text_encoder_path: str = setting("", "the model's text encoder .safetensors (headless `train`)")
+    backend: str = setting("torch", '"torch" (CUDA, MPS, CPU) or "mlx" (Apple Silicon; Linux CPU for tests)')
+    device: str = setting("auto", "auto picks cuda, then mps, then cpu")
+    mixed_precision: str = setting("bf16", '"bf16": autocast with fp32 LoRA parameters; "no": everything fp32')
+    base_quantize: str = setting("none", "MLX: store the frozen base's block Linears as int8 or int4 "
+                                         "(QLoRA-style, ~2x/3.5x smaller)")
+    training_adapter: str = setting("", "Z-Image Turbo: adapter LoRA merged at +1 for training, never saved")
+    seed: int = setting(42, "one seed for noise, timesteps, captions, data order and LoRA init")
     # --- LoRA
-    rank: int = 32                  # 16-64 for characters, 8-32 for styles
-    alpha: float = 32.0             # scale = alpha / rank; alpha = rank keeps scale 1
-    lora_dropout: float = 0.0       # dropout on the LoRA branch input
-    targets: list[str] = field(default_factory=list)  # module patterns: exact, suffix ("img_attn.qkv") or "re:<regex>"; empty = arch defaults
+    rank: int = setting(32, "16-64 for characters, 8-32 for styles")
+    alpha: float = setting(32.0, "scale = alpha / rank; alpha = rank keeps scale 1")
+    lora_dropout: float = setting(0.0, "dropout on the LoRA branch input")
+    targets: list[str] = setting([], 'module patterns: exact, suffix ("img_attn.qkv") or "re:<regex>"; '
+                                     "empty = arch defaults")
     # --- optimisation
-    steps: int = 1000               # optimizer steps (each takes grad_accum micro-batches)
-    batch_size: int = 1             # images per micro-batch (one bucket per batch)
-    grad_accum: int = 1             # micro-batches per optimizer step
-    learning_rate: float = 1e-4     # peak learning rate (prodigy: 1.0)
-    optimizer: str = "adamw"        # adamw, adamw8bit (bitsandbytes), adafactor, prodigy (prodigyopt)
-    weight_decay: float = 1e-4      # decoupled weight decay on LoRA weights
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    lr_schedule: str = "constant"   # constant, linear, cosine, cosine_with_warmup
-    warmup_steps: int = 0           # linear warm-up steps (constant, linear, cosine_with_warmup)
-    min_lr_ratio: float = 0.0       # final lr = min_lr_ratio * learning_rate (linear, cosine)
-    max_grad_norm: float = 1.0      # global-norm clipping; 0 turns it off
-    gradient_checkpointing: bool = True  # recompute each block in backward: far less memory, ~30% slower
-    skip_checkpoint_blocks: int = 0  # with checkpointing: the last N blocks keep their activations (faster, +memory each)
-    compile_blocks: bool = False    # PyTorch: torch.compile each block (fuses norms, RoPE, gates; the first steps compile)
-    checkpoint_budget: float = 0.0  # with compile_blocks on Z-Image: share of each block's activation memory kept (0 = recompute the block, 1 = keep all); the compiler recomputes the cheapest rest
-    attention: str = "auto"         # PyTorch attention kernel tried first: auto (the fastest measured on this GPU), torch (its own order), cudnn, flash, efficient, math
+    steps: int = setting(1000, "optimizer steps (each takes grad_accum micro-batches)")
+    batch_size: int = setting(1, "images per micro-batch (one bucket per batch)")
+    grad_accum: int = setting(1, "micro-batches per optimizer step")
+    learning_rate: float = setting(1e-4, "peak learning rate (prodigy: 1.0)")
+    optimizer: str = setting("adamw", "adamw, adamw8bit (bitsandbytes), adafactor, prodigy (prodigyopt)")
+    weight_decay: float = setting(1e-4, "decoupled weight decay on LoRA weights")
+    adam_beta1: float = setting(0.9, "adamw, adamw8bit, prodigy: decay of the gradient average (momentum)")
+    adam_beta2: float = setting(0.999, "adamw, adamw8bit, prodigy: decay of the squared-gradient average")
+    adam_eps: float = setting(1e-8, "adamw, adamw8bit, prodigy: added to the denominator for stability")
+    lr_schedule: str = setting("constant", "constant, linear, cosine, cosine_with_warmup")
+    warmup_steps: int = setting(0, "linear warm-up steps (constant, linear, cosine_with_warmup)")
+    min_lr_ratio: float = setting(0.0, "final lr = min_lr_ratio * learning_rate (linear, cosine)")
+    max_grad_norm: float = setting(1.0, "global-norm clipping; 0 turns it off")
+    gradient_checkpointing: bool = setting(True, "recompute each block in backward: far less memory, ~30% slower")
+    skip_checkpoint_blocks: int = setting(0, "with checkpointing: the last N blocks keep their activations "
+                                             "(faster, +memory each)")
+    compile_blocks: bool = setting(False, "PyTorch: torch.compile each block "
+                                          "(fuses norms, RoPE, gates; the first steps compile)")
+    checkpoint_budget: float = setting(0.0, "with compile_blocks on Z-Image: share of each block's activation memory "
+                                            "kept (0 = recompute the block, 1 = keep all); "
+                                            "the compiler recomputes the cheapest rest")
+    attention: str = setting("auto", "PyTorch attention kernel tried first: auto (the fastest measured on this GPU), "
+                                     "torch (its own order), cudnn, flash, efficient, math")
     # --- objective (flow matching)
-    timestep_sampling: str = "uniform"  # uniform or logit_normal
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    shift_mode: str = "auto"        # auto (the arch's default), none, static, resolution (Flux2-style)
-    shift: float = 3.0              # static shift value
-    content_or_style: str = "balanced"  # content favours high noise (composition), style low noise (texture)
-    loss_weighting: str = "none"    # none or bell (ai-toolkit's "weighted" / linear_timesteps)
+    timestep_sampling: str = setting("uniform", "uniform or logit_normal")
+    logit_mean: float = setting(0.0, "logit_normal: centre of the logit; > 0 favours high noise")
+    logit_std: float = setting(1.0, "logit_normal: spread of the logit; larger is flatter")
+    shift_mode: str = setting("auto", "auto (the arch's default), none, static, resolution (Flux2-style)")
+    shift: float = setting(3.0, "static shift value")
+    content_or_style: str = setting("balanced", "content favours high noise (composition), style low noise (texture)")
+    loss_weighting: str = setting("none", "none or bell (ai-toolkit's \"weighted\" / linear_timesteps)")
     # --- EMA
-    ema: bool = False               # keep an fp32 EMA of the LoRA weights; used for samples and saves
-    ema_decay: float = 0.99
+    ema: bool = setting(False, "keep an fp32 EMA of the LoRA weights; used for samples and saves")
+    ema_decay: float = setting(0.99, "share of the EMA kept at each optimizer step; "
+                                     "0.99 averages about the last 100 steps")
     # --- data
-    dataset_dir: str = ""           # folder of images + same-stem .txt captions
-    resolutions: list[int] = field(default_factory=lambda: [512])  # bucket resolutions (area cap res²)
-    repeats: int = 1                # times each image is seen per epoch
-    caption_dropout: float = 0.05   # probability of training on the empty caption
-    trigger_word: str = ""          # replaces {trigger} in captions, else prepended
-    caption_prefix: str = ""        # put before every caption (after the trigger word)
-    caption_suffix: str = ""        # put after every caption
-    default_caption: str = ""       # for images without a .txt (else the trigger word alone)
-    shuffle_tags: bool = False      # shuffle comma-separated tags (seeded variants, each encoded once)
-    keep_tags: int = 0              # leading tags that shuffling keeps in place
-    caption_variants: int = 4       # shuffled variants cached per caption when shuffle_tags is on
-    crop: str = "center"            # center or random (seeded, fixed per image so latents stay cached)
-    cache_dir: str = ""             # latent/text cache; empty = <dataset_dir>/.kiln_cache
-    cache_max_gb: float = 0.0       # prune other entries (least recently used) above this size; 0 = no limit
+    dataset_dir: str = setting("", "folder of images + same-stem .txt captions")
+    resolutions: list[int] = setting([512], "bucket resolutions (area cap res²)")
+    repeats: int = setting(1, "times each image is seen per epoch")
+    caption_dropout: float = setting(0.05, "probability of training on the empty caption")
+    trigger_word: str = setting("", "replaces {trigger} in captions, else prepended")
+    caption_prefix: str = setting("", "put before every caption (after the trigger word)")
+    caption_suffix: str = setting("", "put after every caption")
+    default_caption: str = setting("", "for images without a .txt (else the trigger word alone)")
+    shuffle_tags: bool = setting(False, "shuffle comma-separated tags (seeded variants, each encoded once)")
+    keep_tags: int = setting(0, "leading tags that shuffling keeps in place")
+    caption_variants: int = setting(4, "shuffled variants cached per caption when shuffle_tags is on")
+    crop: str = setting("center", "center or random (seeded, fixed per image so latents stay cached)")
+    cache_dir: str = setting("", "latent/text cache; empty = <dataset_dir>/.kiln_cache")
+    cache_max_gb: float = setting(0.0, "prune other entries (least recently used) above this size; 0 = no limit")
     # --- run output
-    output_dir: str = "runs"        # run folders go here
-    run_name: str = ""              # folder name; empty = "<arch>-<date>-<time>"
-    checkpoint_every: int = 250     # steps between resumable checkpoints; 0 = only at the end
-    keep_checkpoints: int = 3       # newest K checkpoints kept
-    log_every: int = 10             # steps between loss reads (a host sync on GPU)
-    save_dtype: str = "bf16"        # dtype of saved LoRA weights
-    lora_format: str = "comfy"      # comfy (ComfyUI-native keys), diffusers, kohya
+    output_dir: str = setting("runs", "run folders go here")
+    run_name: str = setting("", 'folder name; empty = "<arch>-<date>-<time>"')
+    checkpoint_every: int = setting(250, "steps between resumable checkpoints; 0 = only at the end")
+    keep_checkpoints: int = setting(3, "newest K checkpoints kept")
+    log_every: int = setting(10, "steps between loss reads (a host sync on GPU)")
+    save_dtype: str = setting("bf16", "dtype of saved LoRA weights")
+    lora_format: str = setting("comfy", "comfy (ComfyUI-native keys), diffusers, kohya")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+HELP: dict[str, str] = {name: f.metadata.get("help", "") for name, f in FIELDS.items()}
 _KINDS = {"str": str, "int": int, "float": float, "bool": bool, "list[str]": list, "list[int]": list}
 
 # Presets after ai-toolkit's Z-Image Turbo / Flux2 LoRA preset (shared/REFERENCE.md):
