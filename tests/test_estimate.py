@@ -1,10 +1,13 @@
-"""trainer/estimate.py: full-size dims, parameter counts, header detection and the memory model."""
+"""trainer/estimate.py and estimate_common.py: full-size dims, parameter counts, header detection, the memory model."""
 import subprocess
 import sys
 
 import pytest
 
-from trainer.estimate import GIB, VARIANTS, estimate, format_estimate, linear_layers, param_count, variant_from_header
+from trainer.archs import get_arch
+from trainer.archs.layout import ModelDims
+from trainer.estimate import estimate
+from trainer.estimate_common import GIB, VARIANTS, format_estimate, linear_layers, param_count, variant_from_header
 
 # Published sizes. Klein 4B's "4B" rounds 3.88B up: its bf16 checkpoint is ~7.75 GB, and
 # ComfyUI's own module holds 3,875,544,576 parameters (3.1% under 4.0B), hence 3.5% there.
@@ -146,4 +149,22 @@ def test_format_estimate_says_fit_or_not():
 
 def test_estimate_imports_no_torch():
     code = "import sys, trainer.estimate; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_each_variant_is_listed_by_its_own_arch_layout():
+    for name, dims in VARIANTS.items():
+        assert dims in get_arch(dims.arch).layout.variants, name
+
+
+def test_an_arch_without_layout_names_the_fix():
+    demo = ModelDims("demo-size", "demo", 64, 1, 1, 1, 128, 32, 8)
+    with pytest.raises(ValueError, match="arch 'demo' has no Layout"):
+        estimate(demo, resolution=512)
+
+
+def test_the_two_estimates_share_a_module_and_import_neither_other():
+    code = ("import sys, trainer.estimate_mlx; assert 'trainer.estimate' not in sys.modules; "
+            "del sys.modules['trainer.estimate_mlx']; import trainer.estimate; "
+            "assert 'trainer.estimate_mlx' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -1,7 +1,8 @@
 """trainer/estimate_mlx.py: the MLX memory model for Macs (quantized bases, unfused attention, working sets)."""
 import pytest
 
-from trainer.estimate import GIB, estimate, format_estimate
+from trainer.estimate import estimate
+from trainer.estimate_common import GIB, format_estimate
 from trainer.estimate_mlx import ATTENTION_KEPT, estimate_mlx, mlx_budget_gib, working_set_gib
 
 

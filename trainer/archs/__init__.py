@@ -14,6 +14,8 @@ from typing import Callable
 
 import numpy as np
 
+from .layout import Layout
+
 
 @dataclass(frozen=True)
 class DiffusersRule:
@@ -52,6 +54,7 @@ class Arch:
     diffusers_prefix: str = "transformer."
     diffusers_rules: tuple[DiffusersRule, ...] = field(default_factory=tuple)
     description: str = ""
+    layout: Layout | None = None    # sizes, Linears and block model for the memory estimate (layout.py)
 
 
 def right_pad(contexts: list[np.ndarray]) -> np.ndarray:
