@@ -116,9 +116,11 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
     if base_dtype == "fp8":
         workspace += 2 * max(i * o for i, o in linear_layers(dims).values())
     optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
-    notes = [f"{image_tokens} image + {text_tokens} text tokens per sample" + layout_of(dims).text_note,
+    layout = layout_of(dims)
+    notes = [f"{image_tokens} image + {text_tokens} text tokens per sample" + layout.text_note,
              "diffusion model only: text encoder and VAE cached or offloaded",
-             "an estimate: measured peaks on an H200 fell within -7%..+9% of it"]
+             "an estimate: measured peaks on an H200 fell within -7%..+9% of it" if layout.measured else
+             f"an estimate: the {layout.name} block model is derived, not yet checked against a GPU's peak"]
     if optimizer == "prodigy":
         notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
     total = weights + 8 * lora_params + optimizer_bytes + activations + workspace

@@ -70,6 +70,7 @@ class Layout:
     header: HeaderSpec
     token_multiple: int = 1   # image tokens padded to a multiple of this (Z-Image 32)
     text_note: str = ""       # what the text token count is, for the estimate's notes
+    measured: bool = True     # block model read on a GPU; False: derived by the rules, not yet checked
 
 
 def ceil_to(value: int, multiple: int) -> int:
