@@ -121,20 +121,18 @@ for _folder in (ROOT, ROOT / "tests", ROOT / "bench"):
 import torch  # noqa: E402
 
 from step_profile import StepProfiler  # noqa: E402
-from trainer.estimate import VARIANTS, ModelDims  # noqa: E402
+from trainer.archs import flux2, get_arch, zimage  # noqa: E402
+from trainer.archs.layout import ModelDims  # noqa: E402
+from trainer.estimate_common import VARIANTS  # noqa: E402
 
 GIB = 2 ** 30
 ARCH_VARIANTS = {"zimage": "zimage", "klein4b": "flux2-klein-4b", "klein9b": "flux2-klein-9b"}
-KILN_ARCH = {"zimage": "zimage", "flux2": "flux2_klein"}          # trainer.archs key per family
 # --tiny: the same classes at test size (head dim 128 as in the real models; Flux2 1+1 blocks because its
 # 512 text tokens make every block costly on a CPU).
 TINY = {
-    "zimage": ModelDims("zimage-tiny", "zimage", "zimage", hidden=256, heads=2, double_blocks=0, single_blocks=2,
-                        mlp_ratio=8.0 / 3.0, context_dim=64, context_tokens=32, latent_downscale=8,
-                        latent_channels=16, patch=2, refiner_blocks=2),
-    "klein4b": ModelDims("flux2-klein-tiny", "flux2_klein", "flux2", hidden=256, heads=2, double_blocks=1,
-                         single_blocks=1, mlp_ratio=3.0, context_dim=192, context_tokens=512, latent_downscale=16,
-                         latent_channels=128, patch=1),
+    "zimage": zimage.model_dims("zimage-tiny", hidden=256, layers=2, refiners=2, context_dim=64, context_tokens=32),
+    "klein4b": flux2.model_dims("flux2-klein-tiny", "flux2_klein", hidden=256, double_blocks=1, single_blocks=1,
+                                context_dim=192),
 }
 TINY["klein9b"] = TINY["klein4b"]
 FLUX2_TEXT_TOKENS = 512
@@ -280,11 +278,16 @@ def device_name(device: torch.device) -> str:
 
 # ---------------------------------------------------------------- the model
 
+def family_of(dims: ModelDims) -> str:
+    """The arch family ("flux2", "zimage") of the model these dims describe: which ComfyUI class builds it."""
+    return get_arch(dims.arch).family
+
+
 def unet_config(dims: ModelDims) -> dict:
     """The unet_config ComfyUI 0.17's detection derives from a real file of these dims
     (comfy/model_detection.py: the flux2 branch, and the lumina2 dim-3840 branch for Z-Image)."""
     heads = dims.hidden // 128
-    if dims.family == "flux2":
+    if family_of(dims) == "flux2":
         return dict(image_model="flux2", axes_dim=[32, 32, 32, 32], num_heads=heads, mlp_ratio=3.0, theta=2000,
                     out_channels=128, global_modulation=True, mlp_silu_act=True, qkv_bias=False, ops_bias=False,
                     default_ref_method="index", ref_index_scale=10.0, txt_ids_dims=[3], patch_size=1,
@@ -312,10 +315,10 @@ def model_config_for(dims: ModelDims):
     import comfy.supported_models
 
     config = unet_config(dims)
-    cls = _model_class(dims.family)
+    cls = _model_class(family_of(dims))
     with torch.device("meta"):
         shapes = cls(**config, operations=comfy.ops.disable_weight_init).state_dict()
-    wanted = comfy.supported_models.Flux2 if dims.family == "flux2" else comfy.supported_models.ZImage
+    wanted = comfy.supported_models.Flux2 if family_of(dims) == "flux2" else comfy.supported_models.ZImage
     detected = comfy.model_detection.model_config_from_unet(shapes, "")
     if type(detected) is wanted:
         return detected, "comfy.model_detection (shapes of a meta-device build)"
@@ -432,10 +435,10 @@ def _pad(n: int, multiple: int) -> int:
 
 def token_counts(dims: ModelDims, resolution: int, text_tokens: int) -> tuple[int, int]:
     """(image tokens, text tokens) per sample, as the model runs them (Z-Image pads both to 32)."""
-    side = resolution // (dims.latent_downscale * dims.patch)
-    if dims.family == "zimage":
-        return _pad(side * side, 32), _pad(text_tokens, 32)
-    return side * side, text_tokens
+    arch = get_arch(dims.arch)
+    side = resolution // (arch.latent_downscale * arch.patch)
+    multiple = arch.layout.token_multiple
+    return _pad(side * side, multiple), _pad(text_tokens, multiple)
 
 
 def _linear_tokens(family: str, name: str, img: int, txt: int) -> int:
@@ -464,7 +467,7 @@ def _linear_tokens(family: str, name: str, img: int, txt: int) -> int:
 
 def _attention_layers(dims: ModelDims, img: int, txt: int) -> list[tuple[str, int]]:
     """(block list, sequence length) per attention layer."""
-    if dims.family == "flux2":
+    if family_of(dims) == "flux2":
         return [("double_blocks", img + txt)] * dims.double_blocks + [("single_blocks", img + txt)] * dims.single_blocks
     return ([("noise_refiner", img)] * dims.refiner_blocks + [("context_refiner", txt)] * dims.refiner_blocks
             + [("layers", img + txt)] * dims.single_blocks)
@@ -493,7 +496,7 @@ def model_flops(dm: torch.nn.Module, dims: ModelDims, *, img: int, txt: int, bat
     from trainer.backends.torch_backend.lora import linear_layers
 
     for name, module in linear_layers(dm).items():
-        tokens = _linear_tokens(dims.family, name, img, txt)
+        tokens = _linear_tokens(family_of(dims), name, img, txt)
         base = 2 * module.in_features * module.out_features * tokens
         low_rank = 2 * rank * (module.in_features + module.out_features) * tokens if name in lora else 0
         fwd += base + low_rank
@@ -524,12 +527,13 @@ class Inputs:
 
 
 def make_inputs(dims: ModelDims, resolution: int, batch: int, text_tokens: int, seed: int = 0) -> Inputs:
-    down = dims.latent_downscale
-    if resolution % (down * dims.patch):
-        raise ValueError(f"resolution {resolution} is not a multiple of {down * dims.patch} px for {dims.variant}")
+    arch = get_arch(dims.arch)
+    down = arch.latent_downscale
+    if resolution % (down * arch.patch):
+        raise ValueError(f"resolution {resolution} is not a multiple of {down * arch.patch} px for {dims.variant}")
     rng = np.random.default_rng([seed, resolution, batch])
     side = resolution // down
-    latents = [rng.standard_normal((dims.latent_channels, side, side)).astype(np.float32) for _ in range(batch)]
+    latents = [rng.standard_normal((arch.latent_channels, side, side)).astype(np.float32) for _ in range(batch)]
     contexts = [rng.standard_normal((text_tokens, dims.context_dim)).astype(np.float32) for _ in range(batch)]
     img, txt = token_counts(dims, resolution, text_tokens)
     return Inputs(latents, contexts, img, txt)
@@ -560,7 +564,7 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
     bridge, config, loop, data_module = pack["bridge"], pack["config"], pack["loop"], pack["data"]
     out: dict = {}
     model = bridge.trainable(patcher)
-    arch_name = KILN_ARCH[dims.family]
+    arch_name = dims.arch
     detected = bridge.detect_arch(model)
     if detected != arch_name:
         raise RuntimeError(f"bridge.detect_arch says {detected!r} for the {dims.variant} model, expected {arch_name!r}")
@@ -899,7 +903,8 @@ def main(argv=None) -> int:
     print(f"[bench] {common['device']}, torch {common['torch']}, ComfyUI {comfy_version}, "
           f"{dtype_name} matmul {rate:.4g} TFLOPS; {len(rows)} row(s)", flush=True)
 
-    block_lists = {family: archs_module.get_arch(name).block_lists for family, name in KILN_ARCH.items()}
+    arch_names = {dims.arch for dims in (*TINY.values(), *(VARIANTS[name] for name in ARCH_VARIANTS.values()))}
+    block_lists = {name: archs_module.get_arch(name).block_lists for name in arch_names}
     opts = argparse.Namespace(pack=pack, block_lists=block_lists,
                               steps=steps, warmup=warmup, native_steps=native_steps, timing=args.timing, device=device,
                               dtype=dtype_name, native_lora_dtype=native_lora_dtype, no_native=args.no_native,
@@ -937,7 +942,7 @@ def summary(r: dict) -> str:
 
 def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     """Kiln then native on one model and one set of inputs → the record."""
-    text_tokens = opts.zimage_tokens if dims.family == "zimage" else FLUX2_TEXT_TOKENS
+    text_tokens = opts.zimage_tokens if family_of(dims) == "zimage" else FLUX2_TEXT_TOKENS
     inputs = make_inputs(dims, row.resolution, row.batch, text_tokens)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **opts.common,
               "arch": row.arch, "variant": dims.variant, "resolution": row.resolution, "batch": row.batch,
@@ -985,7 +990,7 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     release(device)
     lora_paths = kiln.pop("_lora_paths")
     record.update(kiln, kiln_wall_s=round(time.perf_counter() - started, 2))
-    dm, block_lists = patcher.model.diffusion_model, opts.block_lists[dims.family]
+    dm, block_lists = patcher.model.diffusion_model, opts.block_lists[dims.arch]
     flops = model_flops(dm, dims, img=inputs.img_tokens, txt=inputs.txt_tokens, batch=row.batch, rank=32,
                         lora_paths=lora_paths, block_lists=block_lists, checkpointing=row.checkpointing,
                         skip=settings.get("skip_checkpoint_blocks", 0), attention_saved=record["saved_attention"],

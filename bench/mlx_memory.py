@@ -22,7 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.estimate import GIB, ModelDims  # noqa: E402
+from trainer.archs import flux2, zimage  # noqa: E402
+from trainer.archs.layout import ModelDims  # noqa: E402
+from trainer.estimate_common import GIB  # noqa: E402
 from trainer.estimate_mlx import estimate_mlx, mlx_budget_gib  # noqa: E402
 
 VARIANTS = ("flux2-klein-4b", "flux2-klein-9b", "zimage")
@@ -104,8 +106,8 @@ def attention_bytes(length: int, chained: int, heads: int = 2) -> float:
 
 def probe_dims(family: str, first: int, second: int) -> ModelDims:
     if family == "flux2":
-        return ModelDims("probe", "flux2_klein", "flux2", 256, 2, first, second, 3.0, 192, 64, 16, 128, 1)
-    return ModelDims("probe", "zimage", "zimage", 256, 2, 0, second, 8 / 3, 64, 64, 8, 16, 2, refiner_blocks=first)
+        return flux2.model_dims("probe", "flux2_klein", 256, first, second, context_dim=192, context_tokens=64)
+    return zimage.model_dims("probe", 256, layers=second, refiners=first, context_dim=64, context_tokens=64)
 
 
 def measure() -> str:

@@ -1,20 +1,25 @@
-"""trainer/estimate.py: full-size dims, parameter counts, header detection and the memory model."""
+"""trainer/estimate.py and estimate_common.py: full-size dims, parameter counts, header detection, the memory model."""
 import subprocess
 import sys
 
 import pytest
 
-from trainer.estimate import GIB, VARIANTS, estimate, format_estimate, linear_layers, param_count, variant_from_header
+from trainer.archs import get_arch, qwen_image
+from trainer.archs.layout import ModelDims
+from trainer.estimate import estimate
+from trainer.estimate_common import GIB, VARIANTS, format_estimate, linear_layers, param_count, variant_from_header
 
 # Published sizes. Klein 4B's "4B" rounds 3.88B up: its bf16 checkpoint is ~7.75 GB, and
 # ComfyUI's own module holds 3,875,544,576 parameters (3.1% under 4.0B), hence 3.5% there.
+# Qwen-Image's model card says "a 20B MMDiT"; its module holds 20.43B (2.2 % over).
 PUBLISHED = {"flux2-klein-4b": (4.0e9, 0.035), "flux2-klein-9b": (9.0e9, 0.03),
-             "flux2-dev": (32.0e9, 0.03), "zimage": (6.15e9, 0.03)}
+             "flux2-dev": (32.0e9, 0.03), "zimage": (6.15e9, 0.03), "qwen-image": (20.0e9, 0.03)}
 
-# Exact counts of ComfyUI 0.17's Flux / NextDiT modules built on the meta device from the
-# config model_detection.py sets for each checkpoint (checked when this file was written).
+# Exact counts of ComfyUI 0.17's Flux / NextDiT / QwenImageTransformer2DModel modules built on the
+# meta device from the config model_detection.py sets for each checkpoint (checked when this file
+# was written; Qwen-Image's also on 0.33, the same).
 COMFYUI_COUNTS = {"flux2-klein-4b": 3_875_544_576, "flux2-klein-9b": 9_078_581_248,
-                  "flux2-dev": 32_223_281_152, "zimage": 6_154_908_736}
+                  "flux2-dev": 32_223_281_152, "zimage": 6_154_908_736, "qwen-image": 20_430_401_088}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -146,4 +151,39 @@ def test_format_estimate_says_fit_or_not():
 
 def test_estimate_imports_no_torch():
     code = "import sys, trainer.estimate; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_every_counted_variant_is_estimated():
+    assert set(VARIANTS) == set(COMFYUI_COUNTS)  # VARIANTS comes from the registered archs' layouts
+
+
+def test_qwen_image_layout_follows_comfyui():
+    """The layout alone, against ComfyUI's module: runs before (and after) its arch is registered."""
+    dims = qwen_image.LAYOUT.variants[0]
+    layers = qwen_image.linear_layers(dims, 16 * 2 ** 2)  # Wan 2.1 latents: 16 channels, patch 2
+    assert layers["transformer_blocks.59.img_mod.1"] == (3072, 6 * 3072)
+    assert layers["transformer_blocks.0.txt_mlp.net.0.proj"] == (3072, 4 * 3072)   # GELU, no gate
+    assert layers["transformer_blocks.7.attn.add_k_proj"] == (3072, 3072)
+    assert layers["txt_in"] == (3584, 3072) and layers["proj_out"] == (3072, 64)
+    assert len(layers) == 60 * 14 + 6
+    params = sum(i * o for i, o in layers.values()) + qwen_image.extra_params(dims, layers)
+    assert params == COMFYUI_COUNTS["qwen-image"]
+
+
+def test_each_variant_is_listed_by_its_own_arch_layout():
+    for name, dims in VARIANTS.items():
+        assert dims in get_arch(dims.arch).layout.variants, name
+
+
+def test_an_arch_without_layout_names_the_fix():
+    demo = ModelDims("demo-size", "demo", 64, 1, 1, 1, 128, 32, 8)
+    with pytest.raises(ValueError, match="arch 'demo' has no Layout"):
+        estimate(demo, resolution=512)
+
+
+def test_the_two_estimates_share_a_module_and_import_neither_other():
+    code = ("import sys, trainer.estimate_mlx; assert 'trainer.estimate' not in sys.modules; "
+            "del sys.modules['trainer.estimate_mlx']; import trainer.estimate; "
+            "assert 'trainer.estimate_mlx' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

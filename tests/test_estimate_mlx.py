@@ -1,7 +1,8 @@
 """trainer/estimate_mlx.py: the MLX memory model for Macs (quantized bases, unfused attention, working sets)."""
 import pytest
 
-from trainer.estimate import GIB, estimate, format_estimate
+from trainer.estimate import estimate
+from trainer.estimate_common import GIB, format_estimate
 from trainer.estimate_mlx import ATTENTION_KEPT, estimate_mlx, mlx_budget_gib, working_set_gib
 
 
@@ -54,3 +55,8 @@ def test_format_says_which_mac_and_what_to_change():
     assert "base_quantize int8" in text and text.rstrip().endswith("(fits)")
     assert "fits in a 128 GB Mac" in format_estimate(est, device_memory_gb=128)
     assert est.total / GIB > mlx_budget_gib(32)
+
+
+def test_a_family_without_an_mlx_port_is_refused():
+    with pytest.raises(ValueError, match="qwen-image has no MLX port .*backend torch"):
+        estimate_mlx("qwen-image", resolution=1024)

@@ -111,7 +111,7 @@ def _resolutions(text: str) -> list[int]:
 
 def cmd_estimate(args) -> int:
     from . import config as config_module
-    from .estimate import VARIANTS, backend_rules, format_estimate, variant_from_header
+    from .estimate_common import VARIANTS, backend_rules, format_estimate, variant_from_header
 
     cfg = config_module.load(args.config)
     variant = args.variant
@@ -122,7 +122,7 @@ def cmd_estimate(args) -> int:
     if variant is None:
         raise SystemExit(f"give --variant (one of {sorted(VARIANTS)}) or a model_path in {args.config}")
     backend = args.backend or cfg.backend
-    estimate = backend_rules(backend)[0]
+    estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if backend == "mlx" and cfg.base_quantize != "none" else "bf16")
     for resolution in cfg.resolutions:
         est = estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,

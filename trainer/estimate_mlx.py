@@ -29,21 +29,23 @@ raises it. working_set_gib() takes the conservative value.
 from __future__ import annotations
 
 from .archs import get_arch
-from .estimate import (
+from .estimate_common import (
     ACTIVATION_BYTES,
     GIB,
     OPTIMIZER_STATE,
     Estimate,
-    _blocks,
-    _check,
-    _image_tokens,
-    _lora_shapes,
-    _widest_output,
+    EstimatorRules,
+    arch_of,
+    block_bytes,
+    check_settings,
     get_dims,
+    image_token_count,
     kept_by_last_blocks,
     linear_layers,
+    lora_shapes,
     ordered_advice,
     param_count,
+    widest_output,
 )
 
 QUANT_GROUP = 64            # mlx_backend.models.GROUP_SIZE (not imported: estimates need no MLX)
@@ -89,14 +91,17 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     if optimizer not in MLX_OPTIMIZERS:
         raise ValueError(f"optimizer for MLX must be one of {list(MLX_OPTIMIZERS)}, got {optimizer!r}")
     dims = get_dims(variant)
-    side = _check(dims, resolution, batch_size, rank, optimizer, "bf16", mixed_precision)
+    if not arch_of(dims).mlx_model:
+        raise ValueError(f"{dims.variant} has no MLX port (arch {dims.arch!r} trains on the PyTorch backend); "
+                         "estimate it with backend torch")
+    side = check_settings(dims, resolution, batch_size, rank, optimizer, "bf16", mixed_precision)
     act = ACTIVATION_BYTES[mixed_precision]
-    image_tokens = _image_tokens(dims, resolution, side)
+    image_tokens = image_token_count(dims, resolution, side)
     text_tokens = dims.context_tokens
-    shapes = _lora_shapes(dims, targets)
+    shapes = lora_shapes(dims, targets)
     lora_params = sum(rank * (i + o) for i, o in shapes)
 
-    groups = [group for group in _blocks(dims, image_tokens, text_tokens, act) if group[1]]
+    groups = block_bytes(dims, image_tokens, text_tokens, act)
     heads = dims.heads
     # (per-token bytes, blocks, tokens) + the attention matrices each such block keeps
     per_block = [(per_token * tokens + ATTENTION_KEPT * heads * tokens ** 2, count, tokens)
@@ -111,7 +116,7 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     # The block being differentiated holds its internals' gradients beside them
     activations = int(batch_size * (kept + head + BACKWARD_FACTOR * largest))
 
-    workspace = MLX_OVERHEAD + 2 * _widest_output(dims) * batch_size * (image_tokens + text_tokens) * act
+    workspace = MLX_OVERHEAD + 2 * widest_output(dims) * batch_size * (image_tokens + text_tokens) * act
     weights = _weight_bytes(dims, base_dtype)
     optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
     total = weights + 8 * lora_params + optimizer_bytes + activations + workspace
@@ -130,3 +135,9 @@ def advice(settings: dict) -> list[tuple[str, dict]]:
         ("base_quantize int8", {"base_dtype": "int8"}, settings["base_dtype"] in ("bf16", "fp32")),
         ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
         ("base_quantize int4", {"base_dtype": "int4"}, settings["base_dtype"] != "int4")])
+
+
+# estimate_common.backend_rules("mlx"): the Mac's RAM in GB, of which MLX may use mlx_budget_gib.
+RULES = EstimatorRules(
+    estimate_mlx, advice, mlx_budget_gib,
+    lambda gb, usable: f"a {gb:g} GB Mac (MLX may use 95 % of its GPU working set: {usable:.1f} GiB)")

@@ -115,8 +115,8 @@ def test_estimate_counts_the_blocks_that_keep_their_activations():
     assert totals[2] - totals[0] == 7 * per_block          # the last blocks are alike (Z-Image's layers)
     off = estimate("zimage", resolution=1024, gradient_checkpointing=False).total
     assert totals[2] < off
-    from trainer.estimate import _advice
-    first = _advice(estimate("zimage", resolution=1024, skip_checkpoint_blocks=7).settings)[0]
+    from trainer.estimate import advice
+    first = advice(estimate("zimage", resolution=1024, skip_checkpoint_blocks=7).settings)[0]
     assert first[1] == {"skip_checkpoint_blocks": 0}
 
 
@@ -237,11 +237,11 @@ def test_checkpoint_budget_is_refused_where_it_cannot_work():
 
 
 def test_estimate_counts_the_checkpoint_budget_against_the_measured_peaks():
-    from trainer.estimate import _advice
+    from trainer.estimate import advice
     measured = {0.0: 15.25, 0.3: 19.38, 0.5: 22.05, 0.8: 26.33}   # GiB, H100, Z-Image 1024 px (RESULTS.md)
     totals = {b: estimate("zimage", resolution=1024, checkpoint_budget=b).total / 2**30 for b in measured}
     assert all(measured[b] <= totals[b] <= 1.15 * measured[b] for b in measured)   # never below the peak
     assert totals[0.0] < totals[0.3] < totals[0.5] < totals[0.8]
     assert totals[0.8] < estimate("zimage", resolution=1024, gradient_checkpointing=False).total / 2**30
-    first = _advice(estimate("zimage", resolution=1024, checkpoint_budget=0.3).settings)[0]
+    first = advice(estimate("zimage", resolution=1024, checkpoint_budget=0.3).settings)[0]
     assert first[1] == {"checkpoint_budget": 0.0}

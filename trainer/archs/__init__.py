@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .layout import Layout
+
 
 @dataclass(frozen=True)
 class DiffusersRule:
@@ -79,6 +81,7 @@ class Arch:
     diffusers_prefix: str = "transformer."
     diffusers_rules: tuple[DiffusersRule, ...] = field(default_factory=tuple)
     description: str = ""
+    layout: Layout | None = None    # sizes, Linears and block model for the memory estimate (layout.py)
 
     def collate_context(self, contexts: list[np.ndarray]) -> np.ndarray:
         """Rows [T_i,D] → [B,T,D], T = max(context_tokens, longest), zeros on the padded side."""

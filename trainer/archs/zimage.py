@@ -9,6 +9,7 @@ for validation samples, never saved.
 from __future__ import annotations
 
 from . import Arch, ComfyModel, DiffusersRule, caption_lengths, register
+from .layout import BlockGroup, HeaderSpec, Layout, ModelDims, ceil_to
 
 
 DEFAULT_TARGETS = (
@@ -29,6 +30,74 @@ DIFFUSERS_RULES = tuple(
     )
 )
 
+# ---------------------------------------------------------------- memory-estimate layout
+
+CAPTION_TOKENS = 512  # an upper bound: ComfyUI runs each caption at its own length
+
+
+def model_dims(variant: str, hidden: int, layers: int, refiners: int, context_dim: int,
+               context_tokens: int = CAPTION_TOKENS) -> ModelDims:
+    """model_detection.py's `dim == 3840` branch (heads = dim/128, ffn multiplier 8/3, z_image_modulation)
+    and lumina/model.py NextDiT's refiners; FeedForward: int(8/3 * dim) rounded up to a multiple of 256."""
+    return ModelDims(variant, "zimage", hidden, hidden // 128, 0, layers, ceil_to(int(8.0 / 3.0 * hidden), 256),
+                     context_dim, context_tokens, refiner_blocks=refiners)
+
+
+def linear_layers(dims: ModelDims, io: int) -> dict[str, tuple[int, int]]:
+    D, F = dims.hidden, dims.mlp_hidden
+
+    def blocks(group, count, modulated):
+        for i in range(count):
+            p = f"{group}.{i}"
+            yield from {f"{p}.attention.qkv": (D, 3 * D), f"{p}.attention.out": (D, D),
+                        f"{p}.feed_forward.w1": (D, F), f"{p}.feed_forward.w2": (F, D),
+                        f"{p}.feed_forward.w3": (D, F)}.items()
+            if modulated:  # z_image_modulation: from the 256-wide t embedding, no SiLU
+                yield f"{p}.adaLN_modulation.0", (256, 4 * D)
+
+    # In ComfyUI's module order: the embedders sit between the refiners and the main layers.
+    return {"x_embedder": (io, D),
+            **dict(blocks("noise_refiner", dims.refiner_blocks, True)),
+            **dict(blocks("context_refiner", dims.refiner_blocks, False)),
+            "t_embedder.mlp.0": (256, 1024), "t_embedder.mlp.2": (1024, 256), "cap_embedder.1": (dims.context_dim, D),
+            **dict(blocks("layers", dims.single_blocks, True)),
+            "final_layer.linear": (D, io), "final_layer.adaLN_modulation.1": (256, D)}
+
+
+def extra_params(dims: ModelDims, layers: dict[str, tuple[int, int]]) -> int:
+    """Biases on every Linear outside the blocks' attention and feed-forward, 4 RMSNorms + q/k norms per
+    block, the cap_embedder.0 RMSNorm and the x/cap pad tokens."""
+    biases = sum(o for name, (i, o) in layers.items() if ".attention." not in name and ".feed_forward." not in name)
+    head_dim, blocks = dims.hidden // dims.heads, 2 * dims.refiner_blocks + dims.single_blocks
+    return biases + blocks * (4 * dims.hidden + 2 * head_dim) + dims.context_dim + 2 * dims.hidden
+
+
+def blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGroup]:
+    """Measured (trainer/estimate.py), per token; layers, noise_refiner (image tokens) and context_refiner
+    (text tokens) alike:
+      bf16  norm1 in D, qkv in D, qkv out 3D, SDPA 4D, out in D, norm2 in D,
+            ffn_norm1 in D, w1 and w3 in 2D (a copy per branch), w1/w3/silu
+            out 3M, w2 in M, ffn_norm2 in D                 = 15D + 4M
+    (w1 and w3 now share their input: D per token less than counted, ~4 % of a block.)
+    """
+    D, M = dims.hidden, dims.mlp_hidden
+    per_token = 15 * D + 4 * M
+    return [BlockGroup(per_token, 0, dims.refiner_blocks, image_tokens),
+            BlockGroup(per_token, 0, dims.refiner_blocks, text_tokens),
+            BlockGroup(per_token, 0, dims.single_blocks, image_tokens + text_tokens)]
+
+
+LAYOUT = Layout(
+    name="Z-Image",
+    variants=(model_dims("zimage", 3840, 30, 2, 2560),),  # Turbo and base share these dims
+    linear_layers=linear_layers, extra_params=extra_params, blocks=blocks,
+    widest_output=lambda dims: 3 * dims.hidden,  # attention.qkv
+    header=HeaderSpec(markers=("cap_embedder.1.weight", "noise_refiner.0.attention.qkv.weight"),
+                      sizes={"hidden": ("cap_embedder.1.weight", 0)}, counts={"single_blocks": "layers."}),
+    token_multiple=32,  # pad_tokens_multiple
+    text_note=" (512 caption tokens is an upper bound)",
+)
+
 _COMMON = dict(
     family="zimage", latent_channels=16, latent_downscale=8, patch=2, bucket_divisor=16,
     default_targets=DEFAULT_TARGETS,
@@ -39,6 +108,7 @@ _COMMON = dict(
     model_extras=caption_lengths, split_by_caption_length=True,
     # A Lumina2 model with the ZImage config (not ZImagePixelSpace); the Lumina2 text encoder slot.
     comfy=ComfyModel("Lumina2", config_class="ZImage"), clip_type="LUMINA2", mlx_model="zimage",
+    layout=LAYOUT,
 )
 _IMPLEMENTATION = "https://github.com/Tongyi-MAI/Z-Image"
 
