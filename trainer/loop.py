@@ -16,13 +16,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import faults, lora_format, objective, state
+from . import faults, objective, state
 from .archs import Arch, get_arch
 from .backends import get_backend
 from .config import TrainConfig
 from .data import TrainingData
 from .data.sampler import BucketSampler
-from .lora_format import LoraWeights
+from .lora_format import LoraWeights, lora_metadata
 from .plot import smoothed
 from .schedules import lr_at
 
@@ -88,13 +88,6 @@ def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator
 def _finite(value: float) -> float | None:
     """A figure for a UI (JSON has no NaN): None when not finite."""
     return value if np.isfinite(value) else None
-
-
-def lora_metadata(cfg: TrainConfig, arch: Arch, step: int) -> dict[str, str]:
-    return lora_format.build_metadata(
-        arch_name=arch.name, config=cfg.to_dict(), steps=step,
-        trigger_words=[cfg.trigger_word] if cfg.trigger_word else [],
-        title=cfg.run_name or f"{arch.name} LoRA")
 
 
 def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Path,
