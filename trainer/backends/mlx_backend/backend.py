@@ -85,7 +85,8 @@ class MlxBackend:
                                 seed=cfg.seed, low_precision=cfg.mixed_precision == "bf16")
             self.checkpointing = BlockCheckpointing(model, arch.block_lists, cfg.skip_checkpoint_blocks) \
                 if cfg.gradient_checkpointing else None
-            self.optimizer = build_optimizer(cfg)
+            self.optimizer = build_optimizer(cfg.optimizer, lr=cfg.learning_rate, eps=cfg.adam_eps,
+                                             betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
             self.optimizer.init(model.trainable_parameters())   # state tree fixed before the first compile
             self.ema = Ema(self.lora.parameters(), cfg.ema_decay) if cfg.ema else None
         except BaseException:

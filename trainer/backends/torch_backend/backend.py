@@ -79,7 +79,9 @@ class TorchBackend:
                                                 pure_blocks=arch.pure_blocks, budget=cfg.checkpoint_budget,
                                                 compile_key=f"attention={self.attention}")
         self.params = dict(self.lora.named_parameters())
-        self.optimizer = build_optimizer(list(self.params.values()), cfg, self.device)
+        self.optimizer = build_optimizer(list(self.params.values()), cfg.optimizer, lr=cfg.learning_rate,
+                                         betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                         weight_decay=cfg.weight_decay, device=self.device)
         self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
