@@ -15,7 +15,7 @@ from PIL import Image
 
 from ..trainer import lora_format, state
 from ..trainer.archs import get_arch
-from ..trainer.loop import lora_metadata
+from ..trainer.lora_format import lora_metadata
 
 from . import dashboard
 from .comfy import bridge

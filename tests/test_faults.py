@@ -3,6 +3,9 @@ with a resumable checkpoint, out of memory saves the last good step and names th
 (MLX where mlx[cpu] is installed)."""
 from __future__ import annotations
 
+import weakref
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -239,3 +242,102 @@ def test_what_counts_as_out_of_memory():
     assert faults.is_out_of_memory(RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory"))
     assert not faults.is_out_of_memory(RuntimeError("shape mismatch")) and not faults.is_out_of_memory(
         ValueError("out of memory"))
+
+
+# ---------------------------------------------------------------- the loop's fault pieces, alone
+
+class RngBackend:
+    """Only what faults.Draws asks of a backend: an RNG state out and in."""
+
+    def __init__(self):
+        self.key = np.arange(4, dtype=np.uint32)
+
+    def rng_state(self):
+        return {"key": self.key.copy()}
+
+    def load_rng_state(self, tensors):
+        self.key = tensors["key"].copy()
+
+
+def _draws():
+    from trainer.data.sampler import BucketSampler
+
+    rng, sampler, backend = np.random.default_rng(0), BucketSampler({"64x64": [0, 1, 2, 3]}, 1, seed=0), RngBackend()
+    return rng, sampler, backend, faults.Draws(rng, sampler, backend)
+
+
+class Activations:
+    """What a failed step's frames hold on to."""
+
+
+def _failing_step(error):
+    """A step that raises `error`, and weak references to the activations its frame held."""
+    held = []
+
+    def step():
+        activations = Activations()
+        held.append(weakref.ref(activations))
+        raise error
+    return step, held
+
+
+def test_out_of_memory_puts_the_draws_back_saves_the_last_good_step_and_lets_the_frames_go(make_config):
+    rng, sampler, backend, draws = _draws()
+    expected = (rng.random(), sampler.next(), backend.key.copy())
+    rng.random(), sampler.next()                          # the failed step's draws
+    backend.key += 1
+    saved, error = [], torch.OutOfMemoryError("CUDA out of memory")
+    step, held = _failing_step(error)
+
+    def save(done):
+        saved.append(done)
+        return Path(f"step-{done:06d}")
+
+    with (pytest.raises(faults.OutOfMemory, match="out of memory at step 8 .*step-000007") as caught,
+          faults.out_of_memory_rewinds(make_config(), 7, ["a.png"], draws, save)):
+        step()
+    assert caught.value.__cause__ is error and saved == [7]
+    assert held[0]() is None                               # traceback.clear_frames: activations freed
+    assert (rng.random(), sampler.next()) == expected[:2] and np.array_equal(backend.key, expected[2])
+    with (pytest.raises(faults.OutOfMemory, match="nothing new to save"),
+          faults.out_of_memory_rewinds(make_config(), 0, [], draws, None)):
+        raise MemoryError
+
+
+def test_other_errors_pass_the_out_of_memory_rewind_untouched(make_config):
+    rng, _, _, draws = _draws()
+    rng.random()
+    after = rng.bit_generator.state
+    error = ValueError("shape mismatch")
+    with (pytest.raises(ValueError) as caught,
+          faults.out_of_memory_rewinds(make_config(), 3, [], draws, lambda s: pytest.fail("saved"))):
+        raise error
+    assert caught.value is error and rng.bit_generator.state == after   # no rewind, no save
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("stop pressed")])
+def test_an_error_in_on_step_saves_that_step_then_goes_on(error):
+    saved = []
+    with pytest.raises(type(error)) as caught, faults.saves_on_error(saved.append, 5):
+        raise error
+    assert caught.value is error and saved == [5]
+    with faults.saves_on_error(saved.append, 6):
+        pass
+    assert saved == [5]                                    # no error: nothing saved
+
+
+def test_validation_errors_save_the_step_and_out_of_memory_names_the_validation_settings():
+    events = []
+
+    def save(step):
+        events.append(("saved", step))
+
+    error = torch.OutOfMemoryError("CUDA out of memory (sampling)")
+    with (pytest.raises(faults.OutOfMemory, match="validation images at step 4.*lower width/height") as caught,
+          faults.validation_saves_on_error(save, 4)):
+        raise error
+    assert caught.value.__cause__ is error and events == [("saved", 4)]
+    stop = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt) as caught, faults.validation_saves_on_error(save, 6):
+        raise stop
+    assert caught.value is stop and events[-1] == ("saved", 6)

@@ -56,6 +56,26 @@ def test_second_resume_does_not_drift(tmp_path, make_model, make_data, resume_co
     assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_a_checkpoint_with_the_old_ema_names_still_resumes(tmp_path, make_model, make_data, resume_config):
+    """Checkpoints written before the EMA shadow took the trained LoRA's naming hold it as
+    ema.<path>.lora_A/.lora_B: one loads with the same EMA and resumes to an uninterrupted run's state."""
+    straight = run(tmp_path, "straight", make_model, make_data, resume_config)
+    run(tmp_path, "old", make_model, make_data, resume_config, stop_at=5)
+    folder = state.list_checkpoints(tmp_path / "old")[-1][1]
+    tensors, metadata = safetensors_io.read(folder / "state.safetensors")
+    ema = {k: v for k, v in tensors.items() if k.startswith("ema.")}
+    assert ema and all(k.endswith((".A", ".B")) for k in ema)                  # today's names
+    old = {(f"{k[:-2]}.lora_{k[-1]}" if k in ema else k): v for k, v in tensors.items()}
+    safetensors_io.write(folder / "state.safetensors", old, metadata)
+    loaded = state.load_checkpoint(folder)
+    assert {k: v for k, v in loaded.tensors.items() if k.startswith("ema.")}.keys() == ema.keys()
+    for path, weights in state.checkpoint_lora(loaded, ema=True).items():
+        assert np.array_equal(weights.A, ema[f"ema.{path}.A"]) and np.array_equal(weights.B, ema[f"ema.{path}.B"])
+    resumed = run(tmp_path, "old", make_model, make_data, resume_config, resume=True)
+    a, b = final_state(straight), final_state(resumed)
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 def test_checkpoints_pruned_to_newest_k_and_complete(tmp_path, make_model, make_data, make_config):
     cfg = make_config(steps=10, checkpoint_every=2, keep_checkpoints=2)
     result = run(tmp_path, "prune", make_model, make_data, cfg)

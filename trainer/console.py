@@ -64,8 +64,7 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
 def finish(cfg, result, run_dir: Path, name: str) -> None:
     """The run's LoRA (EMA weights when on) and loss curve written beside its checkpoints, and a summary."""
     from .archs import get_arch
-    from .loop import lora_metadata
-    from .lora_format import save_lora
+    from .lora_format import lora_metadata, save_lora
     from .plot import save_loss_curve
 
     lora = result.ema_lora if result.ema_lora is not None else result.lora

@@ -1,7 +1,12 @@
-"""Faults a run survives or stops on cleanly: non-finite steps and out of memory, with messages that say the fix."""
+"""Faults a run survives or stops on cleanly: non-finite steps and out of memory, with messages that say the fix,
+and the guards the loop puts around a step, its UI callback and validation, so an error leaves a resumable run."""
 from __future__ import annotations
 
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from .config import TrainConfig
 
@@ -57,3 +62,63 @@ def out_of_memory_message(cfg: TrainConfig, error: BaseException, step: int, ite
              else f"No step had finished since the start (step {step}); nothing new to save.")
     return (f"out of memory at step {step + 1} (batch: {', '.join(items) or '(unnamed)'}): {first_line}. {saved} "
             f"To fit: {'; '.join(fixes)}. Then queue again: an unchanged run resumes, a changed setting starts anew.")
+
+
+class Draws:
+    """Where the random draws stand before a step draws its batches: numpy generator, sampler cursor,
+    backend RNG (host copies, µs). A step that fails before updating anything puts them back, so a resume
+    draws the same batches."""
+
+    def __init__(self, rng, sampler, backend):
+        self.rng, self.sampler, self.backend = rng, sampler, backend
+        self.states = (rng.bit_generator.state, sampler.state(), backend.rng_state())
+
+    def put_back(self) -> None:
+        self.rng.bit_generator.state = self.states[0]
+        self.sampler.load_state(self.states[1])
+        self.backend.load_rng_state(self.states[2])
+
+
+@contextmanager
+def out_of_memory_rewinds(cfg: TrainConfig, step: int, items: list[str], draws: Draws,
+                          save: Callable[[int], Path] | None) -> Iterator[None]:
+    """Around backend.step: out of memory becomes OutOfMemory, with the run left resumable at `step`.
+
+    The failed step changed no weights, optimizer or EMA, so its draws go back and `step`, the last
+    good one, is saved (`save` is None when none finished since the start); the message names the fixes."""
+    try:
+        yield
+    except BaseException as error:
+        if not is_out_of_memory(error):
+            raise
+        traceback.clear_frames(error.__traceback__)  # let the failed step's activations go now
+        draws.put_back()
+        checkpoint = save(step) if save is not None else None
+        raise OutOfMemory(out_of_memory_message(cfg, error, step, items, checkpoint)) from error
+
+
+@contextmanager
+def saves_on_error(save: Callable[[int], Any], step: int) -> Iterator[None]:
+    """Around a caller's on_step: it may raise (ComfyUI's stop button) with the state at a clean step
+    boundary, so `step` is saved (resumable) before the error goes on."""
+    try:
+        yield
+    except BaseException:
+        save(step)
+        raise
+
+
+@contextmanager
+def validation_saves_on_error(save: Callable[[int], Any], step: int) -> Iterator[None]:
+    """Around validation sampling: any error (the stop button while sampling) saves the step just trained
+    first; out of memory becomes OutOfMemory naming the validation settings, not the training ones."""
+    try:
+        yield
+    except BaseException as error:
+        save(step)
+        if is_out_of_memory(error):
+            traceback.clear_frames(error.__traceback__)
+            raise OutOfMemory(
+                f"out of memory while sampling validation images at step {step}; the step is saved "
+                f"(resumable). In Kiln Validation Settings lower width/height, or raise every") from error
+        raise

@@ -8,21 +8,21 @@ backends see the same draws and a resumed run continues bit for bit.
 """
 from __future__ import annotations
 
+import functools
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from . import faults, lora_format, objective, state
+from . import faults, objective, state
 from .archs import Arch, get_arch
 from .backends import get_backend
 from .config import TrainConfig
 from .data import TrainingData
 from .data.sampler import BucketSampler
-from .lora_format import LoraWeights
+from .lora_format import LoraWeights, lora_metadata
 from .plot import smoothed
 from .schedules import lr_at
 
@@ -90,11 +90,73 @@ def _finite(value: float) -> float | None:
     return value if np.isfinite(value) else None
 
 
-def lora_metadata(cfg: TrainConfig, arch: Arch, step: int) -> dict[str, str]:
-    return lora_format.build_metadata(
-        arch_name=arch.name, config=cfg.to_dict(), steps=step,
-        trigger_words=[cfg.trigger_word] if cfg.trigger_word else [],
-        title=cfg.run_name or f"{arch.name} LoRA")
+class StepLog:
+    """Step figures into the history. The backend's loss, norm and finite flag stay device scalars until
+    `flush` reads them all in one transfer (no host sync per step); it also keeps the latest run of
+    consecutive skipped (non-finite) steps, which stops the run when too long."""
+
+    def __init__(self, backend, history: state.History, start: int, total_steps: int):
+        self.backend, self.history, self.start, self.total_steps = backend, history, start, total_steps
+        self.pending: list = []  # (step, image names, StepStats) not yet read
+        self.streak: list = []   # history.skipped entries of the latest run of skipped steps
+        self.started = time.perf_counter()
+
+    def add(self, step: int, items: list[str], stats, lr: float) -> None:
+        self.pending.append((step, items, stats))
+        self.history.lr.append(lr)
+
+    def flush(self) -> None:
+        stats = [v for _, _, s in self.pending for v in (s.loss, s.grad_norm, s.finite)]
+        values = self.backend.scalars(stats)
+        for (step_done, items, _), loss, norm, finite in zip(self.pending, values[0::3], values[1::3], values[2::3]):
+            self.history.loss.append(loss)
+            self.history.grad_norm.append(norm)
+            if finite:
+                self.streak.clear()
+            else:  # the backend left weights, optimizer and EMA alone: count it and name the images
+                self.history.skipped.append({"step": step_done, "items": items})
+                self.streak.append(self.history.skipped[-1])
+        self.pending.clear()
+
+    def report(self, done: int, lr: float, logged: bool, weights: Callable[[], dict[str, LoraWeights]]) -> Report:
+        """Speed and ETA over the steps of this call; loss figures only where `logged` (just flushed)."""
+        elapsed = time.perf_counter() - self.started
+        rate = (done - self.start) / elapsed if elapsed > 0 else 0.0
+        history = self.history
+        return Report(step=done, total_steps=self.total_steps, lr=lr, it_per_s=rate,
+                      eta_s=(self.total_steps - done) / rate if rate > 0 else 0.0,
+                      peak_memory_bytes=self.backend.peak_memory_bytes(),
+                      loss=_finite(history.loss[-1]) if logged else None,
+                      loss_smooth=_finite(smoothed(history.loss[-200:])[-1]) if logged else None,
+                      grad_norm=_finite(history.grad_norm[-1]) if logged else None,
+                      skipped_steps=len(history.skipped), weights=weights)
+
+
+def resumed(resume: str | Path | None, backend, rng: np.random.Generator,
+            sampler: BucketSampler) -> tuple[state.History, int]:
+    """(history, first step): a new run's, or the checkpoint's at `resume` with all its state put back."""
+    if resume is None:
+        return state.History(), 0
+    checkpoint = state.load_checkpoint(resume)
+    return state.restore(checkpoint, backend=backend, numpy_rng=rng, sampler=sampler), checkpoint.step
+
+
+def best_lora(backend, ema: bool) -> dict[str, LoraWeights]:
+    """What a user keeps (a UI's "save now"): the EMA weights when EMA is on, else the trained ones."""
+    if not ema:
+        return backend.lora_state()
+    with backend.ema_weights():
+        return backend.lora_state()
+
+
+def save_run(step: int, *, cfg: TrainConfig, arch: Arch, backend, run_dir: Path, rng: np.random.Generator,
+         sampler: BucketSampler, log: StepLog) -> Path:
+    """A resumable checkpoint at `step`; pending step figures are read first so its history is whole."""
+    log.flush()
+    return state.save_checkpoint(
+        run_dir, step, backend=backend, arch=arch, config=cfg.to_dict(), numpy_rng=rng,
+        cursor=sampler.state(), history=log.history, keep=cfg.keep_checkpoints,
+        lora_metadata=lora_metadata(cfg, arch, step), save_dtype=cfg.save_dtype)
 
 
 def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Path,
@@ -107,113 +169,49 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     `validate(step, lora)` runs every `validate_every` steps and at the last step, with the EMA
     weights swapped in when EMA is on. A torch model samples with its LoRA branches live; `lora()`
     gives the weights as numpy for a sampler that needs them applied (the MLX backend)."""
-    arch = get_arch(cfg.arch)
-    run_dir = Path(run_dir)
-    backend = get_backend(cfg.backend)
+    arch, run_dir, backend = get_arch(cfg.arch), Path(run_dir), get_backend(cfg.backend)
     rng = np.random.default_rng(cfg.seed)
     settings = objective_settings(cfg, arch)
     sampler = BucketSampler(data.buckets, cfg.batch_size, cfg.seed)
-    history = state.History()
-    start = 0
     backend.setup(model, cfg, arch, forward)
     try:
-        if resume is not None:
-            checkpoint = state.load_checkpoint(resume)
-            history = state.restore(checkpoint, backend=backend, numpy_rng=rng, sampler=sampler)
-            start = checkpoint.step
-
-        def save(step: int) -> Path:
-            flush()
-            return state.save_checkpoint(
-                run_dir, step, backend=backend, arch=arch, config=cfg.to_dict(), numpy_rng=rng,
-                cursor=sampler.state(), history=history, keep=cfg.keep_checkpoints,
-                lora_metadata=lora_metadata(cfg, arch, step), save_dtype=cfg.save_dtype)
-
-        def best_lora() -> dict[str, LoraWeights]:
-            """What a user keeps (a UI's "save now"): the EMA weights when EMA is on, else the trained ones."""
-            if not cfg.ema:
-                return backend.lora_state()
-            with backend.ema_weights():
-                return backend.lora_state()
-
-        pending: list = []  # (step, image names, StepStats): device scalars not yet read (no host sync per step)
-        streak: list = []   # the latest run of consecutive skipped (non-finite) steps
-
-        def flush() -> None:
-            values = backend.scalars([v for _, _, stats in pending for v in (stats.loss, stats.grad_norm, stats.finite)])
-            for (step_done, items, _), loss, norm, finite in zip(pending, values[0::3], values[1::3], values[2::3]):
-                history.loss.append(loss)
-                history.grad_norm.append(norm)
-                if finite:
-                    streak.clear()
-                else:  # the backend left weights, optimizer and EMA alone: count it and name the images
-                    history.skipped.append({"step": step_done, "items": items})
-                    streak.append(history.skipped[-1])
-            pending.clear()
-
-        started, checkpoint_path, stopped = time.perf_counter(), None, False
+        history, start = resumed(resume, backend, rng, sampler)
+        log = StepLog(backend, history, start, cfg.steps)
+        save = functools.partial(save_run, cfg=cfg, arch=arch, backend=backend, run_dir=run_dir, rng=rng,
+                                 sampler=sampler, log=log)
+        weights = functools.partial(best_lora, backend, cfg.ema)
+        checkpoint_path, stopped = None, False
         for step in range(start, cfg.steps):
             lr = lr_at(step, base_lr=cfg.learning_rate, schedule=cfg.lr_schedule, total_steps=cfg.steps,
                        warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
-            draws_before = (rng.bit_generator.state, sampler.state(), backend.rng_state())  # host copies, µs
+            draws = faults.Draws(rng, sampler, backend)  # an out-of-memory step puts its draws back
             micro_batches = [build_batch(data, sampler.next(), rng, settings, arch, cfg.caption_dropout)
                              for _ in range(cfg.grad_accum)]
             names = [name for batch in micro_batches for name in batch.items]
             done = step + 1
-            try:
+            with faults.out_of_memory_rewinds(cfg, step, names, draws, save if step > start else None):
                 stats = backend.step(micro_batches, lr)
-            except BaseException as error:
-                if not faults.is_out_of_memory(error):
-                    raise
-                traceback.clear_frames(error.__traceback__)  # let the failed step's activations go now
-                # Weights, optimizer and EMA are still those of `step`; put the draws back to match.
-                rng.bit_generator.state = draws_before[0]
-                sampler.load_state(draws_before[1])
-                backend.load_rng_state(draws_before[2])
-                checkpoint = save(step) if step > start else None
-                raise faults.OutOfMemory(faults.out_of_memory_message(cfg, error, step, names, checkpoint)) from error
-            pending.append((done, names, stats))
+            log.add(done, names, stats, lr)
             backend.update_ema()
-            history.lr.append(lr)
             logged = done % cfg.log_every == 0 or done == cfg.steps
             if logged:
-                flush()
-            if len(streak) >= faults.MAX_NON_FINITE_IN_A_ROW:
-                raise faults.NonFiniteLoss(faults.non_finite_message(cfg, streak, save(done)))
-            elapsed = time.perf_counter() - started
-            rate = (done - start) / elapsed if elapsed > 0 else 0.0
-            report = Report(step=done, total_steps=cfg.steps, lr=lr, it_per_s=rate,
-                            eta_s=(cfg.steps - done) / rate if rate > 0 else 0.0,
-                            peak_memory_bytes=backend.peak_memory_bytes(),
-                            loss=_finite(history.loss[-1]) if logged else None,
-                            loss_smooth=_finite(smoothed(history.loss[-200:])[-1]) if logged else None,
-                            grad_norm=_finite(history.grad_norm[-1]) if logged else None,
-                            skipped_steps=len(history.skipped), weights=best_lora)
-            try:
-                if on_step is not None:
-                    on_step(report)  # may raise (ComfyUI's stop button): state is at a clean step boundary
-            except BaseException:
-                save(done)
-                raise
+                log.flush()
+            if len(log.streak) >= faults.MAX_NON_FINITE_IN_A_ROW:
+                raise faults.NonFiniteLoss(faults.non_finite_message(cfg, log.streak, save(done)))
+            report = log.report(done, lr, logged, weights)
+            if on_step is not None:
+                with faults.saves_on_error(save, done):
+                    on_step(report)
             if validate is not None and validate_every and (done % validate_every == 0 or done == cfg.steps):
-                try:
-                    with backend.sampling():
-                        validate(done, backend.lora_state)
-                except BaseException as error:
-                    save(done)  # the stop button during sampling: keep the step just trained
-                    if faults.is_out_of_memory(error):
-                        traceback.clear_frames(error.__traceback__)
-                        raise faults.OutOfMemory(
-                            f"out of memory while sampling validation images at step {done}; the step is saved "
-                            f"(resumable). In Kiln Validation Settings lower width/height, or raise every") from error
-                    raise
+                with faults.validation_saves_on_error(save, done), backend.sampling():
+                    validate(done, backend.lora_state)
             if should_stop is not None and should_stop():
                 checkpoint_path, stopped = save(done), True
                 break
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                 checkpoint_path = save(done)
-        flush()
-        ema_lora = best_lora() if cfg.ema else None
+        log.flush()
+        ema_lora = weights() if cfg.ema else None
         return RunResult(run_dir=run_dir, step=len(history.lr), history=history, lora=backend.lora_state(),
                          ema_lora=ema_lora, checkpoint=checkpoint_path, stopped=stopped,
                          trainable_parameters=backend.trainable_parameter_count(),

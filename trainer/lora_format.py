@@ -23,6 +23,7 @@ import numpy as np
 
 from . import safetensors_io
 from .archs import ARCHS, Arch, DiffusersRule, get_arch
+from .config import TrainConfig
 
 
 @dataclass
@@ -86,10 +87,9 @@ def _split_keys(tensors: Mapping[str, np.ndarray], prefix: str, source: str) -> 
     return {name: _weights(source, prefix + name, parts) for name, parts in modules.items()}
 
 
-def _put(out: dict, name: str, weights: LoraWeights, down: str, up: str) -> None:
-    out[f"{name}.{down}.weight"] = weights.A
-    out[f"{name}.{up}.weight"] = weights.B
-    out[f"{name}.alpha"] = np.array(weights.alpha, dtype=np.float32)  # scalar: ComfyUI calls .item()
+def _pair(name: str, weights: LoraWeights, down: str, up: str) -> dict[str, np.ndarray]:
+    return {f"{name}.{down}.weight": weights.A, f"{name}.{up}.weight": weights.B,
+            f"{name}.alpha": np.array(weights.alpha, dtype=np.float32)}  # scalar: ComfyUI calls .item()
 
 
 # ---------------------------------------------------------------- comfy and kohya
@@ -98,21 +98,16 @@ COMFY_PREFIX, KOHYA_PREFIX, DIFFUSERS_PREFIX = "diffusion_model.", "lora_unet_",
 
 
 def _comfy_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for path, w in lora.items():
-        _put(out, COMFY_PREFIX + path, w, "lora_A", "lora_B")
-    return out
+    return {k: v for path, w in lora.items() for k, v in _pair(COMFY_PREFIX + path, w, "lora_A", "lora_B").items()}
 
 
 def _comfy_from(tensors, arch, module_names, source) -> Lora:
     return _split_keys(tensors, COMFY_PREFIX, source)
 
 
-def _kohya_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for path, w in lora.items():  # the name model_lora_keys_unet builds from each state-dict key
-        _put(out, KOHYA_PREFIX + path.replace(".", "_"), w, "lora_down", "lora_up")
-    return out
+def _kohya_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:  # '.' → '_' as model_lora_keys_unet
+    return {k: v for path, w in lora.items()
+            for k, v in _pair(KOHYA_PREFIX + path.replace(".", "_"), w, "lora_down", "lora_up").items()}
 
 
 def _kohya_from(tensors, arch, module_names, source) -> Lora:
@@ -172,12 +167,9 @@ def _diffusers_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
             raise ValueError(f"{path}: no diffusers name for this module in arch {arch.name!r}; "
                              "export as comfy or kohya, or leave it out of the targets")
         rule, names = found
-        start = 0
         # Every part gets the same A and alpha (so the same scale) and its exact rows of B.
-        for name, rows in zip(names, _row_sizes(rule, w.B.shape[0], path)):
-            _put(out, arch.diffusers_prefix + name, LoraWeights(w.A, w.B[start:start + rows], w.alpha),
-                 "lora_A", "lora_B")
-            start += rows
+        for name, part in zip(names, np.split(w.B, np.cumsum(_row_sizes(rule, w.B.shape[0], path))[:-1])):
+            out.update(_pair(arch.diffusers_prefix + name, LoraWeights(w.A, part, w.alpha), "lora_A", "lora_B"))
     return out
 
 
@@ -213,13 +205,11 @@ def _diffusers_source(arch: Arch, name: str, source: str) -> tuple[DiffusersRule
 
 def _diffusers_from(tensors, arch, module_names, source) -> Lora:
     arch = _require_rules(arch, source)
-    parts: dict[str, dict[int, LoraWeights]] = {}
-    rules: dict[str, DiffusersRule] = {}
+    parts: dict[str, tuple[DiffusersRule, dict[int, LoraWeights]]] = {}  # path → (its one rule, parts by index)
     for name, weights in _split_keys(tensors, arch.diffusers_prefix, source).items():
         rule, path, index = _diffusers_source(arch, name, source)
-        parts.setdefault(path, {})[index] = weights
-        rules[path] = rule
-    return {path: _fuse(rules[path], parts[path], f"{source}: {path}") for path in parts}
+        parts.setdefault(path, (rule, {}))[1][index] = weights
+    return {path: _fuse(rule, found, f"{source}: {path}") for path, (rule, found) in parts.items()}
 
 
 def _fuse(rule: DiffusersRule, parts: dict[int, LoraWeights], where: str) -> LoraWeights:
@@ -237,8 +227,7 @@ def _block_diagonal(rule: DiffusersRule, ordered: list[LoraWeights | None], wher
     part's alpha/r folded in, alpha = Σr (scale 1), so B@A·scale equals the parts' exactly.
     A part the file lacks (e.g. only to_q and to_v trained) contributes zero rows."""
     present = [p for p in ordered if p is not None]
-    sizes = {p.B.shape[0] for p in present}
-    rows = list(rule.split_sizes) if rule.split_sizes else [max(sizes)] * len(ordered)
+    rows = list(rule.split_sizes) if rule.split_sizes else [max(p.B.shape[0] for p in present)] * len(ordered)
     bad = [t for p, n, t in zip(ordered, rows, rule.targets) if p is not None and p.B.shape[0] != n]
     if bad or len({p.A.shape[1] for p in present}) != 1:
         raise ValueError(f"{where}: diffusers parts {bad or list(rule.targets)} do not fit one fused layer "
@@ -269,14 +258,12 @@ FORMATS: dict[str, LoraFormat] = {
 }
 
 
-def _arch(arch: Arch | str | None) -> Arch | None:
-    return get_arch(arch) if isinstance(arch, str) else arch
-
-
-def _arch_or_metadata(arch: Arch | str | None, metadata: Mapping[str, str]) -> Arch | None:
-    """The given arch, else the file's kiln.arch; a name we do not know (a newer Kiln's) gives None,
-    which only matters for diffusers, which then says so."""
-    return _arch(arch) if arch is not None else ARCHS.get(metadata.get("kiln.arch", ""))
+def _arch(arch: Arch | str | None, metadata: Mapping[str, str] | None = None) -> Arch | None:
+    """The given arch (or name), else the file's kiln.arch; a name we do not know (a newer Kiln's) gives
+    None, which only matters for diffusers, which then says so."""
+    if arch is not None:
+        return get_arch(arch) if isinstance(arch, str) else arch
+    return ARCHS.get((metadata or {}).get("kiln.arch", ""))
 
 
 def to_tensors(lora: Lora, fmt: str, arch: Arch | str | None) -> dict[str, np.ndarray]:
@@ -303,9 +290,8 @@ def _module_paths(metadata: Mapping[str, str], source: str) -> list[str] | None:
 def detect_format(keys, source: str = "tensors") -> str:
     found = {name for key in keys for name, f in FORMATS.items() if key.startswith(f.key_prefix)}
     if not found:
-        prefixes = ", ".join(f.key_prefix for f in FORMATS.values())
-        raise ValueError(f"{source}: no LoRA keys (none start with {prefixes}); is this a LoRA for the "
-                         "diffusion model?")
+        raise ValueError(f"{source}: no LoRA keys (none start with {', '.join(f.key_prefix for f in FORMATS.values())}"
+                         "); is this a LoRA for the diffusion model?")
     if len(found) > 1:
         raise ValueError(f"{source}: keys of several formats {sorted(found)} in one file; Kiln reads one")
     return found.pop()
@@ -317,7 +303,7 @@ def from_tensors(tensors: Mapping[str, np.ndarray], *, arch: Arch | str | None =
     """Detect the format and read the LoRA; arch and module names default to the file's metadata."""
     metadata = metadata or {}
     fmt = detect_format(tensors, source)
-    arch = _arch_or_metadata(arch, metadata)
+    arch = _arch(arch, metadata)
     if module_names is None:
         module_names = _module_paths(metadata, source)
     return FORMATS[fmt].from_tensors(tensors, arch, module_names, source), fmt
@@ -334,8 +320,7 @@ def save_lora(path, lora: Lora, *, arch: Arch | str | None, fmt: str = "comfy", 
         meta["kiln.arch"] = arch.name  # the arch that named the keys; export reads it back
     if fmt == "kohya":  # the only way back from '_' to '.' (see _kohya_from)
         meta["kiln.module_paths"] = json.dumps(sorted(lora))
-    # Weights in the chosen dtype; alpha stays an F32 scalar.
-    stored = {key: _DTYPES[dtype] for key in tensors if not key.endswith(".alpha")}
+    stored = {key: _DTYPES[dtype] for key in tensors if not key.endswith(".alpha")}  # alpha stays an F32 scalar
     safetensors_io.write(path, tensors, meta, dtype=stored)
 
 
@@ -359,7 +344,7 @@ def describe(path) -> dict:
 def export(src, dst, fmt: str, *, arch: Arch | str | None = None) -> None:
     """Rewrite a LoRA file in another format, keeping its metadata and weight dtype."""
     header, metadata = safetensors_io.read_header(src)
-    arch = _arch_or_metadata(arch, metadata)
+    arch = _arch(arch, metadata)
     lora, metadata = load_lora(src, arch=arch)
     weight_dtypes = {e["dtype"] for key, e in header.items() if not key.endswith(".alpha")}
     dtype = {"BF16": "bf16", "F16": "fp16"}.get(weight_dtypes.pop(), "fp32") if len(weight_dtypes) == 1 else "fp32"
@@ -395,3 +380,10 @@ def build_metadata(*, arch_name: str, config: dict, steps: int, trigger_words: l
             raise TypeError(f"metadata {key!r} is {type(value).__name__}; safetensors metadata must be str")
         metadata[key] = value
     return metadata
+
+
+def lora_metadata(cfg: TrainConfig, arch: Arch, step: int) -> dict[str, str]:
+    """A run's LoRA file metadata at `step`: its config, trigger word, and the run name as title."""
+    return build_metadata(arch_name=arch.name, config=cfg.to_dict(), steps=step,
+                          trigger_words=[cfg.trigger_word] if cfg.trigger_word else [],
+                          title=cfg.run_name or f"{arch.name} LoRA")

@@ -2,7 +2,8 @@
 
 Layout (DESIGN.md):
   <run>/step-000500/lora.safetensors    the LoRA as a user loads it (save_dtype, comfy keys)
-  <run>/step-000500/state.safetensors   exact fp32 LoRA, EMA shadow, optimizer moments, torch RNG
+  <run>/step-000500/state.safetensors   exact fp32 LoRA (lora.<path>.A/.B/.alpha), EMA shadow (ema.<path>.A/.B),
+                                        optimizer moments, RNG states
   <run>/step-000500/run.json            config, step, numpy RNG, data cursor, loss history; written last
 A checkpoint is built in a hidden temp folder and renamed into place, so a
 crash at any moment leaves either no folder or a complete one; one being
@@ -198,7 +199,16 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
                          f"rename the folder to step-{info['step']:06d} or {_RESUME_FIX}")
     tensors, _ = safetensors_io.read(path / "state.safetensors")
     _check_tensors(path / "state.safetensors", tensors)
-    return Checkpoint(path=path, step=info["step"], info=info, tensors=tensors)
+    return Checkpoint(path=path, step=info["step"], info=info, tensors=_current_names(tensors))
+
+
+def _current_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Checkpoints written before the EMA shadow took the trained LoRA's naming hold it as
+    'ema.<path>.lora_A' / '.lora_B': read those as 'ema.<path>.A' / '.B', so old runs still resume."""
+    def current(key: str) -> str:
+        old = key.startswith("ema.") and key.endswith((".lora_A", ".lora_B"))
+        return f"{key[:-len('.lora_A')]}.{key[-1]}" if old else key
+    return {current(key): array for key, array in tensors.items()}
 
 
 def _check_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
@@ -209,7 +219,7 @@ def _check_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
         return ValueError(f"{path}: tensor {key!r} is {array.dtype} {list(array.shape)}: {problem}; "
                           f"the file was altered or damaged; {_RESUME_FIX}")
 
-    shapes = {}  # '<module path>.lora_A' → shape, from the lora.* tensors
+    shapes = {}  # '<module path>.A' (EMA's name) and '<module path>.lora_A' (optimizer's, old EMA's) → shape
     for key, array in tensors.items():
         if key.startswith("lora.") and key.endswith((".A", ".B", ".alpha")):
             if array.dtype != np.float32:
@@ -220,7 +230,7 @@ def _check_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
                 continue
             if array.ndim != 2:
                 raise bad(key, "LoRA A and B must be 2-D")
-            shapes[f"{key[5:-2]}.lora_{key[-1]}"] = array.shape
+            shapes[key[5:]] = shapes[f"{key[5:-2]}.lora_{key[-1]}"] = array.shape
     for key, array in tensors.items():
         section, _, rest = key.partition(".")
         if section == "ema":
@@ -243,7 +253,7 @@ def checkpoint_lora(checkpoint: Checkpoint, *, ema: bool = False) -> dict[str, L
     if not shadow:
         raise ValueError(f"{checkpoint.path}: this run trained without EMA; set ema on in Training Options "
                          "(or use the LoRA as trained)")
-    return {path: LoraWeights(A=shadow[f"{path}.lora_A"], B=shadow[f"{path}.lora_B"], alpha=w.alpha)
+    return {path: LoraWeights(A=shadow[f"{path}.A"], B=shadow[f"{path}.B"], alpha=w.alpha)
             for path, w in lora.items()}
 
 

@@ -14,7 +14,7 @@ def bucket_of(index):
 
 def test_each_epoch_covers_every_item_once_one_bucket_per_batch():
     sampler = BucketSampler(BUCKETS, batch_size=2, seed=7)
-    batches = [sampler.next() for _ in range(sampler.batches_per_epoch())]
+    batches = [sampler.next() for _ in range(len(sampler.epoch_plan(0)))]
     assert sorted(i for b in batches for i in b) == list(range(9))
     assert all(len({bucket_of(i) for i in batch}) == 1 for batch in batches)
     assert sorted(len(b) for b in batches) == [1, 1, 1, 2, 2, 2]   # short last batches kept, never mixed

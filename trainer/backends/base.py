@@ -39,6 +39,27 @@ class StepStats:
     finite: Any = True            # device bool: False when the loss or a gradient was NaN/inf (step skipped)
 
 
+# A LoRA parameter is named '<module path>.lora_A' / '.lora_B' (PEFT's words) inside a backend; tensors that
+# leave it (EMA shadow) are keyed '<module path>.A' / '.B', as the trained LoRA is in a checkpoint.
+_SAVED_SUFFIX = {".lora_A": ".A", ".lora_B": ".B"}
+
+
+def saved_name(parameter: str) -> str:
+    """'<path>.lora_A' → '<path>.A' (and B); other names as they are."""
+    for ours, saved in _SAVED_SUFFIX.items():
+        if parameter.endswith(ours):
+            return parameter[:-len(ours)] + saved
+    return parameter
+
+
+def parameter_name(saved: str) -> str:
+    """'<path>.A' → '<path>.lora_A' (and B): saved_name undone."""
+    for ours, suffix in _SAVED_SUFFIX.items():
+        if saved.endswith(suffix):
+            return saved[:-len(suffix)] + ours
+    return saved
+
+
 def checkpointed(count: int, recompute: bool, skip: int) -> list[bool]:
     """Which of `count` blocks recompute in backward, in block-list order: all but the last `skip`
     (skip_checkpoint_blocks) when gradient checkpointing is on, none when it is off."""
@@ -72,7 +93,9 @@ class Backend(Protocol):
 
     def lora_state(self) -> dict[str, LoraWeights]: ...
     def load_lora_state(self, lora: dict[str, LoraWeights]) -> None: ...
-    def ema_state(self) -> dict[str, np.ndarray]: ...
+    def ema_state(self) -> dict[str, np.ndarray]:
+        """The fp32 shadow keyed '<module path>.A' / '.B' (saved_name); empty when EMA is off."""
+
     def load_ema_state(self, tensors: dict[str, np.ndarray]) -> None: ...
     def optimizer_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]: ...
     def load_optimizer_state(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None: ...

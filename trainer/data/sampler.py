@@ -37,9 +37,6 @@ class BucketSampler:
         self.position += 1
         return batch
 
-    def batches_per_epoch(self) -> int:
-        return len(self._plan)
-
     def state(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
 

@@ -22,7 +22,7 @@ from ...archs import Arch
 from ...config import TrainConfig
 from ...lora_format import LoraWeights
 from ...objective import interpolate, velocity_target
-from ..base import StepStats
+from ..base import StepStats, parameter_name, saved_name
 from .checkpointing import BlockCheckpointing
 from .ema import Ema
 from .lora import LoraSet, named_modules
@@ -85,7 +85,8 @@ class MlxBackend:
                                 seed=cfg.seed, low_precision=cfg.mixed_precision == "bf16")
             self.checkpointing = BlockCheckpointing(model, arch.block_lists, cfg.skip_checkpoint_blocks) \
                 if cfg.gradient_checkpointing else None
-            self.optimizer = build_optimizer(cfg)
+            self.optimizer = build_optimizer(cfg.optimizer, lr=cfg.learning_rate, eps=cfg.adam_eps,
+                                             betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
             self.optimizer.init(model.trainable_parameters())   # state tree fixed before the first compile
             self.ema = Ema(self.lora.parameters(), cfg.ema_decay) if cfg.ema else None
         except BaseException:
@@ -199,11 +200,11 @@ class MlxBackend:
                 setattr(layer, name, mx.array(np.asarray(array, dtype=np.float32)))
 
     def ema_state(self) -> dict[str, np.ndarray]:
-        return {} if self.ema is None else self.ema.state()
+        return {} if self.ema is None else {saved_name(name): v for name, v in self.ema.state().items()}
 
     def load_ema_state(self, tensors: dict[str, np.ndarray]) -> None:
         if self.ema is not None and tensors:
-            self.ema.load_state(tensors)
+            self.ema.load_state({parameter_name(k): v for k, v in tensors.items()})
 
     def optimizer_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Tensors keyed '<param name>.<state key>'; step and learning rate as JSON-able meta."""

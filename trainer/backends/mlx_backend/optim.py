@@ -14,31 +14,31 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ...config import TrainConfig
+Betas = tuple[float, float]
 
 
-def _adamw(cfg: TrainConfig) -> optim.Optimizer:
-    return optim.AdamW(learning_rate=cfg.learning_rate, betas=[cfg.adam_beta1, cfg.adam_beta2], eps=cfg.adam_eps,
-                       weight_decay=cfg.weight_decay, bias_correction=True)
+def _adamw(lr: float, betas: Betas, eps: float, weight_decay: float) -> optim.Optimizer:
+    return optim.AdamW(learning_rate=lr, betas=list(betas), eps=eps, weight_decay=weight_decay, bias_correction=True)
 
 
-def _adafactor(cfg: TrainConfig) -> optim.Optimizer:
+def _adafactor(lr: float, betas: Betas, eps: float, weight_decay: float) -> optim.Optimizer:
     # The configured learning rate (not Adafactor's relative step), scaled by the weight RMS as
     # torch.optim.Adafactor does; MLX applies the weight decay with that scaled rate.
-    return optim.Adafactor(learning_rate=cfg.learning_rate, relative_step=False, weight_decay=cfg.weight_decay)
+    return optim.Adafactor(learning_rate=lr, relative_step=False, weight_decay=weight_decay)
 
 
-OPTIMIZERS: dict[str, Callable[[TrainConfig], optim.Optimizer]] = {
+# Every entry takes the same flat values (lr, betas, eps, weight_decay) and uses those its optimizer has.
+OPTIMIZERS: dict[str, Callable[..., optim.Optimizer]] = {
     "adamw": _adamw,
     "adafactor": _adafactor,
 }
 
 
-def build_optimizer(cfg: TrainConfig) -> optim.Optimizer:
-    if cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {cfg.optimizer!r} is not available with backend 'mlx'; "
+def build_optimizer(name: str, *, lr: float, betas: Betas, eps: float, weight_decay: float) -> optim.Optimizer:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r} is not available with backend 'mlx'; "
                          f"choose one of {list(OPTIMIZERS)} or use backend 'torch'")
-    return OPTIMIZERS[cfg.optimizer](cfg)
+    return OPTIMIZERS[name](lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def clip_global_norm(grads: dict, max_norm: float) -> tuple[dict, mx.array]:

@@ -11,7 +11,7 @@ from ...archs import Arch
 from ...config import TrainConfig
 from ...lora_format import LoraWeights
 from ...objective import interpolate, velocity_target
-from ..base import StepStats
+from ..base import StepStats, parameter_name, saved_name
 from . import attention
 from .checkpointing import BlockCheckpointing
 from .ema import Ema
@@ -79,7 +79,9 @@ class TorchBackend:
                                                 pure_blocks=arch.pure_blocks, budget=cfg.checkpoint_budget,
                                                 compile_key=f"attention={self.attention}")
         self.params = dict(self.lora.named_parameters())
-        self.optimizer = build_optimizer(list(self.params.values()), cfg, self.device)
+        self.optimizer = build_optimizer(list(self.params.values()), cfg.optimizer, lr=cfg.learning_rate,
+                                         betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                         weight_decay=cfg.weight_decay, device=self.device)
         self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -179,11 +181,11 @@ class TorchBackend:
     def ema_state(self) -> dict[str, np.ndarray]:
         if self.ema is None:
             return {}
-        return {name: t.cpu().numpy() for name, t in self.ema.state().items()}
+        return {saved_name(name): t.cpu().numpy() for name, t in self.ema.state().items()}
 
     def load_ema_state(self, tensors: dict[str, np.ndarray]) -> None:
         if self.ema is not None and tensors:
-            self.ema.load_state({k: torch.from_numpy(v) for k, v in tensors.items()})
+            self.ema.load_state({parameter_name(k): torch.from_numpy(v) for k, v in tensors.items()})
 
     def optimizer_state(self):
         """Tensors keyed '<param name>.<state key>'; everything else as JSON-able meta."""

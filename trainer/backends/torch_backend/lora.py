@@ -38,10 +38,6 @@ class LoraBranch(nn.Module):
         hidden = nn.functional.linear(self.dropout(x), self.lora_A) * self.scale
         return nn.functional.linear(hidden, self.lora_B)
 
-    def delta_weight(self) -> torch.Tensor:
-        """(α/r)·B·A in fp32, [out, in]."""
-        return (self.lora_B.float() @ self.lora_A.float()) * self.scale
-
 
 @dataclass
 class Injected:
@@ -82,7 +78,6 @@ class LoraSet:
         layers = linear_layers(model)
         self.paths = select_targets(list(layers), list(patterns))
         self.injected: dict[str, Injected] = {}
-        self.merged = False
         for path in self.paths:
             module = layers[path]
             device = module.weight.device if module.weight.device.type != "meta" else torch.device("cpu")
@@ -104,31 +99,8 @@ class LoraSet:
     def parameter_count(self) -> int:
         return sum(p.numel() for _, p in self.named_parameters())
 
-    @torch.no_grad()
-    def merge(self) -> None:
-        """Fold each branch into its base weight and bypass the branch (for fast inference)."""
-        if self.merged:
-            return
-        for item in self.injected.values():
-            weight = item.module.weight
-            weight.copy_((weight.float() + item.branch.delta_weight().to(weight.device)).to(weight.dtype))
-            _unhook(item)
-        self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        """Subtract the branches again and re-enable them (exact up to the weight dtype's rounding)."""
-        if not self.merged:
-            return
-        for item in self.injected.values():
-            weight = item.module.weight
-            weight.copy_((weight.float() - item.branch.delta_weight().to(weight.device)).to(weight.dtype))
-            item.module.forward = _with_branch(item.module.forward, item.branch)
-        self.merged = False
-
     def remove(self) -> None:
         """Take every branch out; the model is as it was before injection."""
-        self.unmerge()
         for item in self.injected.values():
             _unhook(item)
         self.injected.clear()

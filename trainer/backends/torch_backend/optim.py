@@ -1,49 +1,51 @@
-"""Optimizers as a dict registry, global-norm clipping as one batched reduction."""
+"""Optimizers as a dict registry, global-norm clipping as one batched reduction.
+
+Every registry entry takes the same flat values, (params, lr, betas, eps, weight_decay, device), and
+uses those its optimizer has; the backend reads them off the config."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 
-from ...config import OPTIMIZER_NAMES, TrainConfig
+from ...config import OPTIMIZER_NAMES
 
 
 class OptimizerUnavailable(RuntimeError):
     """The chosen optimizer needs a package that is not installed; says which and what to pick instead."""
 
 
-def _adamw(params, cfg: TrainConfig, device: torch.device):
+Betas = tuple[float, float]
+
+
+def _adamw(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
     # fused on CUDA (one kernel for all tensors); foreach elsewhere.
     fused = device.type == "cuda"
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              fused=fused or None, foreach=None if fused else True)
 
 
-def _adamw8bit(params, cfg: TrainConfig, device: torch.device):
+def _adamw8bit(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
     try:
         import bitsandbytes
     except ImportError as err:
         raise OptimizerUnavailable(
             "optimizer 'adamw8bit' needs bitsandbytes (NVIDIA GPUs): pip install bitsandbytes, "
             "or choose optimizer 'adamw'") from err
-    return bitsandbytes.optim.AdamW8bit(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                        eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    return bitsandbytes.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
-def _adafactor(params, cfg: TrainConfig, device: torch.device):
-    return torch.optim.Adafactor(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                 foreach=True)
+def _adafactor(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
+    return torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay, foreach=True)
 
 
-def _prodigy(params, cfg: TrainConfig, device: torch.device):
+def _prodigy(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
     try:
         from prodigyopt import Prodigy
     except ImportError as err:
         raise OptimizerUnavailable(
             "optimizer 'prodigy' needs prodigyopt: pip install prodigyopt, or choose optimizer 'adamw'") from err
-    return Prodigy(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                   weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    return Prodigy(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
 
 
 OPTIMIZERS: dict[str, Callable] = {
@@ -55,8 +57,9 @@ OPTIMIZERS: dict[str, Callable] = {
 assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "config.OPTIMIZER_NAMES and the torch registry must agree"
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device):
-    return OPTIMIZERS[cfg.optimizer](params, cfg, device)
+def build_optimizer(params: list[torch.nn.Parameter], name: str, *, lr: float, betas: Betas, eps: float,
+                    weight_decay: float, device: torch.device):
+    return OPTIMIZERS[name](params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, device=device)
 
 
 @torch.no_grad()
