@@ -150,7 +150,7 @@ def best_lora(backend, ema: bool) -> dict[str, LoraWeights]:
 
 
 def save_run(step: int, *, cfg: TrainConfig, arch: Arch, backend, run_dir: Path, rng: np.random.Generator,
-         sampler: BucketSampler, log: StepLog) -> Path:
+             sampler: BucketSampler, log: StepLog) -> Path:
     """A resumable checkpoint at `step`; pending step figures are read first so its history is whole."""
     log.flush()
     return state.save_checkpoint(
