@@ -56,11 +56,12 @@ def make_forward(model, arch_name: str):
     """forward(dm, x_t, sigmas, context, extras) -> velocity, built from ComfyUI's own preparation.
 
     Conds come from the model's own `extra_conds` (exactly as sampling prepares a prompt), the
-    timestep from `model_sampling.timestep`, then `_apply_model`'s casts and call. A batch whose
-    Z-Image captions differ in length runs as one call per length (ComfyUI never batches such conds:
-    NextDiT masks no caption padding), each row trimmed to its own tokens; lengths come from
-    extras['num_tokens'] given per row, else from the trailing all-zero rows of right-padded context.
-    Flux2 rows are left-padded to 512 as ComfyUI pads one prompt, so they batch as they are.
+    timestep from `model_sampling.timestep`, then `_apply_model`'s casts and call. Where the arch says
+    so (split_by_caption_length), rows whose padded captions differ in length run as one call per
+    length (ComfyUI never batches such conds: NextDiT masks no caption padding), each row trimmed to its
+    own tokens; lengths come from extras['num_tokens'] given per row, else from the all-zero padding on
+    the arch's context side. Flux2 rows are left-padded to 512 as ComfyUI pads one prompt, so they batch
+    as they are. Under a three-dimensional latent format the frame axis is put back around the call.
     """
     sampling = model.get_model_object("model_sampling")
     if not isinstance(sampling, comfy.model_sampling.CONST):

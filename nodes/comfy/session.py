@@ -62,7 +62,25 @@ def training_session(model, device=None, *, quantized_matmul: bool = False):
             mm.in_training = previous
 
 
-_SESSIONS: list = []  # models in an open training_session (innermost last); sample() reloads it after
+_SESSIONS: list = []  # models in an open training_session (innermost last); sampling() reloads it after
+
+
+@contextlib.contextmanager
+def sampling(reload_after=None):
+    """Sampling between training steps (or outside a session): no grad, in_training off (the inference
+    RoPE path), the stop button live. Afterwards the model of the open training_session (or
+    reload_after) is loaded fully again: sampling may have loaded another clone (e.g. the model without
+    the training adapter) or evicted it for the VAE."""
+    previous = mm.in_training
+    try:
+        mm.in_training = False
+        with torch.no_grad(), _run_every_op(_RUN_EVERY_OP):
+            yield
+    finally:
+        mm.in_training = previous
+        training = reload_after if reload_after is not None else (_SESSIONS[-1] if _SESSIONS else None)
+        if training is not None:
+            reload_for_training(training)
 
 
 def reload_for_training(model) -> None:

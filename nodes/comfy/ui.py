@@ -14,7 +14,7 @@ from comfy.cli_args import args
 from PIL import Image
 
 from . import paths as comfy_paths
-from .session import _RUN_EVERY_OP, _SESSIONS, _run_every_op, reload_for_training
+from . import session
 
 
 def loss_map(history_loss) -> dict:
@@ -30,10 +30,9 @@ def sample(model, positive, negative, vae, *, seed: int, steps: int, cfg: float,
            scheduler: str, width: int, height: int, reload_after=None) -> torch.Tensor:
     """One image through ComfyUI's own sampler (comfy.sample.sample) and vae.decode: IMAGE [1,H,W,3].
 
-    Runs under no_grad with in_training off (the inference RoPE path) and the stop button live;
-    LoRA side branches installed in the module forwards take part. Afterwards the model of the open
-    training_session (or reload_after) is loaded fully again: sampling may have loaded another clone
-    (e.g. the model without the training adapter) or evicted it for the VAE."""
+    Runs in session.sampling (no grad, in_training off, the stop button live; the training model
+    loaded again afterwards) on ComfyUI's own code paths; LoRA side branches installed in the module
+    forwards take part."""
     fmt = model.get_model_object("latent_format")
     down = getattr(fmt, "spacial_downscale_ratio", 8)
     if width % down or height % down:
@@ -41,18 +40,10 @@ def sample(model, positive, negative, vae, *, seed: int, steps: int, cfg: float,
     latent = torch.zeros([1, fmt.latent_channels, height // down, width // down])
     latent = comfy.sample.fix_empty_latent_channels(model, latent)
     noise = comfy.sample.prepare_noise(latent, seed)
-    previous = mm.in_training
-    try:
-        mm.in_training = False
-        with torch.no_grad(), _run_every_op(_RUN_EVERY_OP), comfy_paths.sampling(model):
-            samples = comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive, negative,
-                                          latent, denoise=1.0, disable_pbar=True, seed=seed)
-            images = vae.decode(samples)
-    finally:
-        mm.in_training = previous
-        training = reload_after if reload_after is not None else (_SESSIONS[-1] if _SESSIONS else None)
-        if training is not None:
-            reload_for_training(training)
+    with session.sampling(reload_after), comfy_paths.sampling(model):
+        samples = comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive, negative,
+                                      latent, denoise=1.0, disable_pbar=True, seed=seed)
+        images = vae.decode(samples)
     return images.reshape(-1, *images.shape[-3:])[..., :3]
 
 
