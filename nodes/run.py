@@ -170,14 +170,25 @@ def resolve_run(text: str) -> Path:
     if not text:
         raise ValueError("Kiln Load Run: set run_folder to a folder under output/kiln/ (or an absolute path)")
     path = Path(text).expanduser()
+    root = (Path(bridge.folders()["output"]) / "kiln").resolve()
     if not path.is_absolute():
-        root = (Path(bridge.folders()["output"]) / "kiln").resolve()
         path = (root / path).resolve()
         if root not in path.parents:
             raise ValueError(f"Kiln Load Run: {text!r} leaves output/kiln/; give a name inside it or an absolute path")
+    if not path.is_dir():
+        raise ValueError(f"Kiln Load Run: {path} does not exist; runs under output/kiln/: {known_runs(root)}")
     if state_module.STEP_DIR.match(path.name) and (path / "run.json").is_file():
         return path
     found = state_module.list_checkpoints(path)
     if not found:
-        raise ValueError(f"Kiln Load Run: {path} has no complete checkpoint (step-NNNNNN with run.json)")
+        raise ValueError(f"Kiln Load Run: {path} has no complete checkpoint (step-NNNNNN with run.json) yet; "
+                         f"runs with one under output/kiln/: {known_runs(root)}")
     return found[-1][1]
+
+
+def known_runs(root: Path, most: int = 20) -> str:
+    """The run folders under output/kiln/ that hold a complete checkpoint, newest first, for a message."""
+    runs = sorted((p for p in root.iterdir() if p.is_dir() and state_module.list_checkpoints(p)),
+                  key=lambda p: p.stat().st_mtime, reverse=True) if root.is_dir() else []
+    names = ", ".join(p.name for p in runs[:most]) + (f", … and {len(runs) - most} more" if len(runs) > most else "")
+    return names or "none yet (train one with Kiln Train LoRA)"

@@ -68,6 +68,21 @@ def test_load_run_refuses_a_name_that_leaves_output_kiln(comfy_dirs):
         run.resolve_run("../../etc")
 
 
+def test_load_run_says_a_folder_does_not_exist_and_lists_the_runs_that_do(comfy_dirs):
+    kiln = comfy_dirs / "output" / "kiln"
+    with pytest.raises(ValueError, match=r"nope does not exist; runs under output/kiln/: none yet"):
+        run.resolve_run("nope")
+    (kiln / "empty").mkdir(parents=True)                      # a folder without a checkpoint is not a run
+    (kiln / "done-1a2b" / "step-000010").mkdir(parents=True)
+    for name in ("run.json", "state.safetensors"):  # what makes a checkpoint complete (state.list_checkpoints)
+        (kiln / "done-1a2b" / "step-000010" / name).write_text("{}", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"nope does not exist; runs under output/kiln/: done-1a2b$"):
+        run.resolve_run("nope")
+    with pytest.raises(ValueError, match=r"empty has no complete checkpoint .* yet; runs with one .*: done-1a2b$"):
+        run.resolve_run("empty")
+    assert run.resolve_run("done-1a2b") == (kiln / "done-1a2b" / "step-000010").resolve()
+
+
 def test_a_misshapen_training_adapter_is_refused_by_name(comfy_dirs, model):
     path = comfy_dirs / "loras" / "bad_adapter.safetensors"
     safetensors_io.write(path, _adapter(model, in_features_delta=3))

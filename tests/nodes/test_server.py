@@ -187,7 +187,7 @@ def test_example_workflow_passes_comfys_validation(server, path):
     errors = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
     assert entry["status"]["status_str"] == "error" and len(errors) == 1, entry["status"]
     assert errors[0]["node_type"] == "KilnLoadRun", errors
-    assert "no complete checkpoint" in errors[0]["exception_message"], errors
+    assert "does not exist; runs under output/kiln/" in errors[0]["exception_message"], errors
 
 
 # ---------------------------------------------------------------- the example workflows through comfy-cli
