@@ -190,10 +190,45 @@ def test_duplicates_keep_the_first_copy(tmp_path):
     (tmp_path / "b/copy.png").write_bytes(first.read_bytes())
     (tmp_path / "b/copy.txt").write_text("another caption")
     report = scan(tmp_path)
-    assert list(items(report)) == ["a/one.png"]
+    assert list(items(report)) == ["a/one.png"] and items(report)["a/one.png"].caption == "a photo"
     duplicate = next(p for p in report.problems if p.file == "b/copy.png")
-    assert duplicate.code == "duplicate" and duplicate.severity == "skipped" and "a/one.png" in duplicate.message
-    assert codes(report) == {"b/copy.png": "duplicate", "b/copy.txt": "caption_unused"}
+    assert duplicate.code == "duplicate" and duplicate.severity == "skipped"
+    assert duplicate.message == "a byte-identical copy of a/one.png"
+    assert duplicate.fix.startswith("delete one of the two; a/one.png is used, with its caption a/one.txt")
+    assert codes(report) == {"b/copy.png": "duplicate", "b/copy.txt": "duplicate_caption"}
+    differs = next(p for p in report.problems if p.file == "b/copy.txt")
+    assert differs.severity == "warning" and "differs from a/one.txt" in differs.message
+    assert "a/one.png trains with a/one.txt's text" in differs.message and "merge" in differs.fix
+
+
+def test_a_duplicate_with_the_caption_is_kept_over_a_bare_first_copy(tmp_path):
+    """Finder's "photo copy.png" sorts before "photo.png" (' ' < '.'), and has no caption."""
+    original = image(tmp_path, "photo.png", caption="a red car")
+    (tmp_path / "photo copy.png").write_bytes(original.read_bytes())
+    image(tmp_path, "same.png", caption="a tree")
+    (tmp_path / "same copy.png").write_bytes((tmp_path / "same.png").read_bytes())
+    (tmp_path / "same copy.txt").write_text("a tree")
+    report = scan(tmp_path)
+    assert {path: item.caption for path, item in items(report).items()} == {"photo.png": "a red car",
+                                                                              "same copy.png": "a tree"}
+    assert codes(report) == {"photo copy.png": "duplicate", "same.png": "duplicate", "same.txt": "duplicate_caption"}
+    duplicate = next(p for p in report.problems if p.file == "photo copy.png")
+    assert duplicate.message == "a byte-identical copy of photo.png"
+    assert "photo.png is used, with its caption photo.txt" in duplicate.fix
+    same = next(p for p in report.problems if p.file == "same.txt")
+    assert same.severity == "note" and "same.png" in same.message and "not used" in same.message
+    text = format_report(report)
+    assert "its image was skipped" not in text and "fix or replace the image" not in text
+
+
+def test_the_dataset_keeps_the_copy_the_scan_keeps(tmp_path):
+    from trainer.data.dataset import DataSettings, Dataset
+
+    original = image(tmp_path, "photo.png", caption="a red car")
+    (tmp_path / "photo copy.png").write_bytes(original.read_bytes())
+    dataset = Dataset.load(tmp_path, DataSettings(resolutions=(64,)))
+    assert [item.path for item in dataset.report.items] == ["photo.png"]
+    assert dataset.captions == (("a red car",),)
 
 
 def test_repeat_folder_names(tmp_path):
