@@ -12,8 +12,9 @@ import pytest
 from PIL import Image
 
 from trainer.__main__ import main
+from trainer.data.dataset import DataSettings, Dataset
 from trainer.data.images import load_rgb
-from trainer.data.scan import format_report
+from trainer.data.report import format_report
 from trainer.data.scan import scan as scan_with_defaults
 
 
@@ -222,8 +223,6 @@ def test_a_duplicate_with_the_caption_is_kept_over_a_bare_first_copy(tmp_path):
 
 
 def test_the_dataset_keeps_the_copy_the_scan_keeps(tmp_path):
-    from trainer.data.dataset import DataSettings, Dataset
-
     original = image(tmp_path, "photo.png", caption="a red car")
     (tmp_path / "photo copy.png").write_bytes(original.read_bytes())
     dataset = Dataset.load(tmp_path, DataSettings(resolutions=(64,)))
@@ -331,3 +330,38 @@ def test_jfif_is_a_jpeg(tmp_path):
     image(tmp_path, "windows_save.jfif", format="JPEG")
     report = scan(tmp_path)
     assert "windows_save.jfif" in items(report)
+
+
+def test_check_dataset_shows_the_bucket_plan(tmp_path, capsys):
+    image(tmp_path, "big.png", size=(1200, 800))
+    for index in range(10):
+        image(tmp_path, f"small/{index:02d}.png", size=(100, 100))
+    assert main(["check-dataset", str(tmp_path), "--resolutions", "512,768"]) == 0
+    text = capsys.readouterr().out
+    assert "Buckets at 512 px (centre crop, sides multiples of 16): 11 images in 2 buckets" in text
+    assert "  96x96: 10 images: small/00.png, small/01.png" in text and "small/07.png, … and 2 more" in text
+    assert "  624x416: 1 image: big.png" in text
+    assert "Buckets at 768 px (centre crop, sides multiples of 16): 1 image in 1 bucket" in text
+    assert "    big.png 1200x800 → 936x624, crop 8 px x 0 px at (4, 0)" in text
+    assert "no 768 px bucket (smaller than 768x768; it trains at a smaller resolution only): small/00.png" in text
+    assert "small/00.png 100x100" not in text                  # 100 → 96 is a resize, no pixels cropped
+    assert main(["check-dataset", str(tmp_path), "--resolutions", "512,768", "--json"]) == 0
+    at_768 = json.loads(capsys.readouterr().out)["buckets"][1]
+    assert at_768["resolution"] == 768 and at_768["images"] == 1 and len(at_768["smaller"]) == 10
+    assert at_768["buckets"] == [{"bucket": "928x624", "size": [928, 624], "images": [
+        {"path": "big.png", "size": [1200, 800], "resized": [936, 624], "offset": [4, 0], "cropped": [8, 0]}]}]
+
+
+def test_check_dataset_buckets_come_from_dataset_json_or_are_not_shown(tmp_path, capsys):
+    image(tmp_path, "a.png", size=(300, 200))
+    image(tmp_path, "broken.png").write_bytes(b"")                 # not usable: no bucket
+    assert main(["check-dataset", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "Buckets" not in text
+    assert main(["check-dataset", str(tmp_path), "--json"]) == 0
+    assert "buckets" not in json.loads(capsys.readouterr().out)
+    (tmp_path / "dataset.json").write_text('{"resolutions": [256]}')
+    assert main(["check-dataset", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "Buckets at 256 px (centre crop, sides multiples of 16): 1 image in 1 bucket" in text
+    assert "  288x192: 1 image: a.png" in text and "broken.png" not in text.split("Skipped")[0]

@@ -17,7 +17,6 @@ truncated BMP or TIFF: `deep=True` decodes every pixel and catches those too.
 from __future__ import annotations
 
 import codecs
-import dataclasses
 import errno
 import hashlib
 import os
@@ -352,37 +351,3 @@ def _other_file(file: _File, suffix: str) -> Problem | None:
 
 def _stem(rel: str) -> str:
     return rel.rsplit(".", 1)[0]
-
-
-
-def format_report(report: ScanReport, per_code: int = 10) -> str:
-    """The report as a person reads it: counts, usable images per folder, then problems grouped by code."""
-    repeats_total = sum(item.repeats for item in report.items) * (report.meta.repeats or 1)
-    lines = [f"{'Deep' if report.deep else 'Fast'} scan of {report.root}",
-             (f"  {len(report.items)} usable images ({repeats_total} per epoch with repeats), "
-              f"{len(report.skipped)} skipped, {len(report.warnings)} warnings, {len(report.of('note'))} notes")]
-    meta = {k: v for k, v in dataclasses.asdict(report.meta).items() if v not in ("", None)}
-    if meta:
-        lines.append(f"  {META_FILE}: " + ", ".join(f"{k}={v!r}" for k, v in meta.items()))
-    folders: dict[tuple[str, int], int] = {}
-    for item in report.items:
-        key = (item.path.rpartition("/")[0] or ".", item.repeats)
-        folders[key] = folders.get(key, 0) + 1
-    if folders:
-        lines.append("Usable:")
-        lines += [f"  {folder}/: {count} image{'s' * (count != 1)} × {repeats} repeat{'s' * (repeats != 1)}"
-                  for (folder, repeats), count in folders.items()]
-    for title, severity in (("Fatal", "fatal"), ("Skipped", "skipped"), ("Warnings", "warning"), ("Notes", "note")):
-        problems = report.of(severity)
-        if not problems:
-            continue
-        lines.append(f"{title} ({len(problems)}):")
-        by_code: dict[str, list[Problem]] = {}
-        for problem in problems:
-            by_code.setdefault(problem.code, []).append(problem)
-        for code, group in by_code.items():
-            lines += [f"  {problem.line()}" for problem in group[:per_code]]
-            if len(group) > per_code:
-                lines.append(f"  … and {len(group) - per_code} more [{code}]")
-    lines.append("OK: ready to train" if report.ok else "NOT READY: fix the fatal problems above")
-    return "\n".join(lines)
