@@ -9,7 +9,7 @@ from comfy_api.latest import io, ui
 from ..trainer.archs import dataset_divisor
 from ..trainer.data.captions import CaptionSettings
 from ..trainer.data.dataset import DataSettings, Dataset, folder_fingerprint
-from ..trainer.data.scan import format_report
+from ..trainer.data.report import format_report
 
 from .comfy import bridge
 from .widgets import CATEGORY, DATASET, parse_list, widget

@@ -91,10 +91,23 @@ def import_pack(name: str = ""):
 
 
 def cmd_check_dataset(args) -> int:
-    from .data.scan import format_report, scan
+    from .archs import dataset_divisor
+    from .data.dataset import DataSettings, plan_for
+    from .data.report import format_report
+    from .data.scan import scan
 
     report = scan(args.dir, deep=args.deep, resolutions=args.resolutions)
-    print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else format_report(report))
+    resolutions = args.resolutions or report.meta.resolutions      # none given: no bucket plan shown
+    buckets = None
+    if resolutions and report.items:
+        plan = plan_for(report.items, DataSettings(resolutions=tuple(resolutions), divisor=dataset_divisor()))
+        buckets = plan.describe([i.path for i in report.items], [(i.width, i.height) for i in report.items],
+                                resolutions)
+    if args.json:
+        print(json.dumps({**report.to_dict(), **({"buckets": buckets} if buckets else {})}, indent=2,
+                         ensure_ascii=False))
+    else:
+        print(format_report(report, buckets))
     return 0 if report.ok else 1
 
 

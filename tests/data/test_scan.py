@@ -12,8 +12,9 @@ import pytest
 from PIL import Image
 
 from trainer.__main__ import main
+from trainer.data.dataset import DataSettings, Dataset
 from trainer.data.images import load_rgb
-from trainer.data.scan import format_report
+from trainer.data.report import format_report
 from trainer.data.scan import scan as scan_with_defaults
 
 
@@ -190,10 +191,43 @@ def test_duplicates_keep_the_first_copy(tmp_path):
     (tmp_path / "b/copy.png").write_bytes(first.read_bytes())
     (tmp_path / "b/copy.txt").write_text("another caption")
     report = scan(tmp_path)
-    assert list(items(report)) == ["a/one.png"]
+    assert list(items(report)) == ["a/one.png"] and items(report)["a/one.png"].caption == "a photo"
     duplicate = next(p for p in report.problems if p.file == "b/copy.png")
-    assert duplicate.code == "duplicate" and duplicate.severity == "skipped" and "a/one.png" in duplicate.message
-    assert codes(report) == {"b/copy.png": "duplicate", "b/copy.txt": "caption_unused"}
+    assert duplicate.code == "duplicate" and duplicate.severity == "skipped"
+    assert duplicate.message == "a byte-identical copy of a/one.png"
+    assert duplicate.fix.startswith("delete one of the two; a/one.png is used, with its caption a/one.txt")
+    assert codes(report) == {"b/copy.png": "duplicate", "b/copy.txt": "duplicate_caption"}
+    differs = next(p for p in report.problems if p.file == "b/copy.txt")
+    assert differs.severity == "warning" and "differs from a/one.txt" in differs.message
+    assert "a/one.png trains with a/one.txt's text" in differs.message and "merge" in differs.fix
+
+
+def test_a_duplicate_with_the_caption_is_kept_over_a_bare_first_copy(tmp_path):
+    """Finder's "photo copy.png" sorts before "photo.png" (' ' < '.'), and has no caption."""
+    original = image(tmp_path, "photo.png", caption="a red car")
+    (tmp_path / "photo copy.png").write_bytes(original.read_bytes())
+    image(tmp_path, "same.png", caption="a tree")
+    (tmp_path / "same copy.png").write_bytes((tmp_path / "same.png").read_bytes())
+    (tmp_path / "same copy.txt").write_text("a tree")
+    report = scan(tmp_path)
+    assert {path: item.caption for path, item in items(report).items()} == {"photo.png": "a red car",
+                                                                              "same copy.png": "a tree"}
+    assert codes(report) == {"photo copy.png": "duplicate", "same.png": "duplicate", "same.txt": "duplicate_caption"}
+    duplicate = next(p for p in report.problems if p.file == "photo copy.png")
+    assert duplicate.message == "a byte-identical copy of photo.png"
+    assert "photo.png is used, with its caption photo.txt" in duplicate.fix
+    same = next(p for p in report.problems if p.file == "same.txt")
+    assert same.severity == "note" and "same.png" in same.message and "not used" in same.message
+    text = format_report(report)
+    assert "its image was skipped" not in text and "fix or replace the image" not in text
+
+
+def test_the_dataset_keeps_the_copy_the_scan_keeps(tmp_path):
+    original = image(tmp_path, "photo.png", caption="a red car")
+    (tmp_path / "photo copy.png").write_bytes(original.read_bytes())
+    dataset = Dataset.load(tmp_path, DataSettings(resolutions=(64,)))
+    assert [item.path for item in dataset.report.items] == ["photo.png"]
+    assert dataset.captions == (("a red car",),)
 
 
 def test_repeat_folder_names(tmp_path):
@@ -296,3 +330,38 @@ def test_jfif_is_a_jpeg(tmp_path):
     image(tmp_path, "windows_save.jfif", format="JPEG")
     report = scan(tmp_path)
     assert "windows_save.jfif" in items(report)
+
+
+def test_check_dataset_shows_the_bucket_plan(tmp_path, capsys):
+    image(tmp_path, "big.png", size=(1200, 800))
+    for index in range(10):
+        image(tmp_path, f"small/{index:02d}.png", size=(100, 100))
+    assert main(["check-dataset", str(tmp_path), "--resolutions", "512,768"]) == 0
+    text = capsys.readouterr().out
+    assert "Buckets at 512 px (centre crop, sides multiples of 16): 11 images in 2 buckets" in text
+    assert "  96x96: 10 images: small/00.png, small/01.png" in text and "small/07.png, … and 2 more" in text
+    assert "  624x416: 1 image: big.png" in text
+    assert "Buckets at 768 px (centre crop, sides multiples of 16): 1 image in 1 bucket" in text
+    assert "    big.png 1200x800 → 936x624, crop 8 px x 0 px at (4, 0)" in text
+    assert "no 768 px bucket (smaller than 768x768; it trains at a smaller resolution only): small/00.png" in text
+    assert "small/00.png 100x100" not in text                  # 100 → 96 is a resize, no pixels cropped
+    assert main(["check-dataset", str(tmp_path), "--resolutions", "512,768", "--json"]) == 0
+    at_768 = json.loads(capsys.readouterr().out)["buckets"][1]
+    assert at_768["resolution"] == 768 and at_768["images"] == 1 and len(at_768["smaller"]) == 10
+    assert at_768["buckets"] == [{"bucket": "928x624", "size": [928, 624], "images": [
+        {"path": "big.png", "size": [1200, 800], "resized": [936, 624], "offset": [4, 0], "cropped": [8, 0]}]}]
+
+
+def test_check_dataset_buckets_come_from_dataset_json_or_are_not_shown(tmp_path, capsys):
+    image(tmp_path, "a.png", size=(300, 200))
+    image(tmp_path, "broken.png").write_bytes(b"")                 # not usable: no bucket
+    assert main(["check-dataset", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "Buckets" not in text
+    assert main(["check-dataset", str(tmp_path), "--json"]) == 0
+    assert "buckets" not in json.loads(capsys.readouterr().out)
+    (tmp_path / "dataset.json").write_text('{"resolutions": [256]}')
+    assert main(["check-dataset", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "Buckets at 256 px (centre crop, sides multiples of 16): 1 image in 1 bucket" in text
+    assert "  288x192: 1 image: a.png" in text and "broken.png" not in text.split("Skipped")[0]

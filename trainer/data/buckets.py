@@ -61,6 +61,7 @@ def crop_offset(resized: tuple[int, int], bucket: tuple[int, int], mode: str,
 class BucketPlan:
     entries: list[Entry]
     smallest_side: int = 0           # an image below this cannot be bucketed (the divisor)
+    crop: str = "center"             # how each entry's offset was chosen (CROPS)
 
     def buckets(self, repeats: list[int] | None = None) -> dict[str, list[int]]:
         """Bucket key → entry indices, each repeated `repeats[entry.item]` times (the sampler's input)."""
@@ -77,16 +78,44 @@ class BucketPlan:
             counts[entry.key] = counts.get(entry.key, 0) + 1
         return counts
 
-    def format_report(self) -> str:
-        by_res: dict[int, dict[str, int]] = {}
+    def by_resolution(self) -> dict[int, dict[str, list[Entry]]]:
+        """Resolution (ascending) → bucket key → its entries; the fullest buckets first, then the larger."""
+        groups: dict[int, dict[str, list[Entry]]] = {}
         for entry in self.entries:
-            row = by_res.setdefault(entry.resolution, {})
-            row[entry.key] = row.get(entry.key, 0) + 1
+            groups.setdefault(entry.resolution, {}).setdefault(entry.key, []).append(entry)
+        return {res: dict(sorted(groups[res].items(), key=lambda kv: (-len(kv[1]), -kv[1][0].bucket[0]
+                                                                       * kv[1][0].bucket[1], kv[0])))
+                for res in sorted(groups)}
+
+    def format_report(self) -> str:
         lines = [f"{len(self.entries)} training entries in {len(self.report())} buckets"]
-        for res in sorted(by_res):
-            cells = ", ".join(f"{k}: {n}" for k, n in sorted(by_res[res].items(), key=lambda kv: -kv[1]))
-            lines.append(f"  {res}px: {cells}")
+        for res, buckets in self.by_resolution().items():
+            lines.append(f"  {res}px: " + ", ".join(f"{key}: {len(entries)}" for key, entries in buckets.items()))
         return "\n".join(lines)
+
+    def describe(self, paths: list[str], sizes: list[tuple[int, int]], resolutions: list[int]) -> list[dict]:
+        """Per resolution, each bucket with its images and the resize and crop each gets (JSON-ready).
+
+        paths and sizes are per item (the plan's `Entry.item` indexes them); an item with no entry
+        at a resolution has the same bucket at a smaller one (never upscaled) and is listed as `smaller`.
+        """
+        groups, out = self.by_resolution(), []
+        for res in sorted(resolutions):
+            buckets = groups.get(res, {})
+            placed = {entry.item for entries in buckets.values() for entry in entries}
+            out.append({"resolution": res, "divisor": self.smallest_side, "crop": self.crop, "images": len(placed),
+                        "buckets": [{"bucket": key, "size": list(entries[0].bucket),
+                                     "images": [_placement(entry, paths, sizes) for entry in entries]}
+                                    for key, entries in buckets.items()],
+                        "smaller": [paths[item] for item in range(len(paths)) if item not in placed]})
+        return out
+
+
+def _placement(entry: Entry, paths: list[str], sizes: list[tuple[int, int]]) -> dict:
+    """One image in its bucket: original size, resized size, crop offset and the pixels cropped off (x, y)."""
+    return {"path": paths[entry.item], "size": list(sizes[entry.item]), "resized": list(entry.resized),
+            "offset": list(entry.offset),
+            "cropped": [entry.resized[0] - entry.bucket[0], entry.resized[1] - entry.bucket[1]]}
 
 
 def plan_buckets(sizes: list[tuple[int, int]], resolutions: list[int], divisor: int, *,
@@ -109,4 +138,4 @@ def plan_buckets(sizes: list[tuple[int, int]], resolutions: list[int], divisor: 
             token = int((hashes[item] if hashes else f"{item:x}")[:15], 16)
             rng = np.random.default_rng([seed, token, resolution]) if crop == "random" else None
             entries.append(Entry(item, resolution, bucket, resized, crop_offset(resized, bucket, crop, rng)))
-    return BucketPlan(entries, smallest_side=divisor)
+    return BucketPlan(entries, smallest_side=divisor, crop=crop)

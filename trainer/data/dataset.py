@@ -23,7 +23,7 @@ from PIL import Image
 from .buckets import BucketPlan, Entry, plan_buckets
 from .cache import Cache, latent_key, text_key
 from .captions import CaptionSettings, caption_variants
-from .report import DatasetMeta, Problem, ScanReport
+from .report import DatasetMeta, Item, Problem, ScanReport
 
 ImageEncoder = Callable[[np.ndarray], np.ndarray]
 TextEncoder = Callable[[str], np.ndarray]
@@ -90,8 +90,7 @@ class Dataset:
         if not report.ok:
             raise DatasetError(describe_failure(report))
         items, settings = report.items, settings.with_meta(report.meta)
-        plan = plan_buckets([(i.width, i.height) for i in items], list(settings.resolutions), settings.divisor,
-                            crop=settings.crop, seed=settings.seed, hashes=[i.sha256 for i in items])
+        plan = plan_for(items, settings)
         captions = tuple(tuple(caption_variants(i.caption, settings.captions, seed=settings.seed, key=i.sha256))
                          for i in items)
         cache = Path(cache_dir) if cache_dir else Path(report.root) / CACHE_FOLDER
@@ -219,6 +218,12 @@ def crop_pixels(image: Image.Image, entry: Entry) -> np.ndarray:
     x, y = entry.offset
     box = resized.crop((x, y, x + entry.bucket[0], y + entry.bucket[1]))
     return np.asarray(box, dtype=np.float32) / 255.0
+
+
+def plan_for(items: list[Item], settings: DataSettings) -> BucketPlan:
+    """The bucket plan of the usable items at settings' resolutions (training and check-dataset share it)."""
+    return plan_buckets([(i.width, i.height) for i in items], list(settings.resolutions), settings.divisor,
+                        crop=settings.crop, seed=settings.seed, hashes=[i.sha256 for i in items])
 
 
 def describe_failure(report: ScanReport) -> str:

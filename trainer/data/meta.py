@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 
 from ..config import BOUNDS
-from .report import DatasetMeta, Problem, fatal
+from .report import META_FILE, DatasetMeta, Problem, fatal
 
-META_FILE = "dataset.json"
 META_TYPES = ("character", "style", "concept", "")
 
 

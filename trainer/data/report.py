@@ -2,13 +2,15 @@
 
 Shared by the scanner (scan.py), the encoders (dataset.py), the CLI
 (`check-dataset`) and the Load Dataset node, so a problem reads the same
-everywhere it is shown.
+everywhere it is shown. format_report is how a person reads it, with the bucket
+plan (BucketPlan.describe) when there is one.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 SEVERITIES = ("fatal", "skipped", "warning", "note")
+META_FILE = "dataset.json"
 
 
 @dataclass(frozen=True)
@@ -94,3 +96,69 @@ class ScanReport:
                 "usable": len(self.items), "items": [asdict(i) for i in self.items],
                 "skipped": [asdict(p) for p in self.skipped], "warnings": [asdict(p) for p in self.warnings],
                 "notes": [asdict(p) for p in self.of("note")], "fatal": [asdict(p) for p in self.fatal]}
+
+
+def format_report(report: ScanReport, buckets: list[dict] | None = None, *, per_code: int = 10,
+                  per_bucket: int = 8) -> str:
+    """The report as a person reads it: counts, usable images per folder, the buckets (BucketPlan.describe's
+    list, when given), then problems grouped by code."""
+    repeats_total = sum(item.repeats for item in report.items) * (report.meta.repeats or 1)
+    lines = [f"{'Deep' if report.deep else 'Fast'} scan of {report.root}",
+             (f"  {len(report.items)} usable images ({repeats_total} per epoch with repeats), "
+              f"{len(report.skipped)} skipped, {len(report.warnings)} warnings, {len(report.of('note'))} notes")]
+    meta = {k: v for k, v in asdict(report.meta).items() if v not in ("", None)}
+    if meta:
+        lines.append(f"  {META_FILE}: " + ", ".join(f"{k}={v!r}" for k, v in meta.items()))
+    folders: dict[tuple[str, int], int] = {}
+    for item in report.items:
+        key = (item.path.rpartition("/")[0] or ".", item.repeats)
+        folders[key] = folders.get(key, 0) + 1
+    if folders:
+        lines.append("Usable:")
+        lines += [f"  {folder}/: {count} image{'s' * (count != 1)} × {repeats} repeat{'s' * (repeats != 1)}"
+                  for (folder, repeats), count in folders.items()]
+    for resolution in buckets or []:
+        lines += format_buckets(resolution, per_bucket)
+    for title, severity in (("Fatal", "fatal"), ("Skipped", "skipped"), ("Warnings", "warning"), ("Notes", "note")):
+        problems = report.of(severity)
+        if not problems:
+            continue
+        lines.append(f"{title} ({len(problems)}):")
+        by_code: dict[str, list[Problem]] = {}
+        for problem in problems:
+            by_code.setdefault(problem.code, []).append(problem)
+        for code, group in by_code.items():
+            lines += [f"  {problem.line()}" for problem in group[:per_code]]
+            if len(group) > per_code:
+                lines.append(f"  … and {len(group) - per_code} more [{code}]")
+    lines.append("OK: ready to train" if report.ok else "NOT READY: fix the fatal problems above")
+    return "\n".join(lines)
+
+
+def format_buckets(resolution: dict, per_bucket: int = 8) -> list[str]:
+    """One resolution of BucketPlan.describe(): each bucket with its images, and the crop of each that loses pixels."""
+    def some(names: list[str]) -> str:
+        more = f", … and {len(names) - per_bucket} more" if len(names) > per_bucket else ""
+        return ", ".join(names[:per_bucket]) + more
+
+    res, count, buckets = resolution["resolution"], resolution["images"], resolution["buckets"]
+    crop = "centre crop" if resolution["crop"] == "center" else f"{resolution['crop']} crop"
+    lines = [(f"Buckets at {res} px ({crop}, sides multiples of {resolution['divisor']}): "
+              f"{_count(count, 'image')} in {_count(len(buckets), 'bucket')}")]
+    for bucket in buckets:
+        images = bucket["images"]
+        lines.append(f"  {bucket['bucket']}: {_count(len(images), 'image')}: {some([i['path'] for i in images])}")
+        cropped = [i for i in images if any(i["cropped"])]
+        lines += [f"    {i['path']} {i['size'][0]}x{i['size'][1]} → {i['resized'][0]}x{i['resized'][1]}, "
+                  f"crop {i['cropped'][0]} px x {i['cropped'][1]} px at ({i['offset'][0]}, {i['offset'][1]})"
+                  for i in cropped[:per_bucket]]
+        if len(cropped) > per_bucket:
+            lines.append(f"    … and {len(cropped) - per_bucket} more cropped")
+    if resolution["smaller"]:
+        lines.append(f"  no {res} px bucket (smaller than {res}x{res}; it trains at a smaller resolution only): "
+                     f"{some(resolution['smaller'])}")
+    return lines
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"

@@ -17,7 +17,6 @@ truncated BMP or TIFF: `deep=True` decodes every pixel and catches those too.
 from __future__ import annotations
 
 import codecs
-import dataclasses
 import errno
 import hashlib
 import os
@@ -97,29 +96,38 @@ def scan(root: str | Path, *, deep: bool = False, resolutions: Sequence[int] | N
 
 
 def _collect(images: list[_File], checked: list, captions: dict[str, _File]) -> tuple[list[Item], list[Problem]]:
-    """Items in file order: duplicates dropped (the first copy stays), captions read, leftover captions named."""
-    items, problems, first_copy, unused = [], [], {}, {}
+    """Items in file order, captions read, duplicates dropped (_keep_among_copies decides), leftover captions named."""
+    problems, read, unused = [], {}, {}
     caption_for = _caption_matcher(captions, images)
-    for file, (info, sha256, image_problems) in zip(images, checked):
-        caption_file = caption_for(_stem(file.rel))
-        if info is not None and sha256 in first_copy:
-            image_problems = [Problem("duplicate", file.rel, f"same bytes as {first_copy[sha256]}",
-                                      "delete one copy (to weight an image, use an N_name/ repeat folder)", "skipped")]
-            info = None
+    for index, (file, (info, _, image_problems)) in enumerate(zip(images, checked)):
         problems += image_problems
+        caption_file = caption_for(_stem(file.rel))
         if info is None:
             if caption_file is not None:
                 unused.setdefault(caption_file.rel, file.rel)
+        elif caption_file is not None:
+            read[index] = read_caption(caption_file.path, caption_file.rel)
+    kept_copy = _keep_among_copies(checked, {index: caption for index, (caption, _) in read.items()})
+    items, duplicate_captions = [], {}
+    for index, (file, (info, sha256, _)) in enumerate(zip(images, checked)):
+        if info is None:
             continue
-        first_copy[sha256] = file.rel
-        caption = None
+        caption_file, (caption, caption_problems) = caption_for(_stem(file.rel)), read.get(index, (None, []))
+        if (kept := kept_copy[sha256]) != index:
+            kept_file, kept_caption = images[kept], caption_for(_stem(images[kept].rel))
+            problems.append(Problem("duplicate", file.rel, f"a byte-identical copy of {kept_file.rel}",
+                                    f"delete one of the two; {kept_file.rel} is used, "
+                                    + (f"with its caption {kept_caption.rel}" if kept_caption else "without a caption")
+                                    + " (to weight an image, use an N_name/ repeat folder)", "skipped"))
+            if caption_file is not None:
+                duplicate_captions.setdefault(caption_file.rel, _duplicate_caption(
+                    caption_file.rel, file.rel, caption, kept_file.rel, kept_caption, read.get(kept, (None,))[0]))
+            continue
+        problems += caption_problems
         if caption_file is None:
             problems.append(Problem("caption_missing", file.rel, f"no caption file {_stem(file.rel)}.txt",
                                     "write one; until then it trains with dataset.json's default_caption "
                                     "or the trigger word", "warning"))
-        else:
-            caption, caption_problems = read_caption(caption_file.path, caption_file.rel)
-            problems += caption_problems
         items.append(Item(path=file.rel, width=info.width, height=info.height, sha256=sha256, caption=caption,
                           caption_file=caption_file.rel if caption_file else None, repeats=file.repeats,
                           image_format=info.format, mode=info.mode, notes=list(info.notes)))
@@ -127,13 +135,37 @@ def _collect(images: list[_File], checked: list, captions: dict[str, _File]) -> 
     for caption_file in captions.values():
         if caption_file.rel in used:
             continue
-        if caption_file.rel in unused:
+        if caption_file.rel in duplicate_captions:
+            problems.append(duplicate_captions[caption_file.rel])
+        elif caption_file.rel in unused:
             problems.append(Problem("caption_unused", caption_file.rel, f"not used: its image "
                                     f"{unused[caption_file.rel]} was skipped", "fix or replace the image", "note"))
         else:
             problems.append(Problem("caption_orphan", caption_file.rel, "a caption with no image of the same name",
                                     "rename it to match its image, or delete it", "warning"))
     return items, problems
+
+
+def _keep_among_copies(checked: list, caption_of: dict[int, str | None]) -> dict[str, int]:
+    """sha256 → the index of the one byte-identical copy that trains: the first in file order (sorted
+    paths), unless it has no caption text and a later copy has, then the first copy with a caption.
+    The scan, and so the dataset and training, take the duplicate rule from here only."""
+    kept: dict[str, int] = {}
+    for index, (info, sha256, _) in enumerate(checked):
+        if info is not None and (sha256 not in kept or caption_of.get(index) and not caption_of.get(kept[sha256])):
+            kept[sha256] = index
+    return kept
+
+
+def _duplicate_caption(rel: str, image: str, caption: str | None, kept: str, kept_caption: _File | None,
+                       kept_text: str | None) -> Problem:
+    """The caption of a duplicate that does not train: a note, or a warning when its text is lost."""
+    if not caption or caption == kept_text or kept_caption is None:
+        return Problem("duplicate_caption", rel, f"not used: the caption of {image}, a duplicate of {kept} "
+                       "that is not used", "none needed; delete it with its image", "note")
+    return Problem("duplicate_caption", rel, f"not used: the caption of {image}, a duplicate of {kept}, and it "
+                   f"differs from {kept_caption.rel}: {kept} trains with {kept_caption.rel}'s text",
+                   f"merge the two captions into {kept_caption.rel}, then delete {image} and {rel}", "warning")
 
 
 def _check_image(file: _File, deep: bool, min_side: int, min_area: int) -> tuple[ImageInfo | None, str, list[Problem]]:
@@ -319,37 +351,3 @@ def _other_file(file: _File, suffix: str) -> Problem | None:
 
 def _stem(rel: str) -> str:
     return rel.rsplit(".", 1)[0]
-
-
-
-def format_report(report: ScanReport, per_code: int = 10) -> str:
-    """The report as a person reads it: counts, usable images per folder, then problems grouped by code."""
-    repeats_total = sum(item.repeats for item in report.items) * (report.meta.repeats or 1)
-    lines = [f"{'Deep' if report.deep else 'Fast'} scan of {report.root}",
-             (f"  {len(report.items)} usable images ({repeats_total} per epoch with repeats), "
-              f"{len(report.skipped)} skipped, {len(report.warnings)} warnings, {len(report.of('note'))} notes")]
-    meta = {k: v for k, v in dataclasses.asdict(report.meta).items() if v not in ("", None)}
-    if meta:
-        lines.append(f"  {META_FILE}: " + ", ".join(f"{k}={v!r}" for k, v in meta.items()))
-    folders: dict[tuple[str, int], int] = {}
-    for item in report.items:
-        key = (item.path.rpartition("/")[0] or ".", item.repeats)
-        folders[key] = folders.get(key, 0) + 1
-    if folders:
-        lines.append("Usable:")
-        lines += [f"  {folder}/: {count} image{'s' * (count != 1)} × {repeats} repeat{'s' * (repeats != 1)}"
-                  for (folder, repeats), count in folders.items()]
-    for title, severity in (("Fatal", "fatal"), ("Skipped", "skipped"), ("Warnings", "warning"), ("Notes", "note")):
-        problems = report.of(severity)
-        if not problems:
-            continue
-        lines.append(f"{title} ({len(problems)}):")
-        by_code: dict[str, list[Problem]] = {}
-        for problem in problems:
-            by_code.setdefault(problem.code, []).append(problem)
-        for code, group in by_code.items():
-            lines += [f"  {problem.line()}" for problem in group[:per_code]]
-            if len(group) > per_code:
-                lines.append(f"  … and {len(group) - per_code} more [{code}]")
-    lines.append("OK: ready to train" if report.ok else "NOT READY: fix the fatal problems above")
-    return "\n".join(lines)
