@@ -203,7 +203,8 @@ def test_duplicates_keep_the_first_copy(tmp_path):
 
 
 def test_a_duplicate_with_the_caption_is_kept_over_a_bare_first_copy(tmp_path):
-    """Finder's "photo copy.png" sorts before "photo.png" (' ' < '.'), and has no caption."""
+    """Finder's "photo copy.png" sorts before "photo.png" (' ' < '.'): the original (the shorter name) is
+    kept all the same, and a captioned copy wins over a bare one."""
     original = image(tmp_path, "photo.png", caption="a red car")
     (tmp_path / "photo copy.png").write_bytes(original.read_bytes())
     image(tmp_path, "same.png", caption="a tree")
@@ -211,13 +212,14 @@ def test_a_duplicate_with_the_caption_is_kept_over_a_bare_first_copy(tmp_path):
     (tmp_path / "same copy.txt").write_text("a tree")
     report = scan(tmp_path)
     assert {path: item.caption for path, item in items(report).items()} == {"photo.png": "a red car",
-                                                                              "same copy.png": "a tree"}
-    assert codes(report) == {"photo copy.png": "duplicate", "same.png": "duplicate", "same.txt": "duplicate_caption"}
+                                                                              "same.png": "a tree"}
+    assert codes(report) == {"photo copy.png": "duplicate", "same copy.png": "duplicate",
+                             "same copy.txt": "duplicate_caption"}
     duplicate = next(p for p in report.problems if p.file == "photo copy.png")
     assert duplicate.message == "a byte-identical copy of photo.png"
     assert "photo.png is used, with its caption photo.txt" in duplicate.fix
-    same = next(p for p in report.problems if p.file == "same.txt")
-    assert same.severity == "note" and "same.png" in same.message and "not used" in same.message
+    same = next(p for p in report.problems if p.file == "same copy.txt")  # the same text: nothing lost
+    assert same.severity == "note" and "same copy.png" in same.message and "not used" in same.message
     text = format_report(report)
     assert "its image was skipped" not in text and "fix or replace the image" not in text
 

@@ -107,7 +107,7 @@ def _collect(images: list[_File], checked: list, captions: dict[str, _File]) -> 
                 unused.setdefault(caption_file.rel, file.rel)
         elif caption_file is not None:
             read[index] = read_caption(caption_file.path, caption_file.rel)
-    kept_copy = _keep_among_copies(checked, {index: caption for index, (caption, _) in read.items()})
+    kept_copy = _keep_among_copies(images, checked, {index: caption for index, (caption, _) in read.items()})
     items, duplicate_captions = [], {}
     for index, (file, (info, sha256, _)) in enumerate(zip(images, checked)):
         if info is None:
@@ -146,13 +146,16 @@ def _collect(images: list[_File], checked: list, captions: dict[str, _File]) -> 
     return items, problems
 
 
-def _keep_among_copies(checked: list, caption_of: dict[int, str | None]) -> dict[str, int]:
-    """sha256 → the index of the one byte-identical copy that trains: the first in file order (sorted
-    paths), unless it has no caption text and a later copy has, then the first copy with a caption.
-    The scan, and so the dataset and training, take the duplicate rule from here only."""
+def _keep_among_copies(images: list[_File], checked: list, caption_of: dict[int, str | None]) -> dict[str, int]:
+    """sha256 → the index of the one byte-identical copy that trains: a copy with caption text over one
+    without, then the shortest path (the original, not "photo copy.png" or "photo (1).png"), then the
+    first in file order (sorted paths). The scan, and so the dataset and training, take the rule from here."""
+    def rank(index: int) -> tuple:
+        return not caption_of.get(index), len(images[index].rel), index
+
     kept: dict[str, int] = {}
     for index, (info, sha256, _) in enumerate(checked):
-        if info is not None and (sha256 not in kept or caption_of.get(index) and not caption_of.get(kept[sha256])):
+        if info is not None and (sha256 not in kept or rank(index) < rank(kept[sha256])):
             kept[sha256] = index
     return kept
 
