@@ -63,7 +63,8 @@ class KilnSaveLoRA(io.ComfyNode):
                                "kohya: lora_unet_ names. All load in ComfyUI's LoRA loader."),
                 io.Combo.Input("dtype", options=list(CHOICES["save_dtype"]), default="bf16",
                                tooltip="Weight dtype in the file"),
-                io.String.Input("trigger_word", default="", optional=True, tooltip="Stored in the metadata"),
+                io.String.Input("trigger_word", default="", optional=True, tooltip="Stored in the metadata; "
+                                "left empty, the run's own (Load Dataset's, from the state input)"),
                 io.String.Input("notes", default="", multiline=True, optional=True, tooltip="Stored in the metadata"),
                 io.Boolean.Input("overwrite", default=False, optional=True, tooltip="Replace an existing file"),
                 STATE.Input("state", optional=True, tooltip="The run, for its config and step count in the metadata"),
@@ -77,6 +78,8 @@ class KilnSaveLoRA(io.ComfyNode):
         arch = state.arch if state is not None else guess_arch(weights)
         path = lora_target(name, overwrite)
         path.parent.mkdir(parents=True, exist_ok=True)
+        # The trigger word is typed once, on Load Dataset: the run's config carries it to the file.
+        trigger_word = trigger_word or (state.config.get("trigger_word", "") if state is not None else "")
         metadata = lora_format.build_metadata(
             arch_name=arch or "generic", config=state.config if state is not None else {},
             steps=state.step if state is not None else 0,

@@ -289,8 +289,8 @@ def single_lora(g: Graph, files: dict, *, folder: str, trigger: str, prompt: str
     train = g.add("KilnTrainLoRA", model=unet.out("MODEL"), dataset=data[-1].out("dataset"), steps=2000,
                   learning_rate=1e-4, rank=rank, alpha=float(rank), preset=preset, seed=42,
                   options=options.out("options"), validation=validation.out("validation"), **extra)
-    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name=f"kiln/{name}", trigger_word=trigger,
-                 state=train.out("state"))
+    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name=f"kiln/{name}",
+                 state=train.out("state"))  # no trigger word: Save LoRA takes the run's
     latent = g.add(latent_type, width=1024, height=1024, batch_size=1)
     sampler_node, decode, image = sample_chain(g, train.out("model"), positive, negative, latent, steps=sample_steps,
                                                sampler=sampler, prefix=f"kiln/{name}")
@@ -366,7 +366,7 @@ in ComfyUI's Klein template.
                    options=options.out("options"), resume=first.out("state"))
     sample_1000 = sample_chain(g, second.out("model"), positive, negative, latent, steps=4, sampler="euler",
                                prefix="kiln/chained_step1000", title="KSampler: after 1000 steps")
-    save = g.add("KilnSaveLoRA", lora=second.out("lora"), name="kiln/chained_1000", trigger_word="ohwx person",
+    save = g.add("KilnSaveLoRA", lora=second.out("lora"), name="kiln/chained_1000",
                  state=second.out("state"))
     row2 = 520   # the second stage's row
     g.layout = [loaders, data, [positive, negative, latent], [options],
@@ -394,11 +394,11 @@ the name the Train LoRA node printed (e.g. `zimage_turbo-1a2b3c4d5e`) or an abso
     train = g.add("KilnTrainLoRA", title="Train LoRA: resume to 3000", model=unet.out("MODEL"),
                   dataset=data[-1].out("dataset"), steps=3000, preset="character", seed=42,
                   options=options.out("options"), training_adapter=ZIMAGE["adapter"], resume=run.out("state"))
-    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_character_3000", trigger_word="ohwx person",
+    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_character_3000",
                  state=train.out("state"))
     ema = g.add("KilnApplyEMA", state=run.out("state"))
     save_ema = g.add("KilnSaveLoRA", title="Save EMA LoRA", lora=ema.out("lora"), name="kiln/my_character_ema",
-                     trigger_word="ohwx person", state=run.out("state"))
+                     state=run.out("state"))
     g.layout = [loaders, data, [run, options], [train, 450, ema], [save, 450, save_ema]]
     return g
 

@@ -7,6 +7,7 @@ resumes to the same weights, validation samples come out, the training adapter i
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ dn = comfy_env.import_pack("nodes.dataset_nodes")
 tn = comfy_env.import_pack("nodes.train_nodes")
 ln = comfy_env.import_pack("nodes.lora_nodes")
 safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
+lora_format = comfy_env.import_pack("trainer.lora_format")
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +194,10 @@ def test_validation_samples_and_adapter_never_saved(comfy_dirs):
     saved = Path(out(ln.KilnSaveLoRA.execute(lora, "kiln/turbo", "comfy", "fp32", "", "", False, state)))
     on_disk = bridge.load_lora_file(saved)
     assert all(torch.equal(on_disk[k].float().reshape(-1), lora[k].float().reshape(-1)) for k in lora)
+    # No trigger word typed on Save LoRA: the run's own (Load Dataset's) goes into the metadata.
+    metadata = lora_format.load_lora(saved)[1]
+    assert state.config["trigger_word"] == "kiln" and json.loads(metadata["kiln.trigger_words"]) == ["kiln"]
+    assert metadata["modelspec.trigger_phrase"] == "kiln"
 
 
 def test_options_left_at_defaults_keep_the_preset(comfy_dirs, tmp_path_factory):
