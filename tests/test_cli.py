@@ -67,6 +67,44 @@ def test_estimate_for_a_mac(tmp_path):
     assert "base int4" in result.stdout and "backend mlx" in result.stdout and "fits in a 32 GB Mac" in result.stdout
 
 
+def test_estimate_from_the_arch_when_model_path_is_missing(tmp_path):
+    config = tmp_path / "turbo.toml"
+    config.write_text(f'arch = "zimage_turbo"\nmodel_path = "{tmp_path / "gone.safetensors"}"\nresolutions = [512]\n')
+    result = cli("estimate", config)
+    assert result.returncode == 0, result.stderr
+    assert "Memory estimate: zimage, 512 px" in result.stdout
+    assert "gone.safetensors not found, so not read; estimated from arch zimage_turbo" in result.stdout
+
+
+def test_estimate_takes_an_arch_name_as_variant(tmp_path):
+    config = tmp_path / "turbo.toml"
+    config.write_text('arch = "zimage_turbo"\nresolutions = [512]\n')
+    same = cli("estimate", config, "--variant", "zimage")
+    by_arch = cli("estimate", config, "--variant", "zimage_turbo")
+    assert by_arch.returncode == 0, by_arch.stderr
+    assert by_arch.stdout == same.stdout  # one variant: nothing to say
+
+
+def test_estimate_of_a_family_with_several_sizes_says_which(tmp_path):
+    config = tmp_path / "klein.toml"
+    config.write_text('arch = "flux2_klein"\nresolutions = [512]\n')
+    for args in ((), ("--variant", "flux2_klein")):
+        result = cli("estimate", config, *args)
+        assert result.returncode == 0, result.stderr
+        assert "Memory estimate: flux2-klein-4b, 512 px" in result.stdout
+        assert ("note: flux2_klein comes in flux2-klein-4b, flux2-klein-9b; estimated the smallest, "
+                "flux2-klein-4b; pick another with --variant flux2-klein-9b") in result.stdout
+
+
+def test_estimate_unknown_variant_lists_both_vocabularies(tmp_path):
+    config = tmp_path / "klein.toml"
+    config.write_text('arch = "flux2_klein"\n')
+    result = cli("estimate", config, "--variant", "flux3")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: unknown --variant 'flux3'" in result.stderr
+    assert "flux2-klein-9b" in result.stderr and "zimage_turbo" in result.stderr and "qwen_image" in result.stderr
+
+
 def test_train_demo_arch_from_a_config(tmp_path, demo_run):
     config = tmp_path / "run.toml"
     config.write_text(f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 3\nrank = 4\nalpha = 4.0\n'

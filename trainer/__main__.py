@@ -111,16 +111,35 @@ def _resolutions(text: str) -> list[int]:
 
 def cmd_estimate(args) -> int:
     from . import config as config_module
-    from .estimate_common import VARIANTS, backend_rules, format_estimate, variant_from_header
+    from .estimate_common import (
+        VARIANTS,
+        arch_variants,
+        backend_rules,
+        format_estimate,
+        resolve_variant,
+        several_sizes_note,
+        variant_from_header,
+    )
 
     cfg = config_module.load(args.config)
-    variant = args.variant
-    if variant is None and cfg.model_path and Path(cfg.model_path).is_file():
+    notes = []
+    if args.variant is not None:  # a size or an arch: one vocabulary
+        variants = resolve_variant(args.variant)
+        notes += several_sizes_note(args.variant, variants)
+    elif cfg.model_path and Path(cfg.model_path).is_file():
         from .safetensors_io import read_header
         header, _ = read_header(cfg.model_path)
-        variant = variant_from_header({k: v["shape"] for k, v in header.items()})
-    if variant is None:
-        raise SystemExit(f"give --variant (one of {sorted(VARIANTS)}) or a model_path in {args.config}")
+        variants = [variant_from_header({k: v["shape"] for k, v in header.items()})]
+    else:  # the config's arch is enough
+        variants = arch_variants(cfg.arch)
+        if not variants:
+            raise SystemExit(f"give --variant (one of {sorted(VARIANTS)}) or a model_path in {args.config}")
+        if cfg.model_path:
+            notes.append(f"model_path {cfg.model_path} not found, so not read; estimated from arch {cfg.arch}")
+        notes += several_sizes_note(cfg.arch, variants)
+    variant = variants[0]
+    for note in notes:
+        print(f"note: {note}")
     backend = args.backend or cfg.backend
     estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if backend == "mlx" and cfg.base_quantize != "none" else "bf16")
@@ -202,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     est = commands.add_parser("estimate", help="estimate training memory for a config")
     est.add_argument("config", help="path to the config file")
-    est.add_argument("--variant", help="model size, e.g. flux2-klein-4b (default: read from model_path)")
+    est.add_argument("--variant", help="model size (e.g. flux2-klein-9b) or arch (e.g. zimage_turbo; a family of "
+                     "several sizes: its smallest); default: read from model_path, else the config's arch")
     est.add_argument("--backend", choices=["torch", "mlx"], help="training backend (default: the config's)")
     est.add_argument("--base-dtype", choices=["bf16", "fp8", "fp32", "int8", "int4"],
                      help="base weights: bf16 (default), fp8 (torch), int8/int4 (mlx; default the config's base_quantize)")
