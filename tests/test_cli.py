@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def test_demo_writes_lora_run_folder_and_curve(demo_run):
 
 
 def test_inspect_and_export(demo_run, tmp_path):
-    shown = cli("inspect", demo_run / "demo_lora.safetensors")
+    shown = cli("inspect", demo_run / "demo_lora.safetensors", "--json")
     assert shown.returncode == 0, shown.stderr
     info = json.loads(shown.stdout)
     assert info["format"] == "comfy" and 16 in info["ranks"]
@@ -48,7 +49,51 @@ def test_inspect_and_export(demo_run, tmp_path):
         target = tmp_path / f"{fmt}.safetensors"
         exported = cli("export", demo_run / "demo_lora.safetensors", "--format", fmt, "-o", target)
         assert exported.returncode == 0, exported.stderr
-        assert json.loads(cli("inspect", target).stdout)["format"] == fmt
+        assert json.loads(cli("inspect", target, "--json").stdout)["format"] == fmt
+    text = cli("inspect", demo_run / "demo_lora.safetensors").stdout
+    assert "format         comfy" in text and "modules by block:" in text and "totals: " in text
+
+
+def _small_lora(path, fmt="comfy"):
+    from trainer import lora_format as lf
+
+    lora = {name: lf.LoraWeights(np.ones((4, 8), np.float32), np.zeros((8, 4), np.float32), 4.0)
+            for name in ("double_blocks.0.img_attn.qkv", "double_blocks.0.img_attn.proj",
+                         "double_blocks.10.txt_mlp.0", "double_blocks.2.img_attn.qkv", "img_in")}
+    metadata = lf.build_metadata(arch_name="flux2_klein", config={"rank": 4, "learning_rate": 3e-4, "steps": 1000},
+                                 steps=1000, trigger_words=["ohwx"], title="mine")
+    lf.save_lora(path, lora, arch="flux2_klein", fmt=fmt, metadata=metadata)
+    return path
+
+
+def test_export_refuses_to_overwrite_without_overwrite(tmp_path):
+    src, dst = _small_lora(tmp_path / "src.safetensors"), tmp_path / "dst.safetensors"
+    dst.write_bytes(b"mine")
+    refused = cli("export", src, "--format", "kohya", "-o", dst)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr == f"error: {dst} already exists; pass --overwrite to replace it, or choose another -o\n"
+    assert dst.read_bytes() == b"mine"
+    replaced = cli("export", src, "--format", "kohya", "-o", dst, "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert json.loads(cli("inspect", dst, "--json").stdout)["format"] == "kohya"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst.safetensors", "src.safetensors"]  # no temp file left
+
+
+@pytest.mark.parametrize("fmt", ["comfy", "kohya"])
+def test_inspect_prints_metadata_settings_and_modules_by_block(tmp_path, fmt):
+    path = _small_lora(tmp_path / "lora.safetensors", fmt)
+    result = cli("inspect", path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "  arch           flux2_klein" in lines and "  steps          1000" in lines
+    assert "  trigger words  ohwx" in lines and "  modelspec.title = mine" in lines
+    assert "  rank = 4" in lines and "  learning_rate = 0.0003" in lines and "  steps = 1000" not in lines  # the default
+    blocks = lines[lines.index("modules by block:") + 1:-1]
+    assert blocks == ["  double_blocks.0: img_attn.proj r4 α4 bf16, img_attn.qkv r4 α4 bf16",
+                      "  double_blocks.2: img_attn.qkv r4 α4 bf16",
+                      "  double_blocks.10: txt_mlp.0 r4 α4 bf16",
+                      "  other: img_in r4 α4 bf16"]
+    assert lines[-1] == "totals: 5 modules, 320 parameters, ranks 4, alphas 4, dtypes BF16, F32"
 
 
 def test_estimate_prints_a_table(tmp_path):
@@ -143,7 +188,8 @@ def test_bad_config_is_a_clear_error(tmp_path):
     ("train", ["config", "--resume"]),
     ("estimate", ["--variant", "--backend", "--base-dtype", "--memory-gb"]),
     ("export", ["--format", "--output", "--arch"]),
-    ("inspect", ["lora"]),
+    ("export", ["--overwrite"]),
+    ("inspect", ["lora", "--json"]),
 ])
 def test_help_documents_every_option(command, options):
     result = cli(command, "--help")

@@ -156,6 +156,8 @@ def cmd_estimate(args) -> int:
 def cmd_export(args) -> int:
     from .lora_format import export
 
+    if Path(args.output).exists() and not args.overwrite:
+        raise FileExistsError(f"{args.output} already exists; pass --overwrite to replace it, or choose another -o")
     export(args.lora, args.output, args.format, arch=None if args.arch is None else _arch(args.arch))
     print(f"wrote {args.output} ({args.format})")
     return 0
@@ -178,7 +180,11 @@ def cmd_inspect(args) -> int:
     from .lora_format import describe
 
     info = describe(args.lora)
-    print(json.dumps(info, indent=2, default=str))
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        from .lora_report import format_description
+        print(format_description(info))
     return 0
 
 
@@ -235,10 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--format", required=True, choices=["comfy", "diffusers", "kohya"], help="target key format")
     exp.add_argument("--output", "-o", required=True, help="file to write")
     exp.add_argument("--arch", help="architecture (default: the file's kiln.arch metadata)")
+    exp.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
     exp.set_defaults(func=cmd_export)
 
-    ins = commands.add_parser("inspect", help="show a LoRA file's keys, ranks, alphas and metadata")
+    ins = commands.add_parser("inspect", help="show a LoRA file's format, metadata, settings and modules by block")
     ins.add_argument("lora", help="LoRA .safetensors to read")
+    ins.add_argument("--json", action="store_true", help="print everything as JSON (one entry per module)")
     ins.set_defaults(func=cmd_inspect)
 
     cache = commands.add_parser("cache", help="show, prune or clear a latent/text cache folder")
