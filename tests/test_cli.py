@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def test_demo_writes_lora_run_folder_and_curve(demo_run):
 
 
 def test_inspect_and_export(demo_run, tmp_path):
-    shown = cli("inspect", demo_run / "demo_lora.safetensors")
+    shown = cli("inspect", demo_run / "demo_lora.safetensors", "--json")
     assert shown.returncode == 0, shown.stderr
     info = json.loads(shown.stdout)
     assert info["format"] == "comfy" and 16 in info["ranks"]
@@ -48,7 +49,51 @@ def test_inspect_and_export(demo_run, tmp_path):
         target = tmp_path / f"{fmt}.safetensors"
         exported = cli("export", demo_run / "demo_lora.safetensors", "--format", fmt, "-o", target)
         assert exported.returncode == 0, exported.stderr
-        assert json.loads(cli("inspect", target).stdout)["format"] == fmt
+        assert json.loads(cli("inspect", target, "--json").stdout)["format"] == fmt
+    text = cli("inspect", demo_run / "demo_lora.safetensors").stdout
+    assert "format         comfy" in text and "modules by block:" in text and "totals: " in text
+
+
+def _small_lora(path, fmt="comfy"):
+    from trainer import lora_format as lf
+
+    lora = {name: lf.LoraWeights(np.ones((4, 8), np.float32), np.zeros((8, 4), np.float32), 4.0)
+            for name in ("double_blocks.0.img_attn.qkv", "double_blocks.0.img_attn.proj",
+                         "double_blocks.10.txt_mlp.0", "double_blocks.2.img_attn.qkv", "img_in")}
+    metadata = lf.build_metadata(arch_name="flux2_klein", config={"rank": 4, "learning_rate": 3e-4, "steps": 1000},
+                                 steps=1000, trigger_words=["ohwx"], title="mine")
+    lf.save_lora(path, lora, arch="flux2_klein", fmt=fmt, metadata=metadata)
+    return path
+
+
+def test_export_refuses_to_overwrite_without_overwrite(tmp_path):
+    src, dst = _small_lora(tmp_path / "src.safetensors"), tmp_path / "dst.safetensors"
+    dst.write_bytes(b"mine")
+    refused = cli("export", src, "--format", "kohya", "-o", dst)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr == f"error: {dst} already exists; pass --overwrite to replace it, or choose another -o\n"
+    assert dst.read_bytes() == b"mine"
+    replaced = cli("export", src, "--format", "kohya", "-o", dst, "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert json.loads(cli("inspect", dst, "--json").stdout)["format"] == "kohya"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst.safetensors", "src.safetensors"]  # no temp file left
+
+
+@pytest.mark.parametrize("fmt", ["comfy", "kohya"])
+def test_inspect_prints_metadata_settings_and_modules_by_block(tmp_path, fmt):
+    path = _small_lora(tmp_path / "lora.safetensors", fmt)
+    result = cli("inspect", path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "  arch           flux2_klein" in lines and "  steps          1000" in lines
+    assert "  trigger words  ohwx" in lines and "  modelspec.title = mine" in lines
+    assert "  rank = 4" in lines and "  learning_rate = 0.0003" in lines and "  steps = 1000" not in lines  # the default
+    blocks = lines[lines.index("modules by block:") + 1:-1]
+    assert blocks == ["  double_blocks.0: img_attn.proj r4 α4 bf16, img_attn.qkv r4 α4 bf16",
+                      "  double_blocks.2: img_attn.qkv r4 α4 bf16",
+                      "  double_blocks.10: txt_mlp.0 r4 α4 bf16",
+                      "  other: img_in r4 α4 bf16"]
+    assert lines[-1] == "totals: 5 modules, 320 parameters, ranks 4, alphas 4, dtypes BF16, F32"
 
 
 def test_estimate_prints_a_table(tmp_path):
@@ -65,6 +110,44 @@ def test_estimate_for_a_mac(tmp_path):
     result = cli("estimate", config, "--variant", "zimage", "--memory-gb", 32)
     assert result.returncode == 0, result.stderr
     assert "base int4" in result.stdout and "backend mlx" in result.stdout and "fits in a 32 GB Mac" in result.stdout
+
+
+def test_estimate_from_the_arch_when_model_path_is_missing(tmp_path):
+    config = tmp_path / "turbo.toml"
+    config.write_text(f'arch = "zimage_turbo"\nmodel_path = "{tmp_path / "gone.safetensors"}"\nresolutions = [512]\n')
+    result = cli("estimate", config)
+    assert result.returncode == 0, result.stderr
+    assert "Memory estimate: zimage, 512 px" in result.stdout
+    assert "gone.safetensors not found, so not read; estimated from arch zimage_turbo" in result.stdout
+
+
+def test_estimate_takes_an_arch_name_as_variant(tmp_path):
+    config = tmp_path / "turbo.toml"
+    config.write_text('arch = "zimage_turbo"\nresolutions = [512]\n')
+    same = cli("estimate", config, "--variant", "zimage")
+    by_arch = cli("estimate", config, "--variant", "zimage_turbo")
+    assert by_arch.returncode == 0, by_arch.stderr
+    assert by_arch.stdout == same.stdout  # one variant: nothing to say
+
+
+def test_estimate_of_a_family_with_several_sizes_says_which(tmp_path):
+    config = tmp_path / "klein.toml"
+    config.write_text('arch = "flux2_klein"\nresolutions = [512]\n')
+    for args in ((), ("--variant", "flux2_klein")):
+        result = cli("estimate", config, *args)
+        assert result.returncode == 0, result.stderr
+        assert "Memory estimate: flux2-klein-4b, 512 px" in result.stdout
+        assert ("note: flux2_klein comes in flux2-klein-4b, flux2-klein-9b; estimated the smallest, "
+                "flux2-klein-4b; pick another with --variant flux2-klein-9b") in result.stdout
+
+
+def test_estimate_unknown_variant_lists_both_vocabularies(tmp_path):
+    config = tmp_path / "klein.toml"
+    config.write_text('arch = "flux2_klein"\n')
+    result = cli("estimate", config, "--variant", "flux3")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: unknown --variant 'flux3'" in result.stderr
+    assert "flux2-klein-9b" in result.stderr and "zimage_turbo" in result.stderr and "qwen_image" in result.stderr
 
 
 def test_train_demo_arch_from_a_config(tmp_path, demo_run):
@@ -105,7 +188,8 @@ def test_bad_config_is_a_clear_error(tmp_path):
     ("train", ["config", "--resume"]),
     ("estimate", ["--variant", "--backend", "--base-dtype", "--memory-gb"]),
     ("export", ["--format", "--output", "--arch"]),
-    ("inspect", ["lora"]),
+    ("export", ["--overwrite"]),
+    ("inspect", ["lora", "--json"]),
 ])
 def test_help_documents_every_option(command, options):
     result = cli(command, "--help")

@@ -187,3 +187,15 @@ def test_the_two_estimates_share_a_module_and_import_neither_other():
             "del sys.modules['trainer.estimate_mlx']; import trainer.estimate; "
             "assert 'trainer.estimate_mlx' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_arch_names_and_variant_names_are_one_vocabulary():
+    from trainer.estimate_common import arch_variants, resolve_variant
+
+    assert resolve_variant("flux2_klein") == ["flux2-klein-4b", "flux2-klein-9b"]  # smallest first
+    assert [resolve_variant(a) for a in ("zimage_turbo", "zimage", "flux2_dev", "qwen_image")] == [
+        ["zimage"], ["zimage"], ["flux2-dev"], ["qwen-image"]]
+    assert all(resolve_variant(v) == [v] for v in VARIANTS)
+    assert arch_variants("demo") == []
+    with pytest.raises(ValueError, match="unknown --variant 'demo'.*qwen-image.*zimage_turbo"):
+        resolve_variant("demo")

@@ -247,6 +247,17 @@ def test_describe(tmp_path):
     assert info["dtypes"] == ["BF16", "F32"] and info["metadata"]["kiln.arch"] == "zimage"
 
 
+def test_describe_lists_each_module_with_dotted_paths(tmp_path):
+    path = tmp_path / "lora.safetensors"
+    lf.save_lora(path, make_lora(ZIMAGE_MODULES), arch="zimage", fmt="kohya", metadata=_metadata())
+    info = lf.describe(path)
+    rows = {row["name"]: row for row in info["module_table"]}
+    assert sorted(rows) == sorted(ZIMAGE_MODULES)  # kohya's '_' names back as module paths (kiln.module_paths)
+    assert {row["dtype"] for row in rows.values()} == {"BF16"} and {row["rank"] for row in rows.values()} == {RANK}
+    assert info["parameters"] == sum(row["parameters"] for row in rows.values()) == sum(
+        RANK * (i + o) for i, o in ZIMAGE_MODULES.values())
+
+
 def test_export_between_formats(tmp_path):
     lora = make_lora(ZIMAGE_MODULES)
     src, mid, dst = (tmp_path / f"{n}.safetensors" for n in ("src", "kohya", "diffusers"))

@@ -124,16 +124,35 @@ def _resolutions(text: str) -> list[int]:
 
 def cmd_estimate(args) -> int:
     from . import config as config_module
-    from .estimate_common import VARIANTS, backend_rules, format_estimate, variant_from_header
+    from .estimate_common import (
+        VARIANTS,
+        arch_variants,
+        backend_rules,
+        format_estimate,
+        resolve_variant,
+        several_sizes_note,
+        variant_from_header,
+    )
 
     cfg = config_module.load(args.config)
-    variant = args.variant
-    if variant is None and cfg.model_path and Path(cfg.model_path).is_file():
+    notes = []
+    if args.variant is not None:  # a size or an arch: one vocabulary
+        variants = resolve_variant(args.variant)
+        notes += several_sizes_note(args.variant, variants)
+    elif cfg.model_path and Path(cfg.model_path).is_file():
         from .safetensors_io import read_header
         header, _ = read_header(cfg.model_path)
-        variant = variant_from_header({k: v["shape"] for k, v in header.items()})
-    if variant is None:
-        raise SystemExit(f"give --variant (one of {sorted(VARIANTS)}) or a model_path in {args.config}")
+        variants = [variant_from_header({k: v["shape"] for k, v in header.items()})]
+    else:  # the config's arch is enough
+        variants = arch_variants(cfg.arch)
+        if not variants:
+            raise SystemExit(f"give --variant (one of {sorted(VARIANTS)}) or a model_path in {args.config}")
+        if cfg.model_path:
+            notes.append(f"model_path {cfg.model_path} not found, so not read; estimated from arch {cfg.arch}")
+        notes += several_sizes_note(cfg.arch, variants)
+    variant = variants[0]
+    for note in notes:
+        print(f"note: {note}")
     backend = args.backend or cfg.backend
     estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if backend == "mlx" and cfg.base_quantize != "none" else "bf16")
@@ -150,6 +169,8 @@ def cmd_estimate(args) -> int:
 def cmd_export(args) -> int:
     from .lora_format import export
 
+    if Path(args.output).exists() and not args.overwrite:
+        raise FileExistsError(f"{args.output} already exists; pass --overwrite to replace it, or choose another -o")
     export(args.lora, args.output, args.format, arch=None if args.arch is None else _arch(args.arch))
     print(f"wrote {args.output} ({args.format})")
     return 0
@@ -172,7 +193,11 @@ def cmd_inspect(args) -> int:
     from .lora_format import describe
 
     info = describe(args.lora)
-    print(json.dumps(info, indent=2, default=str))
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        from .lora_report import format_description
+        print(format_description(info))
     return 0
 
 
@@ -215,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     est = commands.add_parser("estimate", help="estimate training memory for a config")
     est.add_argument("config", help="path to the config file")
-    est.add_argument("--variant", help="model size, e.g. flux2-klein-4b (default: read from model_path)")
+    est.add_argument("--variant", help="model size (e.g. flux2-klein-9b) or arch (e.g. zimage_turbo; a family of "
+                     "several sizes: its smallest); default: read from model_path, else the config's arch")
     est.add_argument("--backend", choices=["torch", "mlx"], help="training backend (default: the config's)")
     est.add_argument("--base-dtype", choices=["bf16", "fp8", "fp32", "int8", "int4"],
                      help="base weights: bf16 (default), fp8 (torch), int8/int4 (mlx; default the config's base_quantize)")
@@ -228,10 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--format", required=True, choices=["comfy", "diffusers", "kohya"], help="target key format")
     exp.add_argument("--output", "-o", required=True, help="file to write")
     exp.add_argument("--arch", help="architecture (default: the file's kiln.arch metadata)")
+    exp.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
     exp.set_defaults(func=cmd_export)
 
-    ins = commands.add_parser("inspect", help="show a LoRA file's keys, ranks, alphas and metadata")
+    ins = commands.add_parser("inspect", help="show a LoRA file's format, metadata, settings and modules by block")
     ins.add_argument("lora", help="LoRA .safetensors to read")
+    ins.add_argument("--json", action="store_true", help="print everything as JSON (one entry per module)")
     ins.set_defaults(func=cmd_inspect)
 
     cache = commands.add_parser("cache", help="show, prune or clear a latent/text cache folder")

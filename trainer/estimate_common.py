@@ -40,6 +40,35 @@ def get_dims(variant: str | ModelDims) -> ModelDims:
         raise ValueError(f"unknown model variant {variant!r}; choose one of {list(VARIANTS)}") from None
 
 
+def arch_variants(arch_name: str) -> list[str]:
+    """The VARIANTS an arch trains, smallest first; empty for an arch without a Layout (demo, generic).
+    Archs sharing one model (zimage_turbo and zimage) share its variants."""
+    layout = get_arch(arch_name).layout
+    if layout is None:
+        return []
+    own = [dims for dims in layout.variants if dims.arch == arch_name] or list(layout.variants)
+    return [dims.variant for dims in sorted(own, key=param_count)]
+
+
+def resolve_variant(name: str) -> list[str]:
+    """A variant (flux2-klein-9b) or an arch (flux2_klein) -> the variants it names, smallest first."""
+    if name in VARIANTS:
+        return [name]
+    if name in ARCHS and arch_variants(name):
+        return arch_variants(name)
+    archs = [arch for arch in ARCHS if arch_variants(arch)]
+    raise ValueError(f"unknown --variant {name!r}; give a model size ({', '.join(VARIANTS)}) "
+                     f"or an arch ({', '.join(archs)})")
+
+
+def several_sizes_note(name: str, variants: list[str]) -> list[str]:
+    """The note an estimate of the smallest of several variants carries; none for one variant."""
+    if len(variants) < 2:
+        return []
+    return [f"{name} comes in {', '.join(variants)}; estimated the smallest, {variants[0]}; "
+            f"pick another with --variant {' or --variant '.join(variants[1:])}"]
+
+
 def arch_of(dims: ModelDims) -> Arch:
     """The arch `dims` names; it must carry a Layout."""
     arch = get_arch(dims.arch)

@@ -335,10 +335,17 @@ def describe(path) -> dict:
     tensors, metadata = safetensors_io.read(path)
     header, _ = safetensors_io.read_header(path)
     fmt = detect_format(tensors, str(path))
-    modules = _split_keys(tensors, FORMATS[fmt].key_prefix, str(path))  # file's modules, unfused
+    prefix = FORMATS[fmt].key_prefix
+    modules = _split_keys(tensors, prefix, str(path))  # file's modules, unfused
+    dotted = {p.replace(".", "_"): p for p in _module_paths(metadata, str(path)) or []}  # kohya's '_' names
+    table = [{"name": dotted.get(name, name), "rank": w.rank, "alpha": w.alpha, "parameters": w.A.size + w.B.size,
+              "dtype": header[prefix + name + next(s for s in (".lora_A.weight", ".lora_down.weight")
+                                                   if prefix + name + s in header)]["dtype"]}
+             for name, w in modules.items()]
     return {"path": str(path), "format": fmt, "modules": len(modules),
             "ranks": sorted({w.rank for w in modules.values()}), "alphas": sorted({w.alpha for w in modules.values()}),
-            "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata)}
+            "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
+            "parameters": sum(row["parameters"] for row in table), "module_table": table}
 
 
 def export(src, dst, fmt: str, *, arch: Arch | str | None = None) -> None:

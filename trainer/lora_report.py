@@ -1,0 +1,80 @@
+"""What `python -m trainer inspect` prints: a LoRA file's format, metadata and modules, for a person."""
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+
+_SHOWN = ("kiln.arch", "kiln.steps", "kiln.trigger_words", "kiln.config", "kiln.format", "kiln.module_paths")
+_BLOCK = re.compile(r"^([^.]+\.\d+)\.(.+)$")   # double_blocks.0.img_attn.qkv -> double_blocks.0, img_attn.qkv
+_KOHYA_BLOCK = re.compile(r"^(.+?_\d+)_(.+)$")  # kohya's '_' names when the file has no kiln.module_paths
+_DTYPE_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+
+
+def non_default_settings(config_json: str) -> list[tuple[str, object]] | None:
+    """kiln.config's settings that differ from TrainConfig's defaults, in field order; None if unreadable."""
+    from .config import TrainConfig
+
+    try:
+        config = json.loads(config_json)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(config, dict):
+        return None
+    defaults = json.loads(json.dumps(TrainConfig().to_dict(), default=str))  # tuples as lists, as stored
+    order = list(defaults) + sorted(set(config) - set(defaults))              # a newer Kiln's keys last
+    return [(key, config[key]) for key in order if key in config and config[key] != defaults.get(key, object())]
+
+
+def module_groups(table: list[dict]) -> dict[str, list[dict]]:
+    """Modules grouped by block (the path up to the block index), in file order; the rest under "other"."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in table:
+        match = _BLOCK.match(row["name"]) or _KOHYA_BLOCK.match(row["name"])
+        group, rest = match.groups() if match else ("other", row["name"])
+        groups[group].append({**row, "name": rest})
+    return dict(sorted(groups.items(), key=lambda item: _natural(item[0])))
+
+
+def _natural(text: str) -> list:
+    """double_blocks.2 before double_blocks.10; "other" last."""
+    return [text == "other"] + [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def format_description(info: dict) -> str:
+    """lora_format.describe()'s dict as readable lines."""
+    meta = info["metadata"]
+    lines = [info["path"], f"  format         {info['format']}", f"  arch           {meta.get('kiln.arch', '(not recorded)')}"]
+    if "kiln.steps" in meta:
+        lines.append(f"  steps          {meta['kiln.steps']}")
+    try:
+        words = json.loads(meta.get("kiln.trigger_words", "[]"))
+    except json.JSONDecodeError:
+        words = [meta["kiln.trigger_words"]]
+    if words:
+        lines.append(f"  trigger words  {', '.join(map(str, words))}")
+    if "kiln.config" in meta:
+        settings = non_default_settings(meta["kiln.config"])
+        if settings is None:
+            lines.append("  settings       (kiln.config is not readable JSON)")
+        else:
+            lines.append("settings (kiln.config, those not at their default):" if settings else
+                         "settings (kiln.config): all at their defaults")
+            lines += [f"  {key} = {json.dumps(value, ensure_ascii=False)}" for key, value in settings]
+    others = {k: v for k, v in meta.items() if k not in _SHOWN}
+    if others:
+        lines.append("metadata:")
+        lines += [f"  {key} = {value}" for key, value in sorted(others.items())]
+    lines.append("modules by block:")
+    for group, rows in module_groups(info["module_table"]).items():
+        lines.append(f"  {group}: " + ", ".join(
+            f"{row['name']} r{row['rank']} α{_number(row['alpha'])} {_DTYPE_NAMES.get(row['dtype'], row['dtype'])}"
+            for row in rows))
+    lines.append(f"totals: {info['modules']} modules, {info['parameters']:,} parameters, "
+                 f"ranks {', '.join(map(str, info['ranks']))}, alphas {', '.join(map(_number, info['alphas']))}, "
+                 f"dtypes {', '.join(info['dtypes'])}")
+    return "\n".join(lines)
