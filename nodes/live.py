@@ -56,9 +56,12 @@ class Tracker:
 
     def on_step(self, report) -> None:
         bridge.send_event("kiln.progress", self.registry.record(self.run, report))
-        if self.registry.take_save(self.run) and report.weights is not None:
-            name = self.save_lora(report.step, report.weights())
-            bridge.send_event("kiln.run", self.registry.add_saved(self.run, report.step, name))
+        cfg, step = self.cfg, report.step
+        at_checkpoint = cfg.checkpoint_loras and (step == cfg.steps or (cfg.checkpoint_every
+                                                                        and step % cfg.checkpoint_every == 0))
+        if (self.registry.take_save(self.run) or at_checkpoint) and report.weights is not None:
+            name = self.save_lora(step, report.weights())
+            bridge.send_event("kiln.run", self.registry.add_saved(self.run, step, name))
 
     def should_stop(self) -> bool:
         return self.registry.stop_wanted(self.run)
@@ -76,13 +79,14 @@ class Tracker:
         bridge.send_event("kiln.sample", self.registry.add_sample(self.run, step, image))
 
     def save_lora(self, step: int, weights) -> str:
-        """Save now: the LoRA as of this step into models/loras/kiln/ (atomic write); its LoraLoader name."""
+        """Save now, or a checkpoint's LoRA (checkpoint_loras): the LoRA as of this step (the EMA weights when
+        EMA is on) into models/loras/kiln/ (atomic write); its LoraLoader name."""
         name = f"{SAVED_SUBFOLDER}/{self.run.name}-step{step:06d}.safetensors"
         cfg = self.cfg
         lora_format.save_lora(Path(bridge.folders()["loras"]) / name, weights, arch=cfg.arch, fmt=cfg.lora_format,
                               dtype=cfg.save_dtype, metadata=lora_metadata(cfg, get_arch(cfg.arch), step))
         bridge.refresh_loras()
-        print(f"[Kiln] saved {name} (step {step}) from the dashboard")
+        print(f"[Kiln] saved {name} (step {step})")
         return name
 
     def finish(self, result=None, error: BaseException | None = None) -> None:

@@ -74,7 +74,7 @@ def dataset_identity(dataset: Dataset) -> str:
 
 def run_identity(cfg: cfg_module.TrainConfig, dataset: Dataset, resume_from: str | None) -> str:
     values = {k: v for k, v in cfg.to_dict().items()
-              if k not in ("output_dir", "run_name", "log_every", "checkpoint_every", "keep_checkpoints",
+              if k not in ("output_dir", "run_name", "log_every", "checkpoint_every", "keep_checkpoints", "checkpoint_loras",
                            "dataset_dir", "cache_dir", "cache_max_gb", "steps")}
     # `steps` is left out on purpose: raising it on a finished run continues that run.
     blob = json.dumps([values, dataset_identity(dataset), resume_from], sort_keys=True, default=str)

@@ -165,6 +165,8 @@ class TrainConfig:
     run_name: str = setting("", 'folder name; empty = "<arch>-<date>-<time>"')
     checkpoint_every: int = setting(250, "steps between resumable checkpoints; 0 = only at the end")
     keep_checkpoints: int = setting(3, "newest K checkpoints kept")
+    checkpoint_loras: bool = setting(False, "nodes: also write each checkpoint's LoRA to models/loras/kiln/"
+                                            "<run>-stepNNNNNN.safetensors, to compare steps in a graph")
     log_every: int = setting(10, "steps between loss reads (a host sync on GPU)")
     save_dtype: str = setting("bf16", "dtype of saved LoRA weights")
     lora_format: str = setting("comfy", "comfy (ComfyUI-native keys), diffusers, kohya")

@@ -112,3 +112,33 @@ def test_save_now_and_stop_from_the_dashboard_then_resume(comfy_dirs, monkeypatc
     resumed = dashboard.REGISTRY.answer("GET", events[-1][1]["id"])[1]
     assert resumed["id"] != run_id and resumed["start_step"] == 4 and resumed["status"] == "finished"
     assert resumed["history"]["step"] == list(range(1, 9))
+
+
+def test_checkpoint_loras_go_to_models_loras_kiln_and_leave_the_run_identity_alone(comfy_dirs, monkeypatch):
+    """Training Options' checkpoint_loras: each checkpoint's LoRA (and the last step's) is also written where
+    LoraLoader lists it, named by run and step, and shown on the dashboard; turning it off afterwards finds
+    the same run (it is an output setting, not part of what the run trains)."""
+    model, vae, clip = tc.tiny_flux2(comfy_dirs), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
+    ds = encoded_dataset(comfy_dirs, vae, clip)
+    saved: list[dict] = []
+    monkeypatch.setattr(bridge, "send_event", lambda name, data: saved.extend(data.get("saved", [])))
+
+    def train(checkpoint_loras: bool):
+        return tn.KilnTrainLoRA.execute(model, ds, steps=5, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw",
+                                        preset="none", backend="torch", seed=1,
+                                        options={"device": "cpu", "mixed_precision": "no", "checkpoint_every": 2,
+                                                 "run_name": "ckl", "log_every": 1,
+                                                 "checkpoint_loras": checkpoint_loras})
+
+    state = train(True).result[2]
+    run = Path(state.run_dir).name
+    expected = [f"kiln/{run}-step{step:06d}.safetensors" for step in (2, 4, 5)]   # every 2 steps, and the end
+    assert sorted(p.relative_to(comfy_dirs / "loras").as_posix() for p in (comfy_dirs / "loras").rglob("*.safetensors")) \
+        == expected and all(name in bridge.lora_names() for name in expected)
+    assert [entry["name"] for entry in saved][-3:] == expected
+    for step, name in zip((2, 4, 5), expected):
+        lora, metadata = lora_format.load_lora(comfy_dirs / "loras" / name)
+        assert set(lora) == set(state.lora) and metadata["kiln.steps"] == str(step)
+        assert bridge.unmatched_lora_keys(model, bridge.load_lora_file(comfy_dirs / "loras" / name)) == []
+    again = train(False)
+    assert "already trained" in again.ui.value and again.result[2].run_dir == state.run_dir
