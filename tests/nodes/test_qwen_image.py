@@ -44,24 +44,10 @@ def unet_config() -> dict:
 def qwen():
     """ModelPatcher of a tiny Qwen-Image, assembled the way load_diffusion_model_state_dict does (ComfyUI
     detects Qwen-Image only at 24 heads of 128, so supported_models.QwenImage(unet_config))."""
-    import comfy.model_management as mm
-    import comfy.model_patcher
-    import comfy.ops
     import comfy.supported_models
     from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
 
-    config = unet_config()
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in QwenImageTransformer2DModel(
-            **config, operations=comfy.ops.disable_weight_init).state_dict().items()}
-    sd = tc.random_state_dict(shapes, 0)
-    with torch.inference_mode():
-        model_config = comfy.supported_models.QwenImage(dict(config))
-        model_config.set_inference_dtype(torch.float32, None)
-        model = model_config.get_model(sd, "")
-        model.load_model_weights(sd, "")
-        return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
-                                                offload_device=mm.unet_offload_device())
+    return tc.assembled(comfy.supported_models.QwenImage, QwenImageTransformer2DModel, unet_config(), 0)
 
 
 def caption(tokens: int, seed: int) -> np.ndarray:

@@ -119,18 +119,24 @@ def zimage_unet_config() -> dict:
 
 
 def tiny_zimage(*, seed: int = 0):
-    """ModelPatcher of a tiny Z-Image, assembled the way load_diffusion_model_state_dict does."""
-    import comfy.model_management as mm
-    import comfy.model_patcher
-    import comfy.ops
+    """ModelPatcher of a tiny Z-Image (ComfyUI detects Z-Image only at dim 3840)."""
     import comfy.supported_models
     from comfy.ldm.lumina.model import NextDiT
 
-    unet_config = zimage_unet_config()
-    shapes = _meta_shapes(lambda: NextDiT(**unet_config, operations=comfy.ops.disable_weight_init))
+    return assembled(comfy.supported_models.ZImage, NextDiT, zimage_unet_config(), seed)
+
+
+def assembled(config_class, module_class, unet_config: dict, seed: int):
+    """ModelPatcher of `module_class(**unet_config)` with seeded random weights, put together the way
+    load_diffusion_model_state_dict does (for families ComfyUI detects only at full size)."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.ops
+
+    shapes = _meta_shapes(lambda: module_class(**unet_config, operations=comfy.ops.disable_weight_init))
     sd = random_state_dict(shapes, seed)
     with torch.inference_mode():
-        model_config = comfy.supported_models.ZImage(dict(unet_config))
+        model_config = config_class(dict(unet_config))
         model_config.set_inference_dtype(torch.float32, None)
         model = model_config.get_model(sd, "")
         model.load_model_weights(sd, "")
