@@ -9,7 +9,6 @@ from comfy_api.latest import io, ui
 from ..trainer.archs import dataset_divisor
 from ..trainer.data.captions import CaptionSettings
 from ..trainer.data.dataset import DataSettings, Dataset, folder_fingerprint
-from ..trainer.data.report import format_report
 
 from .comfy import bridge
 from .widgets import CATEGORY, DATASET, parse_list, widget
@@ -39,8 +38,8 @@ class KilnLoadDataset(io.ComfyNode):
                         "resolution buckets. No pixels are read yet.",
             inputs=[
                 io.String.Input("folder", default="", tooltip="Folder of images (png, jpg, webp, bmp, tiff) with "
-                                "same-name .txt captions: a name under ComfyUI's input/ or an absolute path. "
-                                "Sub-folders named like '10_name' repeat their images 10 times."),
+                                "same-name .txt captions: a name under ComfyUI's input/ (the 'choose a dataset…' button lists them) "
+                                "or an absolute path. Sub-folders named like '10_name' repeat their images 10 times."),
                 widget("trigger_word", default="", tooltip_text="Replaces {trigger} in captions, else put in front. "
                        "Empty: dataset.json's trigger_word."),
                 widget("caption_prefix", tooltip_text="Text put before every caption (after the trigger word)."),
@@ -78,8 +77,7 @@ class KilnLoadDataset(io.ComfyNode):
         settings = DataSettings(resolutions=tuple(parse_list(resolutions, int)), divisor=dataset_divisor(), crop=crop,
                                 repeats=repeats, captions=captions, deep=deep_check, caption_dropout=caption_dropout)
         dataset = Dataset.load(root, settings)
-        text = format_report(dataset.report) + "\n\n" + dataset.plan.format_report()
-        return io.NodeOutput(dataset, ui=ui.PreviewText(text))
+        return io.NodeOutput(dataset, ui=ui.PreviewText(dataset.report_text()))
 
 
 class KilnEncodeImages(io.ComfyNode):

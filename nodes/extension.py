@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import dataset_nodes, live, lora_nodes, train_nodes
+from . import dataset_nodes, folders, live, lora_nodes, train_nodes
 
 NODES: list[type[io.ComfyNode]] = [*dataset_nodes.NODES, *train_nodes.NODES, *lora_nodes.NODES]
 
@@ -11,6 +11,7 @@ NODES: list[type[io.ComfyNode]] = [*dataset_nodes.NODES, *train_nodes.NODES, *lo
 class KilnExtension(ComfyExtension):
     async def on_load(self) -> None:
         live.add_routes()  # GET /kiln/runs for the live dashboard (web/), Stop and Save now
+        folders.add_routes()  # GET /kiln/folders/{datasets,runs} for the folder pickers (web/)
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return list(NODES)

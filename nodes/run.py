@@ -188,7 +188,6 @@ def resolve_run(text: str) -> Path:
 
 def known_runs(root: Path, most: int = 20) -> str:
     """The run folders under output/kiln/ that hold a complete checkpoint, newest first, for a message."""
-    runs = sorted((p for p in root.iterdir() if p.is_dir() and state_module.list_checkpoints(p)),
-                  key=lambda p: p.stat().st_mtime, reverse=True) if root.is_dir() else []
-    names = ", ".join(p.name for p in runs[:most]) + (f", … and {len(runs) - most} more" if len(runs) > most else "")
+    runs = [name for name, _ in state_module.list_runs(root)]
+    names = ", ".join(runs[:most]) + (f", … and {len(runs) - most} more" if len(runs) > most else "")
     return names or "none yet (train one with Kiln Train LoRA)"

@@ -188,8 +188,9 @@ class KilnLoadRun(io.ComfyNode):
             node_id="KilnLoadRun", display_name="Kiln Load Run", category=f"{CATEGORY}/train",
             description="A run folder (or one step-NNNNNN checkpoint) as KILN_STATE: resume it in Train LoRA, "
                         "or take its LoRA with Apply EMA.",
-            inputs=[io.String.Input("run_folder", default="", tooltip="A folder under output/kiln/ (name or "
-                                    "absolute path); its newest complete checkpoint is used")],
+            inputs=[io.String.Input("run_folder", default="", tooltip="A folder under output/kiln/ (name, "
+                                    "or an absolute path; the 'choose a run…' button lists them); its newest "
+                                    "complete checkpoint is used")],
             outputs=[STATE.Output(display_name="state", tooltip="The run state (KILN_STATE)")],
         )
 

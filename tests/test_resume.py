@@ -151,3 +151,24 @@ def test_a_checkpoint_from_another_backend_is_refused_clearly(make_model, make_d
     info_path.write_text(json.dumps(info))
     with pytest.raises(ValueError, match="written by the mlx backend"):
         train(make_config(steps=4), make_model(), make_data(), run_dir=tmp_path, resume=tmp_path)
+
+
+def test_list_runs_offers_runs_with_a_complete_checkpoint_newest_first(tmp_path):
+    """What Load Run's picker and its error message offer: runs with a complete checkpoint only."""
+    import os
+
+    def checkpoint(run: str, step: int, complete: bool = True) -> None:
+        folder = state.step_dir(tmp_path / run, step)
+        folder.mkdir(parents=True)
+        (folder / "state.safetensors").write_bytes(b"")
+        if complete:
+            (folder / "run.json").write_text("{}", encoding="utf-8")
+
+    checkpoint("old", 100)
+    checkpoint("new", 50)
+    checkpoint("new", 250)
+    checkpoint("new", 300, complete=False)      # being written, or killed mid-write
+    checkpoint("crashed", 10, complete=False)
+    os.utime(tmp_path / "old", (1_000_000, 1_000_000))
+    assert state.list_runs(tmp_path) == [("new", 250), ("old", 100)]
+    assert state.list_runs(tmp_path / "missing") == []

@@ -92,7 +92,7 @@ def import_pack(name: str = ""):
 
 def cmd_check_dataset(args) -> int:
     from .archs import dataset_divisor
-    from .data.dataset import DataSettings, plan_for
+    from .data.dataset import DataSettings, describe_plan, plan_for
     from .data.report import format_report
     from .data.scan import scan
 
@@ -101,8 +101,7 @@ def cmd_check_dataset(args) -> int:
     buckets = None
     if resolutions and report.items:
         plan = plan_for(report.items, DataSettings(resolutions=tuple(resolutions), divisor=dataset_divisor()))
-        buckets = plan.describe([i.path for i in report.items], [(i.width, i.height) for i in report.items],
-                                resolutions)
+        buckets = describe_plan(plan, report.items, resolutions)
     if args.json:
         print(json.dumps({**report.to_dict(), **({"buckets": buckets} if buckets else {})}, indent=2,
                          ensure_ascii=False))

@@ -64,6 +64,18 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def list_runs(root: str | Path) -> list[tuple[str, int]]:
+    """(name, newest complete step) of each run folder directly under root that has a checkpoint,
+    newest first (by folder time): what Load Run's picker and its error messages offer."""
+    root = Path(root)
+    runs = []
+    for child in sorted(root.iterdir()) if root.is_dir() else []:
+        found = list_checkpoints(child) if child.is_dir() and not child.name.startswith(".") else []
+        if found:
+            runs.append((child.stat().st_mtime, child.name, found[-1][0]))
+    return [(name, step) for _, name, step in sorted(runs, key=lambda run: run[0], reverse=True)]
+
+
 def _lora_tensors(lora: dict[str, LoraWeights], prefix: str) -> dict[str, np.ndarray]:
     out = {}
     for path, weights in lora.items():

@@ -367,3 +367,25 @@ def test_check_dataset_buckets_come_from_dataset_json_or_are_not_shown(tmp_path,
     text = capsys.readouterr().out
     assert "Buckets at 256 px (centre crop, sides multiples of 16): 1 image in 1 bucket" in text
     assert "  288x192: 1 image: a.png" in text and "broken.png" not in text.split("Skipped")[0]
+
+
+def test_list_datasets_names_the_folders_that_hold_images(tmp_path):
+    """What Load Dataset's picker offers: folders under input/ with images at any depth, with counts;
+    not files, not folders without images, not hidden ones."""
+    from trainer.data.scan import list_datasets
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "loose.png")
+    (tmp_path / "portraits" / "10_me").mkdir(parents=True)
+    for i in range(3):
+        Image.new("RGB", (64, 64)).save(tmp_path / "portraits" / "10_me" / f"{i}.jpg")
+    (tmp_path / "portraits" / "10_me" / "0.txt").write_text("me", encoding="utf-8")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x", encoding="utf-8")
+    (tmp_path / ".trash").mkdir()
+    Image.new("RGB", (64, 64)).save(tmp_path / ".trash" / "x.png")
+    (tmp_path / "style").mkdir()
+    Image.new("RGB", (64, 64)).save(tmp_path / "style" / "a.webp")
+    found = list_datasets(tmp_path)
+    assert [(f.name, f.images, f.captions) for f in found] == [("portraits", 3, 1), ("style", 1, 0)]
+    assert found[0].describe() == "3 images, 1 caption"
+    assert list_datasets(tmp_path / "missing") == []

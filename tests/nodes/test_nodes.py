@@ -107,6 +107,17 @@ def test_every_node_is_registered():
             assert i.tooltip and i.tooltip.lower() not in (i.id, i.id.replace("_", " ")), f"{node.__name__}.{i.id}"
 
 
+def test_load_dataset_shows_the_bucket_plan_on_the_node(comfy_dirs):
+    """The node's text is check-dataset's report with the buckets: per resolution, each bucket with its
+    images and the crop an image gets."""
+    make_dataset(comfy_dirs / "input" / "buckets_shown", count=4)
+    loaded = dn.KilnLoadDataset.execute("buckets_shown", "kiln", "", "", "64, 80", 1, 0.0)
+    text = "".join(loaded.ui.as_dict()["text"])
+    assert "Buckets at 64 px (centre crop, sides multiples of 16): 4 images in 2 buckets" in text, text
+    assert "Buckets at 80 px" in text and "img0.png" in text and "img1.png" in text
+    assert "OK: ready to train" in text
+
+
 @pytest.mark.parametrize("family", ["flux2", "zimage"])
 def test_train_save_and_load_through_comfy(comfy_dirs, tmp_path_factory, family):
     if family == "flux2":

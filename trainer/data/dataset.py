@@ -23,7 +23,7 @@ from PIL import Image
 from .buckets import BucketPlan, Entry, plan_buckets
 from .cache import Cache, latent_key, text_key
 from .captions import CaptionSettings, caption_variants
-from .report import DatasetMeta, Item, Problem, ScanReport
+from .report import DatasetMeta, Item, Problem, ScanReport, format_report
 
 ImageEncoder = Callable[[np.ndarray], np.ndarray]
 TextEncoder = Callable[[str], np.ndarray]
@@ -203,6 +203,10 @@ class Dataset:
         """Files left out, by the scan or at encode time; the training log names them again."""
         return self.report.skipped + list(self.encode_problems)
 
+    def report_text(self) -> str:
+        """What Load Dataset shows on its node: check-dataset's report with the bucket plan."""
+        return format_report(self.report, describe_plan(self.plan, self.report.items, self.settings.resolutions))
+
     def summary(self) -> str:
         report = self.report
         lines = [f"{report.root}: {len(report.items) - len(self.failed_items)} usable images, "
@@ -224,6 +228,11 @@ def plan_for(items: list[Item], settings: DataSettings) -> BucketPlan:
     """The bucket plan of the usable items at settings' resolutions (training and check-dataset share it)."""
     return plan_buckets([(i.width, i.height) for i in items], list(settings.resolutions), settings.divisor,
                         crop=settings.crop, seed=settings.seed, hashes=[i.sha256 for i in items])
+
+
+def describe_plan(plan: BucketPlan, items: list[Item], resolutions) -> list[dict]:
+    """BucketPlan.describe() for scanned items: per resolution, each bucket with its images and their crops."""
+    return plan.describe([i.path for i in items], [(i.width, i.height) for i in items], list(resolutions))
 
 
 def describe_failure(report: ScanReport) -> str:

@@ -354,3 +354,38 @@ def _other_file(file: _File, suffix: str) -> Problem | None:
 
 def _stem(rel: str) -> str:
     return rel.rsplit(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class FolderSummary:
+    """A candidate dataset folder, as Load Dataset's picker lists it (names and counts, no reading)."""
+    name: str
+    images: int
+    captions: int
+
+    def describe(self) -> str:
+        return f"{self.images} image{'s' * (self.images != 1)}, {self.captions} caption{'s' * (self.captions != 1)}"
+
+
+def list_datasets(root: str | Path, most_files: int = 100_000) -> list[FolderSummary]:
+    """Each folder directly under root that holds images (at any depth, as `N_name/` sub-folders do),
+    by name; hidden folders (.kiln_cache, .trash) are left out. Only names are listed, nothing is read;
+    at most `most_files` entries are counted per folder, so a huge input/ cannot stall the page."""
+    root = Path(root)
+    found = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        images = captions = seen = 0
+        for _, dirs, files in os.walk(folder, followlinks=False):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for name in files:
+                suffix = os.path.splitext(name)[1].lower()
+                images += suffix in IMAGE_EXTENSIONS and not name.startswith(".")
+                captions += suffix == ".txt" and not name.startswith(".")
+            seen += len(files)
+            if seen >= most_files:
+                break
+        if images:
+            found.append(FolderSummary(folder.name, images, captions))
+    return found

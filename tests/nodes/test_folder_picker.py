@@ -1,0 +1,88 @@
+"""Load Dataset's and Load Run's folder pickers against a real ComfyUI (COMFYUI_PATH) with the pack: the
+/kiln/folders routes list what exists (names only), and in ComfyUI's own frontend (headless Chromium) the
+"choose…" button opens that list and types the picked name into the text field, while the workflow's
+widgets_values and the prompt stay what they were without the button. Skips without node, Chromium or
+playwright-core (fails in CI).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+import comfy_env  # noqa: E402
+
+COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
+
+from comfy_server import CHROMIUM, NODE, TINY_FILES, make_workflows, require_browser, running, tiny_base  # noqa: E402
+
+DATASET = TINY_FILES["dataset"]
+
+
+def fake_checkpoint(run_dir: Path, step: int) -> None:
+    """What state.list_checkpoints counts as a complete checkpoint (the picker reads nothing more)."""
+    folder = run_dir / f"step-{step:06d}"
+    folder.mkdir(parents=True)
+    (folder / "state.safetensors").write_bytes(b"")
+    (folder / "run.json").write_text("{}", encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tiny_base(tmp_path_factory.mktemp("comfy_folders"))
+    (base / "input" / "no_images_here").mkdir()                       # not a dataset: no images
+    (base / "input" / "no_images_here" / "notes.txt").write_text("x", encoding="utf-8")
+    (base / "input" / "loose.png").write_bytes(b"")                   # a file, not a folder
+    kiln = base / "output" / "kiln"
+    fake_checkpoint(kiln / "portrait-0a1b2c3d4e", 4)
+    fake_checkpoint(kiln / "portrait-0a1b2c3d4e", 12)
+    (kiln / "crashed-before-a-checkpoint" / ".tmp-step-000002").mkdir(parents=True)
+    with running(COMFY, base) as comfy:
+        yield comfy
+
+
+def test_the_routes_list_datasets_and_runs_by_name(server):
+    datasets = server.get("/kiln/folders/datasets")
+    assert datasets == {"root": "input", "folders": [{"name": DATASET, "detail": "4 images, 4 captions"}]}
+    runs = server.get("/kiln/folders/runs")
+    assert runs == {"root": "output/kiln", "folders": [{"name": "portrait-0a1b2c3d4e", "detail": "step 12"}]}
+
+
+def test_an_unknown_list_is_refused_with_the_known_ones(server):
+    status, body = server._request("/kiln/folders/models")
+    assert status == 404 and "datasets, runs" in json.loads(body)["error"]
+
+
+def test_the_choose_button_types_the_picked_folder(server, tmp_path):
+    require_browser("the folder picker test")
+    picks = {"KilnLoadDataset": DATASET, "KilnLoadRun": "portrait-0a1b2c3d4e"}
+    done = subprocess.run([NODE, str(REPO / "tests" / "web" / "folder_picker.mjs"), "--url", server.url,
+                           "--out", str(tmp_path), "--chromium", CHROMIUM,
+                           *[arg for node, name in picks.items() for arg in ("--pick", f"{node}={name}")]],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    report = json.loads(lines[-1])
+    assert report["ok"], report.get("error")
+    info = server.get("/object_info", timeout=60)
+    mw = make_workflows()
+    for node_type, name in picks.items():
+        seen = report["nodes"][node_type]
+        assert "error" not in seen, seen
+        field = {"KilnLoadDataset": "folder", "KilnLoadRun": "run_folder"}[node_type]
+        assert any(entry.startswith(name) for entry in seen["menu"]), seen["menu"]
+        assert dict(seen["widgets"])[field] == name
+        # The button is not part of the workflow or the prompt: the saved values are the node's own slots.
+        slots = mw.widget_slots(info[node_type])
+        assert len(seen["serialized"]) == len(slots), (seen["serialized"], slots)
+        assert seen["serialized"][[s.removesuffix(".control") for s in slots].index(field)] == name
+        assert seen["prompt"][field] == name and seen["label"] not in seen["prompt"], seen["prompt"]
+    assert report["nodes"]["KilnLoadDataset"]["menu"] == [f"{DATASET}   (4 images, 4 captions)"]
+    assert report["nodes"]["KilnLoadRun"]["menu"] == ["portrait-0a1b2c3d4e   (step 12)"]
+    kiln_errors = [e for e in report["console"] if "kiln" in (e["text"] + e["url"]).lower()]
+    assert kiln_errors == [] and [e for e in report["pageErrors"] if "kiln" in e.lower()] == []
