@@ -99,7 +99,9 @@ import datetime
 import gc
 import itertools
 import json
+import logging
 import math
+import re
 import os
 import platform
 import statistics
@@ -558,6 +560,35 @@ class RowCounter:
 
 # ---------------------------------------------------------------- Kiln
 
+class LeverNotes(logging.Handler):
+    """Collects the "[Kiln] ..." lines of the `kiln` logger during a row: the levers the backend chose."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.logger = logging.getLogger("kiln")
+        self.level_before = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def remove(self):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
+
+    def levers(self, cfg) -> dict:
+        """kiln_compiled, kiln_budget: the config's values, or what "auto" became (from the log line)."""
+        text = " ".join(self.lines)
+        compiled = cfg.compile_blocks if cfg.compile_blocks != "auto" else "compile_blocks auto → on" in text
+        found = re.search(r"checkpoint_budget auto → ([0-9.]+)", text)
+        budget = cfg.checkpoint_budget if cfg.checkpoint_budget != "auto" else float(found.group(1)) if found else 0.0
+        if "compile failed" in text:
+            compiled, budget = False, 0.0
+        return {"kiln_compiled": bool(compiled), "kiln_budget": float(budget), "kiln_levers_note": text}
+
+
 def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targets: str, checkpointing: bool,
              steps: int, warmup: int, timing: str, device: torch.device, dtype: str, settings: dict | None = None,
              profile_steps: int = 0, quantized_matmul: bool = False) -> dict:
@@ -602,12 +633,15 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
             clock.mark()
             profiler.on_step(report.step)
 
+        notes = LeverNotes()   # what compile_blocks / checkpoint_budget "auto" decided (the backend's log line)
         try:
             before = time.perf_counter()
             result = loop.train(cfg, module, data, run_dir=run_dir, forward=bridge.make_forward(model, arch_name),
                                 on_step=on_step)
         finally:
             counter.remove()
+            notes.remove()
+    out.update(notes.levers(cfg))
     stats = timed_stats(clock.durations()[:steps - 1], warmup)
     losses = [float(v) for v in result.history.loss][:steps]
     # Step 1 from the train() call (LoRA injection, and compiling when compile_blocks is on), then the
@@ -960,9 +994,7 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     record["fp8_matmul"] = quantized_matmul = settings.pop("fp8_matmul", False)
     ckpt_module = opts.pack["checkpointing"]
     saved_ops = ckpt_module.SAVED_OPS[:]
-    record.update(compile=bool(settings.get("compile_blocks", False)), kiln_settings=row.settings,
-                  saved_attention=saved_attention and row.checkpointing and bool(saved_ops)
-                  and bool(settings.get("compile_blocks")))  # eager blocks recompute attention
+    record.update(kiln_settings=row.settings)
     record["attention_kernel"] = opts.pack["attention"].resolve(settings.get("attention", "auto"), device)
     try:
         if not saved_attention:
@@ -990,12 +1022,16 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     release(device)
     lora_paths = kiln.pop("_lora_paths")
     record.update(kiln, kiln_wall_s=round(time.perf_counter() - started, 2))
+    # What ran: compile_blocks / checkpoint_budget as set, or as "auto" decided (None when Kiln failed).
+    compiled, budget = record.get("kiln_compiled", False), record.get("kiln_budget", 0.0)
+    record.update(compile=compiled, saved_attention=saved_attention and row.checkpointing and bool(saved_ops)
+                  and compiled)  # eager blocks recompute attention
     dm, block_lists = patcher.model.diffusion_model, opts.block_lists[dims.arch]
     flops = model_flops(dm, dims, img=inputs.img_tokens, txt=inputs.txt_tokens, batch=row.batch, rank=32,
                         lora_paths=lora_paths, block_lists=block_lists, checkpointing=row.checkpointing,
                         skip=settings.get("skip_checkpoint_blocks", 0), attention_saved=record["saved_attention"],
-                        budgeted=settings.get("checkpoint_budget", 0) > 0)
-    record["mfu_counts_recompute"] = not settings.get("checkpoint_budget", 0) > 0
+                        budgeted=budget > 0)
+    record["mfu_counts_recompute"] = not budget > 0
     kiln_s = record["kiln_s_per_step"]
     record["model_tflop_per_step"] = round(flops["total"] / 1e12, 4)
     record["mfu"] = round(flops["total"] / kiln_s / rate, 4) if kiln_s else None

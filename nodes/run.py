@@ -72,10 +72,15 @@ def dataset_identity(dataset: Dataset) -> str:
     return hashlib.sha256(json.dumps(parts, default=list).encode()).hexdigest()
 
 
+# Settings that say how a run is computed or what it writes beside, not what it trains: changing one
+# after a stop resumes the same run (the speed levers give the same losses to bf16 noise).
+NOT_IDENTITY = ("output_dir", "run_name", "log_every", "checkpoint_every", "keep_checkpoints", "checkpoint_loras",
+                "dataset_dir", "cache_dir", "cache_max_gb", "steps",
+                "gradient_checkpointing", "skip_checkpoint_blocks", "compile_blocks", "checkpoint_budget", "attention")
+
+
 def run_identity(cfg: cfg_module.TrainConfig, dataset: Dataset, resume_from: str | None) -> str:
-    values = {k: v for k, v in cfg.to_dict().items()
-              if k not in ("output_dir", "run_name", "log_every", "checkpoint_every", "keep_checkpoints", "checkpoint_loras",
-                           "dataset_dir", "cache_dir", "cache_max_gb", "steps")}
+    values = {k: v for k, v in cfg.to_dict().items() if k not in NOT_IDENTITY}
     # `steps` is left out on purpose: raising it on a finished run continues that run.
     blob = json.dumps([values, dataset_identity(dataset), resume_from], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]

@@ -11,7 +11,7 @@ from ..trainer.archs import ARCHS
 
 from . import live, run
 from .comfy import bridge
-from .widgets import CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, parse_list, widget
+from .widgets import CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, from_widget, parse_list, widget
 
 TRAIN_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "optimizer", "backend", "seed")
 DATASET_FIELDS = ("dataset_dir", "resolutions", "repeats", "caption_dropout", "trigger_word", "caption_prefix",
@@ -49,7 +49,7 @@ class KilnTrainingOptions(io.ComfyNode):
     def execute(cls, **values):
         for name, kind in LIST_FIELDS.items():
             values[name] = parse_list(values.get(name, ""), kind)
-        return io.NodeOutput(values)
+        return io.NodeOutput({name: from_widget(name, value) for name, value in values.items()})
 
 
 @dataclass(frozen=True)

@@ -22,17 +22,42 @@ CATEGORY = "Kiln"
 _DEFAULTS = cfg_module.TrainConfig()
 
 
+# config.py's "auto" settings as the widget types saved workflows hold for them (a boolean, a number):
+# the widget value that means auto, and the tooltip that says so.
+AUTO_WIDGETS = {
+    "compile_blocks": (True, "torch.compile each block (fuses norms, RoPE, gates; the first steps compile). On: "
+                             "where it pays (CUDA with Triton; a compile that fails there goes on uncompiled, with "
+                             "a log line); off: never."),
+    "checkpoint_budget": (-1.0, "With compiled blocks and checkpointing: share of each block's activation memory "
+                                "kept (0 = recompute the block, 1 = keep all; faster, more memory). -1 = auto: the "
+                                "largest share whose estimated peak leaves a margin of the GPU's free memory."),
+}
+
+
+def from_widget(name: str, value):
+    """A widget's value as config.py takes it: the auto widgets' "auto" values become "auto"."""
+    if name == "compile_blocks":
+        return cfg_module.AUTO if value is True else value
+    if name == "checkpoint_budget" and isinstance(value, (int, float)) and value < 0:
+        return cfg_module.AUTO
+    return value
+
+
 def widget(name: str, *, default=None, tooltip_text: str | None = None, optional: bool = False,
            display_name: str | None = None):
     """The widget for TrainConfig field `name`: bounds, choices, default and tooltip from config.py."""
     field = {f.name: f for f in dataclasses.fields(cfg_module.TrainConfig)}[name]
     value = getattr(_DEFAULTS, name) if default is None else default
+    if name in AUTO_WIDGETS and value == cfg_module.AUTO:
+        value, tooltip_text = AUTO_WIDGETS[name][0], tooltip_text or AUTO_WIDGETS[name][1]
     common = dict(tooltip=tooltip_text or cfg_module.HELP[name], optional=optional, display_name=display_name)
     if name in cfg_module.CHOICES:
         return io.Combo.Input(name, options=list(cfg_module.CHOICES[name]), default=value, **common)
     if field.type in ("bool", bool):
         return io.Boolean.Input(name, default=value, **common)
     low, high = cfg_module.BOUNDS.get(name, (None, None))
+    if name == "checkpoint_budget":
+        low = AUTO_WIDGETS[name][0]
     if field.type in ("int", int):
         # A seed that re-rolls after each queue would start a new run instead of resuming this one.
         fixed = dict(control_after_generate=io.ControlAfterGenerate.fixed) if name == "seed" else {}

@@ -155,14 +155,39 @@ def cmd_estimate(args) -> int:
     backend = args.backend or cfg.backend
     estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if backend == "mlx" and cfg.base_quantize != "none" else "bf16")
+    def estimated(resolution: int, budget: float):
+        return estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,
+                        targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
+                        gradient_checkpointing=cfg.gradient_checkpointing, base_dtype=base,
+                        mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
+                        **({"checkpoint_budget": budget} if budget else {}))  # torch only
+
+    budget = cfg.checkpoint_budget
+    if budget == "auto":
+        budget = _auto_budget(estimated, cfg, backend, args.memory_gb)
     for resolution in cfg.resolutions:
-        est = estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,
-                       targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
-                       gradient_checkpointing=cfg.gradient_checkpointing, base_dtype=base,
-                       mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
-                       **({"checkpoint_budget": cfg.checkpoint_budget} if cfg.checkpoint_budget else {}))  # torch only
-        print(format_estimate(est, device_memory_gb=args.memory_gb))
+        print(format_estimate(estimated(resolution, budget), device_memory_gb=args.memory_gb))
     return 0
+
+
+def _auto_budget(estimated, cfg, backend: str, memory_gb: float | None) -> float:
+    """checkpoint_budget auto as a run on a GPU of --memory-gb would pick it (backends/torch_backend/levers.py)."""
+    from .estimate import auto_margin, largest_budget
+
+    if backend != "torch" or not cfg.gradient_checkpointing or cfg.compile_blocks is False:
+        return 0.0
+    if not memory_gb:
+        print("note: checkpoint_budget auto: a run keeps the largest share of activations that fits the GPU's free "
+              "memory; estimated here at 0 (plain checkpointing). Give --memory-gb to see what a GPU would get.")
+        return 0.0
+    largest = max(cfg.resolutions)
+    total = int(memory_gb * 2**30)
+    weights = estimated(largest, 0.0).weights
+    budget = largest_budget(lambda b: (lambda e: e.total - e.weights)(estimated(largest, b)),
+                            total - weights - auto_margin(total))
+    print(f"note: checkpoint_budget auto → {budget:g} on a {memory_gb:g} GiB GPU (its largest share that leaves "
+          f"{auto_margin(total) / 2**30:.1f} GiB free at {largest} px)")
+    return budget
 
 
 def cmd_export(args) -> int:

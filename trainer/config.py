@@ -27,6 +27,10 @@ from .objective import CONTENT_OR_STYLE, LOSS_WEIGHTINGS, SAMPLINGS, SHIFT_MODES
 from .schedules import SCHEDULES
 
 OPTIMIZER_NAMES = ("adamw", "adamw8bit", "adafactor", "prodigy")  # backends register each
+# Settings that may also be "auto": the backend decides at the start of a run, from the device and its
+# free memory (trainer/backends/torch_backend/levers.py). They are the fast path, so they are defaults.
+AUTO = "auto"
+AUTO_FIELDS = ("compile_blocks", "checkpoint_budget")
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "arch": tuple(ARCHS),
@@ -126,11 +130,13 @@ class TrainConfig:
     gradient_checkpointing: bool = setting(True, "recompute each block in backward: far less memory, ~30% slower")
     skip_checkpoint_blocks: int = setting(0, "with checkpointing: the last N blocks keep their activations "
                                              "(faster, +memory each)")
-    compile_blocks: bool = setting(False, "PyTorch: torch.compile each block "
-                                          "(fuses norms, RoPE, gates; the first steps compile)")
-    checkpoint_budget: float = setting(0.0, "with compile_blocks on Z-Image: share of each block's activation memory "
-                                            "kept (0 = recompute the block, 1 = keep all); "
-                                            "the compiler recomputes the cheapest rest")
+    compile_blocks: bool = setting(AUTO, "PyTorch: torch.compile each block (fuses norms, RoPE, gates; the first "
+                                         "steps compile). auto: on with CUDA and Triton, and if the compile fails "
+                                         "the run goes on uncompiled; true: on, a failed compile stops the run")
+    checkpoint_budget: float = setting(AUTO, "with compile_blocks and checkpointing: share of each block's "
+                                             "activation memory kept (0 = recompute the block, 1 = keep all); the "
+                                             "compiler recomputes the cheapest rest. auto: the largest share whose "
+                                             "estimated peak leaves a margin of the GPU's free memory at start")
     attention: str = setting("auto", "PyTorch attention kernel tried first: auto (the fastest measured on this GPU), "
                                      "torch (its own order), cudnn, flash, efficient, math")
     # --- objective (flow matching)
@@ -207,14 +213,16 @@ class ConfigError(ValueError):
 
 
 def _check_type(key: str, value: Any) -> Any:
+    if key in AUTO_FIELDS and value == AUTO:
+        return value
     kind = FIELDS[key].type
-    expected = _KINDS[kind]
+    expected, shown = _KINDS[kind], f'{FIELDS[key].type} or "{AUTO}"' if key in AUTO_FIELDS else kind
     if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, bool) and expected is not bool:
-        raise ConfigError(f"{key} must be {kind}, got a boolean ({value!r})")
+        raise ConfigError(f"{key} must be {shown}, got a boolean ({value!r})")
     if not isinstance(value, expected):
-        raise ConfigError(f"{key} must be {kind}, got {type(value).__name__} ({value!r})")
+        raise ConfigError(f"{key} must be {shown}, got {type(value).__name__} ({value!r})")
     if kind.startswith("list["):
         item = str if kind == "list[str]" else int
         for element in value:
@@ -237,6 +245,8 @@ def _check_text(key: str, value: Any) -> None:
 
 
 def _check_range(key: str, value: Any) -> None:
+    if key in AUTO_FIELDS and value == AUTO:
+        return
     if key in CHOICES and value not in CHOICES[key]:
         raise ConfigError(f"{key} must be one of {list(CHOICES[key])}, got {value!r}")
     if key not in BOUNDS:
@@ -266,12 +276,11 @@ def _check_combinations(cfg: TrainConfig) -> None:
     if cfg.backend == "mlx" and cfg.attention != "auto":
         problems.append(f"attention {cfg.attention!r} picks a PyTorch kernel; MLX has one (mx.fast.scaled_dot_product_attention): "
                         "set attention to auto")
-    if cfg.checkpoint_budget > 0 and not (cfg.backend == "torch" and cfg.compile_blocks and cfg.gradient_checkpointing
-                                          and ARCHS[cfg.arch].pure_blocks):
+    if cfg.checkpoint_budget != AUTO and cfg.checkpoint_budget > 0 and not (
+            cfg.backend == "torch" and cfg.compile_blocks is not False and cfg.gradient_checkpointing):
         problems.append(f"checkpoint_budget {cfg.checkpoint_budget:g} needs backend 'torch' with compile_blocks and "
-                        f"gradient_checkpointing on, and a model whose blocks never write into their inputs "
-                        f"(Z-Image; not {cfg.arch}); set it to 0 or use skip_checkpoint_blocks")
-    if cfg.backend == "mlx" and cfg.compile_blocks:
+                        f"gradient_checkpointing on; set it to 0 (or auto) or use skip_checkpoint_blocks")
+    if cfg.backend == "mlx" and cfg.compile_blocks is True:
         problems.append("compile_blocks is for backend 'torch' (MLX compiles its whole step already); turn it off")
     if cfg.backend == "torch" and cfg.base_quantize != "none":
         problems.append(f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; with PyTorch load the model "

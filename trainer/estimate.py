@@ -129,6 +129,23 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
                     tokens=tokens, notes=notes, settings=settings)
 
 
+# checkpoint_budget "auto" (trainer/backends/torch_backend/levers.py, and `estimate --memory-gb`): the
+# largest of these whose step fits the free memory less the margin; the margin covers a validation
+# sample's VAE decode and the allocator, and at least this estimate's own error (−7…+9 %).
+AUTO_BUDGETS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+AUTO_MARGIN_BYTES, AUTO_MARGIN_SHARE = 4 * 2**30, 0.10
+
+
+def auto_margin(total_bytes: int) -> int:
+    return max(AUTO_MARGIN_BYTES, int(AUTO_MARGIN_SHARE * total_bytes))
+
+
+def largest_budget(step_bytes, available: int) -> float:
+    """The largest AUTO_BUDGETS entry b with step_bytes(b) <= available (bytes beyond the resident
+    weights), else 0 (plain checkpointing)."""
+    return next((b for b in AUTO_BUDGETS if step_bytes(b) <= available), 0.0)
+
+
 def advice(settings: dict) -> list[tuple[str, dict]]:
     """Changes that lower GPU memory, cheapest in quality first."""
     return ordered_advice(settings, [

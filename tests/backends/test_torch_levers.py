@@ -9,10 +9,11 @@ from torch._dynamo.utils import counters
 
 from trainer import config as config_module
 from trainer.archs import get_arch
-from trainer.backends.torch_backend import checkpointing
+from trainer.backends.torch_backend import checkpointing, levers
 from trainer.backends.torch_backend.backend import TorchBackend
 from trainer.backends.torch_backend.lora import LoraSet
-from trainer.estimate import estimate
+from trainer.estimate import AUTO_BUDGETS, estimate
+from trainer.estimate_common import VARIANTS, linear_layers
 
 from .test_torch_backend import InPlaceNet, fixed_batch, inplace_net_with_lora
 
@@ -85,18 +86,37 @@ class PureNet(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("net_class, pure", [(InPlaceNet, False), (PureNet, True)])
-def test_blocks_that_keep_activations_compile_only_when_pure(eager_compile, net_class, pure):
-    """A compiled block that writes into its inputs and keeps its activations gave NaNs on an H100:
-    such blocks (arch.pure_blocks False) run eagerly."""
-    net = net_class()
-    net.requires_grad_(False)
-    lora = LoraSet(net, ["re:.*"], rank=2, alpha=2, dropout=0, seed=0)
-    hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=False, compile=True, pure_blocks=pure)
-    net(torch.randn(2, 3, 8)).square().sum().backward()
-    assert all(p.grad is not None for _, p in lora.named_parameters())
-    assert (counters["stats"]["unique_graphs"] > 0) == pure
+@pytest.mark.parametrize("recompute, budget", [(False, 0.0), (True, 0.0), (True, 0.5)],
+                         ids=["keeps-activations", "checkpointed", "budget"])
+def test_blocks_that_write_into_their_inputs_compile_with_the_eager_gradients(eager_compile, recompute, budget):
+    """Flux2's blocks do `x += ...`. Compiled whole as they are (keeping their activations, or under a
+    budget), such blocks gave NaNs on an H100; compiled with their inputs copied inside the compiled
+    region (pure_blocks False), every block compiles and the gradients are the eager model's."""
+    x = torch.randn(2, 3, 8)
+    net, lora = inplace_net_with_lora()
+    net(x).square().sum().backward()
+    reference = torch.cat([p.grad.flatten() for _, p in lora.named_parameters()])
+    net, lora = inplace_net_with_lora()
+    hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=recompute, compile=True,
+                                             pure_blocks=False, budget=budget)
+    before = x.clone()
+    net(x).square().sum().backward()
     hooks.remove()
+    torch.testing.assert_close(torch.cat([p.grad.flatten() for _, p in lora.named_parameters()]), reference,
+                               atol=1e-6, rtol=1e-5)
+    assert torch.equal(x, before) and counters["stats"]["unique_graphs"] > 0
+
+
+def test_the_pure_copy_is_inside_the_compiled_block(eager_compile, monkeypatch):
+    """The copies that make a block pure are traced with it (one graph per block kind, no graph break),
+    and a pure block gets none."""
+    seen = []
+    real = checkpointing._compiled
+    monkeypatch.setattr(checkpointing, "_compiled", lambda fn, key: seen.append(fn.__name__) or real(fn, key))
+    for pure in (False, True):
+        net, _ = inplace_net_with_lora()
+        checkpointing.BlockCheckpointing(net, ("blocks",), recompute=False, compile=True, pure_blocks=pure).remove()
+    assert seen == ["fresh_inputs", "fresh_inputs", "whole", "whole"]
 
 
 def test_config_refuses_compile_blocks_on_mlx():
@@ -228,10 +248,11 @@ def test_a_run_with_other_settings_on_the_same_model_compiles_anew(eager_compile
 
 def test_checkpoint_budget_is_refused_where_it_cannot_work():
     with pytest.raises(ValueError, match="checkpoint_budget needs compile_blocks"):
-        checkpointing.BlockCheckpointing(MlpNet(), ("blocks",), compile=True, pure_blocks=False, budget=0.5)
+        checkpointing.BlockCheckpointing(MlpNet(), ("blocks",), compile=False, pure_blocks=True, budget=0.5)
     zimage = {"arch": "zimage", "compile_blocks": True, "checkpoint_budget": 0.4}
     assert config_module.from_dict(zimage).checkpoint_budget == 0.4
-    for change in ({"arch": "flux2_klein"}, {"compile_blocks": False}, {"gradient_checkpointing": False}):
+    assert config_module.from_dict({**zimage, "arch": "flux2_klein"}).checkpoint_budget == 0.4   # Flux2 too
+    for change in ({"compile_blocks": False}, {"gradient_checkpointing": False}):
         with pytest.raises(config_module.ConfigError, match="checkpoint_budget 0.4 needs"):
             config_module.from_dict({**zimage, **change})
 
@@ -245,3 +266,98 @@ def test_estimate_counts_the_checkpoint_budget_against_the_measured_peaks():
     assert totals[0.8] < estimate("zimage", resolution=1024, gradient_checkpointing=False).total / 2**30
     first = advice(estimate("zimage", resolution=1024, checkpoint_budget=0.3).settings)[0]
     assert first[1] == {"checkpoint_budget": 0.0}
+
+
+# ---------------------------------------------------------------- the defaults: compile_blocks and budget "auto"
+
+class HeaderModel(torch.nn.Module):
+    """A model as the estimator reads it: a variant's Linear weights, bf16 on the meta device."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.weights = {f"{name}.weight": torch.empty(out, inp, dtype=torch.bfloat16, device="meta")
+                        for name, (inp, out) in linear_layers(VARIANTS[variant]).items()}
+
+    def state_dict(self, *args, **kwargs):
+        return self.weights
+
+    def parameters(self, recurse=True):
+        return iter(self.weights.values())
+
+
+def test_auto_is_the_default_and_old_booleans_still_load():
+    cfg = config_module.from_dict({})
+    assert cfg.compile_blocks == "auto" and cfg.checkpoint_budget == "auto"
+    old = config_module.from_dict({"compile_blocks": False, "checkpoint_budget": 0.0})   # a run.json of 0.1
+    assert old.compile_blocks is False and old.checkpoint_budget == 0.0
+    for bad in ({"compile_blocks": "yes"}, {"checkpoint_budget": "max"}):
+        with pytest.raises(config_module.ConfigError, match='or "auto"'):
+            config_module.from_dict(bad)
+    assert config_module.from_dict({"backend": "mlx"}).compile_blocks == "auto"   # auto is fine on MLX
+
+
+def test_auto_compiles_only_where_it_pays():
+    cpu = levers.decide(torch.nn.Linear(2, 2), config_module.from_dict({}), torch.device("cpu"))
+    assert cpu == levers.Levers(False, 0.0, cpu.note)
+    assert "compile_blocks auto → off (cpu)" in cpu.note and "checkpoint_budget auto → 0" in cpu.note
+    explicit = levers.decide(torch.nn.Linear(2, 2), config_module.from_dict(
+        {"compile_blocks": True, "checkpoint_budget": 0.3}), torch.device("cpu"))
+    assert explicit == levers.Levers(True, 0.3, "")   # explicit values are taken as they are
+
+
+@pytest.mark.parametrize("variant, arch", [("zimage", "zimage"), ("flux2-klein-4b", "flux2_klein")])
+def test_auto_budget_is_the_largest_that_leaves_the_margin(variant, arch):
+    model, cfg = HeaderModel(variant), config_module.from_dict({"arch": arch, "resolutions": [512, 1024]})
+    need = {b: (lambda e: e.total - e.weights)(estimate(variant, resolution=1024, checkpoint_budget=b))
+            for b in (0.0, *AUTO_BUDGETS)}
+    gib = levers.GIB
+    chosen = []
+    for free in (2, 8, 12, 16, 24, 40, 79):
+        budget, why = levers.auto_budget(model, cfg, torch.device("cuda"), (free * gib, 80 * gib))
+        margin = max(4 * gib, 0.1 * 80 * gib)
+        assert budget == 0.0 or need[budget] <= free * gib - margin, (free, budget)
+        larger = [b for b in AUTO_BUDGETS if b > budget]
+        assert all(need[b] > free * gib - margin for b in larger), (free, budget)
+        chosen.append(budget)
+    assert chosen == sorted(chosen) and chosen[0] == 0.0 and chosen[-1] == 1.0   # more memory, more kept
+    assert levers.auto_budget(torch.nn.Linear(4, 4), cfg, torch.device("cuda"), (79 * gib, 80 * gib)) == (
+        0.0, "0 (no memory estimate for this model)")
+
+
+def test_a_zimage_step_on_a_24_gb_card_gets_a_small_budget():
+    """Weights resident (11.5 GiB of a 24 GB card), ~10 GiB free: plain checkpointing needs ~4.2 GiB
+    more, budget 0.3 ~8.8; with the 4 GiB margin the largest that fits is 0.1."""
+    cfg = config_module.from_dict({"arch": "zimage", "resolutions": [1024]})
+    budget, why = levers.auto_budget(HeaderModel("zimage"), cfg, torch.device("cuda"),
+                                     (10 * levers.GIB, 24 * levers.GIB))
+    assert budget == 0.1 and "10.0 GiB free" in why
+
+
+def test_a_failed_compile_under_auto_trains_on_uncompiled(make_model, make_config, monkeypatch, caplog):
+    """compile_blocks auto where the compile fails (here: a compiler that raises, as inductor does without
+    a C++ compiler or Triton): one warning, the same step's gradients as an eager run, no lost run."""
+    def broken(gm, example_inputs):
+        raise OSError("no C++ compiler")
+
+    reference = _gradients(make_model, make_config, gradient_checkpointing=True, compile_blocks=False)
+    monkeypatch.setattr(levers, "can_compile", lambda device: True)
+    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", broken)
+    torch._dynamo.reset()
+    caplog.set_level("WARNING", logger="kiln")
+    backend = TorchBackend()
+    backend.setup(make_model(), make_config(gradient_checkpointing=True, compile_blocks="auto",
+                                            checkpoint_budget=0.0), get_arch("demo"))
+    assert backend.levers.compile
+    backend.optimizer.step = lambda: None
+    backend.optimizer.zero_grad = lambda set_to_none=True: None
+    with torch.no_grad():
+        for p in backend.params.values():
+            p.add_(0.01)
+    backend.step([fixed_batch()], 1e-3)
+    got = torch.cat([p.grad.flatten() for p in backend.params.values()])
+    backend.teardown()
+    torch._dynamo.reset()
+    assert not backend.levers.compile and "compile failed" in backend.levers.note
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kiln"]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "goes on without" in warnings[0]
+    torch.testing.assert_close(got, reference, atol=1e-6, rtol=1e-5)

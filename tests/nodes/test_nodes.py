@@ -27,6 +27,7 @@ bridge = comfy_env.import_pack("nodes.comfy.bridge")
 dn = comfy_env.import_pack("nodes.dataset_nodes")
 tn = comfy_env.import_pack("nodes.train_nodes")
 ln = comfy_env.import_pack("nodes.lora_nodes")
+run = comfy_env.import_pack("nodes.run")
 safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
 lora_format = comfy_env.import_pack("trainer.lora_format")
 
@@ -226,6 +227,20 @@ def test_options_left_at_defaults_keep_the_preset(comfy_dirs, tmp_path_factory):
     assert plain.loss_weighting == "none" and plain.resolutions == [64]
 
 
+def test_training_options_default_to_the_auto_levers_and_keep_saved_values():
+    """compile_blocks and checkpoint_budget default to auto; the widgets keep the types saved workflows hold
+    (a boolean, a number): on = auto, -1 = auto; a saved off / 0.0 stays off / 0.0."""
+    inputs = {i.id: i for i in tn.KilnTrainingOptions.define_schema().inputs}
+    assert inputs["compile_blocks"].default is True and "where it pays" in inputs["compile_blocks"].tooltip
+    assert inputs["checkpoint_budget"].default == -1.0 and inputs["checkpoint_budget"].min == -1.0
+    values = {i.id: i.default for i in inputs.values()}
+    fresh = out(tn.KilnTrainingOptions.execute(**values))
+    assert fresh["compile_blocks"] == "auto" and fresh["checkpoint_budget"] == "auto"
+    saved = out(tn.KilnTrainingOptions.execute(**{**values, "compile_blocks": False, "checkpoint_budget": 0.0}))
+    assert saved["compile_blocks"] is False and saved["checkpoint_budget"] == 0.0
+    assert tn.cfg_module.from_dict({k: v for k, v in fresh.items() if k in tn.cfg_module.FIELDS}).compile_blocks == "auto"
+
+
 def test_invert_adapter_and_loss_graph(comfy_dirs, tmp_path_factory):
     model = tc.tiny_flux2(tmp_path_factory.mktemp("inv"))
     ds = encoded_dataset(comfy_dirs, tc.tiny_vae(flux2=True), tc.tiny_klein_clip(), "ds_inv")
@@ -259,3 +274,16 @@ def test_mlx_backend_matches_torch_through_the_node_and_saves_a_comfy_lora(comfy
         curves[backend] = np.array(state.history.loss)
         assert bridge.unmatched_lora_keys(model, lora) == []
     np.testing.assert_allclose(curves["mlx"], curves["torch"], rtol=1e-3)
+
+
+def test_speed_levers_leave_the_run_identity_alone(comfy_dirs):
+    """Turning compile_blocks, checkpoint_budget, checkpointing or the attention kernel on or off after a stop
+    resumes the same run; a setting that changes what is trained starts another."""
+    folder = make_dataset(comfy_dirs / "input" / "ds_identity")
+    ds = out(dn.KilnLoadDataset.execute(str(folder), "kiln", "", "", "64", 1, 0.0))
+    base = tn.cfg_module.from_dict({"arch": "flux2_klein"})
+    same = run.run_identity(base, ds, None)
+    for change in ({"compile_blocks": False}, {"checkpoint_budget": 0.3}, {"gradient_checkpointing": False},
+                   {"skip_checkpoint_blocks": 2}, {"attention": "math"}):
+        assert run.run_identity(tn.cfg_module.replace(base, **change), ds, None) == same, change
+    assert run.run_identity(tn.cfg_module.replace(base, rank=8), ds, None) != same

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from ...archs import Arch
-from ...config import TrainConfig
+from ...config import AUTO, TrainConfig
 from ...lora_format import LoraWeights
 from ...objective import interpolate, velocity_target
 from ..base import StepStats, parameter_name, saved_name
-from . import attention
+from . import attention, levers
 from .checkpointing import BlockCheckpointing
 from .ema import Ema
 from .lora import LoraSet
@@ -45,6 +45,10 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return torch.bfloat16
 
 
+class CompileFailed(RuntimeError):
+    """torch.compile could not build the blocks on this machine (no Triton, no C++ compiler, a bug)."""
+
+
 @contextmanager
 def _compile_errors_explained():
     """compile_blocks on a machine torch.compile cannot build for (no Triton, no C++ compiler): say so."""
@@ -53,9 +57,11 @@ def _compile_errors_explained():
     try:
         yield
     except BackendCompilerFailed as error:
-        raise RuntimeError(f"compile_blocks: torch.compile could not compile the model's blocks here "
-                           f"({str(error).splitlines()[0][:300]}). Turn compile_blocks off in Kiln Training "
-                           "Options (or the config); it needs Triton on CUDA or a C++ compiler on CPU.") from error
+        inner = getattr(error, "inner_exception", None) or error
+        raise CompileFailed(f"compile_blocks: torch.compile could not compile the model's blocks here "
+                            f"({type(inner).__name__}: {str(inner).strip().splitlines()[0][:300]}). Turn compile_blocks off (or auto) in Kiln "
+                            "Training Options (or the config); it needs Triton on CUDA or a C++ compiler on "
+                            "CPU.") from error
 
 
 class TorchBackend:
@@ -73,11 +79,10 @@ class TorchBackend:
         model.requires_grad_(False)
         targets = cfg.targets or list(arch.default_targets)
         self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
-        # Blocks are wrapped either way: with checkpointing off the wrapper only copies block inputs.
-        self.checkpointing = BlockCheckpointing(model, arch.block_lists, recompute=cfg.gradient_checkpointing,
-                                                skip=cfg.skip_checkpoint_blocks, compile=cfg.compile_blocks,
-                                                pure_blocks=arch.pure_blocks, budget=cfg.checkpoint_budget,
-                                                compile_key=f"attention={self.attention}")
+        self.levers = levers.decide(model, cfg, self.device)
+        if self.levers.note:
+            levers.log.info("[Kiln] %s", self.levers.note)
+        self._wrap_blocks(self.levers)
         self.params = dict(self.lora.named_parameters())
         self.optimizer = build_optimizer(list(self.params.values()), cfg.optimizer, lr=cfg.learning_rate,
                                          betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
@@ -89,6 +94,25 @@ class TorchBackend:
         # same masks); seed it for the run and give the caller's state back at teardown.
         self.outer_rng = self.rng_state()
         torch.manual_seed(cfg.seed)
+
+    def _wrap_blocks(self, chosen: "levers.Levers") -> None:
+        # Blocks are wrapped either way: with checkpointing off the wrapper only copies block inputs.
+        cfg = self.cfg
+        self.checkpointing = BlockCheckpointing(self.model, self.arch.block_lists, recompute=cfg.gradient_checkpointing,
+                                                skip=cfg.skip_checkpoint_blocks, compile=chosen.compile,
+                                                pure_blocks=self.arch.pure_blocks, budget=chosen.budget,
+                                                compile_key=f"attention={self.attention}")
+
+    def _compile_fallback(self, error: CompileFailed) -> None:
+        """compile_blocks auto: the run goes on with eager blocks, and says so once."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.checkpointing.remove()
+        self.levers = levers.Levers(compile=False, budget=0.0, note=f"{self.levers.note}; compile failed")
+        self._wrap_blocks(self.levers)
+        inner = getattr(error.__cause__, "inner_exception", None) or error.__cause__ or error
+        levers.log.warning("[Kiln] compile_blocks auto: torch.compile failed here (%s: %s). Training goes on "
+                           "without compiled blocks (slower); set compile_blocks off to skip the attempt.",
+                           type(inner).__name__, str(inner).strip().splitlines()[0][:300])
 
     # --- training -----------------------------------------------------------------
     def _to_device(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -112,7 +136,7 @@ class TorchBackend:
         x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
         target = velocity_target(x0, noise)
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
-        with amp, _compile_errors_explained():
+        with amp:
             # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
             prediction = self.forward(self.model, x_t.to(self.dtype), sigmas, context, extras)
         # Loss in fp32: per-sample mean, weighted, batch mean.
@@ -124,11 +148,17 @@ class TorchBackend:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
         # The attention kernel choice covers forward, backward and checkpointing's recompute alike.
-        with attention.kernel_context(self.attention):
-            for batch in micro_batches:
-                loss = self._micro_loss(batch) / len(micro_batches)
-                loss.backward()
-                total += loss.detach()
+        try:
+            with attention.kernel_context(self.attention), _compile_errors_explained():
+                for batch in micro_batches:
+                    loss = self._micro_loss(batch) / len(micro_batches)
+                    loss.backward()             # (a compiled block's backward compiles at its first call)
+                    total += loss.detach()
+        except CompileFailed as error:
+            if not (self.levers.compile and self.cfg.compile_blocks == AUTO):
+                raise
+            self._compile_fallback(error)
+            return self.step(micro_batches, lr)
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         grad_norm = clip_global_norm(grads, self.cfg.max_grad_norm)
         # A NaN/inf loss or gradient skips the update (weights, moments, step count, EMA unchanged).

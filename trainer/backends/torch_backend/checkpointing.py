@@ -75,7 +75,8 @@ def _budgeted(compiled, budget: float):
     return call
 
 
-def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: float = 0.0, key: str = ""):
+def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: float = 0.0, key: str = "",
+             pure: bool = False):
     # ComfyUI's Flux2 blocks add into their own inputs (`img += ...`), which autograd (and the
     # checkpoint's recompute) still needs: a block under training works on copies (transient memory).
     def fresh_inputs(*args, **kwargs):
@@ -108,16 +109,21 @@ def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: floa
     if compile:
         # As torchtitan does: the checkpoint goes inside the compiled region, so the recompute is
         # compiled too and the partitioner keeps the attention outputs (SAVED_OPS). Eager, that
-        # policy's per-op dispatch cost more than it saved (bench/RESULTS.md). A block that keeps
-        # its activations is compiled alone (only pure blocks: see BlockCheckpointing).
+        # policy's per-op dispatch cost more than it saved (bench/RESULTS.md).
         keep_attention = functools.partial(create_selective_checkpoint_contexts, list(SAVED_OPS))
-        key = f"{key}|saved={sorted(str(op) for op in SAVED_OPS)}"
+        key = f"{key}|saved={sorted(str(op) for op in SAVED_OPS)}|pure={pure}"
+        # A block compiled whole (it keeps its activations, or the partitioner chooses within a budget)
+        # is made pure first: a block that writes into its inputs (Flux2's `img += ...`) gets copies of
+        # them inside the compiled region, where functionalisation turns the writes into new tensors.
+        # Compiled as it was, with the writes on the graph's own inputs, such a block gave NaNs and an
+        # illegal memory access on an H100 (bench/RESULTS.md).
+        kept = whole if pure else fresh_inputs
         if recompute and budget > 0:
-            # A pure block compiled whole, without torch.utils.checkpoint: the partitioner decides
-            # what to recompute within the budget (checkpoint_budget).
-            training = _budgeted(_compiled(whole, f"{key}|budget={budget!r}"), budget)
+            # Compiled whole, without torch.utils.checkpoint: the partitioner decides what to
+            # recompute within the budget (checkpoint_budget).
+            training = _budgeted(_compiled(kept, f"{key}|budget={budget!r}"), budget)
         else:
-            chosen = (recomputed_keeping_attention if SAVED_OPS else recomputed) if recompute else whole
+            chosen = (recomputed_keeping_attention if SAVED_OPS else recomputed) if recompute else kept
             training = _compiled(chosen, key)
 
     def forward(*args, **kwargs):
@@ -134,15 +140,13 @@ class BlockCheckpointing:
     def __init__(self, model: nn.Module, block_lists: tuple[str, ...], recompute: bool = True, *,
                  skip: int = 0, compile: bool = False, pure_blocks: bool = False, budget: float = 0.0,
                  compile_key: str = ""):
-        """`compile` compiles the checkpointed blocks, and the others too when `pure_blocks`: a compiled
-        block that writes into its inputs (Flux2) and keeps its activations gave NaNs and an illegal
-        memory access on an H100 (bench/RESULTS.md), and checkpoint-based fixes fail on the in-place
-        writes; such blocks run eagerly. `budget` > 0 (compiled pure blocks): a recomputed block keeps
-        that share of its activation memory, chosen by the compiler, instead of only its input.
-        `compile_key` names the caller's settings that compiled graphs bake in (the attention kernel)."""
-        if budget > 0 and not (compile and pure_blocks):
-            raise ValueError("checkpoint_budget needs compile_blocks and a model whose blocks never write into "
-                             "their inputs (Z-Image); use skip_checkpoint_blocks otherwise")
+        """`compile` compiles every block; `pure_blocks` False (blocks that write into their inputs, Flux2)
+        gives each block compiled whole copies of its inputs first. `budget` > 0 (compiled blocks): a
+        recomputed block keeps that share of its activation memory, chosen by the compiler, instead of
+        only its input. `compile_key` names the caller's settings that compiled graphs bake in (the
+        attention kernel)."""
+        if budget > 0 and not compile:
+            raise ValueError("checkpoint_budget needs compile_blocks (the compiler chooses what to keep)")
         self.recompute = recompute
         self.blocks = find_blocks(model, block_lists)
         self.previous = []
@@ -153,8 +157,7 @@ class BlockCheckpointing:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for block, recomputed in zip(self.blocks, plan):
             self.previous.append(block.__dict__.get("forward"))
-            block.forward = _wrapped(block.forward, recomputed, compile and (recomputed or pure_blocks), budget,
-                                     compile_key)
+            block.forward = _wrapped(block.forward, recomputed, compile, budget, compile_key, pure_blocks)
 
     def remove(self) -> None:
         for block, previous in zip(self.blocks, self.previous):

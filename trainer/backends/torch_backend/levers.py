@@ -1,0 +1,105 @@
+"""The speed levers a run gets by default: `compile_blocks` and `checkpoint_budget` set to "auto" are
+decided here, once, at the start of a run, from the device and its free memory.
+
+compile_blocks auto: on where torch.compile builds fast code for training (CUDA with Triton); off on
+CPU, MPS (inductor has no fast backward there) and without Triton. A compile that fails at the first step
+falls back to the eager blocks with one log line (backend.py), so "auto" never loses a run.
+
+checkpoint_budget auto: the largest share of each block's activation memory the compiled blocks may keep
+(bench/RESULTS.md: on an H100, Z-Image 1024 px went 0.381 → 0.350 → 0.294 s/step at budgets 0, 0.3, 0.8,
+for 15.3 → 19.4 → 26.3 GiB) whose estimated step (trainer/estimate.py, within −7…+9 % of measured peaks)
+fits the memory free at the start, less a margin for validation sampling and the allocator. A model the
+estimator does not know (the generic arch) gets 0: plain checkpointing, the memory-safe choice.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...config import AUTO, TrainConfig
+
+log = logging.getLogger("kiln")
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Levers:
+    compile: bool
+    budget: float
+    note: str = ""                 # how "auto" decided, for the run's log ("" when nothing was auto)
+
+
+def can_compile(device: torch.device) -> bool:
+    """Where compiled blocks pay: CUDA with a working Triton (inductor's GPU code generator)."""
+    if device.type != "cuda":
+        return False
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return has_triton()
+
+
+def base_dtype(model: nn.Module) -> str:
+    """The estimator's base_dtype of the loaded weights: fp8 storage (ComfyUI's fp8 files) or bf16."""
+    fp8 = {getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)}
+    return "fp8" if any(p.dtype in fp8 for p in model.parameters()) else "bf16"
+
+
+def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> int | None:
+    """What one training step adds to the resident weights at the largest bucket, by trainer/estimate.py;
+    None for a model it does not know."""
+    from ...estimate import estimate
+    from ...estimate_common import variant_from_header
+
+    try:
+        variant = variant_from_header({name: list(t.shape) for name, t in model.state_dict().items()})
+        est = estimate(variant, resolution=max(cfg.resolutions), batch_size=cfg.batch_size, rank=cfg.rank,
+                       targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
+                       gradient_checkpointing=True, base_dtype=base_dtype(model),
+                       mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
+                       checkpoint_budget=budget)
+    except (ValueError, KeyError):
+        return None
+    return est.total - est.weights
+
+
+def free_bytes(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of the GPU now, counting memory torch's allocator holds but does not use."""
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+
+
+def auto_budget(model: nn.Module, cfg: TrainConfig, device: torch.device, free_and_total=None) -> tuple[float, str]:
+    """(budget, why) for checkpoint_budget auto."""
+    from ...estimate import auto_margin, largest_budget
+
+    free, total = free_and_total or free_bytes(device)
+    margin = auto_margin(total)
+    if estimated_step_bytes(model, cfg, 0.0) is None:
+        return 0.0, "0 (no memory estimate for this model)"
+    budget = largest_budget(lambda b: estimated_step_bytes(model, cfg, b), free - margin)
+    need = estimated_step_bytes(model, cfg, budget)
+    return budget, (f"{budget:g} (a {max(cfg.resolutions)} px step needs ~{need / GIB:.1f} GiB beside the weights; "
+                    f"{free / GIB:.1f} GiB free, {margin / GIB:.1f} GiB kept back)")
+
+
+def decide(model: nn.Module, cfg: TrainConfig, device: torch.device) -> Levers:
+    """compile_blocks and checkpoint_budget for this run, with "auto" resolved."""
+    notes = []
+    compile = cfg.compile_blocks is True or (cfg.compile_blocks == AUTO and can_compile(device))
+    if cfg.compile_blocks == AUTO:
+        notes.append(f"compile_blocks auto → {'on' if compile else 'off'}"
+                     + ("" if compile else f" ({device.type}{'' if device.type != 'cuda' else ' without Triton'})"))
+    budget = cfg.checkpoint_budget
+    if budget == AUTO:
+        if compile and cfg.gradient_checkpointing and device.type == "cuda":
+            budget, why = auto_budget(model, cfg, device)
+        else:
+            budget, why = 0.0, "0 (needs compiled blocks with checkpointing on a GPU)"
+        notes.append(f"checkpoint_budget auto → {why}")
+    return Levers(compile=compile, budget=float(budget), note="; ".join(notes))
