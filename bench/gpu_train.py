@@ -590,6 +590,7 @@ class LeverNotes(logging.Handler):
 
 
 def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targets: str, checkpointing: bool,
+             resolution: int = 1024,
              steps: int, warmup: int, timing: str, device: torch.device, dtype: str, settings: dict | None = None,
              profile_steps: int = 0, quantized_matmul: bool = False) -> dict:
     bridge, config, loop, data_module = pack["bridge"], pack["config"], pack["loop"], pack["data"]
@@ -607,6 +608,7 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
         arch=arch_name, device="auto", mixed_precision="bf16" if dtype == "bf16" else "no", rank=32, alpha=32.0,
         targets=["re:.*"] if targets == "all" else [], optimizer="adamw", learning_rate=1e-4,
         steps=steps + profile_steps, batch_size=batch, gradient_checkpointing=checkpointing, caption_dropout=0.0,
+        resolutions=[resolution],   # what the row trains at (checkpoint_budget auto reads it, as from a dataset)
         checkpoint_every=0, keep_checkpoints=1, log_every=10, ema=False, seed=0, **(settings or {})))
     clock = StepClock(device, timing)
     # Profiled steps come after the timed ones (the profiler's own host cost stays out of the timing).
@@ -1000,7 +1002,7 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
         if not saved_attention:
             ckpt_module.SAVED_OPS.clear()
         with comfy_fp8_backward(fp8_bwd) as quant_calls:
-            kiln = run_kiln(opts.pack, patcher, dims, inputs, batch=row.batch, targets=row.targets,
+            kiln = run_kiln(opts.pack, patcher, dims, inputs, batch=row.batch, targets=row.targets, resolution=row.resolution,
                             checkpointing=row.checkpointing, steps=opts.steps, warmup=opts.warmup, timing=opts.timing,
                             device=device, dtype=opts.dtype, settings=settings, profile_steps=opts.profile,
                             quantized_matmul=quantized_matmul)
