@@ -112,3 +112,16 @@ def test_samples_are_named_by_step_and_prompt_and_carry_their_settings(tmp_path)
                                                "sampler_name": "res_multistep", "scheduler": "simple",
                                                "width": 1024, "height": 1024}
     assert sorted(p.name for p in path.parent.iterdir()) == ["step-000250-p0.png"]   # no temp file left
+
+
+def test_the_readmes_config_examples_load():
+    """The README's TOML examples are valid configs (the [[sample_prompts]] one under a Z-Image Turbo run)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
+    assert any("sample_prompts" in b for b in blocks) and any("[[sample_prompts]]" in b for b in blocks)
+    for block in blocks:
+        cfg = from_dict({"arch": "zimage_turbo", **config.tomllib.loads(block)})
+        assert sample_plan(cfg) or "sample_prompts" not in block
