@@ -7,6 +7,11 @@ Loads the diffusion model, VAE and text encoder from the config's .safetensors p
 ComfyUI's own loaders, encodes the dataset through the same bridge the nodes use, and runs the
 same training sequence (nodes/comfy/training.py), checkpoints and LoRA writer as the node, with
 the console's progress bar (Ctrl-C saves a resumable checkpoint; --resume continues it).
+
+Validation samples (the config's sample_prompts) take the node's path: the prompts are encoded
+once by the text encoder (then freed), and the node's validation hook draws them with ComfyUI's
+sampler and the VAE, on the model without the training adapter (EMA weights when EMA is on), before
+the first step, every sample_every steps and at the end; each is saved into <run>/samples/.
 """
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ import time
 from .nodes.comfy import loaders as comfy_loaders
 from .trainer import config as cfg_module
 from .trainer.archs import get_arch
-from .trainer.console import finish, run_loop
+from .trainer.console import finish, run_loop, start_step
 from .trainer.data.dataset import DataSettings, Dataset
 from .trainer.paths import inside
+from .trainer.samples import describe, sample_path, sample_plan, save_sample
 
 
 def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_models) -> int:
@@ -30,6 +36,11 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
         raise SystemExit(f"{config_path}: set dataset_dir to a folder of images with same-name .txt captions")
     name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = inside(cfg.output_dir, name, f"{config_path}: run_name")  # refused before any loading
+    plan = sample_plan(cfg)
+    try:
+        bridge.check_sampling({p.sampler_name for p in plan}, {p.scheduler for p in plan})
+    except ValueError as error:
+        raise SystemExit(f"{config_path}: {error}") from None
     model, vae, clip = loaders(cfg)
     fits = bridge.matching_archs(model)
     if cfg.arch not in fits:
@@ -40,9 +51,27 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
     dataset = dataset.encode_images(*bridge.vae_encoder(vae)).encode_captions(*bridge.text_encoder(clip))
     dataset.prune_cache(cfg.cache_max_gb)
     print(dataset.summary())
-    del vae, clip  # the encoders are not needed for training
+    samples = bridge.prompt_samples(plan, clip, vae)  # the VAE stays for them (if any); the text encoder goes
+    del vae, clip
     bridge.free_memory()
-    result = bridge.train(cfg, model, dataset, adapter=comfy_loaders.training_adapter(cfg),
+    if plan:
+        print(describe(cfg, run_dir))
+
+    def setup(patcher, data) -> dict:
+        """The sampling hook on the patcher to train, as the node's; the base model first on a new run."""
+        if not plan:
+            return {}
+
+        def on_sample(step: int, index: int, images) -> None:
+            save_sample(sample_path(run_dir, step, index, len(plan)), images[0].float().cpu().numpy(), plan[index],
+                        step=step, arch=cfg.arch)
+
+        validate = bridge.validation(cfg, patcher, samples, on_sample)
+        if cfg.sample_first and start_step(run_dir, resume) == 0:
+            validate(0)
+        return dict(validate=validate, validate_every=cfg.sample_every or cfg.steps)
+
+    result = bridge.train(cfg, model, dataset, adapter=comfy_loaders.training_adapter(cfg), setup=setup,
                           run=functools.partial(run_loop, run_dir=run_dir, resume=resume))
     finish(cfg, result, run_dir, name)
     return 0

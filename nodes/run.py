@@ -80,7 +80,7 @@ NOT_IDENTITY = ("output_dir", "run_name", "log_every", "checkpoint_every", "keep
 
 
 def run_identity(cfg: cfg_module.TrainConfig, dataset: Dataset, resume_from: str | None) -> str:
-    values = {k: v for k, v in cfg.to_dict().items() if k not in NOT_IDENTITY}
+    values = {k: v for k, v in cfg.to_dict().items() if k not in NOT_IDENTITY + cfg_module.SAMPLE_FIELDS}
     # `steps` is left out on purpose: raising it on a finished run continues that run.
     blob = json.dumps([values, dataset_identity(dataset), resume_from], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
@@ -124,21 +124,14 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
             bar.update(report.step)
             tracker.on_step(report)
 
-        def validate(step: int, lora) -> None:
-            # Sampled on `model`, i.e. without the training adapter. Torch: the LoRA branches are live in
-            # its modules. MLX: the current (EMA) weights are patched onto a clone through ComfyUI's loader.
-            v = validation
-            sampler_model = model if cfg.backend == "torch" else bridge.apply_lora(
-                model, bridge.lora_model_from(lora(), cfg.arch), 1.0)
-            images = bridge.sample(sampler_model, v.positive, v.negative, v.vae, seed=v.seed, steps=v.steps,
-                                   cfg=v.cfg, sampler_name=v.sampler_name, scheduler=v.scheduler, width=v.width,
-                                   height=v.height)
+        def on_sample(step: int, index: int, images) -> None:
             samples.append(images)
             bar.update(step, preview=images)
             tracker.on_sample(step, images)
 
-        return dict(resume=resume, on_step=on_step, should_stop=tracker.should_stop,
-                    validate=validate if validation is not None else None,
+        # Sampled on `model` (without the training adapter), as headless training samples its prompts.
+        validate = bridge.validation(cfg, model, [validation], on_sample) if validation is not None else None
+        return dict(resume=resume, on_step=on_step, should_stop=tracker.should_stop, validate=validate,
                     validate_every=validation.every if validation is not None else 0)
 
     try:

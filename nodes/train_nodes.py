@@ -18,7 +18,8 @@ DATASET_FIELDS = ("dataset_dir", "resolutions", "repeats", "caption_dropout", "t
                   "caption_suffix", "default_caption", "shuffle_tags", "keep_tags", "caption_variants", "crop",
                   "cache_dir", "cache_max_gb")
 NOT_IN_GRAPH = ("arch", "model_path", "vae_path", "text_encoder_path", "training_adapter",
-                "output_dir")  # the graph supplies these (headless `train` reads them from its config)
+                "output_dir",  # the graph supplies these (headless `train` reads them from its config)
+                *cfg_module.SAMPLE_FIELDS)  # headless samples; a graph has Validation Settings
 # Training Options' widgets as shipped in 0.1.0. A saved workflow's widgets_values are positional, so this
 # order is forever: a field added to config.py later goes after these, wherever config.py lists it
 # (tests/nodes/test_saved_workflows.py holds every node's shipped order and today's workflows).

@@ -44,7 +44,10 @@ def toml_value(value) -> str:
 
 
 TYPED = {"int": st.integers(0, 5000), "float": st.floats(-1, 10), "bool": st.booleans(), "str": text,
-         "list[str]": st.lists(text, max_size=3), "list[int]": st.lists(st.sampled_from([256, 512, 768]), max_size=3)}
+         "list[str]": st.lists(text, max_size=3), "list[int]": st.lists(st.sampled_from([256, 512, 768]), max_size=3),
+         "list[str | dict]": st.lists(st.one_of(text, st.fixed_dictionaries(
+             {"prompt": text}, optional={"seed": st.integers(0, 10), "cfg": st.floats(0, 30), "width": st.sampled_from([64, 512])})),
+             max_size=2)}
 
 
 @st.composite

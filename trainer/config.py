@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 
 try:
     import tomllib
@@ -82,6 +83,12 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "log_every": (1, 100_000),
     "skip_checkpoint_blocks": (0, 1000),
     "checkpoint_budget": (0.0, 1.0),
+    "sample_every": (0, 1_000_000),
+    "sample_seed": (0, 2**32 - 1),
+    "sample_steps": (0, 200),
+    "sample_cfg": (0.0, 30.0),
+    "sample_width": (64, 4096),
+    "sample_height": (64, 4096),
 }
 
 
@@ -176,6 +183,31 @@ class TrainConfig:
     log_every: int = setting(10, "steps between loss reads (a host sync on GPU)")
     save_dtype: str = setting("bf16", "dtype of saved LoRA weights")
     lora_format: str = setting("comfy", "comfy (ComfyUI-native keys), diffusers, kohya")
+    # --- validation samples (headless `train`; in a graph, Kiln Validation Settings does this). Output
+    # settings: they never change what trains, and a run resumes whatever they say.
+    sample_prompts: list[str | dict] = setting(
+        [], "prompts to sample while training, into <run>/samples/; each a string (ai-toolkit's flags work: "
+            '"a cat --n blurry --w 768 --h 1024 --seed 7 --cfg 4 --steps 20") or a table '
+            "{prompt, negative, seed, steps, cfg, width, height} whose keys override the sample_* settings; "
+            "empty = no samples")
+    sample_every: int = setting(250, "steps between samples (and at the last step); 0 = only at the end")
+    sample_first: bool = setting(True, "also sample before the first step (the model without the LoRA, to "
+                                       "compare against); a resumed run does not")
+    sample_seed: int = setting(42, "sampling seed (fixed, so steps compare)")
+    sample_walk_seed: bool = setting(True, "prompt N samples with sample_seed + N (ai-toolkit's walk_seed); "
+                                           "off: every prompt uses sample_seed")
+    sample_negative: str = setting("", "negative prompt of every sample (a prompt's own wins); "
+                                       "it counts only with a cfg above 1")
+    sample_steps: int = setting(0, "sampling steps; 0 = the model family's (Z-Image Turbo 8, Z-Image 30, "
+                                   "Flux2 and Qwen-Image 20)")
+    sample_cfg: float = setting(0.0, "CFG scale; 0 = the model family's (1.0 for Z-Image Turbo and Flux2, "
+                                     "4.0 for Z-Image, 2.5 for Qwen-Image)")
+    sample_sampler: str = setting("auto", "a ComfyUI sampler (euler, res_multistep, ...); auto = the model "
+                                          "family's (res_multistep for Z-Image, else euler)")
+    sample_scheduler: str = setting("auto", "a ComfyUI scheduler (simple, beta, karras, ...); auto = the model "
+                                            "family's (simple)")
+    sample_width: int = setting(1024, "sample width in px (a multiple of 16)")
+    sample_height: int = setting(1024, "sample height in px (a multiple of 16)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -183,7 +215,17 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 HELP: dict[str, str] = {name: f.metadata.get("help", "") for name, f in FIELDS.items()}
-_KINDS = {"str": str, "int": int, "float": float, "bool": bool, "list[str]": list, "list[int]": list}
+_KINDS = {"str": str, "int": int, "float": float, "bool": bool, "list[str]": list, "list[int]": list,
+          "list[str | dict]": list}
+# The sample settings: output, not identity (a run's folder hash and resume ignore them; see nodes/run.py).
+SAMPLE_FIELDS = tuple(name for name in FIELDS if name.startswith("sample_"))
+# A sample prompt's own settings (a table's keys) → the setting each overrides (its type and bounds).
+PROMPT_KEYS = {"prompt": "", "negative": "sample_negative", "seed": "sample_seed", "steps": "sample_steps",
+               "cfg": "sample_cfg", "width": "sample_width", "height": "sample_height"}
+# ai-toolkit's (and sd-scripts') flags in a prompt string → the key each sets.
+PROMPT_FLAGS = {"n": "negative", "w": "width", "h": "height", "d": "seed", "seed": "seed", "l": "cfg", "cfg": "cfg",
+                "s": "steps", "steps": "steps"}
+_FLAG = re.compile(r"(?:^|\s)--(\S+)")
 
 # Presets after ai-toolkit's Z-Image Turbo / Flux2 LoRA preset (shared/REFERENCE.md):
 # rank 32, lr 1e-4, wd 1e-4, [512, 768, 1024], caption dropout 0.05, checkpointing,
@@ -217,6 +259,11 @@ def _check_type(key: str, value: Any) -> Any:
         return value
     kind = FIELDS[key].type
     expected, shown = _KINDS[kind], f'{FIELDS[key].type} or "{AUTO}"' if key in AUTO_FIELDS else kind
+    if kind == "list[str | dict]":
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of prompts (strings or tables), got {type(value).__name__} "
+                              f"({value!r}); e.g. {key} = [\"a photo of ohwx\"]")
+        return [_check_prompt(f"{key}[{number}]", entry) for number, entry in enumerate(value)]
     if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, bool) and expected is not bool:
@@ -234,6 +281,63 @@ def _check_type(key: str, value: Any) -> Any:
         raise ConfigError(f"{key} must be a finite number, got {value!r}")
     _check_text(key, value)
     return value
+
+
+def parse_prompt(entry: str | dict, where: str = "sample prompt") -> dict[str, Any]:
+    """A sample prompt → {prompt, and the settings it sets}: a table as it is, a string with ai-toolkit's
+    flags (`--n` negative, `--w`/`--h` size, `--seed`/`--d`, `--cfg`/`--l`, `--steps`/`--s`) read out."""
+    if isinstance(entry, dict):
+        unknown = [k for k in entry if k not in PROMPT_KEYS]
+        if unknown:
+            hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(str(k), PROMPT_KEYS, 1))
+                     else repr(k) for k in unknown]
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(hints)}; a prompt table takes "
+                              f"{', '.join(PROMPT_KEYS)}")
+        if "prompt" not in entry:
+            raise ConfigError(f"{where}: a prompt table needs prompt = \"...\" (the text to sample)")
+        return dict(entry)
+    if not isinstance(entry, str):
+        raise ConfigError(f"{where} must be a string or a table {{prompt = \"...\", seed = 7, ...}}, "
+                          f"got {type(entry).__name__} ({entry!r})")
+    parts = _FLAG.split(entry)
+    values: dict[str, Any] = {"prompt": parts[0]}
+    for flag, text in zip(parts[1::2], parts[2::2]):
+        if flag not in PROMPT_FLAGS:
+            raise ConfigError(f"{where}: unknown flag --{flag}; a prompt string takes --n (negative), --w, --h, "
+                              "--seed, --cfg, --steps (or a table: {prompt = \"...\", seed = 7})")
+        key, text = PROMPT_FLAGS[flag], text.strip()
+        kind = FIELDS[PROMPT_KEYS[key]].type
+        if kind == "str":
+            values[key] = text
+            continue
+        try:
+            values[key] = int(text) if kind == "int" else float(text)
+        except ValueError:
+            raise ConfigError(f"{where}: --{flag} needs a {'whole ' if kind == 'int' else ''}number, "
+                              f"got {text!r}") from None
+    return values
+
+
+def _check_prompt(where: str, entry: Any) -> str | dict:
+    """One sample prompt, checked (types, bounds, a non-empty text); a table comes back with cfg a float."""
+    values = parse_prompt(entry, where)
+    for key, value in values.items():
+        setting_key = PROMPT_KEYS[key]
+        kind = FIELDS[setting_key].type if setting_key else "str"
+        try:
+            if setting_key:
+                values[key] = value = _check_type(setting_key, value)
+                _check_range(setting_key, value)
+            elif not isinstance(value, str):
+                raise ConfigError(f"must be str, got {type(value).__name__} ({value!r})")
+            else:
+                _check_text(key, value)
+        except ConfigError as err:
+            problem = str(err).removeprefix(f"{setting_key or key} ")
+            raise ConfigError(f"{where}: {key} {problem}") from None
+        if kind == "str" and key == "prompt" and not value.strip():
+            raise ConfigError(f"{where}: the prompt text is empty")
+    return values if isinstance(entry, dict) else entry
 
 
 def _check_text(key: str, value: Any) -> None:
@@ -254,7 +358,8 @@ def _check_range(key: str, value: Any) -> None:
     low, high = BOUNDS[key]
     for number in value if isinstance(value, list) else [value]:
         if not low <= number <= high:
-            raise ConfigError(f"{key} must be in {low:g}..{high:g}, got {number!r}")
+            span = f"{low}..{high}" if isinstance(low, int) and isinstance(high, int) else f"{low:g}..{high:g}"
+            raise ConfigError(f"{key} must be in {span}, got {number!r}")
 
 
 def _check_combinations(cfg: TrainConfig) -> None:
@@ -292,6 +397,7 @@ def _check_combinations(cfg: TrainConfig) -> None:
     bad_res = [r for r in cfg.resolutions if r % ARCHS[cfg.arch].bucket_divisor]
     if bad_res:
         problems.append(f"resolutions {bad_res} must be multiples of {ARCHS[cfg.arch].bucket_divisor} for {cfg.arch}")
+    _check_samples(cfg, problems)
     for pattern in cfg.targets:
         if not pattern.strip():
             problems.append("targets contains an empty pattern")
@@ -299,6 +405,26 @@ def _check_combinations(cfg: TrainConfig) -> None:
             _check_regex(pattern, problems)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _check_samples(cfg: TrainConfig, problems: list[str]) -> None:
+    arch = ARCHS[cfg.arch]
+    if cfg.sample_prompts and not arch.clip_type:
+        problems.append(f"sample_prompts: arch {cfg.arch!r} has no ComfyUI text encoder to sample with (headless "
+                        f"samples need one of {[a.name for a in ARCHS.values() if a.clip_type]}); "
+                        "leave sample_prompts empty")
+    sizes = [("sample_width", cfg.sample_width), ("sample_height", cfg.sample_height)]
+    for number, entry in enumerate(cfg.sample_prompts):
+        values = parse_prompt(entry)
+        sizes += [(f"sample_prompts[{number}]: {key}", values[key]) for key in ("width", "height") if key in values]
+    for where, size in sizes:
+        if size % arch.bucket_divisor:
+            problems.append(f"{where} {size} must be a multiple of {arch.bucket_divisor} for {cfg.arch} "
+                            f"(e.g. {size - size % arch.bucket_divisor or arch.bucket_divisor})")
+    for key in ("sample_sampler", "sample_scheduler"):
+        if not re.fullmatch(r"[A-Za-z0-9_]+", getattr(cfg, key)):
+            problems.append(f"{key} must be a ComfyUI {key[7:]} name (e.g. euler, simple) or auto, "
+                            f"got {getattr(cfg, key)!r}")
 
 
 def _check_regex(pattern: str, problems: list[str]) -> None:
@@ -382,11 +508,13 @@ def save(cfg: TrainConfig, path: str | Path) -> None:
 
 
 def _toml_value(value: Any) -> str:
-    """TOML for the flat scalar/list values a TrainConfig holds (no extra dependency)."""
+    """TOML for the values a TrainConfig holds: scalars, lists, a sample prompt's table (no extra dependency)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, dict):  # a sample prompt's table, inline; its keys are PROMPT_KEYS (bare keys)
+        return "{" + ", ".join(f"{key} = {_toml_value(item)}" for key, item in value.items()) + "}"
     if isinstance(value, str):
         # JSON's escapes are TOML's, but not its \uD83D\uDE00 surrogate pairs: non-ASCII stays literal
         # UTF-8 (emoji in a trigger word), and DEL, which TOML forbids raw, is escaped.

@@ -41,13 +41,22 @@ class StopOnSignal:
         signal.signal(signal.SIGINT, self.previous)
 
 
-def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None = None, forward=None):
-    """loop.train with a progress bar and Ctrl-C as a clean stop; `resume` true continues the run's
-    newest checkpoint. The demo, `train` and headless.py (through nodes/comfy) run this."""
-    from .loop import train
+def start_step(run_dir: Path, resume) -> int:
+    """The step a run starts at: its newest checkpoint's with `resume` (when it has one), else 0."""
     from .state import list_checkpoints
 
-    start = list_checkpoints(run_dir)[-1][0] if resume and list_checkpoints(run_dir) else 0
+    found = list_checkpoints(run_dir) if resume else []
+    return found[-1][0] if found else 0
+
+
+def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None = None, forward=None,
+             validate=None, validate_every: int = 0):
+    """loop.train with a progress bar and Ctrl-C as a clean stop; `resume` true continues the run's
+    newest checkpoint. The demo, `train` and headless.py (through nodes/comfy, with its validation
+    samples as `validate`) run this."""
+    from .loop import train
+
+    start = start_step(run_dir, resume)
     for problem in getattr(data, "skipped", []):
         print(f"skipped {problem.line()}", file=sys.stderr)
     bar, on_step = progress_bar(cfg.steps, start)
@@ -55,7 +64,8 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
     should_stop = (lambda: stop() or bar.n >= stop_after) if stop_after else stop
     try:
         return train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
-                     on_step=on_step, should_stop=should_stop, forward=forward)
+                     on_step=on_step, should_stop=should_stop, forward=forward, validate=validate,
+                     validate_every=validate_every)
     finally:
         stop.close()
         bar.close()
@@ -66,6 +76,7 @@ def finish(cfg, result, run_dir: Path, name: str) -> None:
     from .archs import get_arch
     from .lora_format import lora_metadata, save_lora
     from .plot import save_loss_curve
+    from .samples import SAMPLES_DIR
 
     lora = result.ema_lora if result.ema_lora is not None else result.lora
     lora_path = run_dir / f"{name}.safetensors"
@@ -82,6 +93,9 @@ def finish(cfg, result, run_dir: Path, name: str) -> None:
         print(f"loss: first 10% mean {sum(head) / len(head):.4f} -> last 10% mean {sum(tail) / len(tail):.4f}")
     print(f"LoRA ({'EMA' if result.ema_lora is not None else 'raw'} weights): {lora_path}")
     print(f"loss curve: {curve}")
+    samples = sorted((run_dir / SAMPLES_DIR).glob("step-*.png"))
+    if samples:
+        print(f"samples ({len(samples)}, newest {samples[-1].name}): {run_dir / SAMPLES_DIR}")
     from .state import list_checkpoints
 
     newest = result.checkpoint or next((path for _, path in list_checkpoints(run_dir)[-1:]), None)

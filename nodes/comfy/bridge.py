@@ -8,17 +8,17 @@ nodes/comfy/ imports ComfyUI (tests/test_imports.py holds that), and trainer/ ne
     encoders.py  VAE and CLIP as the dataset's encoders, with cache identities
     lora.py      LoRAs in and out through ComfyUI's own loader, every key checked
     paths.py     which of ComfyUI's code paths training takes (attention, quantized matmuls)
-    training.py  the one training sequence of the node and headless training
+    training.py  the one training sequence of the node and headless training, and their validation sampling
     ui.py        sampling, progress, server events, folders
     loaders.py   headless: ComfyUI started as a library, models loaded from files
 """
 from __future__ import annotations
 
-from .encoders import text_encoder, vae_encoder  # noqa: F401
+from .encoders import conditioning, text_encoder, vae_encoder  # noqa: F401
 from .lora import (apply_lora, load_lora_file, lora_model_from, lora_weights_from, negate_lora,  # noqa: F401
                    require_fit, training_adapter_merged, unmatched_lora_keys)
 from .model import detect_arch, diffusion_model, latents_in, make_forward, matching_archs  # noqa: F401
 from .session import Interrupted, free_memory, reload_for_training, trainable, training_session  # noqa: F401
-from .training import train  # noqa: F401
-from .ui import (Progress, cat_images, executing_node, folders, image_tensor, lora_names, lora_path, loss_map,  # noqa: F401
+from .training import Sample, prompt_samples, train, validation  # noqa: F401
+from .ui import (Progress, cat_images, check_sampling, executing_node, folders, image_tensor, lora_names, lora_path, loss_map,  # noqa: F401
                  progress, prompt_server, refresh_loras, sample, sampler_names, scheduler_names, send_event)

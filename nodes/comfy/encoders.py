@@ -52,6 +52,12 @@ def text_encoder(clip):
     return encode, identity
 
 
+def conditioning(clip, text: str):
+    """CONDITIONING for a prompt, as CLIPTextEncode makes it (every key kept: it goes to the sampler)."""
+    with torch.inference_mode():
+        return clip.encode_from_tokens_scheduled(clip.tokenize(text))
+
+
 def _remembered(owner, compute) -> str:
     """An encoder's identity, computed once per VAE/CLIP object: ComfyUI may cast an encoder's weights
     when it moves them to the GPU (seen on an H200 with an fp32 text encoder), and a later hash of

@@ -1,17 +1,23 @@
 """The one training sequence of both front ends, the Train LoRA node (nodes/run.py) and headless
 training (headless.py): the patcher to train → its latent format on the cached latents → the
 training adapter merged → the backend's model (ComfyUI's module in a training session, or Kiln's
-MLX port of its weights) → the loop. The backend branch lives here and nowhere else."""
+MLX port of its weights) → the loop. The backend branch lives here and nowhere else; so does the
+validation sampling both front ends hand the loop (`validation`)."""
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
 
 from ...trainer.archs import get_arch
 from ...trainer.data import MappedLatents
 # Called through their modules, so a test can wrap one (a forward that fails at step N, a counted free).
+from . import encoders
 from . import lora as comfy_lora
 from . import model as comfy_model
 from . import session
+from . import ui
 
 
 def train(cfg, model, dataset, *, run: Callable, adapter=None, setup: Callable | None = None):
@@ -51,3 +57,56 @@ def mlx_model(model, cfg):
         weights = from_state_dict(module.state_dict(), dtype)   # tensor by tensor, straight to dtype
     session.free_memory()
     return mlx_models.build(cfg.arch, weights, dtype, quantize=cfg.base_quantize)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One validation image: CONDITIONING, VAE and KSampler settings (the node's Validation Settings
+    output has the same fields)."""
+
+    positive: object
+    negative: object
+    vae: object
+    seed: int
+    steps: int
+    cfg: float
+    sampler_name: str
+    scheduler: str
+    width: int
+    height: int
+
+
+def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
+    """validate(step, lora) for the loop (trainer.loop.train's hook), the node's and headless training's:
+    each of `samples` (Sample-like) drawn by ComfyUI's sampler and VAE (ui.sample) on `model`, the patcher
+    setup() got, i.e. without the training adapter. Torch: the LoRA branches are live in its modules (the
+    loop swaps the EMA weights in when EMA is on); MLX: the weights `lora()` gives are patched onto a clone
+    through ComfyUI's loader. lora None (before training): the model as it is. on_sample(step, index,
+    images) takes each IMAGE. Sampling leaves torch's random state as it was, so a run's LoRA dropout
+    draws are the same with or without samples."""
+    def validate(step: int, lora: Callable | None = None) -> None:
+        sampler_model = model if cfg.backend == "torch" or lora is None else comfy_lora.apply_lora(
+            model, comfy_lora.lora_model_from(lora(), cfg.arch), 1.0)
+        for index, s in enumerate(samples):
+            with torch.random.fork_rng(devices=_rng_devices()):
+                images = ui.sample(sampler_model, s.positive, s.negative, s.vae, seed=s.seed, steps=s.steps,
+                                   cfg=s.cfg, sampler_name=s.sampler_name, scheduler=s.scheduler, width=s.width,
+                                   height=s.height)
+            on_sample(step, index, images)
+    return validate
+
+
+def _rng_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
+def prompt_samples(plan, clip, vae) -> list[Sample]:
+    """Headless samples: trainer.samples.sample_plan's prompts with their CONDITIONING (CLIPTextEncode's,
+    each text encoded once) and the VAE to decode them."""
+    conds: dict[str, object] = {}
+    for text in [t for p in plan for t in (p.prompt, p.negative)]:
+        if text not in conds:
+            conds[text] = encoders.conditioning(clip, text)
+    return [Sample(positive=conds[p.prompt], negative=conds[p.negative], vae=vae, seed=p.seed, steps=p.steps,
+                   cfg=p.cfg, sampler_name=p.sampler_name, scheduler=p.scheduler, width=p.width, height=p.height)
+            for p in plan]

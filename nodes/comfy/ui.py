@@ -47,6 +47,14 @@ def sample(model, positive, negative, vae, *, seed: int, steps: int, cfg: float,
     return images.reshape(-1, *images.shape[-3:])[..., :3]
 
 
+def check_sampling(samplers, schedulers, what: str = "sample_") -> None:
+    """Sampler and scheduler names this ComfyUI knows, or a ValueError naming the setting and the choices."""
+    for kind, names, known in (("sampler", samplers, sampler_names()), ("scheduler", schedulers, scheduler_names())):
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            raise ValueError(f"{what}{kind} {unknown[0]!r} is not a {kind} of this ComfyUI; choose one of {known}")
+
+
 def sampler_names() -> list[str]:
     return list(comfy.samplers.KSampler.SAMPLERS)
 

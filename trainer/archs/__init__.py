@@ -50,6 +50,17 @@ class ComfyModel:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """How a family is sampled in ComfyUI's KSampler: the defaults of headless validation samples
+    (config sample_steps / sample_cfg / sample_sampler / sample_scheduler left at 0 / "auto")."""
+
+    steps: int = 20
+    cfg: float = 1.0
+    sampler: str = "euler"          # a comfy.samplers.KSampler.SAMPLERS name
+    scheduler: str = "simple"       # a comfy.samplers.KSampler.SCHEDULERS name
+
+
+@dataclass(frozen=True)
 class Arch:
     name: str                       # registry key, e.g. "flux2_klein"
     family: str                     # "flux2", "zimage", "generic": shares key maps
@@ -82,6 +93,7 @@ class Arch:
     diffusers_rules: tuple[DiffusersRule, ...] = field(default_factory=tuple)
     description: str = ""
     layout: Layout | None = None    # sizes, Linears and block model for the memory estimate (layout.py)
+    sampling: Sampling = Sampling()  # validation-sample defaults (steps, cfg, sampler, scheduler)
 
     def collate_context(self, contexts: list[np.ndarray]) -> np.ndarray:
         """Rows [T_i,D] → [B,T,D], T = max(context_tokens, longest), zeros on the padded side."""

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from . import Arch, ComfyModel, DiffusersRule, register
+from . import Arch, ComfyModel, DiffusersRule, Sampling, register
 from .layout import BlockGroup, HeaderSpec, Layout, ModelDims
 
 CONTEXT_TOKENS = 512  # model_base.Flux2.extra_conds left-pads one prompt to this (a batch trains what sampling sees)
@@ -131,8 +131,13 @@ _COMMON = dict(
 register(Arch(name="flux2_klein", model_extras=klein_extras, module_marker=MODULE_MARKER,
               comfy=ComfyModel("Flux2", attributes=(("diffusion_model.params.guidance_embed", False),)),
               modelspec=("Flux.2-klein/lora", IMPLEMENTATION),
+              # 20 euler steps at cfg 1 suit the distilled 4B/9B files (made for 4) and give the base a usable
+              # preview; the base samples best at cfg ~4 with a negative (sample_cfg, sample_negative).
+              sampling=Sampling(steps=20, cfg=1.0, sampler="euler", scheduler="simple"),
               description="Flux2 Klein 4B/9B (base, undistilled); no guidance input", **_COMMON))
 register(Arch(name="flux2_dev", model_extras=dev_extras,
               comfy=ComfyModel("Flux2", attributes=(("diffusion_model.params.guidance_embed", True),)),
               modelspec=("Flux.2-dev/lora", IMPLEMENTATION),
+              # ComfyUI's Flux2 Dev template: 20 euler steps, cfg 1 (the guidance embedding takes ComfyUI's default).
+              sampling=Sampling(steps=20, cfg=1.0, sampler="euler", scheduler="simple"),
               description="Flux2 Dev; guidance embedding fed 1.0 in training", **_COMMON))

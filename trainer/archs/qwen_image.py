@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 
-from . import Arch, ComfyModel, DiffusersRule, caption_lengths, register
+from . import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths, register
 from .layout import BlockGroup, HeaderSpec, Layout, ModelDims
 
 # The block Linears (diffusers and ComfyUI names alike). Targets leave out the modulation (img_mod,
@@ -109,5 +109,6 @@ register(Arch(
     clip_type="QWEN_IMAGE", module_marker=r"^transformer_blocks\.\d+\.(img|txt)_mlp\.net\.",
     modelspec=("Qwen-Image/lora", "https://github.com/QwenLM/Qwen-Image"),
     diffusers_rules=DIFFUSERS_RULES, layout=LAYOUT,
+    sampling=Sampling(steps=20, cfg=2.5, sampler="euler", scheduler="simple"),  # ComfyUI's Qwen-Image template
     description="Qwen-Image (20B MMDiT, Qwen2.5-VL text encoder); PyTorch backend",
 ))
