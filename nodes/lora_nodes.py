@@ -59,7 +59,8 @@ class KilnSaveLoRA(io.ComfyNode):
                 io.String.Input("name", default="kiln/my_lora", tooltip="File name under models/loras/ "
                                 "(sub-folders with /; no .. or absolute paths)"),
                 io.Combo.Input("format", options=list(CHOICES["lora_format"]), default="comfy",
-                               tooltip="comfy: ComfyUI keys; diffusers: split q/k/v, transformer. prefix; "
+                               tooltip="comfy: ComfyUI keys; diffusers: split q/k/v, transformer. prefix, "
+                               "alpha folded in (for diffusers' load_lora_weights / load_lora_adapter); "
                                "kohya: lora_unet_ names. All load in ComfyUI's LoRA loader."),
                 io.Combo.Input("dtype", options=list(CHOICES["save_dtype"]), default="bf16",
                                tooltip="Weight dtype in the file"),

@@ -53,6 +53,16 @@ def assert_same(a: dict, b: dict):
         assert w.alpha == b[path].alpha, path
 
 
+def assert_same_effect(a: dict, b: dict, rtol=1e-6):
+    """The same B@A·scale per module; the diffusers export folds the scale into B (alpha = rank)."""
+    assert sorted(a) == sorted(b)
+    for path, w in a.items():
+        assert np.allclose(delta(b[path]), delta(w), rtol=rtol, atol=rtol * np.abs(delta(w)).max()), path
+
+
+FOLDS = {"diffusers"}  # the formats that write no alpha: scale 1, alpha/rank folded into B
+
+
 @pytest.mark.parametrize("arch_name,modules", CASES)
 @pytest.mark.parametrize("fmt", list(lf.FORMATS))
 def test_key_round_trip(arch_name, modules, fmt):
@@ -60,7 +70,12 @@ def test_key_round_trip(arch_name, modules, fmt):
     tensors = lf.to_tensors(lora, fmt, arch_name)
     back, detected = lf.from_tensors(tensors, arch=arch_name, module_names=list(modules))
     assert detected == fmt
-    assert_same(lora, back)
+    if fmt in FOLDS:
+        assert not any(k.endswith(".alpha") for k in tensors)
+        assert all(w.alpha == w.rank for w in back.values())
+        assert_same_effect(lora, back)
+    else:
+        assert_same(lora, back)
 
 
 def test_key_names():
@@ -76,21 +91,41 @@ def test_key_names():
     assert lf.to_tensors(w, "comfy", None)["diffusion_model.double_blocks.0.img_attn.qkv.alpha"].shape == ()
 
 
-def test_diffusers_split_is_exact_and_shares_A():
+def test_diffusers_split_is_exact_shares_A_and_folds_the_scale():
     lora = make_lora(FLUX2_MODULES)
     tensors = lf.to_tensors(lora, "diffusers", "flux2_klein")
     qkv = lora["double_blocks.0.img_attn.qkv"]
     for i, part in enumerate(["to_q", "to_k", "to_v"]):
         base = f"transformer.transformer_blocks.0.attn.{part}"
-        assert np.array_equal(tensors[base + ".lora_B.weight"], qkv.B[i * HIDDEN:(i + 1) * HIDDEN])
+        assert np.array_equal(tensors[base + ".lora_B.weight"],
+                              qkv.B[i * HIDDEN:(i + 1) * HIDDEN] * np.float32(qkv.scale))
         assert np.array_equal(tensors[base + ".lora_A.weight"], qkv.A)
-        assert tensors[base + ".alpha"] == np.float32(qkv.alpha)
     txt = [f"transformer.transformer_blocks.0.attn.add_{p}_proj.lora_B.weight" for p in "qkv"]
-    assert np.array_equal(np.concatenate([tensors[k] for k in txt]), lora["double_blocks.0.txt_attn.qkv"].B)
+    txt_qkv = lora["double_blocks.0.txt_attn.qkv"]
+    assert np.array_equal(np.concatenate([tensors[k] for k in txt]), txt_qkv.B * np.float32(txt_qkv.scale))
     assert "transformer.single_transformer_blocks.1.attn.to_qkv_mlp_proj.lora_A.weight" in tensors
     assert "transformer.single_transformer_blocks.1.attn.to_out.lora_B.weight" in tensors
     assert "transformer.transformer_blocks.0.attn.to_out.0.lora_A.weight" in tensors
-    assert "transformer.transformer_blocks.1.ff_context.linear_out.alpha" in tensors
+    assert "transformer.transformer_blocks.1.ff_context.linear_out.lora_B.weight" in tensors
+    # diffusers refuses or ignores `.alpha` keys (#19): none are written, the scale is in B.
+    assert not [k for k in tensors if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
+    assert all(k.startswith("transformer.") for k in tensors)
+
+
+def test_folding_the_scale_into_bf16():
+    """A power-of-two scale folds exactly; any other costs one more bf16 rounding of B·scale."""
+    rng = np.random.default_rng(1)
+    A, B = rng.standard_normal((RANK, HIDDEN), dtype=np.float32), rng.standard_normal((HIDDEN, RANK), dtype=np.float32)
+    for alpha, exact in ((2.0 * RANK, True), (RANK / 4, True), (0.75 * RANK, False)):
+        w = LoraWeights(_bf16(A), _bf16(B), alpha)  # as Kiln's comfy file holds it
+        tensors = lf.to_tensors({"layers.0.attention.out": w}, "diffusers", "zimage")
+        B_folded = _bf16(tensors["transformer.layers.0.attention.to_out.0.lora_B.weight"])  # as the file holds it
+        folded = LoraWeights(_bf16(A), B_folded, float(RANK))
+        if exact:
+            assert np.array_equal(delta(folded), delta(w)), alpha
+        else:
+            error = np.abs(delta(folded) - delta(w)).max() / np.abs(delta(w)).max()
+            assert 0 < error < 2 ** -8, error
 
 
 def test_zimage_diffusers_names():
@@ -143,7 +178,7 @@ def test_split_sizes_and_rules_without_groups():
     lora = make_lora({"img_in": (HIDDEN, 128), "double_blocks.2.img_mod.lin": (64, HIDDEN)})
     tensors = lf.to_tensors(lora, "diffusers", arch)
     assert tensors["transformer.m.2.b.lora_B.weight"].shape == (48, RANK)
-    assert_same(lora, lf.from_tensors(tensors, arch=arch)[0])
+    assert_same_effect(lora, lf.from_tensors(tensors, arch=arch)[0])
 
 
 def test_diffusers_export_needs_rules():
@@ -214,6 +249,10 @@ def test_save_load(tmp_path, fmt, dtype):
     round_ = _bf16 if dtype == "bf16" else (lambda x: x)
     assert sorted(back) == sorted(lora)
     for path_, w in lora.items():
+        if fmt in FOLDS:  # B·scale stored, rounded once to the file's dtype
+            assert np.array_equal(back[path_].A, round_(w.A)) and back[path_].alpha == w.rank
+            assert np.array_equal(back[path_].B, round_(w.B * np.float32(w.scale)))
+            continue
         assert np.array_equal(back[path_].A, round_(w.A)) and np.array_equal(back[path_].B, round_(w.B))
         assert back[path_].alpha == w.alpha
     header, _ = safetensors_io.read_header(path)
@@ -243,8 +282,8 @@ def test_describe(tmp_path):
     lf.save_lora(path, make_lora(ZIMAGE_MODULES), arch="zimage", fmt="diffusers", metadata=_metadata())
     info = lf.describe(path)
     assert info["format"] == "diffusers" and info["modules"] == 6  # qkv split into 3
-    assert info["ranks"] == [RANK] and info["alphas"] == [8.0, 9.0, 10.0, 11.0]
-    assert info["dtypes"] == ["BF16", "F32"] and info["metadata"]["kiln.arch"] == "zimage"
+    assert info["ranks"] == [RANK] and info["alphas"] == [float(RANK)]  # scales 2..2.75 folded into B
+    assert info["dtypes"] == ["BF16"] and info["metadata"]["kiln.arch"] == "zimage"  # no F32 alpha scalars
 
 
 def test_describe_lists_each_module_with_dotted_paths(tmp_path):
@@ -266,5 +305,6 @@ def test_export_between_formats(tmp_path):
     lf.export(src, mid, "kohya")
     lf.export(mid, dst, "diffusers")  # arch from "kiln.arch", module names from "kiln.module_paths"
     back, metadata = lf.load_lora(dst)
-    assert_same(lora, back)
+    assert_same_effect(lora, back)
+    assert_same(lora, lf.load_lora(mid)[0])
     assert metadata["kiln.format"] == "diffusers" and "kiln.module_paths" not in metadata

@@ -4,9 +4,9 @@ In memory a LoRA is {ComfyUI module path: LoraWeights}, the path without
 "diffusion_model." (e.g. "double_blocks.0.img_attn.qkv"). On disk
 (comfy/lora.py model_lora_keys_unet + comfy/weight_adapter/lora.py LoRAAdapter):
   comfy      diffusion_model.<path>.lora_A.weight / .lora_B.weight / .alpha
-  diffusers  transformer.<diffusers path>.lora_A/.lora_B/.alpha, fused layers split
+  diffusers  transformer.<diffusers path>.lora_A/.lora_B, fused layers split, alpha/rank folded into B
   kohya      lora_unet_<path, '.'→'_'>.lora_down.weight / .lora_up.weight / .alpha
-ComfyUI scales every pair by alpha / rank, and by 1 when `.alpha` is absent.
+ComfyUI scales every pair by alpha / rank, and by 1 when `.alpha` is absent; so do Kiln and diffusers.
 """
 from __future__ import annotations
 
@@ -87,9 +87,17 @@ def _split_keys(tensors: Mapping[str, np.ndarray], prefix: str, source: str) -> 
     return {name: _weights(source, prefix + name, parts) for name, parts in modules.items()}
 
 
-def _pair(name: str, weights: LoraWeights, down: str, up: str) -> dict[str, np.ndarray]:
-    return {f"{name}.{down}.weight": weights.A, f"{name}.{up}.weight": weights.B,
-            f"{name}.alpha": np.array(weights.alpha, dtype=np.float32)}  # scalar: ComfyUI calls .item()
+def _pair(name: str, weights: LoraWeights, down: str, up: str, *, alpha: bool = True) -> dict[str, np.ndarray]:
+    pair = {f"{name}.{down}.weight": weights.A, f"{name}.{up}.weight": weights.B}
+    if alpha:
+        pair[f"{name}.alpha"] = np.array(weights.alpha, dtype=np.float32)  # scalar: ComfyUI calls .item()
+    return pair
+
+
+def _folded(weights: LoraWeights) -> LoraWeights:
+    """The same product with scale 1: alpha/rank multiplied into B (in fp32, before the file's dtype
+    rounds it; exact when the scale is a power of two), alpha = rank."""
+    return LoraWeights(weights.A, weights.B * np.float32(weights.scale), float(weights.rank))
 
 
 # ---------------------------------------------------------------- comfy and kohya
@@ -167,9 +175,14 @@ def _diffusers_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
             raise ValueError(f"{path}: no diffusers name for this module in arch {arch.name!r}; "
                              "export as comfy or kohya, or leave it out of the targets")
         rule, names = found
-        # Every part gets the same A and alpha (so the same scale) and its exact rows of B.
+        # Scale folded into B, no .alpha keys: diffusers' load_lora_weights refuses (Flux2) or mis-converts
+        # (Z-Image) `.alpha` keys and load_lora_adapter ignores them; scale 1 is what every reader assumes
+        # without them (ComfyUI, diffusers/PEFT, Kiln), while safetensors metadata ComfyUI would not read.
+        w = _folded(w)
+        # Every part gets the same A (so the same scale) and its exact rows of B.
         for name, part in zip(names, np.split(w.B, np.cumsum(_row_sizes(rule, w.B.shape[0], path))[:-1])):
-            out.update(_pair(arch.diffusers_prefix + name, LoraWeights(w.A, part, w.alpha), "lora_A", "lora_B"))
+            out.update(_pair(arch.diffusers_prefix + name, LoraWeights(w.A, part, w.alpha), "lora_A", "lora_B",
+                             alpha=False))
     return out
 
 
