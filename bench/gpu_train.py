@@ -876,6 +876,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, help="untimed first steps (default 10; --tiny 1)")
     parser.add_argument("--native-steps", type=int, help="steps for the native trainer (default: --steps)")
     parser.add_argument("--no-native", action="store_true", help="time Kiln only")
+    parser.add_argument("--peer", default="", help="diffusers' transformer + PEFT LoRA in each row (bench/peer.py): "
+                        "eager, compiled (compile_repeated_blocks) or eager,compiled; needs diffusers and peft")
     parser.add_argument("--dtype", choices=["bf16", "fp32"],
                         help="weights and autocast (default bf16; --tiny on a CPU fp32: CPU bf16 matmuls crawl)")
     parser.add_argument("--native-lora-dtype", choices=["bf16", "fp32"],
@@ -945,7 +947,8 @@ def main(argv=None) -> int:
                               steps=steps, warmup=warmup, native_steps=native_steps, timing=args.timing, device=device,
                               dtype=dtype_name, native_lora_dtype=native_lora_dtype, no_native=args.no_native,
                               native_ckpt_depth=args.native_ckpt_depth, profile=args.profile,
-                              rate=rate, common=common, zimage_tokens=zimage_tokens)
+                              rate=rate, common=common, zimage_tokens=zimage_tokens,
+                              peer=[{"eager": False, "compiled": True}[m] for m in _list(args.peer)])
     models: dict[str, tuple] = {}
     for row in rows:
         dims = TINY[row.arch] if args.tiny else VARIANTS[ARCH_VARIANTS[row.arch]]
@@ -1055,6 +1058,24 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
                                    checkpointing=row.checkpointing)["total"]
         record["native_mfu"] = round(native_flops / native_s / rate, 4) if native_s else None
         record["speedup_vs_native"] = round(native_s / kiln_s, 3) if native_s and kiln_s else None
+    for compiled in opts.peer:   # diffusers' own transformer + PEFT LoRA (bench/peer.py), eager and/or compiled
+        from peer import run_peer
+
+        prefix = "peer_compiled_" if compiled else "peer_"
+        started = time.perf_counter()
+        try:
+            record.update(run_peer(dims, inputs.latents, inputs.contexts, steps=opts.steps, warmup=opts.warmup,
+                                   device=device, compiled=compiled, checkpointing=row.checkpointing))
+            peer_s = record[f"{prefix}s_per_step"]
+            record[f"speedup_vs_{prefix.rstrip('_')}"] = round(peer_s / kiln_s, 3) if peer_s and kiln_s else None
+        except Exception as error:  # noqa: BLE001 — recorded, the run goes on
+            record[f"{prefix}error"] = f"{type(error).__name__}: {error}"[:500]
+            print(f"[bench] peer failed: {record[f'{prefix}error']}", file=sys.stderr)
+        release(device)
+        record[f"{prefix}wall_s"] = round(time.perf_counter() - started, 2)
+        print(f"[bench]   peer{' compiled' if compiled else ''}: {record.get(f'{prefix}s_per_step')} s/step, "
+              f"peak {record.get(f'{prefix}peak_alloc_gb')} GiB, loss {record.get(f'{prefix}loss_first')} → "
+              f"{record.get(f'{prefix}loss_last')}", file=sys.stderr, flush=True)
     return {k: _round(v) for k, v in record.items()}
 
 
