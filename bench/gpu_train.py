@@ -128,7 +128,7 @@ from trainer.archs.layout import ModelDims  # noqa: E402
 from trainer.estimate_common import VARIANTS  # noqa: E402
 
 GIB = 2 ** 30
-ARCH_VARIANTS = {"zimage": "zimage", "klein4b": "flux2-klein-4b", "klein9b": "flux2-klein-9b"}
+ARCH_VARIANTS = {"zimage": "zimage", "klein4b": "flux2-klein-4b", "klein9b": "flux2-klein-9b", "dev": "flux2-dev"}
 # --tiny: the same classes at test size (head dim 128 as in the real models; Flux2 1+1 blocks because its
 # 512 text tokens make every block costly on a CPU).
 TINY = {
