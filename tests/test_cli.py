@@ -106,12 +106,13 @@ def test_estimate_prints_a_table(tmp_path):
 
 def test_estimate_shows_what_the_auto_budget_picks_on_a_gpu(tmp_path):
     """checkpoint_budget auto (the default): on a 24 GiB GPU a Z-Image 1024 px step keeps little (weights
-    11.5 GiB, 4 GiB margin); on an 80 GiB one it keeps everything; with no --memory-gb it says so."""
+    11.5 GiB, 4 GiB margin, the estimate counted 1.25x); on an 80 GiB one everything; with no --memory-gb
+    it says so."""
     config = tmp_path / "zimage.toml"
     config.write_text('arch = "zimage_turbo"\nresolutions = [1024]\n')
     small, large, unsaid = (cli("estimate", config, *args) for args in (("--memory-gb", 24), ("--memory-gb", 80), ()))
     assert small.returncode == large.returncode == unsaid.returncode == 0, small.stderr
-    assert "checkpoint_budget auto → 0.2 on a 24 GiB GPU" in small.stdout and "(checkpoint budget 0.2)" in small.stdout
+    assert "checkpoint_budget auto → 0.1 on a 24 GiB GPU" in small.stdout and "(checkpoint budget 0.1)" in small.stdout
     assert "checkpoint_budget auto → 1 on a 80 GiB GPU" in large.stdout
     assert "Give --memory-gb to see what a GPU would get" in unsaid.stdout
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from ...archs import Arch
 from ...config import AUTO, TrainConfig
+from ...faults import is_out_of_memory
 from ...lora_format import LoraWeights
 from ...objective import interpolate, velocity_target
 from ..base import StepStats, parameter_name, saved_name
@@ -114,6 +115,24 @@ class TorchBackend:
                            "without compiled blocks (slower); set compile_blocks off to skip the attempt.",
                            type(inner).__name__, str(inner).strip().splitlines()[0][:300])
 
+    def _budget_fallback(self, error: BaseException) -> None:
+        """checkpoint_budget auto kept too much for this GPU (the estimate is an estimate): the step is
+        redone with plain checkpointing (budget 0), and the run says so once."""
+        import traceback
+
+        traceback.clear_frames(error.__traceback__)   # the failed step's activations go now
+        self.optimizer.zero_grad(set_to_none=True)
+        self.checkpointing.remove()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        chosen = self.levers.budget
+        self.levers = levers.Levers(compile=self.levers.compile, budget=0.0,
+                                    note=f"{self.levers.note}; out of memory at budget {chosen:g}: 0")
+        self._wrap_blocks(self.levers)
+        levers.log.warning("[Kiln] checkpoint_budget auto: budget %g ran out of GPU memory (%s). Training goes on with "
+                           "plain checkpointing (budget 0; blocks compile again). Set checkpoint_budget to a number "
+                           "to choose yourself.", chosen, str(error).strip().splitlines()[0][:200])
+
     # --- training -----------------------------------------------------------------
     def _to_device(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
@@ -158,6 +177,11 @@ class TorchBackend:
             if not (self.levers.compile and self.cfg.compile_blocks == AUTO):
                 raise
             self._compile_fallback(error)
+            return self.step(micro_batches, lr)
+        except BaseException as error:
+            if not (is_out_of_memory(error) and self.cfg.checkpoint_budget == AUTO and self.levers.budget > 0):
+                raise
+            self._budget_fallback(error)
             return self.step(micro_batches, lr)
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         grad_norm = clip_global_norm(grads, self.cfg.max_grad_norm)
