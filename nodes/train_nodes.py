@@ -54,17 +54,8 @@ class KilnTrainingOptions(io.ComfyNode):
 
 
 @dataclass(frozen=True)
-class Validation:
-    positive: object
-    negative: object
-    vae: object
-    seed: int
-    steps: int
-    cfg: float
-    sampler_name: str
-    scheduler: str
-    width: int
-    height: int
+class Validation(bridge.Sample):
+    """Validation Settings' output: the one image to sample, and how often."""
     every: int
 
 
