@@ -123,8 +123,6 @@ class TorchBackend:
         traceback.clear_frames(error.__traceback__)   # the failed step's activations go now
         self.optimizer.zero_grad(set_to_none=True)
         self.checkpointing.remove()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
         chosen = self.levers.budget
         self.levers = levers.Levers(compile=self.levers.compile, budget=0.0,
                                     note=f"{self.levers.note}; out of memory at budget {chosen:g}: 0")
@@ -132,6 +130,12 @@ class TorchBackend:
         levers.log.warning("[Kiln] checkpoint_budget auto: budget %g ran out of GPU memory (%s). Training goes on with "
                            "plain checkpointing (budget 0; blocks compile again). Set checkpoint_budget to a number "
                            "to choose yourself.", chosen, str(error).strip().splitlines()[0][:200])
+
+    def _again(self, micro_batches, lr: float) -> StepStats:
+        """The step once more after a fallback, the failed step's graph gone (its memory back to the GPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self.step(micro_batches, lr)
 
     # --- training -----------------------------------------------------------------
     def _to_device(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -177,12 +181,14 @@ class TorchBackend:
             if not (self.levers.compile and self.cfg.compile_blocks == AUTO):
                 raise
             self._compile_fallback(error)
-            return self.step(micro_batches, lr)
+            loss = total = None   # noqa: F841
         except BaseException as error:
             if not (is_out_of_memory(error) and self.cfg.checkpoint_budget == AUTO and self.levers.budget > 0):
                 raise
             self._budget_fallback(error)
-            return self.step(micro_batches, lr)
+            loss = total = None   # noqa: F841 — the failed step's graph goes before the step is redone
+        if total is None:   # an auto lever fell back: the same step again, outside the except block
+            return self._again(micro_batches, lr)
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         grad_norm = clip_global_norm(grads, self.cfg.max_grad_norm)
         # A NaN/inf loss or gradient skips the update (weights, moments, step count, EMA unchanged).
