@@ -63,23 +63,36 @@ async function until(what, fn, arg) {
   await page.waitForFunction(fn, arg, { timeout, polling: 250 });
 }
 
+// A view's state, read in one task of the page. The newest sample replaces the thumbnail as it
+// arrives, so a state read later than the wait for a loaded thumbnail can catch the next one loading.
+const readView = (sel) => {
+  const view = document.querySelector(sel);
+  if (!view) return null;
+  const image = view.querySelector("[data-kiln=samples] img");
+  return {
+    run: view.dataset.run, status: view.dataset.status,
+    points: Number(view.querySelector("[data-kiln=chart]")?.dataset.points ?? 0),
+    smoothPath: view.querySelector("[data-kiln=smooth]")?.getAttribute("d") ?? "",
+    steps: view.querySelector(".kd-steps")?.textContent ?? "",
+    figures: Object.fromEntries([...view.querySelectorAll("[data-kiln=figures] .kd-figure")]
+      .map((cell) => [cell.dataset.kiln, cell.querySelector("b").textContent])),
+    buckets: view.querySelector("[data-kiln=buckets]")?.textContent ?? "",
+    sample: image ? { src: image.getAttribute("src"), width: image.naturalWidth, complete: image.complete } : null,
+    note: view.querySelector(".kd-note")?.textContent ?? "",
+  };
+};
+
 async function viewState(selector) {
-  return page.evaluate((sel) => {
-    const view = document.querySelector(sel);
-    if (!view) return null;
-    const image = view.querySelector("[data-kiln=samples] img");
-    return {
-      run: view.dataset.run, status: view.dataset.status,
-      points: Number(view.querySelector("[data-kiln=chart]")?.dataset.points ?? 0),
-      smoothPath: view.querySelector("[data-kiln=smooth]")?.getAttribute("d") ?? "",
-      steps: view.querySelector(".kd-steps")?.textContent ?? "",
-      figures: Object.fromEntries([...view.querySelectorAll("[data-kiln=figures] .kd-figure")]
-        .map((cell) => [cell.dataset.kiln, cell.querySelector("b").textContent])),
-      buckets: view.querySelector("[data-kiln=buckets]")?.textContent ?? "",
-      sample: image ? { src: image.getAttribute("src"), width: image.naturalWidth, complete: image.complete } : null,
-      note: view.querySelector(".kd-note")?.textContent ?? "",
-    };
-  }, selector);
+  return page.evaluate(readView, selector);
+}
+
+/** The view's state at a moment its thumbnail is loaded (waited for, then read in the same task). */
+async function loadedViewState(selector) {
+  const handle = await page.waitForFunction(([sel, source]) => {
+    const state = (0, eval)(source)(sel);
+    return state?.sample && state.sample.complete && state.sample.width > 0 ? state : false;
+  }, [selector, readView.toString()], { timeout, polling: 100 });
+  return handle.jsonValue();
 }
 
 const ready = ([sel, min]) => {
@@ -140,7 +153,7 @@ try {
   await until(`a curve of ${minPoints}+ points and a sample on the node`, ready, [NODE_VIEW, minPoints]);
   await until("the same in the sidebar", ready, [PANEL_VIEW, minPoints]);
   await page.waitForTimeout(500); // let the last frame paint (screenshot only; nothing is asserted on timing)
-  report.running = { node: await viewState(NODE_VIEW), panel: await viewState(PANEL_VIEW) };
+  report.running = { node: await loadedViewState(NODE_VIEW), panel: await loadedViewState(PANEL_VIEW) };
   await page.screenshot({ path: path.join(options.out, "dashboard.png") });
   note("screenshot taken");
 
