@@ -37,20 +37,15 @@ def answer(kind: str) -> tuple[int, dict]:
     return 200, {"root": root, "folders": listing()}
 
 
-_routes_added = False
-
-
-def add_routes() -> None:
-    """Put /kiln/folders/{kind} on ComfyUI's server (once); nothing when no server runs."""
-    global _routes_added
-    server = bridge.prompt_server()
-    if server is None or _routes_added:
-        return
+def _register(routes) -> None:
     from aiohttp import web
 
-    @server.routes.get("/kiln/folders/{kind}")
+    @routes.get("/kiln/folders/{kind}")
     async def folders(request):
         status, body = answer(request.match_info["kind"])
         return web.json_response(body, status=status)
 
-    _routes_added = True
+
+def add_routes() -> None:
+    """Put /kiln/folders/{kind} on ComfyUI's server (once); nothing when no server runs."""
+    bridge.add_routes("folders", _register)

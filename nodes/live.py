@@ -100,14 +100,6 @@ class Tracker:
         bridge.send_event("kiln.run", self.registry.finish(self.run, status, message))
 
 
-_routes_added = False
-
-
 def add_routes() -> None:
     """Put /kiln/runs on ComfyUI's server (once); nothing when no server runs (tests, headless)."""
-    global _routes_added
-    server = bridge.prompt_server()
-    if server is None or _routes_added:
-        return
-    dashboard.add_routes(server.routes)
-    _routes_added = True
+    bridge.add_routes("dashboard", dashboard.add_routes)

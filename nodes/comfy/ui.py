@@ -102,6 +102,19 @@ def prompt_server():
     return getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
 
 
+_ROUTES_ADDED: set[str] = set()
+
+
+def add_routes(name: str, register) -> None:
+    """register(routes) on ComfyUI's server route table, once per name; nothing when no server runs
+    (tests, headless). ComfyUI also serves each route under /api."""
+    server = prompt_server()
+    if server is None or name in _ROUTES_ADDED:
+        return
+    register(server.routes)
+    _ROUTES_ADDED.add(name)
+
+
 def executing_node() -> tuple[str | None, str | None]:
     """(node id, prompt id) of the node ComfyUI is running now; (None, None) outside a prompt."""
     utils = sys.modules.get("comfy_execution.utils")
