@@ -144,3 +144,15 @@ def test_caption_variants_are_drawn_from_the_run_generator():
     picks = [build_batch(Variants(), [0], rng, settings, get_arch("demo"), 0.0).context[0, 0, 0]
              for rng in [np.random.default_rng(s) for s in range(30)]]
     assert set(picks) == {0.0, 1.0, 2.0}
+
+
+def test_batch_by_tokens_sizes_batches_from_each_buckets_latents(make_data, make_config):
+    from trainer.archs import get_arch
+    from trainer.loop import batch_sizes
+
+    data = make_data()                       # latents 4x4 and 6x4 (latent cells), demo arch: patch 1, no padding
+    arch = get_arch("demo")
+    assert arch.patch == 1 and arch.context_tokens == 0
+    assert batch_sizes(make_config(batch_size=2), data, arch) == {"4x4": 2, "6x4": 2}
+    # 16 and 24 tokens an image: the small bucket takes 2 * 24 // 16 = 3
+    assert batch_sizes(make_config(batch_size=2, batch_by="tokens"), data, arch) == {"4x4": 3, "6x4": 2}

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from trainer import safetensors_io, state
+from trainer import config, safetensors_io, state
 from trainer.loop import train
 
 
@@ -32,7 +32,9 @@ def resume_config(make_config):
                        log_every=5, gradient_checkpointing=True)
 
 
-def test_resume_is_bitwise_exact(tmp_path, make_model, make_data, resume_config):
+@pytest.mark.parametrize("batch_by", ["images", "tokens"])
+def test_resume_is_bitwise_exact(tmp_path, make_model, make_data, resume_config, batch_by):
+    resume_config = config.replace(resume_config, batch_by=batch_by)   # tokens: 3 images a batch in the small bucket
     straight = run(tmp_path, "straight", make_model, make_data, resume_config)
     first = run(tmp_path, "stopped", make_model, make_data, resume_config, stop_at=5)
     assert first.stopped and first.step == 5

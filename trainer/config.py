@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .archs import ARCHS
+from .data.sampler import BATCHING
 from .objective import CONTENT_OR_STYLE, LOSS_WEIGHTINGS, SAMPLINGS, SHIFT_MODES
 from .schedules import SCHEDULES
 
@@ -47,6 +48,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "save_dtype": ("bf16", "fp16", "fp32"),
     "lora_format": ("comfy", "diffusers", "kohya"),
     "crop": ("center", "random"),
+    "batch_by": tuple(BATCHING),
     "base_quantize": ("none", "int8", "int4"),
     "attention": ("auto", "torch", "cudnn", "flash", "efficient", "math"),
 }
@@ -124,6 +126,10 @@ class TrainConfig:
     steps: int = setting(1000, "optimizer steps (each takes grad_accum micro-batches)")
     batch_size: int = setting(1, "images per micro-batch (one bucket per batch)")
     grad_accum: int = setting(1, "micro-batches per optimizer step")
+    batch_by: str = setting("images", "images: batch_size images from every bucket; tokens: batch_size from the "
+                                      "largest bucket and as many more from a smaller one as carry no more tokens "
+                                      "(4 at 512 px for 1 at 1024: small buckets use the GPU as well; a step's loss "
+                                      "stays the per-image mean, an epoch still shows every image once)")
     learning_rate: float = setting(1e-4, "peak learning rate (prodigy: 1.0)")
     optimizer: str = setting("adamw", "adamw, adamw8bit (bitsandbytes), adafactor, prodigy (prodigyopt)")
     weight_decay: float = setting(1e-4, "decoupled weight decay on LoRA weights")

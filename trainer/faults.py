@@ -49,6 +49,8 @@ def out_of_memory_message(cfg: TrainConfig, error: BaseException, step: int, ite
     fixes = [f"lower resolutions (now {cfg.resolutions})"]
     if cfg.batch_size > 1:
         fixes.append(f"lower batch_size (now {cfg.batch_size}; grad_accum keeps the effective batch)")
+    if cfg.batch_by != "images":
+        fixes.append(f"set batch_by to images (now {cfg.batch_by}: small buckets take several images a step)")
     if not cfg.gradient_checkpointing:
         fixes.append("turn gradient_checkpointing on")
     if cfg.backend == "mlx":

@@ -21,7 +21,7 @@ from .archs import Arch, get_arch
 from .backends import get_backend
 from .config import TrainConfig
 from .data import TrainingData
-from .data.sampler import BucketSampler
+from .data.sampler import BATCHING, BucketSampler
 from .lora_format import LoraWeights, lora_metadata
 from .plot import smoothed
 from .schedules import lr_at
@@ -83,6 +83,17 @@ def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator
     return Batch(latents=latents, noise=draws.noise, sigmas=draws.sigmas, weights=draws.weights,
                  context=arch.collate_context(contexts), extras=arch.model_extras(len(indices), lengths),
                  items=[data.name(i) for i in indices])
+
+
+def batch_sizes(cfg: TrainConfig, data: TrainingData, arch: Arch) -> dict[str, int]:
+    """Images per batch of each bucket (cfg.batch_by), from its tokens per image: image tokens (one
+    latent of the bucket) plus the caption's padded minimum."""
+    def tokens(indices: list[int]) -> int:
+        _, height, width = data.latent(indices[0]).shape
+        return (height // arch.patch) * (width // arch.patch) + arch.context_tokens
+
+    per_image = {key: tokens(indices) for key, indices in data.buckets.items() if indices}
+    return BATCHING[cfg.batch_by](per_image, cfg.batch_size)
 
 
 def _finite(value: float) -> float | None:
@@ -172,7 +183,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     arch, run_dir, backend = get_arch(cfg.arch), Path(run_dir), get_backend(cfg.backend)
     rng = np.random.default_rng(cfg.seed)
     settings = objective_settings(cfg, arch)
-    sampler = BucketSampler(data.buckets, cfg.batch_size, cfg.seed)
+    sampler = BucketSampler(data.buckets, batch_sizes(cfg, data, arch), cfg.seed)
     backend.setup(model, cfg, arch, forward)
     try:
         history, start = resumed(resume, backend, rng, sampler)
