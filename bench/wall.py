@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""What a user waits for: one whole run, from the first step to the saved LoRA (issue #18 item 3).
+
+    COMFYUI_PATH=... python bench/wall.py --arch zimage --out wall.json [--batch-by tokens] [--steps 1000]
+    COMFYUI_PATH=... python bench/wall.py --arch zimage --tiny --steps 12 --every 4   # the same path on a CPU
+
+A dataset of --images synthetic images in mixed aspect ratios (1:1, 4:3, 3:4, 3:2, 2:3, 16:9, 9:16), each
+bucketed at every resolution of --res (512,768,1024: a 3:2 image is 624x416 / 928x624 / 1248x832 px, as
+trainer.data.buckets cuts it), trained for --steps with Kiln's defaults through the loop the node runs
+(trainer.loop.train in bridge.training_session, random weights as bench/gpu_train.py builds them), a
+resumable checkpoint every --every steps and validation samples every --every steps and before the
+first (2 prompts, ComfyUI's sampler with the family's sampling defaults at 1024x1024: Z-Image Turbo 8
+steps, Klein 20), then the LoRA saved as Save LoRA saves it.
+
+Reported: wall seconds to the saved LoRA, split into steps (steady), compile and warm-up (each bucket
+shape's first steps above its steady pace), validation, saving (checkpoints and the LoRA), and the rest;
+s/step and images/s per bucket (median of its steps after its first two). Each step is timed at its end
+after a torch.cuda.synchronize (the bench's "sync" timing); validation and saving are timed apart and
+left out of the step they follow.
+Not in it: encoding (the latents and text embeddings are synthetic, as if cached: a real run encodes
+once per dataset and resolution, then reuses the cache) and the VAE decode of the samples (no VAE is
+built: the sampler's latents stand in for the decoded image). The peers' per-bucket pace comes from
+bench/gpu_train.py rows at the same resolutions (bench/RESULTS.md).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+for _folder in (ROOT, ROOT / "tests", ROOT / "bench"):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
+import torch  # noqa: E402
+
+import gpu_train  # noqa: E402
+from trainer.archs import get_arch  # noqa: E402
+from trainer.data.buckets import bucket_size  # noqa: E402
+from trainer.estimate_common import VARIANTS  # noqa: E402
+
+ASPECTS = ((1, 1), (4, 3), (3, 4), (3, 2), (2, 3), (16, 9), (9, 16))
+PROMPTS = 2
+
+
+def synthetic_data(data_module, dims, resolutions: list[int], images: int, text_tokens: int, seed: int = 0):
+    """InMemoryData: each image (a 2048 px long side in one of ASPECTS) at each resolution, random latents
+    of its bucket's size and a random caption embedding of text_tokens/4..text_tokens tokens (one per image)."""
+    arch = get_arch(dims.arch)
+    rng = np.random.default_rng(seed)
+    latents, contexts, names = [], [], []
+    for index in range(images):
+        aw, ah = ASPECTS[index % len(ASPECTS)]
+        width, height = (2048, 2048 * ah // aw) if aw >= ah else (2048 * aw // ah, 2048)
+        context = rng.standard_normal((int(rng.integers(text_tokens // 4, text_tokens + 1)), dims.context_dim)).astype(np.float32)
+        for resolution in resolutions:
+            bw, bh = bucket_size(width, height, resolution, arch.bucket_divisor)
+            down = arch.latent_downscale
+            latents.append(rng.standard_normal((arch.latent_channels, bh // down, bw // down)).astype(np.float32))
+            contexts.append(context)
+            names.append(f"img{index:02d}_{width}x{height}@{resolution}.png")
+    empty = np.zeros((1, dims.context_dim), np.float32)
+    return data_module.InMemoryData.from_arrays(latents, contexts, names, empty)
+
+
+class LatentVAE:
+    """Stands in for the VAE in validation: the sampler's latent is the 'image' (decode not timed)."""
+
+    def decode(self, samples):
+        return samples.movedim(1, -1)
+
+
+def conditioning(dims, tokens: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randn(1, tokens, dims.context_dim, generator=generator), {}]]
+
+
+class Phases:
+    """Step ends (after a sync), and the validation and saving time that fell between two of them."""
+
+    def __init__(self, device):
+        self.device, self.ends, self.shapes, self.extra = device, [], [], [0.0]
+        self.validation = self.saving = 0.0
+        self.shape = None
+
+    def timed(self, kind: str, fn):
+        def wrapper(*args, **kwargs):
+            gpu_train.sync(self.device)
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                gpu_train.sync(self.device)
+                seconds = time.perf_counter() - started
+                setattr(self, kind, getattr(self, kind) + seconds)
+                self.extra[-1] += seconds
+        return wrapper
+
+    def step_end(self) -> None:
+        gpu_train.sync(self.device)
+        self.ends.append(time.perf_counter())
+        self.shapes.append(self.shape)
+        self.extra.append(0.0)
+
+
+def per_bucket(phases: Phases, started: float) -> tuple[list[float], dict]:
+    """Each step's seconds (validation and saving left out) and, per batch shape, its steady pace."""
+    starts = [started, *phases.ends[:-1]]
+    seconds = [end - start - extra for start, end, extra in zip(starts, phases.ends, phases.extra)]
+    by_shape: dict[str, list[float]] = {}
+    for shape, value in zip(phases.shapes, seconds):
+        by_shape.setdefault(shape, []).append(value)
+    table = {}
+    for shape, values in by_shape.items():
+        steady = statistics.median(values[2:]) if len(values) > 2 else min(values)
+        batch = int(shape.split("x")[0])
+        table[shape] = {"steps": len(values), "s_per_step": round(steady, 4),
+                        "images_per_s": round(batch / steady, 3) if steady > 0 else None,
+                        "warmup_s": round(sum(max(0.0, v - steady) for v in values[:2]), 2)}
+    return seconds, table
+
+
+def run(args) -> dict:
+    prepare = gpu_train.prepare_comfy(args.device)
+    import comfy.model_management as mm
+
+    bridge = prepare.import_pack("nodes.comfy.bridge")
+    config = prepare.import_pack("trainer.config")
+    loop = prepare.import_pack("trainer.loop")
+    data_module = prepare.import_pack("trainer.data")
+    lora_format = prepare.import_pack("trainer.lora_format")
+    device = mm.get_torch_device()
+    dims = gpu_train.TINY[args.arch] if args.tiny else VARIANTS[gpu_train.ARCH_VARIANTS[args.arch]]
+    arch_name, arch = dims.arch, get_arch(dims.arch)
+    dtype = torch.float32 if args.tiny and device.type == "cpu" else torch.bfloat16
+    patcher, build = gpu_train.build_model(dims, device, dtype)
+    text_tokens = 32 if args.tiny else (256 if gpu_train.family_of(dims) == "zimage" else 128)
+    resolutions = [int(r) for r in args.res.split(",")]
+    data = data_module.MappedLatents(synthetic_data(data_module, dims, resolutions, args.images, text_tokens),
+                                     lambda raw: bridge.latents_in(patcher, raw))
+    sampling = arch.sampling
+    side = args.sample_size
+    samples = [bridge.Sample(positive=conditioning(dims, text_tokens, k), negative=conditioning(dims, 8, 99),
+                             vae=LatentVAE(), seed=42 + k, steps=args.sample_steps or sampling.steps, cfg=sampling.cfg,
+                             sampler_name=sampling.sampler, scheduler=sampling.scheduler, width=side, height=side)
+               for k in range(PROMPTS)]
+    cfg = config.from_dict(dict(arch=arch_name, device="auto", mixed_precision="bf16" if dtype == torch.bfloat16 else "no",
+                                steps=args.steps, resolutions=resolutions, checkpoint_every=args.every,
+                                batch_by=args.batch_by, seed=0))
+    phases = Phases(device)
+    forward = bridge.make_forward(patcher, arch_name)
+
+    def shaped_forward(model, x_t, sigmas, context, extras):   # the step's batch shape, for the per-bucket table
+        phases.shape = "x".join(str(n) for n in (x_t.shape[0], *x_t.shape[2:]))
+        return forward(model, x_t, sigmas, context, extras)
+
+    on_sample = lambda step, index, images: None   # noqa: E731
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "kind": "wall", "commit": gpu_train.git_commit(), "device": gpu_train.device_name(device),
+              "torch": torch.__version__, "arch": args.arch, "variant": dims.variant, "steps": args.steps,
+              "images": args.images, "resolutions": resolutions, "entries": len(data.names) if hasattr(data, "names") else None,
+              "every": args.every, "prompts": PROMPTS, "sample_steps": samples[0].steps, "sample_size": side,
+              "batch_by": args.batch_by, "params": build["params"], "kiln_settings": {} if args.batch_by == "images"
+              else {"batch_by": args.batch_by}}
+    notes = gpu_train.LeverNotes()
+    save_checkpoint = loop.state.save_checkpoint
+    loop.state.save_checkpoint = phases.timed("saving", save_checkpoint)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kiln_wall_") as run_dir, torch.inference_mode(), \
+                bridge.training_session(patcher, "auto") as (module, _device):
+            validate = phases.timed("validation", bridge.validation(cfg, patcher, samples, on_sample))
+            gpu_train.sync(device)
+            started = time.perf_counter()
+            validate(0)                                  # sample_first: the model before training
+            phases.extra[0] = phases.validation
+            result = loop.train(cfg, module, data, run_dir=run_dir, forward=shaped_forward,
+                                on_step=lambda report: phases.step_end(), validate=validate,
+                                validate_every=args.every)
+            lora = result.lora
+            save_lora = phases.timed("saving", lora_format.save_lora)
+            save_lora(Path(run_dir) / "final.safetensors", lora, arch=arch_name, fmt="comfy",
+                      metadata=lora_format.lora_metadata(cfg, arch, result.step))
+            wall = time.perf_counter() - started
+            peak = torch.cuda.max_memory_allocated(device) / gpu_train.GIB if device.type == "cuda" else None
+    finally:
+        loop.state.save_checkpoint = save_checkpoint
+        notes.remove()
+    seconds, table = per_bucket(phases, started)
+    steady = sum(entry["s_per_step"] * entry["steps"] for entry in table.values())
+    compile_s = sum(seconds) - steady
+    losses = [v for v in result.history.loss if math.isfinite(v)]
+    record.update(notes.levers(cfg))
+    record.update(wall_s=round(wall, 1), steps_s=round(steady, 1), compile_warmup_s=round(compile_s, 1),
+                  validation_s=round(phases.validation, 1), saving_s=round(phases.saving, 1),
+                  other_s=round(wall - sum(seconds) - phases.validation - phases.saving, 1),
+                  first_step_s=round(seconds[0], 2), compile_share=round(compile_s / wall, 3),
+                  buckets=table, peak_alloc_gb=round(peak, 2) if peak else None,
+                  loss_first=losses[0] if losses else None, loss_last_mean20=float(np.mean(losses[-20:])) if losses else None)
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="zimage", choices=list(gpu_train.ARCH_VARIANTS))
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--every", type=int, default=250, help="steps between checkpoints and between samples")
+    parser.add_argument("--images", type=int, default=24)
+    parser.add_argument("--res", default="512,768,1024")
+    parser.add_argument("--batch-by", default="images", choices=["images", "tokens"])
+    parser.add_argument("--sample-size", type=int, default=1024)
+    parser.add_argument("--sample-steps", type=int, default=0, help="0: the family's default")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="tiny dims on the same path (CPU is fine)")
+    parser.add_argument("--out", required=True, help="JSON list to append the record to")
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    record = run(args)
+    gpu_train.append_records(Path(args.out), [record])
+    print(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
