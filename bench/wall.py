@@ -9,8 +9,8 @@ bucketed at every resolution of --res (512,768,1024: a 3:2 image is 624x416 / 92
 trainer.data.buckets cuts it), trained for --steps with Kiln's defaults through the loop the node runs
 (trainer.loop.train in bridge.training_session, random weights as bench/gpu_train.py builds them), a
 resumable checkpoint every --every steps and validation samples every --every steps and before the
-first (2 prompts, ComfyUI's sampler with the family's sampling defaults at 1024x1024: Z-Image Turbo 8
-steps, Klein 20), then the LoRA saved as Save LoRA saves it.
+first (2 prompts, ComfyUI's sampler with the family's sampling defaults at 1024x1024: Z-Image as
+Turbo, 8 steps cfg 1; Klein 20 steps cfg 1), then the LoRA saved as Save LoRA saves it.
 
 Reported: wall seconds to the saved LoRA, split into steps (steady), compile and warm-up (each bucket
 shape's first steps above its steady pace), validation, saving (checkpoints and the LoRA), and the rest;
@@ -49,6 +49,7 @@ from trainer.data.buckets import bucket_size  # noqa: E402
 from trainer.estimate_common import VARIANTS  # noqa: E402
 
 ASPECTS = ((1, 1), (4, 3), (3, 4), (3, 2), (2, 3), (16, 9), (9, 16))
+SAMPLES_LIKE = {"zimage": "zimage_turbo"}   # the bench's Z-Image samples as Turbo does (8 steps, cfg 1)
 PROMPTS = 2
 
 
@@ -147,7 +148,7 @@ def run(args) -> dict:
     resolutions = [int(r) for r in args.res.split(",")]
     data = data_module.MappedLatents(synthetic_data(data_module, dims, resolutions, args.images, text_tokens),
                                      lambda raw: bridge.latents_in(patcher, raw))
-    sampling = arch.sampling
+    sampling = get_arch(SAMPLES_LIKE.get(arch_name, arch_name)).sampling
     side = args.sample_size
     samples = [bridge.Sample(positive=conditioning(dims, text_tokens, k), negative=conditioning(dims, 8, 99),
                              vae=LatentVAE(), seed=42 + k, steps=args.sample_steps or sampling.steps, cfg=sampling.cfg,
