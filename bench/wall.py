@@ -204,7 +204,8 @@ def run(args) -> dict:
                   validation_s=round(phases.validation, 1), saving_s=round(phases.saving, 1),
                   other_s=round(wall - sum(seconds) - phases.validation - phases.saving, 1),
                   first_step_s=round(seconds[0], 2), compile_share=round(compile_s / wall, 3),
-                  buckets=table, peak_alloc_gb=round(peak, 2) if peak else None,
+                  buckets=table, step_seconds=[round(v, 4) for v in seconds], step_shapes=phases.shapes,
+                  peak_alloc_gb=round(peak, 2) if peak else None,
                   loss_first=losses[0] if losses else None, loss_last_mean20=float(np.mean(losses[-20:])) if losses else None)
     return record
 
