@@ -111,6 +111,9 @@ class Phases:
         self.ends.append(time.perf_counter())
         self.shapes.append(self.shape)
         self.extra.append(0.0)
+        if len(self.ends) % 100 == 0 or len(self.ends) <= 3:
+            print(f"[wall] step {len(self.ends)} {self.shape} at {self.ends[-1] - self.ends[0]:.1f} s after step 1",
+                  file=sys.stderr, flush=True)
 
 
 def per_bucket(phases: Phases, started: float) -> tuple[list[float], dict]:
@@ -140,6 +143,8 @@ def run(args) -> dict:
     data_module = prepare.import_pack("trainer.data")
     lora_format = prepare.import_pack("trainer.lora_format")
     device = mm.get_torch_device()
+    checkpointing = prepare.import_pack("trainer.backends.torch_backend.checkpointing")
+    checkpointing.COMPILE_DYNAMIC = {"true": True, "default": None}[args.compile_dynamic]
     dims = gpu_train.TINY[args.arch] if args.tiny else VARIANTS[gpu_train.ARCH_VARIANTS[args.arch]]
     arch_name, arch = dims.arch, get_arch(dims.arch)
     dtype = torch.float32 if args.tiny and device.type == "cpu" else torch.bfloat16
@@ -170,7 +175,7 @@ def run(args) -> dict:
               "torch": torch.__version__, "arch": args.arch, "variant": dims.variant, "steps": args.steps,
               "images": args.images, "resolutions": resolutions, "entries": len(data.names) if hasattr(data, "names") else None,
               "every": args.every, "prompts": PROMPTS, "sample_steps": samples[0].steps, "sample_size": side,
-              "batch_by": args.batch_by, "params": build["params"], "kiln_settings": {} if args.batch_by == "images"
+              "batch_by": args.batch_by, "compile_dynamic": args.compile_dynamic, "params": build["params"], "kiln_settings": {} if args.batch_by == "images"
               else {"batch_by": args.batch_by}}
     notes = gpu_train.LeverNotes()
     save_checkpoint = loop.state.save_checkpoint
@@ -221,6 +226,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sample-size", type=int, default=1024)
     parser.add_argument("--sample-steps", type=int, default=0, help="0: the family's default")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--compile-dynamic", default="true", choices=["true", "default"],
+                        help="true: Kiln's (shapes symbolic from the first compile); default: dynamo's (static, "
+                             "then dynamic at the second shape)")
     parser.add_argument("--tiny", action="store_true", help="tiny dims on the same path (CPU is fine)")
     parser.add_argument("--out", required=True, help="JSON list to append the record to")
     args = parser.parse_args(argv)

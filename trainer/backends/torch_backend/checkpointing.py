@@ -44,6 +44,12 @@ SAVED_OPS = [getattr(torch.ops.aten, name).default for name in (
 
 # torch.compile's inductor backend; tests swap in "aot_eager" (same graphs, no C++/Triton build).
 COMPILE_BACKEND = "inductor"
+# dynamo's own shape policy: static at the first shape, symbolic from the second (the run's other
+# buckets then reuse that code). Measured on an H100 (bench/wall.py, 1,000 mixed-bucket steps): True
+# (symbolic from the first call) compiled Z-Image once in 41 s instead of 43 + 23 s, Klein 4B in 65 s
+# instead of 37 + 40 s, but a Klein run whose first batch held 3 images had not finished compiling
+# after 170 s; so not yet (bench/RESULTS.md).
+COMPILE_DYNAMIC = None
 
 
 def _copy_floats(value):
@@ -62,7 +68,7 @@ def _compiled(fn, key: str):
     """torch.compile of a copy of `fn` whose code object is shared only by calls with the same key."""
     code = _CODES.setdefault((fn.__code__, key), fn.__code__.replace())
     twin = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(twin, backend=COMPILE_BACKEND)
+    return torch.compile(twin, backend=COMPILE_BACKEND, dynamic=COMPILE_DYNAMIC)
 
 
 def _budgeted(compiled, budget: float):
