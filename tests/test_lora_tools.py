@@ -139,11 +139,11 @@ def test_rank_rules_refuse_what_they_cannot_do(kwargs, message):
 # ---------------------------------------------------------------- extract
 
 def models(seed=0, rank=3):
-    """(base, tuned, true deltas): two Linear weights changed by known rank-`rank` deltas, one unchanged,
-    a norm scale changed, a key only in tuned."""
+    """(base, tuned, true deltas): two Linear weights changed by known rank-`rank` deltas, one unchanged (and
+    requiring grad, as a model's parameters may), a norm scale changed, a key only in tuned."""
     generator = torch.Generator().manual_seed(seed)
     base = {"a.weight": torch.randn(48, 32, generator=generator), "b.weight": torch.randn(32, 64, generator=generator),
-            "c.weight": torch.randn(16, 16, generator=generator), "norm.scale": torch.ones(32),
+            "c.weight": torch.randn(16, 16, generator=generator).requires_grad_(), "norm.scale": torch.ones(32),
             "a.bias": torch.zeros(48)}
     deltas = {name: torch.randn(base[f"{name}.weight"].shape[0], rank, generator=generator)
               @ torch.randn(rank, base[f"{name}.weight"].shape[1], generator=generator) * 0.05 for name in "ab"}

@@ -152,7 +152,7 @@ def _notes(base, tuned, equal, small, min_diff, randomized, other) -> list[str]:
 
 def _as_float(torch, value, device):
     tensor = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
-    return tensor.to(device=device, dtype=torch.float32)
+    return tensor.detach().to(device=device, dtype=torch.float32)  # a model's parameters may require grad
 
 
 # ---------------------------------------------------------------- model files
