@@ -1,4 +1,5 @@
-"""Command line: python -m trainer {demo, train, check-dataset, cache, estimate, export, inspect}. Run with --help."""
+"""Command line: python -m trainer {demo, train, check-dataset, cache, estimate, export, inspect, merge, resize,
+extract}. Run with --help."""
 from __future__ import annotations
 
 import argparse
@@ -230,6 +231,11 @@ def _arch(name: str):
     return get_arch(name)
 
 
+def _add_lora_tool_commands(commands) -> None:
+    from .lora_cli import add_commands
+    add_commands(commands)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="Kiln: LoRA training for diffusion transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -291,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--max-gb", type=float, help="delete least recently used entries until it fits")
     cache.add_argument("--clear", action="store_true", help="delete every cached entry")
     cache.set_defaults(func=cmd_cache)
+    _add_lora_tool_commands(commands)
     return parser
 
 

@@ -10,6 +10,7 @@ nodes/comfy/ imports ComfyUI (tests/test_imports.py holds that), and trainer/ ne
     paths.py     which of ComfyUI's code paths training takes (attention, quantized matmuls)
     training.py  the one training sequence of the node and headless training, and their validation sampling
     ui.py        sampling, progress, server events, folders
+    weights.py   a MODEL's effective (patched) weights, one at a time, for extracting a LoRA
     loaders.py   headless: ComfyUI started as a library, models loaded from files
 """
 from __future__ import annotations
@@ -23,3 +24,4 @@ from .training import Sample, prompt_samples, train, validation  # noqa: F401
 from .ui import (Progress, add_routes, cat_images, check_sampling, executing_node, folders, image_tensor,  # noqa: F401
                  lora_names, lora_path, loss_map, progress, prompt_server, refresh_loras, sample, sampler_names,
                  scheduler_names, send_event)
+from .weights import EffectiveWeights, compute_device  # noqa: F401
