@@ -313,21 +313,46 @@ def detect_format(keys, source: str = "tensors") -> str:
 def from_tensors(tensors: Mapping[str, np.ndarray], *, arch: Arch | str | None = None,
                  module_names=None, metadata: Mapping[str, str] | None = None,
                  source: str = "tensors") -> tuple[Lora, str]:
-    """Detect the format and read the LoRA; arch and module names default to the file's metadata."""
+    """Read a LoRA of any trainer's key layout (lora_sources.py); arch and module names default to the
+    file's metadata. Returns (LoRA, 'comfy' | 'diffusers' | 'kohya' | 'foreign')."""
+    from . import lora_sources  # it builds on this module's key handling
+
     metadata = metadata or {}
-    fmt = detect_format(tensors, source)
-    arch = _arch(arch, metadata)
     if module_names is None:
         module_names = _module_paths(metadata, source)
-    return FORMATS[fmt].from_tensors(tensors, arch, module_names, source), fmt
+    converted = lora_sources.read(tensors, arch=_arch(arch, metadata), module_names=module_names,
+                                  metadata=metadata, source=source)
+    if not converted.lora and not converted.passthrough:
+        raise ValueError(f"{source}: no LoRA keys (no lora_A/lora_B, lora_down/lora_up, LoKr or LoHa weights "
+                         f"Kiln can place: {', '.join(converted.unplaced[:5]) or 'the file is empty'}); "
+                         "is this a LoRA for the diffusion model?")
+    if converted.unplaced:
+        raise ValueError(f"{source}: {len(converted.unplaced)} key(s) fit no module of arch "
+                         f"{converted.arch.name if converted.arch else '(unknown)'}: {', '.join(converted.unplaced[:8])}; "
+                         "is the LoRA for another model (pass arch=), or are these not LoRA weights?")
+    if converted.passthrough:
+        raise ValueError(f"{source}: {len(converted.passthrough)} tensor(s) are LoKr/LoHa/diff weights, not LoRA "
+                         f"pairs (e.g. {next(iter(converted.passthrough))}); ComfyUI applies them, but Kiln trains "
+                         "and edits only LoRA pairs")
+    found = {name for key in tensors for name, f in FORMATS.items() if key.startswith(f.key_prefix)}
+    return converted.lora, found.pop() if len(found) == 1 and _native(tensors) else "foreign"
+
+
+def _native(tensors: Mapping[str, np.ndarray]) -> bool:
+    """Keys in one of Kiln's own layouts (its suffixes only)."""
+    return all(any(key.endswith(s) for s in _ROLES) for key in tensors)
 
 
 def save_lora(path, lora: Lora, *, arch: Arch | str | None, fmt: str = "comfy", dtype: str = "bf16",
-              metadata: Mapping[str, str]) -> None:
+              metadata: Mapping[str, str], passthrough: Mapping[str, np.ndarray] | None = None) -> None:
+    """Write a LoRA; `passthrough` tensors (LoKr/LoHa/diff already under ComfyUI names) go in as they are."""
     if dtype not in _DTYPES:
         raise ValueError(f"unknown LoRA dtype {dtype!r}; choose one of {list(_DTYPES)}")
     arch = _arch(arch)
-    tensors = to_tensors(lora, fmt, arch)
+    if passthrough and fmt != "comfy":
+        raise ValueError(f"LoKr/LoHa/diff weights are written under ComfyUI's own names only; use format "
+                         f"'comfy', not {fmt!r}")
+    tensors = {**to_tensors(lora, fmt, arch), **(passthrough or {})}
     meta = {**metadata, "kiln.format": fmt}
     if arch is not None:
         meta["kiln.arch"] = arch.name  # the arch that named the keys; export reads it back
