@@ -372,6 +372,8 @@ def describe(path) -> dict:
     """What `python -m trainer inspect` prints; works without arch or module names."""
     tensors, metadata = safetensors_io.read(path)
     header, _ = safetensors_io.read_header(path)
+    if not _native(tensors) or len({n for k in tensors for n, f in FORMATS.items() if k.startswith(f.key_prefix)}) != 1:
+        return _describe_foreign(path, tensors, metadata, header)
     fmt = detect_format(tensors, str(path))
     prefix = FORMATS[fmt].key_prefix
     modules = _split_keys(tensors, prefix, str(path))  # file's modules, unfused
@@ -382,6 +384,17 @@ def describe(path) -> dict:
              for name, w in modules.items()]
     return {"path": str(path), "format": fmt, "modules": len(modules),
             "ranks": sorted({w.rank for w in modules.values()}), "alphas": sorted({w.alpha for w in modules.values()}),
+            "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
+            "parameters": sum(row["parameters"] for row in table), "module_table": table}
+
+
+def _describe_foreign(path, tensors, metadata, header) -> dict:
+    """Another trainer's file, as Kiln reads it (fused, in ComfyUI paths)."""
+    lora = from_tensors(tensors, metadata=metadata, source=str(path))[0]
+    table = [{"name": name, "rank": w.rank, "alpha": w.alpha, "parameters": w.A.size + w.B.size, "dtype": "F32"}
+             for name, w in lora.items()]
+    return {"path": str(path), "format": "foreign (read as comfy paths)", "modules": len(lora),
+            "ranks": sorted({w.rank for w in lora.values()}), "alphas": sorted({w.alpha for w in lora.values()}),
             "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
             "parameters": sum(row["parameters"] for row in table), "module_table": table}
 

@@ -21,16 +21,19 @@ layer, which ComfyUI applies to its slice), exact and without an SVD.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from . import lora_format as lf
+from . import safetensors_io
 from .archs import ARCHS, Arch, DiffusersRule
 
 
@@ -279,3 +282,45 @@ def _renamed(arch: Arch | None, where: Place, roles: dict[str, np.ndarray], sour
             raise ValueError(f"{source}: {module}.{role} is {value.dtype}, not a number; the file is damaged")
         out[f"{base}.{role}"] = value
     return out
+
+
+# ---------------------------------------------------------------- files
+
+def file_identity(path) -> dict[str, str]:
+    """{'name', 'sha256'} of a file: what a converted LoRA or a run started from it records."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return {"name": Path(path).name, "sha256": digest.hexdigest()}
+
+
+def read_file(path, *, arch: Arch | str | None = None) -> tuple[Converted, dict[str, str]]:
+    """A LoRA file of any trainer read (arch and kohya module names from its metadata when it has them)."""
+    tensors, metadata = safetensors_io.read(path)
+    converted = read(tensors, arch=lf._arch(arch, metadata), module_names=lf._module_paths(metadata, str(path)),
+                     metadata=metadata, source=str(path))
+    if not converted.lora and not converted.passthrough:
+        raise ValueError(f"{path}: no LoRA, LoKr or LoHa weights Kiln can place (keys such as "
+                         f"{', '.join(converted.unplaced[:5]) or 'none'}); is this a LoRA for the diffusion model?")
+    return converted, metadata
+
+
+def convert_file(src, dst, *, arch: Arch | str | None = None, fmt: str = "comfy",
+                 allow_unplaced: bool = False) -> Converted:
+    """Rewrite another trainer's LoRA as a file ComfyUI loads key for key. Keys nothing places stop the
+    conversion (listed), unless allow_unplaced, which leaves them out and still lists them."""
+    converted, metadata = read_file(src, arch=arch)
+    if converted.unplaced and not allow_unplaced:
+        raise ValueError(f"{src}: {len(converted.unplaced)} key(s) fit no module of arch "
+                         f"{converted.arch.name if converted.arch else '(unknown)'}: {', '.join(converted.unplaced)}; "
+                         "pass the arch the LoRA was trained for, or allow unplaced keys to write the rest")
+    header, _ = safetensors_io.read_header(src)
+    weight_dtypes = {e["dtype"] for key, e in header.items() if not key.endswith(".alpha")}
+    dtype = {"BF16": "bf16", "F16": "fp16"}.get(weight_dtypes.pop(), "fp32") if len(weight_dtypes) == 1 else "fp32"
+    kept = {k: v for k, v in metadata.items() if not k.startswith("kiln.") and k != "lora_adapter_metadata"}
+    kept["kiln.converted_from"] = json.dumps(file_identity(src))
+    kept["kiln.convert_report"] = converted.report()
+    lf.save_lora(dst, converted.lora, arch=converted.arch, fmt=fmt, dtype=dtype, metadata=kept,
+                 passthrough=converted.passthrough)
+    return converted
