@@ -163,8 +163,8 @@ def ai_toolkit_lokr(family, shapes, rng) -> Fixture:
     """ostris/ai-toolkit toolkit/network_mixins.py get_state_dict ('lokr needs alpha': .alpha kept) with
     toolkit/models/lokr.py's lokr_w1 / lokr_w2_a / lokr_w2_b, under 'diffusion_model.' as above."""
     paths = FLUX2_PATHS[1:3] if family == "flux2" else ZIMAGE_PATHS[:2]
-    items = [(f"diffusion_model.{n}", p, (shapes[p][0] // len(diffusers_names(family, p)), shapes[p][1]))
-             for p in paths for n in ([p] if family == "flux2" else diffusers_names(family, p))]
+    names = {p: [p] if family == "flux2" else diffusers_names(family, p) for p in paths}
+    items = [(f"diffusion_model.{n}", p, (shapes[p][0] // len(names[p]), shapes[p][1])) for p in paths for n in names[p]]
     return _adapters(rng, items, _lokr)
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
+import lora_fixtures as fx
 import numpy as np
 import pytest
 
-import lora_fixtures as fx
 from trainer import lora_format as lf
 from trainer import lora_sources as ls
 from trainer import safetensors_io
