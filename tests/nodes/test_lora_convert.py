@@ -16,6 +16,7 @@ import comfy_env
 comfy_env.require_comfy()
 
 import comfy.lora  # noqa: E402
+import comfy.sd  # noqa: E402
 import comfy.utils  # noqa: E402
 import lora_fixtures as fx  # noqa: E402
 import tiny_comfy  # noqa: E402
@@ -76,3 +77,34 @@ def test_converted_file_loads_in_comfyui_with_the_same_effect(models, tmp_path, 
     for path, truth in fixture.delta.items():
         error = float(np.abs(got[path].double().numpy().reshape(truth.shape) - truth).max())
         assert error <= 1e-5 * float(np.abs(truth).max()), (name, path, error)
+
+
+def test_convert_node_writes_under_models_loras_and_reports(models, tmp_path, caplog, monkeypatch):
+    """Kiln Convert LoRA: a musubi-tuner Flux2 file converted (with one key that fits nothing, allowed and
+    reported), saved beside it, its LORA_MODEL applied by ComfyUI's LoraModelLoader with nothing left over."""
+    import folder_paths
+
+    lora_nodes = comfy_env.import_pack("nodes.lora_nodes")
+    patcher, shapes = models("flux2")
+    fixture = fx.build("flux2", "musubi-tuner", shapes)
+    loras = tmp_path / "loras"
+    (loras / "musubi").mkdir(parents=True)
+    stray = "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight"
+    safetensors_io.write(loras / "musubi" / "lora.safetensors", {**fixture.tensors, stray: np.ones((4, 8), np.float32)},
+                         {})
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
+                        ([str(loras)], folder_paths.supported_pt_extensions))
+    folder_paths.filename_list_cache.pop("loras", None)
+    with pytest.raises(ValueError, match=f"fit no module.*{stray}"):
+        lora_nodes.KilnConvertLoRA.execute("musubi/lora.safetensors", "", "auto", False, False)
+    lora_model, path, report = lora_nodes.KilnConvertLoRA.execute(
+        "musubi/lora.safetensors", "", "auto", True, False).result
+    assert path == str(loras / "musubi" / "lora_comfy.safetensors") and stray in report
+    assert "musubi/lora_comfy.safetensors" in folder_paths.get_filename_list("loras")
+    got = _deltas(patcher, path, caplog)
+    assert sorted(got) == sorted(fixture.delta)
+    with caplog.at_level(logging.WARNING):  # what ComfyUI's LoraModelLoader runs on a LORA_MODEL
+        patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora_model, 1.0, 0)
+    assert "lora key not loaded" not in caplog.text
+    assert sorted(k[0] if isinstance(k, tuple) else k for k in patched.patches) == \
+        sorted(f"diffusion_model.{p}.weight" for p in fixture.delta)

@@ -48,7 +48,7 @@ WORKFLOWS = HERE / "workflows"
 EXAMPLES = sorted((REPO / "example_workflows" / "api").glob("*.json"))
 KILN_NODES = {"KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
               "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
-              "KilnInvertAdapter", "KilnLossGraph"}
+              "KilnInvertAdapter", "KilnLossGraph", "KilnConvertLoRA"}
 
 
 @pytest.fixture(scope="module")
