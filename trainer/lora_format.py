@@ -6,12 +6,12 @@ In memory a LoRA is {ComfyUI module path: LoraWeights}, the path without
   comfy      diffusion_model.<path>.lora_A.weight / .lora_B.weight / .alpha
   diffusers  transformer.<diffusers path>.lora_A/.lora_B, fused layers split, alpha/rank folded into B
   kohya      lora_unet_<path, '.'→'_'>.lora_down.weight / .lora_up.weight / .alpha
+Reading (from_tensors, load_lora) takes these and other trainers' layouts: lora_sources.py.
 ComfyUI scales every pair by alpha / rank, and by 1 when `.alpha` is absent; so do Kiln and diffusers.
 """
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import re
 import sys
@@ -109,33 +109,9 @@ def _comfy_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
     return {k: v for path, w in lora.items() for k, v in _pair(COMFY_PREFIX + path, w, "lora_A", "lora_B").items()}
 
 
-def _comfy_from(tensors, arch, module_names, source) -> Lora:
-    return _split_keys(tensors, COMFY_PREFIX, source)
-
-
 def _kohya_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:  # '.' → '_' as model_lora_keys_unet
     return {k: v for path, w in lora.items()
             for k, v in _pair(KOHYA_PREFIX + path.replace(".", "_"), w, "lora_down", "lora_up").items()}
-
-
-def _kohya_from(tensors, arch, module_names, source) -> Lora:
-    flat = _split_keys(tensors, KOHYA_PREFIX, source)
-    if module_names is None:
-        raise ValueError(f"{source}: kohya keys (lora_unet_…) turn '.' into '_', which cannot be undone "
-                         "without the model's module names; pass module_names, or use a file Kiln exported "
-                         "(it records them in 'kiln.module_paths')")
-    paths_by_flat: dict[str, set[str]] = {}
-    for path in module_names:
-        paths_by_flat.setdefault(path.replace(".", "_"), set()).add(path)
-    lora = {}
-    for name, weights in flat.items():
-        paths = paths_by_flat.get(name, set())
-        if len(paths) != 1:
-            problem = "matches no module name" if not paths else f"matches several modules {sorted(paths)}"
-            raise ValueError(f"{source}: {KOHYA_PREFIX}{name} {problem}; pass the module names of the model "
-                             "this LoRA was trained for")
-        lora[paths.pop()] = weights
-    return lora
 
 
 # ---------------------------------------------------------------- diffusers
@@ -186,43 +162,10 @@ def _diffusers_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
     return out
 
 
-@functools.cache
-def _target_pattern(template: str) -> re.Pattern:
-    """'layers.{0}.feed_forward.{1}' → regex with named groups g0, g1 for the placeholders."""
-    return re.compile(re.sub(r"\\\{(\d+)\\\}", lambda m: f"(?P<g{m[1]}>[^.]+)", re.escape(template)))
-
-
 def _fill_groups(pattern: str, values: list[str]) -> str:
     r"""rule.comfy's capture groups filled in order: r"layers\.(\d+)\.attention\.qkv", ["3"] → "layers.3.…"."""
     remaining = iter(values)
     return re.sub(r"\((?!\?)[^()]*\)", lambda _: next(remaining), pattern).replace("\\.", ".")
-
-
-def _diffusers_source(arch: Arch, name: str, source: str) -> tuple[DiffusersRule, str, int]:
-    """Diffusers module name → (rule, ComfyUI path, part index); checked by mapping forward again."""
-    for rule in arch.diffusers_rules:
-        for index, template in enumerate(rule.targets):
-            match = _target_pattern(template).fullmatch(name)
-            if not match:
-                continue
-            groups = {int(k[1:]): v for k, v in match.groupdict().items()}
-            if set(groups) != set(range(re.compile(rule.comfy).groups)):
-                continue  # the names do not carry every group of the ComfyUI path
-            path = _fill_groups(rule.comfy, [groups[i] for i in sorted(groups)])
-            forward = _targets(arch, path)
-            if forward is not None and forward[0] == rule and forward[1][index] == name:
-                return rule, path, index
-    raise ValueError(f"{source}: diffusers module {name!r} has no ComfyUI path in arch {arch.name!r}; "
-                     "is the LoRA for another model?")
-
-
-def _diffusers_from(tensors, arch, module_names, source) -> Lora:
-    arch = _require_rules(arch, source)
-    parts: dict[str, tuple[DiffusersRule, dict[int, LoraWeights]]] = {}  # path → (its one rule, parts by index)
-    for name, weights in _split_keys(tensors, arch.diffusers_prefix, source).items():
-        rule, path, index = _diffusers_source(arch, name, source)
-        parts.setdefault(path, (rule, {}))[1][index] = weights
-    return {path: _fuse(rule, found, f"{source}: {path}") for path, (rule, found) in parts.items()}
 
 
 def _fuse(rule: DiffusersRule, parts: dict[int, LoraWeights], where: str) -> LoraWeights:
@@ -259,15 +202,15 @@ def _block_diagonal(rule: DiffusersRule, ordered: list[LoraWeights | None], wher
 # ---------------------------------------------------------------- registry and files
 
 class LoraFormat(NamedTuple):
+    """A layout Kiln writes; reading any trainer's layout is lora_sources.py's."""
     to_tensors: Callable[[Lora, Arch | None], dict[str, np.ndarray]]
-    from_tensors: Callable[..., Lora]   # (tensors, arch, module_names, source)
     key_prefix: str                     # how a file of this format is recognised
 
 
 FORMATS: dict[str, LoraFormat] = {
-    "comfy": LoraFormat(_comfy_to, _comfy_from, COMFY_PREFIX),
-    "diffusers": LoraFormat(_diffusers_to, _diffusers_from, DIFFUSERS_PREFIX),
-    "kohya": LoraFormat(_kohya_to, _kohya_from, KOHYA_PREFIX),
+    "comfy": LoraFormat(_comfy_to, COMFY_PREFIX),
+    "diffusers": LoraFormat(_diffusers_to, DIFFUSERS_PREFIX),
+    "kohya": LoraFormat(_kohya_to, KOHYA_PREFIX),
 }
 
 
