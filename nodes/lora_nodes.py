@@ -1,25 +1,24 @@
-"""What to do with a trained LoRA: Apply EMA, Save LoRA, Invert Adapter, Loss Graph."""
+"""What to do with a trained LoRA: Apply EMA, Save LoRA, Invert Adapter, Loss Graph, Convert LoRA."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from comfy_api.latest import io, ui
 
-from ..trainer import lora_format, paths
-from ..trainer.archs import guess_arch
+from ..trainer import lora_format, lora_sources, paths
+from ..trainer.archs import ARCHS, guess_arch
 from ..trainer.config import CHOICES
 
 from . import run
 from .comfy import bridge
 from .widgets import CATEGORY, STATE
 
-def lora_target(name: str, overwrite: bool) -> Path:
+def lora_target(name: str, overwrite: bool, node: str = "Kiln Save LoRA") -> Path:
     """models/loras/<name>.safetensors; names that leave the folder or exist (unless asked) are refused."""
     text = (name or "").strip().removesuffix(".safetensors")
-    path = paths.inside(bridge.folders()["loras"], text, "Kiln Save LoRA: name", subfolders=True,
-                        suffix=".safetensors")
+    path = paths.inside(bridge.folders()["loras"], text, f"{node}: name", subfolders=True, suffix=".safetensors")
     if path.exists() and not overwrite:
-        raise ValueError(f"Kiln Save LoRA: {path} exists; choose another name or turn on overwrite")
+        raise ValueError(f"{node}: {path} exists; choose another name or turn on overwrite")
     return path
 
 
@@ -144,4 +143,41 @@ class KilnLossGraph(io.ComfyNode):
         return io.NodeOutput(image, ui=ui.PreviewImage(image, cls=cls))
 
 
-NODES = [KilnApplyEMA, KilnSaveLoRA, KilnInvertAdapter, KilnLossGraph]
+class KilnConvertLoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnConvertLoRA", display_name="Kiln Convert LoRA", category=f"{CATEGORY}/lora",
+            is_output_node=True,
+            description="Rewrite another trainer's LoRA (ai-toolkit, musubi-tuner, SimpleTuner, diffusers/PEFT, "
+                        "kohya, ComfyUI's trainer, LyCORIS LoKr/LoHa) as a file ComfyUI loads key for key; "
+                        "the report lists every key it could not place.",
+            inputs=[
+                io.Combo.Input("lora_file", options=bridge.lora_names(), tooltip="The LoRA to read (models/loras)"),
+                io.String.Input("name", default="", tooltip="File name under models/loras/ for the result "
+                                "(sub-folders with /); empty: <lora_file>_comfy"),
+                io.Combo.Input("arch", options=["auto", *ARCHS], default="auto",
+                               tooltip="The model family the LoRA is for; auto: the file's kiln.arch, else the "
+                               "one whose module names its keys fit"),
+                io.Boolean.Input("allow_unplaced", default=False, tooltip="Write the keys that fit and list the "
+                                 "others in the report, instead of stopping with the list"),
+                io.Boolean.Input("overwrite", default=False, tooltip="Replace an existing file"),
+            ],
+            outputs=[io.LoraModel.Output(display_name="lora", tooltip="The converted LoRA (for LoraModelLoader)"),
+                     io.String.Output(display_name="path", tooltip="The written file"),
+                     io.String.Output(display_name="report", tooltip="How the file was read; keys not placed")],
+        )
+
+    @classmethod
+    def execute(cls, lora_file, name, arch, allow_unplaced, overwrite):
+        source = bridge.lora_path(lora_file)
+        path = lora_target(name or f"{Path(lora_file).with_suffix('')}_comfy", overwrite, "Kiln Convert LoRA")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        converted = lora_sources.convert_file(source, path, arch=None if arch == "auto" else arch,
+                                              allow_unplaced=allow_unplaced)
+        bridge.refresh_loras()
+        report = f"{converted.report()}\nwrote {path}"
+        return io.NodeOutput(bridge.load_lora_file(path), str(path), report, ui=ui.PreviewText(report))
+
+
+NODES = [KilnApplyEMA, KilnSaveLoRA, KilnInvertAdapter, KilnLossGraph, KilnConvertLoRA]

@@ -6,6 +6,7 @@ ComfyUI tree, each in that tree's own Python environment.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,10 @@ import pytest
 
 from trainer import config as config_module
 from trainer.data import InMemoryData
+
+# Shared test helpers (lora_fixtures) import by module name, in the library and the node tests alike.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def tiny_model(seed: int = 0):

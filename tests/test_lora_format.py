@@ -193,12 +193,18 @@ def test_diffusers_split_needs_divisible_rows():
         lf.to_tensors(make_lora({"layers.0.attention.qkv": (100, HIDDEN)}), "diffusers", "zimage")
 
 
-def test_kohya_without_module_names_errors():
-    tensors = lf.to_tensors(make_lora(FLUX2_MODULES), "kohya", "flux2_klein")
-    with pytest.raises(ValueError, match="cannot be undone.*module_names.*kiln.module_paths"):
-        lf.from_tensors(tensors)
-    with pytest.raises(ValueError, match="matches no module name"):
+def test_kohya_names_are_placed_by_the_arch_or_the_module_names():
+    """'_' for '.' is undone by the arch's module patterns (the arch detected from the names when the file
+    does not say), or by the model's module names; a name among neither is an error that lists it."""
+    lora = make_lora(FLUX2_MODULES)
+    tensors = lf.to_tensors(lora, "kohya", "flux2_klein")
+    assert_same(lf.from_tensors(tensors)[0], lora)
+    with pytest.raises(ValueError, match="fit no module.*lora_unet_double_blocks_0_txt_attn_qkv"):
         lf.from_tensors(tensors, module_names=["double_blocks.0.img_attn.qkv"])
+    unknown = lf.to_tensors({"head.out_proj": lora["double_blocks.0.img_attn.proj"]}, "kohya", None)
+    with pytest.raises(ValueError, match="no LoRA keys.*lora_unet_head_out_proj"):
+        lf.from_tensors(unknown)
+    assert list(lf.from_tensors(unknown, module_names=["head.out_proj", "head.out"])[0]) == ["head.out_proj"]
 
 
 def test_comfy_accepts_down_up_and_missing_alpha():
@@ -219,8 +225,10 @@ def test_comfy_accepts_down_up_and_missing_alpha():
     ({"diffusion_model.x.lora_A.weight": np.ones((4, 8))}, "no lora_B/lora_up"),
     ({"diffusion_model.x.lora_A.weight": np.ones((4, 8)), "diffusion_model.x.lora_B.weight": np.ones((8, 4)),
       "diffusion_model.x.dora_scale": np.ones(8)}, "dora_scale"),
-    ({"diffusion_model.x.lora_A.weight": np.ones((4, 8)), "lora_unet_x.lora_down.weight": np.ones((4, 8))},
-     "several formats"),
+    ({"diffusion_model.double_blocks.0.img_attn.proj.lora_A.weight": np.ones((4, 8)),
+      "diffusion_model.double_blocks.0.img_attn.proj.lora_B.weight": np.ones((8, 4)),
+      "lora_unet_double_blocks_0_img_attn_proj.lora_down.weight": np.ones((4, 8)),
+      "lora_unet_double_blocks_0_img_attn_proj.lora_up.weight": np.ones((8, 4))}, "two modules.*name"),
 ])
 def test_bad_tensors(tensors, message):
     with pytest.raises(ValueError, match=message) as error:

@@ -6,12 +6,12 @@ In memory a LoRA is {ComfyUI module path: LoraWeights}, the path without
   comfy      diffusion_model.<path>.lora_A.weight / .lora_B.weight / .alpha
   diffusers  transformer.<diffusers path>.lora_A/.lora_B, fused layers split, alpha/rank folded into B
   kohya      lora_unet_<path, '.'→'_'>.lora_down.weight / .lora_up.weight / .alpha
+Reading (from_tensors, load_lora) takes these and other trainers' layouts: lora_sources.py.
 ComfyUI scales every pair by alpha / rank, and by 1 when `.alpha` is absent; so do Kiln and diffusers.
 """
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import re
 import sys
@@ -109,33 +109,9 @@ def _comfy_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
     return {k: v for path, w in lora.items() for k, v in _pair(COMFY_PREFIX + path, w, "lora_A", "lora_B").items()}
 
 
-def _comfy_from(tensors, arch, module_names, source) -> Lora:
-    return _split_keys(tensors, COMFY_PREFIX, source)
-
-
 def _kohya_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:  # '.' → '_' as model_lora_keys_unet
     return {k: v for path, w in lora.items()
             for k, v in _pair(KOHYA_PREFIX + path.replace(".", "_"), w, "lora_down", "lora_up").items()}
-
-
-def _kohya_from(tensors, arch, module_names, source) -> Lora:
-    flat = _split_keys(tensors, KOHYA_PREFIX, source)
-    if module_names is None:
-        raise ValueError(f"{source}: kohya keys (lora_unet_…) turn '.' into '_', which cannot be undone "
-                         "without the model's module names; pass module_names, or use a file Kiln exported "
-                         "(it records them in 'kiln.module_paths')")
-    paths_by_flat: dict[str, set[str]] = {}
-    for path in module_names:
-        paths_by_flat.setdefault(path.replace(".", "_"), set()).add(path)
-    lora = {}
-    for name, weights in flat.items():
-        paths = paths_by_flat.get(name, set())
-        if len(paths) != 1:
-            problem = "matches no module name" if not paths else f"matches several modules {sorted(paths)}"
-            raise ValueError(f"{source}: {KOHYA_PREFIX}{name} {problem}; pass the module names of the model "
-                             "this LoRA was trained for")
-        lora[paths.pop()] = weights
-    return lora
 
 
 # ---------------------------------------------------------------- diffusers
@@ -186,43 +162,10 @@ def _diffusers_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
     return out
 
 
-@functools.cache
-def _target_pattern(template: str) -> re.Pattern:
-    """'layers.{0}.feed_forward.{1}' → regex with named groups g0, g1 for the placeholders."""
-    return re.compile(re.sub(r"\\\{(\d+)\\\}", lambda m: f"(?P<g{m[1]}>[^.]+)", re.escape(template)))
-
-
 def _fill_groups(pattern: str, values: list[str]) -> str:
     r"""rule.comfy's capture groups filled in order: r"layers\.(\d+)\.attention\.qkv", ["3"] → "layers.3.…"."""
     remaining = iter(values)
     return re.sub(r"\((?!\?)[^()]*\)", lambda _: next(remaining), pattern).replace("\\.", ".")
-
-
-def _diffusers_source(arch: Arch, name: str, source: str) -> tuple[DiffusersRule, str, int]:
-    """Diffusers module name → (rule, ComfyUI path, part index); checked by mapping forward again."""
-    for rule in arch.diffusers_rules:
-        for index, template in enumerate(rule.targets):
-            match = _target_pattern(template).fullmatch(name)
-            if not match:
-                continue
-            groups = {int(k[1:]): v for k, v in match.groupdict().items()}
-            if set(groups) != set(range(re.compile(rule.comfy).groups)):
-                continue  # the names do not carry every group of the ComfyUI path
-            path = _fill_groups(rule.comfy, [groups[i] for i in sorted(groups)])
-            forward = _targets(arch, path)
-            if forward is not None and forward[0] == rule and forward[1][index] == name:
-                return rule, path, index
-    raise ValueError(f"{source}: diffusers module {name!r} has no ComfyUI path in arch {arch.name!r}; "
-                     "is the LoRA for another model?")
-
-
-def _diffusers_from(tensors, arch, module_names, source) -> Lora:
-    arch = _require_rules(arch, source)
-    parts: dict[str, tuple[DiffusersRule, dict[int, LoraWeights]]] = {}  # path → (its one rule, parts by index)
-    for name, weights in _split_keys(tensors, arch.diffusers_prefix, source).items():
-        rule, path, index = _diffusers_source(arch, name, source)
-        parts.setdefault(path, (rule, {}))[1][index] = weights
-    return {path: _fuse(rule, found, f"{source}: {path}") for path, (rule, found) in parts.items()}
 
 
 def _fuse(rule: DiffusersRule, parts: dict[int, LoraWeights], where: str) -> LoraWeights:
@@ -259,15 +202,15 @@ def _block_diagonal(rule: DiffusersRule, ordered: list[LoraWeights | None], wher
 # ---------------------------------------------------------------- registry and files
 
 class LoraFormat(NamedTuple):
+    """A layout Kiln writes; reading any trainer's layout is lora_sources.py's."""
     to_tensors: Callable[[Lora, Arch | None], dict[str, np.ndarray]]
-    from_tensors: Callable[..., Lora]   # (tensors, arch, module_names, source)
     key_prefix: str                     # how a file of this format is recognised
 
 
 FORMATS: dict[str, LoraFormat] = {
-    "comfy": LoraFormat(_comfy_to, _comfy_from, COMFY_PREFIX),
-    "diffusers": LoraFormat(_diffusers_to, _diffusers_from, DIFFUSERS_PREFIX),
-    "kohya": LoraFormat(_kohya_to, _kohya_from, KOHYA_PREFIX),
+    "comfy": LoraFormat(_comfy_to, COMFY_PREFIX),
+    "diffusers": LoraFormat(_diffusers_to, DIFFUSERS_PREFIX),
+    "kohya": LoraFormat(_kohya_to, KOHYA_PREFIX),
 }
 
 
@@ -313,21 +256,46 @@ def detect_format(keys, source: str = "tensors") -> str:
 def from_tensors(tensors: Mapping[str, np.ndarray], *, arch: Arch | str | None = None,
                  module_names=None, metadata: Mapping[str, str] | None = None,
                  source: str = "tensors") -> tuple[Lora, str]:
-    """Detect the format and read the LoRA; arch and module names default to the file's metadata."""
+    """Read a LoRA of any trainer's key layout (lora_sources.py); arch and module names default to the
+    file's metadata. Returns (LoRA, 'comfy' | 'diffusers' | 'kohya' | 'foreign')."""
+    from . import lora_sources  # it builds on this module's key handling
+
     metadata = metadata or {}
-    fmt = detect_format(tensors, source)
-    arch = _arch(arch, metadata)
     if module_names is None:
         module_names = _module_paths(metadata, source)
-    return FORMATS[fmt].from_tensors(tensors, arch, module_names, source), fmt
+    converted = lora_sources.read(tensors, arch=_arch(arch, metadata), module_names=module_names,
+                                  metadata=metadata, source=source)
+    if not converted.lora and not converted.passthrough:
+        raise ValueError(f"{source}: no LoRA keys (no lora_A/lora_B, lora_down/lora_up, LoKr or LoHa weights "
+                         f"Kiln can place: {', '.join(converted.unplaced[:5]) or 'the file is empty'}); "
+                         "is this a LoRA for the diffusion model?")
+    if converted.unplaced:
+        raise ValueError(f"{source}: {len(converted.unplaced)} key(s) fit no module of arch "
+                         f"{converted.arch.name if converted.arch else '(unknown)'}: {', '.join(converted.unplaced[:8])}; "
+                         "is the LoRA for another model (pass arch=), or are these not LoRA weights?")
+    if converted.passthrough:
+        raise ValueError(f"{source}: {len(converted.passthrough)} tensor(s) are LoKr/LoHa/diff weights, not LoRA "
+                         f"pairs (e.g. {next(iter(converted.passthrough))}); ComfyUI applies them, but Kiln trains "
+                         "and edits only LoRA pairs")
+    found = {name for key in tensors for name, f in FORMATS.items() if key.startswith(f.key_prefix)}
+    return converted.lora, found.pop() if len(found) == 1 and _native(tensors) else "foreign"
+
+
+def _native(tensors: Mapping[str, np.ndarray]) -> bool:
+    """Keys in one of Kiln's own layouts (its suffixes only)."""
+    return all(any(key.endswith(s) for s in _ROLES) for key in tensors)
 
 
 def save_lora(path, lora: Lora, *, arch: Arch | str | None, fmt: str = "comfy", dtype: str = "bf16",
-              metadata: Mapping[str, str]) -> None:
+              metadata: Mapping[str, str], passthrough: Mapping[str, np.ndarray] | None = None) -> None:
+    """Write a LoRA; `passthrough` tensors (LoKr/LoHa/diff already under ComfyUI names) go in as they are."""
     if dtype not in _DTYPES:
         raise ValueError(f"unknown LoRA dtype {dtype!r}; choose one of {list(_DTYPES)}")
     arch = _arch(arch)
-    tensors = to_tensors(lora, fmt, arch)
+    if passthrough and fmt != "comfy":
+        raise ValueError(f"LoKr/LoHa/diff weights are written under ComfyUI's own names only; use format "
+                         f"'comfy', not {fmt!r}")
+    tensors = {**to_tensors(lora, fmt, arch), **(passthrough or {})}
     meta = {**metadata, "kiln.format": fmt}
     if arch is not None:
         meta["kiln.arch"] = arch.name  # the arch that named the keys; export reads it back
@@ -347,6 +315,8 @@ def describe(path) -> dict:
     """What `python -m trainer inspect` prints; works without arch or module names."""
     tensors, metadata = safetensors_io.read(path)
     header, _ = safetensors_io.read_header(path)
+    if not _native(tensors) or len({n for k in tensors for n, f in FORMATS.items() if k.startswith(f.key_prefix)}) != 1:
+        return _describe_foreign(path, tensors, metadata, header)
     fmt = detect_format(tensors, str(path))
     prefix = FORMATS[fmt].key_prefix
     modules = _split_keys(tensors, prefix, str(path))  # file's modules, unfused
@@ -357,6 +327,17 @@ def describe(path) -> dict:
              for name, w in modules.items()]
     return {"path": str(path), "format": fmt, "modules": len(modules),
             "ranks": sorted({w.rank for w in modules.values()}), "alphas": sorted({w.alpha for w in modules.values()}),
+            "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
+            "parameters": sum(row["parameters"] for row in table), "module_table": table}
+
+
+def _describe_foreign(path, tensors, metadata, header) -> dict:
+    """Another trainer's file, as Kiln reads it (fused, in ComfyUI paths)."""
+    lora = from_tensors(tensors, metadata=metadata, source=str(path))[0]
+    table = [{"name": name, "rank": w.rank, "alpha": w.alpha, "parameters": w.A.size + w.B.size, "dtype": "F32"}
+             for name, w in lora.items()]
+    return {"path": str(path), "format": "foreign (read as comfy paths)", "modules": len(lora),
+            "ranks": sorted({w.rank for w in lora.values()}), "alphas": sorted({w.alpha for w in lora.values()}),
             "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
             "parameters": sum(row["parameters"] for row in table), "module_table": table}
 

@@ -100,7 +100,8 @@ def test_every_node_is_registered():
     ids = {n.define_schema().node_id for n in pack.NODES}
     assert ids == {"KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
                    "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
-                   "KilnInvertAdapter", "KilnLossGraph", "KilnMergeLoRAs", "KilnResizeLoRA", "KilnExtractLoRA"}
+                   "KilnInvertAdapter", "KilnLossGraph", "KilnMergeLoRAs", "KilnResizeLoRA", "KilnExtractLoRA",
+                   "KilnConvertLoRA"}
     for node in pack.NODES:
         schema = node.define_schema()
         assert schema.category.startswith("Kiln")

@@ -48,7 +48,8 @@ WORKFLOWS = HERE / "workflows"
 EXAMPLES = sorted((REPO / "example_workflows" / "api").glob("*.json"))
 KILN_NODES = {"KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
               "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
-              "KilnInvertAdapter", "KilnLossGraph", "KilnMergeLoRAs", "KilnResizeLoRA", "KilnExtractLoRA"}
+              "KilnInvertAdapter", "KilnLossGraph", "KilnMergeLoRAs", "KilnResizeLoRA", "KilnExtractLoRA",
+              "KilnConvertLoRA"}
 
 
 @pytest.fixture(scope="module")
