@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from ..atomic import atomic_write_bytes, atomic_write_text
 from .captions import CaptionSettings, finish
-from .images import ImageProblem, load_rgb
+from .images import IMAGE_EXTENSIONS, ImageProblem, load_rgb
 from .report import Item, Problem
 from .scan import scan
 
@@ -117,6 +118,26 @@ class CaptionReport:
             lines.append(f"{len(self.problems)} file(s) not captioned:")
             lines += [f"  {problem.line()}" for problem in self.problems]
         return "\n".join(lines)
+
+
+def folder_state(root: str | Path) -> str:
+    """Changes when an image is added, removed or edited, or a caption added or removed, but not when a
+    caption's text changes (so a node that wrote the captions is not re-run by its own writes)."""
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            suffix, path = os.path.splitext(name)[1].lower(), os.path.join(folder, name)
+            if suffix in IMAGE_EXTENSIONS:
+                try:
+                    stat = os.stat(path)
+                except OSError:
+                    continue
+                digest.update(f"{os.path.relpath(path, root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode(
+                    "utf-8", "surrogateescape"))
+            elif suffix == ".txt":
+                digest.update(f"{os.path.relpath(path, root)}\n".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
 
 
 def plan(root: str | Path, job: CaptionJob) -> tuple[list[Item], CaptionReport]:
