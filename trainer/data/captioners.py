@@ -16,7 +16,7 @@ from .captioning import Captioner
 # ComfyUI's models/LLM/: where the captioning packs users have keep their models (kijai's
 # ComfyUI-Florence2: models/LLM/Florence-2-base; ComfyUI-QwenVL: models/LLM/Qwen-VL/<model>).
 MODELS_FOLDER = "LLM"
-INSTALL = 'pip install "transformers>=4.57" (or: pip install "kiln-lora[caption]")'
+INSTALL = 'pip install -U "transformers>=5" (or: pip install "kiln-lora[caption]")'
 WHERE = (f"put a transformers model folder (config.json, the weights, the processor files) in ComfyUI's "
          f"models/{MODELS_FOLDER}/, e.g. models/{MODELS_FOLDER}/Florence-2-base from the Hugging Face repository "
          "florence-community/Florence-2-base")
@@ -36,6 +36,9 @@ def _transformers():
     except ImportError as err:
         raise MissingDependency(f"the transformers captioner needs the transformers package, which is not "
                                 f"installed here: {INSTALL}") from err
+    if int(transformers.__version__.split(".")[0]) < 5:   # Florence-2 and the loading API used here
+        raise MissingDependency(f"the transformers captioner needs transformers 5 or newer, this is "
+                                f"{transformers.__version__}: {INSTALL}")
     return transformers
 
 
