@@ -173,7 +173,8 @@ class KilnCaptionImages(io.ComfyNode):
                         "where a stopped one ended. Images Load Dataset would skip are skipped and listed.",
             inputs=[
                 io.String.Input("folder", default="", tooltip="The dataset folder, as in Kiln Load Dataset: a name "
-                                "under ComfyUI's input/ (the 'choose a dataset…' button lists them) or an absolute path."),
+                                "under ComfyUI's input/ (the 'choose a dataset…' button lists them) or an "
+                                "absolute path."),
                 io.Combo.Input("engine", options=list(ENGINES), default="comfyui_clip",
                                tooltip="comfyui_clip: ComfyUI's own vision-language text encoder on the clip input "
                                "(e.g. Qwen2.5-VL, Qwen3-VL, Gemma 3; Flux2's and Z-Image's are text-only). "

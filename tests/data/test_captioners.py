@@ -64,7 +64,7 @@ def test_florence_tasks_by_style(tiny_florence):
     assert detailed(picture, "Describe it.") == direct_caption(tiny_florence, picture, "<MORE_DETAILED_CAPTION>")
     assert detailed(picture, "<OCR>") == direct_caption(tiny_florence, picture, "<OCR>")   # a task token is kept
     with pytest.raises(ValueError, match="Florence-2 writes sentences, not tags"):
-        transformers_captioner(tiny_florence, style="tags")(picture, "tags please")
+        transformers_captioner(tiny_florence, style="tags")
 
 
 def test_model_folders_are_listed_and_bad_ones_refused(tiny_florence, tmp_path):

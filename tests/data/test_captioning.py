@@ -3,6 +3,7 @@ trigger words, styles, resume after a crash or a stop, and bad files skipped and
 from __future__ import annotations
 
 import json
+import sys
 import zlib
 from pathlib import Path
 
@@ -102,7 +103,8 @@ def test_a_crash_mid_batch_leaves_whole_captions_and_a_rerun_continues(tmp_path)
         image(tmp_path, f"{name}.png")
     with pytest.raises(RuntimeError, match="out of memory") as crash:
         caption_folder(tmp_path, Engine(fail_on=2), CaptionJob())
-    assert any("while captioning c.png" in note for note in getattr(crash.value, "__notes__", ["while captioning c.png"]))
+    if sys.version_info >= (3, 11):     # add_note: the error says which image and that a re-run continues
+        assert any("while captioning c.png" in note for note in crash.value.__notes__)
     assert sorted(p.name for p in tmp_path.glob("*.txt")) == ["a.txt", "b.txt"] and leftovers(tmp_path) == []
     engine = Engine()
     report = caption_folder(tmp_path, engine, CaptionJob())

@@ -68,12 +68,7 @@ def resolve_model(name: str, roots: Sequence[str | Path]) -> Path:
 
 
 def _florence_prompt(processor, prompt: str, style: str):
-    if prompt.strip() in FLORENCE_TOKENS:
-        return prompt.strip()
-    if style not in FLORENCE_TASKS:
-        raise ValueError(f"Florence-2 writes sentences, not tags: choose style {' or '.join(FLORENCE_TASKS)}, or "
-                         "a chat model (Qwen2.5-VL, JoyCaption) for tags")
-    return FLORENCE_TASKS[style]
+    return prompt.strip() if prompt.strip() in FLORENCE_TOKENS else FLORENCE_TASKS[style]
 
 
 def _chat_prompt(processor, prompt: str, style: str):
@@ -110,6 +105,9 @@ def transformers_captioner(model_dir: str | Path, *, style: str = "short", max_t
     model.to(device).eval()
     kind = getattr(model.config, "model_type", "")
     form = PROMPT_FORMS.get(kind) or (_chat_prompt if getattr(processor, "chat_template", None) else _no_prompt)
+    if form is _florence_prompt and style not in FLORENCE_TASKS:
+        raise ValueError(f"{folder.name}: Florence-2 writes sentences, not tags: choose style "
+                         f"{' or '.join(FLORENCE_TASKS)}, or a chat model (Qwen2.5-VL, JoyCaption) for tags")
     strip_prompt = not getattr(model.config, "is_encoder_decoder", False)
 
     def caption(image, prompt: str) -> str:
