@@ -1,5 +1,5 @@
-"""Command line: python -m trainer {demo, train, check-dataset, cache, estimate, export, convert, inspect,
-merge, resize, extract}. Run with --help."""
+"""Command line: python -m trainer {demo, train, check-dataset, caption, cache, estimate, export, convert,
+inspect, merge, resize, extract}. Run with --help."""
 from __future__ import annotations
 
 import argparse
@@ -109,6 +109,27 @@ def cmd_check_dataset(args) -> int:
     else:
         print(format_report(report, buckets))
     return 0 if report.ok else 1
+
+
+def cmd_caption(args) -> int:
+    from .data.captioners import resolve_model, transformers_captioner
+    from .data.captioning import CaptionJob, caption_folder, plan
+
+    model = resolve_model(args.model, [])
+    job = CaptionJob(style=args.style, prompt=args.prompt or "", trigger_word=args.trigger or "",
+                     overwrite=args.overwrite, deep=args.deep, engine=f"transformers:{model.resolve()}")
+    todo, report = plan(args.dir, job)
+    if todo:   # the model is loaded only when there is something to caption
+        from tqdm import tqdm
+
+        engine = transformers_captioner(model, style=job.style, max_tokens=args.max_tokens, seed=args.seed,
+                                        device=args.device)
+        if getattr(engine, "note", ""):
+            print(f"note: {engine.note}")
+        with tqdm(total=len(todo), unit="image", dynamic_ncols=True) as bar:
+            report = caption_folder(args.dir, engine, job, progress=lambda done, total: bar.update(done - bar.n))
+    print(report.text())
+    return 0
 
 
 def _resolutions(text: str) -> list[int]:
@@ -279,6 +300,28 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--resolutions", type=_resolutions,
                        help="bucket resolutions, e.g. 512,768 (default: dataset.json's, else 512)")
     check.set_defaults(func=cmd_check_dataset)
+
+    from .data.captioning import STYLES
+
+    cap = commands.add_parser("caption", help="write a .txt caption beside each image that has none, with a "
+                              "local transformers model (Florence-2, BLIP, Qwen2.5-VL, ...)")
+    cap.add_argument("dir", help="the dataset folder")
+    cap.add_argument("--engine", choices=["transformers"], default="transformers",
+                     help="transformers (the other engine, ComfyUI's own vision-language text encoders, is the "
+                     "Kiln Caption Images node's)")
+    cap.add_argument("--model", required=True, help="a transformers model folder (config.json, weights, processor "
+                     "files), e.g. ComfyUI/models/LLM/Florence-2-base (florence-community/Florence-2-base)")
+    cap.add_argument("--style", choices=list(STYLES), default="short",
+                     help="; ".join(f"{name}: {style.description}" for name, style in STYLES.items()))
+    cap.add_argument("--prompt", help="the instruction to the model (default: the style's prompt)")
+    cap.add_argument("--trigger", help="trigger word put in front of each caption (unless it is already in it)")
+    cap.add_argument("--overwrite", action="store_true",
+                     help="caption every image; each old caption is kept as <name>.txt.bak")
+    cap.add_argument("--max-tokens", type=int, default=256, help="longest caption, in tokens (default 256)")
+    cap.add_argument("--seed", type=int, default=0, help="generation seed (the same for every image)")
+    cap.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    cap.add_argument("--deep", action="store_true", help="decode every image fully when scanning (catches corrupt data)")
+    cap.set_defaults(func=cmd_caption)
 
     est = commands.add_parser("estimate", help="estimate training memory for a config")
     est.add_argument("config", help="path to the config file")

@@ -1,4 +1,5 @@
-// Folder pickers: a "choose…" button under Kiln Load Dataset's `folder` and Kiln Load Run's `run_folder`
+// Folder pickers: a "choose…" button under Kiln Load Dataset's and Kiln Caption Images' `folder` and Kiln
+// Load Run's `run_folder`
 // that lists what exists (datasets under ComfyUI's input/, runs with a checkpoint under output/kiln/, from
 // GET /kiln/folders/{datasets,runs}) and types the picked name into the text field. The field stays a
 // text field, so an absolute path or a folder made after the list was read can still be typed.
@@ -8,14 +9,17 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
+const DATASET_PICKER = {
+  widget: "folder",
+  kind: "datasets",
+  label: "choose a dataset…",
+  title: "Datasets in ComfyUI's input/",
+  none: "no dataset yet: put a folder of images with .txt captions in ComfyUI's input/",
+};
+
 export const PICKERS = {
-  KilnLoadDataset: {
-    widget: "folder",
-    kind: "datasets",
-    label: "choose a dataset…",
-    title: "Datasets in ComfyUI's input/",
-    none: "no dataset yet: put a folder of images with .txt captions in ComfyUI's input/",
-  },
+  KilnLoadDataset: DATASET_PICKER,
+  KilnCaptionImages: DATASET_PICKER,
   KilnLoadRun: {
     widget: "run_folder",
     kind: "runs",

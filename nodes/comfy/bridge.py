@@ -6,6 +6,7 @@ nodes/comfy/ imports ComfyUI (tests/test_imports.py holds that), and trainer/ ne
     model.py     what a MODEL is (arch detection) and the training forward (ComfyUI's own conds)
     session.py   a training session: fully loaded, grad on, normal tensors, stop at step boundaries
     encoders.py  VAE and CLIP as the dataset's encoders, with cache identities
+    captioning.py  CLIP's generate as a captioner, models/LLM/ for transformers captioners
     lora.py      LoRAs in and out through ComfyUI's own loader, every key checked
     paths.py     which of ComfyUI's code paths training takes (attention, quantized matmuls)
     training.py  the one training sequence of the node and headless training, and their validation sampling
@@ -15,6 +16,7 @@ nodes/comfy/ imports ComfyUI (tests/test_imports.py holds that), and trainer/ ne
 """
 from __future__ import annotations
 
+from .captioning import caption_model_folders, clip_captioner, device_captioner  # noqa: F401
 from .encoders import conditioning, text_encoder, vae_encoder  # noqa: F401
 from .lora import (apply_lora, load_lora_file, lora_model_from, lora_weights_from, negate_lora,  # noqa: F401
                    require_fit, training_adapter_merged, unmatched_lora_keys)

@@ -98,7 +98,8 @@ def _output(model):
 
 def test_every_node_is_registered():
     ids = {n.define_schema().node_id for n in pack.NODES}
-    assert ids == {"KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
+    assert ids == {"KilnCaptionImages", "KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions",
+                   "KilnTrainingOptions",
                    "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
                    "KilnInvertAdapter", "KilnLossGraph", "KilnMergeLoRAs", "KilnResizeLoRA", "KilnExtractLoRA",
                    "KilnConvertLoRA"}

@@ -40,8 +40,9 @@ UNSUPPORTED_IMAGES = {".gif": "GIF", ".heic": "HEIC", ".heif": "HEIF", ".avif": 
                       ".cr3": "camera raw", ".nef": "camera raw", ".arw": "camera raw", ".raf": "camera raw",
                       ".orf": "camera raw", ".rw2": "camera raw"}
 # Files that belong in or near a dataset (caches, configs, notes): ignored without a word.
+# .bak: captions Kiln Caption Images replaced (photo.txt.bak).
 QUIET_EXTENSIONS = {".npz", ".npy", ".safetensors", ".pt", ".pth", ".ckpt", ".json", ".jsonl", ".toml", ".yaml",
-                    ".yml", ".md", ".log", ".ini", ".db", ".csv"}
+                    ".yml", ".md", ".log", ".ini", ".db", ".csv", ".bak"}
 NOTE_FIX = "none needed"
 _EXTENSION_OF = {"PNG": "png", "WEBP": "webp", "BMP": "bmp", "TIFF": "tif"}   # JPEG and MPO: jpg
 
