@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 
-def progress_bar(total: int, start: int):
-    """A tqdm bar fed by the loop's per-step reports."""
+def progress_bar(total: int, start: int, show: bool = True):
+    """A tqdm bar fed by the loop's per-step reports (counting silently where `show` is off: torchrun's
+    ranks other than 0)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, disable=not show)
 
     def on_step(report) -> None:
         bar.update(report.step - bar.n)
@@ -54,12 +55,14 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
     """loop.train with a progress bar and Ctrl-C as a clean stop; `resume` true continues the run's
     newest checkpoint. The demo, `train` and headless.py (through nodes/comfy, with its validation
     samples as `validate`) run this."""
+    from . import distributed
     from .loop import train
 
+    main = distributed.start(cfg.device, cfg.backend).is_main   # under torchrun, rank 0 speaks for the run
     start = start_step(run_dir, resume)
-    for problem in getattr(data, "skipped", []):
+    for problem in getattr(data, "skipped", []) if main else []:
         print(f"skipped {problem.line()}", file=sys.stderr)
-    bar, on_step = progress_bar(cfg.steps, start)
+    bar, on_step = progress_bar(cfg.steps, start, show=main)
     stop = StopOnSignal()
     should_stop = (lambda: stop() or bar.n >= stop_after) if stop_after else stop
     try:
@@ -72,8 +75,13 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
 
 
 def finish(cfg, result, run_dir: Path, name: str) -> None:
-    """The run's LoRA (EMA weights when on) and loss curve written beside its checkpoints, and a summary."""
+    """The run's LoRA (EMA weights when on) and loss curve written beside its checkpoints, and a summary;
+    under torchrun by rank 0 alone (every rank holds the same LoRA)."""
+    from . import distributed
     from .archs import get_arch
+
+    if not distributed.current().is_main:
+        return
     from .lora_format import lora_metadata, save_lora
     from .plot import save_loss_curve
     from .samples import SAMPLES_DIR
