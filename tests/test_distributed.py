@@ -131,10 +131,18 @@ EQUAL = {"steps": 4, "batch_size": 2, "grad_accum": 2, "ema": True, "ema_decay":
          "gradient_checkpointing": True, "checkpoint_every": 2, "log_every": 1, "max_grad_norm": 0.5}
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(tmp_path, make_model, make_data,
-                                                                          make_config):
-    ranks = two_ranks(tmp_path, EQUAL, [("two", False, None)], (make_model, make_data, make_config))
-    single = train(make_config(**{**EQUAL, "batch_size": 4}), make_model(), make_data(), run_dir=tmp_path / "one")
+                                                                          make_config, monkeypatch, compiled):
+    """Compiled: blocks under torch.compile ("aot_eager": the same graphs, no C++ build), whose backward gives
+    DDP's hooks ordinary leaf gradients; one bucket of 8 there, so each process compiles one shape."""
+    from trainer.backends.torch_backend import checkpointing
+
+    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")
+    settings = {**EQUAL, "compile_blocks": compiled, **({"steps": 2} if compiled else {})}
+    data = functools.partial(make_data, count=8, shapes=((4, 4),)) if compiled else make_data
+    ranks = two_ranks(tmp_path, settings, [("two", False, None)], (make_model, data, make_config))
+    single = train(make_config(**{**settings, "batch_size": 4}), make_model(), data(), run_dir=tmp_path / "one")
     one = flat_state(single, {})
     for key, value in one.items():
         np.testing.assert_allclose(ranks[0][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
@@ -145,10 +153,11 @@ def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(tmp_path
         if not key.startswith("written."):
             assert np.array_equal(ranks[0][key], ranks[1][key]), key
     assert any(k.startswith("ema.") for k in ranks[0])
-    # Rank 0 alone wrote the checkpoints (steps 2 and 4); rank 1 called no writer.
-    assert sum(k.startswith("written.") for k in ranks[0]) == 2
+    # Rank 0 alone wrote the checkpoints (every 2 steps); rank 1 called no writer.
+    steps = list(range(2, settings["steps"] + 1, 2))
+    assert sum(k.startswith("written.") for k in ranks[0]) == len(steps)
     assert not any(k.startswith("written.") for k in ranks[1])
-    assert [s for s, _ in state.list_checkpoints(tmp_path / "two")] == [2, 4]
+    assert [s for s, _ in state.list_checkpoints(tmp_path / "two")] == steps
 
 
 RESUME = {**EQUAL, "steps": 6, "lora_dropout": 0.2}   # LoRA dropout: each rank's own torch RNG stream
