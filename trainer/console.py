@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 
 
@@ -22,18 +23,24 @@ def progress_bar(total: int, start: int, show: bool = True):
 
 
 class StopOnSignal:
-    """First Ctrl-C: finish the step, save a resumable checkpoint, stop. Second: abort at once."""
+    """First Ctrl-C: finish the step, save a resumable checkpoint, stop. Second: abort at once.
 
-    def __init__(self):
-        self.requested = False
+    Under torchrun one Ctrl-C reaches a rank twice: from the terminal, and forwarded by torchrun, which
+    then waits for its ranks before killing them; a second one within `echo_s` counts as that echo."""
+
+    def __init__(self, echo_s: float = 0.0, speak: bool = True):
+        self.requested, self.echo_s, self.speak, self.first = False, echo_s, speak, 0.0
         self.previous = signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
-        if self.requested:
+        if self.requested and time.monotonic() - self.first > self.echo_s:
             raise KeyboardInterrupt
-        self.requested = True
-        print("\nstopping after this step; a resumable checkpoint will be saved (Ctrl-C again to abort)",
-              file=sys.stderr)
+        if self.requested:
+            return
+        self.requested, self.first = True, time.monotonic()
+        if self.speak:
+            print("\nstopping after this step; a resumable checkpoint will be saved (Ctrl-C again to abort)",
+                  file=sys.stderr)
 
     def __call__(self) -> bool:
         return self.requested
@@ -58,12 +65,13 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
     from . import distributed
     from .loop import train
 
-    main = distributed.start(cfg.device, cfg.backend).is_main   # under torchrun, rank 0 speaks for the run
+    group = distributed.start(cfg.device, cfg.backend)   # under torchrun, rank 0 speaks for the run
+    main = group.is_main
     start = start_step(run_dir, resume)
     for problem in getattr(data, "skipped", []) if main else []:
         print(f"skipped {problem.line()}", file=sys.stderr)
     bar, on_step = progress_bar(cfg.steps, start, show=main)
-    stop = StopOnSignal()
+    stop = StopOnSignal(echo_s=2.0 if group.world > 1 else 0.0, speak=main)
     should_stop = (lambda: stop() or bar.n >= stop_after) if stop_after else stop
     try:
         return train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
