@@ -12,6 +12,10 @@ Validation samples (the config's sample_prompts) take the node's path: the promp
 once by the text encoder (then freed), and the node's validation hook draws them with ComfyUI's
 sampler and the VAE, on the model without the training adapter (EMA weights when EMA is on), before
 the first step, every sample_every steps and at the end; each is saved into <run>/samples/.
+
+Under torchrun (`torchrun --nproc_per_node N -m trainer train CONFIG`) every rank loads the models on
+its own GPU; rank 0 encodes the dataset into its caches first (the others then read them), samples,
+writes and prints (trainer/distributed.py).
 """
 from __future__ import annotations
 

@@ -9,8 +9,14 @@ from pathlib import Path
 
 
 def cmd_demo(args) -> int:
+    import os
+
     from .console import finish, run_loop
     from .demo import build_data, demo_config, make_dataset, model_for
+
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise SystemExit("the demo runs in one process; under torchrun, train a config with arch = \"demo\" "
+                         "(`torchrun --nproc_per_node N -m trainer train CONFIG`, README: Several GPUs)")
 
     # A shorter demo keeps the warm-up at a tenth of the run.
     overrides = {}
