@@ -12,6 +12,10 @@ Validation samples (the config's sample_prompts) take the node's path: the promp
 once by the text encoder (then freed), and the node's validation hook draws them with ComfyUI's
 sampler and the VAE, on the model without the training adapter (EMA weights when EMA is on), before
 the first step, every sample_every steps and at the end; each is saved into <run>/samples/.
+
+Under torchrun (`torchrun --nproc_per_node N -m trainer train CONFIG`) every rank loads the models on
+its own GPU; rank 0 encodes the dataset into its caches first (the others then read them), samples,
+writes and prints (trainer/distributed.py).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import time
 
 from .nodes.comfy import loaders as comfy_loaders
 from .trainer import config as cfg_module
+from .trainer import distributed
 from .trainer.archs import get_arch
 from .trainer.console import finish, run_loop, start_step
 from .trainer.data.dataset import DataSettings, Dataset
@@ -29,12 +34,13 @@ from .trainer.samples import describe, sample_path, sample_plan, save_sample
 
 def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_models) -> int:
     cfg = cfg_module.load(config_path)
+    group = distributed.start(cfg.device, cfg.backend)   # under torchrun: this rank's GPU, before ComfyUI picks one
     comfy_loaders.start(cpu=cfg.device == "cpu")  # before the bridge imports ComfyUI's model management
     from .nodes.comfy import bridge
 
     if not cfg.dataset_dir:
         raise SystemExit(f"{config_path}: set dataset_dir to a folder of images with same-name .txt captions")
-    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S', distributed.main_time())}"
     run_dir = inside(cfg.output_dir, name, f"{config_path}: run_name")  # refused before any loading
     plan = sample_plan(cfg)
     try:
@@ -47,14 +53,16 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
         raise SystemExit(f"{config_path}: arch is {cfg.arch!r} but {cfg.model_path} is a "
                          f"{' / '.join(fits) or 'generic'} model; set arch to match the file")
     settings = DataSettings.from_config(cfg, get_arch(cfg.arch).bucket_divisor)
-    dataset = Dataset.load(cfg.dataset_dir, settings, cache_dir=cfg.cache_dir or None)
-    dataset = dataset.encode_images(*bridge.vae_encoder(vae)).encode_captions(*bridge.text_encoder(clip))
-    dataset.prune_cache(cfg.cache_max_gb)
-    print(dataset.summary())
+    with distributed.main_first():   # rank 0 encodes into the caches; the other ranks read them
+        dataset = Dataset.load(cfg.dataset_dir, settings, cache_dir=cfg.cache_dir or None)
+        dataset = dataset.encode_images(*bridge.vae_encoder(vae)).encode_captions(*bridge.text_encoder(clip))
+        if group.is_main:
+            dataset.prune_cache(cfg.cache_max_gb)
+            print(dataset.summary())
     samples = bridge.prompt_samples(plan, clip, vae)  # the VAE stays for them (if any); the text encoder goes
     del vae, clip
     bridge.free_memory()
-    if plan:
+    if plan and group.is_main:
         print(describe(cfg, run_dir))
 
     def setup(patcher, data) -> dict:
@@ -68,7 +76,9 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
 
         validate = bridge.validation(cfg, patcher, samples, on_sample)
         if cfg.sample_first and start_step(run_dir, resume) == 0:
-            validate(0)
+            if group.is_main:   # the loop samples on rank 0 too; the others wait here, not in an all-reduce
+                validate(0)
+            distributed.barrier()
         return dict(validate=validate, validate_every=cfg.sample_every or cfg.steps)
 
     result = bridge.train(cfg, model, dataset, adapter=comfy_loaders.training_adapter(cfg), setup=setup,

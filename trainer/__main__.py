@@ -10,8 +10,14 @@ from pathlib import Path
 
 
 def cmd_demo(args) -> int:
+    import os
+
     from .console import finish, run_loop
     from .demo import build_data, demo_config, make_dataset, model_for
+
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise SystemExit("the demo runs in one process; under torchrun, train a config with arch = \"demo\" "
+                         "(`torchrun --nproc_per_node N -m trainer train CONFIG`, README: Several GPUs)")
 
     # A shorter demo keeps the warm-up at a tenth of the run.
     overrides = {}
@@ -38,8 +44,11 @@ def cmd_demo(args) -> int:
 
 def cmd_train(args) -> int:
     from . import config as config_module
+    from . import distributed
 
     cfg = config_module.load(args.config)
+    # Under torchrun: join the other ranks first (each takes its GPU before anything picks one).
+    distributed.start(cfg.device, cfg.backend)
     if cfg.arch != "demo":
         return _headless().train_command(args.config, args.resume)
     from .console import finish, run_loop
@@ -47,10 +56,11 @@ def cmd_train(args) -> int:
     from .paths import inside
     if not cfg.dataset_dir:
         raise SystemExit(f"{args.config}: set dataset_dir to a folder of images with same-name .txt captions")
-    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S', distributed.main_time())}"
     run_dir = inside(cfg.output_dir, name, f"{args.config}: run_name")
     model = model_for(cfg)
-    data = build_data(cfg, Path(cfg.dataset_dir), Path(cfg.cache_dir) if cfg.cache_dir else None)
+    with distributed.main_first():   # rank 0 fills the caches; the others read them
+        data = build_data(cfg, Path(cfg.dataset_dir), Path(cfg.cache_dir) if cfg.cache_dir else None)
     result = run_loop(cfg, model, data, run_dir=run_dir, resume=args.resume)
     finish(cfg, result, run_dir, name)
     return 0

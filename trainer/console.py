@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 
 
-def progress_bar(total: int, start: int):
-    """A tqdm bar fed by the loop's per-step reports."""
+def progress_bar(total: int, start: int, show: bool = True):
+    """A tqdm bar fed by the loop's per-step reports (counting silently where `show` is off: torchrun's
+    ranks other than 0)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, disable=not show)
 
     def on_step(report) -> None:
         bar.update(report.step - bar.n)
@@ -21,18 +23,24 @@ def progress_bar(total: int, start: int):
 
 
 class StopOnSignal:
-    """First Ctrl-C: finish the step, save a resumable checkpoint, stop. Second: abort at once."""
+    """First Ctrl-C: finish the step, save a resumable checkpoint, stop. Second: abort at once.
 
-    def __init__(self):
-        self.requested = False
+    Under torchrun one Ctrl-C reaches a rank twice: from the terminal, and forwarded by torchrun, which
+    then waits for its ranks before killing them; a second one within `echo_s` counts as that echo."""
+
+    def __init__(self, echo_s: float = 0.0, speak: bool = True):
+        self.requested, self.echo_s, self.speak, self.first = False, echo_s, speak, 0.0
         self.previous = signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
-        if self.requested:
+        if self.requested and time.monotonic() - self.first > self.echo_s:
             raise KeyboardInterrupt
-        self.requested = True
-        print("\nstopping after this step; a resumable checkpoint will be saved (Ctrl-C again to abort)",
-              file=sys.stderr)
+        if self.requested:
+            return
+        self.requested, self.first = True, time.monotonic()
+        if self.speak:
+            print("\nstopping after this step; a resumable checkpoint will be saved (Ctrl-C again to abort)",
+                  file=sys.stderr)
 
     def __call__(self) -> bool:
         return self.requested
@@ -54,13 +62,16 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
     """loop.train with a progress bar and Ctrl-C as a clean stop; `resume` true continues the run's
     newest checkpoint. The demo, `train` and headless.py (through nodes/comfy, with its validation
     samples as `validate`) run this."""
+    from . import distributed
     from .loop import train
 
+    group = distributed.start(cfg.device, cfg.backend)   # under torchrun, rank 0 speaks for the run
+    main = group.is_main
     start = start_step(run_dir, resume)
-    for problem in getattr(data, "skipped", []):
+    for problem in getattr(data, "skipped", []) if main else []:
         print(f"skipped {problem.line()}", file=sys.stderr)
-    bar, on_step = progress_bar(cfg.steps, start)
-    stop = StopOnSignal()
+    bar, on_step = progress_bar(cfg.steps, start, show=main)
+    stop = StopOnSignal(echo_s=2.0 if group.world > 1 else 0.0, speak=main)
     should_stop = (lambda: stop() or bar.n >= stop_after) if stop_after else stop
     try:
         return train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
@@ -72,8 +83,13 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
 
 
 def finish(cfg, result, run_dir: Path, name: str) -> None:
-    """The run's LoRA (EMA weights when on) and loss curve written beside its checkpoints, and a summary."""
+    """The run's LoRA (EMA weights when on) and loss curve written beside its checkpoints, and a summary;
+    under torchrun by rank 0 alone (every rank holds the same LoRA)."""
+    from . import distributed
     from .archs import get_arch
+
+    if not distributed.current().is_main:
+        return
     from .lora_format import lora_metadata, save_lora
     from .plot import save_loss_curve
     from .samples import SAMPLES_DIR

@@ -61,7 +61,8 @@ def out_of_memory_message(cfg: TrainConfig, error: BaseException, step: int, ite
     fixes.append("close other GPU work; `python -m trainer estimate` predicts the memory a config needs")
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
     saved = (f"Saved a resumable checkpoint at step {step}, the last good step: {checkpoint}." if checkpoint
-             else f"No step had finished since the start (step {step}); nothing new to save.")
+             else f"There was nothing new to save at step {step}: no step had finished since the start, or this is one of "
+                  "several ranks (torchrun), which never save alone; the newest checkpoint resumes the run.")
     return (f"out of memory at step {step + 1} (batch: {', '.join(items) or '(unnamed)'}): {first_line}. {saved} "
             f"To fit: {'; '.join(fixes)}. Then queue again: an unchanged run resumes, a changed setting starts anew.")
 

@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import faults, objective, state
+from . import distributed, faults, objective, state
 from .archs import Arch, get_arch
+from .atomic import fault_point
 from .backends import get_backend
 from .config import TrainConfig
 from .data import TrainingData
@@ -68,20 +69,30 @@ def objective_settings(cfg: TrainConfig, arch: Arch) -> objective.ObjectiveSetti
 
 
 def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator,
-                settings: objective.ObjectiveSettings, arch: Arch, caption_dropout: float):
-    """Stack one bucket's items and draw its noise, sigmas and caption dropout."""
+                settings: objective.ObjectiveSettings, arch: Arch, caption_dropout: float,
+                group: distributed.Group = distributed.SINGLE):
+    """Stack one bucket's items and draw its noise, sigmas and caption dropout.
+
+    `indices` is the global batch; under torchrun every rank draws the randomness of all of it (the
+    generator stays in lockstep on every rank) and keeps the rows of its share (distributed.Group.rows)."""
     from .backends.base import Batch
 
-    latents = np.stack([data.latent(i) for i in indices]).astype(np.float32, copy=False)  # [B,C,H,W]
-    tokens_img = (latents.shape[2] // arch.patch) * (latents.shape[3] // arch.patch)  # what the model attends over
-    draws = objective.draw(rng, latents.shape, settings, caption_dropout, image_tokens=tokens_img)
+    rows, scale = group.rows(len(indices))
+    mine = [indices[row] for row in rows]
+    latents = np.stack([data.latent(i) for i in mine]).astype(np.float32, copy=False)  # [b,C,H,W]
+    shape = (len(indices), *latents.shape[1:])                                          # the global [B,C,H,W]
+    tokens_img = (shape[2] // arch.patch) * (shape[3] // arch.patch)  # what the model attends over
+    draws = objective.draw(rng, shape, settings, caption_dropout, image_tokens=tokens_img)
     # Shuffled-tag variants are drawn only where an item has several, so other runs' draws are unchanged.
     variants = [int(rng.integers(n)) if n > 1 else 0 for n in (data.variants(i) for i in indices)]
-    contexts = [data.empty_context() if drop else data.context(i, v)
-                for i, v, drop in zip(indices, variants, draws.drop_caption)]
+    noise, sigmas, weights = draws.noise, draws.sigmas, draws.weights
+    if len(rows) != len(indices):   # one of several ranks: its rows, scaled (distributed.Group.rows)
+        noise, sigmas, weights = noise[rows], sigmas[rows], (weights[rows] * scale).astype(np.float32)
+    contexts = [data.empty_context() if draws.drop_caption[row] else data.context(indices[row], variants[row])
+                for row in rows]
     lengths = [c.shape[0] for c in contexts]
-    return Batch(latents=latents, noise=draws.noise, sigmas=draws.sigmas, weights=draws.weights,
-                 context=arch.collate_context(contexts), extras=arch.model_extras(len(indices), lengths),
+    return Batch(latents=latents, noise=noise, sigmas=sigmas, weights=weights,
+                 context=arch.collate_context(contexts), extras=arch.model_extras(len(rows), lengths),
                  items=[data.name(i) for i in indices])
 
 
@@ -144,12 +155,14 @@ class StepLog:
 
 
 def resumed(resume: str | Path | None, backend, rng: np.random.Generator,
-            sampler: BucketSampler) -> tuple[state.History, int]:
+            sampler: BucketSampler, group: distributed.Group = distributed.SINGLE) -> tuple[state.History, int]:
     """(history, first step): a new run's, or the checkpoint's at `resume` with all its state put back."""
     if resume is None:
         return state.History(), 0
     checkpoint = state.load_checkpoint(resume)
-    return state.restore(checkpoint, backend=backend, numpy_rng=rng, sampler=sampler), checkpoint.step
+    history = state.restore(checkpoint, backend=backend, numpy_rng=rng, sampler=sampler,
+                            rank=group.rank, world=group.world)
+    return history, checkpoint.step
 
 
 def best_lora(backend, ema: bool) -> dict[str, LoraWeights]:
@@ -162,12 +175,27 @@ def best_lora(backend, ema: bool) -> dict[str, LoraWeights]:
 
 def save_run(step: int, *, cfg: TrainConfig, arch: Arch, backend, run_dir: Path, rng: np.random.Generator,
              sampler: BucketSampler, log: StepLog) -> Path:
-    """A resumable checkpoint at `step`; pending step figures are read first so its history is whole."""
+    """A resumable checkpoint at `step`; pending step figures are read first so its history is whole.
+    Under torchrun every rank calls it: their RNG states go into rank 0's checkpoint, which only rank 0
+    writes; the others wait until it is complete."""
     log.flush()
-    return state.save_checkpoint(
-        run_dir, step, backend=backend, arch=arch, config=cfg.to_dict(), numpy_rng=rng,
-        cursor=sampler.state(), history=log.history, keep=cfg.keep_checkpoints,
-        lora_metadata=lora_metadata(cfg, arch, step), save_dtype=cfg.save_dtype)
+    rng_states = distributed.gather_arrays(backend.rng_state())
+    group = distributed.current()
+    path = state.step_dir(run_dir, step)
+    if group.is_main:
+        path = state.save_checkpoint(
+            run_dir, step, backend=backend, arch=arch, config=cfg.to_dict(), numpy_rng=rng,
+            cursor=sampler.state(), history=log.history, keep=cfg.keep_checkpoints,
+            lora_metadata=lora_metadata(cfg, arch, step), save_dtype=cfg.save_dtype, rank_rng=rng_states[1:])
+    distributed.barrier()
+    return path
+
+
+def _one_rank_save(save: Callable[[int], Path], group: distributed.Group) -> Callable[[int], Path | None]:
+    """The save of an error path, which one rank may take alone (out of memory, an error in a UI callback or
+    in validation): under torchrun it saves nothing, since a save needs every rank and the others are in the
+    step's all-reduce; the run ends (torchrun stops every rank) and resumes from its newest checkpoint."""
+    return save if group.world == 1 else (lambda step: None)
 
 
 def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Path,
@@ -181,27 +209,32 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     weights swapped in when EMA is on. A torch model samples with its LoRA branches live; `lora()`
     gives the weights as numpy for a sampler that needs them applied (the MLX backend)."""
     arch, run_dir, backend = get_arch(cfg.arch), Path(run_dir), get_backend(cfg.backend)
+    group = distributed.start(cfg.device, cfg.backend)   # one process, or this rank of torchrun's
     rng = np.random.default_rng(cfg.seed)
     settings = objective_settings(cfg, arch)
-    sampler = BucketSampler(data.buckets, batch_sizes(cfg, data, arch), cfg.seed)
+    # One seeded sampler of global batches: under torchrun each rank trains on its rows of each.
+    sampler = BucketSampler(data.buckets, {key: size * group.world for key, size in batch_sizes(cfg, data, arch).items()},
+                            cfg.seed)
     backend.setup(model, cfg, arch, forward)
     try:
-        history, start = resumed(resume, backend, rng, sampler)
+        history, start = resumed(resume, backend, rng, sampler, group)
         log = StepLog(backend, history, start, cfg.steps)
         save = functools.partial(save_run, cfg=cfg, arch=arch, backend=backend, run_dir=run_dir, rng=rng,
                                  sampler=sampler, log=log)
+        alone = _one_rank_save(save, group)
         weights = functools.partial(best_lora, backend, cfg.ema)
         checkpoint_path, stopped = None, False
         for step in range(start, cfg.steps):
             lr = lr_at(step, base_lr=cfg.learning_rate, schedule=cfg.lr_schedule, total_steps=cfg.steps,
                        warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
             draws = faults.Draws(rng, sampler, backend)  # an out-of-memory step puts its draws back
-            micro_batches = [build_batch(data, sampler.next(), rng, settings, arch, cfg.caption_dropout)
+            micro_batches = [build_batch(data, sampler.next(), rng, settings, arch, cfg.caption_dropout, group)
                              for _ in range(cfg.grad_accum)]
             names = [name for batch in micro_batches for name in batch.items]
             done = step + 1
-            with faults.out_of_memory_rewinds(cfg, step, names, draws, save if step > start else None):
+            with faults.out_of_memory_rewinds(cfg, step, names, draws, alone if step > start else None):
                 stats = backend.step(micro_batches, lr)
+            fault_point(f"rank{group.rank}:step:{done}")   # tests kill one rank here (KILN_FAULT); else nothing
             log.add(done, names, stats, lr)
             backend.update_ema()
             logged = done % cfg.log_every == 0 or done == cfg.steps
@@ -211,12 +244,14 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                 raise faults.NonFiniteLoss(faults.non_finite_message(cfg, log.streak, save(done)))
             report = log.report(done, lr, logged, weights)
             if on_step is not None:
-                with faults.saves_on_error(save, done):
+                with faults.saves_on_error(alone, done):
                     on_step(report)
             if validate is not None and validate_every and (done % validate_every == 0 or done == cfg.steps):
-                with faults.validation_saves_on_error(save, done), backend.sampling():
-                    validate(done, backend.lora_state)
-            if should_stop is not None and should_stop():
+                if group.is_main:   # rank 0 samples; the others wait at the host barrier, not in an all-reduce
+                    with faults.validation_saves_on_error(alone, done), backend.sampling():
+                        validate(done, backend.lora_state)
+                distributed.barrier()
+            if distributed.any_rank(should_stop is not None and should_stop()):   # every rank stops at one step
                 checkpoint_path, stopped = save(done), True
                 break
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):

@@ -107,8 +107,11 @@ def _checkpoint_bytes(lora: dict[str, LoraWeights], tensors: dict[str, np.ndarra
 
 def save_checkpoint(run_dir: str | Path, step: int, *, backend, arch, config: dict, numpy_rng: np.random.Generator,
                     cursor: dict, history: History, keep: int, lora_metadata: dict[str, str],
-                    save_dtype: str = "bf16") -> Path:
+                    save_dtype: str = "bf16", rank_rng: list[dict[str, np.ndarray]] = ()) -> Path:
     """Write <run>/step-NNNNNN atomically; prune to the newest `keep`.
+
+    `rank_rng`: the RNG states of ranks 1..N-1 of a torchrun run (rank 0 is `backend`), saved as
+    rng.rank<r>.<name>; the run's world size goes into run.json, and a resume needs the same.
 
     The oldest are pruned first, so `keep` checkpoints never need room for keep+1, but the newest
     complete one always stays until the new one is complete (keep=1 briefly holds two)."""
@@ -122,8 +125,11 @@ def save_checkpoint(run_dir: str | Path, step: int, *, backend, arch, config: di
     tensors.update({f"ema.{k}": v for k, v in backend.ema_state().items()})
     tensors.update({f"optim.{k}": v for k, v in optimizer_tensors.items()})
     tensors.update({f"rng.{k}": v for k, v in backend.rng_state().items()})
+    for rank, states in enumerate(rank_rng, start=1):
+        tensors.update({f"rng.rank{rank}.{k}": v for k, v in states.items()})
     info = {
         "format": RUN_FORMAT, "step": step, "arch": arch.name, "backend": backend.name, "config": config,
+        "world_size": 1 + len(rank_rng),
         "numpy_rng": numpy_rng.bit_generator.state, "cursor": cursor, "optimizer": optimizer_meta,
         "history": {"loss": history.loss, "lr": history.lr, "grad_norm": history.grad_norm,
                     "skipped": history.skipped},
@@ -282,9 +288,12 @@ def read_history(checkpoint_dir: str | Path) -> History:
     return checkpoint_history(Checkpoint(path=Path(checkpoint_dir), step=info["step"], info=info, tensors={}))
 
 
-def restore(checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, sampler) -> History:
-    """Put every piece of state back: weights, EMA, optimizer, RNGs, cursor. Returns the history."""
+def restore(checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, sampler, rank: int = 0,
+            world: int = 1) -> History:
+    """Put every piece of state back: weights, EMA, optimizer, RNGs (rank `rank`'s of a torchrun run of
+    `world` ranks), cursor. Returns the history."""
     tensors = checkpoint.tensors
+    _check_world(checkpoint, world)
     saved_by = checkpoint.info.get("backend", backend.name)
     if saved_by != backend.name:
         raise ValueError(f"{checkpoint.path}: this checkpoint was written by the {saved_by} backend and cannot "
@@ -298,10 +307,24 @@ def restore(checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, 
         backend.load_lora_state(_lora_from(tensors, "lora."))
         backend.load_ema_state(section("ema."))
         backend.load_optimizer_state(section("optim."), checkpoint.info["optimizer"])
-        backend.load_rng_state(section("rng."))
+        backend.load_rng_state(section("rng." if rank == 0 else f"rng.rank{rank}."))
         numpy_rng.bit_generator.state = checkpoint.info["numpy_rng"]
         sampler.load_state(checkpoint.info["cursor"])
     except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as err:
         raise ValueError(f"{checkpoint.path}: cannot resume this run from it: {err!s}; resume with the settings "
                          "it was trained with (rank, targets, optimizer, dataset), or start a new run") from err
     return checkpoint_history(checkpoint)
+
+
+def _check_world(checkpoint: Checkpoint, world: int) -> None:
+    """A run resumes on the number of ranks it trained on: the global batch (batch_size × ranks), hence the
+    data order, and every rank's RNG stream depend on it. Anything else is refused, naming both ways on."""
+    saved = checkpoint.info.get("world_size", 1)
+    if saved == world:
+        return
+    def launch(n: int) -> str:
+        return "python -m trainer train CONFIG --resume" if n == 1 else \
+            f"torchrun --nproc_per_node {n} -m trainer train CONFIG --resume"
+    raise ValueError(f"{checkpoint.path}: this run trained on {saved} process(es) and is resumed on {world}; a run "
+                     f"resumes exactly only on as many ({launch(saved)}), or start a new run (another run_name) on {world}; "
+                     "batch_size is per process, so the global batch is batch_size × processes")

@@ -27,7 +27,7 @@ class Batch:
     weights: np.ndarray           # [B] float32 loss weights
     context: np.ndarray           # already arch-padded, caption dropout applied
     extras: dict[str, Any] = field(default_factory=dict)  # arch model_extras (guidance, num_tokens)
-    items: list[str] = field(default_factory=list)        # image names, for error messages
+    items: list[str] = field(default_factory=list)        # the global batch's image names (every rank), for messages
 
 
 @dataclass

@@ -1,12 +1,14 @@
 """The PyTorch backend: LoRA on the model's own modules, one optimizer step per call."""
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
 from torch import nn
 
+from ... import distributed
 from ...archs import Arch
 from ...config import AUTO, TrainConfig
 from ...faults import is_out_of_memory
@@ -89,12 +91,15 @@ class TorchBackend:
                                          betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                          weight_decay=cfg.weight_decay, device=self.device)
         self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None
+        # The model call; under torchrun a DDP module averaging the LoRA gradients over the ranks.
+        self.call = distributed.data_parallel(functools.partial(self.forward, model), self.lora.branches().values())
+        self.parallel = distributed.current().world > 1   # auto levers never fall back mid-step on one rank alone
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         # LoRA dropout draws from torch's global RNG (so checkpointing's recompute replays the
         # same masks); seed it for the run and give the caller's state back at teardown.
         self.outer_rng = self.rng_state()
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(distributed.rank_seed(cfg.seed))
 
     def _wrap_blocks(self, chosen: "levers.Levers") -> None:
         # Blocks are wrapped either way: with checkpointing off the wrapper only copies block inputs.
@@ -161,7 +166,7 @@ class TorchBackend:
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         with amp:
             # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
-            prediction = self.forward(self.model, x_t.to(self.dtype), sigmas, context, extras)
+            prediction = self.call(x_t.to(self.dtype), sigmas, context, extras)
         # Loss in fp32: per-sample mean, weighted, batch mean.
         per_sample = (prediction.float() - target).square().flatten(1).mean(dim=1)
         return (per_sample * weights).mean()
@@ -173,22 +178,25 @@ class TorchBackend:
         # The attention kernel choice covers forward, backward and checkpointing's recompute alike.
         try:
             with attention.kernel_context(self.attention), _compile_errors_explained():
-                for batch in micro_batches:
-                    loss = self._micro_loss(batch) / len(micro_batches)
-                    loss.backward()             # (a compiled block's backward compiles at its first call)
+                for index, batch in enumerate(micro_batches):
+                    with distributed.accumulating(self.call, final=index == len(micro_batches) - 1):
+                        loss = self._micro_loss(batch) / len(micro_batches)
+                        loss.backward()         # (a compiled block's backward compiles at its first call)
                     total += loss.detach()
         except CompileFailed as error:
-            if not (self.levers.compile and self.cfg.compile_blocks == AUTO):
+            if not (self.levers.compile and self.cfg.compile_blocks == AUTO) or self.parallel:
                 raise
             self._compile_fallback(error)
             loss = total = None   # noqa: F841
         except BaseException as error:
-            if not (is_out_of_memory(error) and self.cfg.checkpoint_budget == AUTO and self.levers.budget > 0):
+            if not (is_out_of_memory(error) and self.cfg.checkpoint_budget == AUTO and self.levers.budget > 0) \
+                    or self.parallel:
                 raise
             self._budget_fallback(error)
             loss = total = None   # noqa: F841 — the failed step's graph goes before the step is redone
         if total is None:   # an auto lever fell back: the same step again, outside the except block
             return self._again(micro_batches, lr)
+        total = distributed.mean(total)   # the global mean loss; the gradients were averaged in backward
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         grad_norm = clip_global_norm(grads, self.cfg.max_grad_norm)
         # A NaN/inf loss or gradient skips the update (weights, moments, step count, EMA unchanged).
@@ -338,4 +346,4 @@ class TorchBackend:
         for param, requires_grad in getattr(self, "frozen", []):
             param.requires_grad_(requires_grad)
         self.frozen = []
-        self.optimizer = None
+        self.optimizer = self.call = None
