@@ -1,7 +1,6 @@
 """The PyTorch backend: LoRA on the model's own modules, one optimizer step per call."""
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
@@ -92,7 +91,9 @@ class TorchBackend:
                                          weight_decay=cfg.weight_decay, device=self.device)
         self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None
         # The model call; under torchrun a DDP module averaging the LoRA gradients over the ranks.
-        self.call = distributed.data_parallel(functools.partial(self.forward, model), self.lora.branches().values())
+        # self.forward read at each call (a test, or a later wrapper, may replace it after setup)
+        self.call = distributed.data_parallel(lambda *inputs: self.forward(self.model, *inputs),
+                                              self.lora.branches().values())
         self.parallel = distributed.current().world > 1   # auto levers never fall back mid-step on one rank alone
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
