@@ -152,3 +152,41 @@ def refresh_loras() -> None:
     helper = getattr(folder_paths, "cache_helper", None)  # per-prompt cache, active while validating
     if helper is not None:
         helper.cache.pop("loras", None)
+
+
+class _Call:
+    """One HTTP request as Kiln's route handlers read it (no aiohttp types leave the door): `params`
+    (the path's {names}), `headers`, `method`, `await json()`, and `files()`: each multipart file part
+    as (file name, async iterator of byte chunks), streamed, never read whole into memory."""
+
+    def __init__(self, request):
+        self.request, self.params, self.headers, self.method = (request, dict(request.match_info),
+                                                                request.headers, request.method)
+
+    async def json(self):
+        return await self.request.json()
+
+    async def files(self):
+        reader = await self.request.multipart()
+        while (part := await reader.next()) is not None:
+            if part.filename is None:
+                await part.release()
+                continue
+
+            async def chunks(part=part):
+                while chunk := await part.read_chunk(1 << 16):
+                    yield chunk
+            yield part.filename, chunks()
+
+
+def add_json_routes(name: str, table) -> None:
+    """Register [(method, path, handler)] once under `name`; handler(call) → (HTTP status, JSON body)."""
+    from aiohttp import web
+
+    def register(routes) -> None:
+        for method, path, handler in table:
+            async def serve(request, handler=handler):
+                status, body = await handler(_Call(request))
+                return web.json_response(body, status=status)
+            routes.route(method, path)(serve)
+    add_routes(name, register)

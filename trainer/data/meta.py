@@ -41,7 +41,7 @@ def read_meta(root: Path) -> tuple[DatasetMeta, list[Problem]]:
             hint = f" (did you mean {match[0]!r}?)" if match else ""
             problems.append(Problem("dataset_json_unknown_key", META_FILE, f"unknown key {key!r}{hint}; ignored",
                                     f"rename or remove it; known keys: {', '.join(names)}", "warning"))
-        elif (error := _meta_value_error(key, value)) is not None:
+        elif (error := meta_value_error(key, value)) is not None:
             problems.append(fatal("dataset_json_value", META_FILE, f"{key!r}: {error}",
                                    f"correct {key!r} in {META_FILE}, or remove it"))
         else:
@@ -49,7 +49,8 @@ def read_meta(root: Path) -> tuple[DatasetMeta, list[Problem]]:
     return DatasetMeta(**values), problems
 
 
-def _meta_value_error(key: str, value) -> str | None:
+def meta_value_error(key: str, value) -> str | None:
+    """What is wrong with one dataset.json value (None when it is fine); the editor checks with it too."""
     if key in ("resolutions", "repeats") and value is None:
         return None
     if key == "resolutions":

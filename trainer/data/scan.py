@@ -44,7 +44,7 @@ UNSUPPORTED_IMAGES = {".gif": "GIF", ".heic": "HEIC", ".heif": "HEIF", ".avif": 
 QUIET_EXTENSIONS = {".npz", ".npy", ".safetensors", ".pt", ".pth", ".ckpt", ".json", ".jsonl", ".toml", ".yaml",
                     ".yml", ".md", ".log", ".ini", ".db", ".csv", ".bak"}
 NOTE_FIX = "none needed"
-_EXTENSION_OF = {"PNG": "png", "WEBP": "webp", "BMP": "bmp", "TIFF": "tif"}   # JPEG and MPO: jpg
+EXTENSION_OF = {"PNG": "png", "WEBP": "webp", "BMP": "bmp", "TIFF": "tif"}   # JPEG and MPO: jpg
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def _check_image(file: _File, deep: bool, min_side: int, min_area: int) -> tuple
     suffix = Path(file.rel).suffix.lower()
     if info.format not in EXTENSION_FORMATS[suffix]:
         problems.append(Problem("mislabelled", file.rel, f"a {info.format} file named {suffix}; read as {info.format}",
-                                f"optional: rename it to .{_EXTENSION_OF.get(info.format, 'jpg')}", "note"))
+                                f"optional: rename it to .{EXTENSION_OF.get(info.format, 'jpg')}", "note"))
     if info.conversions:
         problems.append(Problem("converted", file.rel, "; ".join(info.conversions),
                                 f"{NOTE_FIX}: converted when loaded", "note"))

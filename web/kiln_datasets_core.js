@@ -1,0 +1,85 @@
+// The dataset editor's logic without a DOM or ComfyUI (tested by tests/web/datasets_core.test.mjs):
+// what the routes of nodes/dataset_editor.py are sent, and how their answers are shown.
+
+export const TYPES = ["character", "style", "concept"];
+export const BULK_OPS = {
+  prefix: { label: "add prefix", fields: ["text"] },
+  suffix: { label: "add suffix", fields: ["text"] },
+  replace: { label: "find and replace", fields: ["find", "replace"] },
+};
+const SEVERITY_ORDER = ["fatal", "skipped", "warning", "note"];
+
+export const datasetPath = (name, action = "") =>
+  `/kiln/datasets/${encodeURIComponent(name)}${action ? `/${action}` : ""}`;
+
+/** "512, 768 1024" → [512, 768, 1024]; an Error naming the bad entry otherwise. Empty → null (512). */
+export function parseResolutions(text) {
+  const parts = String(text ?? "").split(/[\s,]+/).filter(Boolean);
+  if (!parts.length) return null;
+  return parts.map((part) => {
+    if (!/^\d+$/.test(part)) throw new Error(`resolution ${JSON.stringify(part)} is not a whole number of pixels`);
+    return Number(part);
+  });
+}
+
+/** The body of POST /kiln/datasets from the form's fields. */
+export function createBody({ name, type, trigger_word, resolutions }) {
+  return { name: String(name ?? "").trim(), type: type ?? "", trigger_word: String(trigger_word ?? "").trim(),
+    resolutions: parseResolutions(resolutions) };
+}
+
+/** The body of POST .../bulk: the op's own fields only. */
+export function bulkBody(op, values, paths) {
+  if (!BULK_OPS[op]) throw new Error(`unknown bulk edit ${op}`);
+  const body = { op, paths: [...paths] };
+  for (const field of BULK_OPS[op].fields) body[field] = values[field] ?? "";
+  return body;
+}
+
+/** ComfyUI's /view arguments for an image of a dataset under input/. */
+export function viewQuery(dataset, path, version = "") {
+  const slash = path.lastIndexOf("/");
+  const subfolder = slash < 0 ? dataset : `${dataset}/${path.slice(0, slash)}`;
+  const params = new URLSearchParams({ filename: path.slice(slash + 1), subfolder, type: "input" });
+  if (version) params.set("v", version);
+  return `/view?${params}`;
+}
+
+/** The worst severity among problems ("" when none): the card's badge colour. */
+export function worst(problems) {
+  const found = new Set((problems ?? []).map((p) => p.severity));
+  return SEVERITY_ORDER.find((s) => found.has(s)) ?? "";
+}
+
+/** One line per problem, worst first: "skipped: 32×32 px: a side is under 64 px — fix: ...". */
+export function problemLines(problems) {
+  return [...(problems ?? [])]
+    .sort((a, b) => SEVERITY_ORDER.indexOf(a.severity) - SEVERITY_ORDER.indexOf(b.severity))
+    .map((p) => `${p.severity}: ${p.message} — fix: ${p.fix}`);
+}
+
+/** "3 images, 1 skipped, 2 with warnings" for the dataset's header. */
+export function summary(dataset) {
+  const images = dataset?.images ?? [];
+  const skipped = images.filter((image) => !image.usable).length;
+  const warned = images.filter((image) => image.usable && worst(image.problems) === "warning").length;
+  const parts = [`${images.length} image${images.length === 1 ? "" : "s"}`];
+  if (skipped) parts.push(`${skipped} skipped`);
+  if (warned) parts.push(`${warned} with warnings`);
+  if (dataset?.trash) parts.push(`${dataset.trash} in .trash`);
+  return parts.join(", ");
+}
+
+/** The answer of an upload as one status line. */
+export function uploadMessage({ added = [], refused = [] }) {
+  const lines = [];
+  if (added.length) lines.push(`added ${added.map((a) => a.path).join(", ")}`);
+  for (const r of refused) lines.push(`refused ${r.error}`);
+  return lines.join("; ");
+}
+
+/** The selection after the gallery reloads: only paths that still exist. */
+export function keepSelected(selected, images) {
+  const present = new Set((images ?? []).map((image) => image.path));
+  return new Set([...selected].filter((path) => present.has(path)));
+}
