@@ -78,7 +78,8 @@ class KilnLoadDataset(io.ComfyNode):
         captions = CaptionSettings(trigger_word=trigger_word, prefix=caption_prefix, suffix=caption_suffix,
                                    default_caption=default_caption, shuffle_tags=shuffle_tags, keep_tags=keep_tags)
         settings = DataSettings(resolutions=tuple(parse_list(resolutions, int)), divisor=dataset_divisor(), crop=crop,
-                                repeats=repeats, captions=captions, deep=deep_check, caption_dropout=caption_dropout)
+                                repeats=repeats, captions=captions, deep=deep_check, caption_dropout=caption_dropout,
+                                quality=True)
         dataset = Dataset.load(root, settings)
         return io.NodeOutput(dataset, ui=ui.PreviewText(dataset.report_text()))
 

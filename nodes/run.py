@@ -74,7 +74,7 @@ def dataset_identity(dataset: Dataset) -> str:
 
 # Settings that say how a run is computed or what it writes beside, not what it trains: changing one
 # after a stop resumes the same run (the speed levers give the same losses to bf16 noise).
-NOT_IDENTITY = ("output_dir", "run_name", "log_every", "checkpoint_every", "keep_checkpoints", "checkpoint_loras",
+NOT_IDENTITY = ("output_dir", "run_name", "log_every", "log_tensorboard", "wandb_project", "wandb_mode", "checkpoint_every", "keep_checkpoints", "checkpoint_loras",
                 "dataset_dir", "cache_dir", "cache_max_gb", "steps",
                 "gradient_checkpointing", "skip_checkpoint_blocks", "compile_blocks", "checkpoint_budget", "attention")
 

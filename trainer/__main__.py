@@ -102,22 +102,31 @@ def import_pack(name: str = ""):
 
 
 def cmd_check_dataset(args) -> int:
-    from .archs import dataset_divisor
-    from .data.dataset import DataSettings, describe_plan, plan_for
+    from .archs import ARCHS, dataset_divisor, get_arch
+    from .data import quality
+    from .data.captions import caption_variants
+    from .data.dataset import CACHE_FOLDER, DataSettings, describe_plan, plan_for
     from .data.report import format_report
     from .data.scan import scan
 
     report = scan(args.dir, deep=args.deep, resolutions=args.resolutions)
     resolutions = args.resolutions or report.meta.resolutions      # none given: no bucket plan shown
-    buckets = None
+    buckets = verdicts = None
     if resolutions and report.items:
         plan = plan_for(report.items, DataSettings(resolutions=tuple(resolutions), divisor=dataset_divisor()))
         buckets = describe_plan(plan, report.items, resolutions)
+    if args.quality and report.items:
+        captions = DataSettings().with_meta(report.meta).captions   # the text each image trains with
+        texts = [caption_variants(i.caption, captions, seed=0, key=i.sha256)[0] for i in report.items]
+        archs = [get_arch(args.arch)] if args.arch else ARCHS.values()
+        quality.assess(report, texts, quality.token_limits(archs),
+                       cache_file=Path(args.dir) / CACHE_FOLDER / quality.CACHE_FILE)
+        verdicts = quality.verdicts(report, buckets)
     if args.json:
-        print(json.dumps({**report.to_dict(), **({"buckets": buckets} if buckets else {})}, indent=2,
-                         ensure_ascii=False))
+        extra = {**({"buckets": buckets} if buckets else {}), **({"verdicts": verdicts} if verdicts else {})}
+        print(json.dumps({**report.to_dict(), **extra}, indent=2, ensure_ascii=False))
     else:
-        print(format_report(report, buckets))
+        print(format_report(report, buckets, verdicts=[quality.verdict_line(v) for v in verdicts or []]))
     return 0 if report.ok else 1
 
 
@@ -309,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument("--resolutions", type=_resolutions,
                        help="bucket resolutions, e.g. 512,768 (default: dataset.json's, else 512)")
+    check.add_argument("--no-quality", dest="quality", action="store_false",
+                       help="skip the quality pass (near-duplicates, blur, caption length, a verdict per image)")
+    check.add_argument("--arch", choices=list(ARCHS), help="check caption lengths against this family's text "
+                       "encoder only (default: every family's)")
     check.set_defaults(func=cmd_check_dataset)
 
     from .data.captioning import STYLES

@@ -51,6 +51,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "batch_by": tuple(BATCHING),
     "base_quantize": ("none", "int8", "int4"),
     "attention": ("auto", "torch", "cudnn", "flash", "efficient", "math"),
+    "wandb_mode": ("offline", "online"),
 }
 
 # Inclusive (low, high) for numbers; for lists, the bounds of each element.
@@ -187,6 +188,12 @@ class TrainConfig:
     checkpoint_loras: bool = setting(False, "nodes: also write each checkpoint's LoRA to models/loras/kiln/"
                                             "<run>-stepNNNNNN.safetensors, to compare steps in a graph")
     log_every: int = setting(10, "steps between loss reads (a host sync on GPU)")
+    log_tensorboard: bool = setting(False, "write loss, learning rate, validation images and the config as "
+                                           "TensorBoard event files under <run>/tensorboard/ (pip install tensorboard)")
+    wandb_project: str = setting("", "Weights & Biases project to log the same to, under <run>/wandb/; "
+                                     "empty = off (pip install wandb)")
+    wandb_mode: str = setting("offline", "offline: W&B files stay in the run folder (upload later with "
+                                         "`wandb sync`); online: sent as the run goes (after `wandb login`)")
     save_dtype: str = setting("bf16", "dtype of saved LoRA weights")
     lora_format: str = setting("comfy", "comfy (ComfyUI-native keys), diffusers, kohya")
     # --- validation samples (headless `train`; in a graph, Kiln Validation Settings does this). Output

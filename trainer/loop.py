@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import distributed, faults, objective, state
+from . import distributed, faults, logging_sinks, objective, state
 from .archs import Arch, get_arch
 from .atomic import fault_point
 from .backends import get_backend
@@ -117,22 +117,26 @@ class StepLog:
     `flush` reads them all in one transfer (no host sync per step); it also keeps the latest run of
     consecutive skipped (non-finite) steps, which stops the run when too long."""
 
-    def __init__(self, backend, history: state.History, start: int, total_steps: int):
+    def __init__(self, backend, history: state.History, start: int, total_steps: int,
+                 sinks: logging_sinks.Sinks | None = None):
         self.backend, self.history, self.start, self.total_steps = backend, history, start, total_steps
-        self.pending: list = []  # (step, image names, StepStats) not yet read
+        self.sinks = sinks or logging_sinks.Sinks([])   # TensorBoard / W&B: each step's figures as read
+        self.pending: list = []  # (step, image names, StepStats, lr) not yet read
         self.streak: list = []   # history.skipped entries of the latest run of skipped steps
         self.started = time.perf_counter()
 
     def add(self, step: int, items: list[str], stats, lr: float) -> None:
-        self.pending.append((step, items, stats))
+        self.pending.append((step, items, stats, lr))
         self.history.lr.append(lr)
 
     def flush(self) -> None:
-        stats = [v for _, _, s in self.pending for v in (s.loss, s.grad_norm, s.finite)]
+        stats = [v for _, _, s, _ in self.pending for v in (s.loss, s.grad_norm, s.finite)]
         values = self.backend.scalars(stats)
-        for (step_done, items, _), loss, norm, finite in zip(self.pending, values[0::3], values[1::3], values[2::3]):
+        for (step_done, items, _, lr), loss, norm, finite in zip(self.pending, values[0::3], values[1::3],
+                                                                 values[2::3]):
             self.history.loss.append(loss)
             self.history.grad_norm.append(norm)
+            self.sinks.log_scalars(step_done, {"loss": loss, "grad_norm": norm, "learning_rate": lr})
             if finite:
                 self.streak.clear()
             else:  # the backend left weights, optimizer and EMA alone: count it and name the images
@@ -206,7 +210,8 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     """Train a LoRA on `model` in place; the model is restored as it was on return, also after an error.
 
     `validate(step, lora)` runs every `validate_every` steps and at the last step, with the EMA
-    weights swapped in when EMA is on. A torch model samples with its LoRA branches live; `lora()`
+    weights swapped in when EMA is on; the images it returns ([H,W,3] in 0..1, or None) go to the
+    TensorBoard / W&B sinks the config asks for. A torch model samples with its LoRA branches live; `lora()`
     gives the weights as numpy for a sampler that needs them applied (the MLX backend)."""
     arch, run_dir, backend = get_arch(cfg.arch), Path(run_dir), get_backend(cfg.backend)
     group = distributed.start(cfg.device, cfg.backend)   # one process, or this rank of torchrun's
@@ -216,9 +221,11 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     sampler = BucketSampler(data.buckets, {key: size * group.world for key, size in batch_sizes(cfg, data, arch).items()},
                             cfg.seed)
     backend.setup(model, cfg, arch, forward)
+    sinks = logging_sinks.Sinks([])
     try:
         history, start = resumed(resume, backend, rng, sampler, group)
-        log = StepLog(backend, history, start, cfg.steps)
+        sinks = logging_sinks.open_sinks(cfg, run_dir, start, group.is_main)
+        log = StepLog(backend, history, start, cfg.steps, sinks)
         save = functools.partial(save_run, cfg=cfg, arch=arch, backend=backend, run_dir=run_dir, rng=rng,
                                  sampler=sampler, log=log)
         alone = _one_rank_save(save, group)
@@ -249,7 +256,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
             if validate is not None and validate_every and (done % validate_every == 0 or done == cfg.steps):
                 if group.is_main:   # rank 0 samples; the others wait at the host barrier, not in an all-reduce
                     with faults.validation_saves_on_error(alone, done), backend.sampling():
-                        validate(done, backend.lora_state)
+                        sinks.log_images(done, "validation", validate(done, backend.lora_state))
                 distributed.barrier()
             if distributed.any_rank(should_stop is not None and should_stop()):   # every rank stops at one step
                 checkpoint_path, stopped = save(done), True
@@ -263,4 +270,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                          trainable_parameters=backend.trainable_parameter_count(),
                          skipped_items=[p.line() for p in getattr(data, "skipped", [])])
     finally:
-        backend.teardown()
+        try:
+            sinks.close()
+        finally:
+            backend.teardown()

@@ -84,15 +84,18 @@ def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
     through ComfyUI's loader. lora None (before training): the model as it is. on_sample(step, index,
     images) takes each IMAGE. Sampling leaves torch's random state as it was, so a run's LoRA dropout
     draws are the same with or without samples."""
-    def validate(step: int, lora: Callable | None = None) -> None:
+    def validate(step: int, lora: Callable | None = None) -> list:
         sampler_model = model if cfg.backend == "torch" or lora is None else comfy_lora.apply_lora(
             model, comfy_lora.lora_model_from(lora(), cfg.arch), 1.0)
+        drawn = []
         for index, s in enumerate(samples):
             with torch.random.fork_rng(devices=_rng_devices()):
                 images = ui.sample(sampler_model, s.positive, s.negative, s.vae, seed=s.seed, steps=s.steps,
                                    cfg=s.cfg, sampler_name=s.sampler_name, scheduler=s.scheduler, width=s.width,
                                    height=s.height)
             on_sample(step, index, images)
+            drawn += [image.float().cpu().numpy() for image in images]
+        return drawn     # [H,W,3] in 0..1 each: the loop's TensorBoard / W&B sinks log them
     return validate
 
 

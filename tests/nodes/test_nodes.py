@@ -121,6 +121,27 @@ def test_load_dataset_shows_the_bucket_plan_on_the_node(comfy_dirs):
     assert "OK: ready to train" in text
 
 
+def test_load_dataset_shows_quality_and_a_verdict_per_image(comfy_dirs):
+    """The quality pass on the node: a re-encoded copy is named as a near-duplicate, a blurred image as
+    blurry, and every image gets a verdict line with its buckets."""
+    from PIL import Image, ImageFilter
+
+    folder = comfy_dirs / "input" / "quality_shown"
+    make_dataset(folder, count=3)
+    with Image.open(folder / "img0.png") as image:
+        image.save(folder / "img0_copy.jpg", quality=85)                        # a re-encoded copy
+    with Image.open(folder / "img1.png") as image:
+        image.filter(ImageFilter.GaussianBlur(6)).save(folder / "soft.png")     # a blurred one
+    loaded = dn.KilnLoadDataset.execute("quality_shown", "kiln", "", "", "64", 1, 0.0)
+    text = "".join(loaded.ui.as_dict()["text"])
+    near = [line for line in text.splitlines() if "[near_duplicate]" in line]
+    assert len(near) == 1 and "img0.png" in near[0] and "img0_copy.jpg" in near[0], text  # the sharper one stays
+    assert "[blurry] soft.png" in text, text
+    assert "Per image (" in text and "of 5 ok):" in text
+    verdicts = text.split("Per image")[1]
+    assert all(f"img{n}.png" in verdicts for n in range(3)) and "img0_copy.jpg" in verdicts
+
+
 @pytest.mark.parametrize("family", ["flux2", "zimage"])
 def test_train_save_and_load_through_comfy(comfy_dirs, tmp_path_factory, family):
     if family == "flux2":

@@ -94,6 +94,10 @@ class Arch:
     description: str = ""
     layout: Layout | None = None    # sizes, Linears and block model for the memory estimate (layout.py)
     sampling: Sampling = Sampling()  # validation-sample defaults (steps, cfg, sampler, scheduler)
+    # Tokens a caption may have before the family's reference pipeline (diffusers) cuts it: its text
+    # encoder's max_sequence_length less the chat template's own tokens. ComfyUI cuts nothing, but the
+    # model never saw longer prompts. 0: no known limit. check-dataset warns past it (data/quality.py).
+    caption_token_limit: int = 0
 
     def collate_context(self, contexts: list[np.ndarray]) -> np.ndarray:
         """Rows [T_i,D] → [B,T,D], T = max(context_tokens, longest), zeros on the padded side."""

@@ -134,10 +134,14 @@ register(Arch(name="flux2_klein", model_extras=klein_extras, module_marker=MODUL
               # 20 euler steps at cfg 1 suit the distilled 4B/9B files (made for 4) and give the base a usable
               # preview; the base samples best at cfg ~4 with a negative (sample_cfg, sample_negative).
               sampling=Sampling(steps=20, cfg=1.0, sampler="euler", scheduler="simple"),
+              # Qwen3 at 512 tokens (diffusers' Flux2KleinPipeline), 12 of them ComfyUI's chat template.
+              caption_token_limit=CONTEXT_TOKENS - 12,
               description="Flux2 Klein 4B/9B (base, undistilled); no guidance input", **_COMMON))
 register(Arch(name="flux2_dev", model_extras=dev_extras,
               comfy=ComfyModel("Flux2", attributes=(("diffusion_model.params.guidance_embed", True),)),
               modelspec=("Flux.2-dev/lora", IMPLEMENTATION),
               # ComfyUI's Flux2 Dev template: 20 euler steps, cfg 1 (the guidance embedding takes ComfyUI's default).
               sampling=Sampling(steps=20, cfg=1.0, sampler="euler", scheduler="simple"),
+              # Mistral Small 3 at 512 tokens (diffusers' Flux2Pipeline), ~42 of them the system prompt.
+              caption_token_limit=CONTEXT_TOKENS - 42,
               description="Flux2 Dev; guidance embedding fed 1.0 in training", **_COMMON))

@@ -109,6 +109,7 @@ register(Arch(
     clip_type="QWEN_IMAGE", module_marker=r"^transformer_blocks\.\d+\.(img|txt)_mlp\.net\.",
     modelspec=("Qwen-Image/lora", "https://github.com/QwenLM/Qwen-Image"),
     diffusers_rules=DIFFUSERS_RULES, layout=LAYOUT,
+    caption_token_limit=1024,  # diffusers' QwenImagePipeline: 1024 tokens after its template's are dropped
     sampling=Sampling(steps=20, cfg=2.5, sampler="euler", scheduler="simple"),  # ComfyUI's Qwen-Image template
     description="Qwen-Image (20B MMDiT, Qwen2.5-VL text encoder); PyTorch backend",
 ))

@@ -109,6 +109,8 @@ _COMMON = dict(
     # A Lumina2 model with the ZImage config (not ZImagePixelSpace); the Lumina2 text encoder slot.
     comfy=ComfyModel("Lumina2", config_class="ZImage"), clip_type="LUMINA2", mlx_model="zimage",
     layout=LAYOUT,
+    # Qwen3 4B at 512 tokens (diffusers' ZImagePipeline), 8 of them ComfyUI's chat template.
+    caption_token_limit=CAPTION_TOKENS - 8,
 )
 _IMPLEMENTATION = "https://github.com/Tongyi-MAI/Z-Image"
 

@@ -46,6 +46,7 @@ class DataSettings:
     seed: int = 0
     deep: bool = False                 # decode every image while scanning
     caption_dropout: float = 0.05      # carried to training (the Load Dataset node sets it)
+    quality: bool = False              # also look for near-duplicates, blur and long captions (quality.py)
 
     @classmethod
     def from_config(cls, cfg, divisor: int) -> "DataSettings":
@@ -94,6 +95,12 @@ class Dataset:
         captions = tuple(tuple(caption_variants(i.caption, settings.captions, seed=settings.seed, key=i.sha256))
                          for i in items)
         cache = Path(cache_dir) if cache_dir else Path(report.root) / CACHE_FOLDER
+        if settings.quality:
+            from ..archs import ARCHS
+            from .quality import CACHE_FILE, assess, token_limits
+
+            assess(report, [variants[0] for variants in captions], token_limits(ARCHS.values()),
+                   cache_file=cache / CACHE_FILE)
         return cls(report, settings, plan, captions, cache)
 
     @property
@@ -204,8 +211,13 @@ class Dataset:
         return self.report.skipped + list(self.encode_problems)
 
     def report_text(self) -> str:
-        """What Load Dataset shows on its node: check-dataset's report with the bucket plan."""
-        return format_report(self.report, describe_plan(self.plan, self.report.items, self.settings.resolutions))
+        """What Load Dataset shows on its node: check-dataset's report with the bucket plan (and, after the
+        quality pass, a verdict line per image)."""
+        from .quality import verdict_line, verdicts
+
+        buckets = describe_plan(self.plan, self.report.items, self.settings.resolutions)
+        lines = [verdict_line(v) for v in verdicts(self.report, buckets)] if self.settings.quality else None
+        return format_report(self.report, buckets, verdicts=lines)
 
     def summary(self) -> str:
         report = self.report

@@ -85,6 +85,23 @@ def load_rgb(path: str | Path, data: bytes | None = None) -> np.ndarray:
             raise _decode_problem(err, info.format) from err
 
 
+def load_grey(path: str | Path, max_side: int) -> np.ndarray:
+    """The image upright as float32 luminance [H, W] in 0..255 (ITU-R 601, PIL's "L"), shrunk to at most
+    `max_side` px a side; a JPEG is decoded straight to grey at a reduced scale, so this stays cheap."""
+    with _open(path, None) as image:
+        info = _info(image)
+        try:
+            image.draft("L", (max_side, max_side))   # JPEG only: decode at 1/2, 1/4 or 1/8 scale, as grey
+            grey = image.convert("L") if image.mode in ("L", "RGB", "CMYK", "YCbCr") else \
+                Image.fromarray(_to_rgb(image)).convert("L")
+            if info.orientation in _TRANSPOSE:
+                grey = grey.transpose(_TRANSPOSE[info.orientation])
+            grey.thumbnail((max_side, max_side), Image.Resampling.BOX)
+        except Exception as err:   # see load_rgb
+            raise _decode_problem(err, info.format) from err
+    return np.asarray(grey, dtype=np.float32)
+
+
 def verify(path: str | Path, data: bytes | None = None) -> ImageInfo:
     """Decode every pixel (to catch truncation and corrupt data) without converting it."""
     with _open(path, data) as image:

@@ -99,9 +99,10 @@ class ScanReport:
 
 
 def format_report(report: ScanReport, buckets: list[dict] | None = None, *, per_code: int = 10,
-                  per_bucket: int = 8) -> str:
+                  per_bucket: int = 8, verdicts: list[str] | None = None) -> str:
     """The report as a person reads it: counts, usable images per folder, the buckets (BucketPlan.describe's
-    list, when given), then problems grouped by code."""
+    list, when given), then problems grouped by code, then one verdict line per image (quality.verdict_line's,
+    when given)."""
     repeats_total = sum(item.repeats for item in report.items) * (report.meta.repeats or 1)
     lines = [f"{'Deep' if report.deep else 'Fast'} scan of {report.root}",
              (f"  {len(report.items)} usable images ({repeats_total} per epoch with repeats), "
@@ -131,6 +132,9 @@ def format_report(report: ScanReport, buckets: list[dict] | None = None, *, per_
             lines += [f"  {problem.line()}" for problem in group[:per_code]]
             if len(group) > per_code:
                 lines.append(f"  … and {len(group) - per_code} more [{code}]")
+    if verdicts:
+        lines.append(f"Per image ({sum(line.endswith(' ok') for line in verdicts)} of {len(verdicts)} ok):")
+        lines += [f"  {line}" for line in verdicts]
     lines.append("OK: ready to train" if report.ok else "NOT READY: fix the fatal problems above")
     return "\n".join(lines)
 
