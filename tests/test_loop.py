@@ -156,3 +156,16 @@ def test_batch_by_tokens_sizes_batches_from_each_buckets_latents(make_data, make
     assert batch_sizes(make_config(batch_size=2), data, arch) == {"4x4": 2, "6x4": 2}
     # 16 and 24 tokens an image: the small bucket takes 2 * 24 // 16 = 3
     assert batch_sizes(make_config(batch_size=2, batch_by="tokens"), data, arch) == {"4x4": 3, "6x4": 2}
+
+
+def test_the_demo_model_is_built_on_the_training_device(make_config, monkeypatch):
+    """The torch backend trains a model where it is: `device = "cuda"` once crashed with the demo's weights
+    left on the CPU (found on an H200). Here "meta" stands in for the GPU."""
+    import torch
+
+    from trainer.backends.torch_backend import backend
+    from trainer.demo import model_for
+
+    monkeypatch.setattr(backend, "pick_device", lambda name: torch.device("meta"))
+    model = model_for(make_config())
+    assert {p.device.type for p in model.parameters()} == {"meta"}

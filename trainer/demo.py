@@ -122,9 +122,12 @@ def model_for(cfg: config_module.TrainConfig):
 
         model = demo_model(cfg.seed, dtype="bfloat16" if cfg.mixed_precision == "bf16" else "float32")
         return quantize_base(model, "demo", cfg.base_quantize)
+    from .backends.torch_backend.backend import pick_device
     from .tiny_dit import build_tiny_flux
 
-    return build_tiny_flux(cfg.seed)
+    # On the training device: the torch backend trains a model where it is (ComfyUI's session places its
+    # models), and `device = "cuda"` on the demo once failed with weights on the CPU (an H200, 2026-11-24).
+    return build_tiny_flux(cfg.seed).to(pick_device(cfg.device))
 
 
 def build_data(cfg: config_module.TrainConfig, folder: Path, cache_dir: Path | None = None):
