@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import distributed, faults, objective, state
+from . import distributed, faults, init_lora, objective, state
 from .archs import Arch, get_arch
 from .atomic import fault_point
 from .backends import get_backend
@@ -202,12 +202,17 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
           forward: Callable | None = None, resume: str | Path | None = None,
           on_step: Callable[[Report], None] | None = None,
           should_stop: Callable[[], bool] | None = None,
-          validate: Callable[[int, Callable], None] | None = None, validate_every: int = 0) -> RunResult:
+          validate: Callable[[int, Callable], None] | None = None, validate_every: int = 0,
+          init: init_lora.InitLora | None = None) -> RunResult:
     """Train a LoRA on `model` in place; the model is restored as it was on return, also after an error.
+
+    A new run starts from `init` (else from the file cfg.init_lora names, else a new LoRA), at its rank
+    and alpha (trainer/init_lora.py); a resumed run continues from its checkpoint.
 
     `validate(step, lora)` runs every `validate_every` steps and at the last step, with the EMA
     weights swapped in when EMA is on. A torch model samples with its LoRA branches live; `lora()`
     gives the weights as numpy for a sampler that needs them applied (the MLX backend)."""
+    cfg, init = init_lora.prepare(cfg, init)   # before anything reads rank or alpha, or saves the config
     arch, run_dir, backend = get_arch(cfg.arch), Path(run_dir), get_backend(cfg.backend)
     group = distributed.start(cfg.device, cfg.backend)   # one process, or this rank of torchrun's
     rng = np.random.default_rng(cfg.seed)
@@ -218,6 +223,8 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     backend.setup(model, cfg, arch, forward)
     try:
         history, start = resumed(resume, backend, rng, sampler, group)
+        if init is not None and resume is None:   # every rank reads the same weights
+            init_lora.load_into(backend, init, cfg.ema)
         log = StepLog(backend, history, start, cfg.steps)
         save = functools.partial(save_run, cfg=cfg, arch=arch, backend=backend, run_dir=run_dir, rng=rng,
                                  sampler=sampler, log=log)
