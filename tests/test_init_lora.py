@@ -98,6 +98,10 @@ def test_resuming_a_run_started_from_a_lora_is_bitwise_a_straight_run(tmp_path, 
     assert set(a) == set(b) and any(k.startswith("ema.") for k in a)
     for key in a:
         assert np.array_equal(a[key], b[key]), key
+    write(path, file_lora(make_model, make_config, seed=11))   # the file changed: its run does not resume from it
+    with pytest.raises(ValueError, match="this run started from init LoRA sha256 .* but the config gives init"):
+        train(config.replace(cfg, steps=10), make_model(), make_data(), run_dir=tmp_path / "stopped",
+              resume=tmp_path / "stopped")
 
 
 @pytest.mark.parametrize("fmt", ["kohya", "diffusers"])

@@ -155,11 +155,19 @@ class StepLog:
 
 
 def resumed(resume: str | Path | None, backend, rng: np.random.Generator,
-            sampler: BucketSampler, group: distributed.Group = distributed.SINGLE) -> tuple[state.History, int]:
-    """(history, first step): a new run's, or the checkpoint's at `resume` with all its state put back."""
+            sampler: BucketSampler, group: distributed.Group = distributed.SINGLE,
+            init_sha256: str = "") -> tuple[state.History, int]:
+    """(history, first step): a new run's, or the checkpoint's at `resume` with all its state put back.
+    A run started from another init LoRA (or from none, or from one) than the config's is refused."""
     if resume is None:
         return state.History(), 0
     checkpoint = state.load_checkpoint(resume)
+    started = checkpoint.info.get("config", {}).get("init_lora_sha256", "")
+    if started != init_sha256:
+        said = [f"init LoRA sha256 {sha[:12]}…" if sha else "a new LoRA" for sha in (started, init_sha256)]
+        raise ValueError(f"{checkpoint.path}: this run started from {said[0]}, but the config gives "
+                         f"{said[1]} (init_lora); resume with the run's own init_lora file, or start a "
+                         "new run (another run_name)")
     history = state.restore(checkpoint, backend=backend, numpy_rng=rng, sampler=sampler,
                             rank=group.rank, world=group.world)
     return history, checkpoint.step
@@ -222,7 +230,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                             cfg.seed)
     backend.setup(model, cfg, arch, forward)
     try:
-        history, start = resumed(resume, backend, rng, sampler, group)
+        history, start = resumed(resume, backend, rng, sampler, group, cfg.init_lora_sha256)
         if init is not None and resume is None:   # every rank reads the same weights
             init_lora.load_into(backend, init, cfg.ema)
         log = StepLog(backend, history, start, cfg.steps)
