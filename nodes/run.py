@@ -29,6 +29,7 @@ from ..trainer import config as cfg_module
 from ..trainer import paths
 from ..trainer import state as state_module
 from ..trainer.data.dataset import Dataset
+from ..trainer.init_lora import InitLora
 from ..trainer.lora_format import LoraWeights
 from ..trainer.loop import RunResult, train
 from ..trainer.plot import loss_curve
@@ -76,7 +77,8 @@ def dataset_identity(dataset: Dataset) -> str:
 # after a stop resumes the same run (the speed levers give the same losses to bf16 noise).
 NOT_IDENTITY = ("output_dir", "run_name", "log_every", "log_tensorboard", "wandb_project", "wandb_mode", "checkpoint_every", "keep_checkpoints", "checkpoint_loras",
                 "dataset_dir", "cache_dir", "cache_max_gb", "steps",
-                "gradient_checkpointing", "skip_checkpoint_blocks", "compile_blocks", "checkpoint_budget", "attention")
+                "gradient_checkpointing", "skip_checkpoint_blocks", "compile_blocks", "checkpoint_budget", "attention",
+                "init_lora")  # where the init LoRA lies; its content is init_lora_sha256, which counts
 
 
 def run_identity(cfg: cfg_module.TrainConfig, dataset: Dataset, resume_from: str | None) -> str:
@@ -94,7 +96,7 @@ class Outcome:
 
 
 def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=None, resume_state: KilnState | None = None,
-            validation=None, output_root: Path) -> Outcome:
+            validation=None, output_root: Path, init: InitLora | None = None) -> Outcome:
     if cfg.run_name:  # before anything is loaded or written
         paths.check_name(cfg.run_name, "Kiln Training Options: run_name")
     resume_from = resume_state.checkpoint if resume_state is not None else None
@@ -136,7 +138,7 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
 
     try:
         result: RunResult = bridge.train(cfg, model, dataset, adapter=adapter, setup=setup,
-                                         run=functools.partial(train, run_dir=run_dir))
+                                         run=functools.partial(train, run_dir=run_dir, init=init))
     except BaseException as error:
         for tracker in trackers:
             tracker.finish(error=error)

@@ -7,6 +7,7 @@ from pathlib import Path
 from comfy_api.latest import io, ui
 
 from ..trainer import config as cfg_module
+from ..trainer import init_lora as init_module
 from ..trainer.archs import ARCHS
 
 from . import live, run
@@ -18,6 +19,7 @@ DATASET_FIELDS = ("dataset_dir", "resolutions", "repeats", "caption_dropout", "t
                   "caption_suffix", "default_caption", "shuffle_tags", "keep_tags", "caption_variants", "crop",
                   "cache_dir", "cache_max_gb")
 NOT_IN_GRAPH = ("arch", "model_path", "vae_path", "text_encoder_path", "training_adapter",
+                "init_lora", "init_lora_sha256",  # Train LoRA's init_lora / init_lora_file inputs
                 "output_dir",  # the graph supplies these (headless `train` reads them from its config)
                 *cfg_module.SAMPLE_FIELDS)  # headless samples; a graph has Validation Settings
 # Training Options' widgets as shipped in 0.1.0. A saved workflow's widgets_values are positional, so this
@@ -109,6 +111,31 @@ def build_config(model, dataset, widgets: dict, preset: str, options: dict | Non
     return cfg_module.from_dict(values, preset=None if preset == "none" else preset)
 
 
+def start_from(cfg, lora_model, file_name: str, resume):
+    """(config, init LoRA): the init_lora input or file read, and its rank, alpha and sha256 in the config
+    (before the run folder is hashed). Resuming a run started from a LoRA keeps that run's rank, alpha and
+    record, and starts from its checkpoint, not from a LoRA."""
+    where = "Kiln Train LoRA"
+    chosen = file_name not in (None, "none")
+    if lora_model is not None and chosen:
+        raise ValueError(f"{where}: both init_lora and init_lora_file are set; connect one LoRA to start from "
+                         "(set init_lora_file to none, or disconnect init_lora)")
+    if resume is not None and (lora_model is not None or chosen):
+        raise ValueError(f"{where}: resume continues a run from its checkpoint, init_lora starts a new one from "
+                         "a LoRA; connect one of them")
+    if resume is not None and resume.config.get("init_lora_sha256"):
+        started = {key: resume.config[key] for key in ("rank", "alpha", "init_lora", "init_lora_sha256")}
+        return cfg_module.replace(cfg, **started), None
+    if lora_model is None and not chosen:
+        return cfg, None
+    try:
+        init = (init_module.from_file(bridge.lora_path(file_name), cfg.arch) if chosen else
+                init_module.from_tensors_named(bridge.lora_arrays(lora_model), "LORA_MODEL", cfg.arch))
+        return init_module.settle(cfg, init), init
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
 class KilnTrainLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -138,6 +165,13 @@ class KilnTrainLoRA(io.ComfyNode):
                 STATE.Input("resume", optional=True, tooltip="A KILN_STATE to continue (from another Train LoRA "
                             "or Kiln Load Run)"),
                 VALIDATION.Input("validation", optional=True, tooltip="From Kiln Validation Settings"),
+                io.LoraModel.Input("init_lora", optional=True, tooltip="A LoRA to start from instead of a new one "
+                                   "(a LORA_MODEL: another Train LoRA, Kiln Convert LoRA, Merge/Resize LoRA); its "
+                                   "rank and alpha replace rank and alpha. Ignored when resuming"),
+                io.Combo.Input("init_lora_file", options=["none", *bridge.lora_names()], default="none",
+                               optional=True, tooltip="A LoRA file (models/loras; ai-toolkit, musubi-tuner, "
+                               "SimpleTuner, diffusers/PEFT, kohya, ComfyUI or Kiln layout) to start from, as "
+                               "init_lora"),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input model with the trained LoRA (EMA weights "
@@ -155,7 +189,8 @@ class KilnTrainLoRA(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, dataset, steps, learning_rate, rank, alpha, optimizer, preset, backend, seed,
-                options=None, training_adapter="none", resume=None, validation=None):
+                options=None, training_adapter="none", resume=None, validation=None, init_lora=None,
+                init_lora_file="none"):
         widgets = dict(steps=steps, learning_rate=learning_rate, rank=rank, alpha=alpha, optimizer=optimizer,
                        backend=backend, seed=seed)
         adapter = None if training_adapter in (None, "none") else bridge.load_lora_file(
@@ -163,8 +198,9 @@ class KilnTrainLoRA(io.ComfyNode):
         if adapter is not None:
             bridge.require_fit(model, adapter, f"Kiln Train LoRA: training_adapter {training_adapter!r}")
         cfg = build_config(model, dataset, widgets, preset, options, adapter is not None)
+        cfg, init = start_from(cfg, init_lora, init_lora_file, resume)
         outcome = run.execute(cfg, model, dataset, adapter=adapter, resume_state=resume, validation=validation,
-                              output_root=Path(bridge.folders()["output"]) / "kiln")
+                              output_root=Path(bridge.folders()["output"]) / "kiln", init=init)
         state = outcome.state
         lora_model = bridge.lora_model_from(state.best_lora(), state.arch)
         trained = bridge.apply_lora(model, lora_model, 1.0)

@@ -44,9 +44,10 @@ def cmd_demo(args) -> int:
 
 def cmd_train(args) -> int:
     from . import config as config_module
-    from . import distributed
+    from . import distributed, init_lora
 
     cfg = config_module.load(args.config)
+    cfg, _ = init_lora.prepare(cfg)   # an init_lora file's rank and alpha, before anything uses them
     # Under torchrun: join the other ranks first (each takes its GPU before anything picks one).
     distributed.start(cfg.device, cfg.backend)
     if cfg.arch != "demo":

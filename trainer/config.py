@@ -123,6 +123,11 @@ class TrainConfig:
     lora_dropout: float = setting(0.0, "dropout on the LoRA branch input")
     targets: list[str] = setting([], 'module patterns: exact, suffix ("img_attn.qkv") or "re:<regex>"; '
                                      "empty = arch defaults")
+    init_lora: str = setting("", "a LoRA .safetensors to start from (any trainer's layout Kiln reads) instead of a "
+                                 "new LoRA; its rank and alpha replace rank and alpha. A resumed run continues "
+                                 "from its checkpoint. Empty = a new LoRA")
+    init_lora_sha256: str = setting("", "filled in by the run: the sha256 of init_lora (of the file, or of a "
+                                        "LORA_MODEL's tensors); a file that no longer matches stops a resume")
     # --- optimisation
     steps: int = setting(1000, "optimizer steps (each takes grad_accum micro-batches)")
     batch_size: int = setting(1, "images per micro-batch (one bucket per batch)")
@@ -411,6 +416,9 @@ def _check_combinations(cfg: TrainConfig) -> None:
     if bad_res:
         problems.append(f"resolutions {bad_res} must be multiples of {ARCHS[cfg.arch].bucket_divisor} for {cfg.arch}")
     _check_samples(cfg, problems)
+    if cfg.init_lora_sha256 and not re.fullmatch(r"[0-9a-f]{64}", cfg.init_lora_sha256):
+        problems.append(f"init_lora_sha256 must be 64 lower-case hex digits (a sha256) or empty, "
+                        f"got {cfg.init_lora_sha256!r}")
     for pattern in cfg.targets:
         if not pattern.strip():
             problems.append("targets contains an empty pattern")

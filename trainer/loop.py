@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import distributed, faults, logging_sinks, objective, state
+from . import distributed, faults, init_lora, logging_sinks, objective, state
 from .archs import Arch, get_arch
 from .atomic import fault_point
 from .backends import get_backend
@@ -159,11 +159,19 @@ class StepLog:
 
 
 def resumed(resume: str | Path | None, backend, rng: np.random.Generator,
-            sampler: BucketSampler, group: distributed.Group = distributed.SINGLE) -> tuple[state.History, int]:
-    """(history, first step): a new run's, or the checkpoint's at `resume` with all its state put back."""
+            sampler: BucketSampler, group: distributed.Group = distributed.SINGLE,
+            init_sha256: str = "") -> tuple[state.History, int]:
+    """(history, first step): a new run's, or the checkpoint's at `resume` with all its state put back.
+    A run started from another init LoRA (or from none, or from one) than the config's is refused."""
     if resume is None:
         return state.History(), 0
     checkpoint = state.load_checkpoint(resume)
+    started = checkpoint.info.get("config", {}).get("init_lora_sha256", "")
+    if started != init_sha256:
+        said = [f"init LoRA sha256 {sha[:12]}…" if sha else "a new LoRA" for sha in (started, init_sha256)]
+        raise ValueError(f"{checkpoint.path}: this run started from {said[0]}, but the config gives "
+                         f"{said[1]} (init_lora); resume with the run's own init_lora file, or start a "
+                         "new run (another run_name)")
     history = state.restore(checkpoint, backend=backend, numpy_rng=rng, sampler=sampler,
                             rank=group.rank, world=group.world)
     return history, checkpoint.step
@@ -206,13 +214,18 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
           forward: Callable | None = None, resume: str | Path | None = None,
           on_step: Callable[[Report], None] | None = None,
           should_stop: Callable[[], bool] | None = None,
-          validate: Callable[[int, Callable], None] | None = None, validate_every: int = 0) -> RunResult:
+          validate: Callable[[int, Callable], None] | None = None, validate_every: int = 0,
+          init: init_lora.InitLora | None = None) -> RunResult:
     """Train a LoRA on `model` in place; the model is restored as it was on return, also after an error.
+
+    A new run starts from `init` (else from the file cfg.init_lora names, else a new LoRA), at its rank
+    and alpha (trainer/init_lora.py); a resumed run continues from its checkpoint.
 
     `validate(step, lora)` runs every `validate_every` steps and at the last step, with the EMA
     weights swapped in when EMA is on; the images it returns ([H,W,3] in 0..1, or None) go to the
     TensorBoard / W&B sinks the config asks for. A torch model samples with its LoRA branches live; `lora()`
     gives the weights as numpy for a sampler that needs them applied (the MLX backend)."""
+    cfg, init = init_lora.prepare(cfg, init)   # before anything reads rank or alpha, or saves the config
     arch, run_dir, backend = get_arch(cfg.arch), Path(run_dir), get_backend(cfg.backend)
     group = distributed.start(cfg.device, cfg.backend)   # one process, or this rank of torchrun's
     rng = np.random.default_rng(cfg.seed)
@@ -223,7 +236,9 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     backend.setup(model, cfg, arch, forward)
     sinks = logging_sinks.Sinks([])
     try:
-        history, start = resumed(resume, backend, rng, sampler, group)
+        history, start = resumed(resume, backend, rng, sampler, group, cfg.init_lora_sha256)
+        if init is not None and resume is None:   # every rank reads the same weights
+            init_lora.load_into(backend, init, cfg.ema)
         sinks = logging_sinks.open_sinks(cfg, run_dir, start, group.is_main)
         log = StepLog(backend, history, start, cfg.steps, sinks)
         save = functools.partial(save_run, cfg=cfg, arch=arch, backend=backend, run_dir=run_dir, rng=rng,

@@ -17,6 +17,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import NamedTuple
 
 import numpy as np
@@ -376,6 +377,9 @@ def build_metadata(*, arch_name: str, config: dict, steps: int, trigger_words: l
     }
     if notes:
         metadata["modelspec.description"] = notes
+    if config.get("init_lora_sha256"):  # a run started from a LoRA (trainer/init_lora.py): where it started
+        metadata["kiln.init_lora"] = json.dumps({"name": PurePath(str(config.get("init_lora", ""))).name,
+                                                 "sha256": config["init_lora_sha256"]})
     for key, value in (extra or {}).items():
         if not isinstance(value, str):
             raise TypeError(f"metadata {key!r} is {type(value).__name__}; safetensors metadata must be str")

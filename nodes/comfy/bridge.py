@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .captioning import caption_model_folders, clip_captioner, device_captioner  # noqa: F401
 from .encoders import conditioning, text_encoder, vae_encoder  # noqa: F401
-from .lora import (apply_lora, load_lora_file, lora_model_from, lora_weights_from, negate_lora,  # noqa: F401
+from .lora import (apply_lora, load_lora_file, lora_arrays, lora_model_from, lora_weights_from, negate_lora,  # noqa: F401
                    require_fit, training_adapter_merged, unmatched_lora_keys)
 from .model import detect_arch, diffusion_model, latents_in, make_forward, matching_archs  # noqa: F401
 from .session import Interrupted, free_memory, reload_for_training, trainable, training_session  # noqa: F401

@@ -22,10 +22,14 @@ def lora_model_from(weights: dict[str, LoraWeights], arch_name: str | None = Non
             for k, v in tensors.items()}
 
 
+def lora_arrays(lora_model: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """A LORA_MODEL's tensors as float32 numpy (bf16 and fp16 exactly), for the trainer."""
+    return {k: v.detach().float().cpu().numpy() for k, v in lora_model.items()}
+
+
 def lora_weights_from(lora_model: dict[str, torch.Tensor], arch_name: str | None = None) -> dict[str, LoraWeights]:
     """LORA_MODEL (or a LoRA file's tensors: comfy, diffusers or kohya keys) → Kiln LoRA."""
-    arrays = {k: v.detach().float().cpu().numpy() for k, v in lora_model.items()}
-    weights, _ = lora_format.from_tensors(arrays, arch=arch_name, source="LORA_MODEL")
+    weights, _ = lora_format.from_tensors(lora_arrays(lora_model), arch=arch_name, source="LORA_MODEL")
     return weights
 
 
