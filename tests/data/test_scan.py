@@ -346,7 +346,8 @@ def test_check_dataset_shows_the_bucket_plan(tmp_path, capsys):
     assert "Buckets at 768 px (centre crop, sides multiples of 16): 1 image in 1 bucket" in text
     assert "    big.png 1200x800 → 936x624, crop 8 px x 0 px at (4, 0)" in text
     assert "no 768 px bucket (smaller than 768x768; it trains at a smaller resolution only): small/00.png" in text
-    assert "small/00.png 100x100" not in text                  # 100 → 96 is a resize, no pixels cropped
+    plan = text.split("Per image")[0]                         # the bucket plan, before the per-image verdicts
+    assert "small/00.png 100x100" not in plan                  # 100 → 96 is a resize, no pixels cropped
     assert main(["check-dataset", str(tmp_path), "--resolutions", "512,768", "--json"]) == 0
     at_768 = json.loads(capsys.readouterr().out)["buckets"][1]
     assert at_768["resolution"] == 768 and at_768["images"] == 1 and len(at_768["smaller"]) == 10
