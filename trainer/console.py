@@ -2,10 +2,22 @@
 run leaves (LoRA, loss curve) with a summary. Used by `python -m trainer` and headless.py."""
 from __future__ import annotations
 
+import json
+import os
 import signal
 import sys
 import time
 from pathlib import Path
+
+# With KILN_PROGRESS_JSON=1 rank 0 also prints one machine-readable line per step and one at the end
+# (`KILN_PROGRESS {json}`, `KILN_DONE {json}`), read by trainer/launch.py instead of scraping tqdm.
+PROGRESS_ENV, PROGRESS_TAG, DONE_TAG = "KILN_PROGRESS_JSON", "KILN_PROGRESS", "KILN_DONE"
+
+
+def emit(tag: str, fields: dict) -> None:
+    """One machine-readable line on stdout (when KILN_PROGRESS_JSON=1), flushed at once."""
+    if os.environ.get(PROGRESS_ENV) == "1":
+        print(f"{tag} {json.dumps(fields)}", flush=True)
 
 
 def progress_bar(total: int, start: int, show: bool = True):
@@ -19,6 +31,9 @@ def progress_bar(total: int, start: int, show: bool = True):
         bar.update(report.step - bar.n)
         if report.loss is not None:
             bar.set_postfix(loss=f"{report.loss:.4f}", smooth=f"{report.loss_smooth:.4f}", lr=f"{report.lr:.2e}")
+        if show:
+            emit(PROGRESS_TAG, {"step": report.step, "total": report.total_steps, "loss": report.loss,
+                                "lr": report.lr, "it_per_s": report.it_per_s, "eta_s": report.eta_s})
     return bar, on_step
 
 
@@ -116,3 +131,5 @@ def finish(cfg, result, run_dir: Path, name: str) -> None:
 
     newest = result.checkpoint or next((path for _, path in list_checkpoints(run_dir)[-1:]), None)
     print(f"checkpoint (resume with --resume): {newest}")
+    emit(DONE_TAG, {"lora": str(lora_path), "checkpoint": str(newest) if newest else None, "step": result.step,
+                    "total": cfg.steps, "stopped": bool(result.stopped)})

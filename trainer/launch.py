@@ -1,0 +1,169 @@
+"""A headless run under torchrun as a child process (#22): what ComfyUI's "Train LoRA (several GPUs)"
+node starts, usable from any Python program.
+
+The run's config is written to `<run>/launch.toml` (atomically), then
+`python -m torch.distributed.run --standalone --nproc_per_node N -m trainer train <run>/launch.toml`
+starts in its own process group with `CUDA_VISIBLE_DEVICES` set to the chosen GPUs, the pack root on
+PYTHONPATH and as cwd (so `-m trainer` is this pack's), and `KILN_PROGRESS_JSON=1`: rank 0 prints one
+`KILN_PROGRESS {json}` line per step and one `KILN_DONE {json}` line at the end (trainer/console.py),
+which a reader thread parses. `stop()` is Ctrl-C: SIGINT to torchrun, which forwards it to every rank;
+they stop after the same step with a resumable checkpoint. Nothing here imports ComfyUI; the child
+never runs ComfyUI's main (for ComfyUI archs it loads model files through headless.py, COMFYUI_PATH).
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import config as config_module
+from .console import DONE_TAG, PROGRESS_ENV, PROGRESS_TAG
+
+PACK_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_NAME = "launch.toml"
+STOP_WAIT_S = 120.0   # after stop(): how long the ranks may take to finish their step and save
+
+
+@dataclass
+class Outcome:
+    """How a launched run ended: its LoRA and newest checkpoint (None when it wrote none)."""
+    returncode: int
+    lora: Path | None
+    checkpoint: Path | None
+    step: int
+    stopped: bool
+    tail: str        # the last lines of the run's output, for an error message
+
+
+def parse_line(line: str) -> tuple[str, dict] | None:
+    """("progress" | "done", fields) for a machine-readable line, None for any other output. The tag may
+    follow a progress bar's unterminated redraw (tqdm writes on stderr, merged into the same pipe)."""
+    for tag, kind in ((PROGRESS_TAG, "progress"), (DONE_TAG, "done")):
+        at = line.find(tag + " {")
+        if at >= 0:
+            try:
+                return kind, json.loads(line[at + len(tag) + 1:])
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def gpu_list(text: str) -> list[int]:
+    """'0,1' -> [0, 1]; '' -> [] (every GPU the machine shows)."""
+    try:
+        gpus = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ValueError(f"gpus {text!r}: write GPU indices separated by commas, e.g. '0,1'") from None
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError(f"gpus {text!r}: indices must be distinct and not negative, e.g. '0,1'")
+    return gpus
+
+
+def command(config_path: Path, processes: int, resume: bool = False) -> list[str]:
+    """torchrun (torch.distributed.run, its module) on one machine, a free port chosen by --standalone."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+            "-m", "trainer", "train", str(config_path), *(["--resume"] if resume else [])]
+
+
+def environment(gpus: list[int], comfyui_path: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env[PROGRESS_ENV] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(PACK_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("KILN_FAULT", None)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    if comfyui_path:
+        env["COMFYUI_PATH"] = str(comfyui_path)
+    return env
+
+
+class Launch:
+    """One torchrun run: `start()`, then `wait(on_progress, should_stop)`, or `stop()` from anywhere."""
+
+    def __init__(self, config: dict, run_dir: str | Path, *, processes: int, gpus: str = "",
+                 comfyui_path: str | None = None):
+        if processes < 1:
+            raise ValueError(f"processes {processes}: start at least one process (one per GPU)")
+        self.gpus = gpu_list(gpus)
+        if self.gpus and len(self.gpus) < processes:
+            raise ValueError(f"gpus {gpus!r} names {len(self.gpus)} GPU(s) for {processes} processes: "
+                             "name one GPU per process, or fewer processes")
+        self.run_dir, self.processes, self.comfyui_path = Path(run_dir), processes, comfyui_path
+        values = {**config, "output_dir": str(self.run_dir.parent), "run_name": self.run_dir.name}
+        self.config = config_module.from_dict(values)   # validated here, before anything starts
+        self.events: queue.Queue = queue.Queue()
+        self.tail: deque[str] = deque(maxlen=60)
+        self.done: dict | None = None
+        self.stopping = False
+        self.process: subprocess.Popen | None = None
+
+    def start(self, resume: bool = False) -> "Launch":
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.run_dir / CONFIG_NAME
+        config_module.save(self.config, config_path)
+        self.process = subprocess.Popen(
+            command(config_path, self.processes, resume), cwd=PACK_ROOT, env=environment(self.gpus, self.comfyui_path),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
+            start_new_session=True)   # its own process group: ComfyUI's Ctrl-C is not the run's
+        threading.Thread(target=self._read, name="kiln-launch-reader", daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            line = line.rstrip("\n")
+            parsed = parse_line(line)
+            if parsed is None:
+                if line.strip():
+                    self.tail.append(line)
+                continue
+            if parsed[0] == "done":
+                self.done = parsed[1]
+            self.events.put(parsed)
+        self.events.put(("closed", {}))
+
+    def stop(self) -> None:
+        """Ctrl-C to torchrun: every rank finishes its step, saves a checkpoint and exits."""
+        if self.process is not None and self.process.poll() is None and not self.stopping:
+            self.stopping = True
+            os.killpg(self.process.pid, signal.SIGINT)
+
+    def wait(self, on_progress: Callable[[dict], None] | None = None,
+             should_stop: Callable[[], bool] | None = None, poll_s: float = 0.25) -> Outcome:
+        """Runs `on_progress` for each step line and polls `should_stop` in the calling thread; the outcome."""
+        while True:
+            try:
+                kind, fields = self.events.get(timeout=poll_s)
+            except queue.Empty:
+                kind, fields = None, {}
+            if kind == "progress" and on_progress is not None:
+                on_progress(fields)
+            if kind == "closed":
+                break
+            if should_stop is not None and not self.stopping and should_stop():
+                self.stop()
+        try:
+            code = self.process.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            code = self.process.wait()
+        return self.outcome(code)
+
+    def outcome(self, code: int) -> Outcome:
+        from .state import list_checkpoints
+
+        found = list_checkpoints(self.run_dir)
+        newest = found[-1] if found else None
+        done = self.done or {}
+        lora = Path(done["lora"]) if done.get("lora") else None
+        return Outcome(code, lora if lora is not None and lora.is_file() else None,
+                       newest[1] if newest else None, newest[0] if newest else 0,
+                       bool(done.get("stopped", self.stopping)), "\n".join(self.tail))
