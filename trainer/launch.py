@@ -20,9 +20,9 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from . import config as config_module
 from .console import DONE_TAG, PROGRESS_ENV, PROGRESS_TAG
@@ -106,7 +106,7 @@ class Launch:
         self.stopping = False
         self.process: subprocess.Popen | None = None
 
-    def start(self, resume: bool = False) -> "Launch":
+    def start(self, resume: bool = False) -> Launch:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / CONFIG_NAME
         config_module.save(self.config, config_path)
