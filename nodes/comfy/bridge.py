@@ -23,7 +23,8 @@ from .lora import (apply_lora, load_lora_file, lora_arrays, lora_model_from, lor
 from .model import detect_arch, diffusion_model, latents_in, make_forward, matching_archs  # noqa: F401
 from .session import Interrupted, free_memory, reload_for_training, trainable, training_session  # noqa: F401
 from .training import Sample, prompt_samples, train, validation  # noqa: F401
-from .ui import (Progress, add_json_routes, add_routes, cat_images, check_sampling, executing_node,  # noqa: F401
-                 folders, image_tensor, lora_names, lora_path, loss_map, progress, prompt_server, refresh_loras, sample, sampler_names,
+from .ui import (Progress, add_json_routes, add_routes, cat_images, check_sampling, comfyui_root,  # noqa: F401
+                 executing_node, folders, image_tensor, interrupt_requested, lora_names, lora_path, loss_map,
+                 model_names, model_path, progress, prompt_server, refresh_loras, sample, sampler_names,
                  scheduler_names, send_event)
 from .weights import EffectiveWeights, compute_device  # noqa: F401

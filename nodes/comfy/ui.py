@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import comfy.model_management as mm
 import comfy.sample
@@ -144,6 +145,26 @@ def lora_names() -> list[str]:
 def lora_path(name: str) -> str:
     """A LoraLoader name → its full path (raises if it is not there)."""
     return folder_paths.get_full_path_or_raise("loras", name)
+
+
+def model_names(folder: str) -> list[str]:
+    """The files ComfyUI lists in one of its model folders ("diffusion_models", "vae", "text_encoders")."""
+    return folder_paths.get_filename_list(folder)
+
+
+def model_path(folder: str, name: str) -> str:
+    """A name from model_names(folder) → its full path (raises if it is not there)."""
+    return folder_paths.get_full_path_or_raise(folder, name)
+
+
+def comfyui_root() -> str:
+    """ComfyUI's own folder (COMFYUI_PATH for a headless child run that loads models with its loaders)."""
+    return str(Path(folder_paths.base_path))
+
+
+def interrupt_requested() -> bool:
+    """Whether the Stop button was pressed, without clearing the request (Progress.update raises it)."""
+    return mm.processing_interrupted()
 
 
 def refresh_loras() -> None:

@@ -102,7 +102,7 @@ def test_every_node_is_registered():
                    "KilnTrainingOptions",
                    "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
                    "KilnInvertAdapter", "KilnLossGraph", "KilnMergeLoRAs", "KilnResizeLoRA", "KilnExtractLoRA",
-                   "KilnConvertLoRA"}
+                   "KilnConvertLoRA", "KilnTrainLoRATorchrun"}
     for node in pack.NODES:
         schema = node.define_schema()
         assert schema.category.startswith("Kiln")

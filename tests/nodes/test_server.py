@@ -49,7 +49,7 @@ EXAMPLES = sorted((REPO / "example_workflows" / "api").glob("*.json"))
 KILN_NODES = {"KilnCaptionImages", "KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
               "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
               "KilnInvertAdapter", "KilnLossGraph", "KilnMergeLoRAs", "KilnResizeLoRA", "KilnExtractLoRA",
-              "KilnConvertLoRA"}
+              "KilnConvertLoRA", "KilnTrainLoRATorchrun"}
 
 
 @pytest.fixture(scope="module")
