@@ -103,7 +103,7 @@ class Launch:
         self.events: queue.Queue = queue.Queue()
         self.tail: deque[str] = deque(maxlen=60)
         self.done: dict | None = None
-        self.stopping = False
+        self.stopping = self.closed = False
         self.process: subprocess.Popen | None = None
 
     def start(self, resume: bool = False) -> Launch:
@@ -128,6 +128,7 @@ class Launch:
             if parsed[0] == "done":
                 self.done = parsed[1]
             self.events.put(parsed)
+        self.closed = True
         self.events.put(("closed", {}))
 
     def stop(self) -> None:
@@ -139,7 +140,7 @@ class Launch:
     def wait(self, on_progress: Callable[[dict], None] | None = None,
              should_stop: Callable[[], bool] | None = None, poll_s: float = 0.25) -> Outcome:
         """Runs `on_progress` for each step line and polls `should_stop` in the calling thread; the outcome."""
-        while True:
+        while not (self.closed and self.events.empty()):   # a second wait() returns too
             try:
                 kind, fields = self.events.get(timeout=poll_s)
             except queue.Empty:
