@@ -11,11 +11,9 @@
 // pytest side asserts on it. Nothing here reaches the internet: Chromium runs with networking extras off.
 import fs from "node:fs";
 import path from "node:path";
-import { createRequire } from "node:module";
 import { parseArgs } from "node:util";
+import { openPage } from "./browser.mjs";
 
-const require = createRequire(import.meta.url);
-const { chromium } = require("playwright-core");
 
 const { values: options } = parseArgs({
   options: {
@@ -41,21 +39,8 @@ const note = (text) => {
   process.stderr.write(`[e2e] ${text}\n`);
 };
 
-const context = await chromium.launchPersistentContext(path.join(options.out, "chromium-profile"), {
-  executablePath: options.chromium,
-  headless: true,
-  viewport: { width: 1600, height: 1000 },
-  deviceScaleFactor: 1,
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-});
-const page = context.pages()[0] ?? (await context.newPage());
-page.on("console", (message) => {
-  if (message.type() === "error" || message.type() === "warning") {
-    report.console.push({ type: message.type(), text: message.text(), url: message.location()?.url ?? "" });
-  }
-});
-page.on("pageerror", (error) => report.pageErrors.push({ text: String(error), stack: error.stack ?? "" }));
+const { context, page } = await openPage({ out: options.out, executablePath: options.chromium, report,
+  viewport: { width: 1600, height: 1000 }, deviceScaleFactor: 1, consoleTypes: ["error", "warning"], withStacks: true });
 page.on("requestfailed", (request) => report.failedRequests.push({ url: request.url(), error: request.failure()?.errorText }));
 
 async function until(what, fn, arg) {

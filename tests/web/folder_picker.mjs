@@ -9,11 +9,9 @@
 // Prints one JSON line: {ok, nodes: {NODE: {...}}, console, pageErrors}.
 import fs from "node:fs";
 import path from "node:path";
-import { createRequire } from "node:module";
 import { parseArgs } from "node:util";
+import { openPage } from "./browser.mjs";
 
-const require = createRequire(import.meta.url);
-const { chromium } = require("playwright-core");
 
 const { values: options } = parseArgs({
   options: {
@@ -28,18 +26,8 @@ const timeout = Number(options["timeout-s"]) * 1000;
 fs.mkdirSync(options.out, { recursive: true });
 const report = { nodes: {}, console: [], pageErrors: [] };
 
-const context = await chromium.launchPersistentContext(path.join(options.out, "chromium-profile"), {
-  executablePath: options.chromium,
-  headless: true,
-  viewport: { width: 1400, height: 900 },
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-});
-const page = context.pages()[0] ?? (await context.newPage());
-page.on("console", (message) => {
-  if (message.type() === "error") report.console.push({ text: message.text(), url: message.location()?.url ?? "" });
-});
-page.on("pageerror", (error) => report.pageErrors.push(String(error)));
+const { context, page } = await openPage({ out: options.out, executablePath: options.chromium, report,
+  viewport: { width: 1400, height: 900 } });
 
 try {
   await page.goto(options.url, { waitUntil: "domcontentloaded" });
