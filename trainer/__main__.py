@@ -242,18 +242,6 @@ def cmd_export(args) -> int:
     return 0
 
 
-def cmd_convert(args) -> int:
-    from .lora_sources import convert_file
-
-    if Path(args.output).exists() and not args.overwrite:
-        raise FileExistsError(f"{args.output} already exists; pass --overwrite to replace it, or choose another output")
-    converted = convert_file(args.lora, args.output, arch=args.arch, fmt=args.format,
-                             allow_unplaced=args.allow_unplaced)
-    print(converted.report())
-    print(f"wrote {args.output} ({args.format})")
-    return 0
-
-
 def cmd_cache(args) -> int:
     from .data.cache import Cache
 
@@ -366,19 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
     exp.set_defaults(func=cmd_export)
 
-    conv = commands.add_parser(
-        "convert", help="read another trainer's LoRA (ai-toolkit, musubi-tuner, SimpleTuner, diffusers/PEFT, kohya, "
-        "ComfyUI's trainer, LyCORIS LoKr/LoHa) and write one ComfyUI loads key for key")
-    conv.add_argument("lora", help="LoRA .safetensors to read")
-    conv.add_argument("output", help="file to write")
-    conv.add_argument("--arch", choices=list(ARCHS), help="architecture (default: the file's kiln.arch, else the "
-                      "one whose module names the keys fit)")
-    conv.add_argument("--format", default="comfy", choices=["comfy", "diffusers", "kohya"],
-                      help="key layout to write (default comfy; LoKr/LoHa only as comfy)")
-    conv.add_argument("--allow-unplaced", action="store_true",
-                      help="write the keys that fit and list the others, instead of stopping")
-    conv.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
-    conv.set_defaults(func=cmd_convert)
+    from .lora_cli import add_convert_command
+    add_convert_command(commands)
 
     ins = commands.add_parser("inspect", help="show a LoRA file's format, metadata, settings and modules by block")
     ins.add_argument("lora", help="LoRA .safetensors to read")

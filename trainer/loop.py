@@ -231,8 +231,8 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     rng = np.random.default_rng(cfg.seed)
     settings = objective_settings(cfg, arch)
     # One seeded sampler of global batches: under torchrun each rank trains on its rows of each.
-    sampler = BucketSampler(data.buckets, {key: size * group.world for key, size in batch_sizes(cfg, data, arch).items()},
-                            cfg.seed)
+    global_sizes = {key: size * group.world for key, size in batch_sizes(cfg, data, arch).items()}
+    sampler = BucketSampler(data.buckets, global_sizes, cfg.seed)
     backend.setup(model, cfg, arch, forward)
     sinks = logging_sinks.Sinks([])
     try:

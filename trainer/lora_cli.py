@@ -1,5 +1,6 @@
-"""`python -m trainer merge | resize | extract`: the LoRA tools (lora_tools.py, lora_extract.py) from a shell.
-Each prints the energy report and writes its LoRA atomically in the chosen key format."""
+"""`python -m trainer merge | resize | extract | convert`: the LoRA file commands from a shell. merge, resize and
+extract (lora_tools.py, lora_extract.py) print the energy report; convert (lora_sources.py) the placement report.
+Each writes its LoRA atomically in the chosen key format."""
 from __future__ import annotations
 
 import json
@@ -171,3 +172,31 @@ def add_commands(commands) -> None:
     extract.set_defaults(func=cmd_extract)
 
 
+def cmd_convert(args) -> int:
+    from .lora_sources import convert_file
+
+    if Path(args.output).exists() and not args.overwrite:
+        raise FileExistsError(f"{args.output} already exists; pass --overwrite to replace it, or choose another output")
+    converted = convert_file(args.lora, args.output, arch=args.arch, fmt=args.format,
+                             allow_unplaced=args.allow_unplaced)
+    print(converted.report())
+    print(f"wrote {args.output} ({args.format})")
+    return 0
+
+
+def add_convert_command(commands) -> None:
+    from .archs import ARCHS
+
+    conv = commands.add_parser(
+        "convert", help="read another trainer's LoRA (ai-toolkit, musubi-tuner, SimpleTuner, diffusers/PEFT, kohya, "
+        "ComfyUI's trainer, LyCORIS LoKr/LoHa) and write one ComfyUI loads key for key")
+    conv.add_argument("lora", help="LoRA .safetensors to read")
+    conv.add_argument("output", help="file to write")
+    conv.add_argument("--arch", choices=list(ARCHS), help="architecture (default: the file's kiln.arch, else the "
+                      "one whose module names the keys fit)")
+    conv.add_argument("--format", default="comfy", choices=["comfy", "diffusers", "kohya"],
+                      help="key layout to write (default comfy; LoKr/LoHa only as comfy)")
+    conv.add_argument("--allow-unplaced", action="store_true",
+                      help="write the keys that fit and list the others, instead of stopping")
+    conv.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
+    conv.set_defaults(func=cmd_convert)
