@@ -158,6 +158,10 @@ class TrainConfig:
                                              "estimated peak leaves a margin of the GPU's free memory at start")
     attention: str = setting("auto", "PyTorch attention kernel tried first: auto (the fastest measured on this GPU), "
                                      "torch (its own order), cudnn, flash, efficient, math")
+    fp8_compute: bool = setting(False, "PyTorch, H100-class GPUs: the frozen base's block Linears multiply in fp8 "
+                                       "(per-row scales) forward and backward; LoRA stays bf16. Costs an fp8 copy "
+                                       "of the block weights in two layouts (as much memory as the bf16 weights); "
+                                       "speed and loss against bf16 in bench/RESULTS.md")
     # --- objective (flow matching)
     timestep_sampling: str = setting("uniform", "uniform or logit_normal")
     logit_mean: float = setting(0.0, "logit_normal: centre of the logit; > 0 favours high noise")
@@ -405,6 +409,9 @@ def _check_combinations(cfg: TrainConfig) -> None:
                         f"gradient_checkpointing on; set it to 0 (or auto) or use skip_checkpoint_blocks")
     if cfg.backend == "mlx" and cfg.compile_blocks is True:
         problems.append("compile_blocks is for backend 'torch' (MLX compiles its whole step already); turn it off")
+    if cfg.fp8_compute and (cfg.backend != "torch" or cfg.mixed_precision != "bf16"):
+        problems.append("fp8_compute needs backend 'torch' with mixed_precision 'bf16' (its matmuls return bf16); "
+                        "turn it off")
     if cfg.backend == "torch" and cfg.base_quantize != "none":
         problems.append(f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; with PyTorch load the model "
                         "with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base")

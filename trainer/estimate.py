@@ -89,12 +89,13 @@ def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int,
 def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, rank: int = 32,
              targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
              gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16",
-             skip_checkpoint_blocks: int = 0, checkpoint_budget: float = 0.0) -> Estimate:
+             skip_checkpoint_blocks: int = 0, checkpoint_budget: float = 0.0, fp8_compute: bool = False) -> Estimate:
     """Bytes one training step needs at square `resolution` (the largest bucket)."""
     settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
                 "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
                 "base_dtype": base_dtype, "mixed_precision": mixed_precision,
-                "skip_checkpoint_blocks": skip_checkpoint_blocks, "checkpoint_budget": checkpoint_budget}
+                "skip_checkpoint_blocks": skip_checkpoint_blocks, "checkpoint_budget": checkpoint_budget,
+                "fp8_compute": fp8_compute}
     dims = get_dims(variant)
     side = check_settings(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
     image_tokens = image_token_count(dims, resolution, side)
@@ -104,6 +105,10 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
     lora_params = sum(rank * (i + o) for i, o in shapes)
 
     weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
+    if fp8_compute:   # an fp8 copy of a Linear's weight per product that runs in fp8, beside the base's own
+        from .backends.torch_backend.fp8 import fp8_products
+
+        weights += sum(i * o * sum(fp8_products(i, o)) for i, o in linear_layers(dims).values())
     activations = batch_size * _activations(dims, image_tokens, text_tokens, act, gradient_checkpointing,
                                             skip_checkpoint_blocks)
     if gradient_checkpointing and checkpoint_budget > 0:
@@ -155,7 +160,8 @@ def advice(settings: dict) -> list[tuple[str, dict]]:
     return ordered_advice(settings, [
         ("optimizer adamw8bit (bitsandbytes)", {"optimizer": "adamw8bit"}, settings["optimizer"] in ("adamw", "prodigy")),
         ("base weights fp8", {"base_dtype": "fp8"}, settings["base_dtype"] != "fp8"),
-        ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1)])
+        ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
+        ("fp8_compute off (its fp8 weight copies)", {"fp8_compute": False}, settings.get("fp8_compute", False))])
 
 
 # estimate_common.backend_rules("torch"): a GPU's memory is all usable, in GiB as nvidia-smi shows it.

@@ -15,8 +15,9 @@ from ...lora_format import LoraWeights
 from ...objective import interpolate, velocity_target
 from ..base import StepStats, parameter_name, saved_name
 from . import attention, levers
-from .checkpointing import BlockCheckpointing
+from .checkpointing import BlockCheckpointing, find_blocks
 from .ema import Ema
+from .fp8 import Fp8Base
 from .lora import LoraSet
 from .optim import build_optimizer, clip_global_norm
 
@@ -80,6 +81,8 @@ class TorchBackend:
         self.frozen = [(p, p.requires_grad) for p in model.parameters()]
         model.requires_grad_(False)
         targets = cfg.targets or list(arch.default_targets)
+        # fp8 forwards go in first, so the LoRA branches wrap them (removed in the reverse order)
+        self.fp8 = Fp8Base(find_blocks(model, arch.block_lists), self.device) if cfg.fp8_compute else None
         self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
         self.levers = levers.decide(model, cfg, self.device)
         if self.levers.note:
@@ -108,7 +111,7 @@ class TorchBackend:
         self.checkpointing = BlockCheckpointing(self.model, self.arch.block_lists, recompute=cfg.gradient_checkpointing,
                                                 skip=cfg.skip_checkpoint_blocks, compile=chosen.compile,
                                                 pure_blocks=self.arch.pure_blocks, budget=chosen.budget,
-                                                compile_key=f"attention={self.attention}")
+                                                compile_key=f"attention={self.attention}|fp8={cfg.fp8_compute}")
 
     def _compile_fallback(self, error: CompileFailed) -> None:
         """compile_blocks auto: the run goes on with eager blocks, and says so once."""
@@ -341,6 +344,9 @@ class TorchBackend:
             self.checkpointing = None
         if getattr(self, "lora", None) is not None:
             self.lora.remove()
+        if getattr(self, "fp8", None) is not None:
+            self.fp8.remove()
+            self.fp8 = None
         if getattr(self, "outer_rng", None) is not None:
             self.load_rng_state(self.outer_rng)
             self.outer_rng = None

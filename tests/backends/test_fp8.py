@@ -1,0 +1,155 @@
+"""fp8_compute: the frozen base's block Linears in fp8 (torch._scaled_mm, per-row scales), on the CPU's own
+_scaled_mm (the GPU's speed and loss are in bench/RESULTS.md)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from trainer import config
+from trainer.backends.torch_backend.checkpointing import find_blocks
+from trainer.backends.torch_backend.fp8 import E4M3_MAX, Fp8Base, Fp8Weight, fp8_linear, fp8_products, quantize_rows
+from trainer.config import ConfigError
+from trainer.estimate import estimate
+from trainer.estimate_common import get_dims, linear_layers
+from trainer.loop import train
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def test_quantize_rows_uses_the_full_e4m3_range_of_each_row():
+    t = torch.tensor([[1.0, -2.0, 0.5], [100.0, 3.0, -7.0], [0.0, 0.0, 0.0]])
+    q, scale = quantize_rows(t)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 1)
+    assert torch.equal(q.float().abs().amax(dim=1)[:2], torch.tensor([E4M3_MAX, E4M3_MAX]))  # each row's max → 448
+    assert torch.equal(q[2].float(), torch.zeros(3))                                        # a zero row stays zero
+    assert torch.allclose(q.float() * scale, t, rtol=0.07)                                  # e4m3: 3 mantissa bits
+
+
+def test_fp8_linear_matches_the_bf16_linear_forward_and_input_gradient():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=gen)
+    bias = torch.randn(48, generator=gen)
+    x = torch.randn(2, 10, 64, generator=gen, requires_grad=True)
+    y = fp8_linear(x, Fp8Weight(weight), bias)
+    reference = nn.functional.linear(x, weight, bias)
+    assert y.shape == (2, 10, 48) and y.dtype == torch.bfloat16
+    assert _relative(y, reference) < 0.05
+    grad = torch.randn(2, 10, 48, generator=gen)
+    (dx,) = torch.autograd.grad(y, x, grad)
+    (dx_reference,) = torch.autograd.grad(reference, x, grad)
+    assert dx.dtype == x.dtype and dx.shape == x.shape
+    assert _relative(dx, dx_reference) < 0.05
+    assert _relative(dx, dx_reference) > 0   # it really ran in fp8, not the bf16 fallback
+
+
+@pytest.mark.parametrize("forward, backward", [(True, True), (True, False), (False, True)])
+def test_fp8_saves_nothing_of_the_activation_for_backward(forward, backward):
+    saved = []
+    x = torch.randn(4, 32, requires_grad=True)
+    base = torch.randn(16, 32)
+    weight = Fp8Weight(base, forward=forward, backward=backward)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fp8_linear(x, weight, None).sum().backward()
+    assert saved and all(t is None or t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for t in saved)
+    kept = [t for t in saved if t is not None]
+    weight_storage = base.untyped_storage().data_ptr()   # W itself, not a copy
+    assert all(t.dtype == torch.float8_e4m3fn or t.shape[0] == 1 or t.untyped_storage().data_ptr() == weight_storage
+               for t in kept)                             # fp8 copies, [1, n] scales, W
+
+
+def test_a_product_kept_in_bf16_is_the_bf16_product():
+    assert fp8_products(3072, 9216) == fp8_products(9216, 3072) == (True, True)   # the measured policy: all fp8
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(16, 48, generator=gen)             # a down projection: forward in bf16, backward in fp8
+    x = torch.randn(5, 48, generator=gen, requires_grad=True)
+    weight = Fp8Weight(base, forward=False, backward=True)
+    assert weight.rows is None and weight.cols is not None and weight.nbytes() == 48 * 16 + 4 * 48
+    y = fp8_linear(x, weight, None)
+    assert torch.equal(y, (x.to(torch.bfloat16) @ base.to(torch.bfloat16).t()))   # the bf16 product itself
+    grad = torch.randn(5, 16, generator=gen)
+    (dx,) = torch.autograd.grad(y, x, grad)
+    exact = grad @ base
+    assert 0 < _relative(dx, exact) < 0.05                                        # fp8, close
+
+
+def test_install_and_remove_leave_every_linear_as_it_was(make_model):
+    model = make_model()
+    blocks = find_blocks(model, ())
+    linears = [m for b in blocks for m in b.modules() if isinstance(m, nn.Linear)]
+    before = [dict(m.__dict__) for m in linears]
+    x = torch.randn(3, linears[0].in_features)
+    plain = linears[0](x)
+    fp8 = Fp8Base(blocks, torch.device("cpu"))
+    assert len(fp8.replaced) == len(linears) and fp8.bytes > 0
+    assert not torch.equal(linears[0](x), plain)                 # grad on: the fp8 path
+    with torch.no_grad():
+        assert torch.equal(linears[0](x), plain)                 # no grad (samples): the Linear's own forward
+    fp8.remove()
+    assert [dict(m.__dict__) for m in linears] == before
+    assert torch.equal(linears[0](x), plain)
+
+
+def test_a_run_with_fp8_compute_trains_close_to_bf16_and_resumes_exactly(tmp_path, make_model, make_data, make_config):
+    settings = dict(steps=8, mixed_precision="bf16", checkpoint_every=4, log_every=1, gradient_checkpointing=True)
+    plain = train(make_config(**settings), make_model(), make_data(), run_dir=tmp_path / "bf16")
+    fp8 = train(make_config(**settings, fp8_compute=True), make_model(), make_data(), run_dir=tmp_path / "fp8")
+    losses, reference = np.array(fp8.history.loss), np.array(plain.history.loss)
+    assert np.all(np.isfinite(losses)) and not np.array_equal(losses, reference)
+    assert np.allclose(losses, reference, rtol=0.05)
+    for path, weights in fp8.lora.items():   # the LoRA learned the same thing, to fp8's rounding
+        assert np.abs(weights.B).max() > 0
+        assert _relative(torch.from_numpy(weights.B), torch.from_numpy(plain.lora[path].B)) < 0.2
+    progress = []
+    cfg = make_config(**settings, fp8_compute=True)
+    stopped = train(cfg, make_model(), make_data(), run_dir=tmp_path / "resumed", on_step=progress.append,
+                    should_stop=lambda: len(progress) >= 3)
+    assert stopped.stopped
+    resumed = train(cfg, make_model(), make_data(), run_dir=tmp_path / "resumed", resume=tmp_path / "resumed")
+    assert resumed.history.loss == fp8.history.loss
+    for path, weights in fp8.lora.items():
+        assert np.array_equal(weights.B, resumed.lora[path].B)
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"backend": "mlx"}, "backend 'torch'"),
+    ({"mixed_precision": "no"}, "mixed_precision 'bf16'"),
+])
+def test_fp8_compute_refuses_what_it_cannot_do(settings, words):
+    with pytest.raises(ConfigError, match=words):
+        config.from_dict({"arch": "zimage", "fp8_compute": True, **settings})
+
+
+def test_estimate_counts_the_fp8_weight_copies():
+    plain = estimate("zimage", resolution=1024)
+    with_fp8 = estimate("zimage", resolution=1024, fp8_compute=True)
+    layers = linear_layers(get_dims("zimage")).values()
+    copies = 2 * sum(i * o for i, o in layers)   # both layouts of every Linear (fp8_products)
+    assert with_fp8.weights - plain.weights == copies
+    assert with_fp8.total - plain.total == copies
+
+
+def test_compiled_blocks_give_the_eager_fp8_gradients(make_model, make_config, monkeypatch):
+    """Under torch.compile (aot_eager: the same graphs, no C++ build) the fp8 function traces into the
+    blocks' graphs, checkpoint recompute included, and gives the eager fp8 gradients."""
+    from torch._dynamo.utils import counters
+
+    from trainer.backends.torch_backend import checkpointing
+
+    from .test_torch_levers import _gradients
+
+    settings = dict(mixed_precision="bf16", fp8_compute=True, gradient_checkpointing=True)
+    eager = _gradients(make_model, make_config, **settings, compile_blocks=False)
+    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = _gradients(make_model, make_config, **settings, compile_blocks=True)
+        assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
+    finally:
+        torch._dynamo.reset()
+    assert torch.count_nonzero(eager) > 0.5 * eager.numel()
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)

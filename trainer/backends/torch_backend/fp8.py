@@ -1,0 +1,178 @@
+"""fp8_compute: the frozen base's block Linears multiply in fp8, forward and backward.
+
+The base is frozen and most of a step's FLOPs: each of its Linears runs three matmuls per step with
+checkpointing (forward, recompute, the activation gradient) and no weight gradient. Here all three run
+on the GPU's fp8 tensor cores through `torch._scaled_mm` with per-row scales (torchao's "rowwise"
+recipe): the activation (or incoming gradient) is scaled per token, the weight per output channel for
+the forward and per input channel for the backward, all in float8_e4m3fn, accumulating in fp32 and
+returning bf16. The LoRA branches are untouched (bf16 matmuls on fp32 masters), so what trains keeps
+full precision; only the frozen path's products are rounded.
+
+Measured on an H100 (bench/RESULTS.md, "fp8 compute", 1024 px, defaults otherwise): Z-Image 0.297 →
+0.260 s/step, Klein 4B 0.188 → 0.184; the 200-step loss curves within 1 % of bf16's. Costs: two fp8
+copies of each block weight (one per layout cuBLAS needs: [out, in] for the forward, [in, out] for the
+backward), as many bytes as the bf16 weights again (Z-Image +11.5 GiB, Klein 4B +6.9 GiB), and a longer
+first compile; the weights themselves are ComfyUI's and stay as they are (sampling uses them).
+Installed like the LoRA branches, by instance-forward override, before them; removal restores each
+Linear exactly.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("kiln")
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)     # 448
+_ALIGN = 16                                  # cuBLAS fp8 needs both matrix dims of the weight divisible by 16
+_PLAIN = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] → (float8 [M, K], fp32 scale [M, 1]) with t ≈ fp8 · scale, each row using e4m3's full range."""
+    amax = t.detach().abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / E4M3_MAX
+    return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def fp8_products(in_features: int, out_features: int) -> tuple[bool, bool]:
+    """(forward, backward): which of a Linear's two products run in fp8. Both, for every size: on an H100
+    each product alone ran 1.0-1.45x faster in fp8 (bench/fp8_matmul.py; only the square 3072² / 3840²
+    ones broke even), and a run with the down projections' forwards and up projections' backwards kept in
+    bf16 (half the copies) was slower than all-fp8: Z-Image 0.278 against 0.260 s/step (RESULTS.md)."""
+    return True, True
+
+
+class Fp8Weight:
+    """One frozen weight [out, in]: the base's own tensor, plus an fp8 copy in the layout of each product
+    that runs in fp8, with its per-row scales."""
+
+    def __init__(self, weight: torch.Tensor, *, forward: bool = True, backward: bool = True):
+        w = weight.detach()
+        self.weight = w                                       # the bf16 products' operand (not a copy)
+        self.rows = self.row_scale = self.cols = self.col_scale = None
+        if forward:    # per output channel: the forward's B, [out, in] and [1, out]
+            rows, scale = quantize_rows(w)
+            self.rows, self.row_scale = rows, scale.reshape(1, -1).contiguous()
+        if backward:   # per input channel: the backward's B, [in, out] and [1, in]
+            cols, scale = quantize_rows(w.t().contiguous())
+            self.cols, self.col_scale = cols, scale.reshape(1, -1).contiguous()
+
+    def nbytes(self) -> int:
+        """Bytes of the fp8 copies and scales (the weight itself is the base's)."""
+        kept = (self.rows, self.row_scale, self.cols, self.col_scale)
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)
+
+
+def _product(a: torch.Tensor, fp8: torch.Tensor | None, scale: torch.Tensor | None,
+             plain: torch.Tensor) -> torch.Tensor:
+    """a [M, K] · Bᵀ → [M, N] bf16: in fp8 with B = fp8 [N, K] (per-row `scale` [1, N]) when there is one,
+    else in bf16 with B = plain."""
+    with torch.autocast(a.device.type, enabled=False):   # scales in fp32, eager and compiled alike
+        if fp8 is None:
+            return a.to(torch.bfloat16) @ plain.to(torch.bfloat16).t()
+        a8, a_scale = quantize_rows(a)
+        return torch._scaled_mm(a8, fp8.t(), scale_a=a_scale, scale_b=scale, out_dtype=torch.bfloat16)
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """y = x · Wᵀ; the backward gives x's gradient only (the weight is frozen). Each product in fp8 or bf16
+    as Fp8Weight holds it. Nothing of x is saved: the weights are all the backward needs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, rows, row_scale, cols, col_scale):
+        y = _product(x.reshape(-1, x.shape[-1]), rows, row_scale, weight)       # [tokens, in] → [tokens, out]
+        ctx.save_for_backward(weight, cols, col_scale)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        return y.reshape(*x.shape[:-1], weight.shape[0])                       # [..., out]
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, cols, col_scale = ctx.saved_tensors
+        dx = _product(grad.reshape(-1, grad.shape[-1]), cols, col_scale, weight.t())  # [tokens, out] → [tokens, in]
+        return dx.reshape(ctx.x_shape).to(ctx.x_dtype), None, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    y = _Fp8Matmul.apply(x, weight.weight, weight.rows, weight.row_scale, weight.cols, weight.col_scale)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _eligible(module: nn.Module, device: torch.device) -> bool:
+    """A plain Linear of the block lists whose weight sits on the training device in a float dtype, with
+    no ComfyUI forward-time patches (a weight function would be lost) and fp8-friendly sizes."""
+    weight = getattr(module, "weight", None)
+    if not (isinstance(module, nn.Linear) and torch.is_tensor(weight) and weight.dtype in _PLAIN
+            and _on(weight.device, device)):
+        return False
+    if getattr(module, "weight_function", None) or getattr(module, "bias_function", None):
+        return False
+    return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
+
+
+def _on(where: torch.device, device: torch.device) -> bool:
+    """`where` is `device` ("cuda" means the current GPU, as "cuda:0" may name it)."""
+    if where.type != device.type:
+        return False
+    current = torch.cuda.current_device() if device.type == "cuda" else None
+    return (where.index if where.index is not None else current) == (device.index if device.index is not None else current)
+
+
+def check_device(device: torch.device) -> None:
+    """fp8_compute needs `torch._scaled_mm` with per-row scales here (H100-class GPUs, or the CPU for tests)."""
+    a = torch.ones(16, 16, device=device).to(E4M3)
+    scale = torch.ones(16, 1, device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=scale, scale_b=scale.t().contiguous(), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as error:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        raise ValueError(f"fp8_compute: this device ({name}) has no fp8 matmul with per-row scales "
+                         f"({str(error).strip().splitlines()[0][:200]}); it needs an H100-class GPU (compute "
+                         "capability 9.0+). Turn fp8_compute off in Kiln Training Options (or the config).") from error
+
+
+class Fp8Base:
+    """fp8 forwards on every eligible Linear inside `blocks`; `remove()` gives each its own forward back."""
+
+    def __init__(self, blocks: list[nn.Module], device: torch.device):
+        check_device(device)
+        self.replaced: list[tuple[nn.Module, object]] = []
+        self.bytes = 0
+        skipped = 0
+        for block in blocks:
+            for module in block.modules():
+                if not isinstance(module, nn.Linear):
+                    continue
+                if not _eligible(module, device):
+                    skipped += 1
+                    continue
+                forward, backward = fp8_products(module.in_features, module.out_features)
+                weight = Fp8Weight(module.weight, forward=forward, backward=backward)
+                self.bytes += weight.nbytes()
+                self.replaced.append((module, module.__dict__.get("forward")))
+                module.forward = _forward(module, weight, module.forward)
+        log.info("[Kiln] fp8_compute: %d block Linears multiply in fp8 (%.2f GiB of fp8 weight copies)%s",
+                 len(self.replaced), self.bytes / 2**30,
+                 f"; {skipped} stay as they are (off the GPU, patched at forward, or sizes not multiples of 16)"
+                 if skipped else "")
+
+    def remove(self) -> None:
+        for module, previous in self.replaced:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+        self.replaced = []
+
+
+def _forward(module: nn.Linear, weight: Fp8Weight, own_forward):
+    # Only training takes the fp8 path: validation samples (no grad) go through the Linear's own forward,
+    # so they show what ComfyUI's sampler will give the saved LoRA.
+    def forward(x, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return own_forward(x, *args, **kwargs)
+        return fp8_linear(x, weight, module.bias)
+    return forward
