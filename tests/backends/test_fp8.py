@@ -153,3 +153,25 @@ def test_compiled_blocks_give_the_eager_fp8_gradients(make_model, make_config, m
         torch._dynamo.reset()
     assert torch.count_nonzero(eager) > 0.5 * eager.numel()
     torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)
+
+
+def test_a_base_stored_in_fp8_multiplies_its_own_weight_forward_and_bf16_backward():
+    """Load Diffusion Model's weight_dtype fp8_e4m3fn: the forward uses the stored weight (no copy, unit
+    scales), the backward the stored weight cast to bf16, as ComfyUI's cast-per-use forward does."""
+    gen = torch.Generator().manual_seed(2)
+    layer = nn.Linear(64, 32)
+    layer.weight = nn.Parameter(torch.randn(32, 64, generator=gen).to(torch.float8_e4m3fn), requires_grad=False)
+    layer.forward = lambda x: nn.functional.linear(x, layer.weight.to(x.dtype), layer.bias.to(x.dtype))  # manual cast
+    block = nn.Sequential(layer)
+    fp8 = Fp8Base([block], torch.device("cpu"))
+    assert len(fp8.replaced) == 1 and fp8.bytes == 4 * 32          # the unit scales only: no weight copy
+    x = torch.randn(6, 64, generator=gen, requires_grad=True)
+    y = layer(x)
+    x8, x_scale = quantize_rows(x)
+    expected = torch._scaled_mm(x8, layer.weight.t(), scale_a=x_scale, scale_b=torch.ones(1, 32),
+                                out_dtype=torch.bfloat16) + layer.bias.to(torch.bfloat16)
+    assert torch.equal(y, expected)
+    grad = torch.randn(6, 32, generator=gen)
+    (dx,) = torch.autograd.grad(y, x, grad)
+    assert torch.equal(dx, (grad.to(torch.bfloat16) @ layer.weight.to(torch.bfloat16)).float())
+    fp8.remove()
