@@ -105,7 +105,7 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
     lora_params = sum(rank * (i + o) for i, o in shapes)
 
     weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
-    if fp8_compute:   # an fp8 copy of a Linear's weight per product that runs in fp8, beside the base's own
+    if fp8_compute and base_dtype != "fp8":   # an fp8 copy per product in fp8 (an fp8-stored base needs none)
         from .backends.torch_backend.fp8 import fp8_products
 
         weights += sum(i * o * sum(fp8_products(i, o)) for i, o in linear_layers(dims).values())

@@ -130,6 +130,8 @@ def test_estimate_counts_the_fp8_weight_copies():
     copies = 2 * sum(i * o for i, o in layers)   # both layouts of every Linear (fp8_products)
     assert with_fp8.weights - plain.weights == copies
     assert with_fp8.total - plain.total == copies
+    stored = estimate("zimage", resolution=1024, base_dtype="fp8")   # the stored weights serve: no copies
+    assert estimate("zimage", resolution=1024, base_dtype="fp8", fp8_compute=True).total == stored.total
 
 
 def test_compiled_blocks_give_the_eager_fp8_gradients(make_model, make_config, monkeypatch):
