@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.backends.torch_backend.fp8 import Fp8Weight, fp8_linear, quantize_rows  # noqa: E402
+from trainer.backends.torch_backend.fp8 import Fp8Weight, fp8_linear, quantize_rows
 
 SHAPES = {  # name: (tokens, in, out)
     "klein4b double qkv": (4608, 3072, 9216), "klein4b double proj": (4608, 3072, 3072),
@@ -50,6 +50,19 @@ def fp8_product(a: torch.Tensor, b8: torch.Tensor, b_scale: torch.Tensor) -> tor
     return torch._scaled_mm(a8, b8.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
 
 
+def _cases(x, weight, fp8, grad, product) -> dict:
+    """Each product alone, then forward + input gradient as fp8.py runs it (one compiled call)."""
+    step = torch.compile(lambda t: fp8_linear(t, fp8, None))
+    return {
+        "fwd_bf16": lambda: torch.nn.functional.linear(x.detach(), weight),
+        "fwd_fp8": lambda: product(x.detach(), fp8.rows, fp8.row_scale),
+        "bwd_bf16": lambda: grad @ weight,
+        "bwd_fp8": lambda: product(grad, fp8.cols, fp8.col_scale),
+        "step_bf16": lambda: torch.autograd.grad(torch.nn.functional.linear(x, weight), x, grad),
+        "step_fp8": lambda: torch.autograd.grad(step(x), x, grad),
+    }
+
+
 def main() -> int:
     device = torch.device("cuda")
     product = torch.compile(fp8_product)
@@ -58,15 +71,7 @@ def main() -> int:
         fp8 = Fp8Weight(weight, forward=True, backward=True)
         x = torch.randn(tokens, fan_in, device=device, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn(tokens, fan_out, device=device, dtype=torch.bfloat16)
-        step = torch.compile(lambda t: fp8_linear(t, fp8, None))
-        cases = {
-            "fwd_bf16": lambda: torch.nn.functional.linear(x.detach(), weight),
-            "fwd_fp8": lambda: product(x.detach(), fp8.rows, fp8.row_scale),
-            "bwd_bf16": lambda: grad @ weight,
-            "bwd_fp8": lambda: product(grad, fp8.cols, fp8.col_scale),
-            "step_bf16": lambda: torch.autograd.grad(torch.nn.functional.linear(x, weight), x, grad),
-            "step_fp8": lambda: torch.autograd.grad(step(x), x, grad),
-        }
+        cases = _cases(x, weight, fp8, grad, product)
         row = {"shape": name, "tokens": tokens, "in": fan_in, "out": fan_out}
         for label, fn in cases.items():
             row[f"{label}_ms"] = round(timed(fn) * 1e3, 3)

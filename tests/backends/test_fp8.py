@@ -94,7 +94,7 @@ def test_install_and_remove_leave_every_linear_as_it_was(make_model):
 
 
 def test_a_run_with_fp8_compute_trains_close_to_bf16_and_resumes_exactly(tmp_path, make_model, make_data, make_config):
-    settings = dict(steps=8, mixed_precision="bf16", checkpoint_every=4, log_every=1, gradient_checkpointing=True)
+    settings = {"steps": 8, "mixed_precision": "bf16", "checkpoint_every": 4, "log_every": 1, "gradient_checkpointing": True}
     plain = train(make_config(**settings), make_model(), make_data(), run_dir=tmp_path / "bf16")
     fp8 = train(make_config(**settings, fp8_compute=True), make_model(), make_data(), run_dir=tmp_path / "fp8")
     losses, reference = np.array(fp8.history.loss), np.array(plain.history.loss)
@@ -143,7 +143,7 @@ def test_compiled_blocks_give_the_eager_fp8_gradients(make_model, make_config, m
 
     from .test_torch_levers import _gradients
 
-    settings = dict(mixed_precision="bf16", fp8_compute=True, gradient_checkpointing=True)
+    settings = {"mixed_precision": "bf16", "fp8_compute": True, "gradient_checkpointing": True}
     eager = _gradients(make_model, make_config, **settings, compile_blocks=False)
     monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")
     torch._dynamo.reset()

@@ -63,7 +63,7 @@ class Fp8Weight:
             self.cols, self.col_scale = cols, scale.reshape(1, -1).contiguous()
 
     @classmethod
-    def stored(cls, weight: torch.Tensor) -> "Fp8Weight":
+    def stored(cls, weight: torch.Tensor) -> Fp8Weight:
         """A base already stored in e4m3 (Load Diffusion Model's weight_dtype fp8_e4m3fn: values cast, no
         scale): the forward multiplies the stored weight itself (no copy, unit scales); the backward casts it
         to bf16 per use, as ComfyUI's own forward does, since its other layout would be a copy of the whole
