@@ -285,3 +285,36 @@ def test_mlx_trains_dop_and_reg_images_as_torch_does(tmp_path, make_model, make_
     apart = max(np.abs(ours.lora[p].B - w.B).max() for p, w in ref.lora.items())
     moved = max(np.abs(plain.lora[p].B - w.B).max() for p, w in ref.lora.items())
     assert moved > 10 * apart, (moved, apart)
+
+
+def test_estimate_counts_dops_doubled_forward():
+    from trainer.estimate import estimate
+    from trainer.estimate_mlx import estimate_mlx
+
+    for rule in (estimate, estimate_mlx):
+        plain = rule("flux2-klein-4b", resolution=512, batch_size=2)
+        dop = rule("flux2-klein-4b", resolution=512, batch_size=2, preservation=True)
+        assert dop.activations == rule("flux2-klein-4b", resolution=512, batch_size=4).activations
+        assert dop.weights == plain.weights and dop.total > plain.total
+        assert any("differential output preservation" in note for note in dop.notes)
+
+
+def test_the_headless_data_path_caches_class_captions_and_the_reg_folder(tmp_path, make_config):
+    """`train` (the demo's encoders): the class-word captions and the regularisation folder are encoded and
+    cached; the regularisation images come with reg_repeats and without the trigger word; a run trains."""
+    from trainer.demo import build_data, make_images, model_for
+
+    make_images(tmp_path / "main", count=4)
+    make_images(tmp_path / "reg", count=3, seed=1)
+    cfg = make_config(trigger_word="ohwx", resolutions=[128], steps=2, reg_dataset_dir=str(tmp_path / "reg"),
+                      reg_repeats=2, **DOP)
+    data = build_data(cfg, tmp_path / "main", tmp_path / "cache")
+    assert isinstance(data, RegularisedData)
+    reg = [i for indices in data.buckets.values() for i in indices if data.is_regularisation(i)]
+    assert len(reg) == 3 * 2 and all(data.name(i).startswith("reg/") for i in reg)
+    assert not any("ohwx" in data.reg.caption(i - data.offset) for i in reg)
+    first = data.main.buckets[next(iter(data.main.buckets))][0]
+    assert "ohwx" in data.main.caption(first) and data.preservation_context(first) is not None
+    assert data.preservation_context(reg[0]) is None
+    result = train(cfg, model_for(cfg), data, run_dir=tmp_path / "run")
+    assert result.step == 2 and all(np.isfinite(result.history.loss))

@@ -435,7 +435,7 @@ def _check_combinations(cfg: TrainConfig) -> None:
     _check_samples(cfg, problems)
     if cfg.preservation_weight > 0 and not cfg.preservation_class.strip():
         problems.append("preservation_weight > 0 needs preservation_class, the class word that replaces the trigger "
-                        "word (e.g. person); or set preservation_weight to 0")
+                        "word (e.g. person; in a graph, on Kiln Encode Captions); or set preservation_weight to 0")
     if cfg.init_lora_sha256 and not re.fullmatch(r"[0-9a-f]{64}", cfg.init_lora_sha256):
         problems.append(f"init_lora_sha256 must be 64 lower-case hex digits (a sha256) or empty, "
                         f"got {cfg.init_lora_sha256!r}")

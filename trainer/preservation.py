@@ -17,6 +17,7 @@ multiplied by reg_weight. Nothing here draws random numbers, so a run's draws an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -86,3 +87,21 @@ def complete(batch, data, indices: list[int], variants: list[int], contexts: lis
         joint_extras=arch.model_extras(2 * rows, [c.shape[0] for c in contexts] + lengths),
         weights=(np.where(reg, 0.0, chosen.weight) * scale).astype(np.float32))
     return batch
+
+
+def encoded_datasets(cfg: TrainConfig, settings, folder: str | Path, image_encoder: tuple, text_encoder: tuple,
+                     cache_dir: str | Path | None = None):
+    """A headless run's Dataset (`train`, the demo) with latents and captions cached: DOP's class-word captions
+    too (when on), and the regularisation folder beside it (when given), with its own repeats and captions.
+    Each encoder is (function, identity), as Dataset.encode_images / encode_captions take them."""
+    from .data.dataset import Dataset
+    from .data.regularised import regularisation_settings
+
+    dataset = Dataset.load(folder, settings, cache_dir=cache_dir)
+    if cfg.preservation_weight > 0:
+        dataset = dataset.with_preservation(cfg.preservation_class)
+    dataset = dataset.encode_images(*image_encoder).encode_captions(*text_encoder)
+    if not cfg.reg_dataset_dir:
+        return dataset
+    reg = Dataset.load(cfg.reg_dataset_dir, regularisation_settings(cfg, settings), cache_dir=cache_dir)
+    return dataset.with_regularisation(reg.encode_images(*image_encoder).encode_captions(*text_encoder))

@@ -216,6 +216,8 @@ class Dataset:
             out |= {cache.path("latents", self._latent_key(self.plan.entries[n])) for n in self.usable_entries()}
         if self.text_identity is not None:
             out |= {cache.path("text", text_key(t, self.text_identity)) for t in self.texts()}
+        if self.regularisation is not None:   # a shared cache folder keeps the regularisation set's entries too
+            out |= self.regularisation.cache_paths()
         return out
 
     def prune_cache(self, max_gb: float):

@@ -73,3 +73,15 @@ class RegularisedData:
             return None
         read = getattr(self.main, "preservation_context", None)
         return read(index, variant) if read is not None else None
+
+
+def regularisation_settings(cfg, settings):
+    """A regularisation folder's DataSettings (headless): the training set's buckets and crop, reg_repeats, and
+    captions of their own: no trigger word, prefix or suffix; an image without a .txt is the class word."""
+    import dataclasses
+
+    from .captions import CaptionSettings
+
+    captions = CaptionSettings(default_caption=cfg.preservation_class, shuffle_tags=cfg.shuffle_tags,
+                               keep_tags=cfg.keep_tags, variants=cfg.caption_variants)
+    return dataclasses.replace(settings, repeats=cfg.reg_repeats, captions=captions)

@@ -62,7 +62,7 @@ def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> i
                        targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
                        gradient_checkpointing=True, base_dtype=base_dtype(model),
                        mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
-                       checkpoint_budget=budget)
+                       checkpoint_budget=budget, preservation=cfg.preservation_weight > 0)
     except (ValueError, KeyError):
         return None
     return est.total - est.weights
