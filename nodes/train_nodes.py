@@ -33,9 +33,13 @@ SHIPPED_OPTION_ORDER = (
     "attention", "timestep_sampling", "logit_mean", "logit_std", "shift_mode", "shift", "content_or_style",
     "loss_weighting", "ema", "ema_decay", "run_name", "checkpoint_every", "keep_checkpoints", "log_every",
     "save_dtype", "lora_format")
+# Preservation's weights (issue 21) came after every other option: last, wherever config.py lists them, so
+# workflows saved before keep their positions.
+PRESERVATION_OPTIONS = ("preservation_weight", "reg_weight")
 _OPTION_NAMES = [name for name in cfg_module.FIELDS if name not in TRAIN_WIDGETS + DATASET_FIELDS + NOT_IN_GRAPH]
 OPTION_FIELDS = tuple([name for name in SHIPPED_OPTION_ORDER if name in _OPTION_NAMES]
-                      + [name for name in _OPTION_NAMES if name not in SHIPPED_OPTION_ORDER])
+                      + [name for name in _OPTION_NAMES if name not in SHIPPED_OPTION_ORDER + PRESERVATION_OPTIONS]
+                      + list(PRESERVATION_OPTIONS))
 LIST_FIELDS = {"targets": str}
 
 
