@@ -318,3 +318,40 @@ def test_the_headless_data_path_caches_class_captions_and_the_reg_folder(tmp_pat
     assert data.preservation_context(reg[0]) is None
     result = train(cfg, model_for(cfg), data, run_dir=tmp_path / "run")
     assert result.step == 2 and all(np.isfinite(result.history.loss))
+
+
+def test_compiled_blocks_do_not_recompile_for_the_lora_off_forward(make_model, make_config, monkeypatch):
+    """The base forward runs without grad (blocks eager): a DOP step compiles the graphs a plain step of its
+    joint batch (2B rows) compiles, no more, and later steps compile nothing."""
+    from torch._dynamo.utils import counters
+
+    from trainer.backends.torch_backend import checkpointing
+
+    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")   # same graphs, no C++ build
+    lora = backend_with_lora(make_model, make_config).lora_state()
+
+    def graphs_and_grads(batches, compiled=True):
+        torch._dynamo.reset()
+        counters.clear()
+        backend = TorchBackend()
+        backend.setup(make_model(), make_config(gradient_checkpointing=True, compile_blocks=compiled), get_arch("demo"))
+        backend.load_lora_state(lora)
+        seen = []
+        for batch in batches:
+            backend.optimizer.zero_grad(set_to_none=True)
+            backend._micro_loss(batch).backward()
+            seen.append(counters["stats"]["unique_graphs"])
+        grads = torch.cat([p.grad.flatten() for p in backend.params.values()])
+        backend.teardown()
+        return seen, grads
+
+    try:
+        plain = dop_batch(rows=4)
+        plain.preservation = None
+        expected, _ = graphs_and_grads([plain])
+        seen, grads = graphs_and_grads([dop_batch(weight=2.0)] * 3)
+        _, eager = graphs_and_grads([dop_batch(weight=2.0)], compiled=False)
+        assert expected[0] >= 1 and seen == [expected[0]] * 3
+        torch.testing.assert_close(grads, eager, atol=1e-6, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
