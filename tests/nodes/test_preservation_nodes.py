@@ -6,16 +6,15 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import comfy_env
 import numpy as np
 import pytest
 from PIL import Image
 
-import comfy_env
-
 comfy_env.require_comfy()
 
-import folder_paths  # noqa: E402
-import tiny_comfy as tc  # noqa: E402
+import folder_paths
+import tiny_comfy as tc
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 dn = comfy_env.import_pack("nodes.dataset_nodes")
@@ -69,7 +68,7 @@ def test_a_graph_trains_with_dop_and_a_regularisation_set(comfy_dirs, tmp_path_f
         result = tn.KilnTrainLoRA.execute(model, subject, steps=6, learning_rate=1e-3, rank=4, alpha=4.0,
                                           optimizer="adamw", preset="none", backend=backend, seed=1,
                                           options={**options, "run_name": f"preserve_{backend}"}, reg_dataset=people)
-        trained, lora, state, loss_map, _ = result.result
+        _, lora, state, _, _ = result.result
         assert state.step == 6 and all(np.isfinite(state.history.loss))
         assert state.config["preservation_class"] == "person" and state.config["preservation_weight"] == 1.0
         assert Path(state.config["reg_dataset_dir"]).name == "people" and state.config["reg_repeats"] == 2
