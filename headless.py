@@ -27,8 +27,9 @@ from .trainer import config as cfg_module
 from .trainer import distributed, init_lora
 from .trainer.archs import get_arch
 from .trainer.console import finish, run_loop, start_step
-from .trainer.data.dataset import DataSettings, Dataset
+from .trainer.data.dataset import DataSettings
 from .trainer.paths import inside
+from .trainer.preservation import encoded_datasets
 from .trainer.samples import describe, sample_path, sample_plan, save_sample
 
 
@@ -54,8 +55,8 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
                          f"{' / '.join(fits) or 'generic'} model; set arch to match the file")
     settings = DataSettings.from_config(cfg, get_arch(cfg.arch).bucket_divisor)
     with distributed.main_first():   # rank 0 encodes into the caches; the other ranks read them
-        dataset = Dataset.load(cfg.dataset_dir, settings, cache_dir=cfg.cache_dir or None)
-        dataset = dataset.encode_images(*bridge.vae_encoder(vae)).encode_captions(*bridge.text_encoder(clip))
+        dataset = encoded_datasets(cfg, settings, cfg.dataset_dir, bridge.vae_encoder(vae), bridge.text_encoder(clip),
+                                   cfg.cache_dir or None)
         if group.is_main:
             dataset.prune_cache(cfg.cache_max_gb)
             print(dataset.summary())

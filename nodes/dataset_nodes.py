@@ -121,12 +121,17 @@ class KilnEncodeCaptions(io.ComfyNode):
             inputs=[
                 DATASET.Input("dataset", tooltip="From Kiln Load Dataset or Kiln Encode Images"),
                 io.Clip.Input("clip", tooltip="The text encoder of the model you will train"),
+                widget("preservation_class", optional=True, tooltip_text="Differential output preservation: a class "
+                       "word (e.g. person) that replaces the trigger word in every caption; those captions are "
+                       "encoded too, and preservation_weight (Training Options) turns the preservation on. "
+                       "Empty: none"),
             ],
             outputs=[DATASET.Output(display_name="dataset", tooltip="The dataset with text embeddings cached")],
         )
 
     @classmethod
-    def execute(cls, dataset: Dataset, clip):
+    def execute(cls, dataset: Dataset, clip, preservation_class=""):
+        dataset = dataset.with_preservation(preservation_class or "", "Kiln Encode Captions: preservation_class")
         encode, identity = bridge.text_encoder(clip)
         texts = dataset.texts()
         bar = bridge.progress(len(texts))

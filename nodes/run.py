@@ -70,13 +70,16 @@ def dataset_identity(dataset: Dataset) -> str:
     parts = [[i.sha256, i.repeats] for i in dataset.report.items], dataset.captions, [
         dataset.latent_identity, dataset.text_identity, sorted(dataset.failed_items),
         [[e.item, e.bucket, e.resized, e.offset] for e in dataset.plan.entries]]
+    if dataset.preservation_class or dataset.regularisation is not None:   # DOP's class word, the reg set's content
+        reg = dataset.regularisation
+        parts = [*parts, dataset.preservation_class, dataset_identity(reg) if reg is not None else None]
     return hashlib.sha256(json.dumps(parts, default=list).encode()).hexdigest()
 
 
 # Settings that say how a run is computed or what it writes beside, not what it trains: changing one
 # after a stop resumes the same run (the speed levers give the same losses to bf16 noise).
 NOT_IDENTITY = ("output_dir", "run_name", "log_every", "log_tensorboard", "wandb_project", "wandb_mode", "checkpoint_every", "keep_checkpoints", "checkpoint_loras",
-                "dataset_dir", "cache_dir", "cache_max_gb", "steps",
+                "dataset_dir", "cache_dir", "cache_max_gb", "steps", "reg_dataset_dir",
                 "gradient_checkpointing", "skip_checkpoint_blocks", "compile_blocks", "checkpoint_budget", "attention",
                 "init_lora")  # where the init LoRA lies; its content is init_lora_sha256, which counts
 

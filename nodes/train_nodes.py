@@ -17,7 +17,8 @@ from .widgets import CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, from_widget,
 TRAIN_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "optimizer", "backend", "seed")
 DATASET_FIELDS = ("dataset_dir", "resolutions", "repeats", "caption_dropout", "trigger_word", "caption_prefix",
                   "caption_suffix", "default_caption", "shuffle_tags", "keep_tags", "caption_variants", "crop",
-                  "cache_dir", "cache_max_gb")
+                  "cache_dir", "cache_max_gb",
+                  "preservation_class", "reg_dataset_dir", "reg_repeats")  # Encode Captions and reg_dataset give these
 NOT_IN_GRAPH = ("arch", "model_path", "vae_path", "text_encoder_path", "training_adapter",
                 "init_lora", "init_lora_sha256",  # Train LoRA's init_lora / init_lora_file inputs
                 "output_dir",  # the graph supplies these (headless `train` reads them from its config)
@@ -32,9 +33,13 @@ SHIPPED_OPTION_ORDER = (
     "attention", "timestep_sampling", "logit_mean", "logit_std", "shift_mode", "shift", "content_or_style",
     "loss_weighting", "ema", "ema_decay", "run_name", "checkpoint_every", "keep_checkpoints", "log_every",
     "save_dtype", "lora_format")
+# Preservation's weights (issue 21) came after every other option: last, wherever config.py lists them, so
+# workflows saved before keep their positions.
+PRESERVATION_OPTIONS = ("preservation_weight", "reg_weight")
 _OPTION_NAMES = [name for name in cfg_module.FIELDS if name not in TRAIN_WIDGETS + DATASET_FIELDS + NOT_IN_GRAPH]
 OPTION_FIELDS = tuple([name for name in SHIPPED_OPTION_ORDER if name in _OPTION_NAMES]
-                      + [name for name in _OPTION_NAMES if name not in SHIPPED_OPTION_ORDER])
+                      + [name for name in _OPTION_NAMES if name not in SHIPPED_OPTION_ORDER + PRESERVATION_OPTIONS]
+                      + list(PRESERVATION_OPTIONS))
 LIST_FIELDS = {"targets": str}
 
 
@@ -107,7 +112,11 @@ def build_config(model, dataset, widgets: dict, preset: str, options: dict | Non
     values = {k: v for k, v in (options or {}).items() if preset == "none" or v != defaults.get(k)}
     values.update(widgets)
     values.update(arch=arch, resolutions=list(s.resolutions), repeats=s.repeats, caption_dropout=s.caption_dropout,
-                  trigger_word=s.captions.trigger_word, dataset_dir=dataset.report.root)
+                  trigger_word=s.captions.trigger_word, dataset_dir=dataset.report.root,
+                  preservation_class=dataset.preservation_class)
+    reg = dataset.regularisation
+    if reg is not None:
+        values.update(reg_dataset_dir=reg.report.root, reg_repeats=reg.settings.repeats)
     return cfg_module.from_dict(values, preset=None if preset == "none" else preset)
 
 
@@ -172,6 +181,11 @@ class KilnTrainLoRA(io.ComfyNode):
                                optional=True, tooltip="A LoRA file (models/loras; ai-toolkit, musubi-tuner, "
                                "SimpleTuner, diffusers/PEFT, kohya, ComfyUI or Kiln layout) to start from, as "
                                "init_lora"),
+                DATASET.Input("reg_dataset", optional=True, tooltip="Regularisation images (prior preservation): "
+                              "a folder of class images with their own captions, through Load Dataset (its repeats "
+                              "are reg_repeats; no trigger word), Encode Images and Encode Captions with the same "
+                              "VAE and text encoder. Trained in batches of their own each epoch, their loss times "
+                              "reg_weight (Training Options)"),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input model with the trained LoRA (EMA weights "
@@ -190,13 +204,14 @@ class KilnTrainLoRA(io.ComfyNode):
     @classmethod
     def execute(cls, model, dataset, steps, learning_rate, rank, alpha, optimizer, preset, backend, seed,
                 options=None, training_adapter="none", resume=None, validation=None, init_lora=None,
-                init_lora_file="none"):
+                init_lora_file="none", reg_dataset=None):
         widgets = dict(steps=steps, learning_rate=learning_rate, rank=rank, alpha=alpha, optimizer=optimizer,
                        backend=backend, seed=seed)
         adapter = None if training_adapter in (None, "none") else bridge.load_lora_file(
             bridge.lora_path(training_adapter))
         if adapter is not None:
             bridge.require_fit(model, adapter, f"Kiln Train LoRA: training_adapter {training_adapter!r}")
+        dataset = dataset.with_regularisation(reg_dataset)
         cfg = build_config(model, dataset, widgets, preset, options, adapter is not None)
         cfg, init = start_from(cfg, init_lora, init_lora_file, resume)
         outcome = run.execute(cfg, model, dataset, adapter=adapter, resume_state=resume, validation=validation,

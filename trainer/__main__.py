@@ -202,6 +202,7 @@ def cmd_estimate(args) -> int:
                         targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
                         gradient_checkpointing=cfg.gradient_checkpointing, base_dtype=base,
                         mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
+                        preservation=cfg.preservation_weight > 0,
                         **({"checkpoint_budget": budget} if budget else {}),  # torch only
                         **({"fp8_compute": True} if cfg.fp8_compute else {}))
 

@@ -81,6 +81,9 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "keep_tags": (0, 100),
     "caption_variants": (1, 64),
     "cache_max_gb": (0.0, 1e6),
+    "preservation_weight": (0.0, 100.0),
+    "reg_repeats": (1, 1000),
+    "reg_weight": (0.0, 100.0),
     "checkpoint_every": (0, 1_000_000),
     "keep_checkpoints": (1, 1000),
     "log_every": (1, 100_000),
@@ -189,6 +192,20 @@ class TrainConfig:
     crop: str = setting("center", "center or random (seeded, fixed per image so latents stay cached)")
     cache_dir: str = setting("", "latent/text cache; empty = <dataset_dir>/.kiln_cache")
     cache_max_gb: float = setting(0.0, "prune other entries (least recently used) above this size; 0 = no limit")
+    # --- preservation (issue 21 item 2): differential output preservation and regularisation images
+    preservation_class: str = setting("", "differential output preservation (DOP): the class word that replaces "
+                                          "the trigger word in every caption (e.g. person); those captions are "
+                                          "encoded and cached beside the others")
+    preservation_weight: float = setting(0.0, "DOP: weight of the loss that holds the LoRA's prediction on the "
+                                              "class-word caption to the base model's (ai-toolkit's "
+                                              "diff_output_preservation_multiplier; 1.0 is usual); 0 = off. Costs "
+                                              "one more forward without grad a step, and the forward with grad runs "
+                                              "twice the batch (about 2.3x the step time and 2x the activations; not yet measured on a GPU)")
+    reg_dataset_dir: str = setting("", "regularisation images (prior preservation): a folder of class images with "
+                                       "their own captions; each epoch draws them, in batches of their own, beside "
+                                       "the training images; empty = none")
+    reg_repeats: int = setting(1, "times each regularisation image is seen per epoch")
+    reg_weight: float = setting(1.0, "loss weight of the regularisation batches (kohya's prior_loss_weight)")
     # --- run output
     output_dir: str = setting("runs", "run folders go here")
     run_name: str = setting("", 'folder name; empty = "<arch>-<date>-<time>"')
@@ -423,6 +440,9 @@ def _check_combinations(cfg: TrainConfig) -> None:
     if bad_res:
         problems.append(f"resolutions {bad_res} must be multiples of {ARCHS[cfg.arch].bucket_divisor} for {cfg.arch}")
     _check_samples(cfg, problems)
+    if cfg.preservation_weight > 0 and not cfg.preservation_class.strip():
+        problems.append("preservation_weight > 0 needs preservation_class, the class word that replaces the trigger "
+                        "word (e.g. person; in a graph, on Kiln Encode Captions); or set preservation_weight to 0")
     if cfg.init_lora_sha256 and not re.fullmatch(r"[0-9a-f]{64}", cfg.init_lora_sha256):
         problems.append(f"init_lora_sha256 must be 64 lower-case hex digits (a sha256) or empty, "
                         f"got {cfg.init_lora_sha256!r}")

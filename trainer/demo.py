@@ -133,10 +133,11 @@ def model_for(cfg: config_module.TrainConfig):
 def build_data(cfg: config_module.TrainConfig, folder: Path, cache_dir: Path | None = None):
     """The real data path (scan, buckets, captions, caches) with the stand-in encoders."""
     from .archs import get_arch
-    from .data.dataset import Dataset, DataSettings
+    from .data.dataset import DataSettings
+    from .preservation import encoded_datasets
 
     settings = DataSettings.from_config(cfg, get_arch(cfg.arch).bucket_divisor)
-    dataset = Dataset.load(folder, settings, cache_dir=cache_dir)
-    dataset = dataset.encode_images(encode_pixels, VAE_IDENTITY).encode_captions(encode_text, TEXT_IDENTITY)
+    dataset = encoded_datasets(cfg, settings, folder, (encode_pixels, VAE_IDENTITY), (encode_text, TEXT_IDENTITY),
+                               cache_dir)
     dataset.prune_cache(cfg.cache_max_gb)
     return dataset.training_data()

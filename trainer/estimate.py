@@ -52,6 +52,7 @@ from __future__ import annotations
 from .archs.layout import ModelDims
 from .estimate_common import (
     ACTIVATION_BYTES,
+    PRESERVATION_NOTE,
     BASE_DTYPE_BYTES,
     GIB,
     OPTIMIZER_STATE,
@@ -67,6 +68,7 @@ from .estimate_common import (
     lora_shapes,
     ordered_advice,
     param_count,
+    preservation_rows,
     widest_output,
 )
 
@@ -89,18 +91,20 @@ def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int,
 def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, rank: int = 32,
              targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
              gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16",
-             skip_checkpoint_blocks: int = 0, checkpoint_budget: float = 0.0, fp8_compute: bool = False) -> Estimate:
-    """Bytes one training step needs at square `resolution` (the largest bucket)."""
+             skip_checkpoint_blocks: int = 0, checkpoint_budget: float = 0.0, preservation: bool = False,
+             fp8_compute: bool = False) -> Estimate:
+    """Bytes one training step needs at square `resolution` (the largest bucket); `preservation`: DOP on."""
     settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
                 "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
                 "base_dtype": base_dtype, "mixed_precision": mixed_precision,
                 "skip_checkpoint_blocks": skip_checkpoint_blocks, "checkpoint_budget": checkpoint_budget,
-                "fp8_compute": fp8_compute}
+                "preservation": preservation, "fp8_compute": fp8_compute}
     dims = get_dims(variant)
     side = check_settings(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
+    rows = preservation_rows(batch_size, preservation)
     image_tokens = image_token_count(dims, resolution, side)
     text_tokens, act = dims.context_tokens, ACTIVATION_BYTES[mixed_precision]
-    tokens = batch_size * (image_tokens + text_tokens)
+    tokens = rows * (image_tokens + text_tokens)
     shapes = lora_shapes(dims, targets)
     lora_params = sum(rank * (i + o) for i, o in shapes)
 
@@ -109,13 +113,13 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
         from .backends.torch_backend.fp8 import fp8_products
 
         weights += sum(i * o * sum(fp8_products(i, o)) for i, o in linear_layers(dims).values())
-    activations = batch_size * _activations(dims, image_tokens, text_tokens, act, gradient_checkpointing,
-                                            skip_checkpoint_blocks)
+    activations = rows * _activations(dims, image_tokens, text_tokens, act, gradient_checkpointing,
+                                      skip_checkpoint_blocks)
     if gradient_checkpointing and checkpoint_budget > 0:
         # 0.6 x the budget's share of what checkpointing saves (eager): measured on an H100 (Z-Image
         # 1024 px, bench/RESULTS.md) compiled blocks kept 0.02-0.44 of it at budgets 0.1-0.8, under
         # 0.6 x budget each time (this estimate 3-14 % above those peaks).
-        kept_all = batch_size * _activations(dims, image_tokens, text_tokens, act, False)
+        kept_all = rows * _activations(dims, image_tokens, text_tokens, act, False)
         activations += int(BUDGET_KEPT * checkpoint_budget * max(0, kept_all - activations))
     workspace = CUDA_CONTEXT_BYTES + 2 * widest_output(dims) * tokens * act
     if base_dtype == "fp8":
@@ -126,6 +130,8 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
              "diffusion model only: text encoder and VAE cached or offloaded",
              "an estimate: measured peaks on an H200 fell within -7%..+9% of it" if layout.measured else
              f"an estimate: the {layout.name} block model is derived, not yet checked against a GPU's peak"]
+    if preservation:
+        notes.append(PRESERVATION_NOTE)
     if optimizer == "prodigy":
         notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
     total = weights + 8 * lora_params + optimizer_bytes + activations + workspace

@@ -205,6 +205,17 @@ class Estimate:
     settings: dict = field(default_factory=dict)  # the estimate() arguments, for what-if advice
 
 
+# preservation_weight > 0 (trainer/preservation.py): what differential output preservation costs a step.
+PRESERVATION_NOTE = ("differential output preservation: the forward with grad runs twice the batch (the rows and "
+                     "their class-word rows; counted above), and one more forward without grad a step (one block's "
+                     "activations at a time): by FLOPs about 2.3x a plain step's time")
+
+
+def preservation_rows(batch_size: int, preservation: bool) -> int:
+    """Rows of the forward with grad: DOP adds each row's class-word row."""
+    return batch_size * (2 if preservation else 1)
+
+
 def ordered_advice(settings: dict, backend_steps: list[tuple[str, dict, bool]]) -> list[tuple[str, dict]]:
     """Changes that lower memory, cheapest in quality first: checkpointing (every block), the backend's
     own steps, then lower resolutions; only those that change something."""

@@ -33,6 +33,7 @@ from .estimate_common import (
     ACTIVATION_BYTES,
     GIB,
     OPTIMIZER_STATE,
+    PRESERVATION_NOTE,
     Estimate,
     EstimatorRules,
     arch_of,
@@ -45,6 +46,7 @@ from .estimate_common import (
     lora_shapes,
     ordered_advice,
     param_count,
+    preservation_rows,
     widest_output,
 )
 
@@ -79,12 +81,14 @@ def _weight_bytes(dims, base_dtype: str) -> int:
 
 def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 32, targets=None,
                  optimizer: str = "adamw", gradient_checkpointing: bool = True, base_dtype: str = "bf16",
-                 mixed_precision: str = "bf16", skip_checkpoint_blocks: int = 0) -> Estimate:
-    """Bytes one MLX training step needs at square `resolution` (the largest bucket)."""
+                 mixed_precision: str = "bf16", skip_checkpoint_blocks: int = 0, preservation: bool = False) -> Estimate:
+    """Bytes one MLX training step needs at square `resolution` (the largest bucket); `preservation`: DOP on."""
     settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
                 "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
                 "skip_checkpoint_blocks": skip_checkpoint_blocks,
-                "base_dtype": base_dtype, "mixed_precision": mixed_precision, "backend": "mlx"}
+                "base_dtype": base_dtype, "mixed_precision": mixed_precision, "backend": "mlx",
+                "preservation": preservation}
+    rows = preservation_rows(batch_size, preservation)
     if base_dtype not in MLX_BASE_BYTES:
         raise ValueError(f"base_dtype for MLX must be one of {list(MLX_BASE_BYTES)} (fp8 files are decoded to "
                          f"bf16; base_quantize int8/int4 is MLX's smaller base), got {base_dtype!r}")
@@ -114,19 +118,20 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     else:
         kept = sum(b * count for b, count, _ in per_block)
     # The block being differentiated holds its internals' gradients beside them
-    activations = int(batch_size * (kept + head + BACKWARD_FACTOR * largest))
+    activations = int(rows * (kept + head + BACKWARD_FACTOR * largest))
 
-    workspace = MLX_OVERHEAD + 2 * widest_output(dims) * batch_size * (image_tokens + text_tokens) * act
+    workspace = MLX_OVERHEAD + 2 * widest_output(dims) * rows * (image_tokens + text_tokens) * act
     weights = _weight_bytes(dims, base_dtype)
     optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
     total = weights + 8 * lora_params + optimizer_bytes + activations + workspace
     notes = [f"{image_tokens} image + {text_tokens} text tokens per sample",
              "diffusion model only: text encoder and VAE cached or offloaded",
              "MLX: unfused attention keeps heads x L^2 probabilities per block (checkpointing keeps one block's)",
-             "an estimate fitted on mlx[cpu] at small sizes; not yet checked on a Mac"]
+             "an estimate fitted on mlx[cpu] at small sizes; not yet checked on a Mac"] + (
+                 [PRESERVATION_NOTE] if preservation else [])
     return Estimate(weights=weights, lora=4 * lora_params, gradients=4 * lora_params, optimizer=optimizer_bytes,
                     activations=activations, workspace=workspace, total=total, lora_params=lora_params,
-                    tokens=batch_size * (image_tokens + text_tokens), notes=notes, settings=settings)
+                    tokens=rows * (image_tokens + text_tokens), notes=notes, settings=settings)
 
 
 def advice(settings: dict) -> list[tuple[str, dict]]:

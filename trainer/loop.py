@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import distributed, faults, init_lora, logging_sinks, objective, state
+from . import distributed, faults, init_lora, logging_sinks, objective, preservation, state
 from .archs import Arch, get_arch
 from .atomic import fault_point
 from .backends import get_backend
@@ -70,7 +70,7 @@ def objective_settings(cfg: TrainConfig, arch: Arch) -> objective.ObjectiveSetti
 
 def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator,
                 settings: objective.ObjectiveSettings, arch: Arch, caption_dropout: float,
-                group: distributed.Group = distributed.SINGLE):
+                group: distributed.Group = distributed.SINGLE, preserve: preservation.Settings = preservation.OFF):
     """Stack one bucket's items and draw its noise, sigmas and caption dropout.
 
     `indices` is the global batch; under torchrun every rank draws the randomness of all of it (the
@@ -91,9 +91,11 @@ def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator
     contexts = [data.empty_context() if draws.drop_caption[row] else data.context(indices[row], variants[row])
                 for row in rows]
     lengths = [c.shape[0] for c in contexts]
-    return Batch(latents=latents, noise=noise, sigmas=sigmas, weights=weights,
-                 context=arch.collate_context(contexts), extras=arch.model_extras(len(rows), lengths),
-                 items=[data.name(i) for i in indices])
+    batch = Batch(latents=latents, noise=noise, sigmas=sigmas, weights=weights,
+                  context=arch.collate_context(contexts), extras=arch.model_extras(len(rows), lengths),
+                  items=[data.name(i) for i in indices])
+    # Regularisation rows' loss weight; DOP's class-word captions (trainer/preservation.py). No draws.
+    return preservation.complete(batch, data, mine, [variants[row] for row in rows], contexts, scale, arch, preserve)
 
 
 def batch_sizes(cfg: TrainConfig, data: TrainingData, arch: Arch) -> dict[str, int]:
@@ -233,6 +235,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     # One seeded sampler of global batches: under torchrun each rank trains on its rows of each.
     global_sizes = {key: size * group.world for key, size in batch_sizes(cfg, data, arch).items()}
     sampler = BucketSampler(data.buckets, global_sizes, cfg.seed)
+    preserve = preservation.settings(cfg, data)   # DOP and regularisation images, checked against the data
     backend.setup(model, cfg, arch, forward)
     sinks = logging_sinks.Sinks([])
     try:
@@ -250,8 +253,8 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
             lr = lr_at(step, base_lr=cfg.learning_rate, schedule=cfg.lr_schedule, total_steps=cfg.steps,
                        warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
             draws = faults.Draws(rng, sampler, backend)  # an out-of-memory step puts its draws back
-            micro_batches = [build_batch(data, sampler.next(), rng, settings, arch, cfg.caption_dropout, group)
-                             for _ in range(cfg.grad_accum)]
+            micro_batches = [build_batch(data, sampler.next(), rng, settings, arch, cfg.caption_dropout, group,
+                                         preserve) for _ in range(cfg.grad_accum)]
             names = [name for batch in micro_batches for name in batch.items]
             done = step + 1
             with faults.out_of_memory_rewinds(cfg, step, names, draws, alone if step > start else None):

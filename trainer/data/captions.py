@@ -79,3 +79,12 @@ def caption_variants(raw: str | None, settings: CaptionSettings, *, seed: int, k
             if len(out) == settings.variants:
                 break
     return out
+
+
+def class_caption(caption: str, trigger_word: str, class_word: str) -> str:
+    """The caption with every whole-word trigger word replaced by the class word (differential output
+    preservation's prompt, as ai-toolkit builds it: "ohwx, a man" → "person, a man")."""
+    trigger = trigger_word.strip()
+    if not trigger:
+        return caption
+    return re.sub(r"(?<!\w)" + re.escape(trigger) + r"(?!\w)", lambda _: class_word.strip(), caption)

@@ -22,7 +22,7 @@ from PIL import Image
 
 from .buckets import BucketPlan, Entry, plan_buckets
 from .cache import Cache, latent_key, text_key
-from .captions import CaptionSettings, caption_variants
+from .captions import CaptionSettings, caption_variants, class_caption
 from .report import DatasetMeta, Item, Problem, ScanReport, format_report
 
 ImageEncoder = Callable[[np.ndarray], np.ndarray]
@@ -80,6 +80,8 @@ class Dataset:
     text_identity: str | None = None
     failed_items: frozenset[int] = frozenset()  # items whose image failed to decode at encode time
     encode_problems: tuple[Problem, ...] = ()
+    preservation_class: str = ""                # DOP: class word for the trigger word (with_preservation)
+    regularisation: Dataset | None = None     # regularisation images trained beside (with_regularisation)
 
     # --- building -------------------------------------------------------------------
     @classmethod
@@ -115,8 +117,31 @@ class Dataset:
         return latent_key(item.sha256, entry.bucket, entry.resized, entry.offset, self.latent_identity or "")
 
     def texts(self) -> list[str]:
-        """Every distinct text to encode, the empty caption (for caption dropout) first."""
-        return list(dict.fromkeys(["", *(c for variants in self.captions for c in variants)]))
+        """Every distinct text to encode, the empty caption (for caption dropout) first, then the class-word
+        captions of differential output preservation (when on)."""
+        class_texts = (c for variants in self.preservation_captions() for c in variants)
+        return list(dict.fromkeys(["", *(c for variants in self.captions for c in variants), *class_texts]))
+
+    def preservation_captions(self) -> tuple[tuple[str, ...], ...]:
+        """Per item, its caption variants with the trigger word replaced by the class word; none when off."""
+        if not self.preservation_class:
+            return ()
+        trigger = self.settings.captions.trigger_word
+        return tuple(tuple(class_caption(c, trigger, self.preservation_class) for c in variants)
+                     for variants in self.captions)
+
+    def with_preservation(self, class_word: str, where: str = "preservation_class") -> Dataset:
+        """The dataset whose captions are also encoded with the trigger word replaced by `class_word` (DOP)."""
+        class_word = class_word.strip()
+        if class_word and not self.settings.captions.trigger_word.strip():
+            raise DatasetError(f"{where} {class_word!r}: the dataset {self.report.root} has no trigger word to "
+                               "replace; set trigger_word (Load Dataset, the config or dataset.json), or leave "
+                               f"{where} empty")
+        return dataclasses.replace(self, preservation_class=class_word)
+
+    def with_regularisation(self, reg: Dataset | None) -> Dataset:
+        """The dataset that trains with `reg`'s images beside its own (prior preservation; regularised.py)."""
+        return dataclasses.replace(self, regularisation=reg)
 
     def encode_images(self, encode: ImageEncoder, identity: str, *, batch_size: int = 4,
                       progress: Progress | None = None) -> "Dataset":
@@ -191,6 +216,8 @@ class Dataset:
             out |= {cache.path("latents", self._latent_key(self.plan.entries[n])) for n in self.usable_entries()}
         if self.text_identity is not None:
             out |= {cache.path("text", text_key(t, self.text_identity)) for t in self.texts()}
+        if self.regularisation is not None:   # a shared cache folder keeps the regularisation set's entries too
+            out |= self.regularisation.cache_paths()
         return out
 
     def prune_cache(self, max_gb: float):
@@ -203,7 +230,11 @@ class Dataset:
                                             ("Encode Captions", self.text_identity)) if ident is None]
         if missing:
             raise DatasetError(f"{self.report.root}: run {' and '.join(missing)} on this dataset before training")
-        return CachedData(self, memory_budget)
+        if self.regularisation is None:
+            return CachedData(self, memory_budget)
+        from .regularised import RegularisedData
+
+        return RegularisedData.of(self, CachedData(self, memory_budget), memory_budget)
 
     @property
     def skipped(self) -> list[Problem]:
@@ -303,6 +334,14 @@ class CachedData:
 
     def name(self, index: int) -> str:
         return self.items[self.entries[index].item].path
+
+    def preservation_context(self, index: int, variant: int = 0) -> np.ndarray | None:
+        """DOP: the embedding of the caption with the class word for the trigger word; None when off."""
+        captions = self.dataset.preservation_captions()
+        if not captions:
+            return None
+        text = captions[self.entries[index].item][variant]
+        return self._read("text", text_key(text, self.dataset.text_identity), text, "class-word caption embedding")
 
     def caption(self, index: int, variant: int = 0) -> str:
         return self.dataset.captions[self.entries[index].item][variant]

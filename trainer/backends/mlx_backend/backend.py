@@ -105,27 +105,61 @@ class MlxBackend:
         arrays = {name: mx.array(getattr(batch, name), dtype=mx.float32) for name in _BATCH_FIELDS[:4]}
         arrays["context"] = mx.array(batch.context).astype(self.dtype)
         constants = {}
-        for key, value in batch.extras.items():
+        self._extras_in(batch.extras, "", arrays, constants)
+        kept = getattr(batch, "preservation", None)
+        if kept is not None:   # DOP (trainer/preservation.py): the class-word rows, and the rows with them
+            arrays["dop.weights"] = mx.array(kept.weights, dtype=mx.float32)
+            for where, context, extras in (("dop.", kept.context, kept.extras),
+                                           ("joint.", kept.joint_context, kept.joint_extras)):
+                arrays[f"{where}context"] = mx.array(context).astype(self.dtype)
+                self._extras_in(extras, where, arrays, constants)
+        return arrays, constants
+
+    def _extras_in(self, extras: dict, where: str, arrays: dict, constants: dict) -> None:
+        for key, value in extras.items():
             if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.integer):
                 # Integer extras (Z-Image's per-row caption lengths) shape the graph: they are constants
                 # of the compiled step (one graph per length pattern), never traced arrays.
-                constants[key] = tuple(int(v) for v in value.reshape(-1))
+                constants[where + key] = tuple(int(v) for v in value.reshape(-1))
             elif isinstance(value, (np.ndarray, mx.array)):
-                arrays[f"extra.{key}"] = mx.array(value).astype(self.dtype)
+                arrays[f"{where}extra.{key}"] = mx.array(value).astype(self.dtype)
             else:
-                constants[key] = value
-        return arrays, constants
+                constants[where + key] = value
+
+    @staticmethod
+    def _extras(arrays: dict, constants: dict, where: str = "") -> dict:
+        """The model extras of `where` ("" the batch's, "dop." / "joint." DOP's) from _inputs' two dicts."""
+        own = {k[len(where) + 6:]: v for k, v in arrays.items() if k.startswith(f"{where}extra.")}
+        return {**own, **{k[len(where):]: v for k, v in constants.items()
+                          if k.startswith(where) and (where or not k.startswith(("dop.", "joint.")))}}
 
     def _micro_loss(self, arrays: dict, constants: dict, count: int) -> mx.array:
         x0, noise, sigmas, weights = (arrays[k] for k in _BATCH_FIELDS[:4])
-        extras = {**{k[6:]: v for k, v in arrays.items() if k.startswith("extra.")}, **constants}
+        extras = self._extras(arrays, constants)
         x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
         target = velocity_target(x0, noise)
+        if "dop.weights" in arrays:
+            return self._preserving_loss(arrays, constants, x_t, sigmas, target, weights) / count
         # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
         prediction = self.forward(self.model, x_t.astype(self.dtype), sigmas, arrays["context"], extras)
         # Loss in fp32: per-sample mean, weighted, batch mean; divided over the micro-batches.
         per_sample = mx.mean(mx.square(prediction.astype(mx.float32) - target).reshape(x0.shape[0], -1), axis=1)
         return mx.mean(per_sample * weights) / count
+
+    def _preserving_loss(self, arrays, constants, x_t, sigmas, target, weights) -> mx.array:
+        """Differential output preservation, as the torch backend's: the base model's prediction on the
+        class-word captions (LoRA layers off their parents while traced, no gradient) is the target of
+        the LoRA's, from one forward of the rows and their class-word rows."""
+        x_in, rows = x_t.astype(self.dtype), x_t.shape[0]
+        with self.lora.disabled():
+            base = self.forward(self.model, x_in, sigmas, arrays["dop.context"], self._extras(arrays, constants, "dop."))
+        base = mx.stop_gradient(base.astype(mx.float32))
+        prediction = self.forward(self.model, mx.concatenate([x_in, x_in]), mx.concatenate([sigmas, sigmas]),
+                                  arrays["joint.context"], self._extras(arrays, constants, "joint."))
+        prediction = prediction.astype(mx.float32)
+        trained = mx.mean(mx.square(prediction[:rows] - target).reshape(rows, -1), axis=1)      # [B]
+        preserved = mx.mean(mx.square(prediction[rows:] - base).reshape(rows, -1), axis=1)      # [B]
+        return mx.mean(trained * weights) + mx.mean(preserved * arrays["dop.weights"])
 
     def _compiled(self, function):
         # value_and_grad and checkpointing write the traced parameters into the model, so the

@@ -8,6 +8,7 @@ the names the torch backend uses, fp32, A from the shared seeded init, B zero.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -140,6 +141,18 @@ class LoraSet:
 
     def parameter_count(self) -> int:
         return sum(p.size for p in self.parameters().values())
+
+    @contextmanager
+    def disabled(self):
+        """Within the block the model runs without its LoRA (the base model: DOP's target): the base layers
+        sit on their parents, and the same LoRA layers go back afterwards (inside a traced step too)."""
+        for path, layer in self.layers.items():
+            _replace(self.model, path, layer.base_layer)
+        try:
+            yield
+        finally:
+            for path, layer in self.layers.items():
+                _replace(self.model, path, layer)
 
     def remove(self) -> None:
         """Put every base layer back where its LoRA layer was: the model is as before injection."""

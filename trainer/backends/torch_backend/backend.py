@@ -158,22 +158,41 @@ class TorchBackend:
         noise = self._to_device(batch.noise, torch.float32)
         sigmas = self._to_device(batch.sigmas, torch.float32)
         weights = self._to_device(batch.weights, torch.float32)
-        context = self._to_device(batch.context, self.dtype)
-        # Float extras (guidance) in the model dtype on the device; integer ones (per-row token counts)
-        # stay integers on the host: they choose shapes, and reading them from the GPU would stall the
-        # host once per step (bench/RESULTS.md, lever "no host sync").
-        extras = {k: (torch.from_numpy(np.ascontiguousarray(v)) if np.issubdtype(v.dtype, np.integer)
-                      else self._to_device(v, self.dtype)) if isinstance(v, np.ndarray) else v
-                  for k, v in batch.extras.items()}
         x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
         target = velocity_target(x0, noise)
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
+        if getattr(batch, "preservation", None) is not None:
+            return self._preserving_loss(batch.preservation, x_t, sigmas, target, weights, amp)
+        context, extras = self._to_device(batch.context, self.dtype), self._extras(batch.extras)
         with amp:
             # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
             prediction = self.call(x_t.to(self.dtype), sigmas, context, extras)
         # Loss in fp32: per-sample mean, weighted, batch mean.
         per_sample = (prediction.float() - target).square().flatten(1).mean(dim=1)
         return (per_sample * weights).mean()
+
+    def _extras(self, extras: dict) -> dict:
+        # Float extras (guidance) in the model dtype on the device; integer ones (per-row token counts)
+        # stay integers on the host: they choose shapes, and reading them from the GPU would stall the
+        # host once per step (bench/RESULTS.md, lever "no host sync").
+        return {k: (torch.from_numpy(np.ascontiguousarray(v)) if np.issubdtype(v.dtype, np.integer)
+                    else self._to_device(v, self.dtype)) if isinstance(v, np.ndarray) else v
+                for k, v in extras.items()}
+
+    def _preserving_loss(self, kept, x_t, sigmas, target, weights, amp) -> torch.Tensor:
+        """Differential output preservation (trainer/preservation.py): the base model's prediction on the
+        class-word captions (LoRA off, no grad; a compiled block runs eagerly without grad, so nothing
+        recompiles) is the target of the LoRA's, from one forward of the rows and their class-word rows."""
+        x_in, rows = x_t.to(self.dtype), x_t.shape[0]
+        with torch.no_grad(), amp, self.lora.disabled():   # not through DDP: no gradient to average
+            base = self.forward(self.model, x_in, sigmas, self._to_device(kept.context, self.dtype),
+                                self._extras(kept.extras)).float()
+        with amp:
+            prediction = self.call(torch.cat([x_in, x_in]), torch.cat([sigmas, sigmas]),
+                                   self._to_device(kept.joint_context, self.dtype), self._extras(kept.joint_extras))
+        trained = (prediction[:rows].float() - target).square().flatten(1).mean(dim=1)      # [B]
+        preserved = (prediction[rows:].float() - base).square().flatten(1).mean(dim=1)      # [B]
+        return (trained * weights).mean() + (preserved * self._to_device(kept.weights, torch.float32)).mean()
 
     def step(self, micro_batches, lr: float):
         for group in self.optimizer.param_groups:

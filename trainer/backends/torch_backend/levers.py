@@ -62,7 +62,8 @@ def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> i
                        targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
                        gradient_checkpointing=True, base_dtype=base_dtype(model),
                        mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
-                       checkpoint_budget=budget)   # fp8_compute's copies are resident already: in `free`
+                       checkpoint_budget=budget, preservation=cfg.preservation_weight > 0)
+                       # fp8_compute's copies are resident already: in `free`
     except (ValueError, KeyError):
         return None
     return est.total - est.weights

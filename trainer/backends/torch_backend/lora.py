@@ -8,6 +8,7 @@ ComfyUI knows them and removal is `del module.forward`.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,19 @@ class LoraSet:
 
     def parameter_count(self) -> int:
         return sum(p.numel() for _, p in self.named_parameters())
+
+    @contextmanager
+    def disabled(self):
+        """Within the block the model runs without its LoRA (the base model: DOP's target). The very same
+        forward functions go back afterwards, so a compiled block's guards still hold (no recompile)."""
+        hooked = [(item, item.module.__dict__["forward"]) for item in self.injected.values()]
+        for item, _ in hooked:
+            _unhook(item)
+        try:
+            yield
+        finally:
+            for item, forward in hooked:
+                item.module.forward = forward
 
     def remove(self) -> None:
         """Take every branch out; the model is as it was before injection."""
