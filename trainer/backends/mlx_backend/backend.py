@@ -104,6 +104,8 @@ class MlxBackend:
         """A Batch → (arrays for the step, constant extras that become part of the compiled graph)."""
         arrays = {name: mx.array(getattr(batch, name), dtype=mx.float32) for name in _BATCH_FIELDS[:4]}
         arrays["context"] = mx.array(batch.context).astype(self.dtype)
+        if batch.mask is not None:   # masked training: per-cell loss weights [B,1,H,W] (part of the signature)
+            arrays["mask"] = mx.array(batch.mask, dtype=mx.float32)
         constants = {}
         for key, value in batch.extras.items():
             if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.integer):
@@ -124,7 +126,10 @@ class MlxBackend:
         # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
         prediction = self.forward(self.model, x_t.astype(self.dtype), sigmas, arrays["context"], extras)
         # Loss in fp32: per-sample mean, weighted, batch mean; divided over the micro-batches.
-        per_sample = mx.mean(mx.square(prediction.astype(mx.float32) - target).reshape(x0.shape[0], -1), axis=1)
+        squared = mx.square(prediction.astype(mx.float32) - target)
+        if "mask" in arrays:
+            squared = squared * arrays["mask"]
+        per_sample = mx.mean(squared.reshape(x0.shape[0], -1), axis=1)
         return mx.mean(per_sample * weights) / count
 
     def _compiled(self, function):

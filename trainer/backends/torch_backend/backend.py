@@ -162,14 +162,20 @@ class TorchBackend:
         extras = {k: (torch.from_numpy(np.ascontiguousarray(v)) if np.issubdtype(v.dtype, np.integer)
                       else self._to_device(v, self.dtype)) if isinstance(v, np.ndarray) else v
                   for k, v in batch.extras.items()}
+        # Reference latents (edit training): raw fp32 VAE latents, as ComfyUI's conds hold them.
+        extras.update({k: [self._to_device(a, torch.float32) for a in v] for k, v in batch.extras.items()
+                       if isinstance(v, list)})
         x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
         target = velocity_target(x0, noise)
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         with amp:
             # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
             prediction = self.call(x_t.to(self.dtype), sigmas, context, extras)
-        # Loss in fp32: per-sample mean, weighted, batch mean.
-        per_sample = (prediction.float() - target).square().flatten(1).mean(dim=1)
+        # Loss in fp32: per-sample mean (per-cell mask weights first, masked training), weighted, batch mean.
+        squared = (prediction.float() - target).square()
+        if batch.mask is not None:
+            squared = squared * self._to_device(batch.mask, torch.float32)   # [B,1,H,W] over the channels
+        per_sample = squared.flatten(1).mean(dim=1)
         return (per_sample * weights).mean()
 
     def step(self, micro_batches, lr: float):
