@@ -193,3 +193,16 @@ def test_flux2_takes_reference_latents_as_comfyui_does():
     with pytest.raises(ValueError, match="same control folders"):
         companion_batch.reference_extras([[np.ones(1)], [np.ones(1), np.ones(1)]], get_arch("flux2_klein"),
                                          ["a", "b"])
+
+
+def test_estimate_counts_the_reference_images_tokens(tmp_path):
+    from trainer.data.companions import reference_count
+    from trainer.estimate import estimate
+
+    plain, edit = (estimate("flux2-klein-4b", resolution=512, reference_images=n) for n in (0, 2))
+    assert edit.tokens - plain.tokens == 2 * 32 * 32          # two more 512 px images of 16 px tokens
+    assert edit.activations > plain.activations and edit.weights == plain.weights
+    assert "(2 reference images included)" in edit.notes[0]
+    for folder in ("control", "control_2", "controls", "photos"):
+        (tmp_path / folder).mkdir()
+    assert reference_count(tmp_path) == 2 and reference_count("") == 0

@@ -197,12 +197,15 @@ def cmd_estimate(args) -> int:
     backend = args.backend or cfg.backend
     estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if backend == "mlx" and cfg.base_quantize != "none" else "bf16")
+    from .data.companions import reference_count   # edit datasets: control folders add image tokens (torch only)
+    references = reference_count(cfg.dataset_dir) if backend == "torch" else 0
     def estimated(resolution: int, budget: float):
         return estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,
                         targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
                         gradient_checkpointing=cfg.gradient_checkpointing, base_dtype=base,
                         mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
-                        **({"checkpoint_budget": budget} if budget else {}))  # torch only
+                        **({"checkpoint_budget": budget} if budget else {}),  # torch only
+                        **({"reference_images": references} if references else {}))
 
     budget = cfg.checkpoint_budget
     if budget == "auto":

@@ -48,6 +48,13 @@ def control_slot(rel: str) -> int | None:
     return None if match is None else int(match.group(1) or 1) - 1
 
 
+def reference_count(root: str | Path) -> int:
+    """Control folders at a dataset's root: the reference images each target trains with (0: no edit set)."""
+    root = Path(root) if root else None
+    return sum(1 for p in root.iterdir() if p.is_dir() and CONTROL_FOLDER.match(p.name)) \
+        if root is not None and root.is_dir() else 0
+
+
 def is_companion(rel: str) -> bool:
     return is_mask(rel) or control_slot(rel) is not None
 
