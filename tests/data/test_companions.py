@@ -175,3 +175,12 @@ def test_companion_names():
     assert not companions.is_mask("mask.png") and not companions.is_mask("photo.mask.txt")
     assert companions.control_slot("control/x.png") == 0 and companions.control_slot("control_3/a/x.png") == 2
     assert companions.control_slot("controls/x.png") is None and companions.control_slot("control") is None
+
+
+def test_the_dataset_picker_counts_no_masks_or_controls(tmp_path):
+    from trainer.data.scan import list_datasets
+
+    edit_folder(tmp_path, second=True)
+    gradient_image((128, 128)).save(tmp_path / "ds" / "a.mask.png")
+    (summary,) = list_datasets(tmp_path)
+    assert (summary.name, summary.images, summary.captions) == ("ds", 2, 2)

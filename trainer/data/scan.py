@@ -382,11 +382,12 @@ def list_datasets(root: str | Path, most_files: int = 100_000) -> list[FolderSum
         if folder.name.startswith(".") or not folder.is_dir():
             continue
         images = captions = seen = 0
-        for _, dirs, files in os.walk(folder, followlinks=False):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for where, dirs, files in os.walk(folder, followlinks=False):
+            top = where == str(folder)   # control/ folders and name.mask.png files are no training images
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (top and is_companion(f"{d}/x")))
             for name in files:
                 suffix = os.path.splitext(name)[1].lower()
-                images += suffix in IMAGE_EXTENSIONS and not name.startswith(".")
+                images += suffix in IMAGE_EXTENSIONS and not name.startswith(".") and not is_companion(name)
                 captions += suffix == ".txt" and not name.startswith(".")
             seen += len(files)
             if seen >= most_files:
