@@ -165,6 +165,7 @@ def _resolutions(text: str) -> list[int]:
 
 def cmd_estimate(args) -> int:
     from . import config as config_module
+    from .data.companions import reference_count
     from .estimate_common import (
         VARIANTS,
         arch_variants,
@@ -197,8 +198,7 @@ def cmd_estimate(args) -> int:
     backend = args.backend or cfg.backend
     estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if backend == "mlx" and cfg.base_quantize != "none" else "bf16")
-    from .data.companions import reference_count   # edit datasets: control folders add image tokens (torch only)
-    references = reference_count(cfg.dataset_dir) if backend == "torch" else 0
+    references = reference_count(cfg.dataset_dir) if backend == "torch" else 0   # edit datasets' control folders
     def estimated(resolution: int, budget: float):
         return estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,
                         targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,

@@ -3,18 +3,17 @@ control latents hands the diffusion model bitwise what ComfyUI's sampler hands i
 ReferenceLatent, and returns the same output; a few loop steps train on an encoded edit dataset."""
 from __future__ import annotations
 
+import comfy_env
 import numpy as np
 import pytest
 
-import comfy_env
-
 comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
 
-import node_helpers  # noqa: E402
-import tiny_comfy as tc  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image  # noqa: E402
-from test_bridge import Calls, comfy_sampling_calls, embedding  # noqa: E402
+import node_helpers
+import tiny_comfy as tc
+import torch
+from PIL import Image
+from test_bridge import Calls, comfy_sampling_calls, embedding
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 archs = comfy_env.import_pack("trainer.archs")
@@ -90,9 +89,10 @@ def test_a_few_steps_train_on_an_encoded_edit_dataset(klein, klein_clip, tmp_pat
     ds = ds.encode_images(*bridge.vae_encoder(vae)).encode_captions(*bridge.text_encoder(klein_clip))
     data = ds.training_data()
     assert len(data.controls(0)) == 1 and data.controls(0)[0].shape == data.latent(0).shape
-    cfg = config.from_dict(dict(arch="flux2_klein", device="cpu", mixed_precision="no", steps=2, batch_size=2,
-                                rank=2, alpha=2.0, checkpoint_every=0, log_every=1, caption_dropout=0.0,
-                                gradient_checkpointing=False, compile_blocks=False, resolutions=[64]))
+    cfg = config.from_dict({"arch": "flux2_klein", "device": "cpu", "mixed_precision": "no", "steps": 2,
+                            "batch_size": 2, "rank": 2, "alpha": 2.0, "checkpoint_every": 0, "log_every": 1,
+                            "caption_dropout": 0.0, "gradient_checkpointing": False, "compile_blocks": False,
+                            "resolutions": [64]})
     calls = []
 
     def run(cfg, module, data, forward=None, **hooks):
