@@ -106,7 +106,11 @@ class KilnEncodeImages(io.ComfyNode):
         bar = bridge.progress(max(1, len(dataset.plan.entries)))
         encoded = dataset.encode_images(encode, identity, batch_size=batch_size,
                                         progress=lambda done, total: bar.update(done))
-        lines = [f"{len(encoded.usable_entries())} latents cached in {encoded.cache_dir}"]
+        items = encoded.report.items
+        edits, masks = sum(bool(i.controls) for i in items), sum(bool(i.mask_file) for i in items)
+        lines = [f"{len(encoded.usable_entries())} latents cached in {encoded.cache_dir}"
+                 + (f"; {edits} edit targets with their control latents" if edits else "")
+                 + (f"; {masks} mask files" if masks else "")]
         lines += [f"skipped {p.line()}" for p in encoded.encode_problems]
         return io.NodeOutput(encoded, ui=ui.PreviewText("\n".join(lines)))
 

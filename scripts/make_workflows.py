@@ -36,7 +36,9 @@ TEST_NODES = ROOT / "tests" / "nodes" / "server_nodes"   # the test-only tiny te
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 # Combo inputs that list files in a models folder: their options depend on the machine, so a file name
 # that is not installed here is still a valid value (ComfyUI reports it as "value not in list" at run time).
-FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name", "ckpt_name", "training_adapter", "adapter_file"}
+FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name", "ckpt_name", "training_adapter", "adapter_file",
+               "image"}   # LoadImage: a file in ComfyUI's input/ folder
+FILE_SUFFIXES = (".safetensors", ".png", ".jpg", ".jpeg", ".webp")
 SEED_NAMES = ("seed", "noise_seed")   # the frontend's rule: these INTs get control_after_generate by default
 
 # Model files as ComfyUI's own workflow templates name them (image_z_image_turbo, image_flux2_klein_*).
@@ -403,7 +405,44 @@ the name the Train LoRA node printed (e.g. `zimage_turbo-1a2b3c4d5e`) or an abso
     return g
 
 
-EXAMPLE_GRAPHS = [zimage_turbo_character_lora, flux2_klein_style_lora, chained_training, resume_from_run_folder]
+def flux2_klein_edit_lora(info: dict) -> Graph:
+    g = Graph("flux2_klein_edit_lora", info, """\
+## Flux.2 Klein 4B edit LoRA (control → target pairs)
+
+1. In `ComfyUI/input/my_edits/` put the targets (`photo.png`, each with a `.txt` instruction such as
+   "make it a watercolour") and, in `my_edits/control/`, the image each was made from under the same name
+   (`control/photo.png`; any image extension). More references per target: `control_2/`, `control_3/`.
+   Optional loss masks: `photo.mask.png` beside a target (white trains).
+2. Models, as ComfyUI's Flux.2 Klein template names them: `diffusion_models/flux-2-klein-4b.safetensors`,
+   `text_encoders/qwen_3_4b.safetensors`, `vae/flux2-vae.safetensors`.
+3. Put a test image in `ComfyUI/input/` and pick it in Load Image: it becomes the reference latent of the
+   validation prompt (ReferenceLatent, as ComfyUI's Klein edit template does), so samples show the edit.
+   Kiln feeds the control latents to the model exactly so while training (the same call, bitwise).
+""")
+    loaders = model_loaders(g, KLEIN)
+    unet, clip, vae = loaders
+    data = dataset_chain(g, clip, vae, "my_edits", "", resolutions="512, 768, 1024")
+    options = options_for(g, "concept", ema=True)
+    image = g.add("LoadImage", title="Validation reference", image="example.png")
+    encoded = g.add("VAEEncode", pixels=image.out("IMAGE"), vae=vae.out("VAE"))
+    positive, negative = prompts(g, clip, "make it a watercolour painting", title="Validation instruction")
+    reference = g.add("ReferenceLatent", conditioning=positive.out("CONDITIONING"), latent=encoded.out("LATENT"))
+    validation = g.add("KilnValidationSettings", positive=reference.out("CONDITIONING"),
+                       negative=negative.out("CONDITIONING"), vae=vae.out("VAE"), seed=42, steps=4, cfg=1.0,
+                       sampler_name="euler", scheduler="simple", width=1024, height=1024, every=250)
+    train = g.add("KilnTrainLoRA", model=unet.out("MODEL"), dataset=data[-1].out("dataset"), steps=2000,
+                  learning_rate=1e-4, rank=16, alpha=16.0, preset="concept", seed=42,
+                  options=options.out("options"), validation=validation.out("validation"))
+    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_edits", state=train.out("state"))
+    sampler_node, decode, saved = sample_chain(g, train.out("model"), reference, negative, encoded, steps=4,
+                                               sampler="euler", prefix="kiln/my_edits")
+    g.layout = [loaders, data, [image, encoded, positive, negative], [reference, validation, options],
+                [train, save], [sampler_node, decode, saved]]
+    return g
+
+
+EXAMPLE_GRAPHS = [zimage_turbo_character_lora, flux2_klein_style_lora, chained_training, resume_from_run_folder,
+                  flux2_klein_edit_lora]
 
 # ---- tiny graphs for tests/nodes/test_server.py (files the test writes into a temporary ComfyUI base dir)
 TINY = dict(unet="kiln_tiny_flux2_klein.safetensors", vae="kiln_tiny_flux2_vae.safetensors",
@@ -500,7 +539,7 @@ def _check_widget(name: str, kind: str, options: dict, value, files_known: bool)
         choices = options.get("options") or []
         if value in choices:
             return []
-        if is_file_input(name) and not files_known and isinstance(value, str) and value.endswith(".safetensors"):
+        if is_file_input(name) and not files_known and isinstance(value, str) and value.endswith(FILE_SUFFIXES):
             return []
         return [f"{value!r} is not one of {choices[:8]}{'…' if len(choices) > 8 else ''}"]
     if kind == "BOOLEAN":

@@ -140,6 +140,12 @@ def test_caption_variants_are_drawn_from_the_run_generator():
         def name(self, i):
             return "x.png"
 
+        def mask(self, i):
+            return None
+
+        def controls(self, i):
+            return []
+
     settings = objective.ObjectiveSettings()
     picks = [build_batch(Variants(), [0], rng, settings, get_arch("demo"), 0.0).context[0, 0, 0]
              for rng in [np.random.default_rng(s) for s in range(30)]]

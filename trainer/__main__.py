@@ -165,6 +165,7 @@ def _resolutions(text: str) -> list[int]:
 
 def cmd_estimate(args) -> int:
     from . import config as config_module
+    from .data.companions import reference_count
     from .estimate_common import (
         VARIANTS,
         arch_variants,
@@ -197,6 +198,7 @@ def cmd_estimate(args) -> int:
     backend = args.backend or cfg.backend
     estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if backend == "mlx" and cfg.base_quantize != "none" else "bf16")
+    references = reference_count(cfg.dataset_dir) if backend == "torch" else 0   # edit datasets' control folders
     def estimated(resolution: int, budget: float):
         return estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,
                         targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
@@ -204,7 +206,8 @@ def cmd_estimate(args) -> int:
                         mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
                         preservation=cfg.preservation_weight > 0,
                         **({"checkpoint_budget": budget} if budget else {}),  # torch only
-                        **({"fp8_compute": True} if cfg.fp8_compute else {}))
+                        **({"fp8_compute": True} if cfg.fp8_compute else {}),
+                        **({"reference_images": references} if references else {}))
 
     budget = cfg.checkpoint_budget
     if budget == "auto":

@@ -95,6 +95,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "sample_cfg": (0.0, 30.0),
     "sample_width": (64, 4096),
     "sample_height": (64, 4096),
+    "unmasked_weight": (0.0, 1.0),
 }
 
 
@@ -173,6 +174,9 @@ class TrainConfig:
     shift: float = setting(3.0, "static shift value")
     content_or_style: str = setting("balanced", "content favours high noise (composition), style low noise (texture)")
     loss_weighting: str = setting("none", "none or bell (ai-toolkit's \"weighted\" / linear_timesteps)")
+    # --- masked training (issue #21 item 3; data/companions.py, companion_batch.py)
+    unmasked_weight: float = setting(0.1, "masked training: loss weight where an image's mask (name.mask.png, "
+                                     "else its alpha) is black; 1 ignores masks, 0 trains only the white part")
     # --- EMA
     ema: bool = setting(False, "keep an fp32 EMA of the LoRA weights; used for samples and saves")
     ema_decay: float = setting(0.99, "share of the EMA kept at each optimizer step; "

@@ -92,17 +92,20 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
              targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
              gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16",
              skip_checkpoint_blocks: int = 0, checkpoint_budget: float = 0.0, preservation: bool = False,
-             fp8_compute: bool = False) -> Estimate:
-    """Bytes one training step needs at square `resolution` (the largest bucket); `preservation`: DOP on."""
+             fp8_compute: bool = False, reference_images: int = 0) -> Estimate:
+    """Bytes one training step needs at square `resolution` (the largest bucket). `preservation`: DOP on.
+    reference_images: edit training's control images per sample, each cropped to the target's bucket, so
+    each adds the target's image tokens to the joint sequence (their loss is not computed, their
+    activations are kept)."""
     settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
                 "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
                 "base_dtype": base_dtype, "mixed_precision": mixed_precision,
                 "skip_checkpoint_blocks": skip_checkpoint_blocks, "checkpoint_budget": checkpoint_budget,
-                "preservation": preservation, "fp8_compute": fp8_compute}
+                "preservation": preservation, "fp8_compute": fp8_compute, "reference_images": reference_images}
     dims = get_dims(variant)
     side = check_settings(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
     rows = preservation_rows(batch_size, preservation)
-    image_tokens = image_token_count(dims, resolution, side)
+    image_tokens = image_token_count(dims, resolution, side) * (1 + reference_images)   # target + references
     text_tokens, act = dims.context_tokens, ACTIVATION_BYTES[mixed_precision]
     tokens = rows * (image_tokens + text_tokens)
     shapes = lora_shapes(dims, targets)
@@ -126,7 +129,9 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
         workspace += 2 * max(i * o for i, o in linear_layers(dims).values())
     optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
     layout = layout_of(dims)
-    notes = [f"{image_tokens} image + {text_tokens} text tokens per sample" + layout.text_note,
+    notes = [f"{image_tokens} image + {text_tokens} text tokens per sample" + layout.text_note
+             + (f" ({reference_images} reference image{'s' * (reference_images > 1)} included)"
+                if reference_images else ""),
              "diffusion model only: text encoder and VAE cached or offloaded",
              "an estimate: measured peaks on an H200 fell within -7%..+9% of it" if layout.measured else
              f"an estimate: the {layout.name} block model is derived, not yet checked against a GPU's peak"]

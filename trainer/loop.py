@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import distributed, faults, init_lora, logging_sinks, objective, preservation, state
+from . import companion_batch, distributed, faults, init_lora, logging_sinks, objective, preservation, state
 from .archs import Arch, get_arch
 from .atomic import fault_point
 from .backends import get_backend
@@ -65,7 +65,7 @@ def objective_settings(cfg: TrainConfig, arch: Arch) -> objective.ObjectiveSetti
     return objective.ObjectiveSettings(
         sampling=cfg.timestep_sampling, logit_mean=cfg.logit_mean, logit_std=cfg.logit_std,
         content_or_style=cfg.content_or_style, shift_mode=shift_mode, shift=shift,
-        loss_weighting=cfg.loss_weighting)
+        loss_weighting=cfg.loss_weighting, unmasked_weight=cfg.unmasked_weight)
 
 
 def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator,
@@ -91,9 +91,12 @@ def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator
     contexts = [data.empty_context() if draws.drop_caption[row] else data.context(indices[row], variants[row])
                 for row in rows]
     lengths = [c.shape[0] for c in contexts]
+    names = [data.name(i) for i in indices]
+    extras = {**arch.model_extras(len(rows), lengths),
+              **companion_batch.reference_extras([data.controls(i) for i in mine], arch, names)}
     batch = Batch(latents=latents, noise=noise, sigmas=sigmas, weights=weights,
-                  context=arch.collate_context(contexts), extras=arch.model_extras(len(rows), lengths),
-                  items=[data.name(i) for i in indices])
+                  context=arch.collate_context(contexts), extras=extras, items=names,
+                  mask=companion_batch.mask_weights([data.mask(i) for i in mine], shape, settings.unmasked_weight))
     # Regularisation rows' loss weight; DOP's class-word captions (trainer/preservation.py). No draws.
     return preservation.complete(batch, data, mine, [variants[row] for row in rows], contexts, scale, arch, preserve)
 
@@ -236,6 +239,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     global_sizes = {key: size * group.world for key, size in batch_sizes(cfg, data, arch).items()}
     sampler = BucketSampler(data.buckets, global_sizes, cfg.seed)
     preserve = preservation.settings(cfg, data)   # DOP and regularisation images, checked against the data
+    companion_batch.check(cfg, data, arch)
     backend.setup(model, cfg, arch, forward)
     sinks = logging_sinks.Sinks([])
     try:

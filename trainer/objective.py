@@ -115,6 +115,7 @@ class ObjectiveSettings:
     shift_mode: str = "none"  # none, static (uses `shift`) or resolution (Flux2, from tokens)
     shift: float = 1.0  # static shift s: σ → s·σ/(1+(s-1)·σ); s > 1 favours high noise
     loss_weighting: str = "none"  # none or bell (ai-toolkit linear_timesteps)
+    unmasked_weight: float = 1.0  # masked training: the loss weight of a mask's black cells (companion_batch.py)
 
     def __post_init__(self) -> None:
         _check_choice("sampling", self.sampling, SAMPLINGS)
@@ -125,6 +126,8 @@ class ObjectiveSettings:
             raise ValueError(f"logit_mean must be a finite number, got {self.logit_mean}")
         if not (math.isfinite(self.logit_std) and self.logit_std > 0):
             raise ValueError(f"logit_std must be > 0, got {self.logit_std}")
+        if not 0.0 <= self.unmasked_weight <= 1.0:
+            raise ValueError(f"unmasked_weight must be in 0..1, got {self.unmasked_weight}")
         if not (math.isfinite(self.shift) and self.shift > 0):
             raise ValueError(f"shift must be > 0 (1 = no shift), got {self.shift}")
 

@@ -45,10 +45,25 @@ def make_dataset(folder: Path, count: int = 4) -> None:
         (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
 
 
+def make_edit_dataset(folder: Path, reference: Path) -> None:
+    """A tiny edit dataset (targets, control/ images of the same names, instruction captions) and one
+    reference image for LoadImage, in a server's input/ folder."""
+    import numpy as np
+    from PIL import Image
+
+    make_dataset(folder, count=2)
+    (folder / "control").mkdir()
+    for i in range(2):
+        target = np.asarray(Image.open(folder / f"img{i}.png"))
+        Image.fromarray(255 - target).save(folder / "control" / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text("invert the colours", encoding="utf-8")
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(reference)
+
+
 # Tiny model files in a test server's models/ (scripts/make_workflows.py's TINY names the Flux2 ones).
 TINY_FILES = {"flux2_unet": "kiln_tiny_flux2_klein.safetensors", "flux2_vae": "kiln_tiny_flux2_vae.safetensors",
               "flux_vae": "kiln_tiny_flux_vae.safetensors", "zimage_adapter": "kiln_tiny_zimage_adapter.safetensors",
-              "dataset": "kiln_tiny_dataset"}
+              "dataset": "kiln_tiny_dataset", "edit_dataset": "kiln_tiny_edits", "reference": "kiln_tiny_reference.png"}
 
 
 def tiny_base(base: Path) -> Path:
@@ -68,6 +83,7 @@ def tiny_base(base: Path) -> Path:
     tc.write_vae_file(base / "models" / "vae" / TINY_FILES["flux_vae"], flux2=False)
     tc.write_zimage_adapter_file(base / "models" / "loras" / TINY_FILES["zimage_adapter"])
     make_dataset(base / "input" / TINY_FILES["dataset"])
+    make_edit_dataset(base / "input" / TINY_FILES["edit_dataset"], base / "input" / TINY_FILES["reference"])
     (base / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
     return base
 

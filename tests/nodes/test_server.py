@@ -139,7 +139,10 @@ def _only_missing_files(node_errors: dict) -> list[str]:
     for node_id, entry in node_errors.items():
         for error in entry["errors"]:
             name = error.get("extra_info", {}).get("input_name")
-            if not (error["type"] == "value_not_in_list" and mw.is_file_input(name or "")):
+            missing = error["type"] == "value_not_in_list" or (   # LoadImage checks its file itself
+                entry["class_type"] == "LoadImage" and "Invalid image file" in error.get("message", "")
+                + error.get("details", ""))
+            if not (missing and mw.is_file_input(name or "")):
                 other.append(f"{node_id} {entry['class_type']}: {error['type']} {error['message']} {error['details']}")
     return other
 
@@ -210,7 +213,9 @@ def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
         elif kind == "VAELoader":
             inputs.update(vae_name=TINY_FILES["flux_vae" if zimage else "flux2_vae"])
         elif kind == "KilnLoadDataset":
-            inputs.update(folder=TINY_FILES["dataset"], resolutions="64")
+            inputs.update(folder=TINY_FILES["edit_dataset" if "edit" in name else "dataset"], resolutions="64")
+        elif kind == "LoadImage":
+            inputs.update(image=TINY_FILES["reference"])
         elif kind == "KilnTrainingOptions":
             inputs.update(device="cpu", mixed_precision="no", checkpoint_every=2, log_every=1)
         elif kind == "KilnTrainLoRA":
@@ -248,7 +253,8 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
     from trainer import lora_format
 
     loras, images = server.base / "models" / "loras" / "kiln_cli", server.base / "output" / "kiln_cli"
-    order = ["zimage_turbo_character_lora", "flux2_klein_style_lora", "chained_training", "resume_from_run_folder"]
+    order = ["zimage_turbo_character_lora", "flux2_klein_style_lora", "chained_training", "flux2_klein_edit_lora",
+             "resume_from_run_folder"]
     assert sorted(order) == sorted(p.stem for p in EXAMPLES)
     runs: set[Path] = set()
     for name in order:

@@ -98,6 +98,9 @@ class Arch:
     # encoder's max_sequence_length less the chat template's own tokens. ComfyUI cuts nothing, but the
     # model never saw longer prompts. 0: no known limit. check-dataset warns past it (data/quality.py).
     caption_token_limit: int = 0
+    # Edit training: the model_extras key under which ComfyUI's extra_conds takes reference latents (a
+    # list of raw [B,C,h,w] VAE latents, as the ReferenceLatent node gives them); "" = the family cannot.
+    reference_latents: str = ""
 
     def collate_context(self, contexts: list[np.ndarray]) -> np.ndarray:
         """Rows [T_i,D] → [B,T,D], T = max(context_tokens, longest), zeros on the padded side."""

@@ -125,6 +125,10 @@ _COMMON = dict(
     context_side="left", context_tokens=CONTEXT_TOKENS, split_by_caption_length=True,
     clip_type="FLUX2", mlx_model="flux2", diffusers_rules=DIFFUSERS_RULES,
     layout=LAYOUT,
+    # Edit training: control latents go where ReferenceLatent puts them (Flux.extra_conds → ref_latents; the
+    # model then appends their tokens at RoPE index 10, 20, ... by its default_ref_method "index",
+    # comfy/ldm/flux/model.py, and returns the target's tokens only). ComfyUI 0.17 and 0.33 both do.
+    reference_latents="reference_latents",
 )
 
 # Klein and Dev are one ComfyUI class; Dev has the guidance embedding (comfy/model_detection.py).

@@ -15,6 +15,8 @@ class TrainingData(Protocol):
     def context(self, index: int, variant: int = 0) -> np.ndarray: ...  # [T,D] float32
     def empty_context(self) -> np.ndarray: ...           # [T,D]: the empty caption, for caption dropout
     def name(self, index: int) -> str: ...               # the image's file name, for messages
+    def mask(self, index: int) -> np.ndarray | None: ...  # [1,H,W] loss mask in 0..1, None: unmasked
+    def controls(self, index: int) -> list[np.ndarray]: ...  # edit items: raw control latents [C,h,w]
 
 
 @dataclass
@@ -26,6 +28,8 @@ class InMemoryData:
     names: list[str]
     empty: np.ndarray
     buckets: dict[str, list[int]]
+    masks: list[np.ndarray | None] | None = None         # per item [1,H,W], for masked training
+    control_latents: list[list[np.ndarray]] | None = None  # per item, for edit training
 
     @classmethod
     def from_arrays(cls, latents, contexts, names, empty, repeats: int = 1) -> "InMemoryData":
@@ -50,10 +54,17 @@ class InMemoryData:
     def name(self, index: int) -> str:
         return self.names[index]
 
+    def mask(self, index: int) -> np.ndarray | None:
+        return self.masks[index] if self.masks else None
+
+    def controls(self, index: int) -> list[np.ndarray]:
+        return self.control_latents[index] if self.control_latents else []
+
 
 class MappedLatents:
     """TrainingData whose latents pass through `fn` as they are read (a model's latent format:
-    caches hold raw VAE latents, so one cache serves every model that shares the VAE)."""
+    caches hold raw VAE latents, so one cache serves every model that shares the VAE). Control latents
+    stay raw: ComfyUI's extra_conds puts reference latents through the format itself."""
 
     def __init__(self, data: TrainingData, fn):
         self.data, self.fn = data, fn

@@ -8,7 +8,8 @@ atomically; one that fails to read (a torn copy, a disk error) is deleted and
 recomputed. Reads touch the file's mtime, so pruning to a size limit removes
 the least recently used entries first.
 
-    <cache>/latents/ab/abcdef….safetensors   {"latent": [C,h,w]}
+    <cache>/latents/ab/abcdef….safetensors   {"latent": [C,h,w]} (+ "mask": [1,h,w] and "control.N":
+                                             [C,h',w'] where the image has them; data/companions.py)
     <cache>/text/ab/abcdef….safetensors      {"context": [T,D]} in bf16 (text encoders run in bf16,
                                              and Flux2 Klein's 512×7680 rows are 15 MB each in fp32)
 """
@@ -33,8 +34,11 @@ def _digest(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).hexdigest()
 
 
-def latent_key(image_sha256: str, bucket, resized, offset, vae_identity: str) -> str:
-    return _digest("latent", image_sha256, list(bucket), list(resized), list(offset), vae_identity)
+def latent_key(image_sha256: str, bucket, resized, offset, vae_identity: str, companions: str = "") -> str:
+    """companions: what else the entry holds (a mask, control latents; data/companions.py), "" for none,
+    so an entry of a plain image keeps the key it always had."""
+    parts = ("latent", image_sha256, list(bucket), list(resized), list(offset), vae_identity)
+    return _digest(*parts, companions) if companions else _digest(*parts)
 
 
 def text_key(caption: str, encoder_identity: str) -> str:

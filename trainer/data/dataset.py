@@ -23,6 +23,7 @@ from PIL import Image
 from .buckets import BucketPlan, Entry, plan_buckets
 from .cache import Cache, latent_key, text_key
 from .captions import CaptionSettings, caption_variants, class_caption
+from .companions import companions_key, entry_sample
 from .report import DatasetMeta, Item, Problem, ScanReport, format_report
 
 ImageEncoder = Callable[[np.ndarray], np.ndarray]
@@ -114,7 +115,8 @@ class Dataset:
 
     def _latent_key(self, entry: Entry) -> str:
         item = self.report.items[entry.item]
-        return latent_key(item.sha256, entry.bucket, entry.resized, entry.offset, self.latent_identity or "")
+        return latent_key(item.sha256, entry.bucket, entry.resized, entry.offset, self.latent_identity or "",
+                          companions_key(item))
 
     def texts(self) -> list[str]:
         """Every distinct text to encode, the empty caption (for caption dropout) first, then the class-word
@@ -158,13 +160,18 @@ class Dataset:
             rows = pending.pop(bucket, [])
             if not rows:
                 return
-            latents = np.asarray(encode(np.stack([pixels for _, pixels in rows])), dtype=np.float32)
-            if latents.ndim != 4 or latents.shape[0] != len(rows):
-                raise DatasetError(f"the image encoder returned shape {latents.shape} for {len(rows)} images; "
+            # One encoder call for the images and their control images (all cropped to this bucket).
+            stack = [pixels for _, sample in rows for pixels in (sample.pixels, *sample.controls)]
+            latents = np.asarray(encode(np.stack(stack)), dtype=np.float32)
+            if latents.ndim != 4 or latents.shape[0] != len(stack):
+                raise DatasetError(f"the image encoder returned shape {latents.shape} for {len(stack)} images; "
                                    "expected [B,C,h,w]")
-            for (n, _), latent in zip(rows, latents):
-                cache.put("latents", ds._latent_key(entries[n]), {"latent": latent},
+            start = 0
+            for n, sample in rows:
+                count = 1 + len(sample.controls)
+                cache.put("latents", ds._latent_key(entries[n]), sample.tensors(latents[start:start + count]),
                           {"image": ds.report.items[entries[n].item].path, "bucket": entries[n].key})
+                start += count
 
         done, current, image = 0, None, None
         for n in sorted(todo, key=lambda n: entries[n].item):  # decode each image once for all its entries
@@ -179,7 +186,13 @@ class Dataset:
                     failed.add(entry.item)
                     problems.append(Problem(err.code, item.path, err.message, err.fix, "skipped"))
                     continue
-            pending.setdefault(entry.bucket, []).append((n, crop_pixels(image, entry)))
+            try:
+                sample = entry_sample(Path(ds.report.root), item, image, entry, crop_pixels)
+            except ImageProblem as err:   # a mask or control that fails to decode: the image is left out
+                failed.add(entry.item)
+                problems.append(Problem(err.code, item.path, err.message, err.fix, "skipped"))
+                continue
+            pending.setdefault(entry.bucket, []).append((n, sample))
             if len(pending[entry.bucket]) >= batch_size:
                 flush(entry.bucket)
             done += 1
@@ -302,7 +315,7 @@ class CachedData:
         self._memory: OrderedDict[str, np.ndarray] = OrderedDict()
         self._budget, self._held = memory_budget, 0
 
-    def _read(self, kind: str, key: str, name: str, what: str) -> np.ndarray:
+    def _read_all(self, kind: str, key: str, name: str, what: str) -> dict[str, np.ndarray]:
         if key in self._memory:
             self._memory.move_to_end(key)
             return self._memory[key]
@@ -310,17 +323,32 @@ class CachedData:
         if tensors is None:
             raise DatasetError(f"the {what} for {name!r} is missing from the cache {self.cache.root} "
                                "(deleted while training?): run the encode nodes again")
-        array = tensors[next(iter(tensors))]
-        self._memory[key] = array
-        self._held += array.nbytes
+        self._memory[key] = tensors
+        self._held += sum(array.nbytes for array in tensors.values())
         while self._held > self._budget and len(self._memory) > 1:
             _, old = self._memory.popitem(last=False)
-            self._held -= old.nbytes
-        return array
+            self._held -= sum(array.nbytes for array in old.values())
+        return tensors
+
+    def _read(self, kind: str, key: str, name: str, what: str) -> np.ndarray:
+        tensors = self._read_all(kind, key, name, what)
+        return tensors[next(iter(tensors))]
+
+    def _entry(self, index: int) -> dict[str, np.ndarray]:
+        entry = self.entries[index]
+        return self._read_all("latents", self.dataset._latent_key(entry), self.items[entry.item].path, "latent")
 
     def latent(self, index: int) -> np.ndarray:
-        entry = self.entries[index]
-        return self._read("latents", self.dataset._latent_key(entry), self.items[entry.item].path, "latent")
+        return self._entry(index)["latent"]
+
+    def mask(self, index: int) -> np.ndarray | None:
+        """[1,h,w] in 0..1 on the latent grid, or None: the image has no mask."""
+        return self._entry(index).get("mask")
+
+    def controls(self, index: int) -> list[np.ndarray]:
+        """The control images' raw VAE latents [C,h,w], in control-folder order (empty: not an edit item)."""
+        tensors = self._entry(index)
+        return [tensors[f"control.{n}"] for n in range(len(self.items[self.entries[index].item].controls))]
 
     def variants(self, index: int) -> int:
         return len(self.dataset.captions[self.entries[index].item])

@@ -102,6 +102,22 @@ def load_grey(path: str | Path, max_side: int) -> np.ndarray:
     return np.asarray(grey, dtype=np.float32)
 
 
+def load_mask(path: str | Path, alpha: bool = False) -> np.ndarray | None:
+    """A loss mask upright as float32 [H, W] in 0..1: the file's luminance (white trains, black does not),
+    or with alpha=True the image's alpha channel (None when it has none)."""
+    with _open(path, None) as image:
+        info = _info(image)
+        if alpha and not _has_alpha(image):
+            return None
+        try:
+            upright = image.transpose(_TRANSPOSE[info.orientation]) if info.orientation in _TRANSPOSE else image
+            grey = upright.convert("RGBA").getchannel("A") if alpha else \
+                Image.fromarray(_to_rgb(upright)).convert("L")
+        except Exception as err:   # see load_rgb
+            raise _decode_problem(err, info.format) from err
+    return np.asarray(grey, dtype=np.float32) / 255.0
+
+
 def verify(path: str | Path, data: bytes | None = None) -> ImageInfo:
     """Decode every pixel (to catch truncation and corrupt data) without converting it."""
     with _open(path, data) as image:

@@ -45,6 +45,10 @@ class Item:
     image_format: str = ""         # PIL format name, e.g. "JPEG"
     mode: str = ""                 # PIL mode before conversion, e.g. "CMYK"
     notes: list[str] = field(default_factory=list)  # conversions that will be applied ("CMYK → RGB", ...)
+    # Companion files that follow the image through crop, bucket and cache (companions.py).
+    mask_file: str | None = None   # "<stem>.mask.png" beside it; None: the alpha channel, if any, is the mask
+    controls: tuple[str, ...] = ()  # edit datasets: control/<same path>, control_2/<same path>, ...
+    companions_sha256: str = ""    # hash of the companion files' hashes ("" without any): part of the latent key
 
 
 @dataclass

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import BOUNDS
+from .companions import attach, is_companion
 from .images import EXTENSION_FORMATS, IMAGE_EXTENSIONS, ImageInfo, ImageProblem, probe, sniff, verify
 from .meta import META_FILE, read_meta
 from .report import DatasetMeta, Item, Problem, ScanReport, fatal
@@ -74,10 +75,12 @@ def scan(root: str | Path, *, deep: bool = False, resolutions: Sequence[int] | N
         return report
     report.meta, problems = read_meta(root)
     files, walk_problems = _walk(root)
-    images, captions = [], {}
+    images, captions, companion_files = [], {}, []
     for file in files:
         suffix = Path(file.rel).suffix.lower()
-        if suffix in IMAGE_EXTENSIONS:
+        if is_companion(file.rel):       # masks and control images follow their image (companions.py)
+            companion_files.append(file.rel)
+        elif suffix in IMAGE_EXTENSIONS:
             images.append(file)
         elif suffix == ".txt":
             captions[_stem(file.rel)] = file
@@ -87,7 +90,8 @@ def scan(root: str | Path, *, deep: bool = False, resolutions: Sequence[int] | N
     with ThreadPoolExecutor(max(1, workers or os.cpu_count() or 1)) as pool:
         checked = list(pool.map(lambda file: _check_image(file, deep, min_side, min_area), images))
     report.items, item_problems = _collect(images, checked, captions)
-    problems += walk_problems + item_problems
+    report.items, companion_problems = attach(root, report.items, companion_files)
+    problems += walk_problems + item_problems + companion_problems
     if not report.items:
         problems.append(fatal("no_images", "", "no usable images in this folder"
                                + (f" ({len(images)} image files, all skipped)" if images else ""),
@@ -378,11 +382,12 @@ def list_datasets(root: str | Path, most_files: int = 100_000) -> list[FolderSum
         if folder.name.startswith(".") or not folder.is_dir():
             continue
         images = captions = seen = 0
-        for _, dirs, files in os.walk(folder, followlinks=False):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for where, dirs, files in os.walk(folder, followlinks=False):
+            top = where == str(folder)   # control/ folders and name.mask.png files are no training images
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (top and is_companion(f"{d}/x")))
             for name in files:
                 suffix = os.path.splitext(name)[1].lower()
-                images += suffix in IMAGE_EXTENSIONS and not name.startswith(".")
+                images += suffix in IMAGE_EXTENSIONS and not name.startswith(".") and not is_companion(name)
                 captions += suffix == ".txt" and not name.startswith(".")
             seen += len(files)
             if seen >= most_files:

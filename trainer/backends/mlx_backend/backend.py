@@ -104,6 +104,8 @@ class MlxBackend:
         """A Batch → (arrays for the step, constant extras that become part of the compiled graph)."""
         arrays = {name: mx.array(getattr(batch, name), dtype=mx.float32) for name in _BATCH_FIELDS[:4]}
         arrays["context"] = mx.array(batch.context).astype(self.dtype)
+        if batch.mask is not None:   # masked training: per-cell loss weights [B,1,H,W] (part of the signature)
+            arrays["mask"] = mx.array(batch.mask, dtype=mx.float32)
         constants = {}
         self._extras_in(batch.extras, "", arrays, constants)
         kept = getattr(batch, "preservation", None)
@@ -143,7 +145,10 @@ class MlxBackend:
         # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
         prediction = self.forward(self.model, x_t.astype(self.dtype), sigmas, arrays["context"], extras)
         # Loss in fp32: per-sample mean, weighted, batch mean; divided over the micro-batches.
-        per_sample = mx.mean(mx.square(prediction.astype(mx.float32) - target).reshape(x0.shape[0], -1), axis=1)
+        squared = mx.square(prediction.astype(mx.float32) - target)
+        if "mask" in arrays:
+            squared = squared * arrays["mask"]
+        per_sample = mx.mean(squared.reshape(x0.shape[0], -1), axis=1)
         return mx.mean(per_sample * weights) / count
 
     def _preserving_loss(self, arrays, constants, x_t, sigmas, target, weights) -> mx.array:
@@ -157,7 +162,10 @@ class MlxBackend:
         prediction = self.forward(self.model, mx.concatenate([x_in, x_in]), mx.concatenate([sigmas, sigmas]),
                                   arrays["joint.context"], self._extras(arrays, constants, "joint."))
         prediction = prediction.astype(mx.float32)
-        trained = mx.mean(mx.square(prediction[:rows] - target).reshape(rows, -1), axis=1)      # [B]
+        squared = mx.square(prediction[:rows] - target)
+        if "mask" in arrays:   # masked training weighs the trained rows' cells; the preserved rows stay whole
+            squared = squared * arrays["mask"]
+        trained = mx.mean(squared.reshape(rows, -1), axis=1)                                     # [B]
         preserved = mx.mean(mx.square(prediction[rows:] - base).reshape(rows, -1), axis=1)      # [B]
         return mx.mean(trained * weights) + mx.mean(preserved * arrays["dop.weights"])
 

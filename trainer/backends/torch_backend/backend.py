@@ -162,24 +162,30 @@ class TorchBackend:
         target = velocity_target(x0, noise)
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         if getattr(batch, "preservation", None) is not None:
-            return self._preserving_loss(batch.preservation, x_t, sigmas, target, weights, amp)
+            mask = None if batch.mask is None else self._to_device(batch.mask, torch.float32)
+            return self._preserving_loss(batch.preservation, x_t, sigmas, target, weights, amp, mask)
         context, extras = self._to_device(batch.context, self.dtype), self._extras(batch.extras)
         with amp:
             # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
             prediction = self.call(x_t.to(self.dtype), sigmas, context, extras)
-        # Loss in fp32: per-sample mean, weighted, batch mean.
-        per_sample = (prediction.float() - target).square().flatten(1).mean(dim=1)
+        # Loss in fp32: per-sample mean (per-cell mask weights first, masked training), weighted, batch mean.
+        squared = (prediction.float() - target).square()
+        if batch.mask is not None:
+            squared = squared * self._to_device(batch.mask, torch.float32)   # [B,1,H,W] over the channels
+        per_sample = squared.flatten(1).mean(dim=1)
         return (per_sample * weights).mean()
 
     def _extras(self, extras: dict) -> dict:
         # Float extras (guidance) in the model dtype on the device; integer ones (per-row token counts)
         # stay integers on the host: they choose shapes, and reading them from the GPU would stall the
         # host once per step (bench/RESULTS.md, lever "no host sync").
+        # Reference latents (edit training, a list): raw fp32 VAE latents, as ComfyUI's conds hold them.
         return {k: (torch.from_numpy(np.ascontiguousarray(v)) if np.issubdtype(v.dtype, np.integer)
-                    else self._to_device(v, self.dtype)) if isinstance(v, np.ndarray) else v
+                    else self._to_device(v, self.dtype)) if isinstance(v, np.ndarray)
+                else [self._to_device(a, torch.float32) for a in v] if isinstance(v, list) else v
                 for k, v in extras.items()}
 
-    def _preserving_loss(self, kept, x_t, sigmas, target, weights, amp) -> torch.Tensor:
+    def _preserving_loss(self, kept, x_t, sigmas, target, weights, amp, mask=None) -> torch.Tensor:
         """Differential output preservation (trainer/preservation.py): the base model's prediction on the
         class-word captions (LoRA off, no grad; a compiled block runs eagerly without grad, so nothing
         recompiles) is the target of the LoRA's, from one forward of the rows and their class-word rows."""
@@ -190,7 +196,10 @@ class TorchBackend:
         with amp:
             prediction = self.call(torch.cat([x_in, x_in]), torch.cat([sigmas, sigmas]),
                                    self._to_device(kept.joint_context, self.dtype), self._extras(kept.joint_extras))
-        trained = (prediction[:rows].float() - target).square().flatten(1).mean(dim=1)      # [B]
+        squared = (prediction[:rows].float() - target).square()
+        if mask is not None:   # masked training weighs the trained rows' cells; the preserved rows stay whole
+            squared = squared * mask
+        trained = squared.flatten(1).mean(dim=1)                                            # [B]
         preserved = (prediction[rows:].float() - base).square().flatten(1).mean(dim=1)      # [B]
         return (trained * weights).mean() + (preserved * self._to_device(kept.weights, torch.float32)).mean()
 
