@@ -52,6 +52,14 @@ class RegularisedData:
         data, own = self._source(index)
         return data.latent(own)
 
+    def mask(self, index: int) -> np.ndarray | None:
+        data, own = self._source(index)
+        return data.mask(own)
+
+    def controls(self, index: int) -> list[np.ndarray]:
+        data, own = self._source(index)
+        return data.controls(own)
+
     def variants(self, index: int) -> int:
         data, own = self._source(index)
         return data.variants(own)
