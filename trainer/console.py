@@ -9,9 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-# With KILN_PROGRESS_JSON=1 rank 0 also prints one machine-readable line per step and one at the end
-# (`KILN_PROGRESS {json}`, `KILN_DONE {json}`), read by trainer/launch.py instead of scraping tqdm.
+# With KILN_PROGRESS_JSON=1 rank 0 also prints one machine-readable line per step, one per validation sample
+# written and one at the end (`KILN_PROGRESS {json}`, `KILN_SAMPLE {json}`, `KILN_DONE {json}`), read by
+# trainer/launch.py instead of scraping tqdm.
 PROGRESS_ENV, PROGRESS_TAG, DONE_TAG = "KILN_PROGRESS_JSON", "KILN_PROGRESS", "KILN_DONE"
+SAMPLE_TAG = "KILN_SAMPLE"
 # A file of this name in the run folder asks the run to stop after a step with a checkpoint (trainer/launch.py
 # writes it; `touch <run>/stop.request` does the same by hand). The run removes it when it has stopped.
 STOP_FILE = "stop.request"
@@ -36,7 +38,9 @@ def progress_bar(total: int, start: int, show: bool = True):
             bar.set_postfix(loss=f"{report.loss:.4f}", smooth=f"{report.loss_smooth:.4f}", lr=f"{report.lr:.2e}")
         if show:
             emit(PROGRESS_TAG, {"step": report.step, "total": report.total_steps, "loss": report.loss,
-                                "lr": report.lr, "it_per_s": report.it_per_s, "eta_s": report.eta_s})
+                                "loss_smooth": report.loss_smooth, "lr": report.lr, "it_per_s": report.it_per_s,
+                                "eta_s": report.eta_s, "peak_memory_bytes": report.peak_memory_bytes,
+                                "skipped_steps": report.skipped_steps})
     return bar, on_step
 
 

@@ -5,8 +5,9 @@ The run's config is written to `<run>/launch.toml` (atomically), then
 `python -m torch.distributed.run --standalone --nproc_per_node N -m trainer train <run>/launch.toml`
 starts in its own process group with `CUDA_VISIBLE_DEVICES` set to the chosen GPUs, the pack root on
 PYTHONPATH and as cwd (so `-m trainer` is this pack's), and `KILN_PROGRESS_JSON=1`: rank 0 prints one
-`KILN_PROGRESS {json}` line per step and one `KILN_DONE {json}` line at the end (trainer/console.py),
-which a reader thread parses. `stop()` writes `<run>/stop.request`: the ranks see it at a step boundary,
+`KILN_PROGRESS {json}` line per step, a `KILN_SAMPLE {json}` line per validation sample it wrote (step,
+prompt index, the PNG's path in `<run>/samples/`) and one `KILN_DONE {json}` line at the end
+(trainer/console.py), which a reader thread parses. `stop()` writes `<run>/stop.request`: the ranks see it at a step boundary,
 agree on the step (trainer/distributed.StopVote), save that step's checkpoint and exit 0, however long the
 step and the save take. `stop(force=True)` is Ctrl-C (SIGINT to torchrun, which forwards it to the ranks and
 kills them ~30 s later, torchrun's own window): the fallback where the file cannot be written. Nothing here imports ComfyUI; the child
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from . import config as config_module
 from .atomic import atomic_write_text
-from .console import DONE_TAG, PROGRESS_ENV, PROGRESS_TAG, STOP_FILE
+from .console import DONE_TAG, PROGRESS_ENV, PROGRESS_TAG, SAMPLE_TAG, STOP_FILE
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_NAME = "launch.toml"
@@ -47,9 +48,9 @@ class Outcome:
 
 
 def parse_line(line: str) -> tuple[str, dict] | None:
-    """("progress" | "done", fields) for a machine-readable line, None for any other output. The tag may
-    follow a progress bar's unterminated redraw (tqdm writes on stderr, merged into the same pipe)."""
-    for tag, kind in ((PROGRESS_TAG, "progress"), (DONE_TAG, "done")):
+    """("progress" | "sample" | "done", fields) for a machine-readable line, None for any other output. The
+    tag may follow a progress bar's unterminated redraw (tqdm writes on stderr, merged into the same pipe)."""
+    for tag, kind in ((PROGRESS_TAG, "progress"), (SAMPLE_TAG, "sample"), (DONE_TAG, "done")):
         at = line.find(tag + " {")
         if at >= 0:
             try:
@@ -150,8 +151,10 @@ class Launch:
         os.killpg(self.process.pid, signal.SIGINT)
 
     def wait(self, on_progress: Callable[[dict], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, poll_s: float = 0.25) -> Outcome:
-        """Runs `on_progress` for each step line and polls `should_stop` in the calling thread; the outcome."""
+             should_stop: Callable[[], bool] | None = None, poll_s: float = 0.25,
+             on_sample: Callable[[dict], None] | None = None) -> Outcome:
+        """Runs `on_progress` for each step line and `on_sample` for each sample line, and polls `should_stop`,
+        in the calling thread; the outcome."""
         while not (self.closed and self.events.empty()):   # a second wait() returns too
             try:
                 kind, fields = self.events.get(timeout=poll_s)
@@ -159,6 +162,8 @@ class Launch:
                 kind, fields = None, {}
             if kind == "progress" and on_progress is not None:
                 on_progress(fields)
+            if kind == "sample" and on_sample is not None:
+                on_sample(fields)
             if kind == "closed":
                 break
             if should_stop is not None and not self.stopping and should_stop():
