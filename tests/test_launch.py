@@ -28,6 +28,8 @@ def test_parse_line_reads_only_the_tagged_lines():
     assert launch.parse_line(" 30%|###   | 3/10 [00:01<00:02]") is None
     assert launch.parse_line("KILN_PROGRESS {broken") is None
     assert launch.parse_line(' 10%|#  | 1/10 KILN_PROGRESS {"step": 1}') == ("progress", {"step": 1})
+    assert launch.parse_line('KILN_SAMPLE {"step": 2, "index": 0, "path": "/r/samples/step-000002-p0.png"}') == \
+        ("sample", {"step": 2, "index": 0, "path": "/r/samples/step-000002-p0.png"})
 
 
 def test_bad_gpus_and_processes_are_refused_with_the_fix(tmp_path):
