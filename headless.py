@@ -13,9 +13,11 @@ once by the text encoder (then freed), and the node's validation hook draws them
 sampler and the VAE, on the model without the training adapter (EMA weights when EMA is on), before
 the first step, every sample_every steps and at the end; each is saved into <run>/samples/.
 
-Under torchrun (`torchrun --nproc_per_node N -m trainer train CONFIG`) every rank loads the models on
-its own GPU; rank 0 encodes the dataset into its caches first (the others then read them), samples,
-writes and prints (trainer/distributed.py).
+Under torchrun (`torchrun --nproc_per_node N -m trainer train CONFIG`) every rank loads the diffusion
+model on its own GPU; rank 0 alone loads the VAE and text encoder, encodes the dataset into its caches
+(the other ranks then read them, under rank 0's encoder identities), samples (the others wait at a host
+barrier), writes and prints (trainer/distributed.py). With KILN_PROGRESS_JSON=1 each sample written is
+also named on a `KILN_SAMPLE {json}` line (trainer/launch.py reads it).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from .nodes.comfy import loaders as comfy_loaders
 from .trainer import config as cfg_module
 from .trainer import distributed, init_lora
 from .trainer.archs import get_arch
-from .trainer.console import finish, run_loop, start_step
+from .trainer.console import SAMPLE_TAG, emit, finish, run_loop, start_step
 from .trainer.data.dataset import DataSettings
 from .trainer.paths import inside
 from .trainer.preservation import encoded_datasets
@@ -48,19 +50,21 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
         bridge.check_sampling({p.sampler_name for p in plan}, {p.scheduler for p in plan})
     except ValueError as error:
         raise SystemExit(f"{config_path}: {error}") from None
-    model, vae, clip = loaders(cfg)
+    # Rank 0 alone encodes and samples: the other ranks load the diffusion model only.
+    model, vae, clip = loaders(cfg) if group.is_main else loaders(cfg, encoders=False)
     fits = bridge.matching_archs(model)
     if cfg.arch not in fits:
         raise SystemExit(f"{config_path}: arch is {cfg.arch!r} but {cfg.model_path} is a "
                          f"{' / '.join(fits) or 'generic'} model; set arch to match the file")
     settings = DataSettings.from_config(cfg, get_arch(cfg.arch).bucket_divisor)
+    image_encoder, text_encoder = encoders(vae, clip, group, cfg.dataset_dir)
     with distributed.main_first():   # rank 0 encodes into the caches; the other ranks read them
-        dataset = encoded_datasets(cfg, settings, cfg.dataset_dir, bridge.vae_encoder(vae), bridge.text_encoder(clip),
-                                   cfg.cache_dir or None)
+        dataset = encoded_datasets(cfg, settings, cfg.dataset_dir, image_encoder, text_encoder, cfg.cache_dir or None)
         if group.is_main:
             dataset.prune_cache(cfg.cache_max_gb)
             print(dataset.summary())
-    samples = bridge.prompt_samples(plan, clip, vae)  # the VAE stays for them (if any); the text encoder goes
+    # The VAE stays for the samples (if any; rank 0's); the text encoder goes.
+    samples = bridge.prompt_samples(plan, clip, vae) if group.is_main else []
     del vae, clip
     bridge.free_memory()
     if plan and group.is_main:
@@ -72,8 +76,9 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
             return {}
 
         def on_sample(step: int, index: int, images) -> None:
-            save_sample(sample_path(run_dir, step, index, len(plan)), images[0].float().cpu().numpy(), plan[index],
-                        step=step, arch=cfg.arch)
+            path = save_sample(sample_path(run_dir, step, index, len(plan)), images[0].float().cpu().numpy(),
+                               plan[index], step=step, arch=cfg.arch)
+            emit(SAMPLE_TAG, {"step": step, "index": index, "path": str(path)})
 
         validate = bridge.validation(cfg, patcher, samples, on_sample)
         if cfg.sample_first and start_step(run_dir, resume) == 0:
@@ -87,3 +92,25 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
     finish(cfg, result, run_dir, name)
     return 0
 
+
+
+def encoders(vae, clip, group: distributed.Group, dataset_dir: str) -> tuple[tuple, tuple]:
+    """((encode, identity) of the images, of the captions). Rank 0's are the VAE's and text encoder's; the
+    other ranks have neither loaded and get rank 0's identities (so they read the caches rank 0 fills under
+    main_first) with encoders that refuse a cache miss, which only a cache changed under the run can cause."""
+    from .nodes.comfy import bridge
+
+    if group.is_main:
+        image, text = bridge.vae_encoder(vae), bridge.text_encoder(clip)
+        distributed.main_texts([image[1], text[1]])
+        return image, text
+    identities = distributed.main_texts([])
+
+    def missing(what: str):
+        def encode(_):
+            raise RuntimeError(f"rank {group.rank}: {dataset_dir}: {what} is not in the cache rank 0 just filled "
+                               "(only rank 0 loads the encoders); was the cache folder changed or pruned during "
+                               "the start? Run again (the cache is filled once more)")
+        return encode
+
+    return (missing("an image's latent"), identities[0]), (missing("a caption's encoding"), identities[1])

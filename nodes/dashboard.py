@@ -68,13 +68,14 @@ class Run:
     saved: list[dict] = field(default_factory=list)         # {"step", "name"} LoRAs written by Save now
     stop_requested: bool = False
     save_requested: bool = False
+    can_save: bool = True                   # False for a several-GPU run (its weights are in the child)
 
     def summary(self) -> dict:
         return {"id": self.id, "name": self.name, "node": self.node, "prompt_id": self.prompt_id,
                 "arch": self.arch, "status": self.status, "message": self.message, "step": self.step,
                 "total": self.total, "start_step": self.start_step, "started": self.started,
                 "updated": self.updated, "stop_requested": self.stop_requested,
-                "save_requested": self.save_requested}
+                "save_requested": self.save_requested, "can_save": self.can_save}
 
     def detail(self, max_points: int = MAX_POINTS) -> dict:
         keep = thin(len(self.steps), max_points)
@@ -191,6 +192,10 @@ class Registry:
             if run.status != RUNNING:
                 return 409, {"error": f"run {run.name} is {run.status}; queue the workflow again to continue it",
                              "run": run.summary()}
+            if action == "save" and not run.can_save:
+                return 409, {"error": f"run {run.name} trains in a torchrun child process, whose weights this "
+                                      "server does not hold: use its checkpoints' LoRAs (checkpoint_loras) or "
+                                      "Stop, which saves its LoRA", "run": run.summary()}
             if action == "stop":
                 run.stop_requested = True
             else:

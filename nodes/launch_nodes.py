@@ -3,7 +3,10 @@
 A child process cannot take the graph's in-memory MODEL, so this node names model files as a headless
 config does; trainer/launch.py writes `<run>/launch.toml` and runs `torchrun -m trainer train` on the
 chosen GPUs (ComfyUI's loaders used as a library through headless.py, never ComfyUI's main). Progress
-lines move the node's bar; Stop asks every rank for a clean checkpoint; re-queueing resumes."""
+lines move the node's bar and feed the live dashboard (nodes/live.py) as an in-process Train LoRA does;
+each validation sample the child writes is shown on the node and the dashboard, and the newest step's are
+the IMAGE output. Stop (ComfyUI's or the dashboard's) asks every rank for a clean checkpoint; re-queueing
+resumes."""
 from __future__ import annotations
 
 import hashlib
@@ -11,12 +14,15 @@ import json
 from pathlib import Path
 
 from comfy_api.latest import io, ui
+from PIL import Image
 
 from ..trainer import config as cfg_module
 from ..trainer import launch, paths
 from ..trainer import state as state_module
 from ..trainer.archs import ARCHS
-from . import run
+from ..trainer.loop import Report
+from ..trainer.samples import SAMPLES_DIR
+from . import live, run
 from .comfy import bridge
 from .widgets import CATEGORY, OPTIONS, parse_list, widget
 
@@ -58,6 +64,65 @@ def run_folder(config: dict, processes: int) -> Path:
     return paths.inside(Path(bridge.folders()["output"]) / "kiln", name, "Kiln Training Options: run_name")
 
 
+def report_of(fields: dict) -> Report:
+    """A KILN_PROGRESS line as the loop's Report (what the dashboard records); no weights: they are the child's."""
+    return Report(step=fields["step"], total_steps=fields["total"], lr=fields["lr"], it_per_s=fields["it_per_s"],
+                  eta_s=fields["eta_s"], peak_memory_bytes=fields.get("peak_memory_bytes") or 0, loss=fields["loss"],
+                  loss_smooth=fields.get("loss_smooth"), skipped_steps=fields.get("skipped_steps", 0))
+
+
+def read_image(path: Path):
+    """A PNG the run wrote as IMAGE [1,H,W,3]."""
+    with Image.open(path) as picture:
+        return bridge.image_tensor(picture)
+
+
+def newest_samples(run_dir: Path) -> list[Path]:
+    """The validation samples of the newest sampled step (one per prompt, in prompt order), or none."""
+    found = sorted((run_dir / SAMPLES_DIR).glob("step-*-p*.png"))
+    newest = found[-1].name.split("-p")[0] if found else None
+    return [path for path in found if path.name.split("-p")[0] == newest]
+
+
+def outputs_images(run_dir: Path):
+    """The IMAGE output: the newest step's samples, else the run's loss curve (as Train LoRA's)."""
+    files = newest_samples(run_dir) or [run_dir / "loss.png"]
+    return bridge.cat_images([read_image(path) for path in files if path.is_file()])
+
+
+def follow(job: launch.Launch, cfg, run_dir: Path, resume: Path | None) -> launch.Outcome:
+    """The launched run until it ends: its steps on the node's bar and the dashboard, its samples as previews
+    on both, Stop from either as the stop file. An error here or Stop pressed stops the run cleanly first."""
+    tracker = live.Tracker(cfg, run_dir, None, resume, can_save=False)
+    bar = bridge.progress(cfg.steps)
+
+    def on_progress(fields: dict) -> None:
+        bar.update(fields["step"])
+        tracker.on_step(report_of(fields))
+
+    def on_sample(fields: dict) -> None:
+        image = read_image(Path(fields["path"]))
+        bar.update(fields["step"], preview=image)
+        tracker.on_sample(fields["step"], image)
+
+    try:
+        outcome = job.wait(on_progress=on_progress, on_sample=on_sample,
+                           should_stop=lambda: bridge.interrupt_requested() or tracker.should_stop())
+        if outcome.stopped:
+            bar.update(outcome.step)   # raises ComfyUI's interruption when its Stop asked: the run has a checkpoint
+        if outcome.returncode != 0 or outcome.lora is None:
+            raise RuntimeError(f"{WHERE}: the torchrun run in {run_dir} ended with exit code {outcome.returncode} "
+                               f"and no LoRA; its last output:\n{outcome.tail}\nFix what it names, then queue again "
+                               "(a run with a checkpoint resumes)")
+    except BaseException as error:
+        job.stop()   # Stop pressed (Progress.update raised) or any error here: a clean checkpoint, then raise
+        job.wait()
+        tracker.finish(error=error)
+        raise
+    tracker.finish(outcome)
+    return outcome
+
+
 def train(config: dict, run_dir: Path, processes: int, gpus: str) -> tuple[Path, str]:
     """The run's LoRA file and a summary: trained (or resumed) under torchrun, or found finished."""
     found = state_module.list_checkpoints(run_dir)
@@ -66,20 +131,11 @@ def train(config: dict, run_dir: Path, processes: int, gpus: str) -> tuple[Path,
         return lora_file, f"already trained: {found[-1][1]}; loaded its LoRA instead of training again"
     job = launch.Launch(config, run_dir, processes=processes, gpus=gpus,
                         comfyui_path=None if config["arch"] == "demo" else bridge.comfyui_root())
-    bar = bridge.progress(config["steps"])
     job.start(resume=bool(found))
-    try:
-        outcome = job.wait(on_progress=lambda p: bar.update(p["step"]), should_stop=bridge.interrupt_requested)
-    except BaseException:
-        job.stop()   # Stop pressed (Progress.update raised) or any error here: a clean checkpoint, then raise
-        job.wait()
-        raise
+    outcome = follow(job, job.config, run_dir, found[-1][1] if found else None)
     if outcome.stopped:
-        bar.update(outcome.step)   # raises ComfyUI's interruption: the run stopped with a checkpoint
-    if outcome.returncode != 0 or outcome.lora is None:
-        raise RuntimeError(f"{WHERE}: the torchrun run in {run_dir} ended with exit code {outcome.returncode} and "
-                           f"no LoRA; its last output:\n{outcome.tail}\nFix what it names, then queue again "
-                           "(a run with a checkpoint resumes)")
+        return outcome.lora, (f"stopped at step {outcome.step}/{config['steps']} from the dashboard, with a "
+                              "checkpoint; queue again to resume")
     return outcome.lora, f"trained to step {outcome.step}/{config['steps']} on {processes} process(es)"
 
 
@@ -115,28 +171,45 @@ class KilnTrainLoRATorchrun(io.ComfyNode):
                                 "(CUDA_VISIBLE_DEVICES); blank: the first `processes` GPUs"),
                 OPTIONS.Input("options", optional=True, tooltip="From Kiln Training Options"),
                 _file_input("training_adapter", "loras", "Z-Image Turbo: the training adapter LoRA", optional=True),
+                io.String.Input("sample_prompts", default="", multiline=True, optional=True,
+                                tooltip="Validation prompts, one per line (ai-toolkit's flags work: 'a cat --w 768 "
+                                        "--h 1024 --seed 7 --steps 20'); rank 0 samples them with ComfyUI's "
+                                        "sampler into <run>/samples/. Empty: no samples"),
+                io.Int.Input("sample_every", default=250, min=0, max=1_000_000, optional=True,
+                             tooltip="Steps between validation samples (and at the last step); 0: only at the end"),
             ],
             outputs=[
                 io.LoraModel.Output(display_name="lora", tooltip="The trained LoRA (ComfyUI's LORA_MODEL)"),
                 io.String.Output(display_name="run_folder", tooltip="The run folder (Kiln Load Run reads it)"),
+                io.Image.Output(display_name="samples", tooltip="The newest step's validation samples, else the "
+                                "loss curve"),
             ],
         )
 
     @classmethod
+    def fingerprint_inputs(cls, **_inputs):
+        return live.fingerprint()  # after a dashboard Stop, queueing again resumes instead of reusing the cache
+
+    @classmethod
     def execute(cls, arch, model_file, vae_file, text_encoder_file, dataset_dir, resolutions, trigger_word, steps,
-                learning_rate, rank, alpha, preset, seed, processes, gpus, options=None, training_adapter="none"):
+                learning_rate, rank, alpha, preset, seed, processes, gpus, options=None, training_adapter="none",
+                sample_prompts="", sample_every=250):
         if not dataset_dir.strip():
             raise ValueError(f"{WHERE}: dataset_dir is empty; name a folder of images with .txt captions")
         values = {"dataset_dir": dataset_dir.strip(), "resolutions": parse_list(resolutions, int),
                   "trigger_word": trigger_word, "steps": steps, "learning_rate": learning_rate, "rank": rank,
                   "alpha": alpha, "seed": seed}
+        prompts = [line.strip() for line in (sample_prompts or "").splitlines() if line.strip()]
+        if prompts:   # output settings: not part of the run folder's hash
+            values.update(sample_prompts=prompts, sample_every=sample_every)
         files = {"model_file": model_file, "vae_file": vae_file, "text_encoder_file": text_encoder_file,
                  "training_adapter": training_adapter}
         config = build_config(arch, files, values, preset, options)
         run_dir = run_folder(config, processes)
         lora_file, summary = train(config, run_dir, processes, gpus)
         lora_model = bridge.load_lora_file(lora_file)
-        return io.NodeOutput(lora_model, str(run_dir), ui=ui.PreviewText(f"{summary}\nrun folder: {run_dir}"))
+        return io.NodeOutput(lora_model, str(run_dir), outputs_images(run_dir),
+                             ui=ui.PreviewText(f"{summary}\nrun folder: {run_dir}"))
 
 
 NODES = [KilnTrainLoRATorchrun]

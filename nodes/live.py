@@ -45,12 +45,16 @@ def prior_history(checkpoint) -> tuple[list, list]:
 class Tracker:
     """One Train LoRA execution on the dashboard."""
 
-    def __init__(self, cfg, run_dir: Path, data, resume=None, registry: dashboard.Registry = dashboard.REGISTRY):
+    def __init__(self, cfg, run_dir: Path, data, resume=None, registry: dashboard.Registry = dashboard.REGISTRY,
+                 can_save: bool = True):
+        """data None: a run in a child process (Train LoRA (several GPUs)), whose buckets this side does not
+        know and whose weights it does not hold (can_save False: Save now is refused)."""
         node, prompt_id = bridge.executing_node()
         loss, lr = prior_history(resume)
         self.cfg, self.registry = cfg, registry
+        buckets = {key: len(items) for key, items in data.buckets.items()} if data is not None else {}
         self.run = registry.start(Path(run_dir).name, cfg.steps, start_step=len(lr), node=node, prompt_id=prompt_id,
-                                  arch=cfg.arch, buckets={key: len(items) for key, items in data.buckets.items()})
+                                  arch=cfg.arch, buckets=buckets, can_save=can_save)
         registry.preload(self.run, loss, lr)
         bridge.send_event("kiln.run", self.run.summary())
 

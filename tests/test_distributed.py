@@ -82,7 +82,8 @@ def flat_state(result, backend_state: dict) -> dict[str, np.ndarray]:
 
 
 def _rank(rank: int, world: int, port: int, out: str, settings: dict, runs: list, tiny: tuple) -> None:
-    """One rank: join the gloo group, run each of `runs` ((name, resume, stop_at)), write what it ended with."""
+    """One rank: join the gloo group, run each of `runs` ((name, resume, stop_at)), write what it ended with.
+    stop_at: the step after which should_stop turns true, or {rank: step} for a stop asked on some ranks only."""
     tiny_model, tiny_data, tiny_config = tiny
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -92,13 +93,17 @@ def _rank(rank: int, world: int, port: int, out: str, settings: dict, runs: list
     state.save_checkpoint = lambda *a, **k: writes.append(k["cursor"]) or real_save(*a, **k)
     try:
         cfg = tiny_config(**settings)
-        for name, resume, stop_at in runs:
+        ended = {}
+        for number, (name, resume, stop_at) in enumerate(runs):
             run_dir = Path(out) / name
             progress: list = []
+            stop_at = stop_at.get(rank) if isinstance(stop_at, dict) else stop_at
             stop = functools.partial(_reached, progress, stop_at) if stop_at else None
             result = train(cfg, tiny_model(), tiny_data(), run_dir=run_dir, resume=run_dir if resume else None,
                            on_step=progress.append, should_stop=stop)
+            ended[f"ended.{number}"] = np.asarray([result.step, result.stopped], np.int64)
         tensors = {f"written.{i}": np.asarray([c["epoch"], c["position"]]) for i, c in enumerate(writes)}
+        tensors.update(ended)
         tensors.update(flat_state(result, _ema_and_moments(result)))
         safetensors_io.write(Path(out) / f"rank{rank}.safetensors", tensors)
     finally:
@@ -150,7 +155,7 @@ def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(tmp_path
     assert set(ranks[0]) - {k for k in ranks[0] if k.startswith("written.")} == \
         set(ranks[1]) - {k for k in ranks[1] if k.startswith("written.")}
     for key in ranks[0]:
-        if not key.startswith("written."):
+        if not key.startswith(("written.", "ended.")):
             assert np.array_equal(ranks[0][key], ranks[1][key]), key
     assert any(k.startswith("ema.") for k in ranks[0])
     # Rank 0 alone wrote the checkpoints (every 2 steps); rank 1 called no writer.
@@ -164,9 +169,15 @@ RESUME = {**EQUAL, "steps": 6, "lora_dropout": 0.2}   # LoRA dropout: each rank'
 
 
 def test_two_ranks_resume_bitwise_on_two_and_are_refused_on_one(tmp_path, make_model, make_data, make_config):
+    """The stop is asked on rank 0 only (as a stop file seen by one rank before the other): the ranks' vote
+    stops both after the same step, one step after the request, with that step's checkpoint."""
     tiny = (make_model, make_data, make_config)
     straight = two_ranks(tmp_path / "a", RESUME, [("run", False, None)], tiny)
-    resumed = two_ranks(tmp_path / "b", RESUME, [("run", False, 3), ("run", True, None)], tiny)
+    resumed = two_ranks(tmp_path / "b", RESUME, [("run", False, {0: 2}), ("run", True, None)], tiny)
+    assert [list(r["ended.0"]) for r in resumed] == [[3, 1], [3, 1]]   # both stopped after step 3
+    assert [list(r["ended.1"]) for r in resumed] == [[6, 0], [6, 0]]
+    # step 3's checkpoint is the stop's (checkpoint_every 2 writes 2, 4, 6), and the resume started from it
+    assert [s for s, _ in state.list_checkpoints(tmp_path / "b" / "run")] == [3, 4, 6]
     a, _ = safetensors_io.read(state.list_checkpoints(tmp_path / "a" / "run")[-1][1] / "state.safetensors")
     b, _ = safetensors_io.read(state.list_checkpoints(tmp_path / "b" / "run")[-1][1] / "state.safetensors")
     assert set(a) == set(b) and any(k.startswith("rng.rank1.") for k in a)

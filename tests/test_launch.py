@@ -28,6 +28,8 @@ def test_parse_line_reads_only_the_tagged_lines():
     assert launch.parse_line(" 30%|###   | 3/10 [00:01<00:02]") is None
     assert launch.parse_line("KILN_PROGRESS {broken") is None
     assert launch.parse_line(' 10%|#  | 1/10 KILN_PROGRESS {"step": 1}') == ("progress", {"step": 1})
+    assert launch.parse_line('KILN_SAMPLE {"step": 2, "index": 0, "path": "/r/samples/step-000002-p0.png"}') == \
+        ("sample", {"step": 2, "index": 0, "path": "/r/samples/step-000002-p0.png"})
 
 
 def test_bad_gpus_and_processes_are_refused_with_the_fix(tmp_path):
@@ -46,7 +48,10 @@ def test_two_ranks_report_progress_stop_with_a_checkpoint_and_resume(tmp_path):
     steps: list[int] = []
     run = launch.Launch(demo_config(tmp_path / "shapes", STEPS), run_dir, processes=2).start()
     stopped = run.wait(on_progress=lambda p: steps.append(p["step"]), should_stop=lambda: len(steps) >= 3)
-    assert stopped.stopped and stopped.checkpoint is not None, stopped.tail
+    # The stop file, not Ctrl-C: the ranks saved and exited 0 by themselves, and the request was removed.
+    assert stopped.stopped and stopped.returncode == 0 and stopped.checkpoint is not None, stopped.tail
+    assert "stop requested" in stopped.tail and "Ctrl-C again" not in stopped.tail
+    assert not (run_dir / "stop.request").exists()
     assert (run_dir / launch.CONFIG_NAME).is_file()
     # Stop reached both ranks after the same step; rank 0 saved that step and the LoRA of it.
     assert 3 <= stopped.step < STEPS and steps[:3] == [1, 2, 3], (steps, stopped.tail)

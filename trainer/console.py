@@ -9,9 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-# With KILN_PROGRESS_JSON=1 rank 0 also prints one machine-readable line per step and one at the end
-# (`KILN_PROGRESS {json}`, `KILN_DONE {json}`), read by trainer/launch.py instead of scraping tqdm.
+# With KILN_PROGRESS_JSON=1 rank 0 also prints one machine-readable line per step, one per validation sample
+# written and one at the end (`KILN_PROGRESS {json}`, `KILN_SAMPLE {json}`, `KILN_DONE {json}`), read by
+# trainer/launch.py instead of scraping tqdm.
 PROGRESS_ENV, PROGRESS_TAG, DONE_TAG = "KILN_PROGRESS_JSON", "KILN_PROGRESS", "KILN_DONE"
+SAMPLE_TAG = "KILN_SAMPLE"
+# A file of this name in the run folder asks the run to stop after a step with a checkpoint (trainer/launch.py
+# writes it; `touch <run>/stop.request` does the same by hand). The run removes it when it has stopped.
+STOP_FILE = "stop.request"
 
 
 def emit(tag: str, fields: dict) -> None:
@@ -33,7 +38,9 @@ def progress_bar(total: int, start: int, show: bool = True):
             bar.set_postfix(loss=f"{report.loss:.4f}", smooth=f"{report.loss_smooth:.4f}", lr=f"{report.lr:.2e}")
         if show:
             emit(PROGRESS_TAG, {"step": report.step, "total": report.total_steps, "loss": report.loss,
-                                "lr": report.lr, "it_per_s": report.it_per_s, "eta_s": report.eta_s})
+                                "loss_smooth": report.loss_smooth, "lr": report.lr, "it_per_s": report.it_per_s,
+                                "eta_s": report.eta_s, "peak_memory_bytes": report.peak_memory_bytes,
+                                "skipped_steps": report.skipped_steps})
     return bar, on_step
 
 
@@ -64,6 +71,27 @@ class StopOnSignal:
         signal.signal(signal.SIGINT, self.previous)
 
 
+class StopFile:
+    """True once `<run>/stop.request` exists (checked at each step boundary: one stat). Under torchrun every
+    rank looks; the loop's vote (distributed.StopVote) makes them stop after the same step."""
+
+    def __init__(self, run_dir: Path, speak: bool = True):
+        self.path, self.speak, self.seen = Path(run_dir) / STOP_FILE, speak, False
+
+    def __call__(self) -> bool:
+        if not self.seen and self.path.exists():
+            self.seen = True
+            if self.speak:
+                print(f"\nstop requested ({self.path}): stopping after a step with a resumable checkpoint",
+                      file=sys.stderr)
+        return self.seen
+
+    def consume(self) -> None:
+        """Remove the request once the run has ended (rank 0, after the checkpoint every rank waited for), so
+        that resuming the run does not stop it again."""
+        self.path.unlink(missing_ok=True)
+
+
 def start_step(run_dir: Path, resume) -> int:
     """The step a run starts at: its newest checkpoint's with `resume` (when it has one), else 0."""
     from .state import list_checkpoints
@@ -86,12 +114,15 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
     for problem in getattr(data, "skipped", []) if main else []:
         print(f"skipped {problem.line()}", file=sys.stderr)
     bar, on_step = progress_bar(cfg.steps, start, show=main)
-    stop = StopOnSignal(echo_s=2.0 if group.world > 1 else 0.0, speak=main)
-    should_stop = (lambda: stop() or bar.n >= stop_after) if stop_after else stop
+    stop, stop_file = StopOnSignal(echo_s=2.0 if group.world > 1 else 0.0, speak=main), StopFile(run_dir, main)
+    should_stop = (lambda: stop() or stop_file() or bool(stop_after and bar.n >= stop_after))
     try:
-        return train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
-                     on_step=on_step, should_stop=should_stop, forward=forward, validate=validate,
-                     validate_every=validate_every)
+        result = train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
+                       on_step=on_step, should_stop=should_stop, forward=forward, validate=validate,
+                       validate_every=validate_every)
+        if main:
+            stop_file.consume()
+        return result
     finally:
         stop.close()
         bar.close()

@@ -8,7 +8,7 @@ the loss figure is the global mean, rank 0 writes checkpoints and the LoRA, and 
 EMA stay identical on every rank. One process (no torchrun, or --nproc_per_node 1) touches none of this:
 every helper here is then a no-op and the run is the plain one, bit for bit.
 
-Host-side agreement (stop, RNG states for a checkpoint, barriers) goes through a gloo group, so it
+Host-side agreement (stop votes, RNG states for a checkpoint, barriers) goes through a gloo group, so it
 never waits for the GPU; gradients go through the default group (NCCL on CUDA, gloo on the CPU).
 """
 from __future__ import annotations
@@ -130,16 +130,36 @@ def barrier() -> None:
         dist.barrier(group=_host())
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is true on any (a stop asked for on one rank stops all at one step)."""
-    if current().world == 1:
-        return bool(flag)
-    import torch
-    import torch.distributed as dist
+class StopVote:
+    """The ranks' agreement on stopping, one step late and without a rendezvous per step.
 
-    value = torch.tensor([int(bool(flag))], dtype=torch.int32)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_host())
-    return bool(value.item())
+    Each call posts this rank's flag in an asynchronous all-reduce (MAX, on the host gloo group) and returns
+    the agreed result of the previous call's, which has long completed by then: every rank gets the same
+    sequence of answers and so stops after the same step, and no rank waits for the others (nor the GPU) at
+    a step boundary. A stop asked for at step k is honoured after step k + 1. One process: the flag itself,
+    at once. `close()` waits for the last posted vote (before the group ends)."""
+
+    def __init__(self):
+        self.pending = None
+
+    def __call__(self, flag: bool) -> bool:
+        if current().world == 1:
+            return bool(flag)
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([int(bool(flag))], dtype=torch.int32)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_host(), async_op=True)
+        previous, self.pending = self.pending, (work, value)
+        if previous is None:
+            return False
+        previous[0].wait()
+        return bool(previous[1].item())
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
 
 
 def gather_arrays(arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
@@ -158,6 +178,24 @@ def gather_arrays(arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         for rank, part in enumerate(parts):
             out[rank][key] = part.numpy()
     return out
+
+
+def main_texts(texts: list[str]) -> list[str]:
+    """Rank 0's `texts` on every rank (the other ranks' are ignored): UTF-8 JSON bytes broadcast over the
+    host group, no pickle. One process: `texts`."""
+    if current().world == 1:
+        return list(texts)
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    blob = json.dumps(list(texts)).encode() if current().is_main else b""
+    size = torch.tensor([len(blob)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=_host())
+    data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=_host())
+    return json.loads(bytes(data.numpy()).decode())
 
 
 def main_time():

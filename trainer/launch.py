@@ -5,9 +5,12 @@ The run's config is written to `<run>/launch.toml` (atomically), then
 `python -m torch.distributed.run --standalone --nproc_per_node N -m trainer train <run>/launch.toml`
 starts in its own process group with `CUDA_VISIBLE_DEVICES` set to the chosen GPUs, the pack root on
 PYTHONPATH and as cwd (so `-m trainer` is this pack's), and `KILN_PROGRESS_JSON=1`: rank 0 prints one
-`KILN_PROGRESS {json}` line per step and one `KILN_DONE {json}` line at the end (trainer/console.py),
-which a reader thread parses. `stop()` is Ctrl-C: SIGINT to torchrun, which forwards it to every rank;
-they stop after the same step with a resumable checkpoint. Nothing here imports ComfyUI; the child
+`KILN_PROGRESS {json}` line per step, a `KILN_SAMPLE {json}` line per validation sample it wrote (step,
+prompt index, the PNG's path in `<run>/samples/`) and one `KILN_DONE {json}` line at the end
+(trainer/console.py), which a reader thread parses. `stop()` writes `<run>/stop.request`: the ranks see it at a step boundary,
+agree on the step (trainer/distributed.StopVote), save that step's checkpoint and exit 0, however long the
+step and the save take. `stop(force=True)` is Ctrl-C (SIGINT to torchrun, which forwards it to the ranks and
+kills them ~30 s later, torchrun's own window): the fallback where the file cannot be written. Nothing here imports ComfyUI; the child
 never runs ComfyUI's main (for ComfyUI archs it loads model files through headless.py, COMFYUI_PATH).
 """
 from __future__ import annotations
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import config as config_module
-from .console import DONE_TAG, PROGRESS_ENV, PROGRESS_TAG
+from .atomic import atomic_write_text
+from .console import DONE_TAG, PROGRESS_ENV, PROGRESS_TAG, SAMPLE_TAG, STOP_FILE
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_NAME = "launch.toml"
@@ -44,9 +48,9 @@ class Outcome:
 
 
 def parse_line(line: str) -> tuple[str, dict] | None:
-    """("progress" | "done", fields) for a machine-readable line, None for any other output. The tag may
-    follow a progress bar's unterminated redraw (tqdm writes on stderr, merged into the same pipe)."""
-    for tag, kind in ((PROGRESS_TAG, "progress"), (DONE_TAG, "done")):
+    """("progress" | "sample" | "done", fields) for a machine-readable line, None for any other output. The
+    tag may follow a progress bar's unterminated redraw (tqdm writes on stderr, merged into the same pipe)."""
+    for tag, kind in ((PROGRESS_TAG, "progress"), (SAMPLE_TAG, "sample"), (DONE_TAG, "done")):
         at = line.find(tag + " {")
         if at >= 0:
             try:
@@ -110,6 +114,7 @@ class Launch:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / CONFIG_NAME
         config_module.save(self.config, config_path)
+        (self.run_dir / STOP_FILE).unlink(missing_ok=True)   # an earlier stop's request must not stop this run
         self.process = subprocess.Popen(
             command(config_path, self.processes, resume), cwd=PACK_ROOT, env=environment(self.gpus, self.comfyui_path),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
@@ -131,15 +136,25 @@ class Launch:
         self.closed = True
         self.events.put(("closed", {}))
 
-    def stop(self) -> None:
-        """Ctrl-C to torchrun: every rank finishes its step, saves a checkpoint and exits."""
-        if self.process is not None and self.process.poll() is None and not self.stopping:
-            self.stopping = True
-            os.killpg(self.process.pid, signal.SIGINT)
+    def stop(self, force: bool = False) -> None:
+        """Ask every rank to stop after a step with a checkpoint: the stop file (no time limit), or with
+        `force` (or where the file cannot be written) Ctrl-C to torchrun."""
+        if self.process is None or self.process.poll() is not None or (self.stopping and not force):
+            return
+        self.stopping = True
+        if not force:
+            try:
+                atomic_write_text(self.run_dir / STOP_FILE, "stop after this step with a checkpoint\n")
+                return
+            except OSError as error:
+                self.tail.append(f"could not write {self.run_dir / STOP_FILE} ({error}); sending Ctrl-C instead")
+        os.killpg(self.process.pid, signal.SIGINT)
 
     def wait(self, on_progress: Callable[[dict], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, poll_s: float = 0.25) -> Outcome:
-        """Runs `on_progress` for each step line and polls `should_stop` in the calling thread; the outcome."""
+             should_stop: Callable[[], bool] | None = None, poll_s: float = 0.25,
+             on_sample: Callable[[dict], None] | None = None) -> Outcome:
+        """Runs `on_progress` for each step line and `on_sample` for each sample line, and polls `should_stop`,
+        in the calling thread; the outcome."""
         while not (self.closed and self.events.empty()):   # a second wait() returns too
             try:
                 kind, fields = self.events.get(timeout=poll_s)
@@ -147,6 +162,8 @@ class Launch:
                 kind, fields = None, {}
             if kind == "progress" and on_progress is not None:
                 on_progress(fields)
+            if kind == "sample" and on_sample is not None:
+                on_sample(fields)
             if kind == "closed":
                 break
             if should_stop is not None and not self.stopping and should_stop():

@@ -252,7 +252,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                                  sampler=sampler, log=log)
         alone = _one_rank_save(save, group)
         weights = functools.partial(best_lora, backend, cfg.ema)
-        checkpoint_path, stopped = None, False
+        checkpoint_path, stopped, vote = None, False, distributed.StopVote()
         for step in range(start, cfg.steps):
             lr = lr_at(step, base_lr=cfg.learning_rate, schedule=cfg.lr_schedule, total_steps=cfg.steps,
                        warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
@@ -280,11 +280,12 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                     with faults.validation_saves_on_error(alone, done), backend.sampling():
                         sinks.log_images(done, "validation", validate(done, backend.lora_state))
                 distributed.barrier()
-            if distributed.any_rank(should_stop is not None and should_stop()):   # every rank stops at one step
+            if vote(should_stop is not None and should_stop()):   # every rank stops after the same step
                 checkpoint_path, stopped = save(done), True
                 break
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                 checkpoint_path = save(done)
+        vote.close()
         log.flush()
         ema_lora = weights() if cfg.ema else None
         return RunResult(run_dir=run_dir, step=len(history.lr), history=history, lora=backend.lora_state(),

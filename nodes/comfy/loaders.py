@@ -26,8 +26,9 @@ def _safetensors(cfg, key: str) -> str:
     return path
 
 
-def load_models(cfg):
-    """(MODEL, VAE, CLIP) from the config's files; the text encoder's type is the arch's clip_type."""
+def load_models(cfg, encoders: bool = True):
+    """(MODEL, VAE, CLIP) from the config's files; the text encoder's type is the arch's clip_type. With
+    `encoders` off (torchrun's ranks other than 0) the VAE and CLIP are not loaded: (MODEL, None, None)."""
     import comfy.sd
     import comfy.utils
 
@@ -35,6 +36,8 @@ def load_models(cfg):
 
     clip_type = get_arch(cfg.arch).clip_type
     model = comfy.sd.load_diffusion_model(_safetensors(cfg, "model_path"))
+    if not encoders:
+        return model, None, None
     vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(_safetensors(cfg, "vae_path")))
     if not clip_type:
         known = sorted(a.name for a in ARCHS.values() if a.clip_type)

@@ -1,23 +1,35 @@
 """Kiln Train LoRA (several GPUs) in a real ComfyUI (#22): the node starts `torchrun -m trainer train` with
 two gloo ranks on the demo arch as a child process, its bar follows the run, the Stop button leaves a
-checkpoint on every rank, and queueing again resumes it and returns the LoRA through ComfyUI's loader."""
+checkpoint on every rank, and queueing again resumes it and returns the LoRA through ComfyUI's loader.
+A tiny Flux2 Klein run through headless.py: the dashboard gets its steps and samples, the node returns the
+samples rank 0 drew with ComfyUI's sampler, and rank 1 never loads the VAE or text encoder."""
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import comfy_env
+import numpy as np
 import pytest
+from PIL import Image
 
 comfy_env.require_comfy()
 
 import comfy.model_management as mm
+import comfy.sd
+import folder_paths
+import tiny_comfy as tc
 import torch
 from test_nodes import comfy_dirs, out  # noqa: F401
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
+dashboard = comfy_env.import_pack("nodes.dashboard")
 launch_nodes = comfy_env.import_pack("nodes.launch_nodes")
+launch = comfy_env.import_pack("trainer.launch")
 state = comfy_env.import_pack("trainer.state")
 demo = comfy_env.import_pack("trainer.demo")
+CHILD = Path(__file__).with_name("launch_child.py")   # `-m trainer train` with the tiny encoders
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or sys.platform == "win32",
                                 reason="needs torch.distributed with gloo (Linux, macOS)")
@@ -79,3 +91,71 @@ def test_stop_leaves_a_checkpoint_and_queueing_again_resumes_to_the_lora(comfy_d
     again = queue(dataset)   # finished: its LoRA is read, nothing is launched
     assert not seen and "already trained" in "".join(again.ui.as_dict()["text"])
     assert (run_dir / "launch.toml").is_file()
+
+
+PROMPTS = "a red cube --w 64 --h 64 --steps 1\na blue ball --w 64 --h 64 --steps 1 --seed 3"
+
+
+def klein_files(tmp_path: Path) -> dict[str, Path]:
+    files = {"tiny_flux2.safetensors": tc.write_flux2_file(tmp_path / "tiny_flux2.safetensors")}
+    for stand_in in ("vae.safetensors", "te.safetensors"):   # launch_child.py's loaders give the tiny ones
+        files[stand_in] = tmp_path / stand_in
+        files[stand_in].write_bytes(b"stand-in")
+    data = tmp_path / "ds"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(data / f"{i}.png")
+        (data / f"{i}.txt").write_text(f"photo {i}", encoding="utf-8")
+    return files
+
+
+def test_a_launched_run_feeds_the_dashboard_and_returns_rank_0s_samples(comfy_dirs, tmp_path, monkeypatch):  # noqa: F811
+    files = klein_files(tmp_path)
+    monkeypatch.setattr(bridge, "model_path", lambda folder, name: str(files[name]))
+    monkeypatch.setattr(launch, "command", lambda config, processes, resume=False: [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), str(CHILD),
+        str(config), *(["--resume"] if resume else [])])
+    (tmp_path / "temp").mkdir()
+    monkeypatch.setattr(folder_paths, "temp_directory", str(tmp_path / "temp"))
+    monkeypatch.setattr(bridge, "executing_node", lambda: ("kiln-launch-test", "prompt-1"))
+    events: list[tuple[str, dict]] = []
+    refusals: list = []
+
+    def send_event(name, data):
+        events.append((name, data))
+        if name == "kiln.progress" and data["step"] == 2:   # Save now: the weights are in the child
+            refusals.append(dashboard.REGISTRY.answer("POST", data["run_id"], "save"))
+        return True
+
+    monkeypatch.setattr(bridge, "send_event", send_event)
+    options = {"device": "cpu", "mixed_precision": "no", "batch_size": 1, "checkpoint_every": 2, "log_every": 1,
+               "run_name": "klein2"}
+    result = launch_nodes.KilnTrainLoRATorchrun.execute(
+        "flux2_klein", "tiny_flux2.safetensors", "vae.safetensors", "te.safetensors", str(tmp_path / "ds"), "64",
+        "", 4, 1e-3, 4, 4.0, "none", 0, 2, "", options=options, sample_prompts=PROMPTS, sample_every=2)
+    lora, run_dir, images = out(result), Path(out(result, 1)), out(result, 2)
+
+    # Rank 0 loaded the VAE and text encoder; rank 1 the diffusion model alone.
+    assert json.loads((run_dir / "loaded-rank0.json").read_text()) == {"encoders": True}
+    assert json.loads((run_dir / "loaded-rank1.json").read_text()) == {"encoders": False}
+    # Rank 0 sampled both prompts before the first step, at step 2 and at the last; the IMAGE output is the
+    # last step's, as written.
+    written = sorted(p.name for p in (run_dir / "samples").glob("*.png"))
+    assert written == [f"step-{s:06d}-p{i}.png" for s in (0, 2, 4) for i in (0, 1)]
+    assert images.shape == (2, 64, 64, 3)
+    for index in (0, 1):
+        with Image.open(run_dir / "samples" / f"step-000004-p{index}.png") as png:
+            assert torch.equal(images[index], bridge.image_tensor(png)[0])
+    # The dashboard: every step with its loss, every sample, the run finished; Save now refused with the reason.
+    progress = [data for name, data in events if name == "kiln.progress"]
+    assert [d["step"] for d in progress] == [1, 2, 3, 4] and all(d["loss"] is not None for d in progress)
+    assert [d["step"] for name, d in events if name == "kiln.sample"] == [0, 0, 2, 2, 4, 4]
+    run_id = progress[0]["run_id"]
+    status, detail = dashboard.REGISTRY.answer("GET", run_id)
+    assert status == 200 and detail["status"] == "finished" and len(detail["history"]["loss"]) == 4
+    assert detail["samples"] and not detail["can_save"]
+    assert refusals and refusals[0][0] == 409 and "torchrun child process" in refusals[0][1]["error"]
+    # The LoRA, read by ComfyUI's loader, places every key on the model.
+    model = comfy.sd.load_diffusion_model(str(files["tiny_flux2.safetensors"]))
+    assert lora and bridge.unmatched_lora_keys(model, lora) == []
