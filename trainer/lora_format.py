@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import adapters, safetensors_io
+from . import safetensors_io
 from .adapters import AdapterWeights
 from .archs import ARCHS, Arch, DiffusersRule, get_arch
 from .config import TrainConfig
@@ -228,41 +228,11 @@ def to_tensors(lora: Lora, fmt: str, arch: Arch | str | None) -> dict[str, np.nd
     if fmt not in FORMATS:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {list(FORMATS)}")
     if any(isinstance(w, AdapterWeights) for w in lora.values()):
-        return _adapter_tensors(lora, fmt)
+        from . import adapter_files
+        return adapter_files.to_tensors(lora, fmt)
     for path, w in lora.items():  # same checks as loading, so we never write what we could not read
         _weights("LoRA to save", path, {"A": np.asarray(w.A), "B": np.asarray(w.B), "alpha": np.array(w.alpha)})
     return FORMATS[fmt].to_tensors(lora, _arch(arch))
-
-
-def _adapter_tensors(lora: Lora, fmt: str) -> dict[str, np.ndarray]:
-    """LoKr/LoHa/DoRA under ComfyUI's names: comfy paths, or kohya's flat names (LyCORIS's lora_unet_)."""
-    kinds = {w.kind if isinstance(w, AdapterWeights) else "lora" for w in lora.values()}
-    if len(kinds) != 1:
-        raise ValueError(f"LoRA to save mixes adapter kinds {sorted(kinds)}; a file holds one kind")
-    if fmt == "diffusers":
-        raise ValueError(f"format 'diffusers' has no {kinds.pop()} layout (diffusers loads LoRA pairs only); "
-                         "save as comfy or kohya")
-    prefix = {"comfy": COMFY_PREFIX, "kohya": KOHYA_PREFIX}[fmt]
-    return {k: v for path, w in lora.items()
-            for k, v in adapters.file_tensors(prefix + (path if fmt == "comfy" else path.replace(".", "_")), w).items()}
-
-
-def _read_adapters(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], source: str) -> tuple[Lora, str] | None:
-    """A Kiln LoKr/LoHa/DoRA file (or LORA_MODEL): comfy keys, or kohya keys with kiln.module_paths. Other
-    trainers' LoKr/LoHa (any naming) are lora_sources.py's pass-through; None here."""
-    if not any(adapters.is_adapter_key(key) for key in tensors):
-        return None
-    if all(key.startswith(COMFY_PREFIX) for key in tensors):
-        return adapters.from_file_tensors(tensors, COMFY_PREFIX, source), "comfy"
-    paths = _module_paths(metadata, source) if all(key.startswith(KOHYA_PREFIX) for key in tensors) else None
-    if paths is None:
-        return None
-    flat = adapters.from_file_tensors(tensors, KOHYA_PREFIX, source)
-    dotted = {p.replace(".", "_"): p for p in paths}
-    unknown = sorted(set(flat) - set(dotted))
-    if unknown:
-        raise ValueError(f"{source}: {unknown[:3]} are not in the file's kiln.module_paths; re-save it with Kiln")
-    return {dotted[name]: w for name, w in flat.items()}, "kohya"
 
 
 def _module_paths(metadata: Mapping[str, str], source: str) -> list[str] | None:
@@ -296,7 +266,9 @@ def from_tensors(tensors: Mapping[str, np.ndarray], *, arch: Arch | str | None =
     from . import lora_sources  # it builds on this module's key handling
 
     metadata = metadata or {}
-    own_adapters = _read_adapters(tensors, metadata, source)
+    from . import adapter_files
+
+    own_adapters = adapter_files.read(tensors, metadata, source)
     if own_adapters is not None:
         return own_adapters
     if module_names is None:
@@ -354,9 +326,11 @@ def describe(path) -> dict:
     """What `python -m trainer inspect` prints; works without arch or module names."""
     tensors, metadata = safetensors_io.read(path)
     header, _ = safetensors_io.read_header(path)
-    own_adapters = _read_adapters(tensors, metadata, str(path))
+    from . import adapter_files
+
+    own_adapters = adapter_files.read(tensors, metadata, str(path))
     if own_adapters is not None:
-        return _describe_adapters(path, *own_adapters, metadata, header)
+        return adapter_files.describe(path, *own_adapters, metadata, header)
     if not _native(tensors) or len({n for k in tensors for n, f in FORMATS.items() if k.startswith(f.key_prefix)}) != 1:
         return _describe_foreign(path, tensors, metadata, header)
     fmt = detect_format(tensors, str(path))
@@ -369,17 +343,6 @@ def describe(path) -> dict:
              for name, w in modules.items()]
     return {"path": str(path), "format": fmt, "modules": len(modules),
             "ranks": sorted({w.rank for w in modules.values()}), "alphas": sorted({w.alpha for w in modules.values()}),
-            "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
-            "parameters": sum(row["parameters"] for row in table), "module_table": table}
-
-
-def _describe_adapters(path, lora: Lora, fmt: str, metadata, header) -> dict:
-    """A Kiln LoKr/LoHa/DoRA file: a row per module with its kind and tensors."""
-    table = [{"name": name, "kind": w.kind, "rank": w.rank, "alpha": w.alpha, "parameters": w.size,
-              "tensors": {role: list(t.shape) for role, t in w.tensors.items()}} for name, w in lora.items()]
-    return {"path": str(path), "format": fmt, "adapter": sorted({w.kind for w in lora.values()}),
-            "modules": len(lora), "ranks": sorted({w.rank for w in lora.values()}),
-            "alphas": sorted({w.alpha for w in lora.values()}),
             "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
             "parameters": sum(row["parameters"] for row in table), "module_table": table}
 
