@@ -192,3 +192,36 @@ def test_resume_is_bitwise_and_ema_covers_every_tensor(tmp_path, make_model, mak
     assert any(moved)
     file_lora, metadata = lora_format.load_lora(straight.checkpoint / "lora.safetensors")
     assert metadata["kiln.adapter"] == name and set(file_lora) == set(straight.lora)
+
+
+def test_estimate_counts_each_kind():
+    from trainer.estimate import estimate
+    from trainer.estimate_common import get_dims, lora_shapes
+
+    shapes = lora_shapes(get_dims("flux2-klein-4b"), None)
+    base = estimate("flux2-klein-4b", resolution=512, rank=16)
+    got = {kind: estimate("flux2-klein-4b", resolution=512, rank=16, adapter=kind, lokr_factor=8)
+           for kind in ("lokr", "loha", "dora")}
+    assert base.lora_params == sum(16 * (i + o) for i, o in shapes)
+    assert got["dora"].lora_params == base.lora_params + sum(i for i, _ in shapes)
+    assert got["loha"].lora_params == 2 * base.lora_params
+    lokr = sum(adapters.factorization(o, 8)[0] * adapters.factorization(i, 8)[0]
+               + 16 * (adapters.factorization(o, 8)[1] + adapters.factorization(i, 8)[1]) for i, o in shapes)
+    assert got["lokr"].lora_params == lokr
+    assert got["dora"].optimizer == 8 * got["dora"].lora_params        # adamw: two fp32 moments
+    assert got["loha"].workspace > base.workspace and got["dora"].workspace > base.workspace
+    assert got["lokr"].workspace == base.workspace
+
+
+def test_lora_tools_and_init_lora_refuse_adapter_files(tmp_path):
+    from trainer import init_lora, lora_tools
+
+    _, lora_set = _injected("loha")
+    lora = {"double_blocks.0.img_attn.qkv": lora_set.branches()["proj"].weights()}
+    lora_format.save_lora(tmp_path / "h.safetensors", lora, arch="demo", dtype="fp32", metadata={})
+    with pytest.raises(ValueError, match="LOHA adapter; resize works on plain LoRA pairs"):
+        lora_tools.resize(lora, lora_tools.RankRule(rank=2))
+    with pytest.raises(ValueError, match="LOHA adapter; merge"):
+        lora_tools.merge([lora])
+    with pytest.raises(ValueError, match="h.safetensors: is a LOHA adapter; init_lora"):
+        init_lora.from_file(tmp_path / "h.safetensors")

@@ -202,7 +202,9 @@ def cmd_estimate(args) -> int:
                         targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
                         gradient_checkpointing=cfg.gradient_checkpointing, base_dtype=base,
                         mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
-                        **({"checkpoint_budget": budget} if budget else {}))  # torch only
+                        **({"checkpoint_budget": budget} if budget else {}),  # torch only
+                        **({"adapter": cfg.adapter, "lokr_factor": cfg.lokr_factor, "lokr_full_w2": cfg.lokr_full_w2}
+                           if cfg.adapter != "lora" else {}))  # torch only (config refuses others on MLX)
 
     budget = cfg.checkpoint_budget
     if budget == "auto":

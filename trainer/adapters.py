@@ -129,15 +129,14 @@ def adapted_weight(weights: AdapterWeights, base: np.ndarray) -> np.ndarray:
     return merged * (t["dora_scale"] / (np.sqrt((merged * merged).sum(0, keepdims=True)) + EPS))
 
 
-def parameter_count(kind: str, in_features: int, out_features: int, rank: int, lokr_factor: int = -1,
-                    lokr_full_w2: bool = False) -> int:
-    """Trainable values one targeted Linear gets (estimate's count)."""
+def tensor_shapes(kind: str, in_features: int, out_features: int, rank: int, lokr_factor: int = -1,
+                  lokr_full_w2: bool = False) -> list[tuple[int, int]]:
+    """The trainable tensors one targeted Linear gets (estimate's count; LoRA's A and B included)."""
     if kind == "lokr":
         (out_m, out_n), (in_m, in_n) = lokr_shapes(in_features, out_features, lokr_factor)
-        return out_m * in_m + (out_n * in_n if lokr_full_w2 else rank * (out_n + in_n))
-    if kind == "loha":
-        return 2 * rank * (in_features + out_features)
-    return rank * (in_features + out_features) + (in_features if kind == "dora" else 0)
+        return [(out_m, in_m)] + ([(out_n, in_n)] if lokr_full_w2 else [(out_n, rank), (rank, in_n)])
+    pair = [(rank, in_features), (out_features, rank)]
+    return {"loha": pair * 2, "dora": pair + [(1, in_features)]}.get(kind, pair)
 
 
 # ---------------------------------------------------------------- files

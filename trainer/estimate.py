@@ -57,6 +57,7 @@ from .estimate_common import (
     OPTIMIZER_STATE,
     Estimate,
     EstimatorRules,
+    adapter_costs,
     block_bytes,
     check_settings,
     get_dims,
@@ -89,12 +90,14 @@ def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int,
 def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, rank: int = 32,
              targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
              gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16",
-             skip_checkpoint_blocks: int = 0, checkpoint_budget: float = 0.0) -> Estimate:
+             skip_checkpoint_blocks: int = 0, checkpoint_budget: float = 0.0, adapter: str = "lora",
+             lokr_factor: int = -1, lokr_full_w2: bool = False) -> Estimate:
     """Bytes one training step needs at square `resolution` (the largest bucket)."""
     settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
                 "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
                 "base_dtype": base_dtype, "mixed_precision": mixed_precision,
-                "skip_checkpoint_blocks": skip_checkpoint_blocks, "checkpoint_budget": checkpoint_budget}
+                "skip_checkpoint_blocks": skip_checkpoint_blocks, "checkpoint_budget": checkpoint_budget,
+                "adapter": adapter, "lokr_factor": lokr_factor, "lokr_full_w2": lokr_full_w2}
     dims = get_dims(variant)
     side = check_settings(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
     image_tokens = image_token_count(dims, resolution, side)
@@ -121,6 +124,12 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
              "diffusion model only: text encoder and VAE cached or offloaded",
              "an estimate: measured peaks on an H200 fell within -7%..+9% of it" if layout.measured else
              f"an estimate: the {layout.name} block model is derived, not yet checked against a GPU's peak"]
+    if adapter != "lora":
+        lora_params, optimizer_bytes, extra, note = adapter_costs(
+            adapter, shapes, rank, optimizer, lokr_factor=lokr_factor, lokr_full_w2=lokr_full_w2, tokens=tokens,
+            act=act, blocks=dims.double_blocks + dims.single_blocks, checkpointing=gradient_checkpointing)
+        workspace += extra
+        notes.append(note)
     if optimizer == "prodigy":
         notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
     total = weights + 8 * lora_params + optimizer_bytes + activations + workspace
