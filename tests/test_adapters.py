@@ -223,5 +223,5 @@ def test_lora_tools_and_init_lora_refuse_adapter_files(tmp_path):
         lora_tools.resize(lora, lora_tools.RankRule(rank=2))
     with pytest.raises(ValueError, match="LOHA adapter; merge"):
         lora_tools.merge([lora])
-    with pytest.raises(ValueError, match="h.safetensors: is a LOHA adapter; init_lora"):
+    with pytest.raises(ValueError, match="h.safetensors is a LOHA adapter; init_lora"):
         init_lora.from_file(tmp_path / "h.safetensors")

@@ -44,7 +44,11 @@ def read(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], source:
 
 def describe(path, lora: Lora, fmt: str, metadata, header) -> dict:
     """A Kiln LoKr/LoHa/DoRA file: a row per module with its kind and tensors."""
+    prefix = COMFY_PREFIX if fmt == "comfy" else KOHYA_PREFIX
     table = [{"name": name, "kind": w.kind, "rank": w.rank, "alpha": w.alpha, "parameters": w.size,
+              "dtype": header[next(k for k in adapters.file_tensors(prefix + (name if fmt == "comfy" else
+                                                                              name.replace(".", "_")), w)
+                                   if not k.endswith((".alpha", ".dora_scale")))]["dtype"],
               "tensors": {role: list(t.shape) for role, t in w.tensors.items()}} for name, w in lora.items()]
     return {"path": str(path), "format": fmt, "adapter": sorted({w.kind for w in lora.values()}),
             "modules": len(lora), "ranks": sorted({w.rank for w in lora.values()}),

@@ -185,11 +185,11 @@ def from_roles(roles: dict[str, np.ndarray], *, source: str) -> AdapterWeights:
     return weights
 
 
-def require_lora(lora, what: str, source: str = "LoRA") -> None:
+def require_lora(lora, what: str, source: str = "this LoRA") -> None:
     """Refuse LoKr/LoHa/DoRA where only LoRA pairs make sense (merge, resize, extract, init_lora)."""
     kinds = sorted({w.kind for w in lora.values() if isinstance(w, AdapterWeights)})
     if kinds:
-        raise ValueError(f"{source}: is a {'/'.join(k.upper() for k in kinds)} adapter; {what} works on plain "
+        raise ValueError(f"{source} is a {'/'.join(k.upper() for k in kinds)} adapter; {what} works on plain "
                          "LoRA pairs only (train with adapter = \"lora\" for that, or use the file as it is)")
 
 
