@@ -154,7 +154,7 @@ def test_diffusers_and_lora_tools_refuse_adapters(tmp_path):
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"adapter": "dora", "backend": "mlx"}, "backend 'torch' only"),
+    ({"adapter": "dora", "backend": "mlx", "base_quantize": "int8"}, "adapter 'dora' reads the base weight"),
     ({"adapter": "lokr", "lora_dropout": 0.1}, "lora_dropout applies to adapter 'lora' only"),
     ({"adapter": "loha", "init_lora": "x.safetensors"}, "cannot start adapter 'loha'"),
     ({"adapter": "dora", "lora_format": "diffusers"}, "no dora layout"),
@@ -225,3 +225,39 @@ def test_lora_tools_and_init_lora_refuse_adapter_files(tmp_path):
         lora_tools.merge([lora])
     with pytest.raises(ValueError, match="h.safetensors is a LOHA adapter; init_lora"):
         init_lora.from_file(tmp_path / "h.safetensors")
+
+
+@pytest.mark.parametrize("name", ["lokr", "loha", "dora"])
+def test_mlx_matches_torch(tmp_path, make_model, make_data, make_config, monkeypatch, name):
+    """A few steps of the real loop on both backends (MLX eager, as tests/backends/test_mlx_backend.py)."""
+    pytest.importorskip("mlx.core")
+    from trainer.backends.mlx_backend.backend import MlxBackend
+    from trainer.backends.mlx_backend.models.tiny import demo_model
+
+    monkeypatch.setattr(MlxBackend, "compile_step", False)
+    results = {}
+    for backend, model in (("torch", make_model()), ("mlx", demo_model(0, hidden=32, heads=2, double_blocks=1,
+                                                                        single_blocks=1, in_channels=16,
+                                                                        context_dim=32))):
+        cfg = make_config(backend=backend, steps=8, log_every=4, adapter=name, lokr_factor=4, ema=True,
+                          ema_decay=0.9)
+        results[backend] = train(cfg, model, make_data(), run_dir=tmp_path / backend)
+    ref, ours = results["torch"], results["mlx"]
+    np.testing.assert_allclose(ours.history.loss, ref.history.loss, rtol=1e-3)
+    for path, weights in ref.lora.items():
+        assert ours.lora[path].kind == name
+        for role, array in weights.tensors.items():
+            np.testing.assert_allclose(ours.lora[path].tensors[role], array, atol=1e-5, err_msg=f"{path}.{role}")
+            np.testing.assert_allclose(ours.ema_lora[path].tensors[role], ref.ema_lora[path].tensors[role],
+                                       atol=1e-5, err_msg=f"EMA {path}.{role}")
+    moved = [not np.allclose(w.tensors[r], s.tensors[r]) for w, s in zip(ref.lora.values(), ref.ema_lora.values())
+             for r in w.tensors]
+    assert any(moved)
+
+
+def test_mlx_estimate_counts_each_kind():
+    from trainer.estimate_mlx import estimate_mlx
+
+    base = estimate_mlx("flux2-klein-4b", resolution=512, rank=16)
+    loha = estimate_mlx("flux2-klein-4b", resolution=512, rank=16, adapter="loha")
+    assert loha.lora_params == 2 * base.lora_params and loha.workspace > base.workspace

@@ -204,7 +204,7 @@ def cmd_estimate(args) -> int:
                         mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
                         **({"checkpoint_budget": budget} if budget else {}),  # torch only
                         **({"adapter": cfg.adapter, "lokr_factor": cfg.lokr_factor, "lokr_full_w2": cfg.lokr_full_w2}
-                           if cfg.adapter != "lora" else {}))  # torch only (config refuses others on MLX)
+                           if cfg.adapter != "lora" else {}))
 
     budget = cfg.checkpoint_budget
     if budget == "auto":

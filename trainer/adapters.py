@@ -196,9 +196,9 @@ def require_lora(lora, what: str, source: str = "this LoRA") -> None:
 def check_config(cfg) -> list[str]:
     """Problems with the adapter settings of a TrainConfig (config.py's combination checks)."""
     problems = []
-    if cfg.adapter != "lora" and cfg.backend == "mlx":
-        problems.append(f"adapter {cfg.adapter!r} trains on backend 'torch' only (the MLX backend has LoRA); "
-                        "set backend to torch or adapter to lora")
+    if cfg.adapter == "dora" and cfg.backend == "mlx" and cfg.base_quantize != "none":
+        problems.append("adapter 'dora' reads the base weight, which base_quantize stores quantized; set "
+                        "base_quantize to none or use adapter lokr/loha")
     if cfg.adapter != "lora" and cfg.lora_dropout > 0:
         problems.append(f"lora_dropout applies to adapter 'lora' only; set it to 0 for adapter {cfg.adapter!r}")
     if cfg.adapter != "lora" and cfg.init_lora:

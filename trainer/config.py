@@ -208,7 +208,7 @@ class TrainConfig:
     # --- adapter kind (issue 21.1; trainer/adapters.py). After every shipped Training Options field:
     # the node lists fields not shipped in FIELDS order, and saved workflows are positional
     adapter: str = setting("lora", "lora; lokr (Kronecker: w1 ⊗ w2, LyCORIS); loha (Hadamard of two low-rank "
-                           "pairs); dora (LoRA + a magnitude per input column). PyTorch backend for all but lora")
+                           "pairs); dora (LoRA + a magnitude per input column). README: Adapter kinds")
     lokr_factor: int = setting(-1, "lokr: w1 is about factor × factor (LyCORIS's factorization); -1 = the split "
                                "nearest a square (smallest file)")
     lokr_full_w2: bool = setting(False, "lokr: w2 a full matrix (scale 1, alpha unused) instead of w2_a @ w2_b of "

@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import logging
 
+import comfy_env
 import pytest
 import torch
 
-import comfy_env
-
 comfy_env.require_comfy()
 
-import comfy.sd  # noqa: E402
-import comfy.utils  # noqa: E402
-import tiny_comfy  # noqa: E402
+import comfy.sd
+import comfy.utils
+import tiny_comfy
 
-from trainer import archs  # noqa: E402
-from trainer import lora_format as lf  # noqa: E402
-from trainer.backends.torch_backend.lora import LoraSet  # noqa: E402
+from trainer import archs
+from trainer import lora_format as lf
+from trainer.backends.torch_backend.lora import LoraSet
 
 TOLERANCE = 1e-4
 KINDS = {"lokr": {"lokr_factor": 4}, "lokr_full": {"lokr_full_w2": True}, "loha": {}, "dora": {}}
