@@ -4,6 +4,7 @@ TrainLoraNode, on full-size Z-Image / Flux2 Klein built with random weights by C
     COMFYUI_PATH=/path/to/ComfyUI python bench/gpu_train.py [--arch zimage,klein4b] [--res 1024] ...
     COMFYUI_PATH=/path/to/ComfyUI python bench/gpu_train.py --rows zimage:1024:1:on:default --out $OUT/r.json
     COMFYUI_PATH=/path/to/ComfyUI python bench/gpu_train.py --tiny   # tiny dims, 3 steps (CPU: fp32, ~35 s)
+    COMFYUI_PATH=/path/to/ComfyUI python bench/gpu_train.py --adapter lora,lokr,loha,dora --no-native  # per kind
 
 One process; per row it prints a summary line (stderr) and a JSON record (stdout) and appends the
 record to `--out` (default bench/results.json, a JSON list, created if absent; written after every
@@ -822,6 +823,13 @@ def _list(text: str, kind=str) -> list:
 
 
 def plan_rows(args) -> list[Row]:
+    """The rows to time; --adapter repeats each for every adapter kind (trainer/adapters.py)."""
+    kinds = _list(args.adapter)
+    return [Row(r.arch, r.resolution, r.batch, r.checkpointing, r.targets,
+                {**r.settings, **({"adapter": kind} if kind != "lora" else {})}) for r in _rows(args) for kind in kinds]
+
+
+def _rows(args) -> list[Row]:
     archs = _list(args.arch)
     for arch in archs:
         if arch not in ARCH_VARIANTS:
@@ -875,6 +883,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ckpt", default="on", help="gradient checkpointing: on, off or on,off")
     parser.add_argument("--targets", help="default (the arch's), all (every Linear) or default,all")
     parser.add_argument("--rows", help="explicit rows arch:res:batch:on|off:default|all, comma separated")
+    parser.add_argument("--adapter", default="lora", help="comma list of adapter kinds to time each row with: lora, "
+                        "lokr, loha, dora (e.g. lora,lokr,loha,dora; with --no-native: ComfyUI's native trainer "
+                        "trains LoRA only). LoKr's factor: a row setting, e.g. --rows ...:lokr_factor=16")
     parser.add_argument("--steps", type=int, help="steps per trainer (default 60; --tiny 3)")
     parser.add_argument("--warmup", type=int, help="untimed first steps (default 10; --tiny 1)")
     parser.add_argument("--native-steps", type=int, help="steps for the native trainer (default: --steps)")

@@ -207,7 +207,9 @@ def cmd_estimate(args) -> int:
                         preservation=cfg.preservation_weight > 0,
                         **({"checkpoint_budget": budget} if budget else {}),  # torch only
                         **({"fp8_compute": True} if cfg.fp8_compute else {}),
-                        **({"reference_images": references} if references else {}))
+                        **({"reference_images": references} if references else {}),
+                        **({"adapter": cfg.adapter, "lokr_factor": cfg.lokr_factor, "lokr_full_w2": cfg.lokr_full_w2}
+                           if cfg.adapter != "lora" else {}))
 
     budget = cfg.checkpoint_budget
     if budget == "auto":

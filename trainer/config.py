@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import adapters
+from .adapters import ADAPTER_KINDS
 from .archs import ARCHS
 from .data.sampler import BATCHING
 from .objective import CONTENT_OR_STYLE, LOSS_WEIGHTINGS, SAMPLINGS, SHIFT_MODES
@@ -52,6 +54,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "base_quantize": ("none", "int8", "int4"),
     "attention": ("auto", "torch", "cudnn", "flash", "efficient", "math"),
     "wandb_mode": ("offline", "online"),
+    "adapter": ADAPTER_KINDS,
 }
 
 # Inclusive (low, high) for numbers; for lists, the bounds of each element.
@@ -96,6 +99,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "sample_width": (64, 4096),
     "sample_height": (64, 4096),
     "unmasked_weight": (0.0, 1.0),
+    "lokr_factor": (-1, 4096),
 }
 
 
@@ -226,6 +230,14 @@ class TrainConfig:
                                          "`wandb sync`); online: sent as the run goes (after `wandb login`)")
     save_dtype: str = setting("bf16", "dtype of saved LoRA weights")
     lora_format: str = setting("comfy", "comfy (ComfyUI-native keys), diffusers, kohya")
+    # --- adapter kind (issue 21.1; trainer/adapters.py). After every shipped Training Options field:
+    # the node lists fields not shipped in FIELDS order, and saved workflows are positional
+    adapter: str = setting("lora", "lora; lokr (Kronecker: w1 ⊗ w2, LyCORIS); loha (Hadamard of two low-rank "
+                           "pairs); dora (LoRA + a magnitude per input column). README: Adapter kinds")
+    lokr_factor: int = setting(-1, "lokr: w1 is about factor × factor (LyCORIS's factorization); -1 = the split "
+                               "nearest a square (smallest file)")
+    lokr_full_w2: bool = setting(False, "lokr: w2 a full matrix (scale 1, alpha unused) instead of w2_a @ w2_b of "
+                                 "rank `rank`")
     # --- validation samples (headless `train`; in a graph, Kiln Validation Settings does this). Output
     # settings: they never change what trains, and a run resumes whatever they say.
     sample_prompts: list[str | dict] = setting(
@@ -447,6 +459,7 @@ def _check_combinations(cfg: TrainConfig) -> None:
     if cfg.preservation_weight > 0 and not cfg.preservation_class.strip():
         problems.append("preservation_weight > 0 needs preservation_class, the class word that replaces the trigger "
                         "word (e.g. person; in a graph, on Kiln Encode Captions); or set preservation_weight to 0")
+    problems += adapters.check_config(cfg)
     if cfg.init_lora_sha256 and not re.fullmatch(r"[0-9a-f]{64}", cfg.init_lora_sha256):
         problems.append(f"init_lora_sha256 must be 64 lower-case hex digits (a sha256) or empty, "
                         f"got {cfg.init_lora_sha256!r}")

@@ -58,6 +58,7 @@ from .estimate_common import (
     OPTIMIZER_STATE,
     Estimate,
     EstimatorRules,
+    adapter_costs,
     block_bytes,
     check_settings,
     get_dims,
@@ -92,16 +93,18 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
              targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
              gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16",
              skip_checkpoint_blocks: int = 0, checkpoint_budget: float = 0.0, preservation: bool = False,
-             fp8_compute: bool = False, reference_images: int = 0) -> Estimate:
+             fp8_compute: bool = False, reference_images: int = 0, adapter: str = "lora",
+             lokr_factor: int = -1, lokr_full_w2: bool = False) -> Estimate:
     """Bytes one training step needs at square `resolution` (the largest bucket). `preservation`: DOP on.
     reference_images: edit training's control images per sample, each cropped to the target's bucket, so
     each adds the target's image tokens to the joint sequence (their loss is not computed, their
-    activations are kept)."""
+    activations are kept). adapter: the kind (trainer/adapters.py) with its LoKr settings."""
     settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
                 "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
                 "base_dtype": base_dtype, "mixed_precision": mixed_precision,
                 "skip_checkpoint_blocks": skip_checkpoint_blocks, "checkpoint_budget": checkpoint_budget,
-                "preservation": preservation, "fp8_compute": fp8_compute, "reference_images": reference_images}
+                "preservation": preservation, "fp8_compute": fp8_compute, "reference_images": reference_images,
+                "adapter": adapter, "lokr_factor": lokr_factor, "lokr_full_w2": lokr_full_w2}
     dims = get_dims(variant)
     side = check_settings(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
     rows = preservation_rows(batch_size, preservation)
@@ -137,6 +140,12 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
              f"an estimate: the {layout.name} block model is derived, not yet checked against a GPU's peak"]
     if preservation:
         notes.append(PRESERVATION_NOTE)
+    if adapter != "lora":
+        lora_params, optimizer_bytes, extra, note = adapter_costs(
+            adapter, shapes, rank, optimizer, lokr_factor=lokr_factor, lokr_full_w2=lokr_full_w2, tokens=tokens,
+            act=act, blocks=dims.double_blocks + dims.single_blocks, checkpointing=gradient_checkpointing)
+        workspace += extra
+        notes.append(note)
     if optimizer == "prodigy":
         notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
     total = weights + 8 * lora_params + optimizer_bytes + activations + workspace

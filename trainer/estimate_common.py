@@ -12,6 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
+from . import adapters
 from .archs import ARCHS, Arch, get_arch
 from .archs.layout import Layout, ModelDims, Shapes, ceil_to
 from .targets import TargetError, select_targets
@@ -145,6 +146,26 @@ OPTIMIZER_STATE = {
     "adafactor": lambda shapes, rank: 4 * sum((rank + i) + (o + rank) for i, o in shapes),  # A [r,in], B [out,r]
     "prodigy": _per_param(16),
 }
+
+
+def adapter_costs(kind: str, shapes, rank: int, optimizer: str, *, lokr_factor: int = -1, lokr_full_w2: bool = False,
+                  tokens: int = 0, act: int = 2, blocks: int = 1, checkpointing: bool = True) -> tuple[int, int, int, str]:
+    """(trainable params, optimizer bytes, extra step bytes, note) of adapter lokr/loha/dora (trainer/adapters.py).
+    Extra: LoHa builds its ΔW [out, in] per layer (two fp32 products kept for backward, ΔW, its bf16 cast: 14 B
+    a weight entry); DoRA keeps its scaled input [tokens, in] per layer. Checkpointing keeps one block's worth
+    (taken as the targeted layers' share of one block, an approximation)."""
+    per_layer = [adapters.tensor_shapes(kind, i, o, rank, lokr_factor, lokr_full_w2) for i, o in shapes]
+    params = sum(r * c for layer in per_layer for r, c in layer)
+    if optimizer == "adafactor":   # factored second moment of each 2-D tensor: rows + columns
+        optimizer_bytes = 4 * sum(r + c for layer in per_layer for r, c in layer)
+    else:
+        optimizer_bytes = {"adamw": 8, "adamw8bit": 2, "prodigy": 16}[optimizer] * params
+    extra = {"loha": sum(14 * i * o for i, o in shapes), "dora": sum(act * tokens * i for i, _ in shapes)}.get(kind, 0)
+    if checkpointing:
+        extra = extra // max(blocks, 1)
+    note = {"loha": "loha builds each layer's ΔW [out, in] in the step (counted in the workspace)",
+            "dora": "dora keeps each layer's scaled input (counted in the workspace)"}.get(kind, f"adapter {kind}")
+    return params, optimizer_bytes, extra, note
 
 
 def check_settings(dims: ModelDims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision) -> int:

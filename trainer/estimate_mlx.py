@@ -36,6 +36,7 @@ from .estimate_common import (
     PRESERVATION_NOTE,
     Estimate,
     EstimatorRules,
+    adapter_costs,
     arch_of,
     block_bytes,
     check_settings,
@@ -81,13 +82,16 @@ def _weight_bytes(dims, base_dtype: str) -> int:
 
 def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 32, targets=None,
                  optimizer: str = "adamw", gradient_checkpointing: bool = True, base_dtype: str = "bf16",
-                 mixed_precision: str = "bf16", skip_checkpoint_blocks: int = 0, preservation: bool = False) -> Estimate:
-    """Bytes one MLX training step needs at square `resolution` (the largest bucket); `preservation`: DOP on."""
+                 mixed_precision: str = "bf16", skip_checkpoint_blocks: int = 0, preservation: bool = False,
+                 adapter: str = "lora", lokr_factor: int = -1, lokr_full_w2: bool = False) -> Estimate:
+    """Bytes one MLX training step needs at square `resolution` (the largest bucket); `preservation`: DOP on;
+    adapter: the kind (trainer/adapters.py) with its LoKr settings."""
     settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
                 "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
                 "skip_checkpoint_blocks": skip_checkpoint_blocks,
                 "base_dtype": base_dtype, "mixed_precision": mixed_precision, "backend": "mlx",
-                "preservation": preservation}
+                "preservation": preservation, "adapter": adapter, "lokr_factor": lokr_factor,
+                "lokr_full_w2": lokr_full_w2}
     rows = preservation_rows(batch_size, preservation)
     if base_dtype not in MLX_BASE_BYTES:
         raise ValueError(f"base_dtype for MLX must be one of {list(MLX_BASE_BYTES)} (fp8 files are decoded to "
@@ -123,12 +127,19 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     workspace = MLX_OVERHEAD + 2 * widest_output(dims) * rows * (image_tokens + text_tokens) * act
     weights = _weight_bytes(dims, base_dtype)
     optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
-    total = weights + 8 * lora_params + optimizer_bytes + activations + workspace
     notes = [f"{image_tokens} image + {text_tokens} text tokens per sample",
              "diffusion model only: text encoder and VAE cached or offloaded",
              "MLX: unfused attention keeps heads x L^2 probabilities per block (checkpointing keeps one block's)",
              "an estimate fitted on mlx[cpu] at small sizes; not yet checked on a Mac"] + (
                  [PRESERVATION_NOTE] if preservation else [])
+    if adapter != "lora":
+        lora_params, optimizer_bytes, extra, note = adapter_costs(
+            adapter, shapes, rank, optimizer, lokr_factor=lokr_factor, lokr_full_w2=lokr_full_w2,
+            tokens=rows * (image_tokens + text_tokens), act=act, blocks=dims.double_blocks + dims.single_blocks,
+            checkpointing=gradient_checkpointing)
+        workspace += extra
+        notes.append(note)
+    total = weights + 8 * lora_params + optimizer_bytes + activations + workspace
     return Estimate(weights=weights, lora=4 * lora_params, gradients=4 * lora_params, optimizer=optimizer_bytes,
                     activations=activations, workspace=workspace, total=total, lora_params=lora_params,
                     tokens=rows * (image_tokens + text_tokens), notes=notes, settings=settings)

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import config as config_module
+from .adapters import require_lora
 from .config import TrainConfig
 from .lora_format import Lora, LoraWeights, from_tensors, load_lora
 
@@ -51,6 +52,7 @@ def from_file(path, arch: str | None = None) -> InitLora:
         raise ValueError(f"init_lora: {path} is not a file; give the path of a .safetensors LoRA to start "
                          "from, or leave init_lora empty to start a new LoRA")
     lora, _ = load_lora(path, arch=arch)
+    require_lora(lora, "init_lora", str(path))
     return InitLora(lora, str(path), file_identity(path)["sha256"])
 
 
@@ -67,6 +69,7 @@ def tensors_sha256(tensors: Mapping[str, np.ndarray]) -> str:
 def from_tensors_named(tensors: Mapping[str, np.ndarray], name: str, arch: str | None = None) -> InitLora:
     """A LoRA given as tensors (a ComfyUI LORA_MODEL, as numpy); the sha256 is of the tensors."""
     lora, _ = from_tensors(tensors, arch=arch, source=name)
+    require_lora(lora, "init_lora", name)
     return InitLora(lora, name, tensors_sha256(tensors))
 
 

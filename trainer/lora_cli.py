@@ -73,7 +73,7 @@ def cmd_merge(args) -> int:
     from .lora_tools import merge
 
     inputs = [_input(text) for text in args.inputs]
-    loaded = [load_lora(path, arch=args.arch) for path, _ in inputs]
+    loaded = [load_lora(path, arch=args.arch) for path, _ in inputs]   # merge() refuses LoKr/LoHa/DoRA by name
     rule = _rule(args)
     lora, report = merge([lora for lora, _ in loaded], [w for _, w in inputs], rule,
                          sources=[Path(path).name for path, _ in inputs])
@@ -83,10 +83,12 @@ def cmd_merge(args) -> int:
 
 
 def cmd_resize(args) -> int:
+    from .adapters import require_lora
     from .lora_format import load_lora
     from .lora_tools import resize
 
     source, metadata = load_lora(args.input, arch=args.arch)
+    require_lora(source, "resize", args.input)
     rule = _rule(args, rank_required=False)
     if rule is None:
         raise ValueError("give --rank R, or --sv-ratio / --sv-fro / --sv-cumulative (with --rank as a cap)")

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import safetensors_io
+from .adapters import AdapterWeights
 from .archs import ARCHS, Arch, DiffusersRule, get_arch
 from .config import TrainConfig
 
@@ -226,6 +227,9 @@ def _arch(arch: Arch | str | None, metadata: Mapping[str, str] | None = None) ->
 def to_tensors(lora: Lora, fmt: str, arch: Arch | str | None) -> dict[str, np.ndarray]:
     if fmt not in FORMATS:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {list(FORMATS)}")
+    if any(isinstance(w, AdapterWeights) for w in lora.values()):
+        from . import adapter_files
+        return adapter_files.to_tensors(lora, fmt)
     for path, w in lora.items():  # same checks as loading, so we never write what we could not read
         _weights("LoRA to save", path, {"A": np.asarray(w.A), "B": np.asarray(w.B), "alpha": np.array(w.alpha)})
     return FORMATS[fmt].to_tensors(lora, _arch(arch))
@@ -262,6 +266,11 @@ def from_tensors(tensors: Mapping[str, np.ndarray], *, arch: Arch | str | None =
     from . import lora_sources  # it builds on this module's key handling
 
     metadata = metadata or {}
+    from . import adapter_files
+
+    own_adapters = adapter_files.read(tensors, metadata, source)
+    if own_adapters is not None:
+        return own_adapters
     if module_names is None:
         module_names = _module_paths(metadata, source)
     converted = lora_sources.read(tensors, arch=_arch(arch, metadata), module_names=module_names,
@@ -302,7 +311,8 @@ def save_lora(path, lora: Lora, *, arch: Arch | str | None, fmt: str = "comfy", 
         meta["kiln.arch"] = arch.name  # the arch that named the keys; export reads it back
     if fmt == "kohya":  # the only way back from '_' to '.' (see _kohya_from)
         meta["kiln.module_paths"] = json.dumps(sorted(lora))
-    stored = {key: _DTYPES[dtype] for key in tensors if not key.endswith(".alpha")}  # alpha stays an F32 scalar
+    # alpha stays an F32 scalar; DoRA's dora_scale F32 too (a tiny vector that scales every column)
+    stored = {key: _DTYPES[dtype] for key in tensors if not key.endswith((".alpha", ".dora_scale"))}
     safetensors_io.write(path, tensors, meta, dtype=stored)
 
 
@@ -316,6 +326,11 @@ def describe(path) -> dict:
     """What `python -m trainer inspect` prints; works without arch or module names."""
     tensors, metadata = safetensors_io.read(path)
     header, _ = safetensors_io.read_header(path)
+    from . import adapter_files
+
+    own_adapters = adapter_files.read(tensors, metadata, str(path))
+    if own_adapters is not None:
+        return adapter_files.describe(path, *own_adapters, metadata, header)
     if not _native(tensors) or len({n for k in tensors for n, f in FORMATS.items() if k.startswith(f.key_prefix)}) != 1:
         return _describe_foreign(path, tensors, metadata, header)
     fmt = detect_format(tensors, str(path))
@@ -348,7 +363,7 @@ def export(src, dst, fmt: str, *, arch: Arch | str | None = None) -> None:
     header, metadata = safetensors_io.read_header(src)
     arch = _arch(arch, metadata)
     lora, metadata = load_lora(src, arch=arch)
-    weight_dtypes = {e["dtype"] for key, e in header.items() if not key.endswith(".alpha")}
+    weight_dtypes = {e["dtype"] for key, e in header.items() if not key.endswith((".alpha", ".dora_scale"))}
     dtype = {"BF16": "bf16", "F16": "fp16"}.get(weight_dtypes.pop(), "fp32") if len(weight_dtypes) == 1 else "fp32"
     kept = {k: v for k, v in metadata.items() if k not in ("kiln.format", "kiln.module_paths")}
     save_lora(dst, lora, arch=arch, fmt=fmt, dtype=dtype, metadata=kept)
@@ -368,6 +383,7 @@ def build_metadata(*, arch_name: str, config: dict, steps: int, trigger_words: l
         "kiln.config": json.dumps(config, sort_keys=True, default=str),  # Paths etc. as strings
         "kiln.steps": str(int(steps)),
         "kiln.trigger_words": json.dumps(list(trigger_words), ensure_ascii=False),
+        "kiln.adapter": str(config.get("adapter", "lora")),
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": architecture,
         "modelspec.implementation": implementation,

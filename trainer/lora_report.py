@@ -72,7 +72,8 @@ def format_description(info: dict) -> str:
     lines.append("modules by block:")
     for group, rows in module_groups(info["module_table"]).items():
         lines.append(f"  {group}: " + ", ".join(
-            f"{row['name']} r{row['rank']} α{_number(row['alpha'])} {_DTYPE_NAMES.get(row['dtype'], row['dtype'])}"
+            f"{row['name']} {row['kind'] + ' ' if 'kind' in row else ''}r{row['rank']} α{_number(row['alpha'])} "
+            f"{_DTYPE_NAMES.get(row['dtype'], row['dtype'])}"
             for row in rows))
     lines.append(f"totals: {info['modules']} modules, {info['parameters']:,} parameters, "
                  f"ranks {', '.join(map(str, info['ranks']))}, alphas {', '.join(map(_number, info['alphas']))}, "

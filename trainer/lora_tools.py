@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .adapters import require_lora
 from .lora_format import Lora, LoraWeights
 
 # ---------------------------------------------------------------- rank rules
@@ -179,6 +180,7 @@ def _capped_note(report: Report, rule: RankRule) -> None:
 def resize(lora: Lora, rule: RankRule, *, operation: str = "resize") -> tuple[Lora, Report]:
     """Every module to the rule's rank by SVD of B@A·scale; alpha = new rank (scale 1), so at full rank the
     effect is unchanged."""
+    require_lora(lora, operation)
     out, report = {}, Report(f"{operation} ({rule.describe()})")
     for name in sorted(lora):
         w = lora[name]
@@ -195,6 +197,8 @@ def merge(loras: Sequence[Lora], weights: Sequence[float] | None = None, rule: R
     theirs; a module whose shapes differ between inputs is an error (LoRAs of different models)."""
     weights = [1.0] * len(loras) if weights is None else [float(w) for w in weights]
     sources = list(sources) if sources is not None else [f"LoRA {i + 1}" for i in range(len(loras))]
+    for lora, source in zip(loras, sources):
+        require_lora(lora, "merge", source)
     if not loras or len(weights) != len(loras) or len(sources) != len(loras):
         raise ValueError(f"merge needs one weight and one name per LoRA, got {len(loras)} LoRAs, {len(weights)} "
                          f"weights and {len(sources)} names")

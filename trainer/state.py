@@ -23,8 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from . import lora_format, safetensors_io
+from . import adapters, lora_format, safetensors_io
+from .adapters import AdapterWeights
 from .atomic import atomic_write_text, fault_point, fsync_dir, require_free_space
+from .backends.base import parameter_name
 from .lora_format import LoraWeights
 
 RUN_FORMAT = "kiln-run/1"
@@ -79,16 +81,39 @@ def list_runs(root: str | Path) -> list[tuple[str, int]]:
 def _lora_tensors(lora: dict[str, LoraWeights], prefix: str) -> dict[str, np.ndarray]:
     out = {}
     for path, weights in lora.items():
-        out[f"{prefix}{path}.A"] = weights.A
-        out[f"{prefix}{path}.B"] = weights.B
+        for role, array in _roles(weights).items():
+            out[f"{prefix}{path}.{role}"] = array
         out[f"{prefix}{path}.alpha"] = np.asarray(weights.alpha, dtype=np.float32)
     return out
 
 
+def _roles(weights) -> dict[str, np.ndarray]:
+    """A module's tensors by checkpoint role: A/B for LoRA, the adapter's role names (trainer/adapters.py)."""
+    return weights.tensors if isinstance(weights, AdapterWeights) else {"A": weights.A, "B": weights.B}
+
+
+_ROLE_SUFFIXES = tuple(f".{role}" for role in ("A", "B", *adapters.ROLES))
+
+
+def _by_module(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, dict[str, np.ndarray]]:
+    """'<prefix><path>.<role>' keys → {path: {role: array}}; alpha keys left out."""
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    for key, array in tensors.items():
+        suffix = next((s for s in _ROLE_SUFFIXES if key.endswith(s)), None)
+        if key.startswith(prefix) and suffix:
+            modules.setdefault(key[len(prefix):-len(suffix)], {})[suffix[1:]] = array
+    return modules
+
+
+def _weights_of(path: str, roles: dict[str, np.ndarray], alpha: float):
+    if set(roles) == {"A", "B"}:
+        return LoraWeights(A=roles["A"], B=roles["B"], alpha=alpha)
+    return adapters.from_roles({**roles, "alpha": np.float32(alpha)}, source=path)
+
+
 def _lora_from(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, LoraWeights]:
-    paths = sorted({key[len(prefix):-2] for key in tensors if key.startswith(prefix) and key.endswith(".A")})
-    return {p: LoraWeights(A=tensors[f"{prefix}{p}.A"], B=tensors[f"{prefix}{p}.B"],
-                           alpha=float(tensors[f"{prefix}{p}.alpha"])) for p in paths}
+    return {path: _weights_of(path, roles, float(tensors[f"{prefix}{path}.alpha"]))
+            for path, roles in sorted(_by_module(tensors, prefix).items())}
 
 
 _LORA_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -99,9 +124,9 @@ def _checkpoint_bytes(lora: dict[str, LoraWeights], tensors: dict[str, np.ndarra
                       save_dtype: str) -> int:
     """About what a checkpoint takes on disk: lora.safetensors + state.safetensors + run.json."""
     itemsize = _LORA_ITEMSIZE.get(save_dtype, 4)
-    lora_bytes = sum((w.A.size + w.B.size) * itemsize + 4 for w in lora.values())
+    lora_bytes = sum(sum(a.size for a in _roles(w).values()) * itemsize + 4 for w in lora.values())
     state_bytes = sum(np.asarray(v).nbytes for v in tensors.values())
-    headers = _HEADER_BYTES_PER_TENSOR * (3 * len(lora) + len(tensors))
+    headers = _HEADER_BYTES_PER_TENSOR * (sum(1 + len(_roles(w)) for w in lora.values()) + len(tensors))
     return lora_bytes + state_bytes + headers + len(run_json.encode("utf-8"))
 
 
@@ -239,7 +264,7 @@ def _check_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
 
     shapes = {}  # '<module path>.A' (EMA's name) and '<module path>.lora_A' (optimizer's, old EMA's) → shape
     for key, array in tensors.items():
-        if key.startswith("lora.") and key.endswith((".A", ".B", ".alpha")):
+        if key.startswith("lora.") and key.endswith((*_ROLE_SUFFIXES, ".alpha")):
             if array.dtype != np.float32:
                 raise bad(key, "a checkpoint stores float32")
             if key.endswith(".alpha"):
@@ -247,8 +272,8 @@ def _check_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
                     raise bad(key, "alpha must be a scalar")
                 continue
             if array.ndim != 2:
-                raise bad(key, "LoRA A and B must be 2-D")
-            shapes[key[5:]] = shapes[f"{key[5:-2]}.lora_{key[-1]}"] = array.shape
+                raise bad(key, "LoRA A and B (and every adapter tensor) must be 2-D")
+            shapes[key[5:]] = shapes[parameter_name(key[5:])] = array.shape
     for key, array in tensors.items():
         section, _, rest = key.partition(".")
         if section == "ema":
@@ -271,8 +296,8 @@ def checkpoint_lora(checkpoint: Checkpoint, *, ema: bool = False) -> dict[str, L
     if not shadow:
         raise ValueError(f"{checkpoint.path}: this run trained without EMA; set ema on in Training Options "
                          "(or use the LoRA as trained)")
-    return {path: LoraWeights(A=shadow[f"{path}.A"], B=shadow[f"{path}.B"], alpha=w.alpha)
-            for path, w in lora.items()}
+    return {path: _weights_of(path, roles, w.alpha)
+            for path, w in lora.items() for roles in [{role: shadow[f"{path}.{role}"] for role in _roles(w)}]}
 
 
 def checkpoint_history(checkpoint: Checkpoint) -> History:

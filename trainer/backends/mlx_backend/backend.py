@@ -82,7 +82,8 @@ class MlxBackend:
             model.freeze()
             targets = cfg.targets or list(arch.default_targets)
             self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout,
-                                seed=cfg.seed, low_precision=cfg.mixed_precision == "bf16")
+                                seed=cfg.seed, low_precision=cfg.mixed_precision == "bf16", adapter=cfg.adapter,
+                                lokr_factor=cfg.lokr_factor, lokr_full_w2=cfg.lokr_full_w2)
             self.checkpointing = BlockCheckpointing(model, arch.block_lists, cfg.skip_checkpoint_blocks) \
                 if cfg.gradient_checkpointing else None
             self.optimizer = build_optimizer(cfg.optimizer, lr=cfg.learning_rate, eps=cfg.adam_eps,
@@ -225,21 +226,15 @@ class MlxBackend:
 
     # --- state in and out (numpy, keyed by ComfyUI module path) ------------------
     def lora_state(self) -> dict[str, LoraWeights]:
-        return {path: LoraWeights(A=np.array(layer.lora_A, dtype=np.float32),
-                                  B=np.array(layer.lora_B, dtype=np.float32), alpha=layer.alpha)
-                for path, layer in self.lora.layers.items()}
+        """LoraWeights per module (AdapterWeights for adapter lokr/loha/dora)."""
+        return {path: layer.weights() for path, layer in self.lora.layers.items()}
 
     def load_lora_state(self, lora: dict[str, LoraWeights]) -> None:
         missing = sorted(set(self.lora.layers) - set(lora))
         if missing:
             raise ValueError(f"LoRA state lacks {len(missing)} module(s), e.g. {missing[:3]}")
         for path, layer in self.lora.layers.items():
-            for name, array in (("lora_A", lora[path].A), ("lora_B", lora[path].B)):
-                current = getattr(layer, name)
-                if tuple(array.shape) != tuple(current.shape):
-                    raise ValueError(f"{path}.{name}: shape {tuple(array.shape)} in the file, "
-                                     f"{tuple(current.shape)} in this run (rank or model differ)")
-                setattr(layer, name, mx.array(np.asarray(array, dtype=np.float32)))
+            layer.load(lora[path], path)
 
     def ema_state(self) -> dict[str, np.ndarray]:
         return {} if self.ema is None else {saved_name(name): v for name, v in self.ema.state().items()}

@@ -12,8 +12,11 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from ...lora_format import LoraWeights
 from ...targets import init_lora_A, select_targets
+from . import adapters
 
 LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
 
@@ -40,6 +43,8 @@ def linear_features(layer: nn.Module) -> tuple[int, int]:
 
 
 class LoraLinear(nn.Module):
+    roles = ("lora_A", "lora_B")
+
     def __init__(self, base: nn.Module, A, alpha: float, index: int, dropout: DropoutKeys, low_precision: bool):
         super().__init__()
         in_features, out_features = linear_features(base)
@@ -65,6 +70,20 @@ class LoraLinear(nn.Module):
         hidden = h @ self.lora_A.astype(h.dtype).T                         # [..., r]
         branch = (hidden @ self.lora_B.astype(h.dtype).T) * self.scale
         return out + branch.astype(out.dtype)
+
+    def weights(self) -> LoraWeights:
+        return LoraWeights(A=np.array(self.lora_A, dtype=np.float32), B=np.array(self.lora_B, dtype=np.float32),
+                           alpha=self.alpha)
+
+    def load(self, weights, path: str) -> None:
+        if getattr(weights, "kind", "lora") != "lora":
+            raise ValueError(f"{path}: the saved adapter is {weights.kind}, this run trains lora (adapter differs)")
+        for name, array in (("lora_A", weights.A), ("lora_B", weights.B)):
+            current = getattr(self, name)
+            if tuple(array.shape) != tuple(current.shape):
+                raise ValueError(f"{path}.{name}: shape {tuple(array.shape)} in the file, "
+                                 f"{tuple(current.shape)} in this run (rank or model differ)")
+            setattr(self, name, mx.array(np.asarray(array, dtype=np.float32)))
 
 
 def _children(node) -> Iterator[tuple[str, object]]:
@@ -110,17 +129,22 @@ class LoraSet:
     """All LoRA layers of one run, keyed by ComfyUI module path."""
 
     def __init__(self, model: nn.Module, patterns, *, rank: int, alpha: float, dropout: float, seed: int,
-                 low_precision: bool):
+                 low_precision: bool, adapter: str = "lora", lokr_factor: int = -1, lokr_full_w2: bool = False):
         layers = linear_layers(model)
         self.paths = select_targets(list(layers), list(patterns))   # raises before anything changes
         self.model = model
         self.dropout = DropoutKeys(dropout)
-        self.layers: dict[str, LoraLinear] = {}
+        self.layers: dict[str, nn.Module] = {}   # LoraLinear, or an adapters.AdapterLinear
         for index, path in enumerate(self.paths):
             base = layers[path]
-            in_features, _ = linear_features(base)
-            layer = LoraLinear(base, init_lora_A(seed, path, rank, in_features), alpha, index, self.dropout,
-                               low_precision)
+            in_features, out_features = linear_features(base)
+            if adapter == "lora":
+                layer = LoraLinear(base, init_lora_A(seed, path, rank, in_features), alpha, index, self.dropout,
+                                   low_precision)
+            else:
+                layer = adapters.build(adapter, base, path, in_features, out_features, rank=rank, alpha=alpha,
+                                       seed=seed, lokr_factor=lokr_factor, lokr_full_w2=lokr_full_w2,
+                                       low_precision=low_precision)
             _replace(model, path, layer)
             self.layers[path] = layer
 
@@ -130,9 +154,9 @@ class LoraSet:
         self.dropout.keys = mx.random.split(key, len(self.layers)) if use else None
 
     def parameters(self) -> dict[str, mx.array]:
-        """Stable order: module order, then A before B; names as the torch backend's."""
-        return {f"{path}.{kind}": getattr(layer, kind) for path, layer in self.layers.items()
-                for kind in ("lora_A", "lora_B")}
+        """Stable order: module order, then each layer's roles (A before B); names as the torch backend's."""
+        return {f"{path}.{role}": getattr(layer, role) for path, layer in self.layers.items()
+                for role in layer.roles}
 
     def set_parameters(self, params: dict[str, mx.array]) -> None:
         for name, value in params.items():

@@ -83,7 +83,8 @@ class TorchBackend:
         targets = cfg.targets or list(arch.default_targets)
         # fp8 forwards go in first, so the LoRA branches wrap them (removed in the reverse order)
         self.fp8 = Fp8Base(find_blocks(model, arch.block_lists), self.device) if cfg.fp8_compute else None
-        self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
+        self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed,
+                            adapter=cfg.adapter, lokr_factor=cfg.lokr_factor, lokr_full_w2=cfg.lokr_full_w2)
         self.levers = levers.decide(model, cfg, self.device)
         if self.levers.note:
             levers.log.info("[Kiln] %s", self.levers.note)
@@ -260,23 +261,16 @@ class TorchBackend:
 
     # --- state in and out (numpy, keyed by ComfyUI module path) ------------------
     def lora_state(self) -> dict[str, LoraWeights]:
-        return {path: LoraWeights(A=b.lora_A.detach().float().cpu().numpy().copy(),
-                                  B=b.lora_B.detach().float().cpu().numpy().copy(), alpha=b.alpha)
-                for path, b in self.lora.branches().items()}
+        """LoraWeights per module (AdapterWeights for adapter lokr/loha/dora)."""
+        return {path: branch.weights() for path, branch in self.lora.branches().items()}
 
-    @torch.no_grad()
     def load_lora_state(self, lora: dict[str, LoraWeights]) -> None:
         branches = self.lora.branches()
         missing = sorted(set(branches) - set(lora))
         if missing:
             raise ValueError(f"LoRA state lacks {len(missing)} module(s), e.g. {missing[:3]}")
         for path, branch in branches.items():
-            for name, array in (("lora_A", lora[path].A), ("lora_B", lora[path].B)):
-                param = getattr(branch, name)
-                if tuple(array.shape) != tuple(param.shape):
-                    raise ValueError(f"{path}.{name}: shape {tuple(array.shape)} in the file, "
-                                     f"{tuple(param.shape)} in this run (rank or model differ)")
-                param.copy_(torch.from_numpy(np.asarray(array, dtype=np.float32)))
+            branch.load(lora[path], path)
 
     def ema_state(self) -> dict[str, np.ndarray]:
         if self.ema is None:

@@ -62,8 +62,11 @@ def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> i
                        targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
                        gradient_checkpointing=True, base_dtype=base_dtype(model),
                        mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
-                       checkpoint_budget=budget, preservation=cfg.preservation_weight > 0)
-                       # fp8_compute's copies are resident already: in `free`
+                       checkpoint_budget=budget, preservation=cfg.preservation_weight > 0,
+                       adapter=cfg.adapter, lokr_factor=cfg.lokr_factor, lokr_full_w2=cfg.lokr_full_w2)
+        # fp8_compute's copies are resident already (counted in `free`); edit training's reference tokens
+        # are not known here (the data is not read): auto's margin covers the rest
+
     except (ValueError, KeyError):
         return None
     return est.total - est.weights

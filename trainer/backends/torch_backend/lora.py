@@ -11,14 +11,19 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
+from ...lora_format import LoraWeights
 from ...targets import init_lora_A, select_targets
+from . import adapters
 
 
 class LoraBranch(nn.Module):
     """The trainable low-rank pair for one Linear; parameters are fp32."""
+
+    roles = ("lora_A", "lora_B")
 
     def __init__(self, A: torch.Tensor, out_features: int, alpha: float, dropout: float):
         super().__init__()
@@ -39,11 +44,29 @@ class LoraBranch(nn.Module):
         hidden = nn.functional.linear(self.dropout(x), self.lora_A) * self.scale
         return nn.functional.linear(hidden, self.lora_B)
 
+    def hook(self, base_forward):
+        return _with_branch(base_forward, self)
+
+    def weights(self) -> LoraWeights:
+        return LoraWeights(A=self.lora_A.detach().float().cpu().numpy().copy(),
+                           B=self.lora_B.detach().float().cpu().numpy().copy(), alpha=self.alpha)
+
+    @torch.no_grad()
+    def load(self, weights, path: str) -> None:
+        if getattr(weights, "kind", "lora") != "lora":
+            raise ValueError(f"{path}: the saved adapter is {weights.kind}, this run trains lora (adapter differs)")
+        for name, array in (("lora_A", weights.A), ("lora_B", weights.B)):
+            param = getattr(self, name)
+            if tuple(array.shape) != tuple(param.shape):
+                raise ValueError(f"{path}.{name}: shape {tuple(array.shape)} in the file, "
+                                 f"{tuple(param.shape)} in this run (rank or model differ)")
+            param.copy_(torch.from_numpy(np.asarray(array, dtype=np.float32)))
+
 
 @dataclass
 class Injected:
     module: nn.Linear
-    branch: LoraBranch
+    branch: nn.Module          # LoraBranch or an adapters.AdapterBranch
     had_own_forward: bool
     previous_forward: object
 
@@ -73,29 +96,34 @@ def _is_linear(module: nn.Module) -> bool:
 
 
 class LoraSet:
-    """All branches of one run, keyed by ComfyUI module path."""
+    """All branches of one run, keyed by ComfyUI module path; `adapter` picks the kind (trainer/adapters.py)."""
 
-    def __init__(self, model: nn.Module, patterns, *, rank: int, alpha: float, dropout: float, seed: int):
+    def __init__(self, model: nn.Module, patterns, *, rank: int, alpha: float, dropout: float, seed: int,
+                 adapter: str = "lora", lokr_factor: int = -1, lokr_full_w2: bool = False):
         layers = linear_layers(model)
         self.paths = select_targets(list(layers), list(patterns))
         self.injected: dict[str, Injected] = {}
         for path in self.paths:
             module = layers[path]
             device = module.weight.device if module.weight.device.type != "meta" else torch.device("cpu")
-            A = torch.from_numpy(init_lora_A(seed, path, rank, module.in_features)).to(device)
-            branch = LoraBranch(A, module.out_features, alpha, dropout)
+            if adapter == "lora":
+                A = torch.from_numpy(init_lora_A(seed, path, rank, module.in_features)).to(device)
+                branch = LoraBranch(A, module.out_features, alpha, dropout)
+            else:
+                branch = adapters.build(adapter, module, path, rank=rank, alpha=alpha, seed=seed,
+                                        lokr_factor=lokr_factor, lokr_full_w2=lokr_full_w2, device=device)
             had_own = "forward" in module.__dict__
             previous = module.__dict__.get("forward")
-            module.forward = _with_branch(module.forward, branch)
+            module.forward = branch.hook(module.forward)
             self.injected[path] = Injected(module, branch, had_own, previous)
 
-    def branches(self) -> dict[str, LoraBranch]:
+    def branches(self) -> dict[str, nn.Module]:
         return {path: item.branch for path, item in self.injected.items()}
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Stable order: module order, then A before B."""
-        return [(f"{path}.{kind}", getattr(item.branch, kind))
-                for path, item in self.injected.items() for kind in ("lora_A", "lora_B")]
+        """Stable order: module order, then each branch's roles (A before B)."""
+        return [(f"{path}.{role}", getattr(item.branch, role))
+                for path, item in self.injected.items() for role in item.branch.roles]
 
     def parameter_count(self) -> int:
         return sum(p.numel() for _, p in self.named_parameters())

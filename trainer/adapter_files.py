@@ -1,0 +1,57 @@
+"""Kiln's LoKr, LoHa and DoRA files (trainer/adapters.py): written under ComfyUI's adapter names with comfy
+paths or kohya's flat `lora_unet_` names (LyCORIS's), read back, described. lora_format.py calls in here."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from . import adapters
+from .adapters import AdapterWeights
+from .lora_format import COMFY_PREFIX, KOHYA_PREFIX, Lora, _module_paths
+
+
+def to_tensors(lora: Lora, fmt: str) -> dict[str, np.ndarray]:
+    """LoKr/LoHa/DoRA under ComfyUI's names: comfy paths, or kohya's flat names (LyCORIS's lora_unet_)."""
+    kinds = {w.kind if isinstance(w, AdapterWeights) else "lora" for w in lora.values()}
+    if len(kinds) != 1:
+        raise ValueError(f"LoRA to save mixes adapter kinds {sorted(kinds)}; a file holds one kind")
+    if fmt == "diffusers":
+        raise ValueError(f"format 'diffusers' has no {kinds.pop()} layout (diffusers loads LoRA pairs only); "
+                         "save as comfy or kohya")
+    prefix = {"comfy": COMFY_PREFIX, "kohya": KOHYA_PREFIX}[fmt]
+    return {k: v for path, w in lora.items()
+            for k, v in adapters.file_tensors(prefix + (path if fmt == "comfy" else path.replace(".", "_")), w).items()}
+
+
+def read(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], source: str) -> tuple[Lora, str] | None:
+    """A Kiln LoKr/LoHa/DoRA file (or LORA_MODEL): comfy keys, or kohya keys with kiln.module_paths. Other
+    trainers' LoKr/LoHa (any naming) are lora_sources.py's pass-through; None here."""
+    if not any(adapters.is_adapter_key(key) for key in tensors):
+        return None
+    if all(key.startswith(COMFY_PREFIX) for key in tensors):
+        return adapters.from_file_tensors(tensors, COMFY_PREFIX, source), "comfy"
+    paths = _module_paths(metadata, source) if all(key.startswith(KOHYA_PREFIX) for key in tensors) else None
+    if paths is None:
+        return None
+    flat = adapters.from_file_tensors(tensors, KOHYA_PREFIX, source)
+    dotted = {p.replace(".", "_"): p for p in paths}
+    unknown = sorted(set(flat) - set(dotted))
+    if unknown:
+        raise ValueError(f"{source}: {unknown[:3]} are not in the file's kiln.module_paths; re-save it with Kiln")
+    return {dotted[name]: w for name, w in flat.items()}, "kohya"
+
+
+def describe(path, lora: Lora, fmt: str, metadata, header) -> dict:
+    """A Kiln LoKr/LoHa/DoRA file: a row per module with its kind and tensors."""
+    prefix = COMFY_PREFIX if fmt == "comfy" else KOHYA_PREFIX
+    table = [{"name": name, "kind": w.kind, "rank": w.rank, "alpha": w.alpha, "parameters": w.size,
+              "dtype": header[next(k for k in adapters.file_tensors(prefix + (name if fmt == "comfy" else
+                                                                              name.replace(".", "_")), w)
+                                   if not k.endswith((".alpha", ".dora_scale")))]["dtype"],
+              "tensors": {role: list(t.shape) for role, t in w.tensors.items()}} for name, w in lora.items()]
+    return {"path": str(path), "format": fmt, "adapter": sorted({w.kind for w in lora.values()}),
+            "modules": len(lora), "ranks": sorted({w.rank for w in lora.values()}),
+            "alphas": sorted({w.alpha for w in lora.values()}),
+            "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
+            "parameters": sum(row["parameters"] for row in table), "module_table": table}
