@@ -278,6 +278,7 @@ def verdict_line(verdict: dict) -> str:
     of a near-duplicate group to keep), or the problems with their fixes."""
     where = f" [{', '.join(verdict['buckets'])}]" if verdict["buckets"] else ""
     head = f"{verdict['path']} {verdict['size'][0]}x{verdict['size'][1]}{where}"
+    note = f" — {verdict['note']}" if verdict.get("note") else ""
     if not verdict["problems"]:
-        return f"{head} ok" + (f" — {verdict['note']}" if verdict.get("note") else "")
-    return f"{head} {', '.join(verdict['problems'])} — fix: {'; '.join(dict.fromkeys(verdict['fixes']))}"
+        return f"{head} ok{note}"
+    return f"{head} {', '.join(verdict['problems'])} — fix: {'; '.join(dict.fromkeys(verdict['fixes']))}{note}"
