@@ -28,7 +28,7 @@ from .nodes.comfy import loaders as comfy_loaders
 from .trainer import config as cfg_module
 from .trainer import distributed, init_lora
 from .trainer.archs import get_arch
-from .trainer.console import SAMPLE_TAG, emit, finish, run_loop, start_step
+from .trainer.console import SAMPLE_TAG, emit, finish, run_loop
 from .trainer.data.dataset import DataSettings
 from .trainer.paths import inside
 from .trainer.preservation import encoded_datasets
@@ -80,12 +80,10 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
                                plan[index], step=step, arch=cfg.arch)
             emit(SAMPLE_TAG, {"step": step, "index": index, "path": str(path)})
 
-        validate = bridge.validation(cfg, patcher, samples, on_sample)
-        if cfg.sample_first and start_step(run_dir, resume) == 0:
-            if group.is_main:   # the loop samples on rank 0 too; the others wait here, not in an all-reduce
-                validate(0)
-            distributed.barrier()
-        return dict(validate=validate, validate_every=cfg.sample_every or cfg.steps)
+        # The loop samples before its first step too (sample_first, a new run only), so its TensorBoard / W&B
+        # sinks log those images as step 0.
+        return {"validate": bridge.validation(cfg, patcher, samples, on_sample),
+                "validate_every": cfg.sample_every or cfg.steps, "validate_first": cfg.sample_first}
 
     result = bridge.train(cfg, model, dataset, adapter=comfy_loaders.training_adapter(cfg), setup=setup,
                           run=functools.partial(run_loop, run_dir=run_dir, resume=resume))

@@ -7,6 +7,9 @@
   POST /kiln/datasets/{name}/caption   {"path", "caption"}
   POST /kiln/datasets/{name}/bulk      {"op": "prefix"|"suffix"|"replace", "paths", "text" | "find"+"replace"}
   POST /kiln/datasets/{name}/trash     {"paths"} → moved to {name}/.trash/
+  GET  /kiln/datasets/{name}/verdicts  the quality pass: a verdict per usable image (check-dataset's line)
+  GET  /kiln/captioners                what Kiln Caption Images offers (engines, models/LLM/ models, Load CLIP's
+                                       text encoders and types, styles), for the editor's 'Caption selected'
 
 Only inside ComfyUI's input folder (names and '/'-relative paths, never a file-system path in or out);
 every POST from another site is refused (`cross_site`), on top of ComfyUI's own origin check. The
@@ -44,12 +47,15 @@ def cross_site(headers) -> str | None:
 class Editor:
     """The route handlers over one allowed root (a function, so ComfyUI's --input-directory is read late)."""
 
-    def __init__(self, root, max_upload_bytes: int = uploads.MAX_UPLOAD_BYTES):
+    def __init__(self, root, max_upload_bytes: int = uploads.MAX_UPLOAD_BYTES, captioners=None):
         self.root, self.max_upload_bytes = root, max_upload_bytes
+        self.captioner_choices = captioners      # () -> dict: Caption Images' choices (needs ComfyUI)
 
     def table(self) -> list[tuple[str, str, object]]:
         return [("GET", "/kiln/datasets", self.list), ("POST", "/kiln/datasets", self.create),
                 ("GET", "/kiln/datasets/{name}", self.show),
+                ("GET", "/kiln/datasets/{name}/verdicts", self.verdicts),
+                ("GET", "/kiln/captioners", self.captioners),
                 ("POST", "/kiln/datasets/{name}/upload", self.upload),
                 ("POST", "/kiln/datasets/{name}/{action}", self.edit)]
 
@@ -67,6 +73,15 @@ class Editor:
 
     async def show(self, call) -> tuple[int, dict]:
         return await _answer(lambda: editing.gallery(self.root(), call.params["name"]))
+
+    async def verdicts(self, call) -> tuple[int, dict]:
+        # Decodes every image not in the quality cache yet: in a worker thread, never on aiohttp's loop.
+        return await _answer(lambda: editing.verdicts(self.root(), call.params["name"]))
+
+    async def captioners(self, call) -> tuple[int, dict]:
+        if self.captioner_choices is None:
+            return 404, {"error": "captioning is only offered inside ComfyUI (Kiln Caption Images' engines)"}
+        return await _answer(self.captioner_choices)
 
     async def upload(self, call) -> tuple[int, dict]:
         async def run():
@@ -135,5 +150,7 @@ async def _guarded(call, run) -> tuple[int, dict]:
 def add_routes() -> None:
     """Put the /kiln/datasets routes on ComfyUI's server (once); nothing when no server runs."""
     from .comfy import bridge
+    from .dataset_nodes import caption_choices
 
-    bridge.add_json_routes("datasets", Editor(lambda: Path(bridge.folders()["input"])).table())
+    bridge.add_json_routes("datasets", Editor(lambda: Path(bridge.folders()["input"]),
+                                              captioners=caption_choices).table())

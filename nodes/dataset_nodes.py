@@ -172,6 +172,13 @@ def caption_models() -> list[str]:
     return list_models(bridge.caption_model_folders()) or [NO_MODEL]
 
 
+def caption_choices() -> dict:
+    """What Caption Images offers, for the dataset editor (GET /kiln/captioners): its engines, the models in
+    models/LLM/ (and where to put one when there is none), Load CLIP's text encoder files and types, styles."""
+    return {"engines": list(ENGINES), "models": list_models(bridge.caption_model_folders()), "where": WHERE,
+            **bridge.clip_loader_choices(), "styles": {name: s.description for name, s in captioning.STYLES.items()}}
+
+
 class KilnCaptionImages(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -205,6 +212,9 @@ class KilnCaptionImages(io.ComfyNode):
                 io.Int.Input("max_tokens", default=256, min=8, max=4096, tooltip="Longest caption, in tokens."),
                 io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff, control_after_generate=False,
                              tooltip="Generation seed, the same for every image (a re-run writes the same captions)."),
+                io.String.Input("only", default="", multiline=True, optional=True,
+                                tooltip="Caption only these images: paths relative to the folder, one a line (the "
+                                "dataset editor's 'Caption selected' fills it). Empty: every image."),
             ],
             outputs=[io.String.Output(display_name="folder", tooltip="The folder, to wire into Kiln Load Dataset's "
                                       "folder (it then runs after the captions are written)"),
@@ -212,8 +222,11 @@ class KilnCaptionImages(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, folder, **kwargs):
+    def fingerprint_inputs(cls, folder, only="", **kwargs):
         # Re-run when an image or a caption file comes or goes; the captions it writes itself do not count.
+        # A selection (the editor's) runs whenever it is queued: the user asked for those images again.
+        if captioning.parse_only(only):
+            return float("nan")
         try:
             return captioning.folder_state(resolve_folder(folder, "Kiln Caption Images"))
         except ValueError:
@@ -221,14 +234,17 @@ class KilnCaptionImages(io.ComfyNode):
 
     @classmethod
     def execute(cls, folder, engine, style, prompt, trigger_word, overwrite, max_tokens, seed, clip=None,
-                model=NO_MODEL):
+                model=NO_MODEL, only=""):
         root = resolve_folder(folder, "Kiln Caption Images")
         if engine not in ENGINES:
             raise ValueError(f"Kiln Caption Images: engine {engine!r} is not one of {list(ENGINES)}")
         identity, build = ENGINES[engine](clip, model, style, max_tokens, seed)
         job = captioning.CaptionJob(style=style, prompt=prompt, trigger_word=trigger_word, overwrite=overwrite,
-                                    engine=identity)
-        todo, report = captioning.plan(root, job)
+                                    engine=identity, only=captioning.parse_only(only))
+        try:
+            todo, report = captioning.plan(root, job)
+        except ValueError as err:     # `only` names an image that is not there
+            raise ValueError(f"Kiln Caption Images: {err}") from None
         note = ""
         if todo:    # the model is loaded only when there is something to caption
             caption = build()

@@ -53,6 +53,34 @@ def test_tensorboard_scalars_images_config_and_resume(tmp_path, make_model, make
     assert [e.step for e in acc.Images("validation/0")] == [3, 6]
 
 
+def test_tensorboard_gets_the_samples_before_the_first_step(tmp_path, make_model, make_data, make_config):
+    """validate_first (headless sample_first): step 0's images reach the event file on a new run; a resumed
+    run does not sample its start again."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
+    run, seen = tmp_path / "run", []
+
+    def validate(step, lora):
+        seen.append(step)
+        return _validate(step, lora)
+
+    cfg = make_config(steps=4, log_every=2, checkpoint_every=2, log_tensorboard=True)
+    train(cfg, make_model(), make_data(), run_dir=run, validate=validate, validate_every=2, validate_first=True)
+    assert seen == [0, 2, 4]
+    images = _events(run / logging_sinks.TENSORBOARD_DIR).Images("validation/0")
+    assert [e.step for e in images] == [0, 2, 4]
+    assert len({e.encoded_image_string for e in images}) == 3     # each step's own image
+
+    import shutil
+
+    from trainer.state import step_dir
+    shutil.rmtree(step_dir(run, 4))
+    seen.clear()
+    train(cfg, make_model(), make_data(), run_dir=run, resume=step_dir(run, 2), validate=validate,
+          validate_every=2, validate_first=True)
+    assert seen == [4]
+    assert [e.step for e in _events(run / logging_sinks.TENSORBOARD_DIR).Images("validation/0")] == [0, 2, 4]
+
+
 def test_wandb_offline_run_files(tmp_path, make_model, make_data, make_config, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb)")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -103,26 +103,13 @@ def import_pack(name: str = ""):
 
 
 def cmd_check_dataset(args) -> int:
-    from .archs import ARCHS, dataset_divisor, get_arch
     from .data import quality
-    from .data.captions import caption_variants
-    from .data.dataset import CACHE_FOLDER, DataSettings, describe_plan, plan_for
     from .data.report import format_report
-    from .data.scan import scan
+    from .data.review import review
 
-    report = scan(args.dir, deep=args.deep, resolutions=args.resolutions)
-    resolutions = args.resolutions or report.meta.resolutions      # none given: no bucket plan shown
-    buckets = verdicts = None
-    if resolutions and report.items:
-        plan = plan_for(report.items, DataSettings(resolutions=tuple(resolutions), divisor=dataset_divisor()))
-        buckets = describe_plan(plan, report.items, resolutions)
-    if args.quality and report.items:
-        captions = DataSettings().with_meta(report.meta).captions   # the text each image trains with
-        texts = [caption_variants(i.caption, captions, seed=0, key=i.sha256)[0] for i in report.items]
-        archs = [get_arch(args.arch)] if args.arch else ARCHS.values()
-        quality.assess(report, texts, quality.token_limits(archs),
-                       cache_file=Path(args.dir) / CACHE_FOLDER / quality.CACHE_FILE)
-        verdicts = quality.verdicts(report, buckets)
+    found = review(args.dir, resolutions=args.resolutions, arch=args.arch or "", deep=args.deep,
+                   quality=args.quality)
+    report, buckets, verdicts = found.report, found.buckets, found.verdicts
     if args.json:
         extra = {**({"buckets": buckets} if buckets else {}), **({"verdicts": verdicts} if verdicts else {})}
         print(json.dumps({**report.to_dict(), **extra}, indent=2, ensure_ascii=False))

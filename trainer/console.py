@@ -101,7 +101,7 @@ def start_step(run_dir: Path, resume) -> int:
 
 
 def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None = None, forward=None,
-             validate=None, validate_every: int = 0):
+             validate=None, validate_every: int = 0, validate_first: bool = False):
     """loop.train with a progress bar and Ctrl-C as a clean stop; `resume` true continues the run's
     newest checkpoint. The demo, `train` and headless.py (through nodes/comfy, with its validation
     samples as `validate`) run this."""
@@ -119,7 +119,7 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
     try:
         result = train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
                        on_step=on_step, should_stop=should_stop, forward=forward, validate=validate,
-                       validate_every=validate_every)
+                       validate_every=validate_every, validate_first=validate_first)
         if main:
             stop_file.consume()
         return result

@@ -8,6 +8,7 @@ backends see the same draws and a resumed run continues bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -215,18 +216,28 @@ def _one_rank_save(save: Callable[[int], Path], group: distributed.Group) -> Cal
     return save if group.world == 1 else (lambda step: None)
 
 
+def _validate_at(done: int, validate: Callable, backend, sinks, group, alone) -> None:
+    """validate(done, lora) on rank 0, its images to the sinks; the others wait at the host barrier."""
+    if group.is_main:   # an error saves the step just trained (nothing to save before the first)
+        guard = faults.validation_saves_on_error(alone, done) if done else contextlib.nullcontext()
+        with guard, backend.sampling():
+            sinks.log_images(done, "validation", validate(done, backend.lora_state))
+    distributed.barrier()
+
+
 def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Path,
           forward: Callable | None = None, resume: str | Path | None = None,
           on_step: Callable[[Report], None] | None = None,
           should_stop: Callable[[], bool] | None = None,
           validate: Callable[[int, Callable], None] | None = None, validate_every: int = 0,
-          init: init_lora.InitLora | None = None) -> RunResult:
+          init: init_lora.InitLora | None = None, validate_first: bool = False) -> RunResult:
     """Train a LoRA on `model` in place; the model is restored as it was on return, also after an error.
 
     A new run starts from `init` (else from the file cfg.init_lora names, else a new LoRA), at its rank
     and alpha (trainer/init_lora.py); a resumed run continues from its checkpoint.
 
-    `validate(step, lora)` runs every `validate_every` steps and at the last step, with the EMA
+    `validate(step, lora)` runs every `validate_every` steps and at the last step (and at step 0 of a new
+    run with `validate_first`), with the EMA
     weights swapped in when EMA is on; the images it returns ([H,W,3] in 0..1, or None) go to the
     TensorBoard / W&B sinks the config asks for. A torch model samples with its LoRA branches live; `lora()`
     gives the weights as numpy for a sampler that needs them applied (the MLX backend)."""
@@ -253,6 +264,8 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
         alone = _one_rank_save(save, group)
         weights = functools.partial(best_lora, backend, cfg.ema)
         checkpoint_path, stopped, vote = None, False, distributed.StopVote()
+        if validate is not None and validate_first and start == 0:   # the start, logged as step 0
+            _validate_at(0, validate, backend, sinks, group, alone)
         for step in range(start, cfg.steps):
             lr = lr_at(step, base_lr=cfg.learning_rate, schedule=cfg.lr_schedule, total_steps=cfg.steps,
                        warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
@@ -276,10 +289,7 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                 with faults.saves_on_error(alone, done):
                     on_step(report)
             if validate is not None and validate_every and (done % validate_every == 0 or done == cfg.steps):
-                if group.is_main:   # rank 0 samples; the others wait at the host barrier, not in an all-reduce
-                    with faults.validation_saves_on_error(alone, done), backend.sampling():
-                        sinks.log_images(done, "validation", validate(done, backend.lora_state))
-                distributed.barrier()
+                _validate_at(done, validate, backend, sinks, group, alone)
             if vote(should_stop is not None and should_stop()):   # every rank stops after the same step
                 checkpoint_path, stopped = save(done), True
                 break

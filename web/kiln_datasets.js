@@ -3,12 +3,15 @@
 // drag and drop (or a file chooser), shows each image with its caption and the problems the dataset
 // scan finds in it, edits captions one by one or in bulk (prefix, suffix, find and replace) and moves
 // images to the dataset's .trash/ folder. Every change goes through the /kiln/datasets routes of
-// nodes/dataset_editor.py; the logic without a DOM is kiln_datasets_core.js.
+// nodes/dataset_editor.py; the logic without a DOM is kiln_datasets_core.js. Each card also shows the quality
+// pass's verdict (GET .../verdicts, loaded after the gallery), with a filter for the images with problems;
+// "Caption selected" (kiln_datasets_caption.js) queues Kiln Caption Images on ComfyUI's queue.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { CaptionRow } from "./kiln_datasets_caption.js";
 import {
-  BULK_OPS, TYPES, bulkBody, createBody, datasetPath, keepSelected, problemLines, summary, uploadMessage, viewQuery,
-  worst,
+  BULK_OPS, TYPES, bulkBody, createBody, datasetPath, hasProblems, keepSelected, problemLines, summary, uploadMessage,
+  verdictText, viewQuery, worst,
 } from "./kiln_datasets_core.js";
 
 const STYLE_ID = "kiln-datasets-style";
@@ -33,6 +36,8 @@ const CSS = `
 .kiln-datasets ul { margin: 0; padding-left: 16px; font-size: 12px; }
 .kiln-datasets li[data-severity=skipped], .kiln-datasets li[data-severity=fatal] { color: #f77; }
 .kiln-datasets li[data-severity=warning] { color: #db4; }
+.kiln-datasets .kds-verdict { font-size: 12px; opacity: .9; word-break: break-word; }
+.kiln-datasets .kds-verdict[data-ok=false] { color: #db4; }
 .kiln-datasets textarea { width: 100%; box-sizing: border-box; min-height: 48px; resize: vertical; }
 `;
 
@@ -61,6 +66,9 @@ class DatasetEditor {
   constructor() {
     if (!document.getElementById(STYLE_ID)) document.head.append(el("style", { id: STYLE_ID, textContent: CSS }));
     this.dataset = null;
+    this.verdicts = new Map();         // path → the quality pass's verdict, once loaded
+    this.problemsOnly = false;
+    this.captionRow = null;            // made once GET /kiln/captioners answers
     this.selected = new Set();
     this.version = String(Date.now());
     this.pick = el("select", { kiln: "pick", title: "Datasets in ComfyUI's input/" });
@@ -131,7 +139,60 @@ class DatasetEditor {
     this.dataset = await call(datasetPath(name));
     this.selected = keepSelected(this.selected, this.dataset.images);
     this.version = String(Date.now());
+    this.verdicts = new Map();
     this.render();
+    this.loadVerdicts(name);
+    this.loadCaptioners();
+  }
+
+  /** The quality pass (it decodes new images: seconds on a large dataset), shown on the cards when it answers. */
+  async loadVerdicts(name) {
+    this.noteVerdicts("checking quality…");
+    try {
+      const { verdicts } = await call(datasetPath(name, "verdicts"));
+      if (this.dataset?.name !== name) return;
+      this.verdicts = new Map(verdicts.map((v) => [v.path, v]));
+      this.noteVerdicts(`quality: ${verdicts.filter((v) => !v.ok).length} of ${verdicts.length} usable image(s) with problems`);
+      this.showVerdicts();
+    } catch (error) {
+      this.noteVerdicts(`quality check failed: ${error.message}`);
+    }
+  }
+
+  noteVerdicts(text) {
+    this.verdictNote = text;
+    const note = this.body.querySelector("[data-kiln=verdicts-status]");
+    if (note) note.textContent = text;
+  }
+
+  showVerdicts() {
+    for (const card of this.body.querySelectorAll(".kds-card")) {
+      const verdict = this.verdicts.get(card.dataset.path);
+      const line = card.querySelector(".kds-verdict");
+      line.hidden = !verdict;
+      if (verdict) {
+        line.textContent = verdictText(verdict);
+        line.title = [...verdict.messages, verdict.note].filter(Boolean).join("\n");
+        line.dataset.ok = String(verdict.ok);
+        line.dataset.codes = verdict.problems.join(" ");
+      }
+      const image = this.dataset.images.find((i) => i.path === card.dataset.path);
+      card.hidden = this.problemsOnly && !hasProblems(image, verdict);
+    }
+  }
+
+  async loadCaptioners() {
+    if (this.captionRow) {
+      this.captionRow.trigger.value = this.dataset?.meta?.trigger_word ?? "";
+      return;
+    }
+    try {
+      const choices = await call("/kiln/captioners");
+      this.captionRow ??= new CaptionRow(this, choices);
+      if (this.dataset) this.render();
+    } catch (error) {
+      this.say(`captioning is not available: ${error.message}`, true);
+    }
   }
 
   async reload(message) {
@@ -154,12 +215,23 @@ class DatasetEditor {
     this.body.hidden = false;
     this.body.replaceChildren(...[
       el("div", { kiln: "summary", textContent: `${summary(d)}${meta ? ` — ${meta}` : ""}` }),
-      this.dropZone(), this.bulkBar(),
+      this.dropZone(), this.bulkBar(), this.captionRow?.element, this.filterRow(),
       d.problems.length ? el("ul", { kiln: "problems" }, ...d.problems.map((p) =>
         el("li", { textContent: `${p.file || "dataset"}: ${problemLines([p])[0]}`, "data-severity": p.severity })))
         : null,
       el("div", { className: "kds-gallery", kiln: "gallery" }, ...d.images.map((image) => this.card(image))),
     ].filter(Boolean));
+    this.showVerdicts();
+  }
+
+  filterRow() {
+    const only = el("input", { type: "checkbox", kiln: "problems-only", checked: this.problemsOnly });
+    only.addEventListener("change", () => {
+      this.problemsOnly = only.checked;
+      this.showVerdicts();
+    });
+    return el("div", { className: "kds-row", kiln: "filter" }, el("label", {}, only, " only images with problems"),
+      el("span", { kiln: "verdicts-status", textContent: this.verdictNote ?? "" }));
   }
 
   dropZone() {
@@ -230,7 +302,7 @@ class DatasetEditor {
       el("div", { className: "kds-row" }, check, el("span", { className: "kds-name", textContent: `${image.path}${size}` })),
       image.problems.length ? el("ul", { className: "kds-problems" }, ...image.problems.map((p) =>
         el("li", { textContent: problemLines([p])[0], "data-severity": p.severity, "data-code": p.code }))) : null,
-      caption, save);
+      el("div", { className: "kds-verdict", hidden: true }), caption, save);
   }
 }
 

@@ -83,3 +83,56 @@ export function keepSelected(selected, images) {
   const present = new Set((images ?? []).map((image) => image.path));
   return new Set([...selected].filter((path) => present.has(path)));
 }
+
+/** The caption prompt the editor queues on ComfyUI's own queue (POST /prompt, API format): Kiln Caption Images
+ * restricted to the selection (`only`), with Load CLIP in front for the comfyui_clip engine, and ComfyUI's
+ * Preview Any on its report (a prompt runs only what leads to an output node). */
+export function captionPrompt({ dataset, engine, model, clip, clipType, style, triggerWord, overwrite, paths, where,
+  maxTokens = 256 }) {
+  const only = [...(paths ?? [])];
+  if (!only.length) throw new Error("select the images to caption first (or tick 'select all')");
+  const inputs = { folder: dataset, engine, style: style || "short", prompt: "", trigger_word: String(triggerWord ?? "").trim(),
+    overwrite: Boolean(overwrite), max_tokens: Number(maxTokens) || 256, seed: 0, only: only.join("\n") };
+  const prompt = { 2: { class_type: "KilnCaptionImages", inputs }, 3: { class_type: "PreviewAny", inputs: { source: ["2", 1] } } };
+  if (engine === "comfyui_clip") {
+    if (!clip) throw new Error("no text encoder in models/text_encoders/: put a vision-language one there (e.g. Qwen2.5-VL 7B), or use transformers");
+    prompt[1] = { class_type: "CLIPLoader", inputs: { clip_name: clip, type: clipType || "qwen_image" } };
+    inputs.clip = ["1", 0];
+  } else if (engine === "transformers") {
+    if (!model) throw new Error(`no captioner in models/LLM/: ${where || "put a transformers model folder there"}`);
+    inputs.model = model;
+  } else {
+    throw new Error(`unknown captioning engine ${engine}`);
+  }
+  return prompt;
+}
+
+/** POST /prompt's refusal as one line: its message and each node's errors. */
+export function promptError(body) {
+  const lines = [body?.error?.message ?? body?.error ?? "the prompt was refused"];
+  for (const node of Object.values(body?.node_errors ?? {})) {
+    for (const e of node.errors ?? []) lines.push(`${node.class_type}: ${e.message}${e.details ? ` (${e.details})` : ""}`);
+  }
+  return lines.join("; ");
+}
+
+/** A verdict (GET .../verdicts) as its card shows it: the line without the leading path. */
+export function verdictText(verdict) {
+  const line = verdict?.line ?? "";
+  return line.startsWith(`${verdict.path} `) ? line.slice(verdict.path.length + 1) : line;
+}
+
+/** Does a card need the user's attention: a problem from the scan, or a verdict that is not ok? */
+export function hasProblems(image, verdict) {
+  return (image?.problems ?? []).length > 0 || (verdict != null && !verdict.ok);
+}
+
+/** Caption Images' report as the editor's status: "3 captions written, ..." (without the folder's path) and
+ * the files not captioned with why; the sample captions are left out (the gallery shows them). */
+export function captionSummary(report) {
+  const lines = String(report ?? "").split("\n");
+  const first = lines.find((line) => /\d+ captions? written/.test(line)) ?? lines[0];
+  const head = first.match(/(\d+ captions? written.*)$/)?.[1] ?? first;
+  const problems = lines.findIndex((line) => /file\(s\) not captioned/.test(line));
+  return [head, ...(problems < 0 ? [] : lines.slice(problems).map((line) => line.trim()))].join("\n");
+}

@@ -16,7 +16,7 @@ nodes/comfy/ imports ComfyUI (tests/test_imports.py holds that), and trainer/ ne
 """
 from __future__ import annotations
 
-from .captioning import caption_model_folders, clip_captioner, device_captioner  # noqa: F401
+from .captioning import caption_model_folders, clip_captioner, clip_loader_choices, device_captioner  # noqa: F401
 from .encoders import conditioning, text_encoder, vae_encoder  # noqa: F401
 from .lora import (apply_lora, load_lora_file, lora_arrays, lora_model_from, lora_weights_from, negate_lora,  # noqa: F401
                    require_fit, training_adapter_merged, unmatched_lora_keys)

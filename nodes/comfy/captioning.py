@@ -82,3 +82,12 @@ def device_captioner(model_dir: str | Path, *, style: str, max_tokens: int, seed
     size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     mm.free_memory(int(size * 1.3) + (512 << 20), device)
     return transformers_captioner(model_dir, style=style, max_tokens=max_tokens, seed=seed, device=str(device))
+
+
+def clip_loader_choices() -> dict:
+    """What ComfyUI's Load CLIP (CLIPLoader) offers: the text encoder files and its `type` options (the
+    dataset editor builds a CLIPLoader → Kiln Caption Images prompt from them)."""
+    import nodes as comfy_nodes  # ComfyUI's own nodes.py (this pack is imported under its folder's name)
+
+    spec = comfy_nodes.NODE_CLASS_MAPPINGS["CLIPLoader"].INPUT_TYPES()["required"]
+    return {"clips": list(spec["clip_name"][0]), "clip_types": list(spec["type"][0])}

@@ -179,3 +179,22 @@ def test_no_text_from_the_engine_writes_nothing(tmp_path):
 def test_a_missing_folder_is_named(tmp_path):
     with pytest.raises(ValueError, match="is not a folder"):
         caption_folder(tmp_path / "nope", Engine(), CaptionJob())
+
+
+def test_only_captions_the_named_images(tmp_path):
+    """`only` (the editor's selection): those images and no others, with overwrite too; an unknown name is an
+    error that names it, never a silent skip."""
+    from trainer.data.captioning import parse_only
+
+    image(tmp_path, "a.png")
+    image(tmp_path, "b.png", "old b")
+    image(tmp_path, "sub/c.png")
+    image(tmp_path, "d.png")
+    assert parse_only(" a.png\n\nsub\\c.png \na.png") == ("a.png", "sub/c.png")
+    report = caption_folder(tmp_path, Engine(), CaptionJob(only=("a.png", "sub/c.png")))
+    assert sorted(report.written) == ["a.txt", "sub/c.txt"] and not (tmp_path / "d.txt").exists()
+    report = caption_folder(tmp_path, Engine(), CaptionJob(overwrite=True, only=("b.png",)))
+    assert report.written == ["b.txt"] and txt(tmp_path, "b.txt.bak") == "old b" and not (tmp_path / "d.txt").exists()
+    assert CaptionJob(only=("b.png",)).key() != CaptionJob().key() == CaptionJob(only=()).key()
+    with pytest.raises(ValueError, match="no image gone.png in this folder"):
+        plan(tmp_path, CaptionJob(only=("a.png", "gone.png")))

@@ -235,3 +235,38 @@ def test_the_routes_read_only_names(editor, root):
     upload(editor, "faces", ("a.png", png()))
     text = json.dumps(gallery(editor)[1]) + json.dumps(run(editor.list, Call())[1])
     assert str(root) not in text and str(Path(root).parent) not in text
+
+
+def test_verdicts_name_the_near_duplicate_pair_blur_and_buckets(editor, root):
+    """GET .../verdicts: check-dataset's line per usable image, from a worker thread; the pair names each other."""
+    from PIL import ImageFilter
+
+    photos = Path(__file__).parent / "photos"
+    made(editor, resolutions=[128])
+    for name in ("astronaut.jpg", "coffee.jpg"):
+        upload(editor, "faces", (name, (photos / name).read_bytes()))
+    with Image.open(photos / "coffee.jpg") as cup:
+        small, blurred = io.BytesIO(), io.BytesIO()
+        cup.resize((192, 128)).save(small, "JPEG", quality=60)
+    with Image.open(photos / "rocket.jpg") as rocket:
+        rocket.filter(ImageFilter.GaussianBlur(3)).save(blurred, "PNG")
+    upload(editor, "faces", ("cup_small.jpg", small.getvalue()), ("rocket_blurred.png", blurred.getvalue()))
+    for name in ("astronaut", "coffee", "cup_small", "rocket_blurred"):
+        (root / "faces" / f"{name}.txt").write_text(f"ohwx, {name}", encoding="utf-8")
+    status, body = run(editor.verdicts, Call({"name": "faces"}))
+    assert status == 200, body
+    found = {v["path"]: v for v in body["verdicts"]}
+    assert found["astronaut.jpg"]["ok"], found
+    assert found["astronaut.jpg"]["line"] == "astronaut.jpg 256x256 [128: 128x128] ok"
+    assert found["cup_small.jpg"]["problems"] == ["near_duplicate"] and "coffee.jpg" in found["cup_small.jpg"]["line"]
+    assert "copy of coffee.jpg" in found["cup_small.jpg"]["messages"][0]
+    assert found["coffee.jpg"]["ok"] and "near-duplicate of cup_small.jpg" in found["coffee.jpg"]["line"]
+    assert found["rocket_blurred.png"]["problems"] == ["blurry"]
+    assert (root / "faces" / ".kiln_cache" / "quality.json").is_file()        # a second look reads the cache
+    assert run(editor.verdicts, Call({"name": "nope"}))[0] == 404
+
+
+def test_captioners_are_offered_only_with_comfyui(editor, root):
+    assert run(editor.captioners, Call())[0] == 404
+    offered = de.Editor(lambda: root, captioners=lambda: {"engines": ["transformers"], "models": []})
+    assert run(offered.captioners, Call()) == (200, {"engines": ["transformers"], "models": []})

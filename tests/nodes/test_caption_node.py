@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import zlib
 from pathlib import Path
 
@@ -134,3 +135,19 @@ def test_transformers_engine_lists_and_uses_models_in_models_llm(comfy_input, ti
     assert dn.caption_models() == [dn.NO_MODEL]
     with pytest.raises(ValueError, match="models/LLM/"):
         run("florence_set", engine="transformers", model=dn.NO_MODEL, overwrite=True)
+
+
+def test_only_captions_the_selection_and_always_runs(comfy_input):
+    """The editor's 'Caption selected': `only` (the node's last input) restricts the run; a selection is run
+    whenever queued (fingerprint NaN), a whole folder only when its files change."""
+    folder = dataset(comfy_input / "selected_set", names="abc")
+    result = run("selected_set", clip=VisionClip(), only="b.png\n c.png \n")
+    assert "2 captions written" in result.result[1]
+    assert sorted(p.name for p in folder.glob("*.txt")) == ["b.txt", "c.txt"]
+    assert math.isnan(dn.KilnCaptionImages.fingerprint_inputs("selected_set", only="b.png"))
+    assert dn.KilnCaptionImages.fingerprint_inputs("selected_set", only="") == \
+        dn.KilnCaptionImages.fingerprint_inputs("selected_set")
+    with pytest.raises(ValueError, match="Kiln Caption Images: .*no image gone.png"):
+        run("selected_set", clip=VisionClip(), only="gone.png")
+    schema = dn.KilnCaptionImages.define_schema()
+    assert schema.inputs[-1].id == "only" and schema.inputs[-1].optional

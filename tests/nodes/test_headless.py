@@ -125,7 +125,8 @@ def test_headless_samples_its_prompts_into_the_run_folder_through_comfys_sampler
     plain = klein_run(tmp_path, "plain")
     assert headless.train_command(str(plain), False, loaders=tiny_loaders) == 0
     sampled = klein_run(tmp_path, "sampled", extra=f"sample_every = 2\nsample_steps = 2\nsample_width = 64\n"
-                                                   f"sample_height = 64\nsample_prompts = {PROMPTS}\n")
+                                                   f"sample_height = 64\nsample_prompts = {PROMPTS}\n"
+                                                   "log_tensorboard = true\n")
     assert headless.train_command(str(sampled), False, loaders=tiny_loaders) == 0
     out = capsys.readouterr().out
     run = tmp_path / "runs" / "sampled"
@@ -134,6 +135,13 @@ def test_headless_samples_its_prompts_into_the_run_folder_through_comfys_sampler
     assert sorted(p.name for p in (run / "samples").iterdir()) == [
         f"step-{step:06d}-p{index}.png" for step in (0, 2, 4) for index in (0, 1)]
     assert not (tmp_path / "runs" / "plain" / "samples").exists()
+    # The samples before the first step reach TensorBoard too (step 0), with those of steps 2 and 4.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    assert {tag: [e.step for e in events.Images(tag)] for tag in events.Tags()["images"]} == {
+        "validation/0": [0, 2, 4], "validation/1": [0, 2, 4]}
 
     model = comfy.sd.load_diffusion_model(str(tmp_path / "tiny_flux2.safetensors"))
     clip, vae = tc.tiny_klein_clip(), tc.tiny_vae(flux2=True)

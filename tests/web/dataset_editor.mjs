@@ -3,11 +3,15 @@
 //
 //   node tests/web/dataset_editor.mjs --url URL --out DIR --name NAME --image a.png --image b.png --image c.png
 //        --drop tiny.png --drop notes.png --caption a.png="a red square" --prefix ohwx
+//        --photo coffee.jpg --photo coffee_small.jpg --photo blurred.png --caption-model Florence-2-tiny
 //
 // Opens the "Kiln datasets" sidebar tab, creates NAME (character, trigger ohwx, 64 px), uploads the --image
 // files through the file chooser, drops the --drop files on the drop zone (a real drop event with a
-// DataTransfer), edits one caption, selects all and adds the prefix. Prints one JSON line:
-// {ok, statuses (the status line after each step), cards: [{path, severity, codes, caption}], console, pageErrors}.
+// DataTransfer), edits one caption, selects all and adds the prefix; then uploads the --photo files, selects
+// them alone and captions them with "Caption selected" (transformers, --caption-model), waits for ComfyUI's
+// queue to finish and the quality verdicts to load, and ticks "only images with problems". Prints one JSON line:
+// {ok, statuses (the status line after each step), cards: [{path, severity, codes, caption, verdict,
+// verdictCodes}], problemsOnly (the cards the filter leaves), console, pageErrors}.
 import fs from "node:fs";
 import path from "node:path";
 import { parseArgs } from "node:util";
@@ -23,6 +27,8 @@ const { values: options } = parseArgs({
     drop: { type: "string", multiple: true, default: [] },
     caption: { type: "string" },
     prefix: { type: "string" },
+    photo: { type: "string", multiple: true, default: [] },
+    "caption-model": { type: "string" },
     chromium: { type: "string", default: "/usr/bin/chromium" },
     "timeout-s": { type: "string", default: "180" },
   },
@@ -96,6 +102,21 @@ try {
   await page.click(`${EDITOR} [data-kiln=bulk-apply]`);
   await settled("bulk", "caption\\(s\\) changed");
 
+  // Real photos, captioned alone through ComfyUI's queue (the trigger word comes from dataset.json).
+  await page.setInputFiles(`${EDITOR} [data-kiln=files]`, options.photo);
+  await settled("photos", "^added");
+  await page.check(`${EDITOR} [data-kiln=select-all]`);     // all, then none: the photos alone are selected next
+  await page.uncheck(`${EDITOR} [data-kiln=select-all]`);
+  for (const file of options.photo) await page.check(`${EDITOR} .kds-card[data-path="${path.basename(file)}"] .kds-select`);
+  await page.waitForSelector(`${EDITOR} [data-kiln=caption-run]`, { timeout });
+  await page.selectOption(`${EDITOR} [data-kiln=caption-engine]`, "transformers");
+  await page.selectOption(`${EDITOR} [data-kiln=caption-model]`, options["caption-model"]);
+  await page.fill(`${EDITOR} [data-kiln=caption-max-tokens]`, "8");     // the tiny model's captions: short
+  await page.click(`${EDITOR} [data-kiln=caption-run]`);
+  await settled("captioned", "captions? written|captioning (failed|stopped)|refused");
+  await page.waitForFunction((sel) => document.querySelector(sel)?.textContent.startsWith("quality:"),
+    `${EDITOR} [data-kiln=verdicts-status]`, { timeout, polling: 100 });
+
   // Thumbnails load lazily (a big dataset loads what is in view): load them all now.
   await page.$$eval(`${EDITOR} .kds-card img`, (images) => images.forEach((i) => { i.loading = "eager"; }));
   await page.waitForFunction((sel) => [...document.querySelectorAll(`${sel} .kds-card img`)].every((i) => i.complete),
@@ -105,7 +126,13 @@ try {
     codes: [...c.querySelectorAll(".kds-problems li")].map((li) => li.dataset.code),
     problems: [...c.querySelectorAll(".kds-problems li")].map((li) => li.textContent),
     thumbnail: c.querySelector("img").naturalWidth,
+    verdict: c.querySelector(".kds-verdict").hidden ? null : c.querySelector(".kds-verdict").textContent,
+    verdictCodes: c.querySelector(".kds-verdict").dataset.codes ?? null,
   })));
+  await page.check(`${EDITOR} [data-kiln=problems-only]`);
+  report.problemsOnly = await page.$$eval(`${EDITOR} .kds-card`, (cards) => cards.filter((c) => !c.hidden).map((c) => c.dataset.path));
+  await page.screenshot({ path: path.join(options.out, "dataset_editor_problems.png") });
+  await page.uncheck(`${EDITOR} [data-kiln=problems-only]`);
   report.summary = await page.textContent(`${EDITOR} [data-kiln=summary]`);
   report.formHidden = await page.isHidden(form);
   report.text = await page.textContent(EDITOR);

@@ -41,3 +41,43 @@ test("problems are shown worst first and summed up", () => {
     "added a.png; refused b.txt: not an image");
   assert.deepEqual([...keepSelected(new Set(["a.png", "gone.png"]), [{ path: "a.png" }])], ["a.png"]);
 });
+
+test("caption the selection: Caption Images restricted to it, behind the right loader, into Preview Any", async () => {
+  const { captionPrompt, promptError } = await import("../../web/kiln_datasets_core.js");
+  const florence = captionPrompt({ dataset: "faces", engine: "transformers", model: "Florence-2-base", style: "tags",
+    triggerWord: " ohwx ", overwrite: true, paths: new Set(["a.png", "sub/b.png"]) });
+  assert.deepEqual(florence, {
+    2: { class_type: "KilnCaptionImages", inputs: { folder: "faces", engine: "transformers", style: "tags", prompt: "",
+      trigger_word: "ohwx", overwrite: true, max_tokens: 256, seed: 0, only: "a.png\nsub/b.png", model: "Florence-2-base" } },
+    3: { class_type: "PreviewAny", inputs: { source: ["2", 1] } } });
+  const clip = captionPrompt({ dataset: "faces", engine: "comfyui_clip", clip: "qwen_2.5_vl_7b.safetensors",
+    clipType: "qwen_image", paths: ["a.png"], maxTokens: "48" });
+  assert.equal(clip[2].inputs.max_tokens, 48);
+  assert.deepEqual(clip[1], { class_type: "CLIPLoader", inputs: { clip_name: "qwen_2.5_vl_7b.safetensors", type: "qwen_image" } });
+  assert.deepEqual(clip[2].inputs.clip, ["1", 0]);
+  assert.equal(clip[2].inputs.overwrite, false);
+  assert.throws(() => captionPrompt({ dataset: "f", engine: "transformers", paths: [] }), /select the images/);
+  assert.throws(() => captionPrompt({ dataset: "f", engine: "transformers", paths: ["a.png"], where: "put one in X" }),
+    /no captioner in models\/LLM\/: put one in X/);
+  assert.throws(() => captionPrompt({ dataset: "f", engine: "comfyui_clip", paths: ["a.png"] }), /models\/text_encoders/);
+  assert.equal(promptError({ error: { message: "Prompt outputs failed validation" }, node_errors: { 2: { class_type:
+    "KilnCaptionImages", errors: [{ message: "Value not in list", details: "model: 'x' not in []" }] } } }),
+    "Prompt outputs failed validation; KilnCaptionImages: Value not in list (model: 'x' not in [])");
+});
+
+test("verdicts: the card's line, and which cards the 'only problems' filter keeps", async () => {
+  const { hasProblems, verdictText } = await import("../../web/kiln_datasets_core.js");
+  assert.equal(verdictText({ path: "a b.png", line: "a b.png 64x64 [64: 64x64] ok" }), "64x64 [64: 64x64] ok");
+  assert.equal(hasProblems({ problems: [] }, { ok: true }), false);
+  assert.equal(hasProblems({ problems: [] }, { ok: false }), true);
+  assert.equal(hasProblems({ problems: [{ severity: "warning" }] }, undefined), true);
+  assert.equal(hasProblems({ problems: [] }, undefined), false);
+});
+
+test("Caption Images' report becomes the status line, without the server's folder path", async () => {
+  const { captionSummary } = await import("../../web/kiln_datasets_core.js");
+  assert.equal(captionSummary("note: Florence-2 takes task tokens\n/srv/input/faces: 2 captions written, 1 old caption(s) kept as .bak\n  a.txt: ohwx, a cat"),
+    "2 captions written, 1 old caption(s) kept as .bak");
+  assert.equal(captionSummary("C:\\in: x: 1 caption written\n  a.txt: y\n1 file(s) not captioned:\n  [truncated] b.png: cut"),
+    "1 caption written\n1 file(s) not captioned:\n[truncated] b.png: cut");
+});

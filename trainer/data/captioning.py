@@ -10,6 +10,9 @@ too small, duplicates) is skipped and reported, never captioned. Every caption i
 (temp file, fsync, rename): a crash or a stop leaves each caption whole or absent. An existing caption
 that is overwritten is kept first as `<name>.txt.bak` (then `<name>.txt.2.bak`, ...; never replaced).
 
+`only` restricts a run to some images (the dataset editor's selection); a name that is not in the folder
+is an error, not skipped silently.
+
 Resume. Without overwrite a re-run skips the images that have a caption, so it continues where it
 stopped. With overwrite, `.kiln_captioning.json` in the folder lists the images done with these
 settings; a re-run with the same settings continues, and a finished run removes it.
@@ -83,6 +86,7 @@ class CaptionJob:
     overwrite: bool = False        # caption every image (old captions kept as .bak), not only those without
     deep: bool = False             # decode every image fully when scanning (catches corrupt data)
     engine: str = ""               # what captions (engine and model): part of the resume key with overwrite
+    only: tuple[str, ...] = ()     # these images (paths relative to the folder) and no others; empty: all
 
     def __post_init__(self):
         if self.style not in STYLES:
@@ -93,7 +97,8 @@ class CaptionJob:
         return self.prompt.strip() or STYLES[self.style].prompt
 
     def key(self) -> str:
-        facts = (self.style, self.text_prompt, self.trigger_word.strip(), self.engine)
+        facts = (self.style, self.text_prompt, self.trigger_word.strip(), self.engine) + \
+            ((sorted(self.only),) if self.only else ())
         return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
 
@@ -146,10 +151,13 @@ def plan(root: str | Path, job: CaptionJob) -> tuple[list[Item], CaptionReport]:
     if not root.is_dir():
         raise ValueError(f"{root} is not a folder; give the dataset folder that holds the images")
     scanned = scan(root, deep=job.deep)
-    report = CaptionReport(root=str(root), problems=[p for p in scanned.skipped if p.file])
+    items, skipped = scanned.items, [p for p in scanned.skipped if p.file]
+    if job.only:
+        items, skipped = _restrict(root, job.only, items, skipped)
+    report = CaptionReport(root=str(root), problems=skipped)
     done = _read_journal(root, job) if job.overwrite else set()
     todo = []
-    for item in scanned.items:
+    for item in items:
         if not job.overwrite and item.caption:
             report.kept.append(item.path)
         elif item.path in done:
@@ -157,6 +165,22 @@ def plan(root: str | Path, job: CaptionJob) -> tuple[list[Item], CaptionReport]:
         else:
             todo.append(item)
     return todo, report
+
+
+def _restrict(root: Path, only, items: list[Item], skipped: list[Problem]) -> tuple[list[Item], list[Problem]]:
+    """The items and skipped files that `only` names; a ValueError naming any name that is neither."""
+    wanted = set(only)
+    unknown = wanted - {item.path for item in items} - {problem.file for problem in skipped}
+    if unknown:
+        raise ValueError(f"{root}: no image {', '.join(sorted(unknown))} in this folder (moved or renamed?); "
+                         "give paths relative to the folder, one a line, or leave `only` empty for every image")
+    return [i for i in items if i.path in wanted], [p for p in skipped if p.file in wanted]
+
+
+def parse_only(text: str) -> tuple[str, ...]:
+    """Caption Images' `only`: one path a line (blank lines and surrounding spaces ignored, '\\' read as '/')."""
+    return tuple(dict.fromkeys(line.strip().replace("\\", "/") for line in (text or "").splitlines()
+                               if line.strip()))
 
 
 def caption_folder(root: str | Path, engine: Captioner, job: CaptionJob,

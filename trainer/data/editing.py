@@ -248,3 +248,14 @@ def trash(root: str | Path, name: str, paths: list[str]) -> dict:
             fsync_dir(source.parent)
             moved.append(target.relative_to(folder).as_posix())
     return {"trashed": [rel for rel, _ in images], "moved_to": moved}
+
+
+def verdicts(root: str | Path, name: str) -> dict:
+    """The quality verdict of each usable image (check-dataset's per-image line), with the bucket at each of
+    dataset.json's resolutions (512 when it names none); the measures come from the folder's quality cache."""
+    from .quality import verdict_line
+    from .review import review
+
+    found = review(dataset_folder(root, name), default_resolutions=(512,))
+    return {"name": name, "verdicts": [{**verdict, "line": verdict_line(verdict), "ok": not verdict["problems"]}
+                                       for verdict in found.verdicts or []]}

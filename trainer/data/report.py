@@ -137,7 +137,7 @@ def format_report(report: ScanReport, buckets: list[dict] | None = None, *, per_
             if len(group) > per_code:
                 lines.append(f"  … and {len(group) - per_code} more [{code}]")
     if verdicts:
-        lines.append(f"Per image ({sum(line.endswith(' ok') for line in verdicts)} of {len(verdicts)} ok):")
+        lines.append(f"Per image ({sum(line.endswith(' ok') or ' ok — ' in line for line in verdicts)} of {len(verdicts)} ok):")
         lines += [f"  {line}" for line in verdicts]
     lines.append("OK: ready to train" if report.ok else "NOT READY: fix the fatal problems above")
     return "\n".join(lines)
