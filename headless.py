@@ -11,7 +11,9 @@ the console's progress bar (Ctrl-C saves a resumable checkpoint; --resume contin
 Validation samples (the config's sample_prompts) take the node's path: the prompts are encoded
 once by the text encoder (then freed), and the node's validation hook draws them with ComfyUI's
 sampler and the VAE, on the model without the training adapter (EMA weights when EMA is on), before
-the first step, every sample_every steps and at the end; each is saved into <run>/samples/.
+the first step, every sample_every steps and at the end; each is saved into <run>/samples/, and
+<run>/samples/grid.png (prompts across, steps down) is rewritten after each sampling step. While
+<run>/PAUSE exists the run waits between steps (GPU memory kept; Ctrl-C still stops it).
 
 Under torchrun (`torchrun --nproc_per_node N -m trainer train CONFIG`) every rank loads the models on
 its own GPU; rank 0 encodes the dataset into its caches first (the others then read them), samples,
@@ -27,8 +29,9 @@ from .trainer import config as cfg_module
 from .trainer import distributed, init_lora
 from .trainer.archs import get_arch
 from .trainer.console import finish, run_loop, start_step
-from .trainer.data.dataset import DataSettings, Dataset
+from .trainer.data.dataset import Dataset, DataSettings
 from .trainer.paths import inside
+from .trainer.sample_grid import SampleGrid
 from .trainer.samples import describe, sample_path, sample_plan, save_sample
 
 
@@ -69,10 +72,14 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
         """The sampling hook on the patcher to train, as the node's; the base model first on a new run."""
         if not plan:
             return {}
+        grid = SampleGrid(run_dir, [p.prompt for p in plan]).load_existing()   # a resumed run's earlier rows
 
         def on_sample(step: int, index: int, images) -> None:
-            save_sample(sample_path(run_dir, step, index, len(plan)), images[0].float().cpu().numpy(), plan[index],
-                        step=step, arch=cfg.arch)
+            image = images[0].float().cpu().numpy()
+            save_sample(sample_path(run_dir, step, index, len(plan)), image, plan[index], step=step, arch=cfg.arch)
+            grid.add(step, index, image)
+            if index == len(plan) - 1:
+                grid.write()
 
         validate = bridge.validation(cfg, patcher, samples, on_sample)
         if cfg.sample_first and start_step(run_dir, resume) == 0:
