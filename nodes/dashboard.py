@@ -158,10 +158,10 @@ class Registry:
             return {"run_id": run.id, "run": run.name, "node": run.node, "step": step, "image": dict(image)}
 
     def set_grid(self, run: Run, step: int, image: dict) -> dict:
-        """The newest sample grid (ComfyUI /view arguments); returns the kiln.sample payload with it."""
+        """The newest sample grid (ComfyUI /view arguments); returns the kiln.grid payload."""
         with self.lock:
             run.grid, run.updated = {"step": step, "image": dict(image)}, time.time()
-            return {"run_id": run.id, "run": run.name, "node": run.node, "step": step, "grid": dict(image)}
+            return {"run_id": run.id, "run": run.name, "node": run.node, "step": step, "image": dict(image)}
 
     def add_saved(self, run: Run, step: int, name: str) -> dict:
         with self.lock:

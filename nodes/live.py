@@ -1,12 +1,12 @@
 """A running Train LoRA node on the live dashboard (web/kiln_dashboard.js): the ComfyUI side of dashboard.py.
 
 Per step it records the report in the run registry and sends `kiln.progress`; per validation sample it
-writes a JPEG into ComfyUI's temp folder (served by /view) and sends `kiln.sample`; on start, on
-Save now and at the end it sends `kiln.run` (the run's summary). The dashboard's Stop, Save now, Pause
-and Resume buttons only set flags in the registry: the training loop reads Stop through `should_stop` (it
-saves a resumable checkpoint and returns) and Pause through `should_pause` (it waits between steps, the
-node still running), and `on_step` writes a Save now LoRA from the step's best weights. Each sample also
-goes into the run folder's sample grid (trainer/sample_grid.py), shown on the dashboard.
+writes a JPEG into ComfyUI's temp folder (served by /view) and sends `kiln.sample`, and the run folder's
+sample grid (trainer/sample_grid.py) as `kiln.grid`; on start, on Save now and at the end it sends
+`kiln.run` (the run's summary). The dashboard's Stop, Save now, Pause and Resume buttons only set flags in
+the registry: the training loop reads Stop through `should_stop` (it saves a resumable checkpoint and
+returns) and Pause through `should_pause` (it waits between steps, the node still running, memory kept),
+and `on_step` writes a Save now LoRA from the step's best weights.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ class Tracker:
         filename = f"{self.run.id}-grid-step{step:06d}.jpg"
         self.grid.write().save(Path(bridge.folders()["temp"]) / SAMPLES_SUBFOLDER / filename, quality=90)
         grid = {"filename": filename, "subfolder": SAMPLES_SUBFOLDER, "type": "temp"}
-        bridge.send_event("kiln.sample", self.registry.set_grid(self.run, step, grid))
+        bridge.send_event("kiln.grid", self.registry.set_grid(self.run, step, grid))
 
     def save_lora(self, step: int, weights) -> str:
         """Save now, or a checkpoint's LoRA (checkpoint_loras): the LoRA as of this step (the EMA weights when

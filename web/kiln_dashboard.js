@@ -76,6 +76,7 @@ function listen() {
     if (run && !run.hasDetail) loadRun(run.id);
   });
   api.addEventListener("kiln.sample", ({ detail }) => store.applySample(detail));
+  api.addEventListener("kiln.grid", ({ detail }) => store.applyGrid(detail));
   api.addEventListener("kiln.run", ({ detail }) => {
     const before = store.get(detail.id);
     const savedBefore = before?.saved?.length ?? 0;

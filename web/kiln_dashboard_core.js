@@ -5,6 +5,7 @@
 // Runs arrive three ways and are merged by run id:
 //   kiln.progress (every step)   figures of the step, a loss reading on logged steps
 //   kiln.sample / kiln.run       a validation sample; a status change (started, saved, stopped, ...)
+//   kiln.grid                    the run's sample grid (prompts × steps), newest
 //   GET /kiln/runs/{id}          the whole run so far (after a page reload, or from a second tab)
 
 export const SMOOTHING = 0.9; // as trainer/plot.py's smoothed(): bias-corrected EMA
@@ -245,11 +246,18 @@ export class RunStore {
   applySample(s) {
     if (!s.run_id) return null;
     const run = this.ensure(s.run_id);
-    if (s.grid) { // the run's sample grid (prompts × steps), rewritten at each sampling step
-      if (!(run.grid && run.grid.step > s.step)) run.grid = { step: s.step, image: s.grid };
-    } else if (!run.samples.some((known) => known.image.filename === s.image.filename)) {
+    if (!run.samples.some((known) => known.image.filename === s.image.filename)) {
       run.samples = [...run.samples, { step: s.step, image: s.image }].slice(-12);
     }
+    this.changed(run);
+    return run;
+  }
+
+  /** A kiln.grid event: the run's sample grid (prompts × steps), rewritten at each sampling step. */
+  applyGrid(g) {
+    if (!g.run_id) return null;
+    const run = this.ensure(g.run_id);
+    if (!(run.grid && run.grid.step > g.step)) run.grid = { step: g.step, image: g.image };
     this.changed(run);
     return run;
   }

@@ -237,8 +237,8 @@ test("pause: a summary's pause_requested reads as paused while running, and clea
 test("the sample grid: the newest one is kept, an older event never replaces it, snapshots carry it", () => {
   const store = new RunStore();
   const image = (step) => ({ filename: `r1-grid-step${step}.jpg`, subfolder: "kiln", type: "temp" });
-  store.applySample({ run_id: "r1", step: 4, grid: image(4) });
-  let run = store.applySample({ run_id: "r1", step: 2, grid: image(2) });
+  store.applyGrid({ run_id: "r1", step: 4, image: image(4) });
+  let run = store.applyGrid({ run_id: "r1", step: 2, image: image(2) });
   assert.deepEqual(run.grid, { step: 4, image: image(4) });
   assert.equal(run.samples.length, 0); // a grid is not a sample
   run = store.applySnapshot({ id: "r1", status: "running", step: 6, total: 10, grid: { step: 6, image: image(6) } });
