@@ -184,3 +184,13 @@ class Judge:
 
     def best(self) -> Best | None:
         return best(self.history.holdout, self.cfg.early_stop_min_delta) if self.batches else None
+
+
+def estimate_notes(cfg: TrainConfig) -> list[str]:
+    """What `estimate` says about the held-out loss: no memory beyond a step's, and its time."""
+    if not cfg.holdout:
+        return []
+    passes = -(-cfg.holdout_sigmas // cfg.batch_size)
+    note = (f"held-out loss (holdout {cfg.holdout:g}): forward passes without gradients of at most batch_size rows, "
+            f"within a step's memory (counted); {passes} pass(es) per held-out image every {cfg.holdout_every} steps")
+    return [note]
