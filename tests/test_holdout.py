@@ -192,3 +192,22 @@ def test_the_pause_file_flag(tmp_path):
     assert not flag()
     (tmp_path / pause.PAUSE_FILE).touch()
     assert flag()
+
+
+def test_each_evaluation_goes_to_the_history_and_the_loggers(tmp_path, make_data, make_config, monkeypatch):
+    logged: list = []
+
+    class Sinks:
+        def log_scalars(self, step, values):
+            logged.append((step, values))
+
+    monkeypatch.setattr(holdout, "evaluate", lambda backend, batches: 0.25)
+    cfg, history = make_config(steps=5, holdout=1, holdout_every=2), state.History()
+    judge = holdout.Judge(cfg, get_arch("demo"), make_data(), [0], run_dir=tmp_path, history=history, sinks=Sinks(),
+                          main=False)                  # not rank 0: writes no best LoRA
+    assert [judge.maybe(step, None, dict) for step in range(1, 6)] == [None, 0.25, None, 0.25, 0.25]
+    assert history.holdout == [[2, 0.25], [4, 0.25], [5, 0.25]]               # and the last step
+    assert logged == [(2, {"holdout_loss": 0.25}), (4, {"holdout_loss": 0.25}), (5, {"holdout_loss": 0.25})]
+    assert judge.best_lora is None and not (tmp_path / "best").exists()
+    assert not holdout.Judge(cfg, get_arch("demo"), make_data(), [], run_dir=tmp_path, history=history,
+                             sinks=Sinks()).maybe(2, None, dict)       # nothing held out: inert
