@@ -11,7 +11,9 @@ the console's progress bar (Ctrl-C saves a resumable checkpoint; --resume contin
 Validation samples (the config's sample_prompts) take the node's path: the prompts are encoded
 once by the text encoder (then freed), and the node's validation hook draws them with ComfyUI's
 sampler and the VAE, on the model without the training adapter (EMA weights when EMA is on), before
-the first step, every sample_every steps and at the end; each is saved into <run>/samples/.
+the first step, every sample_every steps and at the end; each is saved into <run>/samples/, and
+<run>/samples/grid.png (prompts across, steps down) is rewritten after each sampling step. While
+<run>/PAUSE exists the run waits between steps (GPU memory kept; Ctrl-C still stops it).
 
 Under torchrun (`torchrun --nproc_per_node N -m trainer train CONFIG`) every rank loads the diffusion
 model on its own GPU; rank 0 alone loads the VAE and text encoder, encodes the dataset into its caches
@@ -32,6 +34,7 @@ from .trainer.console import SAMPLE_TAG, emit, finish, run_loop
 from .trainer.data.dataset import DataSettings
 from .trainer.paths import inside
 from .trainer.preservation import encoded_datasets
+from .trainer.sample_grid import SampleGrid
 from .trainer.samples import describe, sample_path, sample_plan, save_sample
 
 
@@ -74,11 +77,16 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
         """The sampling hook on the patcher to train, as the node's; the base model first on a new run."""
         if not plan:
             return {}
+        grid = SampleGrid(run_dir, [p.prompt for p in plan]).load_existing()   # a resumed run's earlier rows
 
         def on_sample(step: int, index: int, images) -> None:
-            path = save_sample(sample_path(run_dir, step, index, len(plan)), images[0].float().cpu().numpy(),
-                               plan[index], step=step, arch=cfg.arch)
+            image = images[0].float().cpu().numpy()
+            path = save_sample(sample_path(run_dir, step, index, len(plan)), image, plan[index], step=step,
+                               arch=cfg.arch)
             emit(SAMPLE_TAG, {"step": step, "index": index, "path": str(path)})
+            grid.add(step, index, image)
+            if index == len(plan) - 1:
+                grid.write()
 
         # The loop samples before its first step too (sample_first, a new run only), so its TensorBoard / W&B
         # sinks log those images as step 0.

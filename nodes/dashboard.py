@@ -7,6 +7,8 @@ Train LoRA node, and `add_routes` puts it on ComfyUI's server:
   GET  /kiln/runs/{id}         one run: figures, loss and learning-rate history, samples, buckets
   POST /kiln/runs/{id}/stop    ask the run to stop at the next step: it saves a resumable checkpoint
   POST /kiln/runs/{id}/save    ask the run to write a LoRA of its current weights at the next step
+  POST /kiln/runs/{id}/pause   ask the run to wait after the current step (memory kept; Stop still works)
+  POST /kiln/runs/{id}/resume  let a paused run go on
 
 Answers hold names and ids only, never file-system paths: a run's folder name, a LoRA's name under
 models/loras, and samples as ComfyUI /view arguments (filename, subfolder, type).
@@ -69,21 +71,27 @@ class Run:
     stop_requested: bool = False
     save_requested: bool = False
     can_save: bool = True                   # False for a several-GPU run (its weights are in the child)
+    pause_requested: bool = False
+    holdout_steps: list[int] = field(default_factory=list)  # steps with a held-out loss (trainer/holdout.py)
+    holdout: list[float | None] = field(default_factory=list)
+    grid: dict | None = None                                # the newest sample grid {"step", "image"}
 
     def summary(self) -> dict:
         return {"id": self.id, "name": self.name, "node": self.node, "prompt_id": self.prompt_id,
                 "arch": self.arch, "status": self.status, "message": self.message, "step": self.step,
                 "total": self.total, "start_step": self.start_step, "started": self.started,
                 "updated": self.updated, "stop_requested": self.stop_requested,
-                "save_requested": self.save_requested, "can_save": self.can_save}
+                "save_requested": self.save_requested, "can_save": self.can_save,
+                "pause_requested": self.pause_requested}
 
     def detail(self, max_points: int = MAX_POINTS) -> dict:
         keep = thin(len(self.steps), max_points)
         keep_lr = thin(len(self.lr_steps), max_points)
         return {**self.summary(), "figures": dict(self.figures), "buckets": dict(self.buckets),
                 "history": {"step": [self.steps[i] for i in keep], "loss": [self.loss[i] for i in keep],
-                            "lr_step": [self.lr_steps[i] for i in keep_lr], "lr": [self.lr[i] for i in keep_lr]},
-                "samples": list(self.samples), "saved": list(self.saved)}
+                            "lr_step": [self.lr_steps[i] for i in keep_lr], "lr": [self.lr[i] for i in keep_lr],
+                            "holdout_step": list(self.holdout_steps), "holdout": list(self.holdout)},
+                "samples": list(self.samples), "saved": list(self.saved), "grid": self.grid}
 
 
 def progress_payload(run: Run, report) -> dict:
@@ -91,7 +99,8 @@ def progress_payload(run: Run, report) -> dict:
     node and status, so a page can tell runs apart and ask GET /kiln/runs/{id} for what it missed."""
     figures = {"lr": _number(report.lr), "loss": _number(report.loss), "loss_smooth": _number(report.loss_smooth),
                "it_per_s": _number(report.it_per_s), "eta_s": _number(report.eta_s),
-               "peak_memory_bytes": int(report.peak_memory_bytes or 0)}
+               "peak_memory_bytes": int(report.peak_memory_bytes or 0),
+               "holdout_loss": _number(getattr(report, "holdout_loss", None))}
     return {"run_id": run.id, "run": run.name, "node": run.node, "prompt_id": run.prompt_id, "step": report.step,
             "total": report.total_steps, "started": run.started, "status": run.status, **figures}
 
@@ -115,11 +124,13 @@ class Registry:
                 del self.runs[old.id]
         return run
 
-    def preload(self, run: Run, loss: list, lr: list) -> None:
-        """A resumed run's history before its first new step (one loss and one lr per step from 1)."""
+    def preload(self, run: Run, loss: list, lr: list, holdout: list | None = None) -> None:
+        """A resumed run's history before its first new step (one loss and one lr per step from 1; the
+        held-out [step, loss] pairs)."""
         with self.lock:
             run.steps, run.loss = list(range(1, len(loss) + 1)), [_number(v) for v in loss]
             run.lr_steps, run.lr = list(range(1, len(lr) + 1)), [float(v) for v in lr]
+            run.holdout_steps, run.holdout = [int(s) for s, _ in holdout or []], [_number(v) for _, v in holdout or []]
 
     def record(self, run: Run, report) -> dict:
         """Add one step's report to the run; returns the kiln.progress payload."""
@@ -135,6 +146,10 @@ class Registry:
                                                    "peak_memory_bytes")}
             if report.loss is None:  # a step without a loss reading keeps the last one shown
                 run.figures.update(loss=_number(run.loss[-1]) if run.loss else None)
+            if payload["holdout_loss"] is not None:
+                run.holdout_steps.append(report.step)
+                run.holdout.append(payload["holdout_loss"])
+            run.figures["holdout_loss"] = run.holdout[-1] if run.holdout else None
             return payload
 
     def add_sample(self, run: Run, step: int, image: dict) -> dict:
@@ -142,6 +157,12 @@ class Registry:
         with self.lock:
             run.samples = [*run.samples, {"step": step, "image": dict(image)}][-KEEP_SAMPLES:]
             run.updated = time.time()
+            return {"run_id": run.id, "run": run.name, "node": run.node, "step": step, "image": dict(image)}
+
+    def set_grid(self, run: Run, step: int, image: dict) -> dict:
+        """The newest sample grid (ComfyUI /view arguments); returns the kiln.grid payload."""
+        with self.lock:
+            run.grid, run.updated = {"step": step, "image": dict(image)}, time.time()
             return {"run_id": run.id, "run": run.name, "node": run.node, "step": step, "image": dict(image)}
 
     def add_saved(self, run: Run, step: int, name: str) -> dict:
@@ -153,7 +174,7 @@ class Registry:
     def finish(self, run: Run, status: str, message: str = "") -> dict:
         with self.lock:
             run.status, run.message, run.updated = status, message, time.time()
-            run.save_requested = False
+            run.save_requested = run.pause_requested = False
             if status == STOPPED and run.node is not None:
                 self.stops_by_node[run.node] = self.stops_by_node.get(run.node, 0) + 1
             return run.summary()
@@ -167,6 +188,10 @@ class Registry:
     def stop_wanted(self, run: Run) -> bool:
         with self.lock:
             return run.stop_requested
+
+    def pause_wanted(self, run: Run) -> bool:
+        with self.lock:
+            return run.pause_requested
 
     def stops(self, node: str | None) -> int:
         """How many runs of this node the dashboard stopped: Train LoRA's fingerprint, so that queueing
@@ -187,22 +212,29 @@ class Registry:
                 return 404, {"error": f"no Kiln run {run_id!r} on this server (it may have restarted)"}
             if action is None:
                 return 200, run.detail()
-            if method != "POST" or action not in ("stop", "save"):
-                return 405, {"error": f"{method} /kiln/runs/{{id}}/{action} is not a Kiln action (POST stop or save)"}
+            if method != "POST" or action not in ACTIONS:
+                return 405, {"error": f"{method} /kiln/runs/{{id}}/{action} is not a Kiln action "
+                                      f"(POST {', '.join(ACTIONS)})"}
             if run.status != RUNNING:
                 return 409, {"error": f"run {run.name} is {run.status}; queue the workflow again to continue it",
                              "run": run.summary()}
-            if action == "save" and not run.can_save:
-                return 409, {"error": f"run {run.name} trains in a torchrun child process, whose weights this "
-                                      "server does not hold: use its checkpoints' LoRAs (checkpoint_loras) or "
-                                      "Stop, which saves its LoRA", "run": run.summary()}
-            if action == "stop":
-                run.stop_requested = True
-            else:
-                run.save_requested = True
+            if action != "stop" and not run.can_save:
+                return 409, {"error": f"run {run.name} trains in a torchrun child process, whose weights and loop "
+                                      f"this server does not hold, so it cannot {action} it: use its checkpoints' "
+                                      "LoRAs (checkpoint_loras) or Stop, which saves its LoRA (a headless run "
+                                      "pauses while <run>/PAUSE exists)", "run": run.summary()}
+            ACTIONS[action](run)
             run.updated = time.time()
             return 202, {"run": run.summary()}
 
+
+def _set(flag: str, value: bool):
+    return lambda run: setattr(run, flag, value)
+
+
+# POST /kiln/runs/{id}/<action>: the flag each sets; the training thread reads them between steps.
+ACTIONS = {"stop": _set("stop_requested", True), "save": _set("save_requested", True),
+           "pause": _set("pause_requested", True), "resume": _set("pause_requested", False)}
 
 REGISTRY = Registry()
 

@@ -1,10 +1,12 @@
 """A running Train LoRA node on the live dashboard (web/kiln_dashboard.js): the ComfyUI side of dashboard.py.
 
 Per step it records the report in the run registry and sends `kiln.progress`; per validation sample it
-writes a JPEG into ComfyUI's temp folder (served by /view) and sends `kiln.sample`; on start, on
-Save now and at the end it sends `kiln.run` (the run's summary). The dashboard's Stop and Save now
-buttons only set flags in the registry: the training loop reads Stop through `should_stop` (it saves a
-resumable checkpoint and returns), and `on_step` writes a Save now LoRA from the step's best weights.
+writes a JPEG into ComfyUI's temp folder (served by /view) and sends `kiln.sample`, and the run folder's
+sample grid (trainer/sample_grid.py) as `kiln.grid`; on start, on Save now and at the end it sends
+`kiln.run` (the run's summary). The dashboard's Stop, Save now, Pause and Resume buttons only set flags in
+the registry: the training loop reads Stop through `should_stop` (it saves a resumable checkpoint and
+returns) and Pause through `should_pause` (it waits between steps, the node still running, memory kept),
+and `on_step` writes a Save now LoRA from the step's best weights.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from PIL import Image
 from ..trainer import lora_format, state
 from ..trainer.archs import get_arch
 from ..trainer.lora_format import lora_metadata
+from ..trainer.sample_grid import SampleGrid
 
 from . import dashboard
 from .comfy import bridge
@@ -23,6 +26,7 @@ from .comfy import bridge
 SAMPLE_PX = 512               # longest side of a sample as the dashboard shows it
 SAMPLES_SUBFOLDER = "kiln"    # under ComfyUI's temp folder (emptied when ComfyUI starts)
 SAVED_SUBFOLDER = "kiln"      # Save now LoRAs go to models/loras/kiln/
+GRID_COLUMN = "Validation Settings"   # the grid's one column: a graph samples one prompt
 
 
 def fingerprint() -> int:
@@ -31,15 +35,15 @@ def fingerprint() -> int:
     return dashboard.REGISTRY.stops(bridge.executing_node()[0])
 
 
-def prior_history(checkpoint) -> tuple[list, list]:
-    """(loss, lr) per step before a resumed run's first step, from the checkpoint's run.json."""
+def prior_history(checkpoint) -> tuple[list, list, list]:
+    """(loss, lr, held-out [step, loss]) before a resumed run's first step, from the checkpoint's run.json."""
     if checkpoint is None:
-        return [], []
+        return [], [], []
     try:
         history = state.read_history(checkpoint)
-        return history.loss, history.lr
+        return history.loss, history.lr, history.holdout
     except (OSError, ValueError, KeyError, TypeError):
-        return [], []   # a run folder or an unreadable file: the curve starts at the resumed step
+        return [], [], []   # a run folder or an unreadable file: the curve starts at the resumed step
 
 
 class Tracker:
@@ -50,12 +54,14 @@ class Tracker:
         """data None: a run in a child process (Train LoRA (several GPUs)), whose buckets this side does not
         know and whose weights it does not hold (can_save False: Save now is refused)."""
         node, prompt_id = bridge.executing_node()
-        loss, lr = prior_history(resume)
+        loss, lr, holdout = prior_history(resume)
         self.cfg, self.registry = cfg, registry
+        # A child run (data None) writes its own samples and grid into the run folder: this side only shows them.
+        self.grid = SampleGrid(run_dir, [GRID_COLUMN]).load_existing() if data is not None else None
         buckets = {key: len(items) for key, items in data.buckets.items()} if data is not None else {}
         self.run = registry.start(Path(run_dir).name, cfg.steps, start_step=len(lr), node=node, prompt_id=prompt_id,
                                   arch=cfg.arch, buckets=buckets, can_save=can_save)
-        registry.preload(self.run, loss, lr)
+        registry.preload(self.run, loss, lr, holdout)
         bridge.send_event("kiln.run", self.run.summary())
 
     def on_step(self, report) -> None:
@@ -70,6 +76,13 @@ class Tracker:
     def should_stop(self) -> bool:
         return self.registry.stop_wanted(self.run)
 
+    def should_pause(self) -> bool:
+        """The dashboard's Pause; ComfyUI's own stop button ends a pause by raising (a checkpoint is saved)."""
+        paused = self.registry.pause_wanted(self.run)
+        if paused:
+            bridge.raise_if_interrupted()
+        return paused
+
     def on_sample(self, step: int, images) -> None:
         """The first image of a validation batch (IMAGE [B,H,W,3] in [0,1]) as a JPEG in temp/kiln/."""
         pixels = images.reshape(-1, *images.shape[-3:])[0].float().clamp(0, 1).mul(255).round().byte().cpu().numpy()
@@ -81,6 +94,18 @@ class Tracker:
         picture.save(folder / filename, quality=90)
         image = {"filename": filename, "subfolder": SAMPLES_SUBFOLDER, "type": "temp"}
         bridge.send_event("kiln.sample", self.registry.add_sample(self.run, step, image))
+        if self.grid is not None:
+            self.add_to_grid(step, pixels / 255.0)
+
+    def add_to_grid(self, step: int, image: np.ndarray) -> None:
+        """The sample ([H,W,3] in 0..1) into <run>/samples/ and its grid; the grid as a JPEG in temp/kiln/ too,
+        for the dashboard."""
+        self.grid.save_sample(step, 0, image)
+        self.grid.add(step, 0, image)
+        filename = f"{self.run.id}-grid-step{step:06d}.jpg"
+        self.grid.write().save(Path(bridge.folders()["temp"]) / SAMPLES_SUBFOLDER / filename, quality=90)
+        grid = {"filename": filename, "subfolder": SAMPLES_SUBFOLDER, "type": "temp"}
+        bridge.send_event("kiln.grid", self.registry.set_grid(self.run, step, grid))
 
     def save_lora(self, step: int, weights) -> str:
         """Save now, or a checkpoint's LoRA (checkpoint_loras): the LoRA as of this step (the EMA weights when

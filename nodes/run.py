@@ -137,7 +137,8 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
         # Sampled on `model` (without the training adapter), as headless training samples its prompts.
         validate = bridge.validation(cfg, model, [validation], on_sample) if validation is not None else None
         return dict(resume=resume, on_step=on_step, should_stop=tracker.should_stop, validate=validate,
-                    validate_every=validation.every if validation is not None else 0)
+                    validate_every=validation.every if validation is not None else 0,
+                    should_pause=tracker.should_pause)
 
     try:
         result: RunResult = bridge.train(cfg, model, dataset, adapter=adapter, setup=setup,
@@ -156,6 +157,9 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
                     f"{', '.join(sorted({n for e in result.history.skipped for n in e['items']}))})")
     if result.stopped:
         summary = f"stopped from the dashboard; queue again to continue. {summary}"
+    if result.best is not None:
+        summary += (f"; held-out loss best {result.best.loss:.4f} at step {result.best.step}"
+                    f"{' (stopped early)' if result.early_stopped else ''}, its LoRA: {result.best_lora}")
     if losses:
         summary += f"; loss {np.mean(losses[:max(1, len(losses) // 10)]):.4f} → {np.mean(losses[-max(1, len(losses) // 10):]):.4f}"
     return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]))

@@ -104,6 +104,15 @@ def test_estimate_prints_a_table(tmp_path):
     assert result.stdout.count("GiB") >= 4 and "1024 px" in result.stdout and "fits in 24 GiB" in result.stdout
 
 
+def test_estimate_says_what_the_held_out_loss_costs(tmp_path):
+    config = tmp_path / "klein.toml"
+    config.write_text('arch = "flux2_klein"\nholdout = 0.1\nholdout_sigmas = 4\nbatch_size = 2\n')
+    result = cli("estimate", config, "--variant", "flux2-klein-4b")
+    assert result.returncode == 0, result.stderr
+    assert "note: held-out loss (holdout 0.1): forward passes without gradients" in result.stdout
+    assert "2 pass(es) per held-out image every 100 steps" in result.stdout
+
+
 def test_estimate_shows_what_the_auto_budget_picks_on_a_gpu(tmp_path):
     """checkpoint_budget auto (the default): on a 24 GiB GPU a Z-Image 1024 px step keeps little (weights
     11.5 GiB, 4 GiB margin, the estimate counted 1.25x); on an 80 GiB one everything; with no --memory-gb

@@ -162,6 +162,7 @@ def cmd_estimate(args) -> int:
         several_sizes_note,
         variant_from_header,
     )
+    from .holdout import estimate_notes as holdout_notes
 
     cfg = config_module.load(args.config)
     notes = []
@@ -180,6 +181,7 @@ def cmd_estimate(args) -> int:
             notes.append(f"model_path {cfg.model_path} not found, so not read; estimated from arch {cfg.arch}")
         notes += several_sizes_note(cfg.arch, variants)
     variant = variants[0]
+    notes += holdout_notes(cfg)
     for note in notes:
         print(f"note: {note}")
     backend = args.backend or cfg.backend

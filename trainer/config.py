@@ -100,6 +100,12 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "sample_height": (64, 4096),
     "unmasked_weight": (0.0, 1.0),
     "lokr_factor": (-1, 4096),
+    # held-out loss and early stopping (trainer/holdout.py)
+    "holdout": (0.0, 100_000.0),
+    "holdout_every": (1, 1_000_000),
+    "holdout_sigmas": (1, 64),
+    "early_stop_patience": (0, 10_000),
+    "early_stop_min_delta": (0.0, 1e6),
 }
 
 
@@ -263,6 +269,15 @@ class TrainConfig:
                                             "family's (simple)")
     sample_width: int = setting(1024, "sample width in px (a multiple of 16)")
     sample_height: int = setting(1024, "sample height in px (a multiple of 16)")
+    # --- held-out loss and early stopping (trainer/holdout.py)
+    holdout: float = setting(0.0, "images kept out of training for a held-out loss: a count (1, 2, ...) or a "
+                                  "share below 1 (0.1 = 10%), chosen by the seed; 0 = none")
+    holdout_every: int = setting(100, "steps between held-out loss evaluations (and at the last step)")
+    holdout_sigmas: int = setting(4, "noise levels per held-out image, spread evenly over (0,1); the noise is "
+                                     "drawn once from the seed, so every evaluation sees the same draws")
+    early_stop_patience: int = setting(0, "stop after this many held-out evaluations without improvement; "
+                                          "the best step's LoRA is kept in <run>/best/; 0 = off (needs holdout)")
+    early_stop_min_delta: float = setting(0.0, "improvement the held-out loss must make to count as one")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -460,6 +475,7 @@ def _check_combinations(cfg: TrainConfig) -> None:
         problems.append("preservation_weight > 0 needs preservation_class, the class word that replaces the trigger "
                         "word (e.g. person; in a graph, on Kiln Encode Captions); or set preservation_weight to 0")
     problems += adapters.check_config(cfg)
+    _check_holdout(cfg, problems)
     if cfg.init_lora_sha256 and not re.fullmatch(r"[0-9a-f]{64}", cfg.init_lora_sha256):
         problems.append(f"init_lora_sha256 must be 64 lower-case hex digits (a sha256) or empty, "
                         f"got {cfg.init_lora_sha256!r}")
@@ -490,6 +506,15 @@ def _check_samples(cfg: TrainConfig, problems: list[str]) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_]+", getattr(cfg, key)):
             problems.append(f"{key} must be a ComfyUI {key[7:]} name (e.g. euler, simple) or auto, "
                             f"got {getattr(cfg, key)!r}")
+
+
+def _check_holdout(cfg: TrainConfig, problems: list[str]) -> None:
+    if cfg.holdout >= 1 and cfg.holdout != int(cfg.holdout):
+        problems.append(f"holdout {cfg.holdout:g} must be a whole number of images (1, 2, ...) or a share below 1 "
+                        f"(e.g. {cfg.holdout / 100:g})")
+    if cfg.early_stop_patience and not cfg.holdout:
+        problems.append(f"early_stop_patience {cfg.early_stop_patience} stops on the held-out loss: set holdout "
+                        "(e.g. 0.1) or set early_stop_patience to 0")
 
 
 def _check_regex(pattern: str, problems: list[str]) -> None:

@@ -92,6 +92,23 @@ class StopFile:
         self.path.unlink(missing_ok=True)
 
 
+def pause_file(run_dir: Path, speak: bool = True):
+    """should_pause for a console run: while <run>/PAUSE exists (trainer/pause.py), said once when it starts
+    and once when it ends."""
+    from .pause import PAUSE_FILE, file_flag
+
+    flag, said = file_flag(run_dir), [False]
+
+    def should_pause() -> bool:
+        paused = flag()
+        if paused != said[0] and speak:
+            print(f"\npaused: delete {Path(run_dir) / PAUSE_FILE} to resume (Ctrl-C stops)" if paused else "resumed",
+                  file=sys.stderr, flush=True)
+        said[0] = paused
+        return paused
+    return should_pause
+
+
 def start_step(run_dir: Path, resume) -> int:
     """The step a run starts at: its newest checkpoint's with `resume` (when it has one), else 0."""
     from .state import list_checkpoints
@@ -101,8 +118,9 @@ def start_step(run_dir: Path, resume) -> int:
 
 
 def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None = None, forward=None,
-             validate=None, validate_every: int = 0, validate_first: bool = False):
-    """loop.train with a progress bar and Ctrl-C as a clean stop; `resume` true continues the run's
+             validate=None, validate_every: int = 0, validate_first: bool = False, should_pause=None):
+    """loop.train with a progress bar, Ctrl-C as a clean stop and <run>/PAUSE as a pause (pause_file);
+    `resume` true continues the run's
     newest checkpoint. The demo, `train` and headless.py (through nodes/comfy, with its validation
     samples as `validate`) run this."""
     from . import distributed
@@ -119,7 +137,8 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
     try:
         result = train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
                        on_step=on_step, should_stop=should_stop, forward=forward, validate=validate,
-                       validate_every=validate_every, validate_first=validate_first)
+                       validate_every=validate_every, validate_first=validate_first,
+                       should_pause=should_pause or pause_file(run_dir, main))
         if main:
             stop_file.consume()
         return result
@@ -155,6 +174,10 @@ def finish(cfg, result, run_dir: Path, name: str) -> None:
         print(f"loss: first 10% mean {sum(head) / len(head):.4f} -> last 10% mean {sum(tail) / len(tail):.4f}")
     print(f"LoRA ({'EMA' if result.ema_lora is not None else 'raw'} weights): {lora_path}")
     print(f"loss curve: {curve}")
+    if result.best is not None:
+        early = "stopped early (early_stop_patience); " if result.early_stopped else ""
+        print(f"held-out loss: {early}best {result.best.loss:.4f} at step {result.best.step}, its LoRA: "
+              f"{result.best_lora}")
     samples = sorted((run_dir / SAMPLES_DIR).glob("step-*.png"))
     if samples:
         print(f"samples ({len(samples)}, newest {samples[-1].name}): {run_dir / SAMPLES_DIR}")
@@ -163,4 +186,5 @@ def finish(cfg, result, run_dir: Path, name: str) -> None:
     newest = result.checkpoint or next((path for _, path in list_checkpoints(run_dir)[-1:]), None)
     print(f"checkpoint (resume with --resume): {newest}")
     emit(DONE_TAG, {"lora": str(lora_path), "checkpoint": str(newest) if newest else None, "step": result.step,
-                    "total": cfg.steps, "stopped": bool(result.stopped)})
+                    "total": cfg.steps, "stopped": bool(result.stopped),
+                    "best_lora": str(result.best_lora) if result.best_lora else None})

@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import companion_batch, distributed, faults, init_lora, logging_sinks, objective, preservation, state
+from . import (companion_batch, distributed, faults, holdout, init_lora, logging_sinks, objective, pause, preservation,
+               state)
 from .archs import Arch, get_arch
 from .atomic import fault_point
 from .backends import get_backend
@@ -43,6 +44,7 @@ class Report:
     loss_smooth: float | None = None
     grad_norm: float | None = None
     skipped_steps: int = 0       # steps skipped so far for a NaN/inf loss or gradient (as read)
+    holdout_loss: float | None = None   # on steps with a held-out evaluation (trainer/holdout.py)
     weights: Callable[[], dict[str, LoraWeights]] | None = field(default=None, repr=False, compare=False)  # best LoRA now
 
 
@@ -57,6 +59,9 @@ class RunResult:
     stopped: bool = False
     trainable_parameters: int = 0
     skipped_items: list[str] = field(default_factory=list)
+    best: holdout.Best | None = None     # the best held-out evaluation (holdout > 0)
+    best_lora: Path | None = None        # <run>/best/lora.safetensors: that step's LoRA
+    early_stopped: bool = False          # ended by early_stop_patience
 
 
 def objective_settings(cfg: TrainConfig, arch: Arch) -> objective.ObjectiveSettings:
@@ -150,7 +155,8 @@ class StepLog:
                 self.streak.append(self.history.skipped[-1])
         self.pending.clear()
 
-    def report(self, done: int, lr: float, logged: bool, weights: Callable[[], dict[str, LoraWeights]]) -> Report:
+    def report(self, done: int, lr: float, logged: bool, weights: Callable[[], dict[str, LoraWeights]],
+               holdout_loss: float | None = None) -> Report:
         """Speed and ETA over the steps of this call; loss figures only where `logged` (just flushed)."""
         elapsed = time.perf_counter() - self.started
         rate = (done - self.start) / elapsed if elapsed > 0 else 0.0
@@ -161,7 +167,7 @@ class StepLog:
                       loss=_finite(history.loss[-1]) if logged else None,
                       loss_smooth=_finite(smoothed(history.loss[-200:])[-1]) if logged else None,
                       grad_norm=_finite(history.grad_norm[-1]) if logged else None,
-                      skipped_steps=len(history.skipped), weights=weights)
+                      skipped_steps=len(history.skipped), weights=weights, holdout_loss=holdout_loss)
 
 
 def resumed(resume: str | Path | None, backend, rng: np.random.Generator,
@@ -230,7 +236,8 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
           on_step: Callable[[Report], None] | None = None,
           should_stop: Callable[[], bool] | None = None,
           validate: Callable[[int, Callable], None] | None = None, validate_every: int = 0,
-          init: init_lora.InitLora | None = None, validate_first: bool = False) -> RunResult:
+          init: init_lora.InitLora | None = None, validate_first: bool = False,
+          should_pause: Callable[[], bool] | None = None) -> RunResult:
     """Train a LoRA on `model` in place; the model is restored as it was on return, also after an error.
 
     A new run starts from `init` (else from the file cfg.init_lora names, else a new LoRA), at its rank
@@ -240,12 +247,16 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     run with `validate_first`), with the EMA
     weights swapped in when EMA is on; the images it returns ([H,W,3] in 0..1, or None) go to the
     TensorBoard / W&B sinks the config asks for. A torch model samples with its LoRA branches live; `lora()`
-    gives the weights as numpy for a sampler that needs them applied (the MLX backend)."""
+    gives the weights as numpy for a sampler that needs them applied (the MLX backend).
+
+    cfg.holdout keeps images out of training for a held-out loss, early stopping and <run>/best/
+    (trainer/holdout.py); while `should_pause()` the loop waits between steps (trainer/pause.py)."""
     cfg, init = init_lora.prepare(cfg, init)   # before anything reads rank or alpha, or saves the config
     arch, run_dir, backend = get_arch(cfg.arch), Path(run_dir), get_backend(cfg.backend)
     group = distributed.start(cfg.device, cfg.backend)   # one process, or this rank of torchrun's
     rng = np.random.default_rng(cfg.seed)
     settings = objective_settings(cfg, arch)
+    data, held = holdout.prepare(cfg, data)   # held-out images leave the buckets training sees
     # One seeded sampler of global batches: under torchrun each rank trains on its rows of each.
     global_sizes = {key: size * group.world for key, size in batch_sizes(cfg, data, arch).items()}
     sampler = BucketSampler(data.buckets, global_sizes, cfg.seed)
@@ -259,11 +270,12 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
             init_lora.load_into(backend, init, cfg.ema)
         sinks = logging_sinks.open_sinks(cfg, run_dir, start, group.is_main)
         log = StepLog(backend, history, start, cfg.steps, sinks)
+        judge = holdout.Judge(cfg, arch, data, held, run_dir=run_dir, history=history, sinks=sinks, main=group.is_main)
         save = functools.partial(save_run, cfg=cfg, arch=arch, backend=backend, run_dir=run_dir, rng=rng,
                                  sampler=sampler, log=log)
         alone = _one_rank_save(save, group)
         weights = functools.partial(best_lora, backend, cfg.ema)
-        checkpoint_path, stopped, vote = None, False, distributed.StopVote()
+        checkpoint_path, stopped, early_stopped, vote = None, False, False, distributed.StopVote()
         if validate is not None and validate_first and start == 0:   # the start, logged as step 0
             _validate_at(0, validate, backend, sinks, group, alone)
         for step in range(start, cfg.steps):
@@ -284,14 +296,19 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                 log.flush()
             if len(log.streak) >= faults.MAX_NON_FINITE_IN_A_ROW:
                 raise faults.NonFiniteLoss(faults.non_finite_message(cfg, log.streak, save(done)))
-            report = log.report(done, lr, logged, weights)
+            report = log.report(done, lr, logged, weights, judge.maybe(done, backend, weights))
             if on_step is not None:
                 with faults.saves_on_error(alone, done):
                     on_step(report)
             if validate is not None and validate_every and (done % validate_every == 0 or done == cfg.steps):
                 _validate_at(done, validate, backend, sinks, group, alone)
+            with faults.saves_on_error(alone, done):   # paused: waits here (not counted in speed or ETA)
+                log.started += pause.wait(should_pause, should_stop)
             if vote(should_stop is not None and should_stop()):   # every rank stops after the same step
                 checkpoint_path, stopped = save(done), True
+                break
+            if judge.stop():   # every rank holds the same held-out history
+                checkpoint_path, early_stopped = save(done), True
                 break
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                 checkpoint_path = save(done)
@@ -301,7 +318,8 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
         return RunResult(run_dir=run_dir, step=len(history.lr), history=history, lora=backend.lora_state(),
                          ema_lora=ema_lora, checkpoint=checkpoint_path, stopped=stopped,
                          trainable_parameters=backend.trainable_parameter_count(),
-                         skipped_items=[p.line() for p in getattr(data, "skipped", [])])
+                         skipped_items=[p.line() for p in getattr(data, "skipped", [])],
+                         best=judge.best(), best_lora=judge.best_lora, early_stopped=early_stopped)
     finally:
         try:
             sinks.close()

@@ -39,6 +39,7 @@ class History:
     lr: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)   # {"step", "items"}: NaN/inf steps left out of training
+    holdout: list[list] = field(default_factory=list)   # [step, loss] per held-out evaluation (trainer/holdout.py)
 
 
 @dataclass
@@ -157,7 +158,7 @@ def save_checkpoint(run_dir: str | Path, step: int, *, backend, arch, config: di
         "world_size": 1 + len(rank_rng),
         "numpy_rng": numpy_rng.bit_generator.state, "cursor": cursor, "optimizer": optimizer_meta,
         "history": {"loss": history.loss, "lr": history.lr, "grad_norm": history.grad_norm,
-                    "skipped": history.skipped},
+                    "skipped": history.skipped, "holdout": history.holdout},
     }
     run_json = json.dumps(info, indent=1)
     final = step_dir(run_dir, step)
@@ -303,7 +304,7 @@ def checkpoint_lora(checkpoint: Checkpoint, *, ema: bool = False) -> dict[str, L
 def checkpoint_history(checkpoint: Checkpoint) -> History:
     saved = checkpoint.info["history"]
     return History(loss=list(saved["loss"]), lr=list(saved["lr"]), grad_norm=list(saved["grad_norm"]),
-                   skipped=list(saved.get("skipped", [])))
+                   skipped=list(saved.get("skipped", [])), holdout=[list(p) for p in saved.get("holdout", [])])
 
 
 def read_history(checkpoint_dir: str | Path) -> History:

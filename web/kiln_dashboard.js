@@ -50,12 +50,15 @@ async function post(run, action) {
   const answer = await response.json().catch(() => ({}));
   if (!response.ok) throw new Error(answer.error ?? `HTTP ${response.status}`);
   if (answer.run) store.applySummary(answer.run);
-  return action === "stop" ? "stopping after this step…" : "saving at the next step…";
+  return { stop: "stopping after this step…", save: "saving at the next step…",
+    pause: "paused after this step (memory kept)…", resume: "resumed" }[action];
 }
 
 const actions = {
   stop: (run) => post(run, "stop"),
   save: (run) => post(run, "save"),
+  pause: (run) => post(run, "pause"),
+  resume: (run) => post(run, "resume"),
   imageUrl: (query) => api.apiURL(query),
 };
 
@@ -73,6 +76,7 @@ function listen() {
     if (run && !run.hasDetail) loadRun(run.id);
   });
   api.addEventListener("kiln.sample", ({ detail }) => store.applySample(detail));
+  api.addEventListener("kiln.grid", ({ detail }) => store.applyGrid(detail));
   api.addEventListener("kiln.run", ({ detail }) => {
     const before = store.get(detail.id);
     const savedBefore = before?.saved?.length ?? 0;

@@ -5,6 +5,7 @@
 // Runs arrive three ways and are merged by run id:
 //   kiln.progress (every step)   figures of the step, a loss reading on logged steps
 //   kiln.sample / kiln.run       a validation sample; a status change (started, saved, stopped, ...)
+//   kiln.grid                    the run's sample grid (prompts × steps), newest
 //   GET /kiln/runs/{id}          the whole run so far (after a page reload, or from a second tab)
 
 export const SMOOTHING = 0.9; // as trainer/plot.py's smoothed(): bias-corrected EMA
@@ -121,7 +122,8 @@ function path(points) {
 
 /**
  * The loss chart of a run in a box of width × height pixels: SVG path strings for the raw loss, the
- * smoothed loss and the learning rate (on its own scale, 0 at the bottom), and the axis ticks.
+ * smoothed loss, the held-out loss (on the loss scale) and the learning rate (on its own scale, 0 at the
+ * bottom), and the axis ticks.
  * The loss scale ends at the 98th percentile of the raw loss (or the smoothed maximum, if higher),
  * so one spike cannot flatten the curve; points above it are drawn at the top edge.
  */
@@ -136,10 +138,13 @@ export function chartGeometry(run, width, height, pad = { left: 44, right: 10, t
   const first = seen.length ? Math.min(...seen) : 0;
   const last = Math.max(first + 1, ...seen);
   const x = (step) => pad.left + ((right - pad.left) * (step - first)) / (last - first);
+  const held = run?.holdout ?? [];
   const values = loss.filter(finite);
+  const heldValues = held.filter(finite);
   const empty = values.length === 0;
   let lo = empty ? 0 : Math.min(...values);
-  let hi = empty ? 1 : Math.max(quantile(values, 0.98), ...smoothed.filter(finite));
+  let hi = empty ? 1 : Math.max(quantile(values, 0.98), ...smoothed.filter(finite), ...heldValues);
+  if (!empty) lo = Math.min(lo, ...heldValues);
   if (hi - lo < 1e-12) {
     lo -= 0.5 * (Math.abs(lo) || 1);
     hi += 0.5 * (Math.abs(hi) || 1);
@@ -158,6 +163,7 @@ export function chartGeometry(run, width, height, pad = { left: 44, right: 10, t
     raw: path(points(loss)),
     smooth: path(points(smoothed)),
     lr: path(lrPoints),
+    holdout: path(held.map((value, i) => (finite(value) ? [x(run.holdoutSteps[i]), y(value)] : null))),
     lrMax: lrValues.length ? lrMax : null,
     yTicks: empty ? [] : ticks(lo, hi, 4).map((v) => ({ y: y(v), label: Number(v.toPrecision(3)).toString() })),
     xTicks: ticks(first, last, 4).filter((s) => Number.isInteger(s)).map((s) => ({ x: x(s), label: formatCount(s) })),
@@ -169,13 +175,14 @@ function emptyRun(id) {
     id, name: "", node: null, promptId: null, status: "running", message: "", step: 0, total: 0, started: 0,
     updated: 0, figures: {}, steps: [], loss: [], lrSteps: [], lr: [], samples: [], buckets: {}, saved: [],
     stopRequested: false, saveRequested: false, hasDetail: false,
+    pauseRequested: false, holdoutSteps: [], holdout: [], grid: null,
   };
 }
 
 function applySummaryFields(run, summary) {
   const fields = { name: "name", node: "node", prompt_id: "promptId", status: "status", message: "message",
     total: "total", started: "started", updated: "updated", stop_requested: "stopRequested",
-    save_requested: "saveRequested", arch: "arch", start_step: "startStep" };
+    save_requested: "saveRequested", arch: "arch", start_step: "startStep", pause_requested: "pauseRequested" };
   for (const [key, name] of Object.entries(fields)) if (summary[key] !== undefined) run[name] = summary[key];
   if (finite(summary.step)) run.step = Math.max(run.step, summary.step);
   if (Array.isArray(summary.saved)) run.saved = summary.saved;
@@ -222,10 +229,15 @@ export class RunStore {
         run.steps.push(p.step);
         run.loss.push(finite(p.loss) ? p.loss : null);
       }
+      if (finite(p.holdout_loss)) {
+        run.holdoutSteps.push(p.step);
+        run.holdout.push(p.holdout_loss);
+      }
     }
     const keep = run.figures.loss;
     run.figures = { lr: p.lr, loss: p.loss ?? keep, loss_smooth: p.loss_smooth ?? run.figures.loss_smooth,
-      it_per_s: p.it_per_s, eta_s: p.eta_s, peak_memory_bytes: p.peak_memory_bytes };
+      it_per_s: p.it_per_s, eta_s: p.eta_s, peak_memory_bytes: p.peak_memory_bytes,
+      holdout_loss: run.holdout.at(-1) ?? null };
     run.updated = Date.now() / 1000;
     this.changed(run);
     return run;
@@ -241,11 +253,20 @@ export class RunStore {
     return run;
   }
 
+  /** A kiln.grid event: the run's sample grid (prompts × steps), rewritten at each sampling step. */
+  applyGrid(g) {
+    if (!g.run_id) return null;
+    const run = this.ensure(g.run_id);
+    if (!(run.grid && run.grid.step > g.step)) run.grid = { step: g.step, image: g.image };
+    this.changed(run);
+    return run;
+  }
+
   /** A kiln.run event or an entry of GET /kiln/runs. */
   applySummary(summary) {
     const run = this.ensure(summary.id);
     applySummaryFields(run, summary);
-    if (run.status !== "running") run.stopRequested = run.saveRequested = false;
+    if (run.status !== "running") run.stopRequested = run.saveRequested = run.pauseRequested = false;
     this.changed(run);
     return run;
   }
@@ -263,6 +284,11 @@ export class RunStore {
     run.loss = [...h.loss, ...laterLoss.map(([, v]) => v)];
     run.lrSteps = [...h.lr_step, ...laterLr.map(([s]) => s)];
     run.lr = [...h.lr, ...laterLr.map(([, v]) => v)];
+    const lastHeld = h.holdout_step?.at(-1) ?? -Infinity;
+    const laterHeld = run.holdoutSteps.map((s, i) => [s, run.holdout[i]]).filter(([s]) => s > lastHeld);
+    run.holdoutSteps = [...(h.holdout_step ?? []), ...laterHeld.map(([s]) => s)];
+    run.holdout = [...(h.holdout ?? []), ...laterHeld.map(([, v]) => v)];
+    if (detail.grid && !(run.grid && run.grid.step > detail.grid.step)) run.grid = detail.grid;
     if (!laterLr.length && detail.figures) run.figures = { ...detail.figures };
     run.buckets = detail.buckets ?? run.buckets;
     const known = new Set((detail.samples ?? []).map((s) => s.image.filename));
@@ -300,7 +326,16 @@ export function figures(run) {
     { key: "eta", label: run?.status === "running" ? "ETA" : "left", value: run?.status === "running" ? formatDuration(left) : "—",
       hint: "time to the last step at the current speed" },
     { key: "memory", label: "peak memory", value: formatBytes(f.peak_memory_bytes), hint: "peak accelerator memory (CPU: none)" },
+    ...(run?.holdout?.length ? [{ key: "holdout", label: "held-out loss", value: formatLoss(run.holdout.at(-1)),
+      hint: "loss on the images kept out of training, at fixed noise (lower is better; compares between steps)" }] : []),
   ];
+}
+
+/** The status a view prints: a running run that was asked to pause reads "paused". */
+export function statusText(run) {
+  if (!run) return "idle";
+  if (run.status === "running" && run.pauseRequested) return "paused";
+  return STATUS_TEXT[run.status] ?? run.status;
 }
 
 export const STATUS_TEXT = {

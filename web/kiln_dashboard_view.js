@@ -1,7 +1,7 @@
 // Kiln live dashboard: one view of a training run, drawn with DOM and SVG (no libraries, nothing
 // fetched but the pack's own routes and ComfyUI's /view). Used twice by kiln_dashboard.js: on each
 // Kiln Train LoRA node (compact) and in the Kiln sidebar tab (with a run picker).
-import { STATUS_TEXT, bucketBars, chartGeometry, figures, formatCount, viewQuery } from "./kiln_dashboard_core.js";
+import { STATUS_TEXT, bucketBars, chartGeometry, figures, formatCount, statusText, viewQuery } from "./kiln_dashboard_core.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 const STYLE_ID = "kiln-dashboard-style";
@@ -34,6 +34,8 @@ const CSS = `
 .kd-chart .raw { fill: none; stroke: #6fa8dc; stroke-width: 1; opacity: .45; }
 .kd-chart .smooth { fill: none; stroke: #5fb3ff; stroke-width: 2; }
 .kd-chart .lr { fill: none; stroke: #f0a030; stroke-width: 1.2; stroke-dasharray: 4 3; opacity: .85; }
+.kd-chart .holdout { fill: none; stroke: #e05a9a; stroke-width: 2; }
+.kd-grid img { max-width: 100%; border-radius: 4px; display: block; }
 .kd-legend { display: flex; flex-wrap: wrap; gap: 2px 12px; font-size: 11px; color: var(--descrip-text, #999); }
 .kd-legend > span { white-space: nowrap; }
 .kd-legend i { display: inline-block; width: 14px; height: 2px; vertical-align: middle; margin-right: 4px; }
@@ -58,7 +60,8 @@ const CSS = `
 .kd-actions button { font: inherit; padding: 3px 12px; border-radius: 5px; cursor: pointer; color: #fff;
   border: 1px solid transparent; }
 .kd-actions button:disabled { opacity: .4; cursor: default; }
-.kd-stop { background: #a33; } .kd-save { background: #2d5f9a; }
+.kd-stop { background: #a33; } .kd-save { background: #2d5f9a; } .kd-pause { background: #6a5a2a; }
+.kd-status.paused { background: #6a5a2a; }
 .kd-note { flex: 1; min-width: 0; font-size: 11px; color: var(--descrip-text, #999); overflow-wrap: anywhere; }
 .kd-idle { color: var(--descrip-text, #999); font-size: 12px; padding: 6px 0; }
 `;
@@ -84,9 +87,14 @@ function svg(tag, attributes) {
   return node;
 }
 
+// What each action button sets at once (the server's answer confirms it), and the note it shows.
+const FLAGS = { stop: "stopRequested", save: "saveRequested", pause: "pauseRequested", resume: "pauseRequested" };
+const NOTES = { stop: "stopping after this step…", save: "saving at the next step…",
+  pause: "paused after this step (memory kept)…", resume: "resuming…" };
+
 /**
  * A dashboard bound to a RunStore. `pick()` chooses the run to show (the node's own, or the
- * sidebar's current one); `actions` = {stop(run), save(run), imageUrl(query)}.
+ * sidebar's current one); `actions` = {stop(run), save(run), pause(run), resume(run), imageUrl(query)}.
  */
 export class DashboardView {
   constructor(store, { pick, actions, panel = false, idleText }) {
@@ -126,7 +134,8 @@ export class DashboardView {
     progress.append(bar, this.steps);
     this.chart = svg("svg", { class: "kd-chart", "data-kiln": "chart" });
     const legend = el("div", "kd-legend");
-    for (const [name, colour] of [["loss", "#6fa8dc80"], ["smoothed", "#5fb3ff"], ["learning rate", "#f0a030"]]) {
+    for (const [name, colour] of [["loss", "#6fa8dc80"], ["smoothed", "#5fb3ff"], ["held-out", "#e05a9a"],
+      ["learning rate", "#f0a030"]]) {
       const item = el("span");
       const swatch = el("i");
       swatch.style.background = colour;
@@ -138,6 +147,10 @@ export class DashboardView {
     this.figureBox.dataset.kiln = "figures";
     this.samples = el("div", "kd-samples");
     this.samples.dataset.kiln = "samples";
+    this.grid = el("a", "kd-grid");
+    this.grid.dataset.kiln = "grid";
+    this.grid.target = "_blank";
+    this.grid.rel = "noopener";
     this.buckets = el("div", "kd-buckets");
     this.buckets.dataset.kiln = "buckets";
     const actions = el("div", "kd-actions");
@@ -145,14 +158,18 @@ export class DashboardView {
     this.stopButton.title = "Stop after this step and save a resumable checkpoint (queue again to continue)";
     this.saveButton = el("button", "kd-save", "Save now");
     this.saveButton.title = "Write a LoRA of the current weights to models/loras/kiln/ without stopping";
+    this.pauseButton = el("button", "kd-pause", "Pause");
+    this.pauseButton.title = "Wait after this step, memory kept (Stop still works); Resume goes on";
+    this.pauseButton.addEventListener("click", () => this.act(this.current()?.pauseRequested ? "resume" : "pause"));
     this.note = el("span", "kd-note", "");
     this.stopButton.addEventListener("click", () => this.act("stop"));
     this.saveButton.addEventListener("click", () => this.act("save"));
-    actions.append(this.stopButton, this.saveButton, this.note);
+    actions.append(this.stopButton, this.saveButton, this.pauseButton, this.note);
     this.idle = el("div", "kd-idle", this.idleText);
     this.body = el("div", "kd-body");
+    this.gridSection = el("div", "kd-section", "Sample grid");
     this.body.append(progress, this.chart, legend, this.figureBox, el("div", "kd-section", "Samples"), this.samples,
-      el("div", "kd-section", "Buckets"), this.buckets, actions);
+      this.gridSection, this.grid, el("div", "kd-section", "Buckets"), this.buckets, actions);
     this.element.append(head, this.idle, this.body);
   }
 
@@ -163,17 +180,17 @@ export class DashboardView {
   async act(action) {
     const run = this.current();
     if (!run || run.status !== "running") return;
-    this.notes.set(run.id, action === "stop" ? "stopping after this step…" : "saving at the next step…");
-    if (action === "stop") run.stopRequested = true;
-    else run.saveRequested = true;
+    this.notes.set(run.id, NOTES[action]);
+    const flag = FLAGS[action];
+    const before = run[flag];
+    run[flag] = action !== "resume";
     this.schedule();
     try {
       const text = await this.actions[action](run);
       this.notes.set(run.id, text ?? this.notes.get(run.id));
     } catch (error) {
       this.notes.set(run.id, `${action} failed: ${error.message ?? error}`);
-      if (action === "stop") run.stopRequested = false;
-      else run.saveRequested = false;
+      run[flag] = before;
     }
     this.schedule();
   }
@@ -193,8 +210,8 @@ export class DashboardView {
     if (this.panel) this.renderPicker(run);
     this.idle.style.display = run ? "none" : "";
     this.body.style.display = run ? "" : "none";
-    this.status.textContent = run ? STATUS_TEXT[run.status] ?? run.status : "idle";
-    this.status.className = `kd-status ${run?.status ?? ""}`;
+    this.status.textContent = statusText(run);
+    this.status.className = `kd-status ${run?.pauseRequested && run.status === "running" ? "paused" : run?.status ?? ""}`;
     this.element.dataset.run = run?.id ?? "";
     this.element.dataset.status = run?.status ?? "idle";
     if (!run) return;
@@ -206,12 +223,15 @@ export class DashboardView {
     this.renderChart(run);
     this.renderFigures(run);
     this.renderSamples(run);
+    this.renderGrid(run);
     this.renderBuckets(run);
     const running = run.status === "running";
     this.stopButton.disabled = !running || run.stopRequested;
     this.saveButton.disabled = !running || run.saveRequested;
+    this.pauseButton.disabled = !running || run.stopRequested;
+    this.pauseButton.textContent = run.pauseRequested ? "Resume" : "Pause";
     const saved = run.saved?.at(-1) ? `saved ${run.saved.at(-1).name}` : "";
-    const busy = running && (run.saveRequested || run.stopRequested);
+    const busy = running && (run.saveRequested || run.stopRequested || run.pauseRequested);
     const texts = running ? [busy ? this.notes.get(run.id) : saved] : [run.message, saved];
     this.note.textContent = texts.filter(Boolean).join(" · ");
     this.note.title = this.note.textContent;
@@ -252,6 +272,7 @@ export class DashboardView {
     parts.push(svg("path", { class: "lr", d: g.lr || "M0,0" }));
     parts.push(svg("path", { class: "raw", d: g.raw || "M0,0", "data-kiln": "raw" }));
     parts.push(svg("path", { class: "smooth", d: g.smooth || "M0,0", "data-kiln": "smooth" }));
+    parts.push(svg("path", { class: "holdout", d: g.holdout || "M0,0", "data-kiln": "holdout" }));
     this.legendText.textContent = g.lrMax === null ? "learning rate" : `learning rate (max ${g.lrMax.toExponential(1)})`;
     if (g.empty) {
       const label = svg("text", { x: width / 2, y: height / 2, "text-anchor": "middle" });
@@ -295,6 +316,21 @@ export class DashboardView {
       link.append(image, `step ${formatCount(sample.step)}`);
       return link;
     }));
+  }
+
+  renderGrid(run) {
+    const key = run.grid?.image?.filename ?? "";
+    if (key === this.gridKey) return;
+    this.gridKey = key;
+    this.gridSection.style.display = this.grid.style.display = key ? "" : "none";
+    if (!key) return;
+    const url = this.actions.imageUrl(viewQuery(run.grid.image));
+    const image = el("img");
+    image.src = url;
+    image.alt = `sample grid at step ${run.grid.step}`;
+    this.grid.href = url;
+    this.grid.title = `every sample so far, prompts across, steps down (newest: step ${run.grid.step})`;
+    this.grid.replaceChildren(image);
   }
 
   renderBuckets(run) {

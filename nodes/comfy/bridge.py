@@ -25,6 +25,6 @@ from .session import Interrupted, free_memory, reload_for_training, trainable, t
 from .training import Sample, prompt_samples, train, validation  # noqa: F401
 from .ui import (Progress, add_json_routes, add_routes, cat_images, check_sampling, comfyui_root,  # noqa: F401
                  executing_node, folders, image_tensor, interrupt_requested, lora_names, lora_path, loss_map,
-                 model_names, model_path, progress, prompt_server, refresh_loras, sample, sampler_names,
-                 scheduler_names, send_event)
+                 model_names, model_path, progress, prompt_server, raise_if_interrupted, refresh_loras, sample,
+                 sampler_names, scheduler_names, send_event)
 from .weights import EffectiveWeights, compute_device  # noqa: F401

@@ -167,6 +167,11 @@ def interrupt_requested() -> bool:
     return mm.processing_interrupted()
 
 
+def raise_if_interrupted() -> None:
+    """ComfyUI's stop button, as Progress.update honours it: raises Interrupted (clearing the request)."""
+    mm.throw_exception_if_processing_interrupted()
+
+
 def refresh_loras() -> None:
     """Forget the cached `loras` file list so LoraLoader's next listing (object_info) sees new files."""
     folder_paths.filename_list_cache.pop("loras", None)

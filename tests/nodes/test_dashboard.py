@@ -54,7 +54,8 @@ def test_a_run_records_its_steps_and_answers_with_names_only():
             "started"} <= set(payload)                                 # the fields the event always had
     status, detail = registry.answer("GET", run.id)
     assert status == 200 and detail["step"] == 3 and detail["total"] == 10
-    assert detail["history"] == {"step": [1, 3], "loss": [0.9, None], "lr_step": [1, 2, 3], "lr": [1e-3] * 3}
+    assert detail["history"] == {"step": [1, 3], "loss": [0.9, None], "lr_step": [1, 2, 3], "lr": [1e-3] * 3,
+                                 "holdout_step": [], "holdout": []}
     assert detail["figures"]["loss"] is None and detail["figures"]["it_per_s"] == 2.0
     assert detail["buckets"] == {"64x64": 2, "80x64": 2}
     assert detail["samples"][0]["image"]["type"] == "temp" and detail["saved"][0]["step"] == 3
@@ -150,3 +151,62 @@ def test_routes_on_aiohttp():
     assert detail_status == 200 and detail["history"]["step"] == [1]
     assert stop_status == 202 and registry.stop_wanted(run)
     assert missing_status == 404
+
+
+def test_pause_and_resume_are_flags_the_training_thread_reads():
+    registry = dashboard.Registry()
+    run = started(registry)
+    assert not registry.pause_wanted(run) and not registry.answer("GET", run.id)[1]["pause_requested"]
+    status, body = registry.answer("POST", run.id, "pause")
+    assert status == 202 and body["run"]["pause_requested"] and registry.pause_wanted(run)
+    assert registry.answer("POST", run.id, "stop")[0] == 202                   # Stop works while paused
+    assert registry.pause_wanted(run) and registry.stop_wanted(run)
+    status, body = registry.answer("POST", run.id, "resume")
+    assert status == 202 and not body["run"]["pause_requested"] and not registry.pause_wanted(run)
+    registry.answer("POST", run.id, "pause")
+    registry.finish(run, dashboard.STOPPED)
+    assert not run.summary()["pause_requested"]                                  # an ended run is not paused
+    assert registry.answer("POST", run.id, "resume")[0] == 409
+
+
+def test_held_out_losses_and_the_grid_are_in_the_answers():
+    registry = dashboard.Registry()
+    run = started(registry, start_step=2)
+    registry.preload(run, [1.0, 0.9], [1e-3, 1e-3], [[2, 0.95]])
+    plain = registry.record(run, Report(3))
+    assert plain["holdout_loss"] is None
+    payload = registry.record(run, Report(4, loss=None))
+    payload = registry.record(run, HeldOut(5, holdout_loss=0.8))
+    assert payload["holdout_loss"] == 0.8
+    event = registry.set_grid(run, 5, {"filename": "x-grid-step000005.jpg", "subfolder": "kiln", "type": "temp"})
+    assert event["step"] == 5 and event["image"]["filename"] == "x-grid-step000005.jpg"
+    detail = registry.answer("GET", run.id)[1]
+    assert detail["history"]["holdout_step"] == [2, 5] and detail["history"]["holdout"] == [0.95, 0.8]
+    assert detail["figures"]["holdout_loss"] == 0.8 and detail["grid"]["step"] == 5
+    registry.record(run, HeldOut(6, holdout_loss=float("nan")))
+    assert registry.answer("GET", run.id)[1]["history"]["holdout"] == [0.95, 0.8]   # no point for NaN
+
+
+@dataclass
+class HeldOut(Report):
+    holdout_loss: float | None = None
+
+
+def test_pause_route_on_aiohttp():
+    web = pytest.importorskip("aiohttp.web")
+    test_utils = pytest.importorskip("aiohttp.test_utils")
+    registry = dashboard.Registry()
+    run = started(registry)
+
+    async def scenario():
+        routes = web.RouteTableDef()
+        dashboard.add_routes(routes, registry)
+        app = web.Application()
+        app.add_routes(routes)
+        async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+            paused = await client.post(f"/kiln/runs/{run.id}/pause")
+            was = registry.pause_wanted(run)
+            resumed = await client.post(f"/kiln/runs/{run.id}/resume")
+            return paused.status, was, resumed.status, (await resumed.json())["run"]["pause_requested"]
+
+    assert asyncio.run(scenario()) == (202, True, 202, False)

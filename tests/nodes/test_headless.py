@@ -132,8 +132,13 @@ def test_headless_samples_its_prompts_into_the_run_folder_through_comfys_sampler
     run = tmp_path / "runs" / "sampled"
     assert "samples: 2 prompt(s) every 2 steps and at the end (and before the first step)" in out
     assert f"samples (6, newest step-000004-p1.png): {run / 'samples'}" in out
-    assert sorted(p.name for p in (run / "samples").iterdir()) == [
+    assert sorted(p.name for p in (run / "samples").iterdir()) == ["grid.png"] + [
         f"step-{step:06d}-p{index}.png" for step in (0, 2, 4) for index in (0, 1)]
+    # the grid: a column per prompt, a labelled row per sampling step (64 px samples, never upscaled)
+    grid_module = comfy_env.import_pack("trainer.sample_grid")
+    with Image.open(run / "samples" / "grid.png") as grid:
+        assert grid.size == (grid_module.LABEL_PX + 2 * (grid_module.CELL_PX + grid_module.GAP_PX),
+                             grid_module.HEADER_PX + 3 * (64 + grid_module.GAP_PX))
     assert not (tmp_path / "runs" / "plain" / "samples").exists()
     # The samples before the first step reach TensorBoard too (step 0), with those of steps 2 and 4.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -186,8 +191,11 @@ def test_sample_settings_are_outside_the_run_and_its_resume(tmp_path, monkeypatc
     assert headless.train_command(str(second), True, loaders=tiny_loaders) == 0
     samples = tmp_path / "runs" / "resumed" / "samples"
     assert sorted(p.name for p in samples.iterdir()) == [
-        "step-000000-p0.png", "step-000002-p0.png", "step-000003-p0.png", "step-000003-p1.png",
+        "grid.png", "step-000000-p0.png", "step-000002-p0.png", "step-000003-p0.png", "step-000003-p1.png",
         "step-000004-p0.png", "step-000004-p1.png"]
+    grid_module = comfy_env.import_pack("trainer.sample_grid")
+    with Image.open(samples / "grid.png") as grid:   # the resumed run's grid keeps the rows of steps 0 and 2
+        assert grid.height == grid_module.HEADER_PX + 4 * (64 + grid_module.GAP_PX)
     theirs, _ = lora_format.load_lora(tmp_path / "runs" / "straight" / "straight.safetensors")
     ours, _ = lora_format.load_lora(tmp_path / "runs" / "resumed" / "resumed.safetensors")
     assert same_lora(ours, theirs)

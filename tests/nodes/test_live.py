@@ -142,3 +142,60 @@ def test_checkpoint_loras_go_to_models_loras_kiln_and_leave_the_run_identity_alo
         assert bridge.unmatched_lora_keys(model, bridge.load_lora_file(comfy_dirs / "loras" / name)) == []
     again = train(False)
     assert "already trained" in again.ui.value and again.result[2].run_dir == state.run_dir
+
+
+def test_pause_resume_and_stop_while_paused_from_the_dashboard_with_the_grid_and_held_out_loss(comfy_dirs, monkeypatch):
+    """Pause after step 2: the loop waits inside the node (it is still executing: no further step, no event)
+    until Resume; a second Pause at step 4 ends by ComfyUI's own stop button, which saves a resumable
+    checkpoint at step 4. Samples every 2 steps build <run>/samples/grid.png (shown through kiln.grid), and
+    a held-out image gives the dashboard its second loss line."""
+    pause = comfy_env.import_pack("trainer.pause")
+    model, vae, clip = tc.tiny_flux2(comfy_dirs), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
+    ds = encoded_dataset(comfy_dirs, vae, clip)
+    validation = tn.KilnValidationSettings.execute(
+        positive=tc.conditioning(clip, "kiln"), negative=tc.conditioning(clip, ""), vae=vae, seed=0, steps=1,
+        cfg=1.0, sampler_name="euler", scheduler="simple", width=32, height=32, every=2).result[0]
+    events: list[tuple[str, dict]] = []
+    waits: list[int] = []
+
+    def send_event(name, data):
+        events.append((name, data))
+        if name == "kiln.progress" and data["step"] in (2, 4):
+            assert dashboard.REGISTRY.answer("POST", data["run_id"], "pause")[0] == 202
+        return True
+
+    def sleep(seconds):   # the paused loop polls: Resume at its 3rd wait, ComfyUI's stop in the second pause
+        step = [d for n, d in events if n == "kiln.progress"][-1]
+        waits.append(step["step"])
+        assert dashboard.REGISTRY.answer("GET", step["run_id"])[1]["pause_requested"]
+        if waits.count(step["step"]) == 3:
+            if step["step"] == 2:
+                assert dashboard.REGISTRY.answer("POST", step["run_id"], "resume")[0] == 202
+            else:
+                import comfy.model_management as mm
+                mm.interrupt_current_processing(True)
+
+    monkeypatch.setattr(pause.time, "sleep", sleep)
+    monkeypatch.setattr(bridge, "send_event", send_event)
+    monkeypatch.setattr(bridge, "executing_node", lambda: ("kiln-pause-test", "prompt-2"))
+    with pytest.raises(bridge.Interrupted):
+        tn.KilnTrainLoRA.execute(model, ds, steps=8, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw",
+                                 preset="none", backend="torch", seed=1, validation=validation,
+                                 options={"device": "cpu", "mixed_precision": "no", "checkpoint_every": 0,
+                                          "run_name": "paused", "log_every": 1, "holdout": 1, "holdout_every": 2})
+    import comfy.model_management as mm
+    mm.interrupt_current_processing(False)
+    assert waits == [2, 2, 2, 4, 4, 4]
+    progress = [data for name, data in events if name == "kiln.progress"]
+    assert [p["step"] for p in progress] == [1, 2, 3, 4]                     # nothing ran while paused
+    assert [p["holdout_loss"] is not None for p in progress] == [False, True, False, True]
+    assert events[-1][0] == "kiln.run" and events[-1][1]["status"] == "interrupted"
+    run_dir = next(p for p in (comfy_dirs / "output" / "kiln").iterdir() if p.name.startswith("paused"))
+    assert (run_dir / "step-000004" / "run.json").is_file()                # saved on ComfyUI's stop
+    grids = [data for name, data in events if name == "kiln.grid"]
+    assert [g["step"] for g in grids] == [2, 4]
+    assert (comfy_dirs / "temp" / grids[-1]["image"]["subfolder"] / grids[-1]["image"]["filename"]).is_file()
+    with Image.open(run_dir / "samples" / "grid.png") as grid:
+        assert grid.height > 2 * 32 and grid.width > 32                    # two rows of 32 px samples, labelled
+    assert sorted(p.name for p in (run_dir / "samples").glob("step-*.png")) == ["step-000002-p0.png",
+                                                                                 "step-000004-p0.png"]

@@ -6,7 +6,7 @@ import { test } from "node:test";
 
 import {
   RunStore, bucketBars, chartGeometry, eta, figures, formatBytes, formatDuration, formatLoss, formatRate, quantile,
-  smooth, ticks, viewQuery,
+  smooth, statusText, ticks, viewQuery,
 } from "../../web/kiln_dashboard_core.js";
 
 const close = (actual, expected, tolerance = 1e-12) =>
@@ -197,4 +197,50 @@ test("buckets: most entries first, bars relative to the largest", () => {
 test("sample URLs are ComfyUI /view queries with every part encoded", () => {
   assert.equal(viewQuery({ filename: "a b&c.jpg", subfolder: "kiln", type: "temp" }),
     "/view?filename=a+b%26c.jpg&subfolder=kiln&type=temp");
+});
+
+test("held-out loss: progress events and snapshots build its own series, the chart draws it on the loss scale", () => {
+  const store = new RunStore();
+  store.applyProgress(progress(1));
+  store.applyProgress(progress(2, { holdout_loss: 0.9 }));
+  let run = store.applyProgress(progress(3, { holdout_loss: null }));
+  assert.deepEqual([run.holdoutSteps, run.holdout], [[2], [0.9]]);
+  assert.equal(run.figures.holdout_loss, 0.9);
+  assert.equal(figures(run).find((f) => f.key === "holdout").value, formatLoss(0.9));
+  assert.equal(figures(store.applyProgress(progress(1, { run_id: "other" }))).some((f) => f.key === "holdout"), false);
+  run = store.applySnapshot({ id: "r1", status: "running", step: 1, total: 100,
+    history: { step: [1], loss: [1], lr_step: [1], lr: [1e-3], holdout_step: [1], holdout: [3] } });
+  assert.deepEqual([run.holdoutSteps, run.holdout], [[1, 2], [3, 0.9]]);     // the page's newer point kept
+  const g = chartGeometry(run, 400, 200);
+  assert.match(g.holdout, /^M[\d.]+,[\d.]+L/);
+  const ys = g.holdout.match(/-?\d+(\.\d+)?/g).map(Number).filter((_, i) => i % 2 === 1);
+  assert.ok(ys.every((y) => y >= g.pad.top - 1e-6 && y <= 200 - g.pad.bottom + 1e-6), "inside the box");
+  assert.ok(g.yTicks.some((t) => Number(t.label) >= 2), "the held-out values set the scale too");
+});
+
+test("pause: a summary's pause_requested reads as paused while running, and clears when the run ends", () => {
+  const store = new RunStore();
+  const run = store.applyProgress(progress(1));
+  assert.equal(statusText(run), "training");
+  store.applySummary({ id: "r1", status: "running", pause_requested: true });
+  assert.equal(run.pauseRequested, true);
+  assert.equal(statusText(run), "paused");
+  store.applySummary({ id: "r1", status: "running", pause_requested: false });
+  assert.equal(statusText(run), "training");
+  store.applySummary({ id: "r1", status: "running", pause_requested: true });
+  store.applySummary({ id: "r1", status: "stopped" });
+  assert.equal(run.pauseRequested, false);
+  assert.equal(statusText(run), "stopped");
+  assert.equal(statusText(null), "idle");
+});
+
+test("the sample grid: the newest one is kept, an older event never replaces it, snapshots carry it", () => {
+  const store = new RunStore();
+  const image = (step) => ({ filename: `r1-grid-step${step}.jpg`, subfolder: "kiln", type: "temp" });
+  store.applyGrid({ run_id: "r1", step: 4, image: image(4) });
+  let run = store.applyGrid({ run_id: "r1", step: 2, image: image(2) });
+  assert.deepEqual(run.grid, { step: 4, image: image(4) });
+  assert.equal(run.samples.length, 0); // a grid is not a sample
+  run = store.applySnapshot({ id: "r1", status: "running", step: 6, total: 10, grid: { step: 6, image: image(6) } });
+  assert.deepEqual(run.grid, { step: 6, image: image(6) });
 });

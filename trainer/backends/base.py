@@ -87,6 +87,10 @@ class Backend(Protocol):
 
     def update_ema(self) -> None: ...
 
+    def eval_loss(self, batches: list[Batch]) -> float:
+        """The mean weighted loss over every row of `batches`, without gradients, with the weights a user
+        keeps (EMA when on) and LoRA dropout off: the held-out loss (trainer/holdout.py). No update."""
+
     def scalars(self, values: list[Any]) -> list[float]:
         """Device scalars → floats, in one transfer."""
 

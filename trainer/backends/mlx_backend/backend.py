@@ -215,6 +215,13 @@ class MlxBackend:
         mx.eval(self.state, total, grad_norm, self.finite, self.key, pending_ema)
         return StepStats(loss=total, grad_norm=grad_norm, finite=self.finite)
 
+    def eval_loss(self, batches) -> float:
+        rows = [len(batch.sigmas) for batch in batches]
+        with self.sampling():   # outside a step the LoRA branches draw no dropout
+            losses = [self._micro_loss(*self._inputs(batch), 1) for batch in batches]
+            mx.eval(losses)
+        return float(np.dot(self.scalars(losses), rows) / sum(rows))
+
     def update_ema(self) -> None:
         if self.ema is not None:
             self.ema.update(self.lora.parameters(), getattr(self, "finite", None))

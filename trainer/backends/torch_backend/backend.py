@@ -249,6 +249,12 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(loss=total, grad_norm=grad_norm, finite=finite)
 
+    def eval_loss(self, batches) -> float:
+        rows = [len(batch.sigmas) for batch in batches]
+        with torch.no_grad(), self.sampling(), attention.kernel_context(self.attention):
+            losses = [self._micro_loss(batch) for batch in batches]   # device scalars, read in one transfer
+        return float(np.dot(self.scalars(losses), rows) / sum(rows))
+
     def update_ema(self) -> None:
         finite = getattr(self, "finite", True)   # the last step's: a host bool, or a device flag (fused)
         if self.ema is not None and finite is not False:
