@@ -9,39 +9,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from trainer import config as config_module
-from trainer.data import InMemoryData
-
-# Shared test helpers (lora_fixtures) import by module name, in the library and the node tests alike.
+# Shared test helpers (lora_fixtures, tiny_runs) import by module name, in the library and the node tests alike.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def tiny_model(seed: int = 0):
-    from trainer.tiny_dit import build_tiny_flux
-
-    return build_tiny_flux(seed, hidden=32, heads=2, double_blocks=1, single_blocks=1, in_channels=16,
-                           context_dim=32)
-
-
-def tiny_data(count: int = 6, seed: int = 0, shapes=((4, 4), (4, 6))) -> InMemoryData:
-    """Random latents [16,H,W] in two buckets, random [8,32] contexts."""
-    rng = np.random.default_rng(seed)
-    latents = [rng.standard_normal((16, *shapes[i % len(shapes)])).astype(np.float32) for i in range(count)]
-    contexts = [rng.standard_normal((8, 32)).astype(np.float32) for _ in range(count)]
-    return InMemoryData.from_arrays(latents, contexts, [f"img_{i}.png" for i in range(count)],
-                                    np.zeros((8, 32), np.float32))
-
-
-def tiny_config(**overrides) -> config_module.TrainConfig:
-    settings = dict(arch="demo", device="cpu", mixed_precision="no", steps=10, batch_size=2, rank=4, alpha=4.0,
-                    learning_rate=1e-3, checkpoint_every=0, keep_checkpoints=3, log_every=1,
-                    resolutions=[64], caption_dropout=0.0, gradient_checkpointing=False)
-    settings.update(overrides)
-    return config_module.from_dict(settings)
+from tiny_runs import tiny_config, tiny_data, tiny_model
 
 
 @pytest.fixture

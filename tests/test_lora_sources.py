@@ -76,10 +76,12 @@ def test_lora_files_load_everywhere_kiln_reads_a_lora(tmp_path, family, name):
     assert info["modules"] >= len(fixture.delta)  # diffusers parts are listed unfused
 
 
-def test_lokr_is_refused_where_only_lora_pairs_work(tmp_path):
+def test_an_ai_toolkit_lokr_in_comfy_keys_reads_as_a_lokr_adapter(tmp_path):
+    """ai-toolkit writes LoKr under ComfyUI's keys, the layout Kiln's own LoKr files have (trainer/adapter_files.py):
+    it reads as LoKr adapters (the LoRA-pair tools refuse those by name: tests/test_adapters.py)."""
     fixture = fx.build("flux2", "ai-toolkit LoKr", SHAPES["flux2"])
-    with pytest.raises(ValueError, match="LoKr/LoHa/diff weights, not LoRA pairs"):
-        lf.from_tensors(fixture.tensors)
+    adapters, fmt = lf.from_tensors(fixture.tensors)
+    assert fmt == "comfy" and adapters and {w.kind for w in adapters.values()} == {"lokr"}
 
 
 def test_convert_writes_a_comfy_file_and_records_the_source(tmp_path):

@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_data
 from PIL import Image
+from tiny_runs import tiny_data
 
 from trainer import config, safetensors_io
 from trainer.archs import get_arch
