@@ -92,9 +92,7 @@ def test_wandb_offline_run_files(tmp_path, make_model, make_data, make_config, m
     from wandb.proto import wandb_internal_pb2
 
     steps, config, images = [], {}, 0
-    for data in _wandb_records(next(runs[0].glob("*.wandb"))):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
+    for record in _finished_wandb_records(next(runs[0].glob("*.wandb")), wandb_internal_pb2.Record):
         if record.WhichOneof("record_type") == "history":
             items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
             steps.append(int(items["_step"]))
@@ -104,6 +102,29 @@ def test_wandb_offline_run_files(tmp_path, make_model, make_data, make_config, m
             config.update({item.key: item.value_json for item in record.config.update})
     assert steps == [1, 2, 3, 4] and images == 2
     assert config["rank"] == str(cfg.rank)
+
+
+def _finished_wandb_records(path, record_type, wait_s: float = 60.0) -> list:
+    """The records of a run's .wandb file once W&B's writer (a service process of its own) has written the run's
+    exit record: finish() can return while the service still flushes, which a loaded CI machine showed
+    (history records missing from a file read at once). A condition waited for, not a timing asserted."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        from google.protobuf.message import DecodeError
+
+        records = []
+        try:
+            for data in _wandb_records(path):
+                record = record_type()
+                record.ParseFromString(data)
+                records.append(record)
+        except DecodeError:   # a record still being written
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
 
 
 def _wandb_records(path):
