@@ -22,6 +22,7 @@ COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fai
 from comfy_server import CHROMIUM, NODE, TINY_FILES, make_workflows, require_browser, running, tiny_base  # noqa: E402
 
 DATASET = TINY_FILES["dataset"]
+EDITS = TINY_FILES["edit_dataset"]
 
 
 def fake_checkpoint(run_dir: Path, step: int) -> None:
@@ -48,7 +49,9 @@ def server(tmp_path_factory):
 
 def test_the_routes_list_datasets_and_runs_by_name(server):
     datasets = server.get("/kiln/folders/datasets")
-    assert datasets == {"root": "input", "folders": [{"name": DATASET, "detail": "4 images, 4 captions"}]}
+    # The test server's two datasets (tiny_base); an edit dataset's control/ images are not counted as its own.
+    assert datasets == {"root": "input", "folders": [{"name": DATASET, "detail": "4 images, 4 captions"},
+                                                     {"name": EDITS, "detail": "2 images, 2 captions"}]}
     runs = server.get("/kiln/folders/runs")
     assert runs == {"root": "output/kiln", "folders": [{"name": "portrait-0a1b2c3d4e", "detail": "step 12"}]}
 
@@ -82,7 +85,8 @@ def test_the_choose_button_types_the_picked_folder(server, tmp_path):
         assert len(seen["serialized"]) == len(slots), (seen["serialized"], slots)
         assert seen["serialized"][[s.removesuffix(".control") for s in slots].index(field)] == name
         assert seen["prompt"][field] == name and seen["label"] not in seen["prompt"], seen["prompt"]
-    assert report["nodes"]["KilnLoadDataset"]["menu"] == [f"{DATASET}   (4 images, 4 captions)"]
+    assert report["nodes"]["KilnLoadDataset"]["menu"] == [f"{DATASET}   (4 images, 4 captions)",
+                                                          f"{EDITS}   (2 images, 2 captions)"]
     assert report["nodes"]["KilnLoadRun"]["menu"] == ["portrait-0a1b2c3d4e   (step 12)"]
     kiln_errors = [e for e in report["console"] if "kiln" in (e["text"] + e["url"]).lower()]
     assert kiln_errors == [] and [e for e in report["pageErrors"] if "kiln" in e.lower()] == []

@@ -139,10 +139,13 @@ def test_a_launched_run_feeds_the_dashboard_and_returns_rank_0s_samples(comfy_di
     # Rank 0 loaded the VAE and text encoder; rank 1 the diffusion model alone.
     assert json.loads((run_dir / "loaded-rank0.json").read_text()) == {"encoders": True}
     assert json.loads((run_dir / "loaded-rank1.json").read_text()) == {"encoders": False}
-    # Rank 0 sampled both prompts before the first step, at step 2 and at the last; the IMAGE output is the
-    # last step's, as written.
+    # Rank 0 sampled both prompts before the first step, at step 2 and at the last, and wrote their grid
+    # (2 prompts across, 3 steps down; the parent writes nothing over the child's files); the IMAGE output is
+    # the last step's, as written.
     written = sorted(p.name for p in (run_dir / "samples").glob("*.png"))
-    assert written == [f"step-{s:06d}-p{i}.png" for s in (0, 2, 4) for i in (0, 1)]
+    assert written == ["grid.png", *(f"step-{s:06d}-p{i}.png" for s in (0, 2, 4) for i in (0, 1))]
+    with Image.open(run_dir / "samples" / "grid.png") as grid:
+        assert grid.width > 2 * 64 and grid.height > 3 * 64   # two 64 px prompts across, three steps down, labels
     assert images.shape == (2, 64, 64, 3)
     for index in (0, 1):
         with Image.open(run_dir / "samples" / f"step-000004-p{index}.png") as png:
