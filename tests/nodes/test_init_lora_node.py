@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 
+import comfy_env
 import numpy as np
 import pytest
 
-import comfy_env
-
 comfy_env.require_comfy()
 
-import tiny_comfy as tc  # noqa: E402
-from test_nodes import comfy_dirs, encoded_dataset, out, train  # noqa: E402,F401
+import tiny_comfy as tc
+from test_nodes import encoded_dataset, out, train
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 ln = comfy_env.import_pack("nodes.lora_nodes")
@@ -23,7 +22,7 @@ lora_sources = comfy_env.import_pack("trainer.lora_sources")
 
 
 @pytest.fixture(scope="module")
-def flux2(comfy_dirs, tmp_path_factory):  # noqa: F811
+def flux2(comfy_dirs, tmp_path_factory):
     model, vae, clip = tc.tiny_flux2(tmp_path_factory.mktemp("init")), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
     return model, encoded_dataset(comfy_dirs, vae, clip, "ds_init")
 
@@ -33,7 +32,7 @@ def near(trained: dict, start: dict, bound: float) -> bool:
                for k in start)
 
 
-def test_train_lora_continues_a_lora_model_and_names_it(comfy_dirs, flux2):  # noqa: F811
+def test_train_lora_continues_a_lora_model_and_names_it(comfy_dirs, flux2):
     model, ds = flux2
     first = train(model, ds, steps=3, options={"run_name": "init_first"})
     start_lora = first.result[1]
@@ -53,7 +52,7 @@ def test_train_lora_continues_a_lora_model_and_names_it(comfy_dirs, flux2):  # n
     assert json.loads(checkpoint_metadata["kiln.init_lora"]) == recorded
 
 
-def test_train_lora_starts_from_a_file_of_another_layout(comfy_dirs, flux2):  # noqa: F811
+def test_train_lora_starts_from_a_file_of_another_layout(comfy_dirs, flux2):
     model, ds = flux2
     first = train(model, ds, steps=2, options={"run_name": "init_source"})
     weights = bridge.lora_weights_from(first.result[1], "flux2_klein")

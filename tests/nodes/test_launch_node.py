@@ -21,7 +21,7 @@ import comfy.sd
 import folder_paths
 import tiny_comfy as tc
 import torch
-from test_nodes import comfy_dirs, out  # noqa: F401
+from test_nodes import out
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 dashboard = comfy_env.import_pack("nodes.dashboard")
@@ -44,7 +44,7 @@ def queue(dataset) -> object:
                         "", options=OPTIONS)
 
 
-def test_the_node_declares_file_inputs_and_refuses_a_missing_model(comfy_dirs):  # noqa: F811
+def test_the_node_declares_file_inputs_and_refuses_a_missing_model(comfy_dirs):
     schema = launch_nodes.KilnTrainLoRATorchrun.define_schema()
     names = [i.id for i in schema.inputs]
     assert names[:4] == ["arch", "model_file", "vae_file", "text_encoder_file"] and "gpus" in names
@@ -54,7 +54,7 @@ def test_the_node_declares_file_inputs_and_refuses_a_missing_model(comfy_dirs): 
                                                    "", 10, 1e-4, 4, 4.0, "none", 0, 2, "")
 
 
-def test_stop_leaves_a_checkpoint_and_queueing_again_resumes_to_the_lora(comfy_dirs, monkeypatch):  # noqa: F811
+def test_stop_leaves_a_checkpoint_and_queueing_again_resumes_to_the_lora(comfy_dirs, monkeypatch):
     dataset = comfy_dirs / "input" / "shapes"
     demo.make_dataset(dataset)
     seen: list[int] = []
@@ -110,7 +110,7 @@ def klein_files(tmp_path: Path) -> dict[str, Path]:
     return files
 
 
-def test_a_launched_run_feeds_the_dashboard_and_returns_rank_0s_samples(comfy_dirs, tmp_path, monkeypatch):  # noqa: F811
+def test_a_launched_run_feeds_the_dashboard_and_returns_rank_0s_samples(comfy_dirs, tmp_path, monkeypatch):
     files = klein_files(tmp_path)
     monkeypatch.setattr(bridge, "model_path", lambda folder, name: str(files[name]))
     monkeypatch.setattr(launch, "command", lambda config, processes, resume=False: [

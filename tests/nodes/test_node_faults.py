@@ -22,7 +22,7 @@ comfy_env.require_comfy()
 import comfy.model_management as mm  # noqa: E402
 import tiny_comfy as tc  # noqa: E402
 import torch  # noqa: E402
-from test_nodes import comfy_dirs, encoded_dataset, train  # noqa: E402,F401  (comfy_dirs is a fixture)
+from test_nodes import encoded_dataset, train  # noqa: E402
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 door_model = comfy_env.import_pack("nodes.comfy.model")      # what the training sequence calls

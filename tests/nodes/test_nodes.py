@@ -10,17 +10,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import comfy_env
 import numpy as np
 import pytest
 from PIL import Image
 
-import comfy_env
-
 comfy_env.require_comfy()
 
-import folder_paths  # noqa: E402
-import tiny_comfy as tc  # noqa: E402
-import torch  # noqa: E402
+import tiny_comfy as tc
+import torch
 
 pack = comfy_env.import_pack("nodes.extension")
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
@@ -30,17 +28,6 @@ ln = comfy_env.import_pack("nodes.lora_nodes")
 run = comfy_env.import_pack("nodes.run")
 safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
 lora_format = comfy_env.import_pack("trainer.lora_format")
-
-
-@pytest.fixture(scope="module")
-def comfy_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("comfy")
-    for name in ("input", "output", "loras"):
-        (root / name).mkdir()
-    folder_paths.set_input_directory(str(root / "input"))
-    folder_paths.set_output_directory(str(root / "output"))
-    folder_paths.folder_names_and_paths["loras"] = ([str(root / "loras")], folder_paths.supported_pt_extensions)
-    return root
 
 
 def make_dataset(folder: Path, count: int = 4) -> Path:

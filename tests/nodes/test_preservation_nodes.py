@@ -13,7 +13,6 @@ from PIL import Image
 
 comfy_env.require_comfy()
 
-import folder_paths
 import tiny_comfy as tc
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
@@ -22,15 +21,6 @@ tn = comfy_env.import_pack("nodes.train_nodes")
 run = comfy_env.import_pack("nodes.run")
 
 
-@pytest.fixture(scope="module")
-def comfy_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("comfy_preserve")
-    for name in ("input", "output", "loras"):
-        (root / name).mkdir()
-    folder_paths.set_input_directory(str(root / "input"))
-    folder_paths.set_output_directory(str(root / "output"))
-    folder_paths.folder_names_and_paths["loras"] = ([str(root / "loras")], folder_paths.supported_pt_extensions)
-    return root
 
 
 def make_images(folder: Path, count: int, caption: str, seed: int) -> None:
