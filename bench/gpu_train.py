@@ -590,6 +590,41 @@ class LeverNotes(logging.Handler):
         return {"kiln_compiled": bool(compiled), "kiln_budget": float(budget), "kiln_levers_note": text}
 
 
+class BenchCompanions:
+    """Bench only: what issue 21's techniques read from a dataset, for synthetic inputs. Row settings
+    `bench_dop=on` (DOP's class-word captions: each caption reversed, the same length; preservation_weight 1),
+    `bench_mask=on` (a mask over the left half of each latent), `bench_controls=N` (N reference latents per
+    image, each the image's own latent: edit training's extra tokens)."""
+
+    def __init__(self, data, inputs: Inputs, dop: bool, mask: bool, controls: int):
+        self.data, self.inputs, self.dop, self.with_mask, self.count = data, inputs, dop, mask, controls
+
+    @classmethod
+    def wrap(cls, data, inputs: Inputs, settings: dict):
+        dop, mask = settings.pop("bench_dop", False), settings.pop("bench_mask", False)
+        controls = int(settings.pop("bench_controls", 0))
+        if dop:
+            settings.update(preservation_weight=1.0, preservation_class="person", trigger_word="ohwx")
+        return cls(data, inputs, bool(dop), bool(mask), controls) if dop or mask or controls else data
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)
+
+    def preservation_context(self, index: int, variant: int = 0):
+        return self.inputs.contexts[index][::-1].copy() if self.dop else None
+
+    def mask(self, index: int):
+        if not self.with_mask:
+            return None
+        height, width = self.inputs.latents[index].shape[-2:]
+        weights = np.zeros((1, height, width), np.float32)
+        weights[..., : width // 2] = 1.0
+        return weights
+
+    def controls(self, index: int) -> list:
+        return [self.inputs.latents[index].copy() for _ in range(self.count)]
+
+
 def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targets: str, checkpointing: bool,
              resolution: int = 1024,
              steps: int, warmup: int, timing: str, device: torch.device, dtype: str, settings: dict | None = None,
@@ -605,6 +640,8 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
         data_module.InMemoryData.from_arrays(inputs.latents, inputs.contexts, [f"img{i}.png" for i in range(batch)],
                                              np.zeros_like(inputs.contexts[0])),
         lambda raw: bridge.latents_in(model, raw))
+    settings = dict(settings or {})
+    data = BenchCompanions.wrap(data, inputs, settings)
     cfg = config.from_dict(dict(
         arch=arch_name, device="auto", mixed_precision="bf16" if dtype == "bf16" else "no", rank=32, alpha=32.0,
         targets=["re:.*"] if targets == "all" else [], optimizer="adamw", learning_rate=1e-4,
@@ -806,7 +843,7 @@ def _settings(text: str) -> dict:
         if key == "base":   # bench only: bf16 or fp8 storage of the frozen base
             out[key] = value
             continue
-        if key in ("native", "fp8_bwd", "fp8_matmul"):  # bench only (see above)
+        if key in ("native", "fp8_bwd", "fp8_matmul", "bench_dop", "bench_mask"):  # bench only (see above)
             out[key] = _bool(value)
             continue
         for kind in (int, float, _bool, str):   # e.g. 7, 0.4, on, cudnn
