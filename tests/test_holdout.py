@@ -211,3 +211,19 @@ def test_each_evaluation_goes_to_the_history_and_the_loggers(tmp_path, make_data
     assert judge.best_lora is None and not (tmp_path / "best").exists()
     assert not holdout.Judge(cfg, get_arch("demo"), make_data(), [], run_dir=tmp_path, history=history,
                              sinks=Sinks()).maybe(2, None, dict)       # nothing held out: inert
+
+
+def test_held_out_batches_carry_the_images_mask_and_references(make_data, make_config):
+    """A held-out image is scored as its training batches are built: its loss mask (clamped) and, in an edit
+    dataset, its reference latents repeated over the evaluation's rows."""
+    data = make_data()
+    data.masks = [np.full((1, *data.latents[i].shape[-2:]), 0.5, np.float32) for i in range(len(data.latents))]
+    data.control_latents = [[data.latents[i] + 1.0] for i in range(len(data.latents))]
+    cfg = make_config(holdout=1, holdout_sigmas=3, batch_size=2, unmasked_weight=0.6)
+    chunks = holdout.batches(data, [0], cfg, get_arch("flux2_klein"))
+    assert [len(b.sigmas) for b in chunks] == [2, 1]
+    for batch in chunks:
+        rows = len(batch.sigmas)
+        assert batch.mask.shape == (rows, 1, *data.latents[0].shape[-2:]) and np.all(batch.mask == 0.6)  # clamped
+        (references,) = [v for v in batch.extras.values() if isinstance(v, list)]
+        assert len(references) == 1 and np.array_equal(references[0], np.repeat(data.latents[0][None] + 1.0, rows, 0))

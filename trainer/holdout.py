@@ -72,6 +72,7 @@ def batches(data, held: list[int], cfg: TrainConfig, arch: Arch) -> list:
     """The held-out Batches: per image its holdout_sigmas rows, in chunks of batch_size rows (no more than a
     training micro-batch, so an evaluation needs no more memory than a step); same draws every call."""
     from .backends.base import Batch
+    from .companion_batch import mask_weights, reference_extras
 
     out = []
     for index in held:
@@ -79,12 +80,18 @@ def batches(data, held: list[int], cfg: TrainConfig, arch: Arch) -> list:
         noise = np.random.default_rng([cfg.seed, _DRAW_STREAM, index]).standard_normal(
             (cfg.holdout_sigmas, *latent.shape), dtype=np.float32)              # [K,C,H,W]
         levels, context = sigmas(cfg.holdout_sigmas), data.context(index, 0)
+        # The image's loss mask and reference latents (edit datasets), as its training batches carry them.
+        mask = mask_weights([data.mask(index)], (1, *latent.shape), cfg.unmasked_weight)     # [1,1,H,W] or None
+        references = reference_extras([data.controls(index)], arch, [data.name(index)])      # {key: [[1,C,h,w]]}
         for start in range(0, cfg.holdout_sigmas, cfg.batch_size):
             rows = slice(start, min(start + cfg.batch_size, cfg.holdout_sigmas))
             count = rows.stop - rows.start
+            extras = {**arch.model_extras(count, [context.shape[0]] * count),
+                      **{key: [np.repeat(a, count, axis=0) for a in slots] for key, slots in references.items()}}
             out.append(Batch(latents=np.repeat(latent[None], count, axis=0), noise=noise[rows], sigmas=levels[rows],
                              weights=np.ones(count, np.float32), context=arch.collate_context([context] * count),
-                             extras=arch.model_extras(count, [context.shape[0]] * count), items=[data.name(index)]))
+                             extras=extras, items=[data.name(index)],
+                             mask=None if mask is None else np.repeat(mask, count, axis=0)))
     return out
 
 
