@@ -89,5 +89,5 @@ def clip_loader_choices() -> dict:
     dataset editor builds a CLIPLoader → Kiln Caption Images prompt from them)."""
     import nodes as comfy_nodes  # ComfyUI's own nodes.py (this pack is imported under its folder's name)
 
-    spec = comfy_nodes.NODE_CLASS_MAPPINGS["CLIPLoader"].INPUT_TYPES()["required"]
+    spec = comfy_nodes.CLIPLoader.INPUT_TYPES()["required"]
     return {"clips": list(spec["clip_name"][0]), "clip_types": list(spec["type"][0])}
