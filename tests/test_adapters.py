@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import adapters, config, lora_format, safetensors_io, state
+from trainer import adapters, config, lora_format, lora_report, safetensors_io, state
 from trainer.adapters import AdapterWeights, factorization
 from trainer.backends.torch_backend.lora import LoraSet
 from trainer.loop import train
@@ -131,7 +131,7 @@ def test_file_round_trip(tmp_path, name, fmt):
     assert list(back) == list(lora) and loaded.kind == _kind(name) and loaded.alpha == 3.0
     for role, array in lora["double_blocks.0.img_attn.qkv"].tensors.items():
         assert np.array_equal(loaded.tensors[role], array), role
-    info = lora_format.describe(path)
+    info = lora_report.describe(path)
     assert info["adapter"] == [_kind(name)] and info["parameters"] == loaded.size
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer import lora_format as lf
-from trainer import safetensors_io
+from trainer import lora_report, safetensors_io
 from trainer.archs import DiffusersRule, get_arch
 from trainer.lora_format import LoraWeights
 
@@ -288,7 +288,7 @@ def test_metadata_contents():
 def test_describe(tmp_path):
     path = tmp_path / "lora.safetensors"
     lf.save_lora(path, make_lora(ZIMAGE_MODULES), arch="zimage", fmt="diffusers", metadata=_metadata())
-    info = lf.describe(path)
+    info = lora_report.describe(path)
     assert info["format"] == "diffusers" and info["modules"] == 6  # qkv split into 3
     assert info["ranks"] == [RANK] and info["alphas"] == [float(RANK)]  # scales 2..2.75 folded into B
     assert info["dtypes"] == ["BF16"] and info["metadata"]["kiln.arch"] == "zimage"  # no F32 alpha scalars
@@ -297,7 +297,7 @@ def test_describe(tmp_path):
 def test_describe_lists_each_module_with_dotted_paths(tmp_path):
     path = tmp_path / "lora.safetensors"
     lf.save_lora(path, make_lora(ZIMAGE_MODULES), arch="zimage", fmt="kohya", metadata=_metadata())
-    info = lf.describe(path)
+    info = lora_report.describe(path)
     rows = {row["name"]: row for row in info["module_table"]}
     assert sorted(rows) == sorted(ZIMAGE_MODULES)  # kohya's '_' names back as module paths (kiln.module_paths)
     assert {row["dtype"] for row in rows.values()} == {"BF16"} and {row["rank"] for row in rows.values()} == {RANK}

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from trainer import lora_format as lf
+from trainer import lora_report, safetensors_io
 from trainer import lora_sources as ls
-from trainer import safetensors_io
 from trainer.__main__ import main
 
 HIDDEN = 64
@@ -72,7 +72,7 @@ def test_lora_files_load_everywhere_kiln_reads_a_lora(tmp_path, family, name):
     safetensors_io.write(path, fixture.tensors, fixture.metadata)
     lora, _ = lf.load_lora(path)
     assert sorted(lora) == sorted(fixture.delta)
-    info = lf.describe(path)
+    info = lora_report.describe(path)
     assert info["modules"] >= len(fixture.delta)  # diffusers parts are listed unfused
 
 

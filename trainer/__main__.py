@@ -252,7 +252,7 @@ def cmd_cache(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .lora_format import describe
+    from .lora_report import describe
 
     info = describe(args.lora)
     if args.json:

@@ -50,8 +50,6 @@ def describe(path, lora: Lora, fmt: str, metadata, header) -> dict:
                                                                               name.replace(".", "_")), w)
                                    if not k.endswith((".alpha", ".dora_scale")))]["dtype"],
               "tensors": {role: list(t.shape) for role, t in w.tensors.items()}} for name, w in lora.items()]
-    return {"path": str(path), "format": fmt, "adapter": sorted({w.kind for w in lora.values()}),
-            "modules": len(lora), "ranks": sorted({w.rank for w in lora.values()}),
-            "alphas": sorted({w.alpha for w in lora.values()}),
-            "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
-            "parameters": sum(row["parameters"] for row in table), "module_table": table}
+    from .lora_report import summary  # lora_report reads through lora_format, which calls in here
+
+    return {**summary(path, fmt, lora, table, metadata, header), "adapter": sorted({w.kind for w in lora.values()})}

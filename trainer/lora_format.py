@@ -263,11 +263,9 @@ def from_tensors(tensors: Mapping[str, np.ndarray], *, arch: Arch | str | None =
                  source: str = "tensors") -> tuple[Lora, str]:
     """Read a LoRA of any trainer's key layout (lora_sources.py); arch and module names default to the
     file's metadata. Returns (LoRA, 'comfy' | 'diffusers' | 'kohya' | 'foreign')."""
-    from . import lora_sources  # it builds on this module's key handling
+    from . import adapter_files, lora_sources  # both build on this module's key handling
 
     metadata = metadata or {}
-    from . import adapter_files
-
     own_adapters = adapter_files.read(tensors, metadata, source)
     if own_adapters is not None:
         return own_adapters
@@ -320,42 +318,6 @@ def load_lora(path, *, arch: Arch | str | None = None, module_names=None) -> tup
     tensors, metadata = safetensors_io.read(path)
     lora, _ = from_tensors(tensors, arch=arch, module_names=module_names, metadata=metadata, source=str(path))
     return lora, metadata
-
-
-def describe(path) -> dict:
-    """What `python -m trainer inspect` prints; works without arch or module names."""
-    tensors, metadata = safetensors_io.read(path)
-    header, _ = safetensors_io.read_header(path)
-    from . import adapter_files
-
-    own_adapters = adapter_files.read(tensors, metadata, str(path))
-    if own_adapters is not None:
-        return adapter_files.describe(path, *own_adapters, metadata, header)
-    if not _native(tensors) or len({n for k in tensors for n, f in FORMATS.items() if k.startswith(f.key_prefix)}) != 1:
-        return _describe_foreign(path, tensors, metadata, header)
-    fmt = detect_format(tensors, str(path))
-    prefix = FORMATS[fmt].key_prefix
-    modules = _split_keys(tensors, prefix, str(path))  # file's modules, unfused
-    dotted = {p.replace(".", "_"): p for p in _module_paths(metadata, str(path)) or []}  # kohya's '_' names
-    table = [{"name": dotted.get(name, name), "rank": w.rank, "alpha": w.alpha, "parameters": w.A.size + w.B.size,
-              "dtype": header[prefix + name + next(s for s in (".lora_A.weight", ".lora_down.weight")
-                                                   if prefix + name + s in header)]["dtype"]}
-             for name, w in modules.items()]
-    return {"path": str(path), "format": fmt, "modules": len(modules),
-            "ranks": sorted({w.rank for w in modules.values()}), "alphas": sorted({w.alpha for w in modules.values()}),
-            "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
-            "parameters": sum(row["parameters"] for row in table), "module_table": table}
-
-
-def _describe_foreign(path, tensors, metadata, header) -> dict:
-    """Another trainer's file, as Kiln reads it (fused, in ComfyUI paths)."""
-    lora = from_tensors(tensors, metadata=metadata, source=str(path))[0]
-    table = [{"name": name, "rank": w.rank, "alpha": w.alpha, "parameters": w.A.size + w.B.size, "dtype": "F32"}
-             for name, w in lora.items()]
-    return {"path": str(path), "format": "foreign (read as comfy paths)", "modules": len(lora),
-            "ranks": sorted({w.rank for w in lora.values()}), "alphas": sorted({w.alpha for w in lora.values()}),
-            "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
-            "parameters": sum(row["parameters"] for row in table), "module_table": table}
 
 
 def export(src, dst, fmt: str, *, arch: Arch | str | None = None) -> None:

@@ -4,11 +4,54 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from collections.abc import Mapping
+
+from . import safetensors_io
+from .lora_format import FORMATS, _module_paths, _native, _split_keys, detect_format, from_tensors
 
 _SHOWN = ("kiln.arch", "kiln.steps", "kiln.trigger_words", "kiln.config", "kiln.format", "kiln.module_paths")
 _BLOCK = re.compile(r"^([^.]+\.\d+)\.(.+)$")   # double_blocks.0.img_attn.qkv -> double_blocks.0, img_attn.qkv
 _KOHYA_BLOCK = re.compile(r"^(.+?_\d+)_(.+)$")  # kohya's '_' names when the file has no kiln.module_paths
 _DTYPE_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+
+
+def describe(path) -> dict:
+    """What `python -m trainer inspect` prints; works without arch or module names."""
+    from . import adapter_files  # it builds on lora_format
+
+    tensors, metadata = safetensors_io.read(path)
+    header, _ = safetensors_io.read_header(path)
+    own_adapters = adapter_files.read(tensors, metadata, str(path))
+    if own_adapters is not None:
+        return adapter_files.describe(path, *own_adapters, metadata, header)
+    if not _native(tensors) or len({n for k in tensors for n, f in FORMATS.items() if k.startswith(f.key_prefix)}) != 1:
+        return _describe_foreign(path, tensors, metadata, header)
+    fmt = detect_format(tensors, str(path))
+    prefix = FORMATS[fmt].key_prefix
+    modules = _split_keys(tensors, prefix, str(path))  # file's modules, unfused
+    dotted = {p.replace(".", "_"): p for p in _module_paths(metadata, str(path)) or []}  # kohya's '_' names
+    table = [{"name": dotted.get(name, name), "rank": w.rank, "alpha": w.alpha, "parameters": w.A.size + w.B.size,
+              "dtype": header[prefix + name + next(s for s in (".lora_A.weight", ".lora_down.weight")
+                                                   if prefix + name + s in header)]["dtype"]}
+             for name, w in modules.items()]
+    return summary(path, fmt, modules, table, metadata, header)
+
+
+def _describe_foreign(path, tensors, metadata, header) -> dict:
+    """Another trainer's file, as Kiln reads it (fused, in ComfyUI paths)."""
+    lora = from_tensors(tensors, metadata=metadata, source=str(path))[0]
+    table = [{"name": name, "rank": w.rank, "alpha": w.alpha, "parameters": w.A.size + w.B.size, "dtype": "F32"}
+             for name, w in lora.items()]
+    return summary(path, "foreign (read as comfy paths)", lora, table, metadata, header)
+
+
+def summary(path, fmt: str, weights: Mapping, table: list[dict], metadata, header) -> dict:
+    """describe()'s dict (lora_report.py prints it) from a file's modules (anything with rank and alpha) and
+    their table rows."""
+    return {"path": str(path), "format": fmt, "modules": len(weights),
+            "ranks": sorted({w.rank for w in weights.values()}), "alphas": sorted({w.alpha for w in weights.values()}),
+            "dtypes": sorted({entry["dtype"] for entry in header.values()}), "metadata": dict(metadata),
+            "parameters": sum(row["parameters"] for row in table), "module_table": table}
 
 
 def non_default_settings(config_json: str) -> list[tuple[str, object]] | None:
@@ -46,7 +89,7 @@ def _number(value: float) -> str:
 
 
 def format_description(info: dict) -> str:
-    """lora_format.describe()'s dict as readable lines."""
+    """describe()'s dict as readable lines."""
     meta = info["metadata"]
     lines = [info["path"], f"  format         {info['format']}", f"  arch           {meta.get('kiln.arch', '(not recorded)')}"]
     if "kiln.steps" in meta:
