@@ -587,14 +587,17 @@ class LeverNotes(logging.Handler):
         budget = cfg.checkpoint_budget if cfg.checkpoint_budget != "auto" else float(found.group(1)) if found else 0.0
         if "compile failed" in text:
             compiled, budget = False, 0.0
-        return {"kiln_compiled": bool(compiled), "kiln_budget": float(budget), "kiln_levers_note": text}
+        fp8 = cfg.fp8_compute if cfg.fp8_compute != "auto" else "fp8_compute auto → on" in text
+        return {"kiln_compiled": bool(compiled), "kiln_budget": float(budget), "kiln_fp8_compute": bool(fp8),
+                "kiln_cuda_graphs": bool(cfg.cuda_graphs) and bool(compiled), "kiln_levers_note": text}
 
 
 class BenchCompanions:
     """Bench only: what issue 21's techniques read from a dataset, for synthetic inputs. Row settings
     `bench_dop=on` (DOP's class-word captions: each caption reversed, the same length; preservation_weight 1),
     `bench_mask=on` (a mask over the left half of each latent), `bench_controls=N` (N reference latents per
-    image, each the image's own latent: edit training's extra tokens)."""
+    image, each the image's own latent: edit training's extra tokens); `bench_images=N` (run_row: N images,
+    e.g. for a held-out split)."""
 
     def __init__(self, data, inputs: Inputs, dop: bool, mask: bool, controls: int):
         self.data, self.inputs, self.dop, self.with_mask, self.count = data, inputs, dop, mask, controls
@@ -637,7 +640,8 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
     if detected != arch_name:
         raise RuntimeError(f"bridge.detect_arch says {detected!r} for the {dims.variant} model, expected {arch_name!r}")
     data = data_module.MappedLatents(
-        data_module.InMemoryData.from_arrays(inputs.latents, inputs.contexts, [f"img{i}.png" for i in range(batch)],
+        data_module.InMemoryData.from_arrays(inputs.latents, inputs.contexts,
+                                             [f"img{i}.png" for i in range(len(inputs.latents))],
                                              np.zeros_like(inputs.contexts[0])),
         lambda raw: bridge.latents_in(model, raw))
     settings = dict(settings or {})
@@ -674,6 +678,7 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
             profiler.on_step(report.step)
 
         notes = LeverNotes()   # what compile_blocks / checkpoint_budget "auto" decided (the backend's log line)
+        skips_before = _cudagraph_skips()
         try:
             before = time.perf_counter()
             result = loop.train(cfg, module, data, run_dir=run_dir, forward=bridge.make_forward(model, arch_name),
@@ -682,6 +687,8 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
             counter.remove()
             notes.remove()
     out.update(notes.levers(cfg))
+    # compiled graphs inductor ran without CUDA graphs although asked (cuda_graphs): each skip costs the speed
+    out["kiln_cudagraph_skips"] = _cudagraph_skips() - skips_before
     stats = timed_stats(clock.durations()[:steps - 1], warmup)
     losses = [float(v) for v in result.history.loss][:steps]
     # Step 1 from the train() call (LoRA injection, and compiling when compile_blocks is on), then the
@@ -701,6 +708,11 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
     if profiler.result:
         out["kiln_profile"] = profiler.result
     return out
+
+
+def _cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
 # ---------------------------------------------------------------- native
@@ -1033,7 +1045,8 @@ def summary(r: dict) -> str:
 def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     """Kiln then native on one model and one set of inputs → the record."""
     text_tokens = opts.zimage_tokens if family_of(dims) == "zimage" else FLUX2_TEXT_TOKENS
-    inputs = make_inputs(dims, row.resolution, row.batch, text_tokens)
+    # bench_images=N: N images instead of one per batch row (a held-out split needs images to hold out)
+    inputs = make_inputs(dims, row.resolution, max(row.batch, int(row.settings.get("bench_images", 0))), text_tokens)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **opts.common,
               "arch": row.arch, "variant": dims.variant, "resolution": row.resolution, "batch": row.batch,
               "targets": row.targets, "checkpointing": row.checkpointing, "image_tokens": inputs.img_tokens,
@@ -1042,6 +1055,7 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     device, rate = opts.device, opts.rate * 1e12
     started = time.perf_counter()
     settings = dict(row.settings)
+    settings.pop("bench_images", None)
     saved_attention = settings.pop("saved_attention", True)
     with_native = settings.pop("native", True) and not opts.no_native
     record["base_dtype"] = settings.pop("base", "bf16")

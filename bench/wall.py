@@ -144,7 +144,7 @@ def run(args) -> dict:
     lora_format = prepare.import_pack("trainer.lora_format")
     device = mm.get_torch_device()
     checkpointing = prepare.import_pack("trainer.backends.torch_backend.checkpointing")
-    checkpointing.COMPILE_DYNAMIC = {"true": True, "default": None}[args.compile_dynamic]
+    checkpointing.COMPILE_DYNAMIC = {"true": True, "default": checkpointing.COMPILE_DYNAMIC}[args.compile_dynamic]
     dims = gpu_train.TINY[args.arch] if args.tiny else VARIANTS[gpu_train.ARCH_VARIANTS[args.arch]]
     arch_name, arch = dims.arch, get_arch(dims.arch)
     dtype = torch.float32 if args.tiny and device.type == "cpu" else torch.bfloat16
@@ -159,9 +159,10 @@ def run(args) -> dict:
                              vae=LatentVAE(), seed=42 + k, steps=args.sample_steps or sampling.steps, cfg=sampling.cfg,
                              sampler_name=sampling.sampler, scheduler=sampling.scheduler, width=side, height=side)
                for k in range(PROMPTS)]
+    overrides = gpu_train._settings(args.settings)
     cfg = config.from_dict(dict(arch=arch_name, device="auto", mixed_precision="bf16" if dtype == torch.bfloat16 else "no",
                                 steps=args.steps, resolutions=resolutions, checkpoint_every=args.every,
-                                batch_by=args.batch_by, seed=0))
+                                batch_by=args.batch_by, seed=0, **overrides))
     phases = Phases(device)
     forward = bridge.make_forward(patcher, arch_name)
 
@@ -175,8 +176,8 @@ def run(args) -> dict:
               "torch": torch.__version__, "arch": args.arch, "variant": dims.variant, "steps": args.steps,
               "images": args.images, "resolutions": resolutions, "entries": len(data.names) if hasattr(data, "names") else None,
               "every": args.every, "prompts": PROMPTS, "sample_steps": samples[0].steps, "sample_size": side,
-              "batch_by": args.batch_by, "compile_dynamic": args.compile_dynamic, "params": build["params"], "kiln_settings": {} if args.batch_by == "images"
-              else {"batch_by": args.batch_by}}
+              "batch_by": args.batch_by, "compile_dynamic": args.compile_dynamic, "params": build["params"], "kiln_settings": {**overrides,
+                                                                  **({} if args.batch_by == "images" else {"batch_by": args.batch_by})}}
     notes = gpu_train.LeverNotes()
     save_checkpoint = loop.state.save_checkpoint
     loop.state.save_checkpoint = phases.timed("saving", save_checkpoint)
@@ -226,9 +227,11 @@ def main(argv=None) -> int:
     parser.add_argument("--sample-size", type=int, default=1024)
     parser.add_argument("--sample-steps", type=int, default=0, help="0: the family's default")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--compile-dynamic", default="true", choices=["true", "default"],
-                        help="true: Kiln's (shapes symbolic from the first compile); default: dynamo's (static, "
-                             "then dynamic at the second shape)")
+    parser.add_argument("--compile-dynamic", default="default", choices=["true", "default"],
+                        help="default: Kiln's (checkpointing.COMPILE_DYNAMIC: dynamo's static, then dynamic at the "
+                             "second shape); true: shapes symbolic from the first compile")
+    parser.add_argument("--settings", default="", help="Kiln config overrides as bench/gpu_train.py's rows take "
+                                                       "them, e.g. cuda_graphs=on+checkpoint_budget=0.5")
     parser.add_argument("--tiny", action="store_true", help="tiny dims on the same path (CPU is fine)")
     parser.add_argument("--out", required=True, help="JSON list to append the record to")
     args = parser.parse_args(argv)

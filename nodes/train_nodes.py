@@ -33,13 +33,16 @@ SHIPPED_OPTION_ORDER = (
     "attention", "timestep_sampling", "logit_mean", "logit_std", "shift_mode", "shift", "content_or_style",
     "loss_weighting", "ema", "ema_decay", "run_name", "checkpoint_every", "keep_checkpoints", "log_every",
     "save_dtype", "lora_format")
-# Preservation's weights (issue 21) came after every other option: last, wherever config.py lists them, so
-# workflows saved before keep their positions.
-PRESERVATION_OPTIONS = ("preservation_weight", "reg_weight")
+# Fields added since 0.1.0, in the order main has served them (session workflows saved with them keep their
+# positions); a field added to config.py later goes after these, wherever config.py lists it.
+OPTIONS_SINCE_0_1 = (
+    "batch_by", "fp8_compute", "unmasked_weight", "checkpoint_loras", "log_tensorboard", "wandb_project",
+    "wandb_mode", "adapter", "lokr_factor", "lokr_full_w2", "holdout", "holdout_every", "holdout_sigmas",
+    "early_stop_patience", "early_stop_min_delta", "preservation_weight", "reg_weight")
 _OPTION_NAMES = [name for name in cfg_module.FIELDS if name not in TRAIN_WIDGETS + DATASET_FIELDS + NOT_IN_GRAPH]
-OPTION_FIELDS = tuple([name for name in SHIPPED_OPTION_ORDER if name in _OPTION_NAMES]
-                      + [name for name in _OPTION_NAMES if name not in SHIPPED_OPTION_ORDER + PRESERVATION_OPTIONS]
-                      + list(PRESERVATION_OPTIONS))
+_PINNED = SHIPPED_OPTION_ORDER + OPTIONS_SINCE_0_1
+OPTION_FIELDS = tuple([name for name in _PINNED if name in _OPTION_NAMES]
+                      + [name for name in _OPTION_NAMES if name not in _PINNED])
 LIST_FIELDS = {"targets": str}
 
 

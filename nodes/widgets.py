@@ -33,9 +33,14 @@ AUTO_WIDGETS = {
                                 "largest share whose estimated peak leaves a margin of the GPU's free memory."),
 }
 
+# "auto" settings added after 0.1.0 are combos of three words (no saved workflow holds another type for them).
+TRISTATE = {"fp8_compute": {"auto": cfg_module.AUTO, "on": True, "off": False}}
+
 
 def from_widget(name: str, value):
     """A widget's value as config.py takes it: the auto widgets' "auto" values become "auto"."""
+    if name in TRISTATE and isinstance(value, str):
+        return TRISTATE[name].get(value, value)
     if name == "compile_blocks":
         return cfg_module.AUTO if value is True else value
     if name == "checkpoint_budget" and isinstance(value, (int, float)) and value < 0:
@@ -51,6 +56,9 @@ def widget(name: str, *, default=None, tooltip_text: str | None = None, optional
     if name in AUTO_WIDGETS and value == cfg_module.AUTO:
         value, tooltip_text = AUTO_WIDGETS[name][0], tooltip_text or AUTO_WIDGETS[name][1]
     common = dict(tooltip=tooltip_text or cfg_module.HELP[name], optional=optional, display_name=display_name)
+    if name in TRISTATE:
+        words = {config_value: word for word, config_value in TRISTATE[name].items()}
+        return io.Combo.Input(name, options=list(TRISTATE[name]), default=words[value], **common)
     if name in cfg_module.CHOICES:
         return io.Combo.Input(name, options=list(cfg_module.CHOICES[name]), default=value, **common)
     if field.type in ("bool", bool):

@@ -195,7 +195,7 @@ def cmd_estimate(args) -> int:
                         mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
                         preservation=cfg.preservation_weight > 0,
                         **({"checkpoint_budget": budget} if budget else {}),  # torch only
-                        **({"fp8_compute": True} if cfg.fp8_compute else {}),
+                        **({"fp8_compute": True} if cfg.fp8_compute is True else {}),   # auto: no copies
                         **({"reference_images": references} if references else {}),
                         **({"adapter": cfg.adapter, "lokr_factor": cfg.lokr_factor, "lokr_full_w2": cfg.lokr_full_w2}
                            if cfg.adapter != "lora" else {}))

@@ -34,7 +34,7 @@ OPTIMIZER_NAMES = ("adamw", "adamw8bit", "adafactor", "prodigy")  # backends reg
 # Settings that may also be "auto": the backend decides at the start of a run, from the device and its
 # free memory (trainer/backends/torch_backend/levers.py). They are the fast path, so they are defaults.
 AUTO = "auto"
-AUTO_FIELDS = ("compile_blocks", "checkpoint_budget")
+AUTO_FIELDS = ("compile_blocks", "checkpoint_budget", "fp8_compute")
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "arch": tuple(ARCHS),
@@ -172,10 +172,14 @@ class TrainConfig:
                                              "estimated peak leaves a margin of the GPU's free memory at start")
     attention: str = setting("auto", "PyTorch attention kernel tried first: auto (the fastest measured on this GPU), "
                                      "torch (its own order), cudnn, flash, efficient, math")
-    fp8_compute: bool = setting(False, "PyTorch, H100-class GPUs: the frozen base's block Linears multiply in fp8 "
-                                       "(per-row scales) forward and backward; LoRA stays bf16. Costs an fp8 copy "
-                                       "of the block weights in two layouts (as much memory as the bf16 weights); "
-                                       "speed and loss against bf16 in bench/RESULTS.md")
+    fp8_compute: bool = setting(AUTO, "PyTorch, H100-class GPUs: the frozen base's block Linears multiply in fp8 "
+                                      "(per-row scales) forward and backward; LoRA stays bf16. auto: on where it "
+                                      "costs nothing (a base stored in fp8 on a GPU with fp8 matmuls; Flux2 Dev "
+                                      "-10 %/step); true: also on a bf16 base, at the cost of an fp8 copy of the "
+                                      "block weights (Z-Image -12 %/step, +11.5 GiB); bench/RESULTS.md")
+    cuda_graphs: bool = setting(False, "PyTorch, CUDA, with compiled blocks: replay each block's kernels as a CUDA "
+                                       "graph per bucket shape (torch.compile mode reduce-overhead), so a small "
+                                       "bucket's step is not paced by the host's kernel launches")
     # --- objective (flow matching)
     timestep_sampling: str = setting("uniform", "uniform or logit_normal")
     logit_mean: float = setting(0.0, "logit_normal: centre of the logit; > 0 favours high noise")
@@ -457,9 +461,12 @@ def _check_combinations(cfg: TrainConfig) -> None:
                         f"gradient_checkpointing on; set it to 0 (or auto) or use skip_checkpoint_blocks")
     if cfg.backend == "mlx" and cfg.compile_blocks is True:
         problems.append("compile_blocks is for backend 'torch' (MLX compiles its whole step already); turn it off")
-    if cfg.fp8_compute and (cfg.backend != "torch" or cfg.mixed_precision != "bf16"):
+    if cfg.fp8_compute is True and (cfg.backend != "torch" or cfg.mixed_precision != "bf16"):
         problems.append("fp8_compute needs backend 'torch' with mixed_precision 'bf16' (its matmuls return bf16); "
                         "turn it off")
+    if cfg.cuda_graphs and (cfg.backend != "torch" or cfg.compile_blocks is False):
+        problems.append("cuda_graphs replays compiled blocks: it needs backend 'torch' with compile_blocks on (or "
+                        "auto); turn cuda_graphs off")
     if cfg.backend == "torch" and cfg.base_quantize != "none":
         problems.append(f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; with PyTorch load the model "
                         "with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base")

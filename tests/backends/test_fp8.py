@@ -177,3 +177,35 @@ def test_a_base_stored_in_fp8_multiplies_its_own_weight_forward_and_bf16_backwar
     (dx,) = torch.autograd.grad(y, x, grad)
     assert torch.equal(dx, (grad.to(torch.bfloat16) @ layer.weight.to(torch.bfloat16)).float())
     fp8.remove()
+
+
+def _fp8_stored_model() -> nn.Module:
+    layer = nn.Linear(32, 32)
+    layer.weight = nn.Parameter(layer.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    return nn.Sequential(layer)
+
+
+def test_auto_turns_fp8_on_only_where_it_costs_nothing(monkeypatch):
+    """fp8_compute auto (the default): on for a base stored in fp8 on a CUDA GPU with per-row fp8 matmuls
+    (no copy; Flux2 Dev -10 %/step), off for a bf16 base (its copies cost memory), on the CPU, on MLX,
+    and on a GPU without the matmul; true and false are taken as they are."""
+    from trainer.backends.torch_backend import fp8 as fp8_module
+    from trainer.backends.torch_backend import levers
+
+    assert config.from_dict({}).fp8_compute == "auto"
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(fp8_module, "check_device", lambda device: None)   # an H100 as far as the check goes
+    auto = config.from_dict({"arch": "zimage"})
+    assert levers.fp8_compute(_fp8_stored_model(), auto, gpu)[0] is True
+    assert levers.fp8_compute(nn.Sequential(nn.Linear(32, 32)), auto, gpu)[0] is False        # bf16 base
+    assert levers.fp8_compute(_fp8_stored_model(), auto, cpu)[0] is False
+    assert levers.fp8_compute(_fp8_stored_model(), config.from_dict({"mixed_precision": "no"}), gpu)[0] is False
+    assert levers.fp8_compute(nn.Sequential(nn.Linear(32, 32)), config.from_dict({"fp8_compute": True}), cpu) == (True, "")
+    assert levers.fp8_compute(_fp8_stored_model(), config.from_dict({"fp8_compute": False}), gpu) == (False, "")
+
+    def no_fp8(device):
+        raise ValueError("no per-row fp8 matmul")
+    monkeypatch.setattr(fp8_module, "check_device", no_fp8)   # an A100
+    on, why = levers.fp8_compute(_fp8_stored_model(), auto, gpu)
+    assert on is False and "no per-row fp8 matmul" in why
+    assert config.from_dict({"backend": "mlx", "arch": "zimage"}).fp8_compute == "auto"   # auto is fine on MLX

@@ -112,7 +112,7 @@ def test_the_pure_copy_is_inside_the_compiled_block(eager_compile, monkeypatch):
     and a pure block gets none."""
     seen = []
     real = checkpointing._compiled
-    monkeypatch.setattr(checkpointing, "_compiled", lambda fn, key: seen.append(fn.__name__) or real(fn, key))
+    monkeypatch.setattr(checkpointing, "_compiled", lambda fn, key, *graphs: seen.append(fn.__name__) or real(fn, key, *graphs))
     for pure in (False, True):
         net, _ = inplace_net_with_lora()
         checkpointing.BlockCheckpointing(net, ("blocks",), recompute=False, compile=True, pure_blocks=pure).remove()
@@ -370,7 +370,7 @@ def test_an_auto_budget_that_runs_out_of_memory_goes_on_at_budget_0(make_model, 
     """checkpoint_budget auto chose too much (Flux2 Dev on an fp8 base did on an H100): the step that ran
     out of memory is redone with plain checkpointing, with one warning, and gives the eager gradients."""
     reference = _gradients(make_model, make_config, gradient_checkpointing=True, compile_blocks=False)
-    monkeypatch.setattr(levers, "decide", lambda model, cfg, device: levers.Levers(True, 0.5, "auto"))
+    monkeypatch.setattr(levers, "decide", lambda model, cfg, device, notes=(): levers.Levers(True, 0.5, "auto"))
     caplog.set_level("WARNING", logger="kiln")
     backend = TorchBackend()
     backend.setup(make_model(), make_config(gradient_checkpointing=True, compile_blocks=True,
@@ -411,3 +411,36 @@ def test_an_explicit_budget_that_runs_out_of_memory_stops_as_before(make_model, 
     with pytest.raises(torch.OutOfMemoryError):
         backend.step([fixed_batch()], 1e-3)
     backend.teardown()
+
+
+def test_cuda_graphs_compile_the_blocks_in_reduce_overhead_mode(monkeypatch):
+    """cuda_graphs asks inductor for its CUDA-graph mode on every compiled block (a code object of its own,
+    so a run without it never replays a graph recorded with it), and only where graphs can run."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
+    for graphs in (False, True):
+        ckpt = checkpointing.BlockCheckpointing(MlpNet(), ("blocks",), compile=True, pure_blocks=True,
+                                                budget=0.5, cuda_graphs=graphs)
+        ckpt.remove()
+    assert {kw["mode"] for kw in seen[:len(seen) // 2]} == {None}
+    assert {kw["mode"] for kw in seen[len(seen) // 2:]} == {"reduce-overhead"}
+    cpu = levers.decide(torch.nn.Linear(2, 2), config_module.from_dict({"cuda_graphs": True}), torch.device("cpu"))
+    assert cpu.cuda_graphs is False and "cuda_graphs → off" in cpu.note
+    with pytest.raises(config_module.ConfigError, match="cuda_graphs replays compiled blocks"):
+        config_module.from_dict({"cuda_graphs": True, "compile_blocks": False})
+    with pytest.raises(config_module.ConfigError, match="cuda_graphs"):
+        config_module.from_dict({"cuda_graphs": True, "backend": "mlx", "arch": "zimage"})
+
+
+def test_a_cuda_graph_step_marks_its_start(make_model, make_config, monkeypatch):
+    """Each step tells the CUDA-graph trees that a new iteration begins (the last step's graph outputs are
+    dead), so replaying never overwrites a tensor that is still read."""
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    backend = TorchBackend()
+    backend.setup(make_model(), make_config(compile_blocks=False), get_arch("demo"))
+    backend.levers = levers.Levers(False, 0.0, cuda_graphs=True)
+    backend.step([fixed_batch()], 1e-3)
+    backend.step([fixed_batch()], 1e-3)
+    backend.teardown()
+    assert marks == [1, 1]

@@ -82,10 +82,11 @@ class TorchBackend:
         model.requires_grad_(False)
         targets = cfg.targets or list(arch.default_targets)
         # fp8 forwards go in first, so the LoRA branches wrap them (removed in the reverse order)
-        self.fp8 = Fp8Base(find_blocks(model, arch.block_lists), self.device) if cfg.fp8_compute else None
+        self.fp8_on, fp8_note = levers.fp8_compute(model, cfg, self.device)
+        self.fp8 = Fp8Base(find_blocks(model, arch.block_lists), self.device) if self.fp8_on else None
         self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed,
                             adapter=cfg.adapter, lokr_factor=cfg.lokr_factor, lokr_full_w2=cfg.lokr_full_w2)
-        self.levers = levers.decide(model, cfg, self.device)
+        self.levers = levers.decide(model, cfg, self.device, notes=(fp8_note,))
         if self.levers.note:
             levers.log.info("[Kiln] %s", self.levers.note)
         self._wrap_blocks(self.levers)
@@ -112,7 +113,8 @@ class TorchBackend:
         self.checkpointing = BlockCheckpointing(self.model, self.arch.block_lists, recompute=cfg.gradient_checkpointing,
                                                 skip=cfg.skip_checkpoint_blocks, compile=chosen.compile,
                                                 pure_blocks=self.arch.pure_blocks, budget=chosen.budget,
-                                                compile_key=f"attention={self.attention}|fp8={cfg.fp8_compute}")
+                                                cuda_graphs=chosen.cuda_graphs,
+                                                compile_key=f"attention={self.attention}|fp8={self.fp8_on}")
 
     def _compile_fallback(self, error: CompileFailed) -> None:
         """compile_blocks auto: the run goes on with eager blocks, and says so once."""
@@ -134,7 +136,7 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         self.checkpointing.remove()
         chosen = self.levers.budget
-        self.levers = levers.Levers(compile=self.levers.compile, budget=0.0,
+        self.levers = levers.Levers(compile=self.levers.compile, budget=0.0, cuda_graphs=self.levers.cuda_graphs,
                                     note=f"{self.levers.note}; out of memory at budget {chosen:g}: 0")
         self._wrap_blocks(self.levers)
         levers.log.warning("[Kiln] checkpoint_budget auto: budget %g ran out of GPU memory (%s). Training goes on with "
@@ -208,6 +210,8 @@ class TorchBackend:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
+        if self.levers.cuda_graphs:   # a new step: the CUDA graphs' outputs of the last one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         # The attention kernel choice covers forward, backward and checkpointing's recompute alike.
         try:
             with attention.kernel_context(self.attention), _compile_errors_explained():

@@ -64,11 +64,15 @@ def _copy_floats(value):
 _CODES: dict[tuple, types.CodeType] = {}
 
 
-def _compiled(fn, key: str):
-    """torch.compile of a copy of `fn` whose code object is shared only by calls with the same key."""
-    code = _CODES.setdefault((fn.__code__, key), fn.__code__.replace())
+def _compiled(fn, key: str, cuda_graphs: bool = False):
+    """torch.compile of a copy of `fn` whose code object is shared only by calls with the same key.
+    `cuda_graphs`: inductor's "reduce-overhead" mode records each compiled graph (forward and backward, per
+    shape) as a CUDA graph and replays it, one launch instead of one per kernel (the loop marks each step's
+    start: backend.step)."""
+    code = _CODES.setdefault((fn.__code__, f"{key}|graphs={cuda_graphs}"), fn.__code__.replace())
     twin = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(twin, backend=COMPILE_BACKEND, dynamic=COMPILE_DYNAMIC)
+    return torch.compile(twin, backend=COMPILE_BACKEND, dynamic=COMPILE_DYNAMIC,
+                         mode="reduce-overhead" if cuda_graphs else None)
 
 
 def _budgeted(compiled, budget: float):
@@ -82,7 +86,7 @@ def _budgeted(compiled, budget: float):
 
 
 def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: float = 0.0, key: str = "",
-             pure: bool = False):
+             pure: bool = False, cuda_graphs: bool = False):
     # ComfyUI's Flux2 blocks add into their own inputs (`img += ...`), which autograd (and the
     # checkpoint's recompute) still needs: a block under training works on copies (transient memory).
     def fresh_inputs(*args, **kwargs):
@@ -127,10 +131,10 @@ def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: floa
         if recompute and budget > 0:
             # Compiled whole, without torch.utils.checkpoint: the partitioner decides what to
             # recompute within the budget (checkpoint_budget).
-            training = _budgeted(_compiled(kept, f"{key}|budget={budget!r}"), budget)
+            training = _budgeted(_compiled(kept, f"{key}|budget={budget!r}", cuda_graphs), budget)
         else:
             chosen = (recomputed_keeping_attention if SAVED_OPS else recomputed) if recompute else kept
-            training = _compiled(chosen, key)
+            training = _compiled(chosen, key, cuda_graphs)
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
@@ -145,7 +149,7 @@ class BlockCheckpointing:
 
     def __init__(self, model: nn.Module, block_lists: tuple[str, ...], recompute: bool = True, *,
                  skip: int = 0, compile: bool = False, pure_blocks: bool = False, budget: float = 0.0,
-                 compile_key: str = ""):
+                 compile_key: str = "", cuda_graphs: bool = False):
         """`compile` compiles every block; `pure_blocks` False (blocks that write into their inputs, Flux2)
         gives each block compiled whole copies of its inputs first. `budget` > 0 (compiled blocks): a
         recomputed block keeps that share of its activation memory, chosen by the compiler, instead of
@@ -163,7 +167,7 @@ class BlockCheckpointing:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for block, recomputed in zip(self.blocks, plan):
             self.previous.append(block.__dict__.get("forward"))
-            block.forward = _wrapped(block.forward, recomputed, compile, budget, compile_key, pure_blocks)
+            block.forward = _wrapped(block.forward, recomputed, compile, budget, compile_key, pure_blocks, cuda_graphs)
 
     def remove(self) -> None:
         for block, previous in zip(self.blocks, self.previous):
