@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from test_distributed import free_port
+
 from trainer import distributed, pause, safetensors_io, state
 from trainer.loop import train
 
