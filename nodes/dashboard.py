@@ -7,7 +7,8 @@ Train LoRA node, and `add_routes` puts it on ComfyUI's server:
   GET  /kiln/runs/{id}         one run: figures, loss and learning-rate history, samples, buckets
   POST /kiln/runs/{id}/stop    ask the run to stop at the next step: it saves a resumable checkpoint
   POST /kiln/runs/{id}/save    ask the run to write a LoRA of its current weights at the next step
-  POST /kiln/runs/{id}/pause   ask the run to wait after the current step (memory kept; Stop still works)
+  POST /kiln/runs/{id}/pause   ask the run to wait after the current step (memory kept; Stop still works;
+                               a torchrun child run: its node writes <run>/PAUSE, every rank agrees)
   POST /kiln/runs/{id}/resume  let a paused run go on
 
 Answers hold names and ids only, never file-system paths: a run's folder name, a LoRA's name under
@@ -72,6 +73,7 @@ class Run:
     save_requested: bool = False
     can_save: bool = True                   # False for a several-GPU run (its weights are in the child)
     pause_requested: bool = False
+    paused: bool = False                    # the loop waits now (every rank, for a torchrun run)
     holdout_steps: list[int] = field(default_factory=list)  # steps with a held-out loss (trainer/holdout.py)
     holdout: list[float | None] = field(default_factory=list)
     grid: dict | None = None                                # the newest sample grid {"step", "image"}
@@ -82,7 +84,7 @@ class Run:
                 "total": self.total, "start_step": self.start_step, "started": self.started,
                 "updated": self.updated, "stop_requested": self.stop_requested,
                 "save_requested": self.save_requested, "can_save": self.can_save,
-                "pause_requested": self.pause_requested}
+                "pause_requested": self.pause_requested, "paused": self.paused}
 
     def detail(self, max_points: int = MAX_POINTS) -> dict:
         keep = thin(len(self.steps), max_points)
@@ -174,7 +176,7 @@ class Registry:
     def finish(self, run: Run, status: str, message: str = "") -> dict:
         with self.lock:
             run.status, run.message, run.updated = status, message, time.time()
-            run.save_requested = run.pause_requested = False
+            run.save_requested = run.pause_requested = run.paused = False
             if status == STOPPED and run.node is not None:
                 self.stops_by_node[run.node] = self.stops_by_node.get(run.node, 0) + 1
             return run.summary()
@@ -192,6 +194,12 @@ class Registry:
     def pause_wanted(self, run: Run) -> bool:
         with self.lock:
             return run.pause_requested
+
+    def set_paused(self, run: Run, paused: bool) -> dict:
+        """The loop began (or ended) a wait; returns the kiln.run payload."""
+        with self.lock:
+            run.paused, run.updated = bool(paused), time.time()
+            return run.summary()
 
     def stops(self, node: str | None) -> int:
         """How many runs of this node the dashboard stopped: Train LoRA's fingerprint, so that queueing
@@ -218,11 +226,11 @@ class Registry:
             if run.status != RUNNING:
                 return 409, {"error": f"run {run.name} is {run.status}; queue the workflow again to continue it",
                              "run": run.summary()}
-            if action != "stop" and not run.can_save:
-                return 409, {"error": f"run {run.name} trains in a torchrun child process, whose weights and loop "
-                                      f"this server does not hold, so it cannot {action} it: use its checkpoints' "
-                                      "LoRAs (checkpoint_loras) or Stop, which saves its LoRA (a headless run "
-                                      "pauses while <run>/PAUSE exists)", "run": run.summary()}
+            if action == "save" and not run.can_save:
+                return 409, {"error": f"run {run.name} trains in a torchrun child process, whose weights this "
+                                      "server does not hold, so it cannot save it now: use its checkpoints' "
+                                      "LoRAs (checkpoint_loras), or Stop, which saves its LoRA",
+                             "run": run.summary()}
             ACTIONS[action](run)
             run.updated = time.time()
             return 202, {"run": run.summary()}

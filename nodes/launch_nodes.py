@@ -5,7 +5,8 @@ config does; trainer/launch.py writes `<run>/launch.toml` and runs `torchrun -m 
 chosen GPUs (ComfyUI's loaders used as a library through headless.py, never ComfyUI's main). Progress
 lines move the node's bar and feed the live dashboard (nodes/live.py) as an in-process Train LoRA does;
 each validation sample the child writes is shown on the node and the dashboard, and the newest step's are
-the IMAGE output. Stop (ComfyUI's or the dashboard's) asks every rank for a clean checkpoint; re-queueing
+the IMAGE output. Stop (ComfyUI's or the dashboard's) asks every rank for a clean checkpoint, also while
+paused; the dashboard's Pause writes <run>/PAUSE (Resume removes it), on which the ranks agree; re-queueing
 resumes."""
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def outputs_images(run_dir: Path):
 
 def follow(job: launch.Launch, cfg, run_dir: Path, resume: Path | None) -> launch.Outcome:
     """The launched run until it ends: its steps on the node's bar and the dashboard, its samples as previews
-    on both, Stop from either as the stop file. An error here or Stop pressed stops the run cleanly first."""
+    on both, Stop from either as the stop file, the dashboard's Pause / Resume as <run>/PAUSE (the child's
+    KILN_PAUSED lines show it paused). An error here or Stop pressed stops the run cleanly first."""
     tracker = live.Tracker(cfg, run_dir, None, resume, can_save=False)
     bar = bridge.progress(cfg.steps)
 
@@ -107,7 +109,9 @@ def follow(job: launch.Launch, cfg, run_dir: Path, resume: Path | None) -> launc
 
     try:
         outcome = job.wait(on_progress=on_progress, on_sample=on_sample,
-                           should_stop=lambda: bridge.interrupt_requested() or tracker.should_stop())
+                           should_stop=lambda: bridge.interrupt_requested() or tracker.should_stop(),
+                           should_pause=lambda: tracker.registry.pause_wanted(tracker.run),
+                           on_pause=lambda fields: tracker.on_pause(fields["paused"]))
         if outcome.stopped:
             bar.update(outcome.step)   # raises ComfyUI's interruption when its Stop asked: the run has a checkpoint
         if outcome.returncode != 0 or outcome.lora is None:

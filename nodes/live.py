@@ -52,7 +52,8 @@ class Tracker:
     def __init__(self, cfg, run_dir: Path, data, resume=None, registry: dashboard.Registry = dashboard.REGISTRY,
                  can_save: bool = True):
         """data None: a run in a child process (Train LoRA (several GPUs)), whose buckets this side does not
-        know and whose weights it does not hold (can_save False: Save now is refused)."""
+        know and whose weights it does not hold (can_save False: Save now is refused; Pause works through
+        <run>/PAUSE)."""
         node, prompt_id = bridge.executing_node()
         loss, lr, holdout = prior_history(resume)
         self.cfg, self.registry = cfg, registry
@@ -82,6 +83,10 @@ class Tracker:
         if paused:
             bridge.raise_if_interrupted()
         return paused
+
+    def on_pause(self, paused: bool) -> None:
+        """The loop (every rank of a torchrun child) began or ended a wait: the dashboard shows it paused."""
+        bridge.send_event("kiln.run", self.registry.set_paused(self.run, paused))
 
     def on_sample(self, step: int, images) -> None:
         """The first image of a validation batch (IMAGE [B,H,W,3] in [0,1]) as a JPEG in temp/kiln/."""

@@ -138,7 +138,7 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
         validate = bridge.validation(cfg, model, [validation], on_sample) if validation is not None else None
         return dict(resume=resume, on_step=on_step, should_stop=tracker.should_stop, validate=validate,
                     validate_every=validation.every if validation is not None else 0,
-                    should_pause=tracker.should_pause)
+                    should_pause=tracker.should_pause, on_pause=tracker.on_pause)
 
     try:
         result: RunResult = bridge.train(cfg, model, dataset, adapter=adapter, setup=setup,

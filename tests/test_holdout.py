@@ -79,8 +79,8 @@ def test_best_counts_evaluations_without_an_improvement_by_min_delta():
     assert holdout.best([], 0.0) is None
 
 
-def test_early_stopping_stops_at_the_right_step_and_keeps_the_best(tmp_path, make_model, make_data, make_config,
-                                                                   monkeypatch):
+def test_early_stopping_stops_at_the_right_step_keeps_the_best_and_a_resume_ends_at_once(
+        tmp_path, make_model, make_data, make_config, monkeypatch, capsys):
     scripted = iter([1.0, 0.5, 0.6, 0.55, 0.7, 0.1])   # best at the 2nd evaluation (step 4), then 2 worse
     monkeypatch.setattr(holdout, "evaluate", lambda backend, batches: next(scripted))
     cfg = make_config(steps=12, holdout=1, holdout_every=2, early_stop_patience=2, early_stop_min_delta=0.01,
@@ -94,6 +94,19 @@ def test_early_stopping_stops_at_the_right_step_and_keeps_the_best(tmp_path, mak
     assert holdout.read_best(tmp_path / "run") == {"step": 4, "holdout_loss": 0.5}
     _, metadata = safetensors_io.read(result.best_lora)
     assert metadata["kiln.holdout_loss"] == "0.5"
+    # Queued again (resumed): it had stopped early, so it ends at once, trains nothing, and keeps best/ as it was.
+    best_bytes = result.best_lora.read_bytes()
+    monkeypatch.setattr(holdout, "evaluate", lambda backend, batches: pytest.fail("a stopped run evaluated again"))
+    steps: list[int] = []
+    again = train(cfg, make_model(), make_data(), run_dir=tmp_path / "run", resume=tmp_path / "run",
+                  on_step=lambda report: steps.append(report.step))
+    assert not steps and again.early_stopped and not again.stopped and again.step == 8
+    assert again.best == result.best and again.checkpoint == state.step_dir(tmp_path / "run", 8)
+    assert [s for s, _ in state.list_checkpoints(tmp_path / "run")] == [8]
+    assert again.best_lora.read_bytes() == best_bytes
+    for path, weights in result.lora.items():
+        assert np.array_equal(weights.A, again.lora[path].A) and np.array_equal(weights.B, again.lora[path].B)
+    assert "stopped early at step 8" in capsys.readouterr().err
 
 
 def test_best_lora_is_the_weights_of_the_best_step(tmp_path, make_model, make_data, make_config, monkeypatch):

@@ -30,6 +30,17 @@ def test_parse_line_reads_only_the_tagged_lines():
     assert launch.parse_line(' 10%|#  | 1/10 KILN_PROGRESS {"step": 1}') == ("progress", {"step": 1})
     assert launch.parse_line('KILN_SAMPLE {"step": 2, "index": 0, "path": "/r/samples/step-000002-p0.png"}') == \
         ("sample", {"step": 2, "index": 0, "path": "/r/samples/step-000002-p0.png"})
+    assert launch.parse_line('KILN_PAUSED {"paused": true, "step": 4}') == ("paused", {"paused": True, "step": 4})
+
+
+def test_pause_writes_the_pause_file_and_resume_removes_it(tmp_path):
+    run_dir = tmp_path / "r"
+    run = launch.Launch({"arch": "demo", "device": "cpu"}, run_dir, processes=2)
+    run_dir.mkdir()
+    run.pause(True)
+    assert (run_dir / "PAUSE").is_file() and run.pausing
+    run.pause(False)
+    assert not (run_dir / "PAUSE").exists() and not run.pausing
 
 
 def test_bad_gpus_and_processes_are_refused_with_the_fix(tmp_path):

@@ -10,10 +10,12 @@ import time
 from pathlib import Path
 
 # With KILN_PROGRESS_JSON=1 rank 0 also prints one machine-readable line per step, one per validation sample
-# written and one at the end (`KILN_PROGRESS {json}`, `KILN_SAMPLE {json}`, `KILN_DONE {json}`), read by
-# trainer/launch.py instead of scraping tqdm.
+# written, one when the ranks pause and when they go on, and one at the end (`KILN_PROGRESS {json}`,
+# `KILN_SAMPLE {json}`, `KILN_PAUSED {json}`, `KILN_DONE {json}`), read by trainer/launch.py instead of
+# scraping tqdm.
 PROGRESS_ENV, PROGRESS_TAG, DONE_TAG = "KILN_PROGRESS_JSON", "KILN_PROGRESS", "KILN_DONE"
 SAMPLE_TAG = "KILN_SAMPLE"
+PAUSED_TAG = "KILN_PAUSED"   # {"paused": bool, "step": n}: every rank waits (or goes on) after step n
 # A file of this name in the run folder asks the run to stop after a step with a checkpoint (trainer/launch.py
 # writes it; `touch <run>/stop.request` does the same by hand). The run removes it when it has stopped.
 STOP_FILE = "stop.request"
@@ -92,21 +94,18 @@ class StopFile:
         self.path.unlink(missing_ok=True)
 
 
-def pause_file(run_dir: Path, speak: bool = True):
-    """should_pause for a console run: while <run>/PAUSE exists (trainer/pause.py), said once when it starts
-    and once when it ends."""
-    from .pause import PAUSE_FILE, file_flag
+def pause_notice(run_dir: Path, bar, speak: bool = True):
+    """on_pause for a console run: says when every rank has paused and when they go on (rank 0 alone), as
+    text and as a KILN_PAUSED line."""
+    from .pause import PAUSE_FILE
 
-    flag, said = file_flag(run_dir), [False]
-
-    def should_pause() -> bool:
-        paused = flag()
-        if paused != said[0] and speak:
-            print(f"\npaused: delete {Path(run_dir) / PAUSE_FILE} to resume (Ctrl-C stops)" if paused else "resumed",
-                  file=sys.stderr, flush=True)
-        said[0] = paused
-        return paused
-    return should_pause
+    def on_pause(paused: bool) -> None:
+        if not speak:
+            return
+        print(f"\npaused after step {bar.n}: delete {Path(run_dir) / PAUSE_FILE} to resume (Ctrl-C stops)"
+              if paused else "pause over", file=sys.stderr, flush=True)
+        emit(PAUSED_TAG, {"paused": paused, "step": bar.n})
+    return on_pause
 
 
 def start_step(run_dir: Path, resume) -> int:
@@ -119,12 +118,13 @@ def start_step(run_dir: Path, resume) -> int:
 
 def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None = None, forward=None,
              validate=None, validate_every: int = 0, validate_first: bool = False, should_pause=None):
-    """loop.train with a progress bar, Ctrl-C as a clean stop and <run>/PAUSE as a pause (pause_file);
+    """loop.train with a progress bar, Ctrl-C as a clean stop and <run>/PAUSE as a pause (trainer/pause.py);
     `resume` true continues the run's
     newest checkpoint. The demo, `train` and headless.py (through nodes/comfy, with its validation
     samples as `validate`) run this."""
     from . import distributed
     from .loop import train
+    from .pause import file_flag
 
     group = distributed.start(cfg.device, cfg.backend)   # under torchrun, rank 0 speaks for the run
     main = group.is_main
@@ -138,7 +138,8 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
         result = train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
                        on_step=on_step, should_stop=should_stop, forward=forward, validate=validate,
                        validate_every=validate_every, validate_first=validate_first,
-                       should_pause=should_pause or pause_file(run_dir, main))
+                       should_pause=should_pause or file_flag(run_dir),
+                       on_pause=pause_notice(run_dir, bar, main))
         if main:
             stop_file.consume()
         return result

@@ -8,7 +8,7 @@ the loss figure is the global mean, rank 0 writes checkpoints and the LoRA, and 
 EMA stay identical on every rank. One process (no torchrun, or --nproc_per_node 1) touches none of this:
 every helper here is then a no-op and the run is the plain one, bit for bit.
 
-Host-side agreement (stop votes, RNG states for a checkpoint, barriers) goes through a gloo group, so it
+Host-side agreement (stop and pause votes, RNG states for a checkpoint, barriers) goes through a gloo group, so it
 never waits for the GPU; gradients go through the default group (NCCL on CUDA, gloo on the CPU).
 """
 from __future__ import annotations
@@ -131,30 +131,56 @@ def barrier() -> None:
 
 
 class StopVote:
-    """The ranks' agreement on stopping, one step late and without a rendezvous per step.
+    """The ranks' agreement on stopping and pausing, one step late and without a rendezvous per step.
 
-    Each call posts this rank's flag in an asynchronous all-reduce (MAX, on the host gloo group) and returns
-    the agreed result of the previous call's, which has long completed by then: every rank gets the same
-    sequence of answers and so stops after the same step, and no rank waits for the others (nor the GPU) at
-    a step boundary. A stop asked for at step k is honoured after step k + 1. One process: the flag itself,
-    at once. `close()` waits for the last posted vote (before the group ends)."""
+    Each call posts this rank's flags (stop, pause) in an asynchronous all-reduce (MAX, on the host gloo
+    group) and returns the agreed stop of the previous call's, which has long completed by then (its agreed
+    pause is left in `paused`): every rank gets the same sequence of answers and so stops, or pauses, after
+    the same step, and no rank waits for the others (nor the GPU) at a step boundary. A stop asked for at
+    step k is honoured after step k + 1. One process: the flags themselves, at once. While the ranks are
+    paused, `agree` takes short synchronous votes (trainer/pause.py polls with it). `close()` waits for the
+    last posted vote (before the group ends)."""
 
     def __init__(self):
         self.pending = None
+        self.paused = False     # the agreed pause of the last answer
 
-    def __call__(self, flag: bool) -> bool:
+    def __call__(self, flag: bool, pause: bool = False) -> bool:
         if current().world == 1:
+            self.paused = bool(pause)
             return bool(flag)
         import torch
         import torch.distributed as dist
 
-        value = torch.tensor([int(bool(flag))], dtype=torch.int32)
+        value = torch.tensor([int(bool(flag)), int(bool(pause))], dtype=torch.int32)
         work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_host(), async_op=True)
         previous, self.pending = self.pending, (work, value)
-        if previous is None:
-            return False
-        previous[0].wait()
-        return bool(previous[1].item())
+        stop, self.paused = self._answer(previous)
+        return stop
+
+    @staticmethod
+    def _answer(posted) -> tuple[bool, bool]:
+        if posted is None:
+            return False, False
+        posted[0].wait()
+        stop, pause = posted[1].tolist()
+        return bool(stop), bool(pause)
+
+    def agree(self, flag: bool, pause: bool) -> tuple[bool, bool]:
+        """(stop, pause) agreed now: a synchronous vote that every rank takes in the same round of a pause
+        (each round completes within a poll, so no wait nears the host group's timeout however long the
+        pause). A stop still in flight from the last step counts."""
+        if current().world == 1:
+            return bool(flag), bool(pause)
+        import torch
+        import torch.distributed as dist
+
+        stopped, _ = self._answer(self.pending)
+        self.pending = None
+        value = torch.tensor([int(bool(flag)), int(bool(pause))], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_host())
+        stop, pause = value.tolist()
+        return stopped or bool(stop), bool(pause)
 
     def close(self) -> None:
         if self.pending is not None:

@@ -15,6 +15,7 @@ step's LoRA is written to <run>/best/lora.safetensors (atomic; keep_checkpoints 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,19 @@ class Judge:
 
     def stop(self) -> bool:
         return bool(self.batches) and should_stop(self.cfg, self.history.holdout)
+
+    def ended(self, start: int) -> bool:
+        """True for a run resumed (at `start`) after it had stopped early on its held-out loss: it ends at
+        once, its best/ LoRA as it was, instead of training on to the next evaluation. Said on stderr."""
+        if start == 0 or not self.stop():
+            return False
+        found = self.best()
+        if self.main:
+            print(f"{self.run_dir}: this run stopped early at step {start} (early_stop_patience "
+                  f"{self.cfg.early_stop_patience}: no held-out improvement since step {found.step}, loss "
+                  f"{found.loss:.4f}): it ends at once, nothing more to train; its best LoRA is in "
+                  f"{best_dir(self.run_dir)}", file=sys.stderr, flush=True)
+        return True
 
     def best(self) -> Best | None:
         return best(self.history.holdout, self.cfg.early_stop_min_delta) if self.batches else None

@@ -9,7 +9,9 @@ PYTHONPATH and as cwd (so `-m trainer` is this pack's), and `KILN_PROGRESS_JSON=
 prompt index, the PNG's path in `<run>/samples/`) and one `KILN_DONE {json}` line at the end
 (trainer/console.py), which a reader thread parses. `stop()` writes `<run>/stop.request`: the ranks see it at a step boundary,
 agree on the step (trainer/distributed.StopVote), save that step's checkpoint and exit 0, however long the
-step and the save take. `stop(force=True)` is Ctrl-C (SIGINT to torchrun, which forwards it to the ranks and
+step and the save take. `pause(True)` writes `<run>/PAUSE` (and `pause(False)` removes it): the ranks agree
+on the step to wait after, as on a stop, and rank 0 prints a `KILN_PAUSED {json}` line when they wait and
+when they go on; a stop while paused still ends the run with a checkpoint. `stop(force=True)` is Ctrl-C (SIGINT to torchrun, which forwards it to the ranks and
 kills them ~30 s later, torchrun's own window): the fallback where the file cannot be written. Nothing here imports ComfyUI; the child
 never runs ComfyUI's main (for ComfyUI archs it loads model files through headless.py, COMFYUI_PATH).
 """
@@ -29,7 +31,8 @@ from pathlib import Path
 
 from . import config as config_module
 from .atomic import atomic_write_text
-from .console import DONE_TAG, PROGRESS_ENV, PROGRESS_TAG, SAMPLE_TAG, STOP_FILE
+from .console import DONE_TAG, PAUSED_TAG, PROGRESS_ENV, PROGRESS_TAG, SAMPLE_TAG, STOP_FILE
+from .pause import PAUSE_FILE
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_NAME = "launch.toml"
@@ -48,9 +51,10 @@ class Outcome:
 
 
 def parse_line(line: str) -> tuple[str, dict] | None:
-    """("progress" | "sample" | "done", fields) for a machine-readable line, None for any other output. The
-    tag may follow a progress bar's unterminated redraw (tqdm writes on stderr, merged into the same pipe)."""
-    for tag, kind in ((PROGRESS_TAG, "progress"), (SAMPLE_TAG, "sample"), (DONE_TAG, "done")):
+    """("progress" | "sample" | "paused" | "done", fields) for a machine-readable line, None for any other
+    output. The tag may follow a progress bar's unterminated redraw (tqdm writes on stderr, merged into the
+    same pipe)."""
+    for tag, kind in ((PROGRESS_TAG, "progress"), (SAMPLE_TAG, "sample"), (PAUSED_TAG, "paused"), (DONE_TAG, "done")):
         at = line.find(tag + " {")
         if at >= 0:
             try:
@@ -107,7 +111,7 @@ class Launch:
         self.events: queue.Queue = queue.Queue()
         self.tail: deque[str] = deque(maxlen=60)
         self.done: dict | None = None
-        self.stopping = self.closed = False
+        self.stopping = self.closed = self.pausing = False
         self.process: subprocess.Popen | None = None
 
     def start(self, resume: bool = False) -> Launch:
@@ -115,6 +119,7 @@ class Launch:
         config_path = self.run_dir / CONFIG_NAME
         config_module.save(self.config, config_path)
         (self.run_dir / STOP_FILE).unlink(missing_ok=True)   # an earlier stop's request must not stop this run
+        (self.run_dir / PAUSE_FILE).unlink(missing_ok=True)  # nor an earlier pause hold it
         self.process = subprocess.Popen(
             command(config_path, self.processes, resume), cwd=PACK_ROOT, env=environment(self.gpus, self.comfyui_path),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
@@ -150,11 +155,24 @@ class Launch:
                 self.tail.append(f"could not write {self.run_dir / STOP_FILE} ({error}); sending Ctrl-C instead")
         os.killpg(self.process.pid, signal.SIGINT)
 
+    def pause(self, wanted: bool) -> None:
+        """Ask every rank to wait after a step (the PAUSE file, written atomically), or to go on (removed)."""
+        if wanted == self.pausing:
+            return
+        path = self.run_dir / PAUSE_FILE
+        if wanted:
+            atomic_write_text(path, "paused from the dashboard: delete this file to resume\n")
+        else:
+            path.unlink(missing_ok=True)
+        self.pausing = wanted
+
     def wait(self, on_progress: Callable[[dict], None] | None = None,
              should_stop: Callable[[], bool] | None = None, poll_s: float = 0.25,
-             on_sample: Callable[[dict], None] | None = None) -> Outcome:
-        """Runs `on_progress` for each step line and `on_sample` for each sample line, and polls `should_stop`,
-        in the calling thread; the outcome."""
+             on_sample: Callable[[dict], None] | None = None, should_pause: Callable[[], bool] | None = None,
+             on_pause: Callable[[dict], None] | None = None) -> Outcome:
+        """Runs `on_progress` for each step line, `on_sample` for each sample line and `on_pause` for each
+        paused line, and polls `should_stop` and `should_pause` (the PAUSE file follows it), in the calling
+        thread; the outcome. The PAUSE file is removed when the run has ended."""
         while not (self.closed and self.events.empty()):   # a second wait() returns too
             try:
                 kind, fields = self.events.get(timeout=poll_s)
@@ -164,15 +182,20 @@ class Launch:
                 on_progress(fields)
             if kind == "sample" and on_sample is not None:
                 on_sample(fields)
+            if kind == "paused" and on_pause is not None:
+                on_pause(fields)
             if kind == "closed":
                 break
             if should_stop is not None and not self.stopping and should_stop():
                 self.stop()
+            if should_pause is not None and not self.closed:
+                self.pause(should_pause())
         try:
             code = self.process.wait(timeout=STOP_WAIT_S)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             code = self.process.wait()
+        self.pause(False)   # a resumed run must not start paused
         return self.outcome(code)
 
     def outcome(self, code: int) -> Outcome:

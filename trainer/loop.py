@@ -237,7 +237,8 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
           should_stop: Callable[[], bool] | None = None,
           validate: Callable[[int, Callable], None] | None = None, validate_every: int = 0,
           init: init_lora.InitLora | None = None, validate_first: bool = False,
-          should_pause: Callable[[], bool] | None = None) -> RunResult:
+          should_pause: Callable[[], bool] | None = None,
+          on_pause: Callable[[bool], None] | None = None) -> RunResult:
     """Train a LoRA on `model` in place; the model is restored as it was on return, also after an error.
 
     A new run starts from `init` (else from the file cfg.init_lora names, else a new LoRA), at its rank
@@ -250,7 +251,8 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     gives the weights as numpy for a sampler that needs them applied (the MLX backend).
 
     cfg.holdout keeps images out of training for a held-out loss, early stopping and <run>/best/
-    (trainer/holdout.py); while `should_pause()` the loop waits between steps (trainer/pause.py)."""
+    (trainer/holdout.py); while `should_pause()` the loop waits between steps (trainer/pause.py), agreed
+    between torchrun's ranks, and says so through `on_pause(True)` / `on_pause(False)`."""
     cfg, init = init_lora.prepare(cfg, init)   # before anything reads rank or alpha, or saves the config
     arch, run_dir, backend = get_arch(cfg.arch), Path(run_dir), get_backend(cfg.backend)
     group = distributed.start(cfg.device, cfg.backend)   # one process, or this rank of torchrun's
@@ -275,10 +277,12 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
                                  sampler=sampler, log=log)
         alone = _one_rank_save(save, group)
         weights = functools.partial(best_lora, backend, cfg.ema)
-        checkpoint_path, stopped, early_stopped, vote = None, False, False, distributed.StopVote()
+        stopped, vote = False, distributed.StopVote()
+        early_stopped = judge.ended(start)   # a resumed run that had stopped early ends at once, as it was
+        checkpoint_path = state.step_dir(run_dir, start) if early_stopped else None
         if validate is not None and validate_first and start == 0:   # the start, logged as step 0
             _validate_at(0, validate, backend, sinks, group, alone)
-        for step in range(start, cfg.steps):
+        for step in range(start, start if early_stopped else cfg.steps):
             lr = lr_at(step, base_lr=cfg.learning_rate, schedule=cfg.lr_schedule, total_steps=cfg.steps,
                        warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
             draws = faults.Draws(rng, sampler, backend)  # an out-of-memory step puts its draws back
@@ -303,8 +307,9 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
             if validate is not None and validate_every and (done % validate_every == 0 or done == cfg.steps):
                 _validate_at(done, validate, backend, sinks, group, alone)
             with faults.saves_on_error(alone, done):   # paused: waits here (not counted in speed or ETA)
-                log.started += pause.wait(should_pause, should_stop)
-            if vote(should_stop is not None and should_stop()):   # every rank stops after the same step
+                waited, stop = pause.between_steps(vote, should_pause, should_stop, on_pause)
+            log.started += waited
+            if stop:   # every rank stops (and pauses) after the same step
                 checkpoint_path, stopped = save(done), True
                 break
             if judge.stop():   # every rank holds the same held-out history

@@ -176,13 +176,15 @@ function emptyRun(id) {
     updated: 0, figures: {}, steps: [], loss: [], lrSteps: [], lr: [], samples: [], buckets: {}, saved: [],
     stopRequested: false, saveRequested: false, hasDetail: false,
     pauseRequested: false, holdoutSteps: [], holdout: [], grid: null,
+    paused: false, canSave: true,
   };
 }
 
 function applySummaryFields(run, summary) {
   const fields = { name: "name", node: "node", prompt_id: "promptId", status: "status", message: "message",
     total: "total", started: "started", updated: "updated", stop_requested: "stopRequested",
-    save_requested: "saveRequested", arch: "arch", start_step: "startStep", pause_requested: "pauseRequested" };
+    save_requested: "saveRequested", arch: "arch", start_step: "startStep", pause_requested: "pauseRequested",
+    paused: "paused", can_save: "canSave" };
   for (const [key, name] of Object.entries(fields)) if (summary[key] !== undefined) run[name] = summary[key];
   if (finite(summary.step)) run.step = Math.max(run.step, summary.step);
   if (Array.isArray(summary.saved)) run.saved = summary.saved;
@@ -266,7 +268,7 @@ export class RunStore {
   applySummary(summary) {
     const run = this.ensure(summary.id);
     applySummaryFields(run, summary);
-    if (run.status !== "running") run.stopRequested = run.saveRequested = run.pauseRequested = false;
+    if (run.status !== "running") run.stopRequested = run.saveRequested = run.pauseRequested = run.paused = false;
     this.changed(run);
     return run;
   }
@@ -331,11 +333,27 @@ export function figures(run) {
   ];
 }
 
-/** The status a view prints: a running run that was asked to pause reads "paused". */
+/** The status a view prints: a running run whose loop waits reads "paused" (the server relays it, also from a
+ * torchrun child); asked to pause but still stepping, "pausing…"; asked to go on but still waiting, "resuming…". */
 export function statusText(run) {
   if (!run) return "idle";
-  if (run.status === "running" && run.pauseRequested) return "paused";
+  if (run.status === "running" && (run.paused || run.pauseRequested)) {
+    if (run.paused) return run.pauseRequested ? "paused" : "resuming…";
+    return "pausing…";
+  }
   return STATUS_TEXT[run.status] ?? run.status;
+}
+
+/** Save now as a view shows it: disabled, with the reason as its tooltip, where the server cannot save the run
+ * (a torchrun child run: its weights are in the child) and while a save is on its way. */
+export function saveButtonState(run) {
+  const running = run?.status === "running";
+  if (run && run.canSave === false) {
+    return { disabled: true, title: "Save now is not available for a run on several GPUs: its weights are in the " +
+      "torchrun child process. Its checkpoints' LoRAs (checkpoint_loras) or Stop give you a LoRA" };
+  }
+  return { disabled: !running || Boolean(run?.saveRequested),
+    title: "Write a LoRA of the current weights to models/loras/kiln/ without stopping" };
 }
 
 export const STATUS_TEXT = {

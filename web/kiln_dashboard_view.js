@@ -1,7 +1,8 @@
 // Kiln live dashboard: one view of a training run, drawn with DOM and SVG (no libraries, nothing
 // fetched but the pack's own routes and ComfyUI's /view). Used twice by kiln_dashboard.js: on each
 // Kiln Train LoRA node (compact) and in the Kiln sidebar tab (with a run picker).
-import { STATUS_TEXT, bucketBars, chartGeometry, figures, formatCount, statusText, viewQuery } from "./kiln_dashboard_core.js";
+import { STATUS_TEXT, bucketBars, chartGeometry, figures, formatCount, saveButtonState, statusText,
+  viewQuery } from "./kiln_dashboard_core.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 const STYLE_ID = "kiln-dashboard-style";
@@ -157,7 +158,7 @@ export class DashboardView {
     this.stopButton = el("button", "kd-stop", "Stop");
     this.stopButton.title = "Stop after this step and save a resumable checkpoint (queue again to continue)";
     this.saveButton = el("button", "kd-save", "Save now");
-    this.saveButton.title = "Write a LoRA of the current weights to models/loras/kiln/ without stopping";
+    this.saveButton.title = saveButtonState(null).title;
     this.pauseButton = el("button", "kd-pause", "Pause");
     this.pauseButton.title = "Wait after this step, memory kept (Stop still works); Resume goes on";
     this.pauseButton.addEventListener("click", () => this.act(this.current()?.pauseRequested ? "resume" : "pause"));
@@ -211,7 +212,8 @@ export class DashboardView {
     this.idle.style.display = run ? "none" : "";
     this.body.style.display = run ? "" : "none";
     this.status.textContent = statusText(run);
-    this.status.className = `kd-status ${run?.pauseRequested && run.status === "running" ? "paused" : run?.status ?? ""}`;
+    const waiting = run?.status === "running" && (run.paused || run.pauseRequested);
+    this.status.className = `kd-status ${waiting ? "paused" : run?.status ?? ""}`;
     this.element.dataset.run = run?.id ?? "";
     this.element.dataset.status = run?.status ?? "idle";
     if (!run) return;
@@ -227,7 +229,7 @@ export class DashboardView {
     this.renderBuckets(run);
     const running = run.status === "running";
     this.stopButton.disabled = !running || run.stopRequested;
-    this.saveButton.disabled = !running || run.saveRequested;
+    Object.assign(this.saveButton, saveButtonState(run));
     this.pauseButton.disabled = !running || run.stopRequested;
     this.pauseButton.textContent = run.pauseRequested ? "Resume" : "Pause";
     const saved = run.saved?.at(-1) ? `saved ${run.saved.at(-1).name}` : "";

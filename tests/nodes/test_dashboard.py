@@ -169,6 +169,21 @@ def test_pause_and_resume_are_flags_the_training_thread_reads():
     assert registry.answer("POST", run.id, "resume")[0] == 409
 
 
+def test_a_torchrun_run_pauses_and_resumes_but_refuses_save_now_and_its_paused_state_is_relayed():
+    registry = dashboard.Registry()
+    run = started(registry, can_save=False)
+    status, body = registry.answer("POST", run.id, "save")
+    assert status == 409 and "torchrun child process" in body["error"] and "checkpoint_loras" in body["error"]
+    assert not registry.take_save(run)
+    status, body = registry.answer("POST", run.id, "pause")
+    assert status == 202 and registry.pause_wanted(run) and not body["run"]["paused"] and not body["run"]["can_save"]
+    assert registry.set_paused(run, True)["paused"] and registry.answer("GET", run.id)[1]["paused"]
+    assert registry.answer("POST", run.id, "resume")[0] == 202 and not registry.pause_wanted(run)
+    assert not registry.set_paused(run, False)["paused"]
+    registry.set_paused(run, True)
+    assert not registry.finish(run, dashboard.STOPPED)["paused"]                 # an ended run is not paused
+
+
 def test_held_out_losses_and_the_grid_are_in_the_answers():
     registry = dashboard.Registry()
     run = started(registry, start_step=2)

@@ -38,10 +38,10 @@ OPTIONS = {"device": "cpu", "mixed_precision": "no", "batch_size": 1, "checkpoin
            "run_name": "several"}
 
 
-def queue(dataset) -> object:
+def queue(dataset, run_name: str = "several") -> object:
     node = launch_nodes.KilnTrainLoRATorchrun
     return node.execute("demo", "none", "none", "none", str(dataset), "64", "", STEPS, 1e-4, 4, 4.0, "none", 0, 2,
-                        "", options=OPTIONS)
+                        "", options={**OPTIONS, "run_name": run_name})
 
 
 def test_the_node_declares_file_inputs_and_refuses_a_missing_model(comfy_dirs):
@@ -91,6 +91,67 @@ def test_stop_leaves_a_checkpoint_and_queueing_again_resumes_to_the_lora(comfy_d
     again = queue(dataset)   # finished: its LoRA is read, nothing is launched
     assert not seen and "already trained" in "".join(again.ui.as_dict()["text"])
     assert (run_dir / "launch.toml").is_file()
+
+
+def test_the_dashboard_pauses_and_resumes_a_launched_run_and_comfyuis_stop_ends_it_while_paused(comfy_dirs,
+                                                                                                 monkeypatch):
+    """Pause at step 2 through the dashboard's route: the node writes <run>/PAUSE, both ranks wait after the
+    same step and rank 0's KILN_PAUSED line shows the run paused; Resume (a moment later) goes on. A second
+    pause ends by ComfyUI's Stop: a checkpoint at the paused step, the PAUSE file gone, and queueing again
+    resumes from it without pausing."""
+    import threading
+
+    dataset = comfy_dirs / "input" / "shapes"
+    demo.make_dataset(dataset)
+    monkeypatch.setattr(bridge, "executing_node", lambda: ("kiln-launch-pause", "prompt-3"))
+    events: list[tuple[str, dict]] = []
+    pauses: list[tuple[int, bool, bool]] = []   # (step, paused, the GET answer's paused) per kiln.run pause event
+    timers: list[threading.Timer] = []
+
+    def later(action):
+        timers.append(threading.Timer(0.5, action))
+        timers[-1].start()
+
+    def send_event(name, data):
+        events.append((name, data))
+        if name == "kiln.progress" and data["step"] in (2, 12):
+            assert dashboard.REGISTRY.answer("POST", data["run_id"], "pause")[0] == 202
+        if name == "kiln.run" and data["status"] == "running" and data["paused"] != (pauses[-1][1] if pauses else False):
+            pauses.append((data["step"], data["paused"], dashboard.REGISTRY.answer("GET", data["id"])[1]["paused"]))
+            run_dir = next((comfy_dirs / "output" / "kiln").glob("paused-*"))
+            if data["paused"] and len(pauses) == 1:   # paused: the file is there; Resume a moment later
+                assert (run_dir / "PAUSE").is_file()
+                later(lambda: dashboard.REGISTRY.answer("POST", data["id"], "resume"))
+            elif data["paused"]:                      # the second pause: ComfyUI's Stop
+                later(lambda: mm.interrupt_current_processing(True))
+        return True
+
+    monkeypatch.setattr(bridge, "send_event", send_event)
+    with pytest.raises(mm.InterruptProcessingException):
+        queue(dataset, "paused")
+    for timer in timers:
+        timer.join()
+    assert not mm.processing_interrupted()
+    steps = [d["step"] for n, d in events if n == "kiln.progress"]
+    first, second = pauses[0][0], pauses[2][0]
+    # Paused, resumed, paused, and that pause ended by the stop; the dashboard's answer agreed each time.
+    assert [(p, q) for _, p, q in pauses] == [(True, True), (False, False), (True, True), (False, False)], pauses
+    assert pauses[1][0] == first and pauses[3][0] == second and 2 <= first < 12 <= second < STEPS, (pauses, steps)
+    assert steps == list(range(1, second + 1)), steps   # every step once, none while paused
+    # No step between a pause's start and its end: the progress events around the first pause are in order.
+    names = [(n, d.get("paused")) for n, d in events
+             if n == "kiln.run" or (n == "kiln.progress" and d["step"] == first + 1)]
+    assert names[:4] == [("kiln.run", False), ("kiln.run", True), ("kiln.run", False), ("kiln.progress", None)], names
+    run_dir = next((comfy_dirs / "output" / "kiln").glob("paused-*"))
+    assert state.list_checkpoints(run_dir)[-1][0] == second and not (run_dir / "PAUSE").exists()
+    detail = dashboard.REGISTRY.answer("GET", events[-1][1]["id"])[1]
+    assert detail["status"] == "interrupted" and not detail["paused"]
+
+    events.clear()
+    resumed = queue(dataset, "paused")
+    steps = [d["step"] for n, d in events if n == "kiln.progress"]
+    assert steps == list(range(second + 1, STEPS + 1)) and out(resumed, 1) == str(run_dir)
+    assert not [d for n, d in events if n == "kiln.run" and d.get("paused")]
 
 
 PROMPTS = "a red cube --w 64 --h 64 --steps 1\na blue ball --w 64 --h 64 --steps 1 --seed 3"

@@ -186,6 +186,9 @@ def test_pause_resume_and_stop_while_paused_from_the_dashboard_with_the_grid_and
     import comfy.model_management as mm
     mm.interrupt_current_processing(False)
     assert waits == [2, 2, 2, 4, 4, 4]
+    # The loop's own word: paused after step 2, on again, paused after step 4, then the run ended (not paused).
+    assert [(d["step"], d["paused"]) for n, d in events if n == "kiln.run"] == \
+        [(0, False), (2, True), (2, False), (4, True), (4, False), (4, False)]
     progress = [data for name, data in events if name == "kiln.progress"]
     assert [p["step"] for p in progress] == [1, 2, 3, 4]                     # nothing ran while paused
     assert [p["holdout_loss"] is not None for p in progress] == [False, True, False, True]

@@ -6,7 +6,7 @@ import { test } from "node:test";
 
 import {
   RunStore, bucketBars, chartGeometry, eta, figures, formatBytes, formatDuration, formatLoss, formatRate, quantile,
-  smooth, statusText, ticks, viewQuery,
+  saveButtonState, smooth, statusText, ticks, viewQuery,
 } from "../../web/kiln_dashboard_core.js";
 
 const close = (actual, expected, tolerance = 1e-12) =>
@@ -218,20 +218,40 @@ test("held-out loss: progress events and snapshots build its own series, the cha
   assert.ok(g.yTicks.some((t) => Number(t.label) >= 2), "the held-out values set the scale too");
 });
 
-test("pause: a summary's pause_requested reads as paused while running, and clears when the run ends", () => {
+test("pause: pausing while asked and stepping, paused while the loop waits, and clear when the run ends", () => {
   const store = new RunStore();
   const run = store.applyProgress(progress(1));
   assert.equal(statusText(run), "training");
   store.applySummary({ id: "r1", status: "running", pause_requested: true });
   assert.equal(run.pauseRequested, true);
+  assert.equal(statusText(run), "pausing…");
+  store.applySummary({ id: "r1", status: "running", pause_requested: true, paused: true });   // the loop waits
   assert.equal(statusText(run), "paused");
-  store.applySummary({ id: "r1", status: "running", pause_requested: false });
+  store.applySummary({ id: "r1", status: "running", pause_requested: false });              // Resume pressed
+  assert.equal(statusText(run), "resuming…");
+  store.applySummary({ id: "r1", status: "running", paused: false });
   assert.equal(statusText(run), "training");
-  store.applySummary({ id: "r1", status: "running", pause_requested: true });
+  store.applySummary({ id: "r1", status: "running", pause_requested: true, paused: true });
   store.applySummary({ id: "r1", status: "stopped" });
   assert.equal(run.pauseRequested, false);
+  assert.equal(run.paused, false);
   assert.equal(statusText(run), "stopped");
   assert.equal(statusText(null), "idle");
+});
+
+test("Save now: disabled with the reason for a run the server cannot save, enabled for a running one", () => {
+  const store = new RunStore();
+  const run = store.applyProgress(progress(1));
+  assert.deepEqual(saveButtonState(run).disabled, false);
+  store.applySummary({ id: "r1", status: "running", save_requested: true });
+  assert.equal(saveButtonState(run).disabled, true);
+  store.applySummary({ id: "r1", status: "running", save_requested: false, can_save: false });   // a torchrun run
+  const state = saveButtonState(run);
+  assert.equal(state.disabled, true);
+  assert.match(state.title, /several GPUs.*torchrun child/);
+  store.applySummary({ id: "r1", status: "finished", can_save: true });
+  assert.equal(saveButtonState(run).disabled, true);
+  assert.equal(saveButtonState(null).disabled, true);
 });
 
 test("the sample grid: the newest one is kept, an older event never replaces it, snapshots carry it", () => {
