@@ -179,3 +179,21 @@ def test_mlx_edit_run_resumes_bitwise(tmp_path, make_config, edit_arch):
         assert np.array_equal(a[key], b[key]), key
     assert straight.history.loss == resumed.history.loss
     assert set(seen) == {1}                                                 # every trace had its reference
+
+
+def test_held_out_loss_takes_the_references(make_config):
+    """eval_loss (the held-out loss) hands the model the batch's references as the step does: equal to the
+    flow-matching loss of the port's own forward with them, and unlike the loss without them."""
+    backend = MlxBackend()
+    backend.setup(tiny_flux2(), make_config(backend="mlx"), get_arch("flux2_klein"))
+    try:
+        batch = edit_batch(2, seed=5)
+        x_t = (1 - batch.sigmas[:, None, None, None]) * batch.latents + batch.sigmas[:, None, None, None] * batch.noise
+        prediction = np.array(backend.model(x_t, batch.sigmas, batch.context,
+                                            reference_latents=batch.extras["reference_latents"]))
+        per_sample = ((prediction - (batch.noise - batch.latents)) ** 2).reshape(2, -1).mean(axis=1)
+        expected = float((per_sample * batch.weights).mean())
+        assert backend.eval_loss([batch]) == pytest.approx(expected, rel=1e-5)
+        assert backend.eval_loss([dataclasses.replace(batch, extras={})]) != pytest.approx(expected, rel=1e-3)
+    finally:
+        backend.teardown()
