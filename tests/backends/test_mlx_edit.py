@@ -154,10 +154,10 @@ def test_compiled_step_takes_batches_with_and_without_references(make_config):
 
 
 def test_mlx_edit_run_resumes_bitwise(tmp_path, make_config, edit_arch):
-    """The MLX Flux2 port, compiled, on an edit dataset with everything random on: stopped after 3 steps
-    and resumed, its state equals an uninterrupted run's bit for bit."""
+    """The MLX Flux2 port, compiled and checkpointed, on an edit dataset with everything random on: stopped after 3
+    steps and resumed, its state equals an uninterrupted run's bit for bit."""
     cfg = make_config(backend="mlx", steps=6, checkpoint_every=3, caption_dropout=0.3, lora_dropout=0.1, ema=True,
-                      ema_decay=0.9, grad_accum=2, max_grad_norm=0.01, log_every=3)
+                      ema_decay=0.9, grad_accum=2, max_grad_norm=0.01, log_every=3, gradient_checkpointing=True)
     seen = []
 
     def forward(model, x_t, sigmas, context, extras):
