@@ -3,6 +3,7 @@
     python bench/mlx_memory.py            # the table: Klein 4B/9B, Z-Image at 512/1024 px on 32/64/128 GB Macs
     python bench/mlx_memory.py --measure  # also: peak memory of compiled bf16 steps of small MLX Flux2 and
                                           # Z-Image ports on this machine vs the estimate (~6 min on 2 cores)
+    python bench/mlx_memory.py --measure-edit  # the small Flux2 with 0, 1, 2 reference images (edit training)
 
 The table is trainer/estimate_mlx.py's (the `estimate --backend mlx` command prints the same rows).
 --measure runs each case in its own process (MLX keeps compiled graphs and buffers across runs in
@@ -49,7 +50,7 @@ def table() -> str:
 
 # ---------------------------------------------------------------- measurement (one case per process)
 
-def measure_case(family: str, first: int, second: int, side: int, checkpointing: bool) -> dict:
+def measure_case(family: str, first: int, second: int, side: int, checkpointing: bool, references: int = 0) -> dict:
     import mlx.core as mx
     import numpy as np
 
@@ -64,7 +65,8 @@ def measure_case(family: str, first: int, second: int, side: int, checkpointing:
     if family == "flux2":
         arch, shape, context = "flux2_klein", (1, 128, side, side), (1, 64, 192)
         model = build(arch, tiny_weights.flux2_weights(0, hidden=256, double=first, single=second), "bfloat16")
-        extras = {}
+        extras = {"reference_latents": [rng.standard_normal(shape).astype(np.float32) for _ in range(references)]} \
+            if references else {}
     else:
         arch, shape, context = "zimage", (1, 16, side, side), (1, 64, 64)
         model = build(arch, tiny_weights.zimage_weights(0, dim=256, n_layers=second, n_refiner_layers=first),
@@ -138,6 +140,25 @@ def measure() -> str:
     return "\n".join(lines)
 
 
+def measure_edit() -> str:
+    """Edit training: the small Flux2 (1+1 blocks, latent 16x16) with 0-2 reference latents of the target's
+    size, measured against estimate_mlx(reference_images=n)."""
+    lines = ["| references | checkpointing | measured MB | estimate MB | error |", "|---|---|---|---|---|"]
+    for checkpointing in (False, True):
+        for references in (0, 1, 2):
+            code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import mlx_memory; "
+                    f"print(json.dumps(mlx_memory.measure_case('flux2', 1, 1, 16, {checkpointing}, {references})))")
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            found = json.loads(out.stdout.strip().splitlines()[-1])
+            measured = found["peak"] - found["weights"]
+            est = estimate_mlx(probe_dims("flux2", 1, 1), resolution=256, gradient_checkpointing=checkpointing,
+                               reference_images=references)
+            estimated = est.total - est.weights - _overhead()
+            lines.append(f"| {references} | {'on' if checkpointing else 'off'} | {measured / 2**20:.1f} | "
+                         f"{estimated / 2**20:.1f} | {(estimated - measured) / measured:+.0%} |")
+    return "\n".join(lines)
+
+
 def _overhead() -> int:
     from trainer.estimate_mlx import MLX_OVERHEAD
     return MLX_OVERHEAD  # Metal's fixed overhead: not part of a CPU measurement
@@ -146,11 +167,15 @@ def _overhead() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measure", action="store_true", help="also measure small models on this machine")
+    parser.add_argument("--measure-edit", action="store_true", help="also measure the small Flux2 with references")
     args = parser.parse_args()
     print(table())
     if args.measure:
         print()
         print(measure())
+    if args.measure_edit:
+        print()
+        print(measure_edit())
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ def run_dm(dm, **inputs):
     """The diffusion model's forward in ComfyUI's call convention, numpy in and out."""
     import torch
 
-    tensors = {k: torch.from_numpy(v) for k, v in inputs.items() if v is not None}
+    tensors = {k: [torch.from_numpy(a) for a in v] if isinstance(v, list) else torch.from_numpy(v)
+               for k, v in inputs.items() if v is not None}
     x, timestep = tensors.pop("x"), tensors.pop("timestep")
     with torch.inference_mode():
         out = dm(x, timestep, transformer_options={}, **tensors)
@@ -121,6 +122,27 @@ def golden_flux2_klein(tmp_dir: Path):
 
 def golden_flux2_dev(tmp_dir: Path):
     return _flux2(tmp_dir, dev=True)
+
+
+def golden_flux2_klein_edit(tmp_dir: Path):
+    """Edit training's forward: the flux2_klein golden's model and inputs with reference latents (ComfyUI's
+    ref_latents, as ReferenceLatent feeds them): output_1 with the first, output_2 with both; the second
+    is of another size than the target (3×5 for 4×6), so its own position grid shows."""
+    tensors, metadata = _flux2(tmp_dir, dev=False)
+    _, dm = load_diffusion_model(tmp_dir, "flux2_klein_edit", tiny_weights.flux2_weights(0, **json.loads(
+        metadata["kiln.weights"])["kwargs"]))
+    if dm.params.default_ref_method != "index" or dm.params.ref_index_scale != 10.0:
+        raise RuntimeError(f"flux2: ComfyUI places references by {dm.params.default_ref_method!r} "
+                           f"x{dm.params.ref_index_scale}; the MLX port assumes 'index' x10")
+    rng = np.random.default_rng(2000)
+    references = [rng.standard_normal((2, 128, 4, 6)).astype(np.float32),
+                  rng.standard_normal((2, 128, 3, 5)).astype(np.float32)]
+    inputs = {k: tensors[k] for k in ("x", "timestep", "context")}
+    out = {**inputs, "reference_0": references[0], "reference_1": references[1]}
+    for count in (1, 2):
+        out[f"output_{count}"] = run_dm(dm, **inputs, ref_latents=references[:count])
+    metadata["kiln.call"] = "dm(x, timestep, context=context, ref_latents=[reference_0, ...]) -> output_<count>"
+    return out, metadata
 
 
 def comfy_zimage(weights: dict[str, np.ndarray]):
@@ -195,6 +217,7 @@ def golden_zimage_short_caption(tmp_dir: Path):
 GOLDENS = {
     "flux2_klein": golden_flux2_klein,
     "flux2_dev": golden_flux2_dev,
+    "flux2_klein_edit": golden_flux2_klein_edit,
     "zimage": golden_zimage,
     "zimage_short_caption": golden_zimage_short_caption,
 }
@@ -218,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             size = target.stat().st_size
             if size > MAX_BYTES:
                 raise RuntimeError(f"{target}: {size} bytes, over the {MAX_BYTES}-byte budget; use smaller inputs")
-            print(f"{target.relative_to(ROOT)}: {size // 1024} KB, output max |{np.abs(tensors['output']).max():.3f}|")
+            print(f"{target.relative_to(ROOT)}: {size // 1024} KB, output max |{max(np.abs(v).max() for k, v in tensors.items() if k.startswith('output')):.3f}|")
     return 0
 
 

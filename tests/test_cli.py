@@ -134,6 +134,20 @@ def test_estimate_for_a_mac(tmp_path):
     assert "base int4" in result.stdout and "backend mlx" in result.stdout and "fits in a 32 GB Mac" in result.stdout
 
 
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_estimate_counts_an_edit_datasets_references_on_both_backends(tmp_path, backend):
+    for folder in ("control", "control_2"):
+        (tmp_path / "edit" / folder).mkdir(parents=True)
+    config = tmp_path / "edit.toml"
+    config.write_text(f'arch = "flux2_klein"\nbackend = "{backend}"\ndataset_dir = "{tmp_path / "edit"}"\n'
+                      'resolutions = [512]\n')
+    result = cli("estimate", config, "--variant", "flux2-klein-4b")
+    assert result.returncode == 0, result.stderr
+    assert "3072 image + 512 text tokens per sample" in result.stdout
+    assert "(2 reference images included)" in result.stdout
+    assert ("backend mlx" in result.stdout) == (backend == "mlx")
+
+
 def test_estimate_from_the_arch_when_model_path_is_missing(tmp_path):
     config = tmp_path / "turbo.toml"
     config.write_text(f'arch = "zimage_turbo"\nmodel_path = "{tmp_path / "gone.safetensors"}"\nresolutions = [512]\n')

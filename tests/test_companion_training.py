@@ -176,13 +176,6 @@ def test_a_family_without_reference_latents_refuses_an_edit_dataset(tmp_path, ma
         train(make_config(steps=1), make_model(), companion_data(False, True), run_dir=tmp_path / "r")
 
 
-def test_mlx_refuses_edit_training_naming_the_setting(tmp_path, make_model, make_config, edit_arch):
-    pytest.importorskip("mlx.core")
-    with pytest.raises(ConfigError, match="backend: edit training.*set backend to torch"):
-        train(make_config(steps=1, backend="mlx"), make_model(), companion_data(False, True),
-              run_dir=tmp_path / "r")
-
-
 def test_flux2_takes_reference_latents_as_comfyui_does():
     for name in ("flux2_klein", "flux2_dev"):
         assert get_arch(name).reference_latents == "reference_latents"

@@ -60,3 +60,13 @@ def test_format_says_which_mac_and_what_to_change():
 def test_a_family_without_an_mlx_port_is_refused():
     with pytest.raises(ValueError, match="qwen-image has no MLX port .*backend torch"):
         estimate_mlx("qwen-image", resolution=1024)
+
+
+def test_edit_training_counts_the_reference_images_tokens():
+    """As estimate.py: each reference adds the target's tokens to every block's sequence (and its attention
+    matrices); the final layer runs on the target's tokens only."""
+    plain, edit = (estimate_mlx("flux2-klein-4b", resolution=512, reference_images=n) for n in (0, 2))
+    assert edit.tokens - plain.tokens == 2 * 32 * 32
+    assert edit.activations > 2 * plain.activations and edit.weights == plain.weights
+    assert edit.workspace > plain.workspace
+    assert "(2 reference images included)" in edit.notes[0]

@@ -187,7 +187,7 @@ def cmd_estimate(args) -> int:
     backend = args.backend or cfg.backend
     estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if backend == "mlx" and cfg.base_quantize != "none" else "bf16")
-    references = reference_count(cfg.dataset_dir) if backend == "torch" else 0   # edit datasets' control folders
+    references = reference_count(cfg.dataset_dir)   # edit datasets' control folders (both backends train them)
     def estimated(resolution: int, budget: float):
         return estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,
                         targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,

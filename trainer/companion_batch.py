@@ -66,6 +66,3 @@ def check(cfg: TrainConfig, data, arch: Arch) -> None:
     if cfg.preservation_weight > 0:
         raise ConfigError("preservation_weight: differential output preservation does not take an edit dataset "
                           "(a control/ folder) yet; set preservation_weight to 0")
-    if cfg.backend == "mlx":
-        raise ConfigError("backend: edit training (a dataset with a control/ folder) runs on the PyTorch backend "
-                          "only (the MLX Flux2 port takes no reference tokens yet); set backend to torch")

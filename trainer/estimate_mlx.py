@@ -83,15 +83,17 @@ def _weight_bytes(dims, base_dtype: str) -> int:
 def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 32, targets=None,
                  optimizer: str = "adamw", gradient_checkpointing: bool = True, base_dtype: str = "bf16",
                  mixed_precision: str = "bf16", skip_checkpoint_blocks: int = 0, preservation: bool = False,
-                 adapter: str = "lora", lokr_factor: int = -1, lokr_full_w2: bool = False) -> Estimate:
+                 adapter: str = "lora", lokr_factor: int = -1, lokr_full_w2: bool = False,
+                 reference_images: int = 0) -> Estimate:
     """Bytes one MLX training step needs at square `resolution` (the largest bucket); `preservation`: DOP on;
-    adapter: the kind (trainer/adapters.py) with its LoKr settings."""
+    adapter: the kind (trainer/adapters.py) with its LoKr settings; reference_images: edit training's
+    control images per sample, each the target's tokens again in the joint sequence (as estimate.py)."""
     settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
                 "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
                 "skip_checkpoint_blocks": skip_checkpoint_blocks,
                 "base_dtype": base_dtype, "mixed_precision": mixed_precision, "backend": "mlx",
                 "preservation": preservation, "adapter": adapter, "lokr_factor": lokr_factor,
-                "lokr_full_w2": lokr_full_w2}
+                "lokr_full_w2": lokr_full_w2, "reference_images": reference_images}
     rows = preservation_rows(batch_size, preservation)
     if base_dtype not in MLX_BASE_BYTES:
         raise ValueError(f"base_dtype for MLX must be one of {list(MLX_BASE_BYTES)} (fp8 files are decoded to "
@@ -104,7 +106,8 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
                          "estimate it with backend torch")
     side = check_settings(dims, resolution, batch_size, rank, optimizer, "bf16", mixed_precision)
     act = ACTIVATION_BYTES[mixed_precision]
-    image_tokens = image_token_count(dims, resolution, side)
+    target_tokens = image_token_count(dims, resolution, side)
+    image_tokens = target_tokens * (1 + reference_images)   # target + references: the blocks see them all
     text_tokens = dims.context_tokens
     shapes = lora_shapes(dims, targets)
     lora_params = sum(rank * (i + o) for i, o in shapes)
@@ -114,7 +117,7 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     # (per-token bytes, blocks, tokens) + the attention matrices each such block keeps
     per_block = [(per_token * tokens + ATTENTION_KEPT * heads * tokens ** 2, count, tokens)
                  for per_token, count, tokens in groups]
-    head = 2 * dims.hidden * act * image_tokens
+    head = 2 * dims.hidden * act * target_tokens   # the final layer runs on the target's tokens only
     largest = max(b for b, _, _ in per_block)
     if gradient_checkpointing:   # block inputs, and one block rebuilt in backward
         kept = sum(count * tokens * dims.hidden * act for _, count, tokens in per_block) + largest
@@ -127,7 +130,9 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     workspace = MLX_OVERHEAD + 2 * widest_output(dims) * rows * (image_tokens + text_tokens) * act
     weights = _weight_bytes(dims, base_dtype)
     optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
-    notes = [f"{image_tokens} image + {text_tokens} text tokens per sample",
+    notes = [f"{image_tokens} image + {text_tokens} text tokens per sample"
+             + (f" ({reference_images} reference image{'s' * (reference_images > 1)} included)"
+                if reference_images else ""),
              "diffusion model only: text encoder and VAE cached or offloaded",
              "MLX: unfused attention keeps heads x L^2 probabilities per block (checkpointing keeps one block's)",
              "an estimate fitted on mlx[cpu] at small sizes; not yet checked on a Mac"] + (

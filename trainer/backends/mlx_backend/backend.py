@@ -30,6 +30,7 @@ from .optim import build_optimizer, clip_global_norm, state_in, state_out
 
 _COMPUTE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 _BATCH_FIELDS = ("latents", "noise", "sigmas", "weights", "context")
+_ITEM = "#"   # `extra.reference_latents#1`: the second array of a list-valued extra
 
 
 def apple_memory_limits() -> dict | None:
@@ -126,13 +127,25 @@ class MlxBackend:
                 constants[where + key] = tuple(int(v) for v in value.reshape(-1))
             elif isinstance(value, (np.ndarray, mx.array)):
                 arrays[f"{where}extra.{key}"] = mx.array(value).astype(self.dtype)
+            elif isinstance(value, list):
+                # A list of arrays (edit training's reference latents): each a traced input `key#i`, so
+                # their shapes join the step's signature (a batch with references compiles its own graph).
+                for index, item in enumerate(value):
+                    arrays[f"{where}extra.{key}{_ITEM}{index}"] = mx.array(item).astype(self.dtype)
             else:
                 constants[where + key] = value
 
     @staticmethod
     def _extras(arrays: dict, constants: dict, where: str = "") -> dict:
         """The model extras of `where` ("" the batch's, "dop." / "joint." DOP's) from _inputs' two dicts."""
-        own = {k[len(where) + 6:]: v for k, v in arrays.items() if k.startswith(f"{where}extra.")}
+        own: dict = {}
+        for key, value in arrays.items():
+            if key.startswith(f"{where}extra."):
+                name, listed, _ = key[len(where) + 6:].partition(_ITEM)
+                if listed:   # `key#0`, `key#1`, ... back into one list, in order
+                    own.setdefault(name, []).append(value)
+                else:
+                    own[name] = value
         return {**own, **{k[len(where):]: v for k, v in constants.items()
                           if k.startswith(where) and (where or not k.startswith(("dop.", "joint.")))}}
 

@@ -4,10 +4,14 @@ Attribute paths equal ComfyUI's module paths (`double_blocks.0.img_attn.qkv`, `s
 `img_mlp.0`, `final_layer.adaLN_modulation.1`, ...), so a ComfyUI state dict loads key for key and a
 LoRA saved from here carries the same keys as one from the PyTorch backend. Flux2 has no biases.
 
-    model(x [B,128,H,W], timestep [B] (sigma in [0,1]), context [B,T,ctx], guidance [B] | None)
+    model(x [B,128,H,W], timestep [B] (sigma in [0,1]), context [B,T,ctx], guidance [B] | None,
+          reference_latents [[B,128,h_i,w_i], ...] | None)
         -> velocity [B,128,H,W], as ComfyUI's Flux.forward returns it
 
 One token per latent pixel (patch 1). Context arrives already padded (the arch's collate pads to 512).
+Reference latents (edit training; ComfyUI's ReferenceLatent → `ref_latents`) are patchified as the image
+and appended after its tokens, reference i at RoPE index 10·i (Flux2's default_ref_method "index",
+ref_index_scale 10 in comfy/model_detection.py); only the target's tokens leave the model.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ LAYER_NORM_EPS = 1e-6
 # ComfyUI's QK RMSNorm is torch.nn.RMSNorm(eps=None): torch then uses float32's epsilon, also for bf16 input.
 RMS_NORM_EPS = float(np.finfo(np.float32).eps)
 ARCHS = ("flux2_klein", "flux2_dev")
+REF_INDEX_SCALE = 10.0        # reference i (from 1) sits at RoPE index i·10 (ComfyUI's method "index")
 
 
 @dataclass(frozen=True)
@@ -75,18 +80,22 @@ def _count(weights, prefix: str) -> int:
 # ---------------------------------------------------------------- positions and embeddings
 
 @lru_cache(maxsize=64)
-def rope_tables(height: int, width: int, text_tokens: int) -> tuple[mx.array, mx.array]:
-    """cos, sin [1,1,T+H*W,64] (float32) for the text tokens followed by the image tokens.
+def rope_tables(grids: tuple[tuple[int, int, float], ...], text_tokens: int) -> tuple[mx.array, mx.array]:
+    """cos, sin [1,1,T+Σh*w,64] (float32) for the text tokens followed by each grid's tokens.
 
-    ComfyUI's ids: text token t at (0, 0, 0, t); image pixel (r, c) at (0, r, c, 0). Per axis of 32
-    dims the 16 frequencies are theta^-(2i/32); angles and their cos/sin are computed in float64
-    (torch.einsum promotes against the float64 omega) and rounded to float32.
+    grids: (height, width, index) of the image (index 0), then of each reference latent. ComfyUI's ids:
+    text token t at (0, 0, 0, t); pixel (r, c) of a grid at (index, r, c, 0). Per axis of 32 dims the 16
+    frequencies are theta^-(2i/32); angles and their cos/sin are computed in float64 (torch.einsum
+    promotes against the float64 omega) and rounded to float32.
     """
-    ids = np.zeros((text_tokens + height * width, len(AXES_DIM)), np.float64)
-    ids[:text_tokens, 3] = np.arange(text_tokens)
-    rows, cols = np.meshgrid(np.arange(height), np.arange(width), indexing="ij")
-    ids[text_tokens:, 1] = rows.reshape(-1)
-    ids[text_tokens:, 2] = cols.reshape(-1)
+    ids = [np.zeros((text_tokens, len(AXES_DIM)), np.float64)]
+    ids[0][:, 3] = np.arange(text_tokens)
+    for height, width, index in grids:
+        grid = np.zeros((height * width, len(AXES_DIM)), np.float64)
+        rows, cols = np.meshgrid(np.arange(height), np.arange(width), indexing="ij")
+        grid[:, 0], grid[:, 1], grid[:, 2] = index, rows.reshape(-1), cols.reshape(-1)
+        ids.append(grid)
+    ids = np.concatenate(ids)
     angles = []
     for axis, dim in enumerate(AXES_DIM):
         omega = 1.0 / THETA ** np.linspace(0.0, (dim - 2) / dim, dim // 2, dtype=np.float64)
@@ -280,17 +289,21 @@ class Flux2(nn.Module):
         self.double_stream_modulation_txt = Modulation(hidden, double=True)
         self.single_stream_modulation = Modulation(hidden, double=False)
 
-    def __call__(self, x, timestep, context, guidance=None) -> mx.array:
+    def __call__(self, x, timestep, context, guidance=None, reference_latents=None) -> mx.array:
         dtype = self.dtype
         x, context = _as_mx(x).astype(dtype), _as_mx(context).astype(dtype)
-        batch, channels, height, width = x.shape
-        img = self.img_in(x.reshape(batch, channels, height * width).transpose(0, 2, 1))   # (B, H*W, C)
+        batch, _, height, width = x.shape
+        references = [_as_mx(r).astype(dtype) for r in reference_latents or ()]
+        # (B, H*W + Σ h_i*w_i, C): the target's tokens, then each reference's (ComfyUI's process_img)
+        img = self.img_in(mx.concatenate([_tokens(x), *(_tokens(r, batch) for r in references)], axis=1))
         vec = self.time_in(timestep_embedding(_as_mx(timestep)).astype(dtype))
         if self.config.guidance_embed and guidance is not None:   # ComfyUI skips it when no guidance is given
             vec = vec + self.guidance_in(timestep_embedding(_as_mx(guidance)).astype(dtype))
         txt = self.txt_in(context)
         text_tokens = txt.shape[1]
-        rope = rope_tables(height, width, text_tokens)
+        grids = ((height, width, 0.0),) + tuple((r.shape[2], r.shape[3], REF_INDEX_SCALE * (i + 1))
+                                                for i, r in enumerate(references))
+        rope = rope_tables(grids, text_tokens)
 
         img_mods, txt_mods = self.double_stream_modulation_img(vec), self.double_stream_modulation_txt(vec)
         for block in self.double_blocks:
@@ -299,8 +312,22 @@ class Flux2(nn.Module):
         single_mods = self.single_stream_modulation(vec)
         for block in self.single_blocks:
             joined = block(joined, single_mods, rope)
-        out = self.final_layer(joined[:, text_tokens:], vec)                            # (B, H*W, 128)
+        # The target's tokens only (ComfyUI's out[:, :img_tokens]; the final layer is per token, so slicing
+        # first gives the same numbers without running it on the references).
+        out = self.final_layer(joined[:, text_tokens:text_tokens + height * width], vec)   # (B, H*W, 128)
         return out.transpose(0, 2, 1).reshape(batch, -1, height, width)
+
+
+def _tokens(latent: mx.array, batch: int | None = None) -> mx.array:
+    """[B,C,H,W] → [B,H*W,C], one token per latent pixel; a reference of batch 1 serves every row
+    (ComfyUI's CONDList repeats a cond to the batch)."""
+    if batch is not None and latent.shape[0] != batch:
+        if latent.shape[0] != 1:
+            raise ValueError(f"Flux2: a reference latent of batch {latent.shape[0]} for a batch of {batch}; "
+                             "give one reference per row, or one for all")
+        latent = mx.broadcast_to(latent, (batch, *latent.shape[1:]))
+    rows, channels, height, width = latent.shape
+    return latent.reshape(rows, channels, height * width).transpose(0, 2, 1)
 
 
 def build(arch_name: str, weights, dtype="bfloat16") -> Flux2:
