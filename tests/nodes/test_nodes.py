@@ -251,6 +251,19 @@ def test_training_options_default_to_the_auto_levers_and_keep_saved_values():
     assert tn.cfg_module.from_dict({k: v for k, v in fresh.items() if k in tn.cfg_module.FIELDS}).compile_blocks == "auto"
 
 
+def test_fp8_compute_is_a_three_way_choice_defaulting_to_auto():
+    """fp8_compute auto (on where it costs nothing: a base stored in fp8), on (also a bf16 base, with its fp8
+    copies), off: a combo whose words reach the config as "auto", True and False; the post-0.1 options keep
+    their positions ahead of anything added later (cuda_graphs)."""
+    inputs = {i.id: i for i in tn.KilnTrainingOptions.define_schema().inputs}
+    assert inputs["fp8_compute"].options == ["auto", "on", "off"] and inputs["fp8_compute"].default == "auto"
+    values = {i.id: i.default for i in inputs.values()}
+    for word, expected in (("auto", "auto"), ("on", True), ("off", False)):
+        assert out(tn.KilnTrainingOptions.execute(**{**values, "fp8_compute": word}))["fp8_compute"] == expected
+    order = list(inputs)
+    assert order.index("fp8_compute") < order.index("reg_weight") < order.index("cuda_graphs")
+
+
 def test_invert_adapter_and_loss_graph(comfy_dirs, tmp_path_factory):
     model = tc.tiny_flux2(tmp_path_factory.mktemp("inv"))
     ds = encoded_dataset(comfy_dirs, tc.tiny_vae(flux2=True), tc.tiny_klein_clip(), "ds_inv")
