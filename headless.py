@@ -27,7 +27,7 @@ import functools
 import time
 
 from .nodes.comfy import loaders as comfy_loaders
-from .trainer import config as cfg_module
+from .trainer import config_file
 from .trainer import distributed, init_lora
 from .trainer.archs import get_arch
 from .trainer.console import SAMPLE_TAG, emit, finish, run_loop
@@ -39,7 +39,7 @@ from .trainer.samples import describe, sample_path, sample_plan, save_sample
 
 
 def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_models) -> int:
-    cfg, _ = init_lora.prepare(cfg_module.load(config_path))   # an init_lora file's rank and alpha
+    cfg, _ = init_lora.prepare(config_file.load(config_path))   # an init_lora file's rank and alpha
     group = distributed.start(cfg.device, cfg.backend)   # under torchrun: this rank's GPU, before ComfyUI picks one
     comfy_loaders.start(cpu=cfg.device == "cpu")  # before the bridge imports ComfyUI's model management
     from .nodes.comfy import bridge

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer import config
+from trainer import config, config_file
 from trainer.config import BOUNDS, CHOICES, FIELDS, HELP, PRESETS, ConfigError, TrainConfig, from_dict
 
 
@@ -108,8 +108,8 @@ def test_save_load_round_trip(tmp_path, suffix):
     cfg = from_dict({"rank": 8, "targets": ["attn.qkv", 're:layers\\.\\d+\\.x'], "trigger_word": 'a "quoted" ñame',
                      "resolutions": [512, 768], "learning_rate": 1e-5 * 3, "ema": True}, preset="style")
     path = tmp_path / f"run{suffix}"
-    config.save(cfg, path)
-    assert config.load(path) == cfg
+    config_file.save(cfg, path)
+    assert config_file.load(path) == cfg
     assert not list(tmp_path.glob(".*tmp"))
 
 
@@ -117,23 +117,23 @@ def test_file_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("rank = [", encoding="utf-8")
     with pytest.raises(ConfigError, match="bad.toml: not valid TOML"):
-        config.load(bad)
+        config_file.load(bad)
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"rank": 0}))
     with pytest.raises(ConfigError, match="wrong.json: rank must be in 1..256, got 0"):
-        config.load(wrong)
+        config_file.load(wrong)
     listing = tmp_path / "list.json"
     listing.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="list.json: the top level must be a table"):
-        config.load(listing)
+        config_file.load(listing)
     with pytest.raises(ConfigError, match="must end in .toml or .json"):
-        config.load(tmp_path / "x.yaml")
+        config_file.load(tmp_path / "x.yaml")
     with pytest.raises(ConfigError, match="missing.toml: cannot read config"):
-        config.load(tmp_path / "missing.toml")
+        config_file.load(tmp_path / "missing.toml")
     latin = tmp_path / "latin.toml"
     latin.write_bytes("trigger_word = 'caf\xe9'".encode("latin-1"))
     with pytest.raises(ConfigError, match="latin.toml: cannot read config"):
-        config.load(latin)
+        config_file.load(latin)
 
 
 @pytest.mark.parametrize("name", list(FIELDS))

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from trainer import config as config_module
+from trainer import config_file
 from trainer.__main__ import main
 from trainer.config import FIELDS, ConfigError
 
@@ -37,7 +38,7 @@ def toml_value(value) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, str):
-        return config_module._toml_value(value)
+        return config_file._toml_value(value)
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     return "[" + ", ".join(toml_value(v) for v in value) + "]"
@@ -86,13 +87,13 @@ def test_config_files_load_or_fail_naming_the_file(file):
         path = Path(folder) / f"run{suffix}"
         path.write_bytes(data)
         try:
-            cfg = config_module.load(path)
+            cfg = config_file.load(path)
         except ConfigError as err:
             assert str(err).startswith(str(path)) and len(str(err)) < 3000
             return
         for again in ("again.toml", "again.json"):             # what loads, saves and loads back the same
-            config_module.save(cfg, Path(folder) / again)
-            assert config_module.load(Path(folder) / again) == cfg
+            config_file.save(cfg, Path(folder) / again)
+            assert config_file.load(Path(folder) / again) == cfg
 
 
 def test_the_cli_reports_bad_config_files_as_errors_not_tracebacks(tmp_path, capsys):
@@ -110,5 +111,5 @@ def test_the_cli_reports_bad_config_files_as_errors_not_tracebacks(tmp_path, cap
 
 def _error_for(path: Path) -> str:
     with pytest.raises(ConfigError) as caught:
-        config_module.load(path)
+        config_file.load(path)
     return str(caught.value)

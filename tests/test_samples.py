@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainer import config
+from trainer import config, config_file
 from trainer.archs import ARCHS
 from trainer.config import ConfigError, from_dict
 from trainer.samples import SamplePrompt, sample_path, sample_plan, save_sample
@@ -82,8 +82,8 @@ def test_sample_prompts_round_trip_through_config_files(tmp_path, suffix):
                 sample_every=100)
     assert cfg.sample_prompts[1]["cfg"] == 4.0
     path = tmp_path / f"run{suffix}"
-    config.save(cfg, path)
-    assert config.load(path) == cfg
+    config_file.save(cfg, path)
+    assert config_file.load(path) == cfg
 
 
 def test_an_array_of_tables_is_a_list_of_prompts(tmp_path):
@@ -91,7 +91,7 @@ def test_an_array_of_tables_is_a_list_of_prompts(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('arch = "zimage_turbo"\nsample_every = 50\n\n[[sample_prompts]]\nprompt = "a cat"\nseed = 1\n\n'
                     '[[sample_prompts]]\nprompt = "a dog"\nwidth = 512\nheight = 768\n', encoding="utf-8")
-    cfg = config.load(path)
+    cfg = config_file.load(path)
     assert cfg.sample_prompts == [{"prompt": "a cat", "seed": 1}, {"prompt": "a dog", "width": 512, "height": 768}]
     assert [(p.seed, p.width, p.height) for p in sample_plan(cfg)] == [(1, 1024, 1024), (43, 512, 768)]
 
@@ -123,5 +123,5 @@ def test_the_readmes_config_examples_load():
     blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
     assert any("sample_prompts" in b for b in blocks) and any("[[sample_prompts]]" in b for b in blocks)
     for block in blocks:
-        cfg = from_dict({"arch": "zimage_turbo", **config.tomllib.loads(block)})
+        cfg = from_dict({"arch": "zimage_turbo", **config_file.tomllib.loads(block)})
         assert sample_plan(cfg) or "sample_prompts" not in block

@@ -43,10 +43,9 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from . import config as config_module
-    from . import distributed, init_lora
+    from . import config_file, distributed, init_lora
 
-    cfg = config_module.load(args.config)
+    cfg = config_file.load(args.config)
     cfg, _ = init_lora.prepare(cfg)   # an init_lora file's rank and alpha, before anything uses them
     # Under torchrun: join the other ranks first (each takes its GPU before anything picks one).
     distributed.start(cfg.device, cfg.backend)
@@ -151,7 +150,7 @@ def _resolutions(text: str) -> list[int]:
 
 
 def cmd_estimate(args) -> int:
-    from . import config as config_module
+    from . import config_file
     from .data.companions import reference_count
     from .estimate_common import (
         VARIANTS,
@@ -164,7 +163,7 @@ def cmd_estimate(args) -> int:
     )
     from .holdout import estimate_notes as holdout_notes
 
-    cfg = config_module.load(args.config)
+    cfg = config_file.load(args.config)
     notes = []
     if args.variant is not None:  # a size or an arch: one vocabulary
         variants = resolve_variant(args.variant)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import config as config_module
+from . import config_file
 from .atomic import atomic_write_text
 from .console import DONE_TAG, PAUSED_TAG, PROGRESS_ENV, PROGRESS_TAG, SAMPLE_TAG, STOP_FILE
 from .pause import PAUSE_FILE
@@ -117,7 +118,7 @@ class Launch:
     def start(self, resume: bool = False) -> Launch:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / CONFIG_NAME
-        config_module.save(self.config, config_path)
+        config_file.save(self.config, config_path)
         (self.run_dir / STOP_FILE).unlink(missing_ok=True)   # an earlier stop's request must not stop this run
         (self.run_dir / PAUSE_FILE).unlink(missing_ok=True)  # nor an earlier pause hold it
         self.process = subprocess.Popen(
