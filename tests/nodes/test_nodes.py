@@ -300,13 +300,15 @@ def test_mlx_backend_matches_torch_through_the_node_and_saves_a_comfy_lora(comfy
 
 
 def test_speed_levers_leave_the_run_identity_alone(comfy_dirs):
-    """Turning compile_blocks, checkpoint_budget, checkpointing or the attention kernel on or off after a stop
-    resumes the same run; a setting that changes what is trained starts another."""
+    """Turning compile_blocks, checkpoint_budget, checkpointing, the attention kernel, fp8 compute or CUDA graphs
+    on or off after a stop resumes the same run (a run.json of yesterday, fp8_compute false, resumes under
+    today's auto); a setting that changes what is trained starts another."""
     folder = make_dataset(comfy_dirs / "input" / "ds_identity")
     ds = out(dn.KilnLoadDataset.execute(str(folder), "kiln", "", "", "64", 1, 0.0))
     base = tn.cfg_module.from_dict({"arch": "flux2_klein"})
     same = run.run_identity(base, ds, None)
     for change in ({"compile_blocks": False}, {"checkpoint_budget": 0.3}, {"gradient_checkpointing": False},
-                   {"skip_checkpoint_blocks": 2}, {"attention": "math"}):
+                   {"skip_checkpoint_blocks": 2}, {"attention": "math"}, {"fp8_compute": False}, {"fp8_compute": True},
+                   {"cuda_graphs": True}):
         assert run.run_identity(tn.cfg_module.replace(base, **change), ds, None) == same, change
     assert run.run_identity(tn.cfg_module.replace(base, rank=8), ds, None) != same
