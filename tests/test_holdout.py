@@ -240,3 +240,14 @@ def test_held_out_batches_carry_the_images_mask_and_references(make_data, make_c
         assert batch.mask.shape == (rows, 1, *data.latents[0].shape[-2:]) and np.all(batch.mask == 0.6)  # clamped
         (references,) = [v for v in batch.extras.values() if isinstance(v, list)]
         assert len(references) == 1 and np.array_equal(references[0], np.repeat(data.latents[0][None] + 1.0, rows, 0))
+
+
+def test_a_console_run_has_its_folder_before_its_first_step(tmp_path, make_model, make_data, make_config):
+    """Headless: `touch <run>/PAUSE` (or stop.request) works from the first step, before any checkpoint made
+    the folder (a user trying it found no folder to touch)."""
+    from trainer import console
+
+    run_dir, seen = tmp_path / "runs" / "me", []
+    console.run_loop(make_config(steps=2, checkpoint_every=10), make_model(), make_data(), run_dir=run_dir,
+                     resume=False, should_pause=lambda: seen.append(run_dir.is_dir()) or False)
+    assert seen and seen[0] is True

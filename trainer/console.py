@@ -128,6 +128,8 @@ def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None 
 
     group = distributed.start(cfg.device, cfg.backend)   # under torchrun, rank 0 speaks for the run
     main = group.is_main
+    if main:   # from the first step, `touch <run>/PAUSE` and `<run>/stop.request` have a folder to go in
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
     start = start_step(run_dir, resume)
     for problem in getattr(data, "skipped", []) if main else []:
         print(f"skipped {problem.line()}", file=sys.stderr)
