@@ -171,8 +171,10 @@ class TrainConfig:
                                       "-10 %/step); true: also on a bf16 base, at the cost of an fp8 copy of the "
                                       "block weights (Z-Image -12 %/step, +11.5 GiB); bench/RESULTS.md")
     cuda_graphs: bool = setting(False, "PyTorch, CUDA, with compiled blocks: replay each block's kernels as a CUDA "
-                                       "graph per bucket shape (torch.compile mode reduce-overhead), so a small "
-                                       "bucket's step is not paced by the host's kernel launches")
+                                       "graph (torch.compile mode reduce-overhead), so a small bucket's step is not "
+                                       "paced by the host's kernel launches (H100, 512 px: Z-Image -20 %/step). "
+                                       "Each new token count records its graphs (4-7 s): pays for one or two small "
+                                       "resolutions, not for many buckets (bench/RESULTS.md)")
     # --- objective (flow matching)
     timestep_sampling: str = setting("uniform", "uniform or logit_normal")
     logit_mean: float = setting(0.0, "logit_normal: centre of the logit; > 0 favours high noise")
