@@ -85,20 +85,13 @@ def test_comfyui_loader_gives_the_training_forward(klein, tmp_path, caplog, name
     assert (got - trained).abs().max().item() / effect < TOLERANCE
 
 
-def test_train_node_trains_a_dora_that_save_lora_writes(tmp_path_factory):
+def test_train_node_trains_a_dora_that_save_lora_writes(comfy_dirs, tmp_path_factory):
     """Train LoRA with Training Options' adapter = dora: its MODEL carries the adapter as ComfyUI patches
     (every key loaded), Save LoRA writes the dora file, and the file reads back as DoRA."""
-    import folder_paths
     from test_nodes import encoded_dataset, ln, out, train
 
-    root = tmp_path_factory.mktemp("comfy_adapter")
-    for name in ("input", "output", "loras"):
-        (root / name).mkdir()
-    folder_paths.set_input_directory(str(root / "input"))
-    folder_paths.set_output_directory(str(root / "output"))
-    folder_paths.folder_names_and_paths["loras"] = ([str(root / "loras")], folder_paths.supported_pt_extensions)
     model = tiny_comfy.tiny_flux2(tmp_path_factory.mktemp("m"))
-    ds = encoded_dataset(root, tiny_comfy.tiny_vae(flux2=True), tiny_comfy.tiny_klein_clip(), "ds_dora")
+    ds = encoded_dataset(comfy_dirs, tiny_comfy.tiny_vae(flux2=True), tiny_comfy.tiny_klein_clip(), "ds_dora")
     trained, lora_model, state = train(model, ds, steps=3, options={"adapter": "dora"}).result[:3]
     assert all(key.endswith((".lora_A.weight", ".lora_B.weight", ".alpha", ".dora_scale")) for key in lora_model)
     assert sum(key.endswith(".dora_scale") for key in lora_model) == len(state.best_lora())

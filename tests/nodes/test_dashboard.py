@@ -127,26 +127,35 @@ def test_long_histories_are_thinned_evenly_keeping_both_ends():
     assert len(history["step"]) == 100 and history["step"][-1] == 3000
 
 
-def test_routes_on_aiohttp():
+def on_aiohttp(registry, scenario):
+    """scenario(client) against the dashboard's routes on a real aiohttp server; its result."""
     web = pytest.importorskip("aiohttp.web")
     test_utils = pytest.importorskip("aiohttp.test_utils")
-    registry = dashboard.Registry()
-    run = started(registry)
-    registry.record(run, Report(1))
 
-    async def scenario():
+    async def serve():
         routes = web.RouteTableDef()
         dashboard.add_routes(routes, registry)
         app = web.Application()
         app.add_routes(routes)
         async with test_utils.TestClient(test_utils.TestServer(app)) as client:
-            listing = await (await client.get("/kiln/runs")).json()
-            detail = await client.get(f"/kiln/runs/{run.id}")
-            stop = await client.post(f"/kiln/runs/{run.id}/stop")
-            missing = await client.get("/kiln/runs/nope")
-            return listing, detail.status, await detail.json(), stop.status, missing.status
+            return await scenario(client)
 
-    listing, detail_status, detail, stop_status, missing_status = asyncio.run(scenario())
+    return asyncio.run(serve())
+
+
+def test_routes_on_aiohttp():
+    registry = dashboard.Registry()
+    run = started(registry)
+    registry.record(run, Report(1))
+
+    async def scenario(client):
+        listing = await (await client.get("/kiln/runs")).json()
+        detail = await client.get(f"/kiln/runs/{run.id}")
+        stop = await client.post(f"/kiln/runs/{run.id}/stop")
+        missing = await client.get("/kiln/runs/nope")
+        return listing, detail.status, await detail.json(), stop.status, missing.status
+
+    listing, detail_status, detail, stop_status, missing_status = on_aiohttp(registry, scenario)
     assert listing["runs"][0]["id"] == run.id
     assert detail_status == 200 and detail["history"]["step"] == [1]
     assert stop_status == 202 and registry.stop_wanted(run)
@@ -208,20 +217,13 @@ class HeldOut(Report):
 
 
 def test_pause_route_on_aiohttp():
-    web = pytest.importorskip("aiohttp.web")
-    test_utils = pytest.importorskip("aiohttp.test_utils")
     registry = dashboard.Registry()
     run = started(registry)
 
-    async def scenario():
-        routes = web.RouteTableDef()
-        dashboard.add_routes(routes, registry)
-        app = web.Application()
-        app.add_routes(routes)
-        async with test_utils.TestClient(test_utils.TestServer(app)) as client:
-            paused = await client.post(f"/kiln/runs/{run.id}/pause")
-            was = registry.pause_wanted(run)
-            resumed = await client.post(f"/kiln/runs/{run.id}/resume")
-            return paused.status, was, resumed.status, (await resumed.json())["run"]["pause_requested"]
+    async def scenario(client):
+        paused = await client.post(f"/kiln/runs/{run.id}/pause")
+        was = registry.pause_wanted(run)
+        resumed = await client.post(f"/kiln/runs/{run.id}/resume")
+        return paused.status, was, resumed.status, (await resumed.json())["run"]["pause_requested"]
 
-    assert asyncio.run(scenario()) == (202, True, 202, False)
+    assert on_aiohttp(registry, scenario) == (202, True, 202, False)

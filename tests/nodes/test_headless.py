@@ -32,12 +32,7 @@ def test_headless_train_of_a_flux2_file(tmp_path, capsys, backend):
     model_file = tc.write_flux2_file(tmp_path / "tiny_flux2.safetensors")
     for name in ("vae", "te"):
         (tmp_path / f"{name}.safetensors").write_bytes(b"stand-in: the loaders below return tiny models")
-    data = tmp_path / "ds"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(3):
-        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(data / f"{i}.png")
-        (data / f"{i}.txt").write_text(f"photo {i}", encoding="utf-8")
+    data = tc.write_photos(tmp_path / "ds")
     config = tmp_path / "klein.toml"
     config.write_text(
         f'arch = "flux2_klein"\nbackend = "{backend}"\ndevice = "{"auto" if comfy_env.gpu() else "cpu"}"\n'
@@ -81,12 +76,7 @@ def klein_run(tmp_path, name: str, *, steps: int = 4, extra: str = "") -> Path:
         tc.write_flux2_file(model_file)
         for stand_in in ("vae", "te"):
             (tmp_path / f"{stand_in}.safetensors").write_bytes(b"stand-in: the loaders below return tiny models")
-        data = tmp_path / "ds"
-        data.mkdir()
-        rng = np.random.default_rng(0)
-        for i in range(3):
-            Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(data / f"{i}.png")
-            (data / f"{i}.txt").write_text(f"photo {i}", encoding="utf-8")
+        tc.write_photos(tmp_path / "ds")
     config = tmp_path / f"{name}.toml"
     config.write_text(
         f'arch = "flux2_klein"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = {steps}\nrank = 4\nalpha = 4.0\n'

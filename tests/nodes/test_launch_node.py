@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import comfy_env
-import numpy as np
 import pytest
 from PIL import Image
 
@@ -162,12 +161,7 @@ def klein_files(tmp_path: Path) -> dict[str, Path]:
     for stand_in in ("vae.safetensors", "te.safetensors"):   # launch_child.py's loaders give the tiny ones
         files[stand_in] = tmp_path / stand_in
         files[stand_in].write_bytes(b"stand-in")
-    data = tmp_path / "ds"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(3):
-        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(data / f"{i}.png")
-        (data / f"{i}.txt").write_text(f"photo {i}", encoding="utf-8")
+    tc.write_photos(tmp_path / "ds")
     return files
 
 

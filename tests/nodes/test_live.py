@@ -52,12 +52,17 @@ def encoded_dataset(root: Path, vae, clip):
     return dn.KilnEncodeCaptions.execute(dn.KilnEncodeImages.execute(loaded, vae).result[0], clip).result[0]
 
 
-def test_save_now_and_stop_from_the_dashboard_then_resume(comfy_dirs, monkeypatch):
-    model, vae, clip = tc.tiny_flux2(comfy_dirs), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
-    ds = encoded_dataset(comfy_dirs, vae, clip)
+def sampled_run_inputs(root: Path):
+    """A tiny Klein, its encoded dataset and validation samples every 2 steps."""
+    model, vae, clip = tc.tiny_flux2(root), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
     validation = tn.KilnValidationSettings.execute(
         positive=tc.conditioning(clip, "kiln"), negative=tc.conditioning(clip, ""), vae=vae, seed=0, steps=1,
         cfg=1.0, sampler_name="euler", scheduler="simple", width=32, height=32, every=2).result[0]
+    return model, encoded_dataset(root, vae, clip), validation
+
+
+def test_save_now_and_stop_from_the_dashboard_then_resume(comfy_dirs, monkeypatch):
+    model, ds, validation = sampled_run_inputs(comfy_dirs)
     events: list[tuple[str, dict]] = []
 
     def send_event(name, data):
@@ -150,11 +155,7 @@ def test_pause_resume_and_stop_while_paused_from_the_dashboard_with_the_grid_and
     checkpoint at step 4. Samples every 2 steps build <run>/samples/grid.png (shown through kiln.grid), and
     a held-out image gives the dashboard its second loss line."""
     pause = comfy_env.import_pack("trainer.pause")
-    model, vae, clip = tc.tiny_flux2(comfy_dirs), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
-    ds = encoded_dataset(comfy_dirs, vae, clip)
-    validation = tn.KilnValidationSettings.execute(
-        positive=tc.conditioning(clip, "kiln"), negative=tc.conditioning(clip, ""), vae=vae, seed=0, steps=1,
-        cfg=1.0, sampler_name="euler", scheduler="simple", width=32, height=32, every=2).result[0]
+    model, ds, validation = sampled_run_inputs(comfy_dirs)
     events: list[tuple[str, dict]] = []
     waits: list[int] = []
 

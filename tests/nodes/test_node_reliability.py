@@ -11,7 +11,6 @@ import comfy_env
 
 comfy_env.require_comfy()
 
-import folder_paths  # noqa: E402
 import tiny_comfy as tc  # noqa: E402
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
@@ -21,16 +20,6 @@ ln = comfy_env.import_pack("nodes.lora_nodes")
 safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
 SafetensorsError = safetensors_io.SafetensorsError
 QKV = "diffusion_model.double_blocks.0.img_attn.qkv"
-
-
-@pytest.fixture(scope="module")
-def comfy_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("comfy")
-    for name in ("input", "output", "loras"):
-        (root / name).mkdir()
-    folder_paths.set_output_directory(str(root / "output"))
-    folder_paths.folder_names_and_paths["loras"] = ([str(root / "loras")], folder_paths.supported_pt_extensions)
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,25 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 FLUX2_HIDDEN = 256
 FLUX2_TE_HIDDEN = 64                      # Klein context dim = 3 * hidden (layers 9, 18, 27 stacked)
 FLUX2_CONTEXT_DIM = 3 * FLUX2_TE_HIDDEN
 ZIMAGE_DIM = 256
 ZIMAGE_TE_HIDDEN = 64                     # Z-Image context dim = hidden (second-to-last layer)
+
+
+def write_photos(folder: Path, count: int = 3) -> Path:
+    """`count` seeded 64x64 noise photos `0.png`... with captions "photo 0"...: a headless run's dataset."""
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(f"photo {i}", encoding="utf-8")
+    return folder
 
 
 # ---------------------------------------------------------------- weights
