@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +42,10 @@ for _folder in (ROOT, ROOT / "tests", ROOT / "bench"):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 
-import torch  # noqa: E402
-
 import gpu_train  # noqa: E402
+import torch  # noqa: E402
+import wall_peers  # noqa: E402
+
 from trainer.archs import get_arch  # noqa: E402
 from trainer.data.buckets import bucket_size  # noqa: E402
 from trainer.estimate_common import VARIANTS  # noqa: E402
@@ -53,9 +55,10 @@ SAMPLES_LIKE = {"zimage": "zimage_turbo"}   # the bench's Z-Image samples as Tur
 PROMPTS = 2
 
 
-def synthetic_data(data_module, dims, resolutions: list[int], images: int, text_tokens: int, seed: int = 0):
-    """InMemoryData: each image (a 2048 px long side in one of ASPECTS) at each resolution, random latents
-    of its bucket's size and a random caption embedding of text_tokens/4..text_tokens tokens (one per image)."""
+def synthetic_arrays(dims, resolutions: list[int], images: int, text_tokens: int, seed: int = 0):
+    """(latents, contexts, names): each image (a 2048 px long side in one of ASPECTS) at each resolution, random
+    latents of its bucket's size and a random caption embedding of text_tokens/4..text_tokens tokens (one per
+    image). Every trainer of the bench gets these same arrays."""
     arch = get_arch(dims.arch)
     rng = np.random.default_rng(seed)
     latents, contexts, names = [], [], []
@@ -69,8 +72,7 @@ def synthetic_data(data_module, dims, resolutions: list[int], images: int, text_
             latents.append(rng.standard_normal((arch.latent_channels, bh // down, bw // down)).astype(np.float32))
             contexts.append(context)
             names.append(f"img{index:02d}_{width}x{height}@{resolution}.png")
-    empty = np.zeros((1, dims.context_dim), np.float32)
-    return data_module.InMemoryData.from_arrays(latents, contexts, names, empty)
+    return latents, contexts, names
 
 
 class LatentVAE:
@@ -92,6 +94,12 @@ class Phases:
         self.device, self.ends, self.shapes, self.extra = device, [], [], [0.0]
         self.validation = self.saving = 0.0
         self.shape = None
+        self.started = None
+
+    def begin(self) -> None:
+        """The run's clock starts (the first step's time counts from here)."""
+        gpu_train.sync(self.device)
+        self.started = time.perf_counter()
 
     def timed(self, kind: str, fn):
         def wrapper(*args, **kwargs):
@@ -116,9 +124,9 @@ class Phases:
                   file=sys.stderr, flush=True)
 
 
-def per_bucket(phases: Phases, started: float) -> tuple[list[float], dict]:
+def per_bucket(phases: Phases) -> tuple[list[float], dict]:
     """Each step's seconds (validation and saving left out) and, per batch shape, its steady pace."""
-    starts = [started, *phases.ends[:-1]]
+    starts = [phases.started, *phases.ends[:-1]]
     seconds = [end - start - extra for start, end, extra in zip(starts, phases.ends, phases.extra)]
     by_shape: dict[str, list[float]] = {}
     for shape, value in zip(phases.shapes, seconds):
@@ -133,37 +141,105 @@ def per_bucket(phases: Phases, started: float) -> tuple[list[float], dict]:
     return seconds, table
 
 
-def run(args) -> dict:
-    prepare = gpu_train.prepare_comfy(args.device)
-    import comfy.model_management as mm
+@dataclass
+class PeerContext:
+    """What every trainer's run gets: the same arrays, samples and clock (bench/wall_peers.py reads it)."""
+    args: argparse.Namespace
+    dims: object
+    device: torch.device
+    dtype: torch.dtype
+    phases: Phases
+    latents: list
+    contexts: list
+    prompts: list              # CONDITIONING per prompt
+    negative: list
+    sample_steps: int
+    sample_cfg: float
+    run_dir: Path
+    patcher: object = None
 
+
+TRAINERS = ("kiln", "native", "diffusers", "diffusers-compiled")
+
+
+def run(args) -> dict:
+    # diffusers' peer needs no ComfyUI (and runs where ComfyUI's requirements and diffusers' disagree)
+    prepare = gpu_train.prepare_comfy(args.device) if args.trainer in ("kiln", "native") else None
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    dims = gpu_train.TINY[args.arch] if args.tiny else VARIANTS[gpu_train.ARCH_VARIANTS[args.arch]]
+    arch_name = dims.arch
+    dtype = torch.float32 if args.tiny and device.type == "cpu" else torch.bfloat16
+    text_tokens = 32 if args.tiny else (256 if gpu_train.family_of(dims) == "zimage" else 128)
+    resolutions = [int(r) for r in args.res.split(",")]
+    latents, contexts, names = synthetic_arrays(dims, resolutions, args.images, text_tokens)
+    sampling = get_arch(SAMPLES_LIKE.get(arch_name, arch_name)).sampling
+    phases = Phases(device)
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "kind": "wall", "trainer": args.trainer, "commit": gpu_train.git_commit(),
+              "device": gpu_train.device_name(device), "torch": torch.__version__, "arch": args.arch,
+              "variant": dims.variant, "steps": args.steps, "images": args.images, "resolutions": resolutions,
+              "entries": len(names), "every": args.every, "prompts": PROMPTS,
+              "sample_steps": args.sample_steps or sampling.steps, "sample_size": args.sample_size}
+    with tempfile.TemporaryDirectory(prefix="kiln_wall_") as run_dir:
+        ctx = PeerContext(args, dims, device, dtype, phases, latents, contexts,
+                          prompts=[conditioning(dims, text_tokens, k) for k in range(PROMPTS)],
+                          negative=conditioning(dims, 8, 99), sample_steps=args.sample_steps or sampling.steps,
+                          sample_cfg=sampling.cfg, run_dir=Path(run_dir))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        if args.trainer == "kiln":
+            own = run_kiln(prepare, ctx, names, resolutions, text_tokens)
+        elif args.trainer == "native":
+            ctx.patcher, _build = gpu_train.build_model(dims, device, dtype)
+            own = wall_peers.run_native(ctx)
+        else:
+            own = wall_peers.run_diffusers(ctx, compiled=args.trainer == "diffusers-compiled")
+        wall = time.perf_counter() - own.pop("wall_from", phases.started)
+        peak = torch.cuda.max_memory_allocated(device) / gpu_train.GIB if device.type == "cuda" else None
+    losses = own.pop("losses")
+    record.update(own)
+    seconds, table = per_bucket(phases)
+    steady = sum(entry["s_per_step"] * entry["steps"] for entry in table.values())
+    compile_s = sum(seconds) - steady
+    finite = [v for v in losses if math.isfinite(v)]
+    record.update(wall_s=round(wall, 1), steps_s=round(steady, 1), compile_warmup_s=round(compile_s, 1),
+                  validation_s=round(phases.validation, 1) if args.trainer != "native" else None,
+                  saving_s=round(phases.saving, 1),
+                  other_s=round(wall - sum(seconds) - phases.validation - phases.saving, 1),
+                  first_step_s=round(seconds[0], 2), compile_share=round(compile_s / wall, 3),
+                  buckets=table, step_seconds=[round(v, 4) for v in seconds], step_shapes=phases.shapes,
+                  peak_alloc_gb=round(peak, 2) if peak else None, loss_finite=len(finite) == len(losses),
+                  loss_first=finite[0] if finite else None,
+                  loss_last_mean20=float(np.mean(finite[-20:])) if finite else None)
+    return record
+
+
+def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict:
+    """Kiln's run: the loop the node runs, with its defaults (or --settings), samples and checkpoints."""
+    args, dims, device, phases = ctx.args, ctx.dims, ctx.device, ctx.phases
     bridge = prepare.import_pack("nodes.comfy.bridge")
     config = prepare.import_pack("trainer.config")
     loop = prepare.import_pack("trainer.loop")
     data_module = prepare.import_pack("trainer.data")
     lora_format = prepare.import_pack("trainer.lora_format")
-    device = mm.get_torch_device()
     checkpointing = prepare.import_pack("trainer.backends.torch_backend.checkpointing")
     checkpointing.COMPILE_DYNAMIC = {"true": True, "default": checkpointing.COMPILE_DYNAMIC}[args.compile_dynamic]
-    dims = gpu_train.TINY[args.arch] if args.tiny else VARIANTS[gpu_train.ARCH_VARIANTS[args.arch]]
     arch_name, arch = dims.arch, get_arch(dims.arch)
-    dtype = torch.float32 if args.tiny and device.type == "cpu" else torch.bfloat16
-    patcher, build = gpu_train.build_model(dims, device, dtype)
-    text_tokens = 32 if args.tiny else (256 if gpu_train.family_of(dims) == "zimage" else 128)
-    resolutions = [int(r) for r in args.res.split(",")]
-    data = data_module.MappedLatents(synthetic_data(data_module, dims, resolutions, args.images, text_tokens),
+    patcher, build = gpu_train.build_model(dims, device, ctx.dtype)
+    empty = np.zeros((1, dims.context_dim), np.float32)
+    data = data_module.MappedLatents(data_module.InMemoryData.from_arrays(ctx.latents, ctx.contexts, names, empty),
                                      lambda raw: bridge.latents_in(patcher, raw))
     sampling = get_arch(SAMPLES_LIKE.get(arch_name, arch_name)).sampling
     side = args.sample_size
-    samples = [bridge.Sample(positive=conditioning(dims, text_tokens, k), negative=conditioning(dims, 8, 99),
-                             vae=LatentVAE(), seed=42 + k, steps=args.sample_steps or sampling.steps, cfg=sampling.cfg,
-                             sampler_name=sampling.sampler, scheduler=sampling.scheduler, width=side, height=side)
-               for k in range(PROMPTS)]
+    samples = [bridge.Sample(positive=prompt, negative=ctx.negative, vae=LatentVAE(), seed=42 + k,
+                             steps=ctx.sample_steps, cfg=sampling.cfg, sampler_name=sampling.sampler,
+                             scheduler=sampling.scheduler, width=side, height=side)
+               for k, prompt in enumerate(ctx.prompts)]
     overrides = gpu_train._settings(args.settings)
-    cfg = config.from_dict(dict(arch=arch_name, device="auto", mixed_precision="bf16" if dtype == torch.bfloat16 else "no",
+    cfg = config.from_dict(dict(arch=arch_name, device="auto",
+                                mixed_precision="bf16" if ctx.dtype == torch.bfloat16 else "no",
                                 steps=args.steps, resolutions=resolutions, checkpoint_every=args.every,
                                 batch_by=args.batch_by, seed=0, **overrides))
-    phases = Phases(device)
     forward = bridge.make_forward(patcher, arch_name)
 
     def shaped_forward(model, x_t, sigmas, context, extras):   # the step's batch shape, for the per-bucket table
@@ -171,49 +247,29 @@ def run(args) -> dict:
         return forward(model, x_t, sigmas, context, extras)
 
     on_sample = lambda step, index, images: None   # noqa: E731
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "kind": "wall", "commit": gpu_train.git_commit(), "device": gpu_train.device_name(device),
-              "torch": torch.__version__, "arch": args.arch, "variant": dims.variant, "steps": args.steps,
-              "images": args.images, "resolutions": resolutions, "entries": len(data.names) if hasattr(data, "names") else None,
-              "every": args.every, "prompts": PROMPTS, "sample_steps": samples[0].steps, "sample_size": side,
-              "batch_by": args.batch_by, "compile_dynamic": args.compile_dynamic, "params": build["params"], "kiln_settings": {**overrides,
-                                                                  **({} if args.batch_by == "images" else {"batch_by": args.batch_by})}}
+    own = {"batch_by": args.batch_by, "compile_dynamic": args.compile_dynamic, "params": build["params"],
+           "kiln_settings": {**overrides, **({} if args.batch_by == "images" else {"batch_by": args.batch_by})}}
     notes = gpu_train.LeverNotes()
     save_checkpoint = loop.state.save_checkpoint
     loop.state.save_checkpoint = phases.timed("saving", save_checkpoint)
     try:
-        with tempfile.TemporaryDirectory(prefix="kiln_wall_") as run_dir, torch.inference_mode(), \
-                bridge.training_session(patcher, "auto") as (module, _device):
+        with torch.inference_mode(), bridge.training_session(patcher, "auto") as (module, _device):
             validate = phases.timed("validation", bridge.validation(cfg, patcher, samples, on_sample))
-            gpu_train.sync(device)
-            started = time.perf_counter()
+            phases.begin()
             validate(0)                                  # sample_first: the model before training
             phases.extra[0] = phases.validation
-            result = loop.train(cfg, module, data, run_dir=run_dir, forward=shaped_forward,
+            result = loop.train(cfg, module, data, run_dir=str(ctx.run_dir), forward=shaped_forward,
                                 on_step=lambda report: phases.step_end(), validate=validate,
                                 validate_every=args.every)
-            lora = result.lora
             save_lora = phases.timed("saving", lora_format.save_lora)
-            save_lora(Path(run_dir) / "final.safetensors", lora, arch=arch_name, fmt="comfy",
+            save_lora(ctx.run_dir / "final.safetensors", result.lora, arch=arch_name, fmt="comfy",
                       metadata=lora_format.lora_metadata(cfg, arch, result.step))
-            wall = time.perf_counter() - started
-            peak = torch.cuda.max_memory_allocated(device) / gpu_train.GIB if device.type == "cuda" else None
     finally:
         loop.state.save_checkpoint = save_checkpoint
         notes.remove()
-    seconds, table = per_bucket(phases, started)
-    steady = sum(entry["s_per_step"] * entry["steps"] for entry in table.values())
-    compile_s = sum(seconds) - steady
-    losses = [v for v in result.history.loss if math.isfinite(v)]
-    record.update(notes.levers(cfg))
-    record.update(wall_s=round(wall, 1), steps_s=round(steady, 1), compile_warmup_s=round(compile_s, 1),
-                  validation_s=round(phases.validation, 1), saving_s=round(phases.saving, 1),
-                  other_s=round(wall - sum(seconds) - phases.validation - phases.saving, 1),
-                  first_step_s=round(seconds[0], 2), compile_share=round(compile_s / wall, 3),
-                  buckets=table, step_seconds=[round(v, 4) for v in seconds], step_shapes=phases.shapes,
-                  peak_alloc_gb=round(peak, 2) if peak else None,
-                  loss_first=losses[0] if losses else None, loss_last_mean20=float(np.mean(losses[-20:])) if losses else None)
-    return record
+    own.update(notes.levers(cfg))
+    own["losses"] = list(result.history.loss)
+    return own
 
 
 def main(argv=None) -> int:
@@ -232,6 +288,10 @@ def main(argv=None) -> int:
                              "second shape); true: shapes symbolic from the first compile")
     parser.add_argument("--settings", default="", help="Kiln config overrides as bench/gpu_train.py's rows take "
                                                        "them, e.g. cuda_graphs=on+checkpoint_budget=0.5")
+    parser.add_argument("--trainer", default="kiln", choices=TRAINERS,
+                        help="kiln (its defaults, or --settings); native: ComfyUI's Train LoRA node in bucket mode; "
+                             "diffusers / diffusers-compiled: diffusers' transformer + PEFT LoRA "
+                             "(bench/wall_peers.py)")
     parser.add_argument("--tiny", action="store_true", help="tiny dims on the same path (CPU is fine)")
     parser.add_argument("--out", required=True, help="JSON list to append the record to")
     args = parser.parse_args(argv)
