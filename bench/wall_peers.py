@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.archs import flux2
+
 
 def entry_order(entries: int, steps: int, seed: int = 0) -> list[int]:
     """Shuffled epochs over the entries, one per step (batch 1), as the peers' samplers draw them."""
@@ -96,9 +98,13 @@ def run_diffusers(ctx, compiled: bool) -> dict:
         model.compile_repeated_blocks(fullgraph=True)
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     latents = [torch.from_numpy(x).to(device, ctx.dtype) for x in ctx.latents]
-    contexts = [torch.from_numpy(c).to(device, ctx.dtype) for c in ctx.contexts]
-    prompts = [c[0][0][0].to(device, ctx.dtype) for c in ctx.prompts]
-    negative = ctx.negative[0][0][0].to(device, ctx.dtype)
+    # Flux2's captions reach the model as 512 tokens in diffusers too (Flux2KleinPipeline pads Qwen3's output to
+    # max_sequence_length 512), as ComfyUI left-pads them; Z-Image's go in at their own length in both.
+    pad = (lambda c: torch.nn.functional.pad(c, (0, 0, flux2.CONTEXT_TOKENS - c.shape[0], 0))) if family == "flux2" \
+        else (lambda c: c)
+    contexts = [pad(torch.from_numpy(c).to(device, ctx.dtype)) for c in ctx.contexts]
+    prompts = [pad(c[0][0][0].to(device, ctx.dtype)) for c in ctx.prompts]
+    negative = pad(ctx.negative[0][0][0].to(device, ctx.dtype))
     down = 16 if family == "flux2" else 8
     channels = latents[0].shape[0]
     side = args.sample_size // down
