@@ -292,6 +292,9 @@ def main(argv=None) -> int:
                         help="kiln (its defaults, or --settings); native: ComfyUI's Train LoRA node in bucket mode; "
                              "diffusers / diffusers-compiled: diffusers' transformer + PEFT LoRA "
                              "(bench/wall_peers.py)")
+    parser.add_argument("--native-ckpt-depth", type=int, default=2,
+                        help="the native node's checkpoint_depth (2: per block, as bench/gpu_train.py's rows; 1, the "
+                             "node's default, checkpoints the whole model as one)")
     parser.add_argument("--tiny", action="store_true", help="tiny dims on the same path (CPU is fine)")
     parser.add_argument("--out", required=True, help="JSON list to append the record to")
     args = parser.parse_args(argv)

@@ -169,7 +169,7 @@ def run_native(ctx) -> dict:
     arguments = {"model": ctx.patcher, "batch_size": 1, "steps": args.steps, "grad_accumulation_steps": 1,
                  "learning_rate": 1e-4, "rank": 32, "optimizer": "AdamW", "loss_function": "MSE", "seed": 0,
                  "training_dtype": "bf16", "lora_dtype": "bf16", "quantized_backward": False, "algorithm": "LoRA",
-                 "gradient_checkpointing": True, "checkpoint_depth": 2, "offloading": False,
+                 "gradient_checkpointing": True, "checkpoint_depth": args.native_ckpt_depth, "offloading": False,
                  "existing_lora": "[None]", "bucket_mode": True, "bypass_mode": False}
     wanted = {item.id for item in nodes_train.TrainLoraNode.define_schema().inputs}
     missing = sorted(wanted - set(arguments) - {"latents", "positive"})
@@ -211,5 +211,6 @@ def run_native(ctx) -> dict:
     save = phases.timed("saving", lambda: comfy.utils.save_torch_file(lora_sd, str(ctx.run_dir / "final.safetensors")))
     save()
     return {"native_setup_s": round(phases.started - entered, 1), "native_buckets": len(bucket_latents),
+            "native_checkpoint_depth": args.native_ckpt_depth,
             "native_trainable_params": sum(t.numel() for t in lora_sd.values()), "checkpoints": None,
             "losses": [float(v) for v in loss_map["loss"]], "wall_from": entered}
