@@ -200,6 +200,11 @@ def run_native(ctx) -> dict:
     previous_bar, previous_enabled = nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED
     nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = StepBar, False
     nodes_train.TrainSampler.fwd_bwd = shaped
+    # Alone in its process on an H100 (torch 2.11, ComfyUI 0.33) the node's first backward failed: the
+    # checkpoint's recompute ran flash attention where the forward had run cuDNN's (saved tensors differ).
+    # With cuDNN's kernel off both run flash, the first of ComfyUI's own SDPA priorities.
+    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
     entered = time.perf_counter()
     try:
         with torch.inference_mode():
@@ -207,10 +212,11 @@ def run_native(ctx) -> dict:
     finally:
         nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = previous_bar, previous_enabled
         nodes_train.TrainSampler.fwd_bwd = fwd_bwd
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
     lora_sd, loss_map = result.result[0], result.result[1]
     save = phases.timed("saving", lambda: comfy.utils.save_torch_file(lora_sd, str(ctx.run_dir / "final.safetensors")))
     save()
     return {"native_setup_s": round(phases.started - entered, 1), "native_buckets": len(bucket_latents),
-            "native_checkpoint_depth": args.native_ckpt_depth,
+            "native_checkpoint_depth": args.native_ckpt_depth, "native_cudnn_sdp": False,
             "native_trainable_params": sum(t.numel() for t in lora_sd.values()), "checkpoints": None,
             "losses": [float(v) for v in loss_map["loss"]], "wall_from": entered}
