@@ -202,9 +202,12 @@ def run_native(ctx) -> dict:
     nodes_train.TrainSampler.fwd_bwd = shaped
     # Alone in its process on an H100 (torch 2.11, ComfyUI 0.33) the node's first backward failed: the
     # checkpoint's recompute ran flash attention where the forward had run cuDNN's (saved tensors differ).
-    # With cuDNN's kernel off both run flash, the first of ComfyUI's own SDPA priorities.
-    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    # With cuDNN's kernel out of ComfyUI's SDPA priority list (its sdpa_kernel context enables what the list
+    # names) both run flash, the first of that list.
+    import comfy.ops
+    priority = list(getattr(comfy.ops, "SDPA_BACKEND_PRIORITY", []))
+    if priority:
+        comfy.ops.SDPA_BACKEND_PRIORITY[:] = [b for b in priority if b.name != "CUDNN_ATTENTION"]
     entered = time.perf_counter()
     try:
         with torch.inference_mode():
@@ -212,7 +215,8 @@ def run_native(ctx) -> dict:
     finally:
         nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = previous_bar, previous_enabled
         nodes_train.TrainSampler.fwd_bwd = fwd_bwd
-        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
+        if priority:
+            comfy.ops.SDPA_BACKEND_PRIORITY[:] = priority
     lora_sd, loss_map = result.result[0], result.result[1]
     save = phases.timed("saving", lambda: comfy.utils.save_torch_file(lora_sd, str(ctx.run_dir / "final.safetensors")))
     save()
