@@ -28,6 +28,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -122,6 +123,11 @@ class Phases:
         if len(self.ends) % 100 == 0 or len(self.ends) <= 3:
             print(f"[wall] step {len(self.ends)} {self.shape} at {self.ends[-1] - self.ends[0]:.1f} s after step 1",
                   file=sys.stderr, flush=True)
+            if os.environ.get("KILN_WALL_PROGRESS"):   # a run cut short by a time limit keeps its steps so far
+                seconds, _ = per_bucket(self)
+                Path(os.environ["KILN_WALL_PROGRESS"]).write_text(json.dumps(
+                    {"steps": len(seconds), "step_seconds": seconds, "step_shapes": self.shapes,
+                     "validation_s": self.validation, "saving_s": self.saving}))
 
 
 def per_bucket(phases: Phases) -> tuple[list[float], dict]:
