@@ -194,7 +194,7 @@ def require_lora(lora, what: str, source: str = "this LoRA") -> None:
 
 
 def check_config(cfg) -> list[str]:
-    """Problems with the adapter settings of a TrainConfig (config.py's combination checks)."""
+    """Problems with the adapter settings of a TrainConfig (one of config_checks.py's combination checks)."""
     problems = []
     if cfg.adapter == "dora" and cfg.backend == "mlx" and cfg.base_quantize != "none":
         problems.append("adapter 'dora' reads the base weight, which base_quantize stores quantized; set "

@@ -12,7 +12,8 @@ import numpy as np
 
 from .archs import get_arch
 from .atomic import atomic_write_bytes
-from .config import TrainConfig, parse_prompt
+from .config import TrainConfig
+from .config_checks import parse_prompt
 
 SAMPLES_DIR = "samples"
 
