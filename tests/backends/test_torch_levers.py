@@ -444,3 +444,65 @@ def test_a_cuda_graph_step_marks_its_start(make_model, make_config, monkeypatch)
     backend.step([fixed_batch()], 1e-3)
     backend.teardown()
     assert marks == [1, 1]
+
+
+class TwoStreamBlock(torch.nn.Module):
+    """Flux2's double block in miniature: image and text tokens, and a RoPE-like table over both."""
+
+    def __init__(self):
+        super().__init__()
+        self.img, self.txt = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, img, txt, pe):
+        joint = torch.cat([self.img(img), self.txt(txt)], dim=1) * pe.sum(dim=(-1, -2))[..., None]
+        return joint[:, :img.shape[1]], joint[:, img.shape[1]:]
+
+
+class TwoStreamNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([TwoStreamBlock(), TwoStreamBlock()])
+
+    def forward(self, img, txt):
+        pe = torch.ones(img.shape[0], 1, img.shape[1] + txt.shape[1], 3, 2) / 6
+        for block in self.blocks:
+            img, txt = block(img, txt, pe)
+        return img.square().mean() + txt.square().mean()
+
+
+def _two_stream_gradients(inputs, compile: bool):
+    """Each input pair's LoRA gradients, and the compiled graphs counted after each."""
+    net = TwoStreamNet()
+    net.requires_grad_(False)
+    lora = LoraSet(net, ["img", "txt"], rank=2, alpha=2, dropout=0, seed=0)
+    with torch.no_grad():
+        for _, p in lora.named_parameters():
+            p.add_(0.1)
+    hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=True, compile=compile)
+    grads, graphs = [], []
+    for img, txt in inputs:
+        for _, p in lora.named_parameters():
+            p.grad = None
+        net(img, txt).backward()
+        grads.append(torch.cat([p.grad.flatten() for _, p in lora.named_parameters()]))
+        graphs.append(counters["stats"]["unique_graphs"])
+    hooks.remove()
+    return grads, graphs
+
+
+@pytest.mark.parametrize("mark", [True, False], ids=["token-dims-marked", "dynamo-default"])
+def test_a_second_bucket_compiles_nothing_new(eager_compile, monkeypatch, mark):
+    """With MARK_TOKEN_DIMS a compiled block meets a second token count (another bucket) without compiling
+    again: the sequence dims of its inputs (and of a table spanning image and text tokens) are symbolic from
+    the first call. Left to dynamo (static first, the default) the second count compiles anew, which cost
+    28-38 s per first run on an H100. Either way the gradients are the eager model's."""
+    monkeypatch.setattr(checkpointing, "MARK_TOKEN_DIMS", mark)
+    torch.manual_seed(2)
+    inputs = [(torch.randn(1, tokens, 8), torch.randn(1, 4, 8)) for tokens in (6, 10, 13)]
+    grads, graphs = _two_stream_gradients(inputs, compile=True)
+    assert graphs[0] >= 1 and graphs[2] == graphs[1]          # dynamic after the second count either way
+    assert (graphs[1] == graphs[0]) is mark
+    eager, _ = _two_stream_gradients(inputs, compile=False)
+    for got, want in zip(grads, eager):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
