@@ -181,17 +181,21 @@ class InPlaceNet(torch.nn.Module):
         return h
 
 
-def inplace_net_with_lora():
-    """InPlaceNet with LoRA branches whose B is off zero (so every LoRA weight gets a gradient)."""
+def with_lora(net: torch.nn.Module, targets: list[str]):
+    """`net` frozen, with rank-2 LoRA branches on `targets` whose B is off zero (so every LoRA weight gets a
+    gradient)."""
     from trainer.backends.torch_backend.lora import LoraSet
 
-    net = InPlaceNet()
     net.requires_grad_(False)
-    lora = LoraSet(net, ["inp", "lin"], rank=2, alpha=2, dropout=0, seed=0)
+    lora = LoraSet(net, targets, rank=2, alpha=2, dropout=0, seed=0)
     with torch.no_grad():
         for _, p in lora.named_parameters():
             p.add_(0.1)
     return net, lora
+
+
+def inplace_net_with_lora():
+    return with_lora(InPlaceNet(), ["inp", "lin"])
 
 
 def test_checkpointing_survives_blocks_that_modify_their_input():

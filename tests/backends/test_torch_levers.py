@@ -15,7 +15,7 @@ from trainer.backends.torch_backend.lora import LoraSet
 from trainer.estimate import AUTO_BUDGETS, AUTO_SAFETY, estimate
 from trainer.estimate_common import VARIANTS, linear_layers
 
-from .test_torch_backend import InPlaceNet, fixed_batch, inplace_net_with_lora
+from .test_torch_backend import InPlaceNet, fixed_batch, inplace_net_with_lora, with_lora
 
 
 @pytest.fixture
@@ -473,12 +473,7 @@ class TwoStreamNet(torch.nn.Module):
 
 def _two_stream_gradients(inputs, compile: bool):
     """Each input pair's LoRA gradients, and the compiled graphs counted after each."""
-    net = TwoStreamNet()
-    net.requires_grad_(False)
-    lora = LoraSet(net, ["img", "txt"], rank=2, alpha=2, dropout=0, seed=0)
-    with torch.no_grad():
-        for _, p in lora.named_parameters():
-            p.add_(0.1)
+    net, lora = with_lora(TwoStreamNet(), ["img", "txt"])
     hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=True, compile=compile)
     grads, graphs = [], []
     for img, txt in inputs:
