@@ -75,18 +75,14 @@ def _sample(family: str, model, shape, context, steps: int, cfg: float, negative
     return x
 
 
-def run_diffusers(ctx, compiled: bool) -> dict:
-    """One whole run of the diffusers + PEFT peer; fills ctx.phases, returns the record's own fields."""
+def lora_peer(dims, device, dtype, compiled: bool):
+    """diffusers' transformer with PEFT LoRA as bench/peer.py trains it: (model, its fp32 LoRA parameters)."""
     from peer import PEER_TARGETS, build_peer
     from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
-    dims, args, device, phases = ctx.dims, ctx.args, ctx.device, ctx.phases
-    family = "flux2" if dims.arch.startswith("flux2") else "zimage"
     torch.manual_seed(0)
     with torch.device(device):
-        model = build_peer(dims).to(ctx.dtype)
+        model = build_peer(dims).to(dtype)
     model.requires_grad_(False)
     model.enable_gradient_checkpointing()
     model.add_adapter(LoraConfig(r=32, lora_alpha=32, init_lora_weights=True, target_modules=PEER_TARGETS[dims.arch]))
@@ -96,6 +92,17 @@ def run_diffusers(ctx, compiled: bool) -> dict:
     model.train()
     if compiled:
         model.compile_repeated_blocks(fullgraph=True)
+    return model, params
+
+
+def run_diffusers(ctx, compiled: bool) -> dict:
+    """One whole run of the diffusers + PEFT peer; fills ctx.phases, returns the record's own fields."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    dims, args, device, phases = ctx.dims, ctx.args, ctx.device, ctx.phases
+    family = "flux2" if dims.arch.startswith("flux2") else "zimage"
+    model, params = lora_peer(dims, device, ctx.dtype, compiled)
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     latents = [torch.from_numpy(x).to(device, ctx.dtype) for x in ctx.latents]
     # Flux2's captions reach the model as 512 tokens in diffusers too (Flux2KleinPipeline pads Qwen3's output to
