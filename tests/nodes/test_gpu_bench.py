@@ -76,3 +76,29 @@ def test_tiny_rows_run_and_record(tmp_path):
     assert flux2["model_config"].startswith("comfy.model_detection")  # detected like a real Flux2 file
     assert flux2["text_tokens"] == 512 and zimage["image_tokens"] == 32  # 4x4 latent tokens padded to 32
     assert zimage["lora_modules"] > 30  # every Linear, not just the 5 default targets in each of the 6 blocks
+
+
+WALL_ARGS = ["--tiny", "--device", "cpu", "--arch", "zimage", "--steps", "3", "--every", "2", "--images", "1",
+             "--res", "64,96", "--sample-size", "64", "--sample-steps", "1"]
+
+
+def test_tiny_whole_runs_of_kiln_and_native_record_their_phases(tmp_path):
+    """bench/wall.py --tiny for Kiln and for ComfyUI's native node (bucket mode on Resolution Bucket's groups):
+    one record each, every step timed and shaped, the phases adding up to at most the wall time; Kiln samples
+    and checkpoints, native has neither."""
+    out = tmp_path / "wall.json"
+    env = {**os.environ, "COMFYUI_PATH": COMFY}
+    for trainer in ("kiln", "native"):
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "wall.py"), *WALL_ARGS, "--trainer", trainer,
+                               "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    kiln, native = json.loads(out.read_text(encoding="utf-8"))
+    for record, trainer in ((kiln, "kiln"), (native, "native")):
+        assert record["kind"] == "wall" and record["trainer"] == trainer and record["entries"] == 2
+        assert len(record["step_seconds"]) == len(record["step_shapes"]) == 3 and record["loss_finite"]
+        assert set(record["step_shapes"]) <= set(record["buckets"]) and all(v > 0 for v in record["step_seconds"])
+        parts = record["steps_s"] + record["compile_warmup_s"] + (record["validation_s"] or 0) + record["saving_s"]
+        assert 0 < parts <= record["wall_s"] + 0.2
+    assert kiln["validation_s"] > 0 and kiln["saving_s"] > 0 and kiln["kiln_settings"] == {}
+    assert native["validation_s"] is None and native["checkpoints"] is None
+    assert native["native_buckets"] == 2 and native["native_checkpoint_depth"] == 2
