@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from wall_peers import entry_order  # noqa: E402
+from wall_peers import entry_order
 
 
 def test_entries_come_in_shuffled_epochs():
@@ -30,7 +30,7 @@ def test_the_diffusers_peer_trains_samples_and_saves(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "wall.py"), "--trainer", "diffusers", "--tiny",
                            "--device", "cpu", "--arch", "zimage", "--steps", "3", "--every", "2", "--images", "1",
                            "--res", "256", "--sample-size", "128", "--sample-steps", "1", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (record,) = json.loads(out.read_text(encoding="utf-8"))
     assert record["trainer"] == "diffusers" and record["checkpoints"] == 1 and record["loss_finite"]

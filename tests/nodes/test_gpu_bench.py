@@ -90,7 +90,8 @@ def test_tiny_whole_runs_of_kiln_and_native_record_their_phases(tmp_path):
     env = {**os.environ, "COMFYUI_PATH": COMFY}
     for trainer in ("kiln", "native"):
         done = subprocess.run([sys.executable, str(ROOT / "bench" / "wall.py"), *WALL_ARGS, "--trainer", trainer,
-                               "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                               "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                              check=False)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     kiln, native = json.loads(out.read_text(encoding="utf-8"))
     for record, trainer in ((kiln, "kiln"), (native, "native")):
