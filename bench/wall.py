@@ -94,6 +94,7 @@ class Phases:
     def __init__(self, device):
         self.device, self.ends, self.shapes, self.extra = device, [], [], [0.0]
         self.validation = self.saving = 0.0
+        self.calls = {"validation": 0, "saving": 0}   # how many times each ran
         self.shape = None
         self.started = None
 
@@ -112,6 +113,7 @@ class Phases:
                 gpu_train.sync(self.device)
                 seconds = time.perf_counter() - started
                 setattr(self, kind, getattr(self, kind) + seconds)
+                self.calls[kind] += 1
                 self.extra[-1] += seconds
         return wrapper
 
@@ -210,7 +212,8 @@ def run(args) -> dict:
     finite = [v for v in losses if math.isfinite(v)]
     record.update(wall_s=round(wall, 1), steps_s=round(steady, 1), compile_warmup_s=round(compile_s, 1),
                   validation_s=round(phases.validation, 1) if args.trainer != "native" else None,
-                  saving_s=round(phases.saving, 1),
+                  saving_s=round(phases.saving, 1), validation_calls=phases.calls["validation"],
+                  saving_calls=phases.calls["saving"],
                   other_s=round(wall - sum(seconds) - phases.validation - phases.saving, 1),
                   first_step_s=round(seconds[0], 2), compile_share=round(compile_s / wall, 3),
                   buckets=table, step_seconds=[round(v, 4) for v in seconds], step_shapes=phases.shapes,
