@@ -743,26 +743,38 @@ def comfy_fp8_backward(on: bool):
         function.forward, mm.training_fp8_bwd = staticmethod(forward), previous
 
 
+@contextlib.contextmanager
+def native_steps(on_start, on_step):
+    """ComfyUI's TrainSampler makes a ProgressBar right before its loop and updates it at the end of every
+    step: for the block, `on_start()` runs at the first and `on_step()` at each update (its console bar off)."""
+    import comfy.utils
+    from comfy_extras import nodes_train
+
+    class StepBar(nodes_train.ProgressBar):
+        def __init__(self, total, node_id=None):
+            on_start()
+            super().__init__(total, node_id)
+
+        def update(self, value):
+            on_step()
+            super().update(value)
+
+    previous_bar, previous_enabled = nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED
+    nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = StepBar, False
+    try:
+        yield
+    finally:
+        nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = previous_bar, previous_enabled
+
+
 def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, steps: int, warmup: int, timing: str,
                device: torch.device, dtype: str, lora_dtype: str, checkpoint_depth: int = 2,
                quantized_backward: bool = False) -> dict:
     import comfy.model_management
-    import comfy.utils
     from comfy_extras import nodes_train
 
     out: dict = {}
     clock = StepClock(device, timing)
-
-    class TimedProgressBar(nodes_train.ProgressBar):
-        """TrainSampler.sample makes one right before its loop and updates it at the end of every iteration."""
-
-        def __init__(self, total, node_id=None):
-            out["native_setup_s"] = round(time.perf_counter() - entered, 2)  # adapters, loads (untimed)
-            super().__init__(total, node_id)
-
-        def update(self, value):
-            clock.mark()
-            super().update(value)
 
     latent = {"samples": torch.from_numpy(np.stack(inputs.latents))}
     conditioning = [[torch.from_numpy(c)[None], {"pooled_output": None}] for c in inputs.contexts]
@@ -787,12 +799,15 @@ def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, step
     counter = RowCounter(patcher.model.diffusion_model)
     REBUILT.append(counter.watch)
     rebuilt_before = len(counter.handles)
-    previous_bar, previous_enabled = nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED
     previous_fp8_bwd = getattr(comfy.model_management, "training_fp8_bwd", None)   # the node sets it and leaves it
-    nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = TimedProgressBar, False
     entered = time.perf_counter()
+
+    def loop_starts():
+        out["native_setup_s"] = round(time.perf_counter() - entered, 2)  # adapters, loads (untimed)
+
     try:
-        with peak_memory(device, out, "native_"), torch.inference_mode(), warnings.catch_warnings():
+        with native_steps(loop_starts, clock.mark), peak_memory(device, out, "native_"), torch.inference_mode(), \
+                warnings.catch_warnings():
             # inference mode as inside a ComfyUI prompt; its fp32 autocast on a CPU (--tiny) only warns
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
             result = nodes_train.TrainLoraNode.execute(**{k: [v] for k, v in arguments.items()})
@@ -812,7 +827,6 @@ def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, step
     finally:
         counter.remove()
         REBUILT.remove(counter.watch)
-        nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = previous_bar, previous_enabled
         if previous_fp8_bwd is not None:
             comfy.model_management.training_fp8_bwd = previous_fp8_bwd
         if device.type == "cuda":

@@ -167,6 +167,7 @@ def run_native(ctx) -> dict:
     native rows), then its LoRA saved as Save LoRA saves it; fills ctx.phases."""
     import comfy.utils
     from comfy_extras import nodes_dataset, nodes_train
+    from gpu_train import native_steps
 
     phases, args = ctx.phases, ctx.args
     latents = [{"samples": torch.from_numpy(x)[None]} for x in ctx.latents]
@@ -193,19 +194,6 @@ def run_native(ctx) -> dict:
         phases.shape = "x".join(str(n) for n in (batch_latent.shape[0], *batch_latent.shape[2:]))
         return fwd_bwd(self, model_wrap, batch_sigmas, batch_noise, batch_latent, *rest, **kwargs)
 
-    class StepBar(nodes_train.ProgressBar):
-        """TrainSampler makes one right before its loop and updates it at the end of every step."""
-
-        def __init__(self, total, node_id=None):
-            phases.begin()
-            super().__init__(total, node_id)
-
-        def update(self, value):
-            phases.step_end()
-            super().update(value)
-
-    previous_bar, previous_enabled = nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED
-    nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = StepBar, False
     nodes_train.TrainSampler.fwd_bwd = shaped
     # Alone in its process on an H100 (torch 2.11, ComfyUI 0.33) the node's first backward failed: the
     # checkpoint's recompute ran flash attention where the forward had run cuDNN's (saved tensors differ).
@@ -217,10 +205,9 @@ def run_native(ctx) -> dict:
         comfy.ops.SDPA_BACKEND_PRIORITY[:] = [b for b in priority if b.name != "CUDNN_ATTENTION"]
     entered = time.perf_counter()
     try:
-        with torch.inference_mode():
+        with native_steps(phases.begin, phases.step_end), torch.inference_mode():
             result = nodes_train.TrainLoraNode.execute(**inputs)
     finally:
-        nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = previous_bar, previous_enabled
         nodes_train.TrainSampler.fwd_bwd = fwd_bwd
         if priority:
             comfy.ops.SDPA_BACKEND_PRIORITY[:] = priority
