@@ -127,9 +127,11 @@ class Phases:
                   file=sys.stderr, flush=True)
             if os.environ.get("KILN_WALL_PROGRESS"):   # a run cut short by a time limit keeps its steps so far
                 seconds, _ = per_bucket(self)
-                Path(os.environ["KILN_WALL_PROGRESS"]).write_text(json.dumps(
+                path = Path(os.environ["KILN_WALL_PROGRESS"])
+                path.with_name(path.name + ".tmp").write_text(json.dumps(
                     {"steps": len(seconds), "step_seconds": seconds, "step_shapes": self.shapes,
                      "validation_s": self.validation, "saving_s": self.saving}))
+                os.replace(path.with_name(path.name + ".tmp"), path)   # a kill mid-write leaves the last whole one
 
 
 def per_bucket(phases: Phases) -> tuple[list[float], dict]:
@@ -211,7 +213,7 @@ def run(args) -> dict:
     compile_s = sum(seconds) - steady
     finite = [v for v in losses if math.isfinite(v)]
     record.update(wall_s=round(wall, 1), steps_s=round(steady, 1), compile_warmup_s=round(compile_s, 1),
-                  validation_s=round(phases.validation, 1) if args.trainer != "native" else None,
+                  validation_s=round(phases.validation, 1) if phases.calls["validation"] else None,  # native: none
                   saving_s=round(phases.saving, 1), validation_calls=phases.calls["validation"],
                   saving_calls=phases.calls["saving"],
                   other_s=round(wall - sum(seconds) - phases.validation - phases.saving, 1),
