@@ -235,7 +235,7 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
     lora_format = prepare.import_pack("trainer.lora_format")
     checkpointing = prepare.import_pack("trainer.backends.torch_backend.checkpointing")
     checkpointing.COMPILE_DYNAMIC = {"true": True}.get(args.compile_dynamic, checkpointing.COMPILE_DYNAMIC)
-    checkpointing.MARK_TOKEN_DIMS = {"tokens": True}.get(args.compile_dynamic, checkpointing.MARK_TOKEN_DIMS)
+    checkpointing.MARK_TOKEN_DIMS = {"dynamo": False, "true": False}.get(args.compile_dynamic, checkpointing.MARK_TOKEN_DIMS)
     arch_name, arch = dims.arch, get_arch(dims.arch)
     patcher, build = gpu_train.build_model(dims, device, ctx.dtype)
     empty = np.zeros((1, dims.context_dim), np.float32)
@@ -259,7 +259,8 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
         return forward(model, x_t, sigmas, context, extras)
 
     on_sample = lambda step, index, images: None   # noqa: E731
-    own = {"batch_by": args.batch_by, "compile_dynamic": args.compile_dynamic, "params": build["params"],
+    own = {"batch_by": args.batch_by, "compile_dynamic": args.compile_dynamic,
+           "mark_token_dims": checkpointing.MARK_TOKEN_DIMS, "params": build["params"],
            "kiln_settings": {**overrides, **({} if args.batch_by == "images" else {"batch_by": args.batch_by})}}
     notes = gpu_train.LeverNotes()
     save_checkpoint = loop.state.save_checkpoint
@@ -295,10 +296,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sample-size", type=int, default=1024)
     parser.add_argument("--sample-steps", type=int, default=0, help="0: the family's default")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--compile-dynamic", default="default", choices=["true", "tokens", "default"],
-                        help="default: Kiln's (checkpointing.COMPILE_DYNAMIC: dynamo's static, then dynamic at the "
-                             "second shape); true: shapes symbolic from the first compile; tokens: only the blocks' "
-                             "sequence dims symbolic from the first compile (checkpointing.MARK_TOKEN_DIMS)")
+    parser.add_argument("--compile-dynamic", default="default", choices=["default", "dynamo", "true"],
+                        help="default: Kiln's (checkpointing.MARK_TOKEN_DIMS: the blocks' sequence dims symbolic from "
+                             "the first compile); dynamo: dynamo's own policy (static at the first shape, symbolic "
+                             "from the second); true: every dim symbolic from the first compile")
     parser.add_argument("--settings", default="", help="Kiln config overrides as bench/gpu_train.py's rows take "
                                                        "them, e.g. cuda_graphs=on+checkpoint_budget=0.5")
     parser.add_argument("--trainer", default="kiln", choices=TRAINERS,

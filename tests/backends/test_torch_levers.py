@@ -454,8 +454,8 @@ class TwoStreamBlock(torch.nn.Module):
         self.img, self.txt = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
 
     def forward(self, img, txt, pe):
-        joint = torch.cat([self.img(img), self.txt(txt)], dim=1) * pe.sum(dim=(-1, -2))[..., None]
-        return joint[:, :img.shape[1]], joint[:, img.shape[1]:]
+        scale = pe.sum(dim=(-1, -2))[:, 0, :, None]
+        return self.img(img) * scale[:, :img.shape[1]], self.txt(txt) * scale[:, img.shape[1]:]
 
 
 class TwoStreamNet(torch.nn.Module):
@@ -501,3 +501,12 @@ def test_a_second_bucket_compiles_nothing_new(eager_compile, monkeypatch, mark):
     eager, _ = _two_stream_gradients(inputs, compile=False)
     for got, want in zip(grads, eager):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_only_the_token_dim_of_a_table_is_marked():
+    """A RoPE table [B, L, 1, 64, 2, 2] whose width equals the token count (L = 64) gets only its token
+    dim marked: marking the width too made the table's next bucket, with another L, compile again."""
+    x, rope, mod = torch.randn(1, 64, 8), torch.randn(1, 64, 1, 64, 2, 2), torch.randn(1, 1, 64)
+    checkpointing._mark_token_dims([x, rope, mod])
+    assert x._dynamo_weak_dynamic_indices == {1} and rope._dynamo_weak_dynamic_indices == {1}
+    assert not hasattr(mod, "_dynamo_weak_dynamic_indices")            # [B, 1, D]: no token dim

@@ -53,25 +53,26 @@ COMPILE_DYNAMIC = None
 # Left at that policy, a run with several buckets compiles each block twice: static at the first shape,
 # symbolic at the second (Klein 4B on an H100: 31 s, then 28 s, of a 223 s first run). MARK_TOKEN_DIMS
 # marks the sequence dims of a compiled block's inputs dynamic from the first call (_mark_token_dims),
-# which is what dynamo's second compile makes of them; batch and feature dims stay static. Off until its
-# GPU A/B (bench/wall.py --compile-dynamic tokens): on CPU (aot_eager) it trains the same losses and
-# compiles nothing at the second shape (tests/backends/test_torch_levers.py).
-MARK_TOKEN_DIMS = False
+# which is what dynamo's second compile makes of them; batch and feature dims stay static. Measured on an
+# H100 (bench/wall.py, 1,000 mixed-bucket steps, fresh caches): Klein 4B 226.5 → 209.0 s to the LoRA,
+# Z-Image 280.6 → 268.1 s, steady steps unchanged (bench/RESULTS.md); False restores dynamo's policy.
+MARK_TOKEN_DIMS = True
 
 
 def _mark_token_dims(values) -> None:
-    """Marks (maybe_mark_dynamic) each dim of size L, where L is the dim-1 size of a [B, L, D] input or the
-    sum of them (Flux2's RoPE table spans image and text tokens), in every tensor input but its batch dim
-    and, for [B, L, D], its feature dim: token counts, masks and RoPE tables follow the bucket; widths not."""
+    """Marks (maybe_mark_dynamic) the first dim of size L after the batch dim, where L is the dim-1 size of
+    a [B, L, D] input or the sum of them (Flux2's RoPE table spans image and text tokens), in every tensor
+    input; a [B, L, D] input's feature dim never. Token counts, masks and RoPE tables follow the bucket;
+    widths do not, even where one equals a token count (a RoPE table's [.., L, 64, 2, 2] at L = 64)."""
     tensors = [v for v in values if torch.is_tensor(v) and v.dim() >= 2]
     lengths = {t.shape[1] for t in tensors if t.dim() == 3 and t.shape[1] > 1}
     if not lengths:
         return
     lengths.add(sum(lengths))
     for t in tensors:
-        for dim in range(1, t.dim() - 1 if t.dim() == 3 else t.dim()):
-            if t.shape[dim] in lengths:
-                torch._dynamo.maybe_mark_dynamic(t, dim)
+        dim = next((d for d in range(1, t.dim() - 1 if t.dim() == 3 else t.dim()) if t.shape[d] in lengths), None)
+        if dim is not None:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def _copy_floats(value):
