@@ -166,6 +166,7 @@ class PeerContext:
     sample_steps: int
     sample_cfg: float
     run_dir: Path
+    sampling: object = None    # the family's sampling defaults (sampler, scheduler)
     patcher: object = None
 
 
@@ -194,7 +195,7 @@ def run(args) -> dict:
         ctx = PeerContext(args, dims, device, dtype, phases, latents, contexts,
                           prompts=[conditioning(dims, text_tokens, k) for k in range(PROMPTS)],
                           negative=conditioning(dims, 8, 99), sample_steps=args.sample_steps or sampling.steps,
-                          sample_cfg=sampling.cfg, run_dir=Path(run_dir))
+                          sample_cfg=sampling.cfg, run_dir=Path(run_dir), sampling=sampling)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if args.trainer == "kiln":
@@ -241,11 +242,10 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
     empty = np.zeros((1, dims.context_dim), np.float32)
     data = data_module.MappedLatents(data_module.InMemoryData.from_arrays(ctx.latents, ctx.contexts, names, empty),
                                      lambda raw: bridge.latents_in(patcher, raw))
-    sampling = get_arch(SAMPLES_LIKE.get(arch_name, arch_name)).sampling
     side = args.sample_size
     samples = [bridge.Sample(positive=prompt, negative=ctx.negative, vae=LatentVAE(), seed=42 + k,
-                             steps=ctx.sample_steps, cfg=sampling.cfg, sampler_name=sampling.sampler,
-                             scheduler=sampling.scheduler, width=side, height=side)
+                             steps=ctx.sample_steps, cfg=ctx.sample_cfg, sampler_name=ctx.sampling.sampler,
+                             scheduler=ctx.sampling.scheduler, width=side, height=side)
                for k, prompt in enumerate(ctx.prompts)]
     overrides = gpu_train._settings(args.settings)
     cfg = config.from_dict(dict(arch=arch_name, device="auto",
