@@ -10,7 +10,8 @@ from torch._dynamo.utils import counters
 from trainer import config as config_module
 from trainer.archs import get_arch
 from trainer.backends.torch_backend import checkpointing, levers
-from trainer.backends.torch_backend.backend import TorchBackend
+from trainer.backends.torch_backend import backend as backend_module
+from trainer.backends.torch_backend.backend import CompileFailed, TorchBackend
 from trainer.backends.torch_backend.lora import LoraSet
 from trainer.estimate import AUTO_BUDGETS, AUTO_SAFETY, estimate
 from trainer.estimate_common import VARIANTS, linear_layers
@@ -510,3 +511,31 @@ def test_only_the_token_dim_of_a_table_is_marked():
     checkpointing._mark_token_dims([x, rope, mod])
     assert x._dynamo_weak_dynamic_indices == {1} and rope._dynamo_weak_dynamic_indices == {1}
     assert not hasattr(mod, "_dynamo_weak_dynamic_indices")            # [B, 1, D]: no token dim
+
+
+class NormThenAddBlock(torch.nn.Module):
+    """Flux2's pattern: a norm keeps its input for backward, then the block adds into that input."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = torch.nn.LayerNorm(8, elementwise_affine=False), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = x + 1.0
+        x += self.lin(self.norm(x))
+        return x
+
+
+def test_a_block_that_writes_into_what_a_norm_kept_fails_to_compile_with_the_fix_named(eager_compile):
+    """Without bf16 autocast on CUDA (fp32 here), torch.compile cannot trace such a block: the error says so
+    and names the fix (mixed_precision bf16 on CUDA, or compile_blocks off), not a missing compiler."""
+    net = torch.nn.Module()
+    net.blocks = torch.nn.ModuleList([NormThenAddBlock(), NormThenAddBlock()])
+    net.forward = lambda x: net.blocks[1](net.blocks[0](x))
+    net, _ = with_lora(net, ["lin"])
+    hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=True, compile=True, budget=1.0)
+    with pytest.raises(CompileFailed, match="mixed_precision to bf16") as caught:
+        with backend_module._compile_errors_explained():
+            net(torch.randn(1, 3, 8)).sum().backward()
+    hooks.remove()
+    assert "modified by an inplace operation" in str(caught.value) and "C++ compiler" not in str(caught.value)
