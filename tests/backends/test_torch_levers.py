@@ -506,10 +506,13 @@ def test_a_second_bucket_compiles_nothing_new(eager_compile, monkeypatch, mark):
 
 def test_only_the_token_dim_of_a_table_is_marked():
     """A RoPE table [B, L, 1, 64, 2, 2] whose width equals the token count (L = 64) gets only its token
-    dim marked: marking the width too made the table's next bucket, with another L, compile again."""
+    dim marked: marking the width too made the table's next bucket, with another L, compile again. A
+    [B, 1, L, L] mask gets both its token dims."""
     x, rope, mod = torch.randn(1, 64, 8), torch.randn(1, 64, 1, 64, 2, 2), torch.randn(1, 1, 64)
-    checkpointing._mark_token_dims([x, rope, mod])
+    mask = torch.zeros(1, 1, 64, 64, dtype=torch.bool)
+    checkpointing._mark_token_dims([x, rope, mod, mask])
     assert x._dynamo_weak_dynamic_indices == {1} and rope._dynamo_weak_dynamic_indices == {1}
+    assert mask._dynamo_weak_dynamic_indices == {2, 3}                 # a token × token mask: both
     assert not hasattr(mod, "_dynamo_weak_dynamic_indices")            # [B, 1, D]: no token dim
 
 

@@ -60,19 +60,24 @@ MARK_TOKEN_DIMS = True
 
 
 def _mark_token_dims(values) -> None:
-    """Marks (maybe_mark_dynamic) the first dim of size L after the batch dim, where L is the dim-1 size of
-    a [B, L, D] input or the sum of them (Flux2's RoPE table spans image and text tokens), in every tensor
-    input; a [B, L, D] input's feature dim never. Token counts, masks and RoPE tables follow the bucket;
-    widths do not, even where one equals a token count (a RoPE table's [.., L, 64, 2, 2] at L = 64)."""
+    """Marks (maybe_mark_dynamic) the first dim of size L after the batch dim, and the dims of size L right
+    after it, where L is the dim-1 size of a [B, L, D] input or the sum of them (Flux2's RoPE table spans
+    image and text tokens), in every tensor input; a [B, L, D] input's feature dim never. Token counts,
+    masks ([B, 1, L, L]: both) and RoPE tables follow the bucket; widths do not, even where one equals a
+    token count (a RoPE table's [.., L, 1, 64, 2, 2] at L = 64)."""
     tensors = [v for v in values if torch.is_tensor(v) and v.dim() >= 2]
     lengths = {t.shape[1] for t in tensors if t.dim() == 3 and t.shape[1] > 1}
     if not lengths:
         return
     lengths.add(sum(lengths))
     for t in tensors:
-        dim = next((d for d in range(1, t.dim() - 1 if t.dim() == 3 else t.dim()) if t.shape[d] in lengths), None)
-        if dim is not None:
-            torch._dynamo.maybe_mark_dynamic(t, dim)
+        dims = range(1, t.dim() - 1 if t.dim() == 3 else t.dim())
+        first = next((d for d in dims if t.shape[d] in lengths), None)
+        for dim in dims if first is not None else ():
+            if dim >= first:
+                if t.shape[dim] not in lengths:
+                    break
+                torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def _copy_floats(value):
