@@ -128,10 +128,11 @@ class Phases:
             if os.environ.get("KILN_WALL_PROGRESS"):   # a run cut short by a time limit keeps its steps so far
                 seconds, _ = per_bucket(self)
                 path = Path(os.environ["KILN_WALL_PROGRESS"])
-                path.with_name(path.name + ".tmp").write_text(json.dumps(
+                partial = path.with_name(path.name + ".tmp")
+                partial.write_text(json.dumps(
                     {"steps": len(seconds), "step_seconds": seconds, "step_shapes": self.shapes,
                      "validation_s": self.validation, "saving_s": self.saving}))
-                os.replace(path.with_name(path.name + ".tmp"), path)   # a kill mid-write leaves the last whole one
+                os.replace(partial, path)   # a kill mid-write leaves the last whole one
 
 
 def per_bucket(phases: Phases) -> tuple[list[float], dict]:
@@ -164,9 +165,8 @@ class PeerContext:
     prompts: list              # CONDITIONING per prompt
     negative: list
     sample_steps: int
-    sample_cfg: float
+    sampling: object           # the family's sampling defaults (cfg, sampler, scheduler)
     run_dir: Path
-    sampling: object = None    # the family's sampling defaults (sampler, scheduler)
     patcher: object = None
 
 
@@ -195,7 +195,7 @@ def run(args) -> dict:
         ctx = PeerContext(args, dims, device, dtype, phases, latents, contexts,
                           prompts=[conditioning(dims, text_tokens, k) for k in range(PROMPTS)],
                           negative=conditioning(dims, 8, 99), sample_steps=args.sample_steps or sampling.steps,
-                          sample_cfg=sampling.cfg, run_dir=Path(run_dir), sampling=sampling)
+                          sampling=sampling, run_dir=Path(run_dir))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if args.trainer == "kiln":
@@ -244,7 +244,7 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
                                      lambda raw: bridge.latents_in(patcher, raw))
     side = args.sample_size
     samples = [bridge.Sample(positive=prompt, negative=ctx.negative, vae=LatentVAE(), seed=42 + k,
-                             steps=ctx.sample_steps, cfg=ctx.sample_cfg, sampler_name=ctx.sampling.sampler,
+                             steps=ctx.sample_steps, cfg=ctx.sampling.cfg, sampler_name=ctx.sampling.sampler,
                              scheduler=ctx.sampling.scheduler, width=side, height=side)
                for k, prompt in enumerate(ctx.prompts)]
     overrides = gpu_train._settings(args.settings)

@@ -120,7 +120,7 @@ def run_diffusers(ctx, compiled: bool) -> dict:
         generator = torch.Generator(device).manual_seed(42)
         with torch.no_grad():
             for prompt in prompts:
-                _sample(family, model, (channels, side, side), prompt, ctx.sample_steps, ctx.sample_cfg, negative, generator)
+                _sample(family, model, (channels, side, side), prompt, ctx.sample_steps, ctx.sampling.cfg, negative, generator)
 
     def save(path: Path, with_optimizer: bool):
         lora = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in get_peft_model_state_dict(model).items()}
