@@ -66,10 +66,15 @@ dtype cast, optimizer.step, zero_grad; measured at the node's per-iteration Prog
 the whole batch (calc_cond_batch), so at batch B its model runs B*B rows per step
 (`native_forward_rows` records what it ran); Kiln runs B.
 
-Timing. Steps 1..--warmup are discarded; steps warmup+1..--steps are timed one by one. --timing sync
-(default): torch.cuda.synchronize() then perf_counter at each step boundary (timing only; it also
-stops the CPU running ahead into the next step). --timing events: a CUDA event per boundary, read
-once at the end (no host sync added). Reported: median (`*_s_per_step`), p95, mean.
+Timing. Steps 1..--warmup are discarded; steps warmup+1..--steps are timed one by one. --timing events
+(default): a CUDA event per boundary, read once at the end; no sync is added, so the host runs ahead
+into the next step as it does in a user's run (Kiln's loop reads the loss every log_every steps), and
+a step's time is the GPU timeline between two boundaries, any wait for the host included. --timing
+sync: torch.cuda.synchronize() then perf_counter at each boundary; every step then also pays the
+host's work before its first kernel (batch building, launches), which a real run overlaps with the
+step before (Klein 4B at 1024 px: 0.186-0.189 s sync against 0.173-0.174 s events, RESULTS.md).
+The native node reads its loss every step (a sync of its own) and the diffusers peer is timed the
+same way as Kiln. Reported: median (`*_s_per_step`), p95, mean.
 Memory: torch.cuda.max_memory_allocated / max_memory_reserved per trainer, reset (after
 empty_cache) before each; in GiB (2^30 bytes). Includes the resident bf16 weights.
 Matmul rate: `--matmul-n`^3 matmuls in the run's dtype (8192 bf16 on CUDA) on the same device in the
@@ -962,7 +967,8 @@ def main(argv=None) -> int:
     parser.add_argument("--native-ckpt-depth", type=int, default=2,
                         help="the native node's checkpoint_depth (2: per block, like Kiln; the node's default is 1)")
     parser.add_argument("--zimage-tokens", type=int, help="Z-Image caption tokens per image (default 256; --tiny 32)")
-    parser.add_argument("--timing", default="sync", choices=["sync", "events"])
+    parser.add_argument("--timing", default="events", choices=["events", "sync"],
+                        help="step boundaries by CUDA events (no sync added; the default) or after a synchronize")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile N steps after the timed ones (bench/step_profile.py; CUDA only)")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -1144,7 +1150,8 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
         started = time.perf_counter()
         try:
             record.update(run_peer(dims, inputs.latents, inputs.contexts, steps=opts.steps, warmup=opts.warmup,
-                                   device=device, compiled=compiled, checkpointing=row.checkpointing))
+                                   device=device, compiled=compiled, checkpointing=row.checkpointing,
+                                   timing=opts.timing))
             peer_s = record[f"{prefix}s_per_step"]
             record[f"speedup_vs_{prefix.rstrip('_')}"] = round(peer_s / kiln_s, 3) if peer_s and kiln_s else None
         except Exception as error:  # noqa: BLE001 — recorded, the run goes on

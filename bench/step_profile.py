@@ -11,6 +11,10 @@ host overhead, so those steps are never in the timing). The summary, per profile
     lora_gemm_ms      GEMM time of the LoRA branches (matmul ops with a rank-sized dimension)
     ops_ms            kernel time under a few named ops (NAMED_OPS: the NaN check, clipping, AdamW, copies)
     top               the 12 longest kernels (name cut at 90 chars, ms per step, calls per step)
+    host_ms           the host's time inside profiled ops and CUDA runtime calls (self CPU time summed; the
+                      Python between them is not in it)
+    host_top          the 15 ops / runtime calls with the most self CPU time (ms per step, calls per step):
+                      launches, dynamo's guard checks, autograd, ComfyUI's small ops
 """
 from __future__ import annotations
 
@@ -101,6 +105,9 @@ class StepProfiler:
             if avg.key in MATMUL_OPS and self.rank in shapes:
                 lora += avg.self_device_time_total
         top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:12]
+        host = [(avg.key, avg.self_cpu_time_total, avg.count) for avg in self.profile.key_averages()
+                if avg.self_cpu_time_total > 0]
+        host_top = sorted(host, key=lambda item: -item[1])[:15]
         step_ms = self.wall * 1e3 / self.count
         return {
             "steps": self.count, "step_ms": round(step_ms, 2), "busy_ms": ms(busy),
@@ -110,4 +117,6 @@ class StepProfiler:
             "ops_ms": {op.removeprefix("aten::"): ms(us) for op, us in named.items()},
             "kernels_per_step": round(len(kernels) / self.count),
             "top": [[name[:90], ms(sum(times)), round(len(times) / self.count)] for name, times in top],
+            "host_ms": ms(sum(us for _, us, _ in host)),
+            "host_top": [[name[:90], ms(us), round(calls / self.count)] for name, us, calls in host_top],
         }

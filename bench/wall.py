@@ -15,8 +15,10 @@ Turbo, 8 steps cfg 1; Klein 20 steps cfg 1), then the LoRA saved as Save LoRA sa
 Reported: wall seconds to the saved LoRA, split into steps (steady), compile and warm-up (each bucket
 shape's first steps above its steady pace), validation, saving (checkpoints and the LoRA), and the rest;
 s/step and images/s per bucket (median of its steps after its first two). Each step is timed at its end
-after a torch.cuda.synchronize (the bench's "sync" timing); validation and saving are timed apart and
-left out of the step they follow.
+by a CUDA event (`--timing events`, the default: no sync is added, so the host runs ahead as it does in a
+user's run, and a step's time is the GPU timeline between two step ends, any wait for the host included)
+or after a torch.cuda.synchronize (`--timing sync`: each step then also pays the host's work before its
+first kernel); validation and saving are timed apart, between syncs, and left out of the step they follow.
 Not in it: encoding (the latents and text embeddings are synthetic, as if cached: a real run encodes
 once per dataset and resolution, then reuses the cache) and the VAE decode of the samples (no VAE is
 built: the sampler's latents stand in for the decoded image). The peers' per-bucket pace comes from
@@ -89,19 +91,39 @@ def conditioning(dims, tokens: int, seed: int):
 
 
 class Phases:
-    """Step ends (after a sync), and the validation and saving time that fell between two of them."""
+    """Step ends (CUDA events, or perf_counter after a sync), and the validation and saving time that fell
+    between two of them."""
 
-    def __init__(self, device):
-        self.device, self.ends, self.shapes, self.extra = device, [], [], [0.0]
+    def __init__(self, device, timing: str = "events"):
+        self.device, self.marks, self.shapes, self.extra = device, [], [], [0.0]
+        self.events = timing == "events" and device.type == "cuda"
         self.validation = self.saving = 0.0
         self.calls = {"validation": 0, "saving": 0}   # how many times each ran
         self.shape = None
         self.started = None
+        self.start_mark = None
 
     def begin(self) -> None:
         """The run's clock starts (the first step's time counts from here)."""
         gpu_train.sync(self.device)
         self.started = time.perf_counter()
+        self.start_mark = self._mark()
+
+    def _mark(self):
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        gpu_train.sync(self.device)
+        return time.perf_counter()
+
+    @property
+    def ends(self) -> list[float]:
+        """Each step's end in seconds after begin() (reading events waits for the GPU)."""
+        if not self.events:
+            return [mark - self.start_mark for mark in self.marks]
+        gpu_train.sync(self.device)
+        return [self.start_mark.elapsed_time(mark) / 1e3 for mark in self.marks]
 
     def timed(self, kind: str, fn):
         def wrapper(*args, **kwargs):
@@ -118,12 +140,12 @@ class Phases:
         return wrapper
 
     def step_end(self) -> None:
-        gpu_train.sync(self.device)
-        self.ends.append(time.perf_counter())
+        self.marks.append(self._mark())
         self.shapes.append(self.shape)
         self.extra.append(0.0)
-        if len(self.ends) % 100 == 0 or len(self.ends) <= 3:
-            print(f"[wall] step {len(self.ends)} {self.shape} at {self.ends[-1] - self.ends[0]:.1f} s after step 1",
+        if len(self.marks) % 100 == 0 or len(self.marks) <= 3:   # (a sync per 100 steps when events)
+            ends = self.ends
+            print(f"[wall] step {len(ends)} {self.shape} at {ends[-1] - ends[0]:.1f} s after step 1",
                   file=sys.stderr, flush=True)
             if os.environ.get("KILN_WALL_PROGRESS"):   # a run cut short by a time limit keeps its steps so far
                 seconds, _ = per_bucket(self)
@@ -137,8 +159,9 @@ class Phases:
 
 def per_bucket(phases: Phases) -> tuple[list[float], dict]:
     """Each step's seconds (validation and saving left out) and, per batch shape, its steady pace."""
-    starts = [phases.started, *phases.ends[:-1]]
-    seconds = [end - start - extra for start, end, extra in zip(starts, phases.ends, phases.extra)]
+    ends = phases.ends
+    starts = [0.0, *ends[:-1]]
+    seconds = [end - start - extra for start, end, extra in zip(starts, ends, phases.extra)]
     by_shape: dict[str, list[float]] = {}
     for shape, value in zip(phases.shapes, seconds):
         by_shape.setdefault(shape, []).append(value)
@@ -184,13 +207,14 @@ def run(args) -> dict:
     resolutions = [int(r) for r in args.res.split(",")]
     latents, contexts, names = synthetic_arrays(dims, resolutions, args.images, text_tokens)
     sampling = get_arch(SAMPLES_LIKE.get(arch_name, arch_name)).sampling
-    phases = Phases(device)
+    phases = Phases(device, args.timing)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "kind": "wall", "trainer": args.trainer, "commit": gpu_train.git_commit(),
               "device": gpu_train.device_name(device), "torch": torch.__version__, "arch": args.arch,
               "variant": dims.variant, "steps": args.steps, "images": args.images, "resolutions": resolutions,
               "entries": len(names), "every": args.every, "prompts": PROMPTS,
-              "sample_steps": args.sample_steps or sampling.steps, "sample_size": args.sample_size}
+              "sample_steps": args.sample_steps or sampling.steps, "sample_size": args.sample_size,
+              "timing": "events" if phases.events else "sync"}
     with tempfile.TemporaryDirectory(prefix="kiln_wall_") as run_dir:
         ctx = PeerContext(args, dims, device, dtype, phases, latents, contexts,
                           prompts=[conditioning(dims, text_tokens, k) for k in range(PROMPTS)],
@@ -296,6 +320,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sample-size", type=int, default=1024)
     parser.add_argument("--sample-steps", type=int, default=0, help="0: the family's default")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--timing", default="events", choices=["events", "sync"],
+                        help="step ends by CUDA events (no sync added: the host runs ahead as in a user's run) "
+                             "or after a synchronize")
     parser.add_argument("--compile-dynamic", default="default", choices=["default", "dynamo", "true"],
                         help="default: Kiln's (checkpointing.MARK_TOKEN_DIMS: the blocks' sequence dims symbolic from "
                              "the first compile); dynamo: dynamo's own policy (static at the first shape, symbolic "
