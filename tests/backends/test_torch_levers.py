@@ -306,6 +306,25 @@ def test_auto_compiles_only_where_it_pays():
     assert explicit == levers.Levers(True, 0.3, "")   # explicit values are taken as they are
 
 
+def test_auto_leaves_blocks_that_write_into_a_norms_input_uncompiled_outside_bf16_autocast(monkeypatch):
+    """Flux2's blocks (`x += ...` after `norm(x)`) trace only under bf16 autocast on CUDA; in fp32 on an H100
+    the attempt failed at the first step (12 s lost), so auto does not try. Pure blocks compile in fp32."""
+    monkeypatch.setattr(levers, "can_compile", lambda device: True)   # a CUDA GPU with Triton
+
+    def decided(arch: str, precision: str, compile_blocks="auto") -> levers.Levers:
+        cfg = config_module.from_dict({"arch": arch, "mixed_precision": precision, "checkpoint_budget": 0.0,
+                                       "compile_blocks": compile_blocks})
+        return levers.decide(torch.nn.Linear(2, 2), cfg, torch.device("cuda"),
+                             blocks_write_norm_inputs=get_arch(arch).blocks_write_norm_inputs)
+
+    assert decided("flux2_klein", "bf16").compile and decided("flux2_dev", "bf16").compile
+    for arch in ("flux2_klein", "flux2_dev"):
+        fp32 = decided(arch, "no")
+        assert not fp32.compile and "compile_blocks auto → off (this model's blocks write into" in fp32.note
+    assert decided("zimage", "no").compile and not get_arch("generic").blocks_write_norm_inputs
+    assert decided("flux2_klein", "no", compile_blocks=True).compile   # explicit: tried (its error names the fix)
+
+
 @pytest.mark.parametrize("variant, arch", [("zimage", "zimage"), ("flux2-klein-4b", "flux2_klein")])
 def test_auto_budget_is_the_largest_that_leaves_the_margin(variant, arch):
     model, cfg = HeaderModel(variant), config_module.from_dict({"arch": arch, "resolutions": [512, 1024]})
@@ -371,7 +390,8 @@ def test_an_auto_budget_that_runs_out_of_memory_goes_on_at_budget_0(make_model, 
     """checkpoint_budget auto chose too much (Flux2 Dev on an fp8 base did on an H100): the step that ran
     out of memory is redone with plain checkpointing, with one warning, and gives the eager gradients."""
     reference = _gradients(make_model, make_config, gradient_checkpointing=True, compile_blocks=False)
-    monkeypatch.setattr(levers, "decide", lambda model, cfg, device, notes=(): levers.Levers(True, 0.5, "auto"))
+    monkeypatch.setattr(levers, "decide",
+                        lambda model, cfg, device, notes=(), **arch_facts: levers.Levers(True, 0.5, "auto"))
     caplog.set_level("WARNING", logger="kiln")
     backend = TorchBackend()
     backend.setup(make_model(), make_config(gradient_checkpointing=True, compile_blocks=True,

@@ -84,6 +84,10 @@ class Arch:
     # Blocks never write into their own inputs, so compile_blocks also compiles the blocks that keep
     # their activations (checkpointing off, skip_checkpoint_blocks). Flux2's `img += ...` blocks do.
     pure_blocks: bool = False
+    # Known to add into a tensor a norm keeps for backward (Flux2's `x += ...` after `norm(x)`): compiled,
+    # such blocks trace only under bf16 autocast on CUDA (the norm then keeps its own fp32 cast), so
+    # compile_blocks auto stays off elsewhere (fp32 on CUDA failed its first step, H100, bench/RESULTS.md).
+    blocks_write_norm_inputs: bool = False
     comfy: ComfyModel | None = None  # the ComfyUI model it is (None: detected only as the fallback, or never)
     clip_type: str = ""             # comfy.sd.CLIPType name of its text encoder, for headless loading
     modelspec: tuple[str, str] = ()  # (modelspec.architecture, modelspec.implementation) in LoRA metadata

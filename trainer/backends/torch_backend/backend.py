@@ -93,7 +93,8 @@ class TorchBackend:
         self.fp8 = Fp8Base(find_blocks(model, arch.block_lists), self.device) if self.fp8_on else None
         self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed,
                             adapter=cfg.adapter, lokr_factor=cfg.lokr_factor, lokr_full_w2=cfg.lokr_full_w2)
-        self.levers = levers.decide(model, cfg, self.device, notes=(fp8_note,))
+        self.levers = levers.decide(model, cfg, self.device, notes=(fp8_note,),
+                                    blocks_write_norm_inputs=arch.blocks_write_norm_inputs)
         if self.levers.note:
             levers.log.info("[Kiln] %s", self.levers.note)
         self._wrap_blocks(self.levers)

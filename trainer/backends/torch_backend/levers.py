@@ -110,14 +110,19 @@ def fp8_compute(model: nn.Module, cfg: TrainConfig, device: torch.device) -> tup
     return True, "fp8_compute auto → on (the base is stored in fp8: its forward multiplies the stored weights)"
 
 
-def decide(model: nn.Module, cfg: TrainConfig, device: torch.device, notes: tuple[str, ...] = ()) -> Levers:
+def decide(model: nn.Module, cfg: TrainConfig, device: torch.device, notes: tuple[str, ...] = (),
+           blocks_write_norm_inputs: bool = False) -> Levers:
     """compile_blocks and checkpoint_budget for this run, with "auto" resolved; `notes` from earlier
-    decisions (fp8_compute) lead the log line."""
+    decisions (fp8_compute) lead the log line. `blocks_write_norm_inputs`: the arch's fact (trainer/archs)."""
     notes = [note for note in notes if note]
-    compile = cfg.compile_blocks is True or (cfg.compile_blocks == AUTO and can_compile(device))
+    why_not = "" if can_compile(device) else f" ({device.type}{' without Triton' if device.type == 'cuda' else ''})"
+    if not why_not and blocks_write_norm_inputs and cfg.mixed_precision != "bf16":
+        # (the failed attempt would cost a first step's compile: 12 s for Klein 4B in fp32 on an H100)
+        why_not = " (this model's blocks write into what their norms keep for backward: compiled, they trace only " \
+                  "under mixed_precision bf16 on a CUDA GPU)"
+    compile = cfg.compile_blocks is True or (cfg.compile_blocks == AUTO and not why_not)
     if cfg.compile_blocks == AUTO:
-        notes.append(f"compile_blocks auto → {'on' if compile else 'off'}"
-                     + ("" if compile else f" ({device.type}{'' if device.type != 'cuda' else ' without Triton'})"))
+        notes.append(f"compile_blocks auto → {'on' if compile else 'off'}" + ("" if compile else why_not))
     budget = cfg.checkpoint_budget
     if budget == AUTO:
         if compile and cfg.gradient_checkpointing and device.type == "cuda":
