@@ -1151,7 +1151,7 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
         try:
             record.update(run_peer(dims, inputs.latents, inputs.contexts, steps=opts.steps, warmup=opts.warmup,
                                    device=device, compiled=compiled, checkpointing=row.checkpointing,
-                                   timing=opts.timing))
+                                   clock=StepClock(device, opts.timing)))
             peer_s = record[f"{prefix}s_per_step"]
             record[f"speedup_vs_{prefix.rstrip('_')}"] = round(peer_s / kiln_s, 3) if peer_s and kiln_s else None
         except Exception as error:  # noqa: BLE001 — recorded, the run goes on

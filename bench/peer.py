@@ -75,8 +75,8 @@ def _output(dims, out):
 
 
 def run_peer(dims, latents, contexts, *, steps: int, warmup: int, device, compiled: bool, checkpointing: bool,
-             timing: str = "sync") -> dict:
-    """timing: as gpu_train.py's --timing (events: a CUDA event per step end, no sync added)."""
+             clock) -> dict:
+    """clock: gpu_train.StepClock, timing the peer as the row's Kiln steps are timed (its --timing)."""
     from peft import LoraConfig
 
     prefix = "peer_compiled_" if compiled else "peer_"
@@ -102,9 +102,7 @@ def run_peer(dims, latents, contexts, *, steps: int, warmup: int, device, compil
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    events = timing == "events" and device.type == "cuda"
-    ends, losses, started = [], [], time.perf_counter()   # step ends: perf_counter after a sync, or events
-    first_step_s = None
+    losses, started = [], time.perf_counter()
     for _ in range(steps):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             prediction = _output(dims, model(**kwargs))
@@ -114,25 +112,11 @@ def run_peer(dims, latents, contexts, *, steps: int, warmup: int, device, compil
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-        if first_step_s is None or not events:   # events: the first step (its compile) on the host clock only
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if first_step_s is None:
-                first_step_s = time.perf_counter() - started
-        if events:
-            ends.append(torch.cuda.Event(enable_timing=True))
-            ends[-1].record()
-        else:
-            ends.append(time.perf_counter())
-    if events:
-        torch.cuda.synchronize(device)
-        seconds = [a.elapsed_time(b) / 1e3 for a, b in zip(ends, ends[1:])]
-    else:
-        seconds = [b - a for a, b in zip(ends, ends[1:])]
-    durations = seconds[max(0, warmup - 1):]   # seconds[0] is step 2
+        clock.mark()
+    durations = clock.durations()[max(0, warmup - 1):]   # durations()[0] is step 2
     losses = [float(v) for v in losses]
     out = {f"{prefix}s_per_step": round(statistics.median(durations), 4) if durations else None,
-           f"{prefix}first_step_s": round(first_step_s, 2),
+           f"{prefix}first_step_s": round(clock.first_mark - started, 2),
            f"{prefix}loss_first": losses[0], f"{prefix}loss_last": losses[-1],
            f"{prefix}loss_finite": all(math.isfinite(v) for v in losses),
            "peer_lora_params": sum(p.numel() for p in params),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -95,35 +96,23 @@ class Phases:
     between two of them."""
 
     def __init__(self, device, timing: str = "events"):
-        self.device, self.marks, self.shapes, self.extra = device, [], [], [0.0]
-        self.events = timing == "events" and device.type == "cuda"
+        self.device, self.shapes, self.extra = device, [], [0.0]
+        self.clock = gpu_train.StepClock(device, timing)   # its first mark is begin()
+        self.events = self.clock.events
         self.validation = self.saving = 0.0
         self.calls = {"validation": 0, "saving": 0}   # how many times each ran
         self.shape = None
         self.started = None
-        self.start_mark = None
 
     def begin(self) -> None:
         """The run's clock starts (the first step's time counts from here)."""
-        gpu_train.sync(self.device)
-        self.started = time.perf_counter()
-        self.start_mark = self._mark()
-
-    def _mark(self):
-        if self.events:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        gpu_train.sync(self.device)
-        return time.perf_counter()
+        self.clock.mark()
+        self.started = self.clock.first_mark
 
     @property
     def ends(self) -> list[float]:
         """Each step's end in seconds after begin() (reading events waits for the GPU)."""
-        if not self.events:
-            return [mark - self.start_mark for mark in self.marks]
-        gpu_train.sync(self.device)
-        return [self.start_mark.elapsed_time(mark) / 1e3 for mark in self.marks]
+        return list(itertools.accumulate(self.clock.durations()))
 
     def timed(self, kind: str, fn):
         def wrapper(*args, **kwargs):
@@ -140,10 +129,10 @@ class Phases:
         return wrapper
 
     def step_end(self) -> None:
-        self.marks.append(self._mark())
+        self.clock.mark()
         self.shapes.append(self.shape)
         self.extra.append(0.0)
-        if len(self.marks) % 100 == 0 or len(self.marks) <= 3:   # (a sync per 100 steps when events)
+        if len(self.shapes) % 100 == 0 or len(self.shapes) <= 3:   # (a sync per 100 steps when events)
             ends = self.ends
             print(f"[wall] step {len(ends)} {self.shape} at {ends[-1] - ends[0]:.1f} s after step 1",
                   file=sys.stderr, flush=True)
