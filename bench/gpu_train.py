@@ -594,6 +594,8 @@ class LeverNotes(logging.Handler):
             compiled, budget = False, 0.0
         fp8 = cfg.fp8_compute if cfg.fp8_compute != "auto" else "fp8_compute auto → on" in text
         return {"kiln_compiled": bool(compiled), "kiln_budget": float(budget), "kiln_fp8_compute": bool(fp8),
+                # an fp8-stored base's backward in fp8 through a transposed copy (levers.fp8_stored_backward)
+                "kiln_fp8_stored_backward": "its backward in fp8 too" in text,
                 "kiln_cuda_graphs": bool(cfg.cuda_graphs) and bool(compiled), "kiln_levers_note": text}
 
 

@@ -179,6 +179,56 @@ def test_a_base_stored_in_fp8_multiplies_its_own_weight_forward_and_bf16_backwar
     fp8.remove()
 
 
+def test_a_base_stored_in_fp8_multiplies_in_fp8_backward_too_given_its_transposed_copy():
+    """stored_backward: the backward multiplies the incoming gradient (per-row scales) by the stored e4m3
+    values transposed (an exact copy, unit scales), instead of casting the weight to bf16 per use."""
+    gen = torch.Generator().manual_seed(3)
+    layer = nn.Linear(64, 32, bias=False)
+    layer.weight = nn.Parameter(torch.randn(32, 64, generator=gen).to(torch.float8_e4m3fn), requires_grad=False)
+    fp8 = Fp8Base([nn.Sequential(layer)], torch.device("cpu"), stored_backward=True)
+    weight = layer.forward.__closure__ and next(c.cell_contents for c in layer.forward.__closure__
+                                                 if isinstance(c.cell_contents, Fp8Weight))
+    assert torch.equal(weight.cols.float(), layer.weight.float().t()) and weight.cols.is_contiguous()
+    assert fp8.bytes == 64 * 32 + 4 * (32 + 64)                         # the copy (a byte each) and unit scales
+    x = torch.randn(6, 64, generator=gen, requires_grad=True)
+    grad = torch.randn(6, 32, generator=gen)
+    (dx,) = torch.autograd.grad(layer(x), x, grad)
+    g8, g_scale = quantize_rows(grad.to(torch.bfloat16))   # the bf16 output's gradient, as autograd hands it
+    expected = torch._scaled_mm(g8, weight.cols.t(), scale_a=g_scale, scale_b=torch.ones(1, 64),
+                                out_dtype=torch.bfloat16).float()
+    assert torch.equal(dx, expected)
+    assert _relative(dx, grad @ layer.weight.float()) < 0.05            # the gradient's own rounding only
+    fp8.remove()
+    assert "forward" not in layer.__dict__
+
+
+def test_the_stored_backward_copy_is_made_only_where_it_costs_the_step_nothing():
+    """levers.fp8_stored_backward: yes when the checkpoint budget with the copy resident is the one without
+    (auto), or a set budget still fits; no for an unknown model, off CUDA, or with nothing stored in fp8."""
+    from trainer.backends.torch_backend import levers
+
+    from .test_torch_levers import HeaderModel
+
+    gib, gpu = levers.GIB, torch.device("cuda")
+    model, auto = HeaderModel("flux2-klein-4b"), config.from_dict({"arch": "flux2_klein", "resolutions": [1024]})
+    on, why = levers.fp8_stored_backward(model, auto, gpu, int(3.6 * gib), (70 * gib, 80 * gib))   # Klein on an H100
+    assert on and "its backward in fp8 too (a transposed copy of the stored weights, 3.6 GiB)" in why
+    # a 24 GB card with 12 GiB free: budget 0.3 without the copy, 0 with it resident, so no copy
+    without = levers.auto_budget(model, auto, gpu, (12 * gib, 24 * gib))[0]
+    with_copy = levers.auto_budget(model, auto, gpu, (int(8.4 * gib), 24 * gib))[0]
+    assert with_copy < without
+    on, why = levers.fp8_stored_backward(model, auto, gpu, int(3.6 * gib), (12 * gib, 24 * gib))
+    assert not on and "casts the stored weights to bf16 per use" in why
+    fixed = config.from_dict({"arch": "flux2_klein", "resolutions": [1024], "checkpoint_budget": 0.0})
+    assert levers.fp8_stored_backward(model, fixed, gpu, int(3.6 * gib), (14 * gib, 24 * gib))[0]   # budget 0 fits
+    assert not levers.fp8_stored_backward(model, fixed, gpu, int(3.6 * gib), (12 * gib, 24 * gib))[0]
+    assert not levers.fp8_stored_backward(model, auto, gpu, 60 * gib, (70 * gib, 80 * gib))[0]   # Dev-sized copy
+    assert levers.fp8_stored_backward(model, auto, torch.device("cpu"), gib, (70 * gib, 80 * gib)) == (False, "")
+    assert levers.fp8_stored_backward(model, auto, gpu, 0, (70 * gib, 80 * gib)) == (False, "")
+    on, why = levers.fp8_stored_backward(nn.Linear(4, 4), auto, gpu, gib, (70 * gib, 80 * gib))
+    assert not on and "without a memory estimate" in why
+
+
 def _fp8_stored_model() -> nn.Module:
     layer = nn.Linear(32, 32)
     layer.weight = nn.Parameter(layer.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)

@@ -252,7 +252,7 @@ def test_training_options_default_to_the_auto_levers_and_keep_saved_values():
 
 
 def test_fp8_compute_is_a_three_way_choice_defaulting_to_auto():
-    """fp8_compute auto (on where it costs nothing: a base stored in fp8), on (also a bf16 base, with its fp8
+    """fp8_compute auto (on for a base stored in fp8 on a capable GPU), on (also a bf16 base, with its fp8
     copies), off: a combo whose words reach the config as "auto", True and False; the post-0.1 options keep
     their positions ahead of anything added later (cuda_graphs)."""
     inputs = {i.id: i for i in tn.KilnTrainingOptions.define_schema().inputs}

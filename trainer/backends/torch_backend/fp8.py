@@ -8,12 +8,16 @@ the forward and per input channel for the backward, all in float8_e4m3fn, accumu
 returning bf16. The LoRA branches are untouched (bf16 matmuls on fp32 masters), so what trains keeps
 full precision; only the frozen path's products are rounded.
 
-Measured on an H100 (bench/RESULTS.md, "fp8 compute", 1024 px, defaults otherwise): Z-Image 0.297 →
-0.260 s/step, Klein 4B 0.188 → 0.184; the 200-step loss curves within 1 % of bf16's. Costs: two fp8
+Measured on an H100 (bench/RESULTS.md, "fp8 compute" and "fp8 compute as the loop runs it", 1024 px,
+defaults otherwise, CUDA-event step times): Z-Image 0.280 → 0.235 s/step, Klein 4B 0.173 → 0.156; the
+200-step loss curves within 1 % of bf16's. At 512-768 px, where the host's launches pace a step, its extra
+kernels and matmul calls made steps slower (up to +30 %). Costs: two fp8
 copies of each block weight (one per layout cuBLAS needs: [out, in] for the forward, [in, out] for the
 backward), as many bytes as the bf16 weights again (Z-Image +11.5 GiB, Klein 4B +6.9 GiB), and a longer
 first compile; the weights themselves are ComfyUI's and stay as they are (sampling uses them). A base
-stored in e4m3 needs no copy for its forward (Fp8Weight.stored): Flux2 Dev 1.219 → 1.093 s/step.
+stored in e4m3 needs no copy for its forward (Fp8Weight.stored): Flux2 Dev 1.219 → 1.093 s/step; its
+backward multiplies in fp8 too where a transposed copy of the stored weights fits beside the step
+(levers.fp8_stored_backward), else it casts them to bf16 per use.
 Installed like the LoRA branches, by instance-forward override, before them; removal restores each
 Linear exactly.
 """
@@ -63,14 +67,19 @@ class Fp8Weight:
             self.cols, self.col_scale = cols, scale.reshape(1, -1).contiguous()
 
     @classmethod
-    def stored(cls, weight: torch.Tensor) -> Fp8Weight:
+    def stored(cls, weight: torch.Tensor, backward: bool = False) -> Fp8Weight:
         """A base already stored in e4m3 (Load Diffusion Model's weight_dtype fp8_e4m3fn: values cast, no
-        scale): the forward multiplies the stored weight itself (no copy, unit scales); the backward casts it
-        to bf16 per use, as ComfyUI's own forward does, since its other layout would be a copy of the whole
-        base (Flux2 Dev: 30 GiB)."""
+        scale): the forward multiplies the stored weight itself (no copy, unit scales). `backward`: so does
+        the backward, through the stored values transposed (cuBLAS's other layout: a copy as large as the
+        stored weight, exact); without it the backward casts the weight to bf16 per use, as ComfyUI's own
+        forward does (Flux2 Dev's copy would be 30 GiB)."""
         out = cls(weight, forward=False, backward=False)
-        out.rows = weight.detach().contiguous()
-        out.row_scale = torch.ones(1, weight.shape[0], device=weight.device, dtype=torch.float32)
+        w = weight.detach()
+        out.rows = w.contiguous()
+        out.row_scale = torch.ones(1, w.shape[0], device=w.device, dtype=torch.float32)
+        if backward:
+            out.cols = w.t().contiguous()
+            out.col_scale = torch.ones(1, w.shape[1], device=w.device, dtype=torch.float32)
         return out
 
     def nbytes(self) -> int:
@@ -148,10 +157,17 @@ def check_device(device: torch.device) -> None:
                          "capability 9.0+). Turn fp8_compute off in Kiln Training Options (or the config).") from error
 
 
-class Fp8Base:
-    """fp8 forwards on every eligible Linear inside `blocks`; `remove()` gives each its own forward back."""
+def stored_linears(blocks: list[nn.Module], device: torch.device) -> list[nn.Linear]:
+    """The eligible Linears of `blocks` whose weight is stored in e4m3 (an fp8-loaded base)."""
+    return [module for block in blocks for module in block.modules()
+            if isinstance(module, nn.Linear) and _eligible(module, device) and module.weight.dtype == E4M3]
 
-    def __init__(self, blocks: list[nn.Module], device: torch.device):
+
+class Fp8Base:
+    """fp8 forwards on every eligible Linear inside `blocks`; `remove()` gives each its own forward back.
+    `stored_backward`: the e4m3-stored weights' backward in fp8 too (a transposed copy of each)."""
+
+    def __init__(self, blocks: list[nn.Module], device: torch.device, stored_backward: bool = False):
         check_device(device)
         self.replaced: list[tuple[nn.Module, object]] = []
         self.bytes = 0
@@ -164,7 +180,7 @@ class Fp8Base:
                     skipped += 1
                     continue
                 if module.weight.dtype == E4M3:
-                    weight = Fp8Weight.stored(module.weight)
+                    weight = Fp8Weight.stored(module.weight, backward=stored_backward)
                 else:
                     forward, backward = fp8_products(module.in_features, module.out_features)
                     weight = Fp8Weight(module.weight, forward=forward, backward=backward)

@@ -94,9 +94,10 @@ def auto_budget(model: nn.Module, cfg: TrainConfig, device: torch.device, free_a
 
 
 def fp8_compute(model: nn.Module, cfg: TrainConfig, device: torch.device) -> tuple[bool, str]:
-    """(on, why) for fp8_compute. auto: on where it costs nothing, a base stored in fp8 on a GPU with per-row
-    fp8 matmuls (the forward multiplies the stored weight: no copy; Flux2 Dev 1.219 → 1.093 s/step on an
-    H100, the loss equal to 4 digits); a bf16 base would need fp8 copies of its weights (opt-in: true)."""
+    """(on, why) for fp8_compute. auto: on for a base stored in fp8 on a GPU with per-row fp8 matmuls (the
+    forward multiplies the stored weight: no copy; on an H100 at 1024 px Flux2 Dev 1.219 → 1.093 s/step,
+    Z-Image 0.279 → 0.228, Klein 4B 0.174 → 0.156, each in less memory than ComfyUI's cast per use); a bf16
+    base would need fp8 copies of its weights (opt-in: true)."""
     if cfg.fp8_compute != AUTO:
         return bool(cfg.fp8_compute), ""
     if cfg.backend != "torch" or cfg.mixed_precision != "bf16" or device.type != "cuda" or base_dtype(model) != "fp8":
@@ -108,6 +109,34 @@ def fp8_compute(model: nn.Module, cfg: TrainConfig, device: torch.device) -> tup
     except ValueError:
         return False, "fp8_compute auto → off (this GPU has no per-row fp8 matmul)"
     return True, "fp8_compute auto → on (the base is stored in fp8: its forward multiplies the stored weights)"
+
+
+def fp8_stored_backward(model: nn.Module, cfg: TrainConfig, device: torch.device, copy_bytes: int,
+                        free_and_total=None) -> tuple[bool, str]:
+    """(on, why): under fp8_compute, whether a base stored in fp8 multiplies in fp8 backward too, through a
+    transposed copy of its stored block weights (`copy_bytes`, their own size again). Yes where the copy costs
+    the step nothing: the checkpoint budget it gets with the copy resident is the one it gets without (auto),
+    or the set budget still fits. Measured on an H100 at 1024 px (bench/RESULTS.md): with the backward's bf16
+    cast per use, Klein 4B's fp8 step was slower than ComfyUI's own cast (0.199 against 0.174 s/step); with
+    the copy 0.156 (Z-Image 0.228, against 0.256 and 0.279), in less memory than ComfyUI's cast. Flux2 Dev's
+    copy (30 GiB) does not fit beside its step on 80 GB, and it keeps the cast."""
+    if not copy_bytes or device.type != "cuda":
+        return False, ""
+    from ...estimate import AUTO_SAFETY, auto_margin, largest_budget
+
+    free, total = free_and_total or free_bytes(device)
+    margin = auto_margin(total)
+    need = lambda budget: estimated_step_bytes(model, cfg, budget)   # noqa: E731
+    copy = f"a transposed copy of the stored weights, {copy_bytes / GIB:.1f} GiB"
+    if need(0.0) is None:
+        return False, f"its backward casts the stored weights to bf16 per use ({copy} without a memory estimate for this model)"
+    if cfg.checkpoint_budget == AUTO:
+        fits = largest_budget(need, free - copy_bytes - margin) == largest_budget(need, free - margin)
+    else:
+        fits = AUTO_SAFETY * need(float(cfg.checkpoint_budget)) <= free - copy_bytes - margin
+    if fits:
+        return True, f"its backward in fp8 too ({copy})"
+    return False, f"its backward casts the stored weights to bf16 per use ({copy} would cost checkpointing memory)"
 
 
 def decide(model: nn.Module, cfg: TrainConfig, device: torch.device, notes: tuple[str, ...] = (),
