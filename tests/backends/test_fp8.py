@@ -223,6 +223,9 @@ def test_the_stored_backward_copy_is_made_only_where_it_costs_the_step_nothing()
     assert levers.fp8_stored_backward(model, fixed, gpu, int(3.6 * gib), (14 * gib, 24 * gib))[0]   # budget 0 fits
     assert not levers.fp8_stored_backward(model, fixed, gpu, int(3.6 * gib), (12 * gib, 24 * gib))[0]
     assert not levers.fp8_stored_backward(model, auto, gpu, 60 * gib, (70 * gib, 80 * gib))[0]   # Dev-sized copy
+    # so little free that even plain checkpointing does not fit (auto's 0): the copy would only add to it
+    assert levers.auto_budget(model, auto, gpu, (int(8.4 * gib), 24 * gib))[0] == 0.0
+    assert not levers.fp8_stored_backward(model, auto, gpu, gib // 8, (int(8.4 * gib), 24 * gib))[0]
     assert levers.fp8_stored_backward(model, auto, torch.device("cpu"), gib, (70 * gib, 80 * gib)) == (False, "")
     assert levers.fp8_stored_backward(model, auto, gpu, 0, (70 * gib, 80 * gib)) == (False, "")
     on, why = levers.fp8_stored_backward(nn.Linear(4, 4), auto, gpu, gib, (70 * gib, 80 * gib))

@@ -130,11 +130,9 @@ def fp8_stored_backward(model: nn.Module, cfg: TrainConfig, device: torch.device
     copy = f"a transposed copy of the stored weights, {copy_bytes / GIB:.1f} GiB"
     if need(0.0) is None:
         return False, f"its backward casts the stored weights to bf16 per use ({copy} without a memory estimate for this model)"
-    if cfg.checkpoint_budget == AUTO:
-        fits = largest_budget(need, free - copy_bytes - margin) == largest_budget(need, free - margin)
-    else:
-        fits = AUTO_SAFETY * need(float(cfg.checkpoint_budget)) <= free - copy_bytes - margin
-    if fits:
+    # the budget the step gets without the copy (auto: the largest that fits) must still fit beside it
+    budget = largest_budget(need, free - margin) if cfg.checkpoint_budget == AUTO else float(cfg.checkpoint_budget)
+    if AUTO_SAFETY * need(budget) <= free - copy_bytes - margin:
         return True, f"its backward in fp8 too ({copy})"
     return False, f"its backward casts the stored weights to bf16 per use ({copy} would cost checkpointing memory)"
 
