@@ -98,7 +98,6 @@ class Phases:
     def __init__(self, device, timing: str = "events"):
         self.device, self.shapes, self.extra = device, [], [0.0]
         self.clock = gpu_train.StepClock(device, timing)   # its first mark is begin()
-        self.events = self.clock.events
         self.validation = self.saving = 0.0
         self.calls = {"validation": 0, "saving": 0}   # how many times each ran
         self.shape = None
@@ -203,7 +202,7 @@ def run(args) -> dict:
               "variant": dims.variant, "steps": args.steps, "images": args.images, "resolutions": resolutions,
               "entries": len(names), "every": args.every, "prompts": PROMPTS,
               "sample_steps": args.sample_steps or sampling.steps, "sample_size": args.sample_size,
-              "timing": "events" if phases.events else "sync"}
+              "timing": "events" if phases.clock.events else "sync"}
     with tempfile.TemporaryDirectory(prefix="kiln_wall_") as run_dir:
         ctx = PeerContext(args, dims, device, dtype, phases, latents, contexts,
                           prompts=[conditioning(dims, text_tokens, k) for k in range(PROMPTS)],

@@ -17,7 +17,6 @@ from ..base import StepStats, parameter_name, saved_name
 from . import attention, levers
 from .checkpointing import BlockCheckpointing, find_blocks
 from .ema import Ema
-from .fp8 import Fp8Base, stored_linears
 from .lora import LoraSet
 from .optim import build_optimizer, clip_global_norm
 
@@ -89,15 +88,7 @@ class TorchBackend:
         model.requires_grad_(False)
         targets = cfg.targets or list(arch.default_targets)
         # fp8 forwards go in first, so the LoRA branches wrap them (removed in the reverse order)
-        self.fp8_on, fp8_note = levers.fp8_compute(model, cfg, self.device)
-        self.fp8, self.fp8_mode = None, "off"
-        if self.fp8_on:
-            blocks = find_blocks(model, arch.block_lists)
-            stored = sum(m.weight.numel() for m in stored_linears(blocks, self.device))   # e4m3: a byte each
-            backward, why = levers.fp8_stored_backward(model, cfg, self.device, stored)
-            fp8_note = "; ".join(note for note in (fp8_note, why) if note)
-            self.fp8 = Fp8Base(blocks, self.device, stored_backward=backward)
-            self.fp8_mode = "on+stored_backward" if backward else "on"
+        self.fp8, fp8_note = levers.fp8_base(model, cfg, self.device, find_blocks(model, arch.block_lists))
         self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed,
                             adapter=cfg.adapter, lokr_factor=cfg.lokr_factor, lokr_full_w2=cfg.lokr_full_w2)
         self.levers = levers.decide(model, cfg, self.device, notes=(fp8_note,),
@@ -129,7 +120,7 @@ class TorchBackend:
                                                 skip=cfg.skip_checkpoint_blocks, compile=chosen.compile,
                                                 pure_blocks=self.arch.pure_blocks, budget=chosen.budget,
                                                 cuda_graphs=chosen.cuda_graphs,
-                                                compile_key=f"attention={self.attention}|fp8={self.fp8_mode}")
+                                                compile_key=f"attention={self.attention}|fp8={self.fp8.mode if self.fp8 else 'off'}")
 
     def _compile_fallback(self, error: CompileFailed) -> None:
         """compile_blocks auto: the run goes on with eager blocks, and says so once."""

@@ -169,6 +169,7 @@ class Fp8Base:
 
     def __init__(self, blocks: list[nn.Module], device: torch.device, stored_backward: bool = False):
         check_device(device)
+        self.mode = "on+stored_backward" if stored_backward else "on"   # what compiled blocks bake in
         self.replaced: list[tuple[nn.Module, object]] = []
         self.bytes = 0
         skipped = 0

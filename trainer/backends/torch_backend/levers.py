@@ -126,7 +126,7 @@ def fp8_stored_backward(model: nn.Module, cfg: TrainConfig, device: torch.device
 
     free, total = free_and_total or free_bytes(device)
     margin = auto_margin(total)
-    need = lambda budget: estimated_step_bytes(model, cfg, budget)   # noqa: E731
+    need = lambda budget: estimated_step_bytes(model, cfg, budget)
     copy = f"a transposed copy of the stored weights, {copy_bytes / GIB:.1f} GiB"
     if need(0.0) is None:
         return False, f"its backward casts the stored weights to bf16 per use ({copy} without a memory estimate for this model)"
@@ -135,6 +135,19 @@ def fp8_stored_backward(model: nn.Module, cfg: TrainConfig, device: torch.device
     if AUTO_SAFETY * need(budget) <= free - copy_bytes - margin:
         return True, f"its backward in fp8 too ({copy})"
     return False, f"its backward casts the stored weights to bf16 per use ({copy} would cost checkpointing memory)"
+
+
+def fp8_base(model: nn.Module, cfg: TrainConfig, device: torch.device, blocks: list[nn.Module]):
+    """fp8_compute decided (fp8_compute, fp8_stored_backward) and installed on `blocks`: (the fp8.Fp8Base, or
+    None when off; the log note)."""
+    on, note = fp8_compute(model, cfg, device)
+    if not on:
+        return None, note
+    from .fp8 import Fp8Base, stored_linears
+
+    stored = sum(m.weight.numel() for m in stored_linears(blocks, device))   # e4m3: a byte each
+    backward, why = fp8_stored_backward(model, cfg, device, stored)
+    return Fp8Base(blocks, device, stored_backward=backward), "; ".join(n for n in (note, why) if n)
 
 
 def decide(model: nn.Module, cfg: TrainConfig, device: torch.device, notes: tuple[str, ...] = (),
