@@ -18,6 +18,7 @@ host overhead, so those steps are never in the timing). The summary, per profile
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -104,7 +105,7 @@ class StepProfiler:
             shapes = [dim for shape in (avg.input_shapes or []) if isinstance(shape, list) for dim in shape]
             if avg.key in MATMUL_OPS and self.rank in shapes:
                 lora += avg.self_device_time_total
-        top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:12]
+        top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:int(os.environ.get("KILN_PROFILE_TOP", "12"))]
         host = [(avg.key, avg.self_cpu_time_total, avg.count) for avg in self.profile.key_averages()
                 if avg.self_cpu_time_total > 0]
         host_top = sorted(host, key=lambda item: -item[1])[:15]

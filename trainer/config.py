@@ -166,7 +166,7 @@ class TrainConfig:
     fp8_compute: bool = setting(AUTO, "PyTorch, H100-class GPUs: the frozen base's block Linears multiply in fp8 "
                                       "(per-row scales) forward and backward; LoRA stays bf16. auto: on for a base "
                                       "stored in fp8 on a GPU with fp8 matmuls (H100, 1024 px: Z-Image -18 %/step, "
-                                      "Klein 4B -11 %, Flux2 Dev -10 %, in less memory); true: also on a bf16 base, "
+                                      "Klein 4B -14 %, Flux2 Dev -10 %, in less memory); true: also on a bf16 base, "
                                       "at the cost of an fp8 copy of the block weights (Z-Image -16 %/step at 1024 "
                                       "px, +11.5 GiB). Pays at 1024 px; at 512-768 px steps ran up to 30 % slower "
                                       "(bench/RESULTS.md)")

@@ -262,3 +262,82 @@ def test_auto_turns_fp8_on_only_where_it_costs_nothing(monkeypatch):
     on, why = levers.fp8_compute(_fp8_stored_model(), auto, gpu)
     assert on is False and "no per-row fp8 matmul" in why
     assert config.from_dict({"backend": "mlx", "arch": "zimage"}).fp8_compute == "auto"   # auto is fine on MLX
+
+
+def test_the_triton_quantization_kernel_is_an_arch_fact_probed_before_use(monkeypatch, caplog):
+    """Flux2 names the Linears whose forward input fp8_kernels' Triton kernel quantizes (its single blocks'
+    linear2, where inductor's fused quantization was slow); a run uses it only on a CUDA GPU where it builds
+    and matches the torch ops bit for bit, else one log line and the torch ops. The kernel's agreement on a
+    GPU: bench/fp8_quant.py, bench/results_fp8_quant.json."""
+    from trainer.archs import ARCHS
+    from trainer.backends.torch_backend import fp8, fp8_kernels
+
+    assert {name: arch.fp8_quantize_kernel for name, arch in ARCHS.items() if arch.fp8_quantize_kernel} == {
+        name: ("linear2",) for name in ARCHS if name.startswith("flux2")}
+    assert ARCHS["zimage"].fp8_quantize_kernel == ()
+    block = nn.Module()
+    block.linear1, block.linear2 = nn.Linear(32, 64), nn.Linear(64, 32)
+    assert not Fp8Base([block], torch.device("cpu"), kernel=("linear2",)).kernel   # CPU: the torch ops
+    assert not fp8._kernel_works(torch.device("cpu"))
+    monkeypatch.setattr(fp8_kernels, "AVAILABLE", True)
+    monkeypatch.setattr(fp8_kernels, "probe", lambda device, reference: "its result differs from torch's at width 3000")
+    with caplog.at_level("WARNING", logger="kiln"):
+        assert not fp8._kernel_works(torch.device("cuda"))
+    assert "Triton quantization kernel is off (its result differs from torch's at width 3000)" in caplog.text
+    monkeypatch.setattr(fp8_kernels, "probe", lambda device, reference: None)
+    assert fp8._kernel_works(torch.device("cuda"))
+    monkeypatch.setattr(fp8, "_kernel_works", lambda device: True)          # as on a GPU where it works
+    installed = Fp8Base([block], torch.device("cpu"), kernel=("linear2",))
+    assert installed.mode == "on+kernel" and installed.kernel_linears == [block.linear2]
+    installed.remove()
+
+
+def test_the_ab_switch_turns_the_triton_quantization_kernel_off(monkeypatch):
+    from trainer.backends.torch_backend import fp8, fp8_kernels
+
+    monkeypatch.setattr(fp8_kernels, "AVAILABLE", True)
+    monkeypatch.setattr(fp8_kernels, "probe", lambda device, reference: None)
+    assert fp8._kernel_works(torch.device("cuda"))
+    monkeypatch.setattr(fp8, "TRITON_QUANTIZE", False)
+    assert not fp8._kernel_works(torch.device("cuda"))
+
+
+def test_a_weight_marked_for_the_kernel_quantizes_its_forward_input_with_it_and_torch_ops_off_the_gpu(monkeypatch):
+    """kernel=True reaches quantize_rows in the forward product only (the backward's gradients keep inductor's
+    fused quantization); off a CUDA GPU quantize_rows keeps the torch ops."""
+    from trainer.backends.torch_backend import fp8
+
+    calls = []
+    real = fp8.quantize_rows
+    monkeypatch.setattr(fp8, "quantize_rows", lambda t, kernel=False: calls.append(kernel) or real(t, kernel))
+    gen = torch.Generator().manual_seed(3)
+    base, x = torch.randn(16, 32, generator=gen), torch.randn(4, 32, generator=gen, requires_grad=True)
+    plain = Fp8Weight(base)
+    marked = Fp8Weight(base)
+    marked.kernel = True
+    calls.clear()                                                           # (the weights' own quantization)
+    y_plain, y_marked = fp8_linear(x, plain, None), fp8_linear(x, marked, None)
+    assert torch.equal(y_plain, y_marked)
+    grad = torch.randn(4, 16, generator=gen)
+    assert torch.equal(*(torch.autograd.grad(y, x, grad)[0] for y in (y_plain, y_marked)))
+    assert calls == [False, True, False, False]                             # forward, forward, backward, backward
+    q0, s0 = fp8.quantize_rows_torch(x.detach())
+    q1, s1 = real(x.detach(), kernel=True)
+    assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
+
+
+@pytest.mark.parametrize("resolutions, used", [([1024], True), ([1024, 1536], True), ([512, 768, 1024], False)])
+def test_the_kernel_linears_are_taken_only_where_every_bucket_is_1024_px_or_more(monkeypatch, make_config,
+                                                                                  resolutions, used):
+    from trainer.backends.torch_backend import fp8, levers
+
+    monkeypatch.setattr(fp8, "_kernel_works", lambda device: True)          # as on a GPU where it works
+    block = nn.Module()
+    block.linear1, block.linear2 = nn.Linear(32, 64), nn.Linear(64, 32)
+    model = nn.Sequential(block)
+    cfg = make_config(fp8_compute=True, mixed_precision="bf16", resolutions=resolutions)
+    installed, _ = levers.fp8_base(model, cfg, torch.device("cpu"), [block], quantize_kernel=("linear2",))
+    try:
+        assert installed.kernel_linears == ([block.linear2] if used else [])
+    finally:
+        installed.remove()

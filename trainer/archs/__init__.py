@@ -88,6 +88,12 @@ class Arch:
     # such blocks trace only under bf16 autocast on CUDA (the norm then keeps its own fp32 cast), so
     # compile_blocks auto stays off elsewhere (fp32 on CUDA failed its first step, H100, bench/RESULTS.md).
     blocks_write_norm_inputs: bool = False
+    # Linears (names inside a block) whose forward input fp8_compute quantizes with fp8_kernels' opaque
+    # Triton kernel instead of inductor's quantization fused into the input's producer, where that fused
+    # kernel is slow (Flux2's single-block linear2: the concat with the attention output, 0.49 ms a call
+    # against 0.06 ms for its bytes). Taken only where every bucket is ≥ 1024 px: smaller steps ran slower
+    # with it (levers.KERNEL_MIN_RESOLUTION, bench/RESULTS.md).
+    fp8_quantize_kernel: tuple[str, ...] = ()
     comfy: ComfyModel | None = None  # the ComfyUI model it is (None: detected only as the fallback, or never)
     clip_type: str = ""             # comfy.sd.CLIPType name of its text encoder, for headless loading
     modelspec: tuple[str, str] = ()  # (modelspec.architecture, modelspec.implementation) in LoRA metadata

@@ -124,7 +124,7 @@ _COMMON = dict(
     # Left-padded to 512: a longer caption pads the batch further, and such rows run alone (as ComfyUI's).
     context_side="left", context_tokens=CONTEXT_TOKENS, split_by_caption_length=True,
     clip_type="FLUX2", mlx_model="flux2", diffusers_rules=DIFFUSERS_RULES,
-    layout=LAYOUT, blocks_write_norm_inputs=True,
+    layout=LAYOUT, blocks_write_norm_inputs=True, fp8_quantize_kernel=("linear2",),
     # Edit training: control latents go where ReferenceLatent puts them (Flux.extra_conds → ref_latents; the
     # model then appends their tokens at RoPE index 10, 20, ... by its default_ref_method "index",
     # comfy/ldm/flux/model.py, and returns the target's tokens only). ComfyUI 0.17 and 0.33 both do.

@@ -88,7 +88,8 @@ class TorchBackend:
         model.requires_grad_(False)
         targets = cfg.targets or list(arch.default_targets)
         # fp8 forwards go in first, so the LoRA branches wrap them (removed in the reverse order)
-        self.fp8, fp8_note = levers.fp8_base(model, cfg, self.device, find_blocks(model, arch.block_lists))
+        self.fp8, fp8_note = levers.fp8_base(model, cfg, self.device, find_blocks(model, arch.block_lists),
+                                             arch.fp8_quantize_kernel)
         self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed,
                             adapter=cfg.adapter, lokr_factor=cfg.lokr_factor, lokr_full_w2=cfg.lokr_full_w2)
         self.levers = levers.decide(model, cfg, self.device, notes=(fp8_note,),

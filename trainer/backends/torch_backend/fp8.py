@@ -17,7 +17,10 @@ backward), as many bytes as the bf16 weights again (Z-Image +11.5 GiB, Klein 4B 
 first compile; the weights themselves are ComfyUI's and stay as they are (sampling uses them). A base
 stored in e4m3 needs no copy for its forward (Fp8Weight.stored): Flux2 Dev 1.219 → 1.093 s/step; its
 backward multiplies in fp8 too where a transposed copy of the stored weights fits beside the step
-(levers.fp8_stored_backward), else it casts them to bf16 per use.
+(levers.fp8_stored_backward), else it casts them to bf16 per use. Activations are quantized by torch ops
+that inductor fuses into their producers, except the Linears an arch names (Arch.fp8_quantize_kernel:
+Flux2's single-block linear2, in runs whose buckets are all >= 1024 px), whose input fp8_kernels' Triton
+kernel quantizes: Klein 4B 0.155 -> 0.149 s/step at 1024 px.
 Installed like the LoRA branches, by instance-forward override, before them; removal restores each
 Linear exactly.
 """
@@ -28,16 +31,29 @@ import logging
 import torch
 from torch import nn
 
+from . import fp8_kernels
+
 log = logging.getLogger("kiln")
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)     # 448
 _ALIGN = 16                                  # cuBLAS fp8 needs both matrix dims of the weight divisible by 16
 _PLAIN = (torch.bfloat16, torch.float16, torch.float32)
+TRITON_QUANTIZE = True                       # False: never fp8_kernels' Triton kernel (A/B switch)
 
 
-def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] → (float8 [M, K], fp32 scale [M, 1]) with t ≈ fp8 · scale, each row using e4m3's full range."""
+def quantize_rows(t: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] → (float8 [M, K], fp32 scale [M, 1]) with t ≈ fp8 · scale, each row using e4m3's full range.
+    `kernel`: on a CUDA GPU, the same arithmetic as one opaque Triton kernel (fp8_kernels), which inductor
+    does not fuse into the input's producer; for the arch families where that measured faster
+    (Arch.fp8_quantize_kernel)."""
+    if kernel and TRITON_QUANTIZE and fp8_kernels.AVAILABLE and t.is_cuda and t.dim() == 2 and t.dtype in _PLAIN:
+        return torch.ops.kiln.quantize_rows(t)
+    return quantize_rows_torch(t)
+
+
+def quantize_rows_torch(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows in torch ops (CPU, MPS, no Triton; the reference the Triton kernel matches)."""
     amax = t.detach().abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
     scale = amax / E4M3_MAX
     return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
@@ -58,6 +74,7 @@ class Fp8Weight:
     def __init__(self, weight: torch.Tensor, *, forward: bool = True, backward: bool = True):
         w = weight.detach()
         self.weight = w                                       # the bf16 products' operand (not a copy)
+        self.kernel = False                                   # its forward's input quantized by fp8_kernels
         self.rows = self.row_scale = self.cols = self.col_scale = None
         if forward:    # per output channel: the forward's B, [out, in] and [1, out]
             rows, scale = quantize_rows(w)
@@ -90,13 +107,13 @@ class Fp8Weight:
 
 
 def _product(a: torch.Tensor, fp8: torch.Tensor | None, scale: torch.Tensor | None,
-             plain: torch.Tensor) -> torch.Tensor:
+             plain: torch.Tensor, kernel: bool) -> torch.Tensor:
     """a [M, K] · Bᵀ → [M, N] bf16: in fp8 with B = fp8 [N, K] (per-row `scale` [1, N]) when there is one,
     else in bf16 with B = plain."""
     with torch.autocast(a.device.type, enabled=False):   # scales in fp32, eager and compiled alike
         if fp8 is None:
             return a.to(torch.bfloat16) @ plain.to(torch.bfloat16).t()
-        a8, a_scale = quantize_rows(a)
+        a8, a_scale = quantize_rows(a, kernel)
         return torch._scaled_mm(a8, fp8.t(), scale_a=a_scale, scale_b=scale, out_dtype=torch.bfloat16)
 
 
@@ -105,8 +122,8 @@ class _Fp8Matmul(torch.autograd.Function):
     as Fp8Weight holds it. Nothing of x is saved: the weights are all the backward needs."""
 
     @staticmethod
-    def forward(ctx, x, weight, rows, row_scale, cols, col_scale):
-        y = _product(x.reshape(-1, x.shape[-1]), rows, row_scale, weight)       # [tokens, in] → [tokens, out]
+    def forward(ctx, x, weight, rows, row_scale, cols, col_scale, kernel):
+        y = _product(x.reshape(-1, x.shape[-1]), rows, row_scale, weight, kernel)  # [tokens, in] → [tokens, out]
         ctx.save_for_backward(weight, cols, col_scale)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])                       # [..., out]
@@ -114,12 +131,12 @@ class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weight, cols, col_scale = ctx.saved_tensors
-        dx = _product(grad.reshape(-1, grad.shape[-1]), cols, col_scale, weight.t())  # [tokens, out] → [tokens, in]
-        return dx.reshape(ctx.x_shape).to(ctx.x_dtype), None, None, None, None, None
+        dx = _product(grad.reshape(-1, grad.shape[-1]), cols, col_scale, weight.t(), False)  # → [tokens, in]
+        return dx.reshape(ctx.x_shape).to(ctx.x_dtype), None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    y = _Fp8Matmul.apply(x, weight.weight, weight.rows, weight.row_scale, weight.cols, weight.col_scale)
+    y = _Fp8Matmul.apply(x, weight.weight, weight.rows, weight.row_scale, weight.cols, weight.col_scale, weight.kernel)
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -157,6 +174,18 @@ def check_device(device: torch.device) -> None:
                          "capability 9.0+). Turn fp8_compute off in Kiln Training Options (or the config).") from error
 
 
+def _kernel_works(device: torch.device) -> bool:
+    """fp8_kernels' kernel builds on `device` and agrees with the torch ops bit for bit (else one log line,
+    and the torch ops quantize: same values, slower)."""
+    if device.type != "cuda" or not (TRITON_QUANTIZE and fp8_kernels.AVAILABLE):
+        return False
+    failed = fp8_kernels.probe(device, quantize_rows_torch)
+    if failed:
+        log.warning("[Kiln] fp8_compute: the Triton quantization kernel is off (%s); quantizing with torch "
+                    "ops instead (same values, slower)", failed)
+    return not failed
+
+
 def stored_linears(blocks: list[nn.Module], device: torch.device) -> list[nn.Linear]:
     """The eligible Linears of `blocks` whose weight is stored in e4m3 (an fp8-loaded base)."""
     return [module for block in blocks for module in block.modules()
@@ -165,16 +194,22 @@ def stored_linears(blocks: list[nn.Module], device: torch.device) -> list[nn.Lin
 
 class Fp8Base:
     """fp8 forwards on every eligible Linear inside `blocks`; `remove()` gives each its own forward back.
-    `stored_backward`: the e4m3-stored weights' backward in fp8 too (a transposed copy of each)."""
+    `stored_backward`: the e4m3-stored weights' backward in fp8 too (a transposed copy of each).
+    `kernel`: the names (inside a block) of the Linears whose forward input fp8_kernels' Triton kernel
+    quantizes, where it works here (Arch.fp8_quantize_kernel)."""
 
-    def __init__(self, blocks: list[nn.Module], device: torch.device, stored_backward: bool = False):
+    def __init__(self, blocks: list[nn.Module], device: torch.device, stored_backward: bool = False,
+                 kernel: tuple[str, ...] = ()):
         check_device(device)
-        self.mode = "on+stored_backward" if stored_backward else "on"   # what compiled blocks bake in
+        self.kernel = bool(kernel) and _kernel_works(device)
+        # what compiled blocks bake in
+        self.mode = "on" + ("+stored_backward" if stored_backward else "") + ("+kernel" if self.kernel else "")
         self.replaced: list[tuple[nn.Module, object]] = []
+        self.kernel_linears: list[nn.Linear] = []                   # forward input quantized by fp8_kernels
         self.bytes = 0
         skipped = 0
         for block in blocks:
-            for module in block.modules():
+            for name, module in block.named_modules():
                 if not isinstance(module, nn.Linear):
                     continue
                 if not _eligible(module, device):
@@ -185,11 +220,15 @@ class Fp8Base:
                 else:
                     forward, backward = fp8_products(module.in_features, module.out_features)
                     weight = Fp8Weight(module.weight, forward=forward, backward=backward)
+                weight.kernel = self.kernel and name in kernel
+                if weight.kernel:
+                    self.kernel_linears.append(module)
                 self.bytes += weight.nbytes()
                 self.replaced.append((module, module.__dict__.get("forward")))
                 module.forward = _forward(module, weight, module.forward)
-        log.info("[Kiln] fp8_compute: %d block Linears multiply in fp8 (%.2f GiB of fp8 weight copies)%s",
+        log.info("[Kiln] fp8_compute: %d block Linears multiply in fp8 (%.2f GiB of fp8 weight copies%s)%s",
                  len(self.replaced), self.bytes / 2**30,
+                 f"; {len(self.kernel_linears)} quantize their input with the Triton kernel" if self.kernel_linears else "",
                  f"; {skipped} stay as they are (off the GPU, patched at forward, or sizes not multiples of 16)"
                  if skipped else "")
 

@@ -137,9 +137,16 @@ def fp8_stored_backward(model: nn.Module, cfg: TrainConfig, device: torch.device
     return False, f"its backward casts the stored weights to bf16 per use ({copy} would cost checkpointing memory)"
 
 
-def fp8_base(model: nn.Module, cfg: TrainConfig, device: torch.device, blocks: list[nn.Module]):
+# The arch's Triton-quantized Linears only where every bucket is this large: on an H100 (Klein 4B stored in
+# fp8, one machine, bench/RESULTS.md) 1024 px steps ran 5 % faster with it, 768 and 512 px steps 21-33 % slower.
+KERNEL_MIN_RESOLUTION = 1024
+
+
+def fp8_base(model: nn.Module, cfg: TrainConfig, device: torch.device, blocks: list[nn.Module],
+             quantize_kernel: tuple[str, ...] = ()):
     """fp8_compute decided (fp8_compute, fp8_stored_backward) and installed on `blocks`: (the fp8.Fp8Base, or
-    None when off; the log note)."""
+    None when off; the log note). `quantize_kernel`: the arch's fact (Arch.fp8_quantize_kernel), taken where
+    every bucket is at least KERNEL_MIN_RESOLUTION."""
     on, note = fp8_compute(model, cfg, device)
     if not on:
         return None, note
@@ -147,7 +154,8 @@ def fp8_base(model: nn.Module, cfg: TrainConfig, device: torch.device, blocks: l
 
     stored = sum(m.weight.numel() for m in stored_linears(blocks, device))   # e4m3: a byte each
     backward, why = fp8_stored_backward(model, cfg, device, stored)
-    return Fp8Base(blocks, device, stored_backward=backward), "; ".join(n for n in (note, why) if n)
+    kernel = quantize_kernel if min(cfg.resolutions) >= KERNEL_MIN_RESOLUTION else ()
+    return Fp8Base(blocks, device, stored_backward=backward, kernel=kernel), "; ".join(n for n in (note, why) if n)
 
 
 def decide(model: nn.Module, cfg: TrainConfig, device: torch.device, notes: tuple[str, ...] = (),
