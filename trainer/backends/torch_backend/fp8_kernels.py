@@ -1,17 +1,18 @@
-"""One Triton kernel for fp8_compute: per-row e4m3 quantization of an activation or gradient in one read.
+"""One Triton kernel for fp8_compute: per-row e4m3 quantization of an activation in one read.
 
-Inductor fused `quantize_rows`' amax and cast into the kernels that produce its input (the LoRA'd
-output's add, SwiGLU, the concat of Flux2's single blocks) and ran that reduction at a fraction of the
-memory bandwidth: Klein 4B's single-block `linear2` input, [4608, 12288], 0.49 ms per call where one
-read and one write take ~0.06 ms (bench/RESULTS.md, "fp8 compute as the loop runs it"). The producer's
+Inductor fuses `fp8.quantize_rows`' amax and cast into the kernel that produces its input. For most inputs
+that is as fast as a separate pass or faster, but not for Flux2's single-block `linear2` input (the
+concat of the attention output with SwiGLU of the LoRA'd linear1 output): that fused reduction ran 0.49 ms
+a call where reading the input once and writing e4m3 takes ~0.06 ms (bench/RESULTS.md). The producer's
 output is written anyway (the LoRA branch keeps the same input), so an opaque op that reads it once,
-holds each row in registers and writes e4m3 plus its scale costs about that read.
+holds each row in registers and writes e4m3 plus its scale costs about that read. Which Linears use it
+is the arch's fact (Arch.fp8_quantize_kernel), taken by levers.fp8_base.
 
 Registered with `torch.library.triton_op`, so torch.compile keeps it as one user-defined kernel in the
-compiled block. The arithmetic is eager `fp8.quantize_rows`' own (the row's amax times 448's fp32
-reciprocal, the row divided by it rounded to nearest, clamp, round to nearest e4m3), so the two agree bit
-for bit (bench/fp8_quant.py checks it
-on the GPU). Absent Triton (CPU, MPS, the CI machine) nothing is registered and `AVAILABLE` is False.
+compiled block. The arithmetic is eager torch's own (the row's amax times 448's fp32 reciprocal, the row
+divided by that scale rounded to nearest, clamped, rounded to nearest e4m3), so the two agree bit for bit:
+`probe` checks it on the GPU before a run uses it, bench/fp8_quant.py records it. Absent Triton (CPU,
+MPS, the CI machine) nothing is registered and `AVAILABLE` is False.
 """
 from __future__ import annotations
 
