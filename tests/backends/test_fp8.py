@@ -277,26 +277,33 @@ def test_the_triton_quantization_kernel_is_an_arch_fact_probed_before_use(monkey
     assert ARCHS["zimage"].fp8_quantize_kernel == ()
     block = nn.Module()
     block.linear1, block.linear2 = nn.Linear(32, 64), nn.Linear(64, 32)
-    assert not Fp8Base([block], torch.device("cpu"), kernel=("linear2",)).kernel   # CPU: the torch ops
+    on_cpu = Fp8Base([block], torch.device("cpu"), kernel=("linear2",))
+    assert not on_cpu.kernel and on_cpu.kernel_linears == []                 # CPU: the torch ops
+    on_cpu.remove()
     assert not fp8._kernel_works(torch.device("cpu"))
     monkeypatch.setattr(fp8_kernels, "AVAILABLE", True)
-    monkeypatch.setattr(fp8_kernels, "probe", lambda device, reference: "its result differs from torch's at width 3000")
+    monkeypatch.setattr(fp8_kernels, "probe", lambda device, reference, widths=(): "its result differs from torch's at width 3000")
     with caplog.at_level("WARNING", logger="kiln"):
         assert not fp8._kernel_works(torch.device("cuda"))
     assert "Triton quantization kernel is off (its result differs from torch's at width 3000)" in caplog.text
-    monkeypatch.setattr(fp8_kernels, "probe", lambda device, reference: None)
+    monkeypatch.setattr(fp8_kernels, "probe", lambda device, reference, widths=(): None)
     assert fp8._kernel_works(torch.device("cuda"))
-    monkeypatch.setattr(fp8, "_kernel_works", lambda device: True)          # as on a GPU where it works
+    probed = []                                                             # as on a GPU where it works
+    monkeypatch.setattr(fp8, "_kernel_works", lambda device, widths=(): probed.append(widths) or True)
     installed = Fp8Base([block], torch.device("cpu"), kernel=("linear2",))
     assert installed.mode == "on+kernel" and installed.kernel_linears == [block.linear2]
+    assert probed == [(64,)]                        # probed at the width it will quantize: linear2's input
     installed.remove()
+    unnamed = Fp8Base([block], torch.device("cpu"), kernel=("proj",))      # no Linear of that name: no probe
+    assert unnamed.kernel_linears == [] and len(probed) == 1
+    unnamed.remove()
 
 
 def test_the_ab_switch_turns_the_triton_quantization_kernel_off(monkeypatch):
     from trainer.backends.torch_backend import fp8, fp8_kernels
 
     monkeypatch.setattr(fp8_kernels, "AVAILABLE", True)
-    monkeypatch.setattr(fp8_kernels, "probe", lambda device, reference: None)
+    monkeypatch.setattr(fp8_kernels, "probe", lambda device, reference, widths=(): None)
     assert fp8._kernel_works(torch.device("cuda"))
     monkeypatch.setattr(fp8, "TRITON_QUANTIZE", False)
     assert not fp8._kernel_works(torch.device("cuda"))
@@ -331,7 +338,7 @@ def test_the_kernel_linears_are_taken_only_where_every_bucket_is_1024_px_or_more
                                                                                   resolutions, used):
     from trainer.backends.torch_backend import fp8, levers
 
-    monkeypatch.setattr(fp8, "_kernel_works", lambda device: True)          # as on a GPU where it works
+    monkeypatch.setattr(fp8, "_kernel_works", lambda device, widths=(): True)   # as on a GPU where it works
     block = nn.Module()
     block.linear1, block.linear2 = nn.Linear(32, 64), nn.Linear(64, 32)
     model = nn.Sequential(block)

@@ -174,12 +174,12 @@ def check_device(device: torch.device) -> None:
                          "capability 9.0+). Turn fp8_compute off in Kiln Training Options (or the config).") from error
 
 
-def _kernel_works(device: torch.device) -> bool:
-    """fp8_kernels' kernel builds on `device` and agrees with the torch ops bit for bit (else one log line,
-    and the torch ops quantize: same values, slower)."""
+def _kernel_works(device: torch.device, widths: tuple[int, ...] = ()) -> bool:
+    """fp8_kernels' kernel builds on `device` at the input `widths` it will quantize and agrees with the torch
+    ops bit for bit (else one log line, and the torch ops quantize: same values, slower)."""
     if device.type != "cuda" or not (TRITON_QUANTIZE and fp8_kernels.AVAILABLE):
         return False
-    failed = fp8_kernels.probe(device, quantize_rows_torch)
+    failed = fp8_kernels.probe(device, quantize_rows_torch, widths)
     if failed:
         log.warning("[Kiln] fp8_compute: the Triton quantization kernel is off (%s); quantizing with torch "
                     "ops instead (same values, slower)", failed)
@@ -201,7 +201,9 @@ class Fp8Base:
     def __init__(self, blocks: list[nn.Module], device: torch.device, stored_backward: bool = False,
                  kernel: tuple[str, ...] = ()):
         check_device(device)
-        self.kernel = bool(kernel) and _kernel_works(device)
+        named = [(name, module) for block in blocks for name, module in block.named_modules()
+                 if isinstance(module, nn.Linear) and name in kernel and _eligible(module, device)]
+        self.kernel = bool(named) and _kernel_works(device, tuple(m.in_features for _, m in named))
         # what compiled blocks bake in
         self.mode = "on" + ("+stored_backward" if stored_backward else "") + ("+kernel" if self.kernel else "")
         self.replaced: list[tuple[nn.Module, object]] = []

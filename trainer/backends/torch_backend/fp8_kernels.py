@@ -93,14 +93,15 @@ if triton is not None:
     AVAILABLE = True
 
 
-def probe(device: torch.device, reference) -> str | None:
-    """Run the kernel once on `device` (one-pass and looped widths, random rows of very different sizes)
-    against `reference` (the torch ops); None when it builds and agrees bit for bit, else why not."""
+def probe(device: torch.device, reference, widths: tuple[int, ...] = ()) -> str | None:
+    """Run the kernel once on `device` at each of `widths` (the run's inputs: each width builds its own
+    variant) and at a narrow and a looped width, on random rows of very different sizes, against
+    `reference` (the torch ops); None when it builds and agrees bit for bit everywhere, else why not."""
     if not AVAILABLE:
         return "Triton is not installed"
     generator = torch.Generator(device="cpu").manual_seed(0)
     try:
-        for rows, width in ((64, 3000), (4, LOOP_BLOCK * 9 + 17)):
+        for rows, width in ((64, 3000), (4, LOOP_BLOCK * 9 + 17), *((8, w) for w in sorted(set(widths)))):
             t = torch.randn(rows, width, generator=generator) * torch.logspace(-4, 4, rows)[:, None]
             t = t.to(device=device, dtype=torch.bfloat16)
             q, scale = torch.ops.kiln.quantize_rows(t)
