@@ -201,17 +201,17 @@ class Fp8Base:
     def __init__(self, blocks: list[nn.Module], device: torch.device, stored_backward: bool = False,
                  kernel: tuple[str, ...] = ()):
         check_device(device)
-        named = [(name, module) for block in blocks for name, module in block.named_modules()
+        named = [module for block in blocks for name, module in block.named_modules()
                  if isinstance(module, nn.Linear) and name in kernel and _eligible(module, device)]
-        self.kernel = bool(named) and _kernel_works(device, tuple(m.in_features for _, m in named))
+        works = bool(named) and _kernel_works(device, tuple(m.in_features for m in named))
+        self.kernel_linears: list[nn.Linear] = named if works else []   # forward input quantized by fp8_kernels
         # what compiled blocks bake in
         self.mode = "on" + ("+stored_backward" if stored_backward else "") + ("+kernel" if self.kernel else "")
         self.replaced: list[tuple[nn.Module, object]] = []
-        self.kernel_linears: list[nn.Linear] = []                   # forward input quantized by fp8_kernels
         self.bytes = 0
         skipped = 0
         for block in blocks:
-            for name, module in block.named_modules():
+            for module in block.modules():
                 if not isinstance(module, nn.Linear):
                     continue
                 if not _eligible(module, device):
@@ -222,9 +222,7 @@ class Fp8Base:
                 else:
                     forward, backward = fp8_products(module.in_features, module.out_features)
                     weight = Fp8Weight(module.weight, forward=forward, backward=backward)
-                weight.kernel = self.kernel and name in kernel
-                if weight.kernel:
-                    self.kernel_linears.append(module)
+                weight.kernel = any(module is linear for linear in self.kernel_linears)
                 self.bytes += weight.nbytes()
                 self.replaced.append((module, module.__dict__.get("forward")))
                 module.forward = _forward(module, weight, module.forward)
@@ -233,6 +231,10 @@ class Fp8Base:
                  f"; {len(self.kernel_linears)} quantize their input with the Triton kernel" if self.kernel_linears else "",
                  f"; {skipped} stay as they are (off the GPU, patched at forward, or sizes not multiples of 16)"
                  if skipped else "")
+
+    @property
+    def kernel(self) -> bool:
+        return bool(self.kernel_linears)
 
     def remove(self) -> None:
         for module, previous in self.replaced:
