@@ -115,6 +115,13 @@ def test_batches_collate_rows_as_each_arch_needs():
     assert zimage.shape == (2, 5, 4) and (zimage[0, 3:] == 0).all()
     assert get_arch("zimage").model_extras(2, [3, 5])["num_tokens"].tolist() == [3, 5]
     assert get_arch("flux2_dev").model_extras(2, [3, 5])["guidance"].tolist() == [1.0, 1.0]
+    full = [np.full((512, 4), 3, np.float32), np.full((512, 4), 4, np.float32)]   # nothing to pad
+    one = get_arch("flux2_klein").collate_context(full[:1])
+    assert one.shape == (1, 512, 4) and np.shares_memory(one, full[0])         # one row: its own view
+    two = get_arch("flux2_klein").collate_context(full)
+    assert two.shape == (2, 512, 4) and (two[1] == 4).all() and two.dtype == np.float32
+    halves = [row.astype(np.float16) for row in full]                             # other dtypes: fp32 out
+    assert get_arch("flux2_klein").collate_context(halves).dtype == np.float32
 
 
 def test_caption_variants_are_drawn_from_the_run_generator():

@@ -112,6 +112,35 @@ def test_bf16_autocast_keeps_fp32_lora_parameters(make_model, make_config):
     assert all(p.dtype == torch.float32 for p in backend.params.values())
 
 
+def test_bf16_steps_cast_the_lora_weights_once_and_recompute_sees_them(make_model, make_config):
+    """Under bf16 autocast each step multiplies by (scale·A, B) cast once (LoraSet.step_weights), held through
+    backward: checkpointing's recompute must use the same weights, or its gradients would differ."""
+    grads, seen, calls = [], [], []
+    for checkpointing in (False, True):
+        backend = backend_for(make_model, make_config, mixed_precision="bf16", rank=4, alpha=12.0,   # scale 3
+                              gradient_checkpointing=checkpointing)
+        backend.optimizer.step = lambda: None
+        backend.optimizer.zero_grad = lambda set_to_none=True: None
+        with torch.no_grad():
+            for p in backend.params.values():
+                p.add_(0.01)
+        branch = next(iter(backend.lora.branches().values()))
+        original = type(branch).forward
+        type(branch).forward = lambda self, x: (seen.append(self.step_weights is not None), original(self, x))[1]
+        try:
+            backend.step([fixed_batch()], 1e-3)
+        finally:
+            type(branch).forward = original
+        assert all(p.grad.dtype == torch.float32 for p in backend.params.values())
+        assert branch.step_weights is None                      # not kept past the step
+        calls.append(len(seen))
+        grads.append(torch.cat([p.grad.flatten() for p in backend.params.values()]))
+        backend.teardown()
+    assert seen and all(seen)                                    # forward and recompute alike
+    assert calls[1] - calls[0] == 2 * calls[0]                   # the checkpointed run did recompute
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_teardown_restores_the_model_exactly(make_model, make_config):
     model = make_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -1,6 +1,7 @@
 """LoRA injection on torch Linear layers: side branch, init, removal, target errors."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -163,3 +164,72 @@ def test_linear_layers_include_modules_that_compute_a_linear_without_being_one()
     assert not torch.allclose(model.like(x), base)
     lora.remove()
     assert torch.equal(model.like(x), base)
+
+
+def _grads_under_autocast(net, lora, x, *, step_weights: bool):
+    for p in dict(lora.named_parameters()).values():
+        p.grad = None
+    with (lora.step_weights(torch.bfloat16) if step_weights else contextlib.nullcontext()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = net(x)
+        out.float().square().mean().backward()
+    return out.detach(), {name: p.grad for name, p in lora.named_parameters()}
+
+
+@pytest.mark.parametrize("alpha", [4, 12])    # scale 1 (the default alpha = rank) and 3
+def test_step_weights_train_as_the_per_use_cast_does(alpha):
+    net, x = Net(), torch.randn(3, 5, 8)
+    lora = LoraSet(net, ["attn.qkv", "attn.proj", "mlp.0", "mlp.2"], rank=4, alpha=alpha, dropout=0.0, seed=1)
+    _randomise_B(lora)
+    out_use, grads_use = _grads_under_autocast(net, lora, x, step_weights=False)
+    out_step, grads_step = _grads_under_autocast(net, lora, x, step_weights=True)
+    if alpha == 4:   # scale 1: the same casts of the same masters, the same products
+        assert torch.equal(out_step, out_use)
+        assert all(torch.equal(grads_step[k], grads_use[k]) for k in grads_use)
+    else:            # the scale folded into A before the cast: bf16 rounding apart
+        assert torch.allclose(out_step.float(), out_use.float(), rtol=2e-2, atol=2e-2)
+        for key, grad in grads_use.items():   # bf16 products: a relative error of a few parts in 1,000
+            assert (grads_step[key] - grad).norm() <= 2e-2 * grad.norm(), key
+    assert all(g.dtype == torch.float32 and g.shape == p.shape
+               for (_, p), g in zip(lora.named_parameters(), grads_step.values()))
+    assert all(branch.step_weights is None for branch in lora.branches().values())   # gone after the block
+
+
+def test_step_weights_are_the_compute_dtype_within_the_block_only():
+    net = Net()
+    lora = LoraSet(net, ["attn.qkv", "mlp.0"], rank=2, alpha=4, dropout=0.0, seed=0)
+    branch = lora.branches()["blocks.0.attn.qkv"]
+    with lora.step_weights(torch.bfloat16):
+        A, B = branch.step_weights
+        assert A.dtype == B.dtype == torch.bfloat16 and A.shape == branch.lora_A.shape
+        assert torch.equal(A, (branch.lora_A * 2).to(torch.bfloat16))      # scale alpha/rank = 2 folded in
+        assert A.data_ptr() != B.data_ptr() and A.grad_fn is not None
+    assert branch.step_weights is None
+    with pytest.raises(RuntimeError), lora.step_weights(torch.bfloat16):   # cleared on errors too
+        raise RuntimeError("boom")
+    assert branch.step_weights is None
+
+
+def test_compiled_block_with_step_weights_compiles_once_and_matches_eager():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    net, x = Net(), torch.randn(3, 5, 8)
+    for block in net.blocks:   # CastLinear counts calls in a global, which a compiled block guards on
+        block.attn.qkv.__class__ = nn.Linear
+    lora = LoraSet(net, ["attn.qkv", "attn.proj", "mlp.0", "mlp.2"], rank=4, alpha=4, dropout=0.0, seed=1)
+    _randomise_B(lora)
+    _, eager = _grads_under_autocast(net, lora, x, step_weights=True)
+    compiled = [torch.compile(block, backend="aot_eager") for block in net.blocks]
+    originals = list(net.blocks)
+    net.blocks = nn.ModuleList(compiled)
+    torch._dynamo.utils.counters.clear()
+    try:
+        _grads_under_autocast(net, lora, x, step_weights=True)
+        first = torch._dynamo.utils.counters["stats"]["unique_graphs"]   # 2: block 0's input has no grad
+        for _ in range(2):   # new step weights each time: new tensors, the same guards
+            _, grads = _grads_under_autocast(net, lora, x, step_weights=True)
+    finally:
+        net.blocks = nn.ModuleList(originals)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == first == 2
+    assert all(torch.allclose(grads[k], eager[k], rtol=1e-5, atol=1e-7) for k in eager)

@@ -115,6 +115,9 @@ class Arch:
     def collate_context(self, contexts: list[np.ndarray]) -> np.ndarray:
         """Rows [T_i,D] → [B,T,D], T = max(context_tokens, longest), zeros on the padded side."""
         tokens = max(self.context_tokens, *(c.shape[0] for c in contexts))
+        if all(c.shape[0] == tokens and c.dtype == np.float32 for c in contexts):
+            # nothing to pad (Flux2's encoder gives its 512 tokens): one row is its own view, no copy
+            return contexts[0][None] if len(contexts) == 1 else np.stack(contexts)
         out = np.zeros((len(contexts), tokens, contexts[0].shape[1]), dtype=np.float32)
         for row, c in enumerate(contexts):
             if self.context_side == "left":

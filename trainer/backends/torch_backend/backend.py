@@ -14,7 +14,7 @@ from ...faults import is_out_of_memory
 from ...lora_format import LoraWeights
 from ...objective import interpolate, velocity_target
 from ..base import StepStats, parameter_name, saved_name
-from . import attention, levers
+from . import attention, levers, lora
 from .checkpointing import BlockCheckpointing, find_blocks
 from .ema import Ema
 from .lora import LoraSet
@@ -159,9 +159,15 @@ class TorchBackend:
     # --- training -----------------------------------------------------------------
     def _to_device(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cuda":
-            tensor = tensor.pin_memory()
-        return tensor.to(self.device, dtype=dtype, non_blocking=True)
+        if self.device.type != "cuda":
+            return tensor.to(self.device, dtype=dtype)
+        # One host pass into pinned memory already in the dtype the GPU wants (a bf16 context crosses at
+        # half its fp32 size, not cast again there; the same rounding), then an async copy. The pinned
+        # block is the caching host allocator's, reused once the copy from it has run. At small buckets
+        # the host paces the step, and this pass was a share of it (bench/RESULTS.md).
+        staged = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, pin_memory=True)
+        staged.copy_(tensor)
+        return staged.to(self.device, non_blocking=True)
 
     def _micro_loss(self, batch) -> torch.Tensor:
         x0 = self._to_device(batch.latents, torch.float32)
@@ -223,7 +229,8 @@ class TorchBackend:
         try:
             with attention.kernel_context(self.attention), _compile_errors_explained():
                 for index, batch in enumerate(micro_batches):
-                    with distributed.accumulating(self.call, final=index == len(micro_batches) - 1):
+                    with distributed.accumulating(self.call, final=index == len(micro_batches) - 1), \
+                            self._step_weights():
                         loss = self._micro_loss(batch) / len(micro_batches)
                         loss.backward()         # (a compiled block's backward compiles at its first call)
                     total += loss.detach()
@@ -259,6 +266,13 @@ class TorchBackend:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(loss=total, grad_norm=grad_norm, finite=finite)
+
+    def _step_weights(self):
+        """Under bf16 autocast the LoRA weights are cast once per micro-batch (LoraSet.step_weights), not at
+        each use. Not with CUDA graphs: their recorded blocks would copy each new input in per call."""
+        if self.autocast and not self.levers.cuda_graphs and lora.STEP_WEIGHTS:
+            return self.lora.step_weights(torch.bfloat16)
+        return nullcontext()
 
     def eval_loss(self, batches) -> float:
         rows = [len(batch.sigmas) for batch in batches]

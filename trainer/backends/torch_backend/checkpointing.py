@@ -107,8 +107,12 @@ def _budgeted(compiled, budget: float):
     """Calls of a compiled block under torch's activation memory budget: when the block compiles, the
     min-cut partitioner keeps `budget` of its activation memory and recomputes the rest, choosing what
     is cheapest to recompute per byte (pointwise ops first, matmuls and attention last)."""
+    config = torch._functorch.config
+
     def call(*args, **kwargs):
-        with torch._functorch.config.patch(activation_memory_budget=budget):
+        if config.activation_memory_budget == budget:   # budget 1, torch's default: no patch per block call
+            return compiled(*args, **kwargs)
+        with config.patch(activation_memory_budget=budget):
             return compiled(*args, **kwargs)
     return call
 

@@ -20,6 +20,12 @@ from ...targets import init_lora_A, select_targets
 from . import adapters
 
 
+# A/B switches for bench/ (both on in every run): the weights cast once per step under autocast, and no
+# multiply at scale 1 (alpha = rank, the default). Each removes small kernels (bench/RESULTS.md).
+STEP_WEIGHTS = True
+SKIP_UNIT_SCALE = True
+
+
 class LoraBranch(nn.Module):
     """The trainable low-rank pair for one Linear; parameters are fp32."""
 
@@ -34,14 +40,24 @@ class LoraBranch(nn.Module):
         self.scale = self.alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
+    # Within a training step under autocast: (scale·A, B) in the compute dtype, made once per step for
+    # every branch by LoraSet.step_weights; None otherwise (the fp32 masters, cast per use).
+    step_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [..., in] → [..., out]. Under autocast the matmuls run in bf16 on the fp32 masters and x
-        # is used as it comes (no fp32 copy for autograd to keep); otherwise the branch runs in fp32.
+        # x [..., in] → [..., out].
+        if self.step_weights is not None:
+            A, B = self.step_weights
+            return nn.functional.linear(nn.functional.linear(self.dropout(x), A), B)
+        # Under autocast the matmuls run in bf16 on the fp32 masters and x is used as it comes (no fp32
+        # copy for autograd to keep); otherwise the branch runs in fp32.
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.lora_A.dtype)
         # The scale goes on the rank-r hidden, not on the [tokens, out] result: one pass less over
-        # the largest tensor of the branch, in forward, recompute and backward.
-        hidden = nn.functional.linear(self.dropout(x), self.lora_A) * self.scale
+        # the largest tensor of the branch, in forward, recompute and backward; none at scale 1.
+        hidden = nn.functional.linear(self.dropout(x), self.lora_A)
+        if self.scale != 1.0 or not SKIP_UNIT_SCALE:
+            hidden = hidden * self.scale
         return nn.functional.linear(hidden, self.lora_B)
 
     def hook(self, base_forward):
@@ -69,6 +85,32 @@ class Injected:
     branch: nn.Module          # LoraBranch or an adapters.AdapterBranch
     had_own_forward: bool
     previous_forward: object
+
+
+class _StepCast(torch.autograd.Function):
+    """(A₁·s₁ … Aₙ·sₙ, B₁ … Bₙ) → the same in `dtype`, as new tensors (none aliasing another, so a compiled
+    block sees ordinary inputs); backward casts the gradients back to the masters' dtype, ·sᵢ for Aᵢ."""
+
+    @staticmethod
+    def forward(ctx, dtype, scales, count, *masters):
+        ctx.scales, ctx.count, ctx.master_dtype = scales, count, masters[0].dtype
+        As, Bs = list(masters[:count]), list(masters[count:])
+        if any(s != 1.0 for s in scales):
+            As = list(torch._foreach_mul(As, list(scales)))
+        return _cast_all(As + Bs, dtype)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = _cast_all(list(grads), ctx.master_dtype)
+        if any(s != 1.0 for s in ctx.scales):
+            torch._foreach_mul_(out[:ctx.count], list(ctx.scales))
+        return (None, None, None, *out)
+
+
+def _cast_all(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    out = [torch.empty(t.shape, dtype=dtype, device=t.device) for t in tensors]
+    torch._foreach_copy_(out, [t.contiguous() for t in tensors])   # one multi-tensor kernel per ~100 on CUDA
+    return tuple(out)
 
 
 def _with_branch(base_forward, branch: LoraBranch):
@@ -127,6 +169,28 @@ class LoraSet:
 
     def parameter_count(self) -> int:
         return sum(p.numel() for _, p in self.named_parameters())
+
+    @contextmanager
+    def step_weights(self, dtype: torch.dtype):
+        """Within the block every LoRA branch multiplies by (scale·A, B) cast to `dtype` once, for all
+        branches in a few multi-tensor kernels, instead of autocast casting each weight at each use and
+        the scale multiplying each hidden, forward and backward (~5 small kernels per branch a step,
+        which at small buckets the host's launches pace: bench/RESULTS.md). Gradients reach the fp32
+        masters through the cast's backward (the same bf16 → fp32 cast autocast's would do). Held
+        over forward and backward: checkpointing's recompute must see the same weights."""
+        branches = [item.branch for item in self.injected.values() if isinstance(item.branch, LoraBranch)]
+        if not branches:
+            yield
+            return
+        copies = _StepCast.apply(dtype, tuple(b.scale for b in branches), len(branches),
+                                 *(b.lora_A for b in branches), *(b.lora_B for b in branches))
+        for index, branch in enumerate(branches):
+            branch.step_weights = (copies[index], copies[len(branches) + index])
+        try:
+            yield
+        finally:
+            for branch in branches:
+                branch.step_weights = None
 
     @contextmanager
     def disabled(self):
