@@ -269,8 +269,10 @@ class TorchBackend:
 
     def _step_weights(self):
         """Under bf16 autocast the LoRA weights are cast once per micro-batch (LoraSet.step_weights), not at
-        each use. Not with CUDA graphs: their recorded blocks would copy each new input in per call."""
-        if self.autocast and not self.levers.cuda_graphs and lora.STEP_WEIGHTS:
+        each use. Not with CUDA graphs: their recorded blocks would copy each new input in per call. Not
+        under torchrun: every gradient would reach its master only when the whole backward is done, and
+        DDP's all-reduce of the first buckets could no longer overlap the rest of the backward."""
+        if self.autocast and not self.levers.cuda_graphs and not self.parallel and lora.STEP_WEIGHTS:
             return self.lora.step_weights(torch.bfloat16)
         return nullcontext()
 
