@@ -18,7 +18,7 @@ from . import attention, levers, lora
 from .checkpointing import BlockCheckpointing, find_blocks
 from .ema import Ema
 from .lora import LoraSet
-from .optim import build_optimizer, clip_global_norm
+from .optim import build_optimizer, clip_global_norm, load_optimizer_arrays, optimizer_arrays
 
 
 def pick_device(name: str) -> torch.device:
@@ -315,38 +315,10 @@ class TorchBackend:
             self.ema.load_state({parameter_name(k): torch.from_numpy(v) for k, v in tensors.items()})
 
     def optimizer_state(self):
-        """Tensors keyed '<param name>.<state key>'; everything else as JSON-able meta."""
-        index_to_name = dict(enumerate(self.params))
-        state = self.optimizer.state_dict()
-        tensors, scalars = {}, {}
-        for index, entries in state["state"].items():
-            name = index_to_name[index]
-            for key, value in entries.items():
-                if torch.is_tensor(value):
-                    tensors[f"{name}.{key}"] = value.detach().cpu().numpy()
-                else:
-                    scalars[f"{name}.{key}"] = value
-        meta = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
-                "scalars": scalars, "names": list(self.params)}
-        return tensors, meta
+        return optimizer_arrays(self.optimizer, list(self.params))
 
     def load_optimizer_state(self, tensors, meta) -> None:
-        names = list(self.params)
-        if meta.get("names") != names:
-            raise ValueError("optimizer state belongs to other LoRA parameters (targets or rank changed)")
-        template = self.optimizer.state_dict()
-        index_of = {name: index for index, name in enumerate(names)}
-        state: dict[int, dict] = {}
-        # Keys are '<param name>.<state key>'; state keys hold no dots.
-        for key, array in tensors.items():
-            name, entry = key.rsplit(".", 1)
-            state.setdefault(index_of[name], {})[entry] = torch.from_numpy(np.array(array))
-        for key, value in meta["scalars"].items():
-            name, entry = key.rsplit(".", 1)
-            state.setdefault(index_of[name], {})[entry] = value
-        groups = [{**saved, "params": group["params"]}
-                  for saved, group in zip(meta["param_groups"], template["param_groups"])]
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        load_optimizer_arrays(self.optimizer, list(self.params), tensors, meta)
 
     def rng_state(self) -> dict[str, np.ndarray]:
         out = {"torch_cpu": torch.get_rng_state().numpy()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ...config import OPTIMIZER_NAMES
@@ -77,3 +78,40 @@ def clip_global_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coefficient)
     return total
+
+
+def optimizer_arrays(optimizer: torch.optim.Optimizer, names: list[str]):
+    """The optimizer's state as tensors keyed '<param name>.<state key>' (`names` in parameter order);
+    everything else as JSON-able meta."""
+    index_to_name = dict(enumerate(names))
+    state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, entries in state["state"].items():
+        name = index_to_name[index]
+        for key, value in entries.items():
+            if torch.is_tensor(value):
+                tensors[f"{name}.{key}"] = value.detach().cpu().numpy()
+            else:
+                scalars[f"{name}.{key}"] = value
+    meta = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
+            "scalars": scalars, "names": list(names)}
+    return tensors, meta
+
+
+def load_optimizer_arrays(optimizer: torch.optim.Optimizer, names: list[str], tensors, meta) -> None:
+    """optimizer_arrays' output back into `optimizer`, whose parameters must be the same `names`."""
+    if meta.get("names") != names:
+        raise ValueError("optimizer state belongs to other LoRA parameters (targets or rank changed)")
+    template = optimizer.state_dict()
+    index_of = {name: index for index, name in enumerate(names)}
+    state: dict[int, dict] = {}
+    # Keys are '<param name>.<state key>'; state keys hold no dots.
+    for key, array in tensors.items():
+        name, entry = key.rsplit(".", 1)
+        state.setdefault(index_of[name], {})[entry] = torch.from_numpy(np.array(array))
+    for key, value in meta["scalars"].items():
+        name, entry = key.rsplit(".", 1)
+        state.setdefault(index_of[name], {})[entry] = value
+    groups = [{**saved, "params": group["params"]}
+              for saved, group in zip(meta["param_groups"], template["param_groups"])]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
