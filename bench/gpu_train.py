@@ -596,7 +596,10 @@ class LeverNotes(logging.Handler):
         return {"kiln_compiled": bool(compiled), "kiln_budget": float(budget), "kiln_fp8_compute": bool(fp8),
                 # an fp8-stored base's backward in fp8 through a transposed copy (levers.fp8_stored_backward)
                 "kiln_fp8_stored_backward": "its backward in fp8 too" in text,
-                "kiln_cuda_graphs": bool(cfg.cuda_graphs) and bool(compiled), "kiln_levers_note": text}
+                "kiln_cuda_graphs": bool(cfg.cuda_graphs) and bool(compiled),
+                # step graphs: what auto (or the setting) chose, and whether a recording failed mid-run
+                "kiln_step_graphs": ("step_graphs auto → on" in text or cfg.step_graphs is True)
+                and "could not be recorded" not in text, "kiln_levers_note": text}
 
 
 class BenchCompanions:

@@ -88,7 +88,8 @@ class LatentVAE:
 
 def conditioning(dims, tokens: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
-    return [[torch.randn(1, tokens, dims.context_dim, generator=generator), {}]]
+    # pooled_output: ComfyUI 0.17's Flux conds read it (None is fine for synthetic conds; 0.33 does not need it)
+    return [[torch.randn(1, tokens, dims.context_dim, generator=generator), {"pooled_output": None}]]
 
 
 class Phases:
@@ -219,6 +220,7 @@ def run(args) -> dict:
             own = wall_peers.run_diffusers(ctx, compiled=args.trainer == "diffusers-compiled")
         wall = time.perf_counter() - own.pop("wall_from", phases.started)
         peak = torch.cuda.max_memory_allocated(device) / gpu_train.GIB if device.type == "cuda" else None
+        reserved = torch.cuda.max_memory_reserved(device) / gpu_train.GIB if device.type == "cuda" else None
     losses = own.pop("losses")
     record.update(own)
     seconds, table = per_bucket(phases)
@@ -232,7 +234,8 @@ def run(args) -> dict:
                   other_s=round(wall - sum(seconds) - phases.validation - phases.saving, 1),
                   first_step_s=round(seconds[0], 2), compile_share=round(compile_s / wall, 3),
                   buckets=table, step_seconds=[round(v, 4) for v in seconds], step_shapes=phases.shapes,
-                  peak_alloc_gb=round(peak, 2) if peak else None, loss_finite=len(finite) == len(losses),
+                  peak_alloc_gb=round(peak, 2) if peak else None,
+                  peak_reserved_gb=round(reserved, 2) if reserved else None, loss_finite=len(finite) == len(losses),
                   loss_first=finite[0] if finite else None,
                   loss_last_mean20=float(np.mean(finite[-20:])) if finite else None)
     return record
@@ -266,9 +269,14 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
                                 batch_by=args.batch_by, seed=0, **overrides))
     forward = bridge.make_forward(patcher, arch_name)
 
-    def shaped_forward(model, x_t, sigmas, context, extras):   # the step's batch shape, for the per-bucket table
-        phases.shape = "x".join(str(n) for n in (x_t.shape[0], *x_t.shape[2:]))
-        return forward(model, x_t, sigmas, context, extras)
+    # The step's batch shape, for the per-bucket table, read where the backend takes the batch: a step
+    # replayed as a CUDA graph (step_graphs) does not call the forward.
+    backend_class = prepare.import_pack("trainer.backends.torch_backend.backend").TorchBackend
+    device_batch = backend_class._device_batch
+
+    def shaped_batch(self, batch):
+        phases.shape = "x".join(str(n) for n in (batch.latents.shape[0], *batch.latents.shape[2:]))
+        return device_batch(self, batch)
 
     on_sample = lambda step, index, images: None   # noqa: E731
     own = {"batch_by": args.batch_by, "compile_dynamic": args.compile_dynamic,
@@ -277,13 +285,24 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
     notes = gpu_train.LeverNotes()
     save_checkpoint = loop.state.save_checkpoint
     loop.state.save_checkpoint = phases.timed("saving", save_checkpoint)
+    backend_class._device_batch = shaped_batch
+    graphs_class = prepare.import_pack("trainer.backends.torch_backend.step_graphs").StepGraphs
+    record, recordings = graphs_class._record, []
+
+    def timed_record(self, *args):   # each step graph's recording, host seconds (its shape: the step's)
+        started = time.perf_counter()
+        try:
+            return record(self, *args)
+        finally:
+            recordings.append([phases.shape, round(time.perf_counter() - started, 3)])
+    graphs_class._record = timed_record
     try:
         with torch.inference_mode(), bridge.training_session(patcher, "auto") as (module, _device):
             validate = phases.timed("validation", bridge.validation(cfg, patcher, samples, on_sample))
             phases.begin()
             validate(0)                                  # sample_first: the model before training
             phases.extra[0] = phases.validation
-            result = loop.train(cfg, module, data, run_dir=str(ctx.run_dir), forward=shaped_forward,
+            result = loop.train(cfg, module, data, run_dir=str(ctx.run_dir), forward=forward,
                                 on_step=lambda report: phases.step_end(), validate=validate,
                                 validate_every=args.every)
             save_lora = phases.timed("saving", lora_format.save_lora)
@@ -291,9 +310,12 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
                       metadata=lora_format.lora_metadata(cfg, arch, result.step))
     finally:
         loop.state.save_checkpoint = save_checkpoint
+        backend_class._device_batch = device_batch
+        graphs_class._record = record
         notes.remove()
     own.update(notes.levers(cfg))
     own["losses"] = list(result.history.loss)
+    own["step_graph_recordings"] = recordings   # [shape, seconds] each (step_graphs on)
     return own
 
 

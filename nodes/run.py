@@ -81,7 +81,7 @@ def dataset_identity(dataset: Dataset) -> str:
 NOT_IDENTITY = ("output_dir", "run_name", "log_every", "log_tensorboard", "wandb_project", "wandb_mode", "checkpoint_every", "keep_checkpoints", "checkpoint_loras",
                 "dataset_dir", "cache_dir", "cache_max_gb", "steps", "reg_dataset_dir",
                 "gradient_checkpointing", "skip_checkpoint_blocks", "compile_blocks", "checkpoint_budget", "attention",
-                "fp8_compute", "cuda_graphs",   # fp8: the frozen base's products rounded, the loss within ~1 %
+                "fp8_compute", "cuda_graphs", "step_graphs",   # fp8: the frozen base's products rounded, the loss within ~1 %
                 "init_lora")  # where the init LoRA lies; its content is init_lora_sha256, which counts
 
 

@@ -38,7 +38,7 @@ SHIPPED_OPTION_ORDER = (
 OPTIONS_SINCE_0_1 = (
     "batch_by", "fp8_compute", "unmasked_weight", "checkpoint_loras", "log_tensorboard", "wandb_project",
     "wandb_mode", "adapter", "lokr_factor", "lokr_full_w2", "holdout", "holdout_every", "holdout_sigmas",
-    "early_stop_patience", "early_stop_min_delta", "preservation_weight", "reg_weight")
+    "early_stop_patience", "early_stop_min_delta", "preservation_weight", "reg_weight", "cuda_graphs", "step_graphs")
 _OPTION_NAMES = [name for name in cfg_module.FIELDS if name not in TRAIN_WIDGETS + DATASET_FIELDS + NOT_IN_GRAPH]
 _PINNED = SHIPPED_OPTION_ORDER + OPTIONS_SINCE_0_1
 OPTION_FIELDS = tuple([name for name in _PINNED if name in _OPTION_NAMES]

@@ -34,7 +34,7 @@ AUTO_WIDGETS = {
 }
 
 # "auto" settings added after 0.1.0 are combos of three words (no saved workflow holds another type for them).
-TRISTATE = {"fp8_compute": {"auto": cfg_module.AUTO, "on": True, "off": False}}
+TRISTATE = {name: {"auto": cfg_module.AUTO, "on": True, "off": False} for name in ("fp8_compute", "step_graphs")}
 
 
 def from_widget(name: str, value):

@@ -126,6 +126,28 @@ def test_estimate_shows_what_the_auto_budget_picks_on_a_gpu(tmp_path):
     assert "Give --memory-gb to see what a GPU would get" in unsaid.stdout
 
 
+def test_estimate_names_the_step_graphs_pool(tmp_path):
+    """step_graphs (auto on a CUDA GPU where it fits): the pool of the recorded small steps is named beside the
+    table, twice the 768 px step's need here; not where every bucket is large, not on MLX, not when off."""
+    def run(text, *args):
+        config = tmp_path / "run.toml"
+        config.write_text(f'arch = "flux2_klein"\n{text}\n')
+        result = cli("estimate", config, "--variant", "flux2-klein-4b", *args)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+    mixed = run("resolutions = [512, 768, 1024]")
+    assert "note: step_graphs on a CUDA GPU: steps of up to 800x800 px replay as CUDA graphs" in mixed
+    assert "where it fits beside the largest step (auto" in mixed
+    pool = float(mixed.split("memory pool of ~")[1].split(" GiB")[0])
+    from trainer.estimate import GRAPH_POOL_FACTOR, estimate
+    at_800 = estimate("flux2-klein-4b", resolution=800)
+    assert pool == pytest.approx(GRAPH_POOL_FACTOR * (at_800.total - at_800.weights) / 2**30, abs=0.06)
+    assert "where it fits" not in run("resolutions = [512]\nstep_graphs = true")
+    assert "step_graphs" not in run("resolutions = [1024]")
+    assert "step_graphs" not in run("resolutions = [512]\nstep_graphs = false")
+    assert "step_graphs" not in run('resolutions = [512]\nbackend = "mlx"')
+
+
 def test_estimate_for_a_mac(tmp_path):
     config = tmp_path / "zimage.toml"
     config.write_text('arch = "zimage"\nbackend = "mlx"\nbase_quantize = "int4"\nresolutions = [1024]\n')

@@ -204,7 +204,22 @@ def cmd_estimate(args) -> int:
         budget = _auto_budget(estimated, cfg, backend, args.memory_gb)
     for resolution in cfg.resolutions:
         print(format_estimate(estimated(resolution, budget), device_memory_gb=args.memory_gb))
+    _step_graphs_note(estimated, cfg, backend, budget)
     return 0
+
+
+def _step_graphs_note(estimated, cfg, backend: str, budget: float) -> None:
+    """step_graphs' memory pool, which a CUDA run adds where it fits (backends/torch_backend/levers.py)."""
+    from .estimate import GRAPH_POOL_FACTOR, graph_resolution
+
+    recorded = graph_resolution(cfg.resolutions, cfg.batch_size)
+    if backend != "torch" or cfg.step_graphs is False or recorded is None:
+        return
+    step = estimated(recorded, budget)
+    pool = GRAPH_POOL_FACTOR * (step.total - step.weights) / 2**30
+    when = "" if cfg.step_graphs is True else ", where it fits beside the largest step (auto; else they stay off)"
+    print(f"note: step_graphs on a CUDA GPU: steps of up to {recorded}x{recorded} px replay as CUDA graphs from a "
+          f"memory pool of ~{pool:.1f} GiB more{when}")
 
 
 def _auto_budget(estimated, cfg, backend: str, memory_gb: float | None) -> float:

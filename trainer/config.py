@@ -25,7 +25,7 @@ OPTIMIZER_NAMES = ("adamw", "adamw8bit", "adafactor", "prodigy")  # backends reg
 # Settings that may also be "auto": the backend decides at the start of a run, from the device and its
 # free memory (trainer/backends/torch_backend/levers.py). They are the fast path, so they are defaults.
 AUTO = "auto"
-AUTO_FIELDS = ("compile_blocks", "checkpoint_budget", "fp8_compute")
+AUTO_FIELDS = ("compile_blocks", "checkpoint_budget", "fp8_compute", "step_graphs")
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "arch": tuple(ARCHS),
@@ -175,6 +175,11 @@ class TrainConfig:
                                        "paced by the host's kernel launches (H100, 512 px: Z-Image -20 %/step). "
                                        "Each new token count records its graphs (4-7 s): pays for one or two small "
                                        "resolutions, not for many buckets (bench/RESULTS.md)")
+    step_graphs: bool = setting(AUTO, "PyTorch, CUDA: record each batch shape's forward and backward as a CUDA "
+                                      "graph at its second step and replay it after, so small buckets are not "
+                                      "paced by the host's Python and kernel launches. auto: on for one process "
+                                      "where the graphs' memory pool (~one step's activations) fits; a failed "
+                                      "recording turns it off with one log line (bench/RESULTS.md)")
     # --- objective (flow matching)
     timestep_sampling: str = setting("uniform", "uniform or logit_normal")
     logit_mean: float = setting(0.0, "logit_normal: centre of the logit; > 0 favours high noise")

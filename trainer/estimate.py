@@ -175,6 +175,24 @@ def largest_budget(step_bytes, available: int) -> float:
     return next((b for b in AUTO_BUDGETS if AUTO_SAFETY * step_bytes(b) <= available), 0.0)
 
 
+# step_graphs "auto" (torch_backend/step_graphs.py, levers.py): steps of at most this many image pixels (a
+# 768 px image; batch rows count) are recorded as CUDA graphs. On an H100 a larger step's GPU work already
+# hides the host's (Klein 4B 1024 px: 0.172 s/step with and without), so recording it would only add to the pool.
+GRAPH_MAX_PIXELS = 800 * 800
+# The graphs' shared memory pool, as a multiple of the largest recorded step's estimate: one shape's pool
+# was its estimate (Klein 4B 768 px: +8.0 GiB reserved for 7.8 estimated), but the 14 shapes of a mixed
+# 512/768 px run fragment it (+14.0 GiB reserved, H200, bench/RESULTS.md).
+GRAPH_POOL_FACTOR = 2.0
+
+
+def graph_resolution(resolutions, batch_size: int) -> int | None:
+    """The square resolution whose step stands for the largest recorded one (the pool's size), or None where
+    every bucket's step is larger than GRAPH_MAX_PIXELS (then no step is recorded)."""
+    if min(resolutions) ** 2 * batch_size > GRAPH_MAX_PIXELS:
+        return None
+    return min(max(resolutions), int((GRAPH_MAX_PIXELS / max(1, batch_size)) ** 0.5))
+
+
 def advice(settings: dict) -> list[tuple[str, dict]]:
     """Changes that lower GPU memory, cheapest in quality first."""
     return ordered_advice(settings, [

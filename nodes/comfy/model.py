@@ -142,14 +142,33 @@ def _call(base, sampling, dm, options: dict, x, sigma, context, extras: dict):
     t = sampling.timestep(sigma).float()
     if ctx is not None:
         ctx = mm.cast_to_device(ctx, x.device, dtype)
-    conds = {k: [comfy.model_base.convert_tensor(e, dtype, x.device) for e in v] if isinstance(v, list)
-             else comfy.model_base.convert_tensor(v, dtype, x.device) for k, v in conds.items()}
+    conds = {k: [_convert(e, dtype, x.device) for e in v] if isinstance(v, list) else _convert(v, dtype, x.device)
+             for k, v in conds.items()}
     t = base.process_timestep(t, x=x, **conds)
     transformer_options = {**options, "sigmas": sigma}
     if _PREFETCH_FLAG:  # tells the blocks whether to prefetch dynamic-VRAM weights (False: Kiln trains loaded)
         transformer_options["prefetch_dynamic_vbars"] = base.current_patcher is not None \
             and base.current_patcher.is_dynamic()
     return dm(xc, t, context=ctx, control=None, transformer_options=transformer_options, **conds)
+
+
+_CONSTANTS: dict = {}   # (device, dtype, shape, values) → the device copy of a small host cond
+
+
+def _convert(extra, dtype, device):
+    """comfy.model_base.convert_tensor, except for the small host tensors extra_conds builds from Python
+    numbers (Flux's guidance: torch.FloatTensor([g])): their device copy is made once and kept. ComfyUI
+    copies them from pageable memory at every call, which waits for the GPU once a step and cannot be
+    recorded in a CUDA graph (step_graphs); kept, a recorded step reads the same device tensor each replay."""
+    if not (torch.is_tensor(extra) and extra.device.type == "cpu" and extra.numel() <= 64
+            and torch.device(device).type != "cpu"):
+        return comfy.model_base.convert_tensor(extra, dtype, device)
+    key = (str(device), dtype, extra.dtype, tuple(extra.shape), tuple(extra.flatten().tolist()))
+    if key not in _CONSTANTS:
+        if len(_CONSTANTS) >= 256:   # never evicted (a recorded graph may read one): past a bound, not kept
+            return comfy.model_base.convert_tensor(extra, dtype, device)
+        _CONSTANTS[key] = comfy.model_base.convert_tensor(extra, dtype, device)
+    return _CONSTANTS[key]
 
 
 # Whether this ComfyUI's BaseModel._apply_model sets transformer_options["prefetch_dynamic_vbars"] (0.33

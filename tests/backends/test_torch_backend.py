@@ -302,8 +302,9 @@ def test_blocks_that_write_into_their_inputs_train_without_checkpointing(make_co
         np.testing.assert_allclose(after[False][path].A, after[True][path].A, rtol=1e-5, atol=1e-6)
 
 
-def test_integer_extras_stay_on_the_host_and_float_extras_follow_the_model(make_model, make_config):
-    """Token counts choose shapes: reading them from the GPU would stall the host every step."""
+def test_per_row_extras_stay_on_the_host_and_other_float_extras_follow_the_model(make_model, make_config):
+    """Token counts choose shapes and ComfyUI reads Dev's guidance as a Python number: reading either back
+    from the GPU would stall the host every step (and stop a step graph's recording)."""
     seen = {}
 
     def forward(model, x_t, sigmas, context, extras):
@@ -313,8 +314,11 @@ def test_integer_extras_stay_on_the_host_and_float_extras_follow_the_model(make_
     backend = TorchBackend()
     backend.setup(make_model(), make_config(), get_arch("demo"), forward=forward)
     batch = fixed_batch()
-    batch.extras = {"num_tokens": np.array([8, 5]), "guidance": np.array([1.0, 1.0], np.float32)}
+    batch.extras = {"num_tokens": np.array([8, 5]), "guidance": np.array([1.0, 1.0], np.float32),
+                    "features": np.ones((2, 3), np.float32)}
     backend.step([batch], 1e-3)
     assert seen["num_tokens"].device.type == "cpu" and seen["num_tokens"].dtype == torch.int64
     assert seen["num_tokens"].tolist() == [8, 5]
-    assert seen["guidance"].device == backend.device and seen["guidance"].dtype == backend.dtype
+    assert seen["guidance"].device.type == "cpu" and seen["guidance"].dtype == backend.dtype
+    assert seen["guidance"].tolist() == [1.0, 1.0]
+    assert seen["features"].device == backend.device and seen["features"].dtype == backend.dtype

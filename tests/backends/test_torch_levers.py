@@ -557,7 +557,7 @@ def test_a_block_that_writes_into_what_a_norm_kept_fails_to_compile_with_the_fix
     net.forward = lambda x: net.blocks[1](net.blocks[0](x))
     net, _ = with_lora(net, ["lin"])
     hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=True, compile=True, budget=1.0)
-    with pytest.raises(CompileFailed, match="mixed_precision to bf16") as caught, backend_module._compile_errors_explained():
+    with pytest.raises(CompileFailed, match="mixed_precision to bf16") as caught, checkpointing.compile_errors_explained():
         net(torch.randn(1, 3, 8)).sum().backward()
     hooks.remove()
     assert "modified by an inplace operation" in str(caught.value) and "C++ compiler" not in str(caught.value)

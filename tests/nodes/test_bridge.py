@@ -606,6 +606,28 @@ def test_session_device_and_small_helpers(klein):
     assert bridge.cat_images([picture, torch.zeros(1, 4, 2, 3)]).shape == (2, 4, 5, 3)
 
 
+def test_small_host_conds_go_to_the_gpu_once(monkeypatch):
+    """Flux's guidance cond is a new host tensor at each call (torch.FloatTensor([g])): its device copy is
+    made once and the same tensor handed back after (a step graph replays the copy it recorded; a pageable
+    copy per call would wait for the GPU). "meta" stands for the GPU here. Large or CPU-bound conds, and the
+    257th distinct value, are converted as ComfyUI does."""
+    model = comfy_env.import_pack("nodes.comfy.model")
+    monkeypatch.setattr(model, "_CONSTANTS", {})
+    first = model._convert(torch.FloatTensor([1.0]), torch.bfloat16, "meta")
+    assert first.device.type == "meta" and first.dtype == torch.bfloat16
+    assert model._convert(torch.FloatTensor([1.0]), torch.bfloat16, "meta") is first
+    assert model._convert(torch.FloatTensor([3.5]), torch.bfloat16, "meta") is not first     # its own value
+    assert model._convert(torch.FloatTensor([1.0]), torch.float16, "meta") is not first      # its own dtype
+    big = torch.zeros(65)
+    assert model._convert(big, torch.bfloat16, "meta") is not model._convert(big, torch.bfloat16, "meta")
+    kept = len(model._CONSTANTS)
+    assert model._convert(torch.FloatTensor([7.0]), torch.float32, "cpu").tolist() == [7.0]
+    assert len(model._CONSTANTS) == kept                                  # training on the CPU: nothing kept
+    for value in range(300):
+        model._convert(torch.FloatTensor([float(value)]), torch.float32, "meta")
+    assert len(model._CONSTANTS) == 256
+
+
 def test_folders_and_lora_listing(tmp_path):
     import folder_paths
 

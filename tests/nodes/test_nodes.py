@@ -251,17 +251,20 @@ def test_training_options_default_to_the_auto_levers_and_keep_saved_values():
     assert tn.cfg_module.from_dict({k: v for k, v in fresh.items() if k in tn.cfg_module.FIELDS}).compile_blocks == "auto"
 
 
-def test_fp8_compute_is_a_three_way_choice_defaulting_to_auto():
+@pytest.mark.parametrize("name", ["fp8_compute", "step_graphs"])
+def test_auto_levers_are_three_way_choices_defaulting_to_auto(name):
     """fp8_compute auto (on for a base stored in fp8 on a capable GPU), on (also a bf16 base, with its fp8
-    copies), off: a combo whose words reach the config as "auto", True and False; the post-0.1 options keep
-    their positions ahead of anything added later (cuda_graphs)."""
+    copies), off; step_graphs likewise (auto: on for one process on a CUDA GPU where their memory fits): combos
+    whose words reach the config as "auto", True and False; the post-0.1 options keep their positions ahead
+    of anything added later (cuda_graphs, then step_graphs, last)."""
     inputs = {i.id: i for i in tn.KilnTrainingOptions.define_schema().inputs}
-    assert inputs["fp8_compute"].options == ["auto", "on", "off"] and inputs["fp8_compute"].default == "auto"
+    assert inputs[name].options == ["auto", "on", "off"] and inputs[name].default == "auto"
     values = {i.id: i.default for i in inputs.values()}
     for word, expected in (("auto", "auto"), ("on", True), ("off", False)):
-        assert out(tn.KilnTrainingOptions.execute(**{**values, "fp8_compute": word}))["fp8_compute"] == expected
+        assert out(tn.KilnTrainingOptions.execute(**{**values, name: word}))[name] == expected
     order = list(inputs)
     assert order.index("fp8_compute") < order.index("reg_weight") < order.index("cuda_graphs")
+    assert order[-2:] == ["cuda_graphs", "step_graphs"]
 
 
 def test_invert_adapter_and_loss_graph(comfy_dirs, tmp_path_factory):
@@ -300,8 +303,8 @@ def test_mlx_backend_matches_torch_through_the_node_and_saves_a_comfy_lora(comfy
 
 
 def test_speed_levers_leave_the_run_identity_alone(comfy_dirs):
-    """Turning compile_blocks, checkpoint_budget, checkpointing, the attention kernel, fp8 compute or CUDA graphs
-    on or off after a stop resumes the same run (a run.json of yesterday, fp8_compute false, resumes under
+    """Turning compile_blocks, checkpoint_budget, checkpointing, the attention kernel, fp8 compute, CUDA graphs
+    or step graphs on or off after a stop resumes the same run (a run.json of yesterday, fp8_compute false, resumes under
     today's auto); a setting that changes what is trained starts another."""
     folder = make_dataset(comfy_dirs / "input" / "ds_identity")
     ds = out(dn.KilnLoadDataset.execute(str(folder), "kiln", "", "", "64", 1, 0.0))
@@ -309,6 +312,6 @@ def test_speed_levers_leave_the_run_identity_alone(comfy_dirs):
     same = run.run_identity(base, ds, None)
     for change in ({"compile_blocks": False}, {"checkpoint_budget": 0.3}, {"gradient_checkpointing": False},
                    {"skip_checkpoint_blocks": 2}, {"attention": "math"}, {"fp8_compute": False}, {"fp8_compute": True},
-                   {"cuda_graphs": True}):
+                   {"cuda_graphs": True}, {"step_graphs": False}, {"step_graphs": True}):
         assert run.run_identity(tn.cfg_module.replace(base, **change), ds, None) == same, change
     assert run.run_identity(tn.cfg_module.replace(base, rank=8), ds, None) != same

@@ -1,6 +1,7 @@
 """The PyTorch backend: LoRA on the model's own modules, one optimizer step per call."""
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
@@ -10,14 +11,16 @@ from torch import nn
 from ... import distributed
 from ...archs import Arch
 from ...config import AUTO, TrainConfig
+from ...estimate import GRAPH_MAX_PIXELS
 from ...faults import is_out_of_memory
 from ...lora_format import LoraWeights
 from ...objective import interpolate, velocity_target
 from ..base import StepStats, parameter_name, saved_name
 from . import attention, levers, lora
-from .checkpointing import BlockCheckpointing, find_blocks
+from .checkpointing import BlockCheckpointing, CompileFailed, compile_errors_explained, find_blocks
 from .ema import Ema
 from .lora import LoraSet
+from .step_graphs import StepGraphs
 from .optim import build_optimizer, clip_global_norm, load_optimizer_arrays, optimizer_arrays
 
 
@@ -47,32 +50,6 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return torch.bfloat16
 
 
-class CompileFailed(RuntimeError):
-    """torch.compile could not build the blocks on this machine (no Triton, no C++ compiler, a bug)."""
-
-
-@contextmanager
-def _compile_errors_explained():
-    """compile_blocks on a machine torch.compile cannot build for (no Triton, no C++ compiler): say so."""
-    from torch._dynamo.exc import BackendCompilerFailed
-
-    try:
-        yield
-    except BackendCompilerFailed as error:
-        inner = getattr(error, "inner_exception", None) or error
-        text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
-        # Flux2's blocks add into a tensor a norm has kept for backward (`x += ...` after `norm(x)`). Under
-        # bf16 autocast on CUDA the norm keeps its fp32 cast instead, and the block traces; without (fp32,
-        # or CPU autocast, which leaves norms in bf16) autograd refuses it while tracing.
-        why = ("this model's blocks write into tensors autograd keeps for backward, which torch.compile traces "
-               "only under bf16 autocast on a CUDA GPU: set mixed_precision to bf16 there, or turn compile_blocks "
-               "off (or auto)" if "modified by an inplace operation" in text else
-               "it needs Triton on CUDA or a C++ compiler on CPU")
-        raise CompileFailed(f"compile_blocks: torch.compile could not compile the model's blocks here "
-                            f"({type(inner).__name__}: {text[:300]}). Turn compile_blocks off (or auto) in Kiln "
-                            f"Training Options (or the config); {why}.") from error
-
-
 class TorchBackend:
     name = "torch"
 
@@ -92,12 +69,14 @@ class TorchBackend:
                                              arch.fp8_quantize_kernel)
         self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed,
                             adapter=cfg.adapter, lokr_factor=cfg.lokr_factor, lokr_full_w2=cfg.lokr_full_w2)
-        self.levers = levers.decide(model, cfg, self.device, notes=(fp8_note,),
+        self.parallel = distributed.current().world > 1   # auto levers never fall back mid-step on one rank alone
+        self.levers = levers.decide(model, cfg, self.device, notes=(fp8_note,), parallel=self.parallel,
                                     blocks_write_norm_inputs=arch.blocks_write_norm_inputs)
         if self.levers.note:
             levers.log.info("[Kiln] %s", self.levers.note)
         self._wrap_blocks(self.levers)
         self.params = dict(self.lora.named_parameters())
+        self.graphs = self._step_graphs()
         self.optimizer = build_optimizer(list(self.params.values()), cfg.optimizer, lr=cfg.learning_rate,
                                          betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                          weight_decay=cfg.weight_decay, device=self.device)
@@ -106,7 +85,6 @@ class TorchBackend:
         # self.forward read at each call (a test, or a later wrapper, may replace it after setup)
         self.call = distributed.data_parallel(lambda *inputs: self.forward(self.model, *inputs),
                                               self.lora.branches().values())
-        self.parallel = distributed.current().world > 1   # auto levers never fall back mid-step on one rank alone
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         # LoRA dropout draws from torch's global RNG (so checkpointing's recompute replays the
@@ -123,12 +101,19 @@ class TorchBackend:
                                                 cuda_graphs=chosen.cuda_graphs,
                                                 compile_key=f"attention={self.attention}|fp8={self.fp8.mode if self.fp8 else 'off'}")
 
+    def _step_graphs(self):
+        """A fresh set of step graphs (none recorded) where the levers say so; after a fallback the blocks
+        changed, and graphs recorded over the old ones must not replay."""
+        return StepGraphs(list(self.params.values()), self.device, model=self.model) if self.levers.step_graphs else None
+
     def _compile_fallback(self, error: CompileFailed) -> None:
         """compile_blocks auto: the run goes on with eager blocks, and says so once."""
         self.optimizer.zero_grad(set_to_none=True)
         self.checkpointing.remove()
-        self.levers = levers.Levers(compile=False, budget=0.0, note=f"{self.levers.note}; compile failed")
+        self.levers = dataclasses.replace(self.levers, compile=False, budget=0.0, cuda_graphs=False,
+                                          note=f"{self.levers.note}; compile failed")
         self._wrap_blocks(self.levers)
+        self.graphs = self._step_graphs()
         inner = getattr(error.__cause__, "inner_exception", None) or error.__cause__ or error
         levers.log.warning("[Kiln] compile_blocks auto: torch.compile failed here (%s: %s). Training goes on "
                            "without compiled blocks (slower); set compile_blocks off to skip the attempt.",
@@ -143,9 +128,10 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         self.checkpointing.remove()
         chosen = self.levers.budget
-        self.levers = levers.Levers(compile=self.levers.compile, budget=0.0, cuda_graphs=self.levers.cuda_graphs,
-                                    note=f"{self.levers.note}; out of memory at budget {chosen:g}: 0")
+        self.levers = dataclasses.replace(self.levers, budget=0.0,
+                                          note=f"{self.levers.note}; out of memory at budget {chosen:g}: 0")
         self._wrap_blocks(self.levers)
+        self.graphs = self._step_graphs()
         levers.log.warning("[Kiln] checkpoint_budget auto: budget %g ran out of GPU memory (%s). Training goes on with "
                            "plain checkpointing (budget 0; blocks compile again). Set checkpoint_budget to a number "
                            "to choose yourself.", chosen, str(error).strip().splitlines()[0][:200])
@@ -170,41 +156,58 @@ class TorchBackend:
         return staged.to(self.device, non_blocking=True)
 
     def _micro_loss(self, batch) -> torch.Tensor:
-        x0 = self._to_device(batch.latents, torch.float32)
-        noise = self._to_device(batch.noise, torch.float32)
-        sigmas = self._to_device(batch.sigmas, torch.float32)
-        weights = self._to_device(batch.weights, torch.float32)
+        if getattr(batch, "preservation", None) is not None:
+            return self._preserving_loss(batch)
+        return self._loss(self._device_batch(batch))
+
+    def _device_batch(self, batch) -> dict:
+        """The micro-batch's tensors on the device (integer extras stay on the host: they choose shapes)."""
+        return {"x0": self._to_device(batch.latents, torch.float32),
+                "noise": self._to_device(batch.noise, torch.float32),
+                "sigmas": self._to_device(batch.sigmas, torch.float32),
+                "weights": self._to_device(batch.weights, torch.float32),
+                "mask": None if batch.mask is None else self._to_device(batch.mask, torch.float32),
+                "context": self._to_device(batch.context, self.dtype), "extras": self._extras(batch.extras)}
+
+    def _amp(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
+
+    def _loss(self, inputs: dict) -> torch.Tensor:
+        """The loss from the device tensors alone (no host work: a step graph records exactly this)."""
+        x0, noise, sigmas = inputs["x0"], inputs["noise"], inputs["sigmas"]
         x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
         target = velocity_target(x0, noise)
-        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
-        if getattr(batch, "preservation", None) is not None:
-            mask = None if batch.mask is None else self._to_device(batch.mask, torch.float32)
-            return self._preserving_loss(batch.preservation, x_t, sigmas, target, weights, amp, mask)
-        context, extras = self._to_device(batch.context, self.dtype), self._extras(batch.extras)
-        with amp:
+        with self._amp():
             # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
-            prediction = self.call(x_t.to(self.dtype), sigmas, context, extras)
+            prediction = self.call(x_t.to(self.dtype), sigmas, inputs["context"], inputs["extras"])
         # Loss in fp32: per-sample mean (per-cell mask weights first, masked training), weighted, batch mean.
         squared = (prediction.float() - target).square()
-        if batch.mask is not None:
-            squared = squared * self._to_device(batch.mask, torch.float32)   # [B,1,H,W] over the channels
+        if inputs["mask"] is not None:
+            squared = squared * inputs["mask"]   # [B,1,H,W] over the channels
         per_sample = squared.flatten(1).mean(dim=1)
-        return (per_sample * weights).mean()
+        return (per_sample * inputs["weights"]).mean()
 
     def _extras(self, extras: dict) -> dict:
-        # Float extras (guidance) in the model dtype on the device; integer ones (per-row token counts)
-        # stay integers on the host: they choose shapes, and reading them from the GPU would stall the
-        # host once per step (bench/RESULTS.md, lever "no host sync").
-        # Reference latents (edit training, a list): raw fp32 VAE latents, as ComfyUI's conds hold them.
+        # Per-row numbers stay on the host: integers (token counts) choose shapes, and ComfyUI reads a
+        # per-row float (Dev's guidance) as a Python number; on the GPU either would be read back once a
+        # step, stalling the host (bench/RESULTS.md, lever "no host sync") and any step graph's recording.
+        # Other float extras go to the device in the model dtype. Reference latents (edit training, a
+        # list): raw fp32 VAE latents, as ComfyUI's conds hold them.
         return {k: (torch.from_numpy(np.ascontiguousarray(v)) if np.issubdtype(v.dtype, np.integer)
+                    else torch.from_numpy(np.ascontiguousarray(v)).to(self.dtype) if v.ndim == 1
                     else self._to_device(v, self.dtype)) if isinstance(v, np.ndarray)
                 else [self._to_device(a, torch.float32) for a in v] if isinstance(v, list) else v
                 for k, v in extras.items()}
 
-    def _preserving_loss(self, kept, x_t, sigmas, target, weights, amp, mask=None) -> torch.Tensor:
+    def _preserving_loss(self, batch) -> torch.Tensor:
         """Differential output preservation (trainer/preservation.py): the base model's prediction on the
         class-word captions (LoRA off, no grad; a compiled block runs eagerly without grad, so nothing
         recompiles) is the target of the LoRA's, from one forward of the rows and their class-word rows."""
+        kept, amp = batch.preservation, self._amp()
+        x0, noise, sigmas, weights = (self._to_device(a, torch.float32)
+                                      for a in (batch.latents, batch.noise, batch.sigmas, batch.weights))
+        mask = None if batch.mask is None else self._to_device(batch.mask, torch.float32)
+        x_t, target = interpolate(x0, noise, sigmas), velocity_target(x0, noise)
         x_in, rows = x_t.to(self.dtype), x_t.shape[0]
         with torch.no_grad(), amp, self.lora.disabled():   # not through DDP: no gradient to average
             base = self.forward(self.model, x_in, sigmas, self._to_device(kept.context, self.dtype),
@@ -227,13 +230,10 @@ class TorchBackend:
             torch.compiler.cudagraph_mark_step_begin()
         # The attention kernel choice covers forward, backward and checkpointing's recompute alike.
         try:
-            with attention.kernel_context(self.attention), _compile_errors_explained():
+            with attention.kernel_context(self.attention), compile_errors_explained():
                 for index, batch in enumerate(micro_batches):
-                    with distributed.accumulating(self.call, final=index == len(micro_batches) - 1), \
-                            self._step_weights():
-                        loss = self._micro_loss(batch) / len(micro_batches)
-                        loss.backward()         # (a compiled block's backward compiles at its first call)
-                    total += loss.detach()
+                    with distributed.accumulating(self.call, final=index == len(micro_batches) - 1):
+                        total += self._micro_step(batch, len(micro_batches))
         except CompileFailed as error:
             if not (self.levers.compile and self.cfg.compile_blocks == AUTO) or self.parallel:
                 raise
@@ -264,8 +264,25 @@ class TorchBackend:
             self.finite = bool(finite.item())
             if self.finite:
                 self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)   # step graphs add into fixed gradients
         return StepStats(loss=total, grad_norm=grad_norm, finite=finite)
+
+    def _micro_step(self, batch, count: int) -> torch.Tensor:
+        """One micro-batch's forward and backward: its detached share of the loss. Replayed as a CUDA graph
+        per batch shape where step graphs are on (step_graphs.py); DOP's micro-batches run as they are."""
+        if getattr(batch, "preservation", None) is not None:
+            return self._backward(lambda: self._preserving_loss(batch), count)
+        inputs = self._device_batch(batch)
+        pixels = inputs["x0"][:, 0].numel() * self.arch.latent_downscale ** 2   # image px of the rows ([B,C,H,W])
+        if self.graphs is None or (self.cfg.step_graphs == AUTO and pixels > GRAPH_MAX_PIXELS):
+            return self._backward(lambda: self._loss(inputs), count)
+        return self.graphs.run((inputs, count), lambda static: self._backward(lambda: self._loss(static[0]), count))
+
+    def _backward(self, loss_of, count: int) -> torch.Tensor:
+        with self._step_weights():
+            loss = loss_of() / count
+            loss.backward()         # (a compiled block's backward compiles at its first call)
+        return loss.detach()
 
     def _step_weights(self):
         """Under bf16 autocast the LoRA weights are cast once per micro-batch (LoraSet.step_weights), not at

@@ -10,12 +10,39 @@ from __future__ import annotations
 
 import functools
 import types
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..base import checkpointed
+
+
+class CompileFailed(RuntimeError):
+    """torch.compile could not build the blocks on this machine (no Triton, no C++ compiler, a bug)."""
+
+
+@contextmanager
+def compile_errors_explained():
+    """compile_blocks on a machine torch.compile cannot build for (no Triton, no C++ compiler): say so."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        yield
+    except BackendCompilerFailed as error:
+        inner = getattr(error, "inner_exception", None) or error
+        text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+        # Flux2's blocks add into a tensor a norm has kept for backward (`x += ...` after `norm(x)`). Under
+        # bf16 autocast on CUDA the norm keeps its fp32 cast instead, and the block traces; without (fp32,
+        # or CPU autocast, which leaves norms in bf16) autograd refuses it while tracing.
+        why = ("this model's blocks write into tensors autograd keeps for backward, which torch.compile traces "
+               "only under bf16 autocast on a CUDA GPU: set mixed_precision to bf16 there, or turn compile_blocks "
+               "off (or auto)" if "modified by an inplace operation" in text else
+               "it needs Triton on CUDA or a C++ compiler on CPU")
+        raise CompileFailed(f"compile_blocks: torch.compile could not compile the model's blocks here "
+                            f"({type(inner).__name__}: {text[:300]}). Turn compile_blocks off (or auto) in Kiln "
+                            f"Training Options (or the config); {why}.") from error
 
 
 def find_blocks(model: nn.Module, block_lists: tuple[str, ...]) -> list[nn.Module]:
