@@ -227,6 +227,48 @@ def test_graphs_are_recorded_again_when_comfyui_puts_new_weights_in_the_model(ma
     backend.teardown()
 
 
+def test_out_of_memory_beside_the_pool_gives_up_the_graphs_first(make_model, make_config, monkeypatch, caplog):
+    """step_graphs auto: a step that runs out of GPU memory while graphs hold their pool is redone without
+    them (one warning; the pool only bought small buckets' speed), before checkpoint_budget auto steps back;
+    the run trains what it trains without graphs. An explicit `on` keeps the error."""
+    def trained(**settings):
+        backend = TorchBackend()
+        backend.setup(make_model(), make_config(**settings), get_arch("demo"))
+        return backend
+
+    plain = trained()
+    for seed in range(4):
+        plain.step([fixed_batch(seed=seed)], 1e-2)
+    use(monkeypatch, Replaying())
+    backend = trained()
+    real_forward, calls = backend.forward, []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:   # step 3, a replay (1: eager, 2: recorded, 3: its replay)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_forward(*args, **kwargs)
+    backend.forward = forward
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        for seed in range(4):
+            backend.step([fixed_batch(seed=seed)], 1e-2)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kiln"]
+    assert len(warnings) == 1 and "step_graphs auto: a step ran out of GPU memory" in warnings[0]
+    assert backend.graphs is None and not backend.levers.step_graphs and "step graphs: off" in backend.levers.note
+    for name, param in plain.params.items():
+        torch.testing.assert_close(backend.params[name], param, rtol=1e-6, atol=1e-7)
+    plain.teardown()
+    backend.teardown()
+
+    forced = trained(step_graphs=True)
+    real_forward, calls = forced.forward, []
+    forced.forward = forward
+    with pytest.raises(torch.OutOfMemoryError):
+        for seed in range(4):
+            forced.step([fixed_batch(seed=seed)], 1e-2)
+    forced.teardown()
+
+
 # ---------------------------------------------------------------- the auto decision
 
 GIB = levers.GIB

@@ -1,7 +1,6 @@
 """The PyTorch backend: LoRA on the model's own modules, one optimizer step per call."""
 from __future__ import annotations
 
-import dataclasses
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
@@ -12,16 +11,15 @@ from ... import distributed
 from ...archs import Arch
 from ...config import AUTO, TrainConfig
 from ...estimate import GRAPH_MAX_PIXELS
-from ...faults import is_out_of_memory
 from ...lora_format import LoraWeights
 from ...objective import interpolate, velocity_target
 from ..base import StepStats, parameter_name, saved_name
-from . import attention, levers, lora
-from .checkpointing import BlockCheckpointing, CompileFailed, compile_errors_explained, find_blocks
+from . import attention, fallbacks, levers, lora
+from .checkpointing import BlockCheckpointing, CompileFailed, compile_errors_explained, find_blocks  # noqa: F401 (CompileFailed: imported from here)
 from .ema import Ema
 from .lora import LoraSet
-from .step_graphs import StepGraphs
 from .optim import build_optimizer, clip_global_norm, load_optimizer_arrays, optimizer_arrays
+from .step_graphs import StepGraphs
 
 
 def pick_device(name: str) -> torch.device:
@@ -105,36 +103,6 @@ class TorchBackend:
         """A fresh set of step graphs (none recorded) where the levers say so; after a fallback the blocks
         changed, and graphs recorded over the old ones must not replay."""
         return StepGraphs(list(self.params.values()), self.device, model=self.model) if self.levers.step_graphs else None
-
-    def _compile_fallback(self, error: CompileFailed) -> None:
-        """compile_blocks auto: the run goes on with eager blocks, and says so once."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.checkpointing.remove()
-        self.levers = dataclasses.replace(self.levers, compile=False, budget=0.0, cuda_graphs=False,
-                                          note=f"{self.levers.note}; compile failed")
-        self._wrap_blocks(self.levers)
-        self.graphs = self._step_graphs()
-        inner = getattr(error.__cause__, "inner_exception", None) or error.__cause__ or error
-        levers.log.warning("[Kiln] compile_blocks auto: torch.compile failed here (%s: %s). Training goes on "
-                           "without compiled blocks (slower); set compile_blocks off to skip the attempt.",
-                           type(inner).__name__, str(inner).strip().splitlines()[0][:300])
-
-    def _budget_fallback(self, error: BaseException) -> None:
-        """checkpoint_budget auto kept too much for this GPU (the estimate is an estimate): the step is
-        redone with plain checkpointing (budget 0), and the run says so once."""
-        import traceback
-
-        traceback.clear_frames(error.__traceback__)   # the failed step's activations go now
-        self.optimizer.zero_grad(set_to_none=True)
-        self.checkpointing.remove()
-        chosen = self.levers.budget
-        self.levers = dataclasses.replace(self.levers, budget=0.0,
-                                          note=f"{self.levers.note}; out of memory at budget {chosen:g}: 0")
-        self._wrap_blocks(self.levers)
-        self.graphs = self._step_graphs()
-        levers.log.warning("[Kiln] checkpoint_budget auto: budget %g ran out of GPU memory (%s). Training goes on with "
-                           "plain checkpointing (budget 0; blocks compile again). Set checkpoint_budget to a number "
-                           "to choose yourself.", chosen, str(error).strip().splitlines()[0][:200])
 
     def _again(self, micro_batches, lr: float) -> StepStats:
         """The step once more after a fallback, the failed step's graph gone (its memory back to the GPU)."""
@@ -234,16 +202,9 @@ class TorchBackend:
                 for index, batch in enumerate(micro_batches):
                     with distributed.accumulating(self.call, final=index == len(micro_batches) - 1):
                         total += self._micro_step(batch, len(micro_batches))
-        except CompileFailed as error:
-            if not (self.levers.compile and self.cfg.compile_blocks == AUTO) or self.parallel:
+        except BaseException as error:   # an auto lever that failed steps back (fallbacks.py): the step again
+            if not fallbacks.recover(self, error):
                 raise
-            self._compile_fallback(error)
-            loss = total = None   # noqa: F841
-        except BaseException as error:
-            if not (is_out_of_memory(error) and self.cfg.checkpoint_budget == AUTO and self.levers.budget > 0) \
-                    or self.parallel:
-                raise
-            self._budget_fallback(error)
             loss = total = None   # noqa: F841 — the failed step's graph goes before the step is redone
         if total is None:   # an auto lever fell back: the same step again, outside the except block
             return self._again(micro_batches, lr)

@@ -23,7 +23,7 @@ import logging
 import os
 import traceback
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -74,7 +74,7 @@ class CudaRecorder:
             except BaseException:
                 try:   # the capture is void; ending it raises "a previous error during capture": fn's error says why
                     graph.capture_end()
-                except Exception:   # noqa: BLE001
+                except Exception:   # noqa: BLE001, S110
                     pass
                 raise
             graph.capture_end()

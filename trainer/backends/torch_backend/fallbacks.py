@@ -1,0 +1,70 @@
+"""What an "auto" lever does when its choice fails in a step (TorchBackend.step): it steps back, the run
+says so once, and the step is redone from its start, so nothing of the run is lost. Each applies only to
+a lever left at "auto" (a number or on/off the user set stands, and its error with it), and none under
+torchrun (one rank alone must not change what it computes).
+
+- compile_blocks: torch.compile failed on this machine → eager blocks.
+- step_graphs, out of GPU memory: their pool goes, first (it only buys small buckets' speed).
+- checkpoint_budget, out of GPU memory: plain checkpointing (budget 0); the estimate is an estimate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import traceback
+
+from ...config import AUTO
+from ...faults import is_out_of_memory
+from .checkpointing import CompileFailed
+from .levers import log
+
+
+def recover(backend, error: BaseException) -> bool:
+    """Step back the auto lever `error` is about (True: redo the step), else False: the error stands."""
+    cfg, chosen = backend.cfg, backend.levers
+    if backend.parallel:
+        return False
+    if isinstance(error, CompileFailed):
+        if not (chosen.compile and cfg.compile_blocks == AUTO):
+            return False
+        inner = getattr(error.__cause__, "inner_exception", None) or error.__cause__ or error
+        _step_back(backend, dataclasses.replace(chosen, compile=False, budget=0.0, cuda_graphs=False,
+                                                note=f"{chosen.note}; compile failed"))
+        log.warning("[Kiln] compile_blocks auto: torch.compile failed here (%s: %s). Training goes on without "
+                    "compiled blocks (slower); set compile_blocks off to skip the attempt.",
+                    type(inner).__name__, _first_line(inner, 300))
+        return True
+    if not is_out_of_memory(error):
+        return False
+    traceback.clear_frames(error.__traceback__)   # the failed step's activations go now
+    if cfg.step_graphs == AUTO and backend.graphs is not None and backend.graphs.graphs:
+        _step_back(backend, dataclasses.replace(chosen, step_graphs=False,
+                                                note=f"{chosen.note}; out of memory with step graphs: off"),
+                   rewrap=False)
+        log.warning("[Kiln] step_graphs auto: a step ran out of GPU memory beside the step graphs' pool (%s). "
+                    "Training goes on without them (small buckets slower); set step_graphs off to skip them.",
+                    _first_line(error, 200))
+        return True
+    if cfg.checkpoint_budget == AUTO and chosen.budget > 0:
+        _step_back(backend, dataclasses.replace(chosen, budget=0.0,
+                                                note=f"{chosen.note}; out of memory at budget {chosen.budget:g}: 0"))
+        log.warning("[Kiln] checkpoint_budget auto: budget %g ran out of GPU memory (%s). Training goes on with "
+                    "plain checkpointing (budget 0; blocks compile again). Set checkpoint_budget to a number to "
+                    "choose yourself.", chosen.budget, _first_line(error, 200))
+        return True
+    return False
+
+
+def _step_back(backend, levers, rewrap: bool = True) -> None:
+    """The failed step's gradients go; blocks wrapped anew for the new levers (compile, budget), and fresh
+    step graphs (any recorded over the old blocks must not replay)."""
+    backend.optimizer.zero_grad(set_to_none=True)
+    backend.levers = levers
+    if rewrap:
+        backend.checkpointing.remove()
+        backend._wrap_blocks(levers)
+    backend.graphs = backend._step_graphs()
+
+
+def _first_line(error: BaseException, limit: int) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else ""
