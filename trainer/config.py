@@ -178,8 +178,9 @@ class TrainConfig:
     step_graphs: bool = setting(AUTO, "PyTorch, CUDA: record each batch shape's forward and backward as a CUDA "
                                       "graph at its second step and replay it after, so small buckets are not "
                                       "paced by the host's Python and kernel launches. auto: on for one process "
-                                      "where the graphs' memory pool (~one step's activations) fits; a failed "
-                                      "recording turns it off with one log line (bench/RESULTS.md)")
+                                      "where the graphs' memory pool (about twice the largest recorded step's "
+                                      "activations) fits; a failed recording turns it off with one log line "
+                                      "(bench/RESULTS.md)")
     # --- objective (flow matching)
     timestep_sampling: str = setting("uniform", "uniform or logit_normal")
     logit_mean: float = setting(0.0, "logit_normal: centre of the logit; > 0 favours high noise")

@@ -176,8 +176,8 @@ def largest_budget(step_bytes, available: int) -> float:
 
 
 # step_graphs "auto" (torch_backend/step_graphs.py, levers.py): steps of at most this many image pixels (a
-# 768 px image; batch rows count) are recorded as CUDA graphs. On an H100 a larger step's GPU work already
-# hides the host's (Klein 4B 1024 px: 0.172 s/step with and without), so recording it would only add to the pool.
+# 768 px image; batch rows count) are recorded as CUDA graphs. From 768 px up the GPU's work already hides the
+# host's (H200, Klein 4B 768 px: 0.091 s/step with and without), so recording larger steps would only grow the pool.
 GRAPH_MAX_PIXELS = 800 * 800
 # The graphs' shared memory pool, as a multiple of the largest recorded step's estimate: one shape's pool
 # was its estimate (Klein 4B 768 px: +8.0 GiB reserved for 7.8 estimated), but the 14 shapes of a mixed
