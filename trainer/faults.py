@@ -21,6 +21,12 @@ class OutOfMemory(RuntimeError):
     """A step ran out of device memory; a resumable checkpoint at the last good step was saved."""
 
 
+def first_line(error: BaseException, limit: int | None = None) -> str:
+    """The error's message, first line (at most `limit` characters), for a one-line log or error; "" if empty."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else ""
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """torch.OutOfMemoryError (CUDA, MPS), Python's MemoryError, and MLX's allocation failures (RuntimeError)."""
     if isinstance(error, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(error).__mro__):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from ...faults import first_line
 from ..base import checkpointed
 
 
@@ -32,7 +33,7 @@ def compile_errors_explained():
         yield
     except BackendCompilerFailed as error:
         inner = getattr(error, "inner_exception", None) or error
-        text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+        text = first_line(inner)
         # Flux2's blocks add into a tensor a norm has kept for backward (`x += ...` after `norm(x)`). Under
         # bf16 autocast on CUDA the norm keeps its fp32 cast instead, and the block traces; without (fp32,
         # or CPU autocast, which leaves norms in bf16) autograd refuses it while tracing.

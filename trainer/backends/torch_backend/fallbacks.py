@@ -13,7 +13,7 @@ import dataclasses
 import traceback
 
 from ...config import AUTO
-from ...faults import is_out_of_memory
+from ...faults import first_line, is_out_of_memory
 from .checkpointing import CompileFailed
 from .levers import log
 
@@ -31,7 +31,7 @@ def recover(backend, error: BaseException) -> bool:
                                                 note=f"{chosen.note}; compile failed"))
         log.warning("[Kiln] compile_blocks auto: torch.compile failed here (%s: %s). Training goes on without "
                     "compiled blocks (slower); set compile_blocks off to skip the attempt.",
-                    type(inner).__name__, _first_line(inner, 300))
+                    type(inner).__name__, first_line(inner, 300))
         return True
     if not is_out_of_memory(error):
         return False
@@ -42,14 +42,14 @@ def recover(backend, error: BaseException) -> bool:
                    rewrap=False)
         log.warning("[Kiln] step_graphs auto: a step ran out of GPU memory beside the step graphs' pool (%s). "
                     "Training goes on without them (small buckets slower); set step_graphs off to skip them.",
-                    _first_line(error, 200))
+                    first_line(error, 200))
         return True
     if cfg.checkpoint_budget == AUTO and chosen.budget > 0:
         _step_back(backend, dataclasses.replace(chosen, budget=0.0,
                                                 note=f"{chosen.note}; out of memory at budget {chosen.budget:g}: 0"))
         log.warning("[Kiln] checkpoint_budget auto: budget %g ran out of GPU memory (%s). Training goes on with "
                     "plain checkpointing (budget 0; blocks compile again). Set checkpoint_budget to a number to "
-                    "choose yourself.", chosen.budget, _first_line(error, 200))
+                    "choose yourself.", chosen.budget, first_line(error, 200))
         return True
     return False
 
@@ -63,8 +63,3 @@ def _step_back(backend, levers, rewrap: bool = True) -> None:
         backend.checkpointing.remove()
         backend._wrap_blocks(levers)
     backend.graphs = backend._step_graphs()
-
-
-def _first_line(error: BaseException, limit: int) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:limit] if text else ""

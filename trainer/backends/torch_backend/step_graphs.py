@@ -28,6 +28,8 @@ from collections.abc import Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from ...faults import first_line
+
 log = logging.getLogger("kiln")
 
 # A/B switch for bench/ (on in every run the config allows).
@@ -119,7 +121,7 @@ class StepGraphs:
         self.graphs: dict[tuple, _Recorded] = {}
         self.seen: Counter = Counter()
         self.off = False
-        self.weights = weights_at(model)
+        self.weights: tuple = ()   # where the model's weights lay at the last recording (weights_at)
 
     def run(self, inputs, fn: Callable) -> torch.Tensor:
         key = None if self.off else signature(inputs, self.device)
@@ -152,10 +154,9 @@ class StepGraphs:
             replay, out = self.recorder.record(lambda: fn(static))
         except Exception as error:   # noqa: BLE001 — any failed capture: the run goes on without graphs
             self.off, self.graphs = True, {}
-            first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
             log.warning("[Kiln] step_graphs: this step could not be recorded as a CUDA graph (%s: %s, at %s). "
                         "Training goes on without step graphs (host-paced at small buckets); set step_graphs off "
-                        "to skip the attempt.", type(error).__name__, first, _where(error))
+                        "to skip the attempt.", type(error).__name__, first_line(error, 300), _where(error))
             return None
         self.graphs[key] = recorded = _Recorded(_device_leaves(static, self.device), replay, out)
         self.weights = weights_at(self.model)
