@@ -77,6 +77,8 @@ The native node reads its loss every step (a sync of its own) and the diffusers 
 same way as Kiln. Reported: median (`*_s_per_step`), p95, mean.
 Memory: torch.cuda.max_memory_allocated / max_memory_reserved per trainer, reset (after
 empty_cache) before each; in GiB (2^30 bytes). Includes the resident bf16 weights.
+--card-gb G caps the process's allocator (set_per_process_memory_fraction) at G GiB less the CUDA
+context, as on a card that size; Kiln's auto levers plan within the cap (levers.free_bytes).
 Matmul rate: `--matmul-n`^3 matmuls in the run's dtype (8192 bf16 on CUDA) on the same device in the
 same run: CUDA events around 50 back-to-back products after a warm-up, best of 3; TFLOPS = 2 n^3 / time.
 
@@ -980,6 +982,13 @@ def main(argv=None) -> int:
     parser.add_argument("--matmul-n", type=int, help="matmul size for the rate (default 8192 on CUDA, 512 on CPU)")
     parser.add_argument("--tiny", action="store_true", help="tiny dims (hidden 256), same code path; CPU is fine")
     parser.add_argument("--tiny-res", type=int, default=128, help=argparse.SUPPRESS)
+    parser.add_argument("--card-gb", type=float, metavar="G",
+                        help="act as a G GiB card: this process's torch allocator capped (set_per_process_memory_"
+                             "fraction) at G GiB less what the GPU held before torch allocated anything (its CUDA "
+                             "context), which Kiln's auto levers plan within")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="an A/B switch of the pack set before the rows run, e.g. trainer.backends.torch_backend."
+                             "checkpointing.MARK_TOKEN_DIMS=0 (int, float or string; recorded as `lever`)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"), help="JSON list to append to")
     parser.add_argument("--merge", nargs="+", metavar="FILE", help="append these files' records to --out and exit")
     args = parser.parse_args(argv)
@@ -1020,12 +1029,16 @@ def main(argv=None) -> int:
     except ImportError:
         comfy_version = "unknown"
     on_gpu = device.type == "cuda"
+    levers_set = set_switches(prepare, args.set)
+    card = cap_memory(device, args.card_gb) if args.card_gb else {}
+    compile_workers = count_compile_workers()
     rate = matmul_tflops(device, dtype, args.matmul_n or (8192 if on_gpu else 512), iters=50 if on_gpu else 10)
     common = {"commit": git_commit(), "device": device_name(device), "torch": torch.__version__,
               "python": platform.python_version(), "comfyui": comfy_version, "matmul_tflops": float(f"{rate:.4g}"),
               "attention": getattr(comfy_attention.optimized_attention, "__name__", "?"),
               "rank": 32, "dtype": dtype_name, "timing": args.timing, "steps": steps, "warmup": warmup,
-              "native_steps": None if args.no_native else native_steps, "tiny": args.tiny}
+              "native_steps": None if args.no_native else native_steps, "tiny": args.tiny, **card,
+              **({"lever": ",".join(levers_set)} if levers_set else {})}
     print(f"[bench] {common['device']}, torch {common['torch']}, ComfyUI {comfy_version}, "
           f"{dtype_name} matmul {rate:.4g} TFLOPS; {len(rows)} row(s)", flush=True)
 
@@ -1048,10 +1061,67 @@ def main(argv=None) -> int:
             models[key] = build_model(dims, device, dtype, base=base)
             print(f"[bench] built {dims.variant} ({base}): {models[key][1]}", flush=True)
         record = run_row(row, dims, *models[key], opts)
+        if compile_workers is not None:   # Triton kernels inductor asked for before / after its workers answered
+            record["triton_kernels_in_process"], record["triton_kernels_to_workers"] = compile_workers
+            compile_workers[:] = [0, 0]
         append_records(out_path, [record])
         print(summary(record), file=sys.stderr, flush=True)
         print(json.dumps(record), flush=True)
     return 0
+
+
+def set_switches(prepare, assignments: list[str]) -> list[str]:
+    """`module.NAME=VALUE` A/B switches of the pack (bench/RESULTS.md's levers), set before any row runs."""
+    done = []
+    for assignment in assignments:
+        target, _, text = assignment.partition("=")
+        module_name, _, name = target.rpartition(".")
+        module = prepare.import_pack(module_name)
+        if not hasattr(module, name):
+            raise SystemExit(f"--set {assignment}: {module_name} has no {name}")
+        value = next((kind(text) for kind in (int, float) if _parses(kind, text)), text)
+        setattr(module, name, value)
+        done.append(f"{target.rpartition('.')[0].rpartition('.')[2]}.{name}={text}")
+    return done
+
+
+def _parses(kind, text: str) -> bool:
+    try:
+        kind(text)
+        return True
+    except ValueError:
+        return False
+
+
+def cap_memory(device: torch.device, card_gb: float) -> dict:
+    """This process's allocator capped so that it and the CUDA context fit `card_gb` GiB, as on a card that
+    size (the context is what the GPU held before torch allocated anything)."""
+    if device.type != "cuda":
+        raise SystemExit("--card-gb needs a CUDA GPU")
+    free, total = torch.cuda.mem_get_info(device)
+    context = total - free - torch.cuda.memory_reserved(device)
+    cap = card_gb * GIB - context
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    print(f"[bench] acting as a {card_gb:g} GiB card: allocator capped at {cap / GIB:.2f} GiB "
+          f"(context {context / GIB:.2f} GiB)", flush=True)
+    return {"card_gb": card_gb, "memory_cap_gb": round(cap / GIB, 3)}
+
+
+def count_compile_workers() -> list[int] | None:
+    """[kernels inductor built in this process, kernels it sent to its workers]: counted at each Triton
+    kernel request (cache hits included) by whether the worker pool had answered yet."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+    except ImportError:
+        return None
+    counts, triton = [0, 0], AsyncCompile.triton
+
+    def counted(self, *args, **kwargs):
+        counts[1 if AsyncCompile.use_process_pool() else 0] += 1
+        return triton(self, *args, **kwargs)
+
+    AsyncCompile.triton = counted
+    return counts
 
 
 def summary(r: dict) -> str:

@@ -355,6 +355,32 @@ def test_a_zimage_step_on_a_small_card_gets_a_small_budget():
                               (10 * levers.GIB, 24 * levers.GIB))[0] == 0.0
 
 
+def test_free_memory_is_counted_under_a_per_process_cap(monkeypatch):
+    """A process capped with torch.cuda.set_per_process_memory_fraction (a shared GPU, a 24 GB card simulated on
+    an 80 GB one) plans within the cap: its allocator raises out of memory there, whatever the GPU has free."""
+    gib = levers.GIB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 14 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 12 * gib)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def fraction_of(share):
+        def fraction(device):   # torch 2.11 refuses a device without an index ("cuda"), as Kiln's may be
+            assert isinstance(device, int)
+            return share
+        return fraction
+
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction_of(1.0), raising=False)
+    assert levers.free_bytes(torch.device("cuda")) == (72 * gib, 80 * gib)   # the reserved-but-unused 2 GiB count
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction_of(0.3), raising=False)
+    free, total = levers.free_bytes(torch.device("cuda"))
+    assert total == int(0.3 * 80 * gib) and free == total - 12 * gib
+    cfg = config_module.from_dict({"arch": "zimage", "resolutions": [1024]})
+    capped = levers.auto_budget(HeaderModel("zimage"), cfg, torch.device("cuda"))[0]
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction_of(1.0), raising=False)
+    assert capped < levers.auto_budget(HeaderModel("zimage"), cfg, torch.device("cuda"))[0] == 1.0
+
+
 def test_a_failed_compile_under_auto_trains_on_uncompiled(make_model, make_config, monkeypatch, caplog):
     """compile_blocks auto where the compile fails (here: a compiler that raises, as inductor does without
     a C++ compiler or Triton): one warning, the same step's gradients as an eager run, no lost run."""

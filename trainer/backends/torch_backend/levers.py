@@ -81,9 +81,19 @@ def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> i
 
 
 def free_bytes(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of the GPU now, counting memory torch's allocator holds but does not use."""
+    """(free, total) bytes of the GPU now, counting memory torch's allocator holds but does not use. Under a
+    cap on this process (torch.cuda.set_per_process_memory_fraction: a shared GPU, or a smaller card
+    simulated) the cap is the total and what is left under it the most that is free: torch's allocator
+    raises out of memory there, whatever the GPU has beyond it."""
     free, total = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+    allocated = torch.cuda.memory_allocated(device)
+    free += torch.cuda.memory_reserved(device) - allocated
+    index = device.index if device.index is not None else torch.cuda.current_device()   # torch 2.11 wants one
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _index: 1.0)(index)
+    if fraction < 1.0:
+        total = int(fraction * total)
+        free = min(free, total - allocated)
+    return free, total
 
 
 def auto_budget(model: nn.Module, cfg: TrainConfig, device: torch.device, free_and_total=None) -> tuple[float, str]:
