@@ -189,6 +189,7 @@ def run(args) -> dict:
     # diffusers' peer needs no ComfyUI (and runs where ComfyUI's requirements and diffusers' disagree)
     prepare = gpu_train.prepare_comfy(args.device) if args.trainer in ("kiln", "native") else None
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    card = gpu_train.cap_memory(device, args.card_gb) if args.card_gb else {}
     dims = gpu_train.TINY[args.arch] if args.tiny else VARIANTS[gpu_train.ARCH_VARIANTS[args.arch]]
     arch_name = dims.arch
     dtype = torch.float32 if args.tiny and device.type == "cpu" else torch.bfloat16
@@ -203,7 +204,7 @@ def run(args) -> dict:
               "variant": dims.variant, "steps": args.steps, "images": args.images, "resolutions": resolutions,
               "entries": len(names), "every": args.every, "prompts": PROMPTS,
               "sample_steps": args.sample_steps or sampling.steps, "sample_size": args.sample_size,
-              "timing": "events" if phases.clock.events else "sync"}
+              "timing": "events" if phases.clock.events else "sync", **card}
     with tempfile.TemporaryDirectory(prefix="kiln_wall_") as run_dir:
         ctx = PeerContext(args, dims, device, dtype, phases, latents, contexts,
                           prompts=[conditioning(dims, text_tokens, k) for k in range(PROMPTS)],
@@ -347,6 +348,7 @@ def main(argv=None) -> int:
                         help="the native node's checkpoint_depth (2: per block, as bench/gpu_train.py's rows; 1, the "
                              "node's default, checkpoints the whole model as one)")
     parser.add_argument("--tiny", action="store_true", help="tiny dims on the same path (CPU is fine)")
+    parser.add_argument("--card-gb", type=float, metavar="G", help="act as a G GiB card (bench/gpu_train.py's)")
     parser.add_argument("--out", required=True, help="JSON list to append the record to")
     args = parser.parse_args(argv)
     if args.device == "auto":

@@ -275,7 +275,7 @@ GIB = levers.GIB
 
 
 def _decide(free_gib: float, *, device="cuda", parallel=False, cuda_graphs=False, resolutions=(512, 768, 1024),
-            need=10 * GIB, pool=4 * GIB, **settings):
+            need=10 * GIB, pool=4 * GIB, budget=1.0, **settings):
     cfg = config_module.from_dict({"arch": "zimage", "resolutions": list(resolutions), **settings})
     sizes = {max(resolutions): need}
 
@@ -284,7 +284,7 @@ def _decide(free_gib: float, *, device="cuda", parallel=False, cuda_graphs=False
     original = levers.estimated_step_bytes
     levers.estimated_step_bytes = estimated
     try:
-        return levers.step_graphs(torch.nn.Linear(2, 2), cfg, torch.device(device), 1.0, cuda_graphs, parallel,
+        return levers.step_graphs(torch.nn.Linear(2, 2), cfg, torch.device(device), budget, cuda_graphs, parallel,
                                   (int(free_gib * GIB), 80 * GIB))
     finally:
         levers.estimated_step_bytes = original
@@ -295,6 +295,9 @@ def test_auto_records_small_steps_on_one_cuda_gpu_where_the_pool_fits():
     assert on and "step_graphs auto → on (steps of up to 800x800 px" in why and "a pool of ~8.0 GiB" in why   # 2x the step
     # the pool (the largest recorded step) beside the largest eager step, with auto's safety factor and margin
     assert not _decide(20)[0] and "would not fit" in _decide(20)[1]
+    assert "set checkpoint_budget lower to make room" in _decide(20)[1]
+    # at budget 0 there is nothing to lower (Klein 4B on a 12 GiB card, measured): no such advice
+    assert "would not fit" in _decide(20, budget=0.0)[1] and "checkpoint_budget" not in _decide(20, budget=0.0)[1]
     assert not _decide(60, resolutions=(1024,))[0]           # every step keeps the GPU busy
     assert not _decide(60, need=None)[0]                     # no estimate: memory unknown, off
     assert _decide(60, batch_size=2)[0] and "up to 565x565 px" in _decide(60, batch_size=2)[1]
