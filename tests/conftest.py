@@ -18,6 +18,16 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 from tiny_runs import tiny_config, tiny_data, tiny_model
 
 
+@pytest.fixture(autouse=True)
+def _compile_cache_in_tmp(monkeypatch, tmp_path_factory):
+    """Compiled blocks set up in a test cache into a temporary folder, never the developer's ~/.cache
+    (checkpointing.keep_compiled leaves a TORCHINDUCTOR_CACHE_DIR that is set alone)."""
+    import os
+
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
+
+
 @pytest.fixture
 def make_model():
     return tiny_model

@@ -381,6 +381,43 @@ def test_free_memory_is_counted_under_a_per_process_cap(monkeypatch):
     assert capped < levers.auto_budget(HeaderModel("zimage"), cfg, torch.device("cuda"))[0] == 1.0
 
 
+def test_compiled_blocks_are_cached_where_a_reboot_keeps_them(tmp_path, monkeypatch):
+    """inductor's default cache is in the temp folder, which most Linux systems empty at boot; Kiln points it
+    at the user's cache folder when compiled blocks are set up, unless TORCHINDUCTOR_CACHE_DIR is set or the
+    folder cannot be made."""
+    environ = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    assert checkpointing.keep_compiled(environ) == str(tmp_path / "cache" / "kiln" / "torch_compile")
+    assert environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "kiln" / "torch_compile")
+    assert (tmp_path / "cache" / "kiln" / "torch_compile").is_dir()
+    mine = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": "/fast/disk"}
+    assert checkpointing.keep_compiled(mine) is None and mine["TORCHINDUCTOR_CACHE_DIR"] == "/fast/disk"
+    (tmp_path / "file").write_text("not a folder")
+    blocked = {"XDG_CACHE_HOME": str(tmp_path / "file")}
+    assert checkpointing.keep_compiled(blocked) is None and "TORCHINDUCTOR_CACHE_DIR" not in blocked
+    # importing torch._dynamo writes inductor's default into the variable (ComfyUI's process has): not a choice
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    defaulted = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
+    assert checkpointing.keep_compiled(defaulted) == defaulted["TORCHINDUCTOR_CACHE_DIR"] == \
+        str(tmp_path / "cache" / "kiln" / "torch_compile")
+    # inductor reads the variable at each use, so setting it once torch is imported is enough
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    assert checkpointing.keep_compiled() == cache_dir() == str(tmp_path / "home" / "kiln" / "torch_compile")
+    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")      # nothing of inductor's to keep
+    assert checkpointing.keep_compiled({"XDG_CACHE_HOME": str(tmp_path / "other")}) is None
+
+
+def test_compiled_blocks_set_up_their_cache_and_uncompiled_ones_do_not(monkeypatch):
+    calls = []
+    monkeypatch.setattr(checkpointing, "keep_compiled", lambda: calls.append(1))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    checkpointing.BlockCheckpointing(MlpNet(), ("blocks",), compile=False, pure_blocks=True).remove()
+    assert calls == []
+    checkpointing.BlockCheckpointing(MlpNet(), ("blocks",), compile=True, pure_blocks=True).remove()
+    assert calls == [1]
+
+
 def test_a_failed_compile_under_auto_trains_on_uncompiled(make_model, make_config, monkeypatch, caplog):
     """compile_blocks auto where the compile fails (here: a compiler that raises, as inductor does without
     a C++ compiler or Triton): one warning, the same step's gradients as an eager run, no lost run."""
