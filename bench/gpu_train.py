@@ -1064,6 +1064,7 @@ def main(argv=None) -> int:
         if compile_workers is not None:   # Triton kernels inductor asked for before / after its workers answered
             record["triton_kernels_in_process"], record["triton_kernels_to_workers"] = compile_workers
             compile_workers[:] = [0, 0]
+        record["compile_phases_s"] = compile_phases()
         append_records(out_path, [record])
         print(summary(record), file=sys.stderr, flush=True)
         print(json.dumps(record), flush=True)
@@ -1122,6 +1123,20 @@ def count_compile_workers() -> list[int] | None:
 
     AsyncCompile.triton = counted
     return counts
+
+
+def compile_phases(top: int = 14) -> dict[str, float]:
+    """Where this row's compile went: dynamo's timers (`torch._dynamo.utils.compile_times`: dynamo's trace,
+    AOTAutograd, inductor's lowering and code generation, the wait for Triton kernels, ...), seconds summed
+    over the row's compiles, the `top` largest; nested timers overlap. Cleared for the next row."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return {}
+    totals = sorted(((name, sum(values)) for name, values in compilation_time_metrics.items()),
+                    key=lambda item: -item[1])
+    compilation_time_metrics.clear()
+    return {name: round(seconds, 2) for name, seconds in totals[:top] if seconds >= 0.01}
 
 
 def summary(r: dict) -> str:

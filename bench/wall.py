@@ -234,6 +234,7 @@ def run(args) -> dict:
                   saving_calls=phases.calls["saving"],
                   other_s=round(wall - sum(seconds) - phases.validation - phases.saving, 1),
                   first_step_s=round(seconds[0], 2), compile_share=round(compile_s / wall, 3),
+                  compile_phases_s=gpu_train.compile_phases(),
                   buckets=table, step_seconds=[round(v, 4) for v in seconds], step_shapes=phases.shapes,
                   peak_alloc_gb=round(peak, 2) if peak else None,
                   peak_reserved_gb=round(reserved, 2) if reserved else None, loss_finite=len(finite) == len(losses),
