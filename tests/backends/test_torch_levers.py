@@ -3,6 +3,8 @@ must give the gradients of the plain model; compiled blocks run under torch.comp
 backend here (the same dynamo and autograd graphs as inductor, no C++/Triton build on CI)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -397,9 +399,14 @@ def test_compiled_blocks_are_cached_where_a_reboot_keeps_them(tmp_path, monkeypa
     # importing torch._dynamo writes inductor's default into the variable (ComfyUI's process has): not a choice
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
-    defaulted = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
+    defaulted = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": default_cache_dir(),
+                 "TRITON_CACHE_DIR": os.path.join(default_cache_dir(), "triton", "0")}   # inductor wrote both
     assert checkpointing.keep_compiled(defaulted) == defaulted["TORCHINDUCTOR_CACHE_DIR"] == \
         str(tmp_path / "cache" / "kiln" / "torch_compile")
+    assert "TRITON_CACHE_DIR" not in defaulted                 # derived again from the new folder by inductor
+    own_triton = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TRITON_CACHE_DIR": "/fast/triton"}
+    checkpointing.keep_compiled(own_triton)
+    assert own_triton["TRITON_CACHE_DIR"] == "/fast/triton"    # the user's own stays
     # inductor reads the variable at each use, so setting it once torch is imported is enough
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))

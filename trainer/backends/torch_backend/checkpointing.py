@@ -158,6 +158,11 @@ def keep_compiled(environ=os.environ) -> str | None:
     except OSError:
         return None
     environ[CACHE_ENV] = str(folder)
+    # inductor writes TRITON_CACHE_DIR (its folder's triton/<device>) at its first Triton kernel; one written
+    # before (another node's compile) would keep the kernels in the temp folder: inductor derives it anew
+    default = _inductor_default()
+    if default and os.path.abspath(environ.get("TRITON_CACHE_DIR", "")).startswith(default + os.sep):
+        environ.pop("TRITON_CACHE_DIR")
     logging.getLogger("kiln").info("[Kiln] compiled blocks are cached in %s (a later run of the same model and "
                                    "settings compiles from it; set %s to move it)", folder, CACHE_ENV)
     return str(folder)
