@@ -150,12 +150,12 @@ def keep_compiled(environ=os.environ) -> str | None:
     chosen = environ.get(CACHE_ENV)
     if COMPILE_BACKEND != "inductor" or (chosen and os.path.abspath(chosen) != _inductor_default()):
         return None
-    folder = compile_cache_folder(environ)
     try:
+        folder = compile_cache_folder(environ)
         folder.mkdir(parents=True, exist_ok=True)
         if not os.access(folder, os.W_OK):
             return None
-    except OSError:
+    except (OSError, RuntimeError, KeyError):   # RuntimeError, KeyError: Path.home() without a home
         return None
     environ[CACHE_ENV] = str(folder)
     # inductor writes TRITON_CACHE_DIR (its folder's triton/<device>) at its first Triton kernel; one written
