@@ -147,8 +147,8 @@ def keep_compiled(environ=os.environ) -> str | None:
     """Points inductor's cache at compile_cache_folder() unless TORCHINDUCTOR_CACHE_DIR is set (to anything but
     inductor's default) or the folder cannot be written (a read-only home: inductor's temp folder then, as
     before). The folder, or None."""
-    chosen = environ.get(CACHE_ENV)
-    if COMPILE_BACKEND != "inductor" or (chosen and os.path.abspath(chosen) != _inductor_default()):
+    chosen, default = environ.get(CACHE_ENV), _inductor_default()
+    if COMPILE_BACKEND != "inductor" or (chosen and os.path.abspath(chosen) != default):
         return None
     try:
         folder = compile_cache_folder(environ)
@@ -160,9 +160,9 @@ def keep_compiled(environ=os.environ) -> str | None:
     environ[CACHE_ENV] = str(folder)
     # inductor writes TRITON_CACHE_DIR (its folder's triton/<device>) at its first Triton kernel; one written
     # before (another node's compile) would keep the kernels in the temp folder: inductor derives it anew
-    default = _inductor_default()
-    if default and os.path.abspath(environ.get("TRITON_CACHE_DIR", "")).startswith(default + os.sep):
-        environ.pop("TRITON_CACHE_DIR")
+    triton = environ.get("TRITON_CACHE_DIR")
+    if default and triton and os.path.abspath(triton).startswith(default + os.sep):
+        del environ["TRITON_CACHE_DIR"]
     logging.getLogger("kiln").info("[Kiln] compiled blocks are cached in %s (a later run of the same model and "
                                    "settings compiles from it; set %s to move it)", folder, CACHE_ENV)
     return str(folder)
