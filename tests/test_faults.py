@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from trainer import config as config_module
 from trainer import faults, safetensors_io, state
 from trainer.archs import get_arch
 from trainer.backends.base import Batch
@@ -217,6 +218,28 @@ def test_out_of_memory_saves_the_last_good_step_and_names_the_fixes(backend, err
     straight = train(cfg, model_for(backend, make_model), make_data(), run_dir=tmp_path / "straight")
     a, b = (safetensors_io.read(r.checkpoint / "state.safetensors")[0] for r in (straight, resumed))
     assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_out_of_memory_names_the_speed_settings_that_hold_memory_first():
+    """A set checkpoint_budget, kept blocks, fp8 copies or recorded graphs cost memory for speed alone: the message
+    names them before the fixes that change what trains; at the defaults (auto: fits what is free, steps back
+    on its own) it names none of them."""
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    fast = config_module.from_dict({"arch": "zimage", "compile_blocks": True, "checkpoint_budget": 0.7,
+                                    "skip_checkpoint_blocks": 3, "fp8_compute": True, "step_graphs": True})
+    message = faults.out_of_memory_message(fast, error, 4, ["a.png"], None)
+    fixes = message.split("To fit: ")[1]
+    order = [fixes.index(text) for text in ("checkpoint_budget (now 0.7", "skip_checkpoint_blocks to 0 (now 3",
+                                            "fp8_compute to auto or off", "step_graphs to auto or off",
+                                            "lower resolutions")]
+    assert order == sorted(order)
+    graphs = config_module.from_dict({"arch": "zimage", "compile_blocks": True, "cuda_graphs": True,
+                                      "step_graphs": False})
+    assert "turn cuda_graphs off" in faults.out_of_memory_message(graphs, error, 4, [], None)
+    plain = faults.out_of_memory_message(config_module.from_dict({"arch": "zimage"}), RuntimeError(""), 4, [], None)
+    assert not any(name in plain for name in ("checkpoint_budget", "skip_checkpoint_blocks", "fp8_compute",
+                                              "step_graphs", "cuda_graphs"))
+    assert "step 5 (batch: (unnamed)): RuntimeError." in plain      # an empty message names the error's type
 
 
 def test_out_of_memory_on_the_first_step_saves_nothing_and_sampling_oom_keeps_the_step(tmp_path, make_model,

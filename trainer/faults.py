@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .config import TrainConfig
+from .config import AUTO, TrainConfig
 
 MAX_NON_FINITE_IN_A_ROW = 3   # skipped steps in a row before the run stops (one bad batch is survivable)
 
@@ -50,9 +50,27 @@ def non_finite_message(cfg: TrainConfig, streak: list[dict], checkpoint: Path) -
               "mixed_precision 'bf16' or 'no' rather than on fp16 weights; then queue again (it resumes).")
 
 
+def _speed_settings_holding_memory(cfg: TrainConfig) -> list[str]:
+    """Settings a user set that spend memory on speed, never on what trains: each the first fix to try. Their
+    auto values fit what is free at the start and step back on their own (torch_backend/fallbacks.py)."""
+    fixes = []
+    if cfg.checkpoint_budget != AUTO and cfg.checkpoint_budget > 0:
+        fixes.append(f"lower checkpoint_budget (now {cfg.checkpoint_budget:g}; 0 keeps the least, auto what fits)")
+    if cfg.skip_checkpoint_blocks > 0 and cfg.gradient_checkpointing:
+        fixes.append(f"set skip_checkpoint_blocks to 0 (now {cfg.skip_checkpoint_blocks}: those blocks keep their "
+                     "activations)")
+    if cfg.fp8_compute is True:
+        fixes.append("set fp8_compute to auto or off (on a bf16 base it keeps fp8 copies of the block weights)")
+    if cfg.step_graphs is True:
+        fixes.append("set step_graphs to auto or off (their recorded steps share a memory pool)")
+    if cfg.cuda_graphs:
+        fixes.append("turn cuda_graphs off (each block's recorded graphs hold their own memory)")
+    return fixes
+
+
 def out_of_memory_message(cfg: TrainConfig, error: BaseException, step: int, items: list[str],
                           checkpoint: Path | None) -> str:
-    fixes = [f"lower resolutions (now {cfg.resolutions})"]
+    fixes = [*_speed_settings_holding_memory(cfg), f"lower resolutions (now {cfg.resolutions})"]
     if cfg.batch_size > 1:
         fixes.append(f"lower batch_size (now {cfg.batch_size}; grad_accum keeps the effective batch)")
     if cfg.batch_by != "images":
@@ -65,11 +83,11 @@ def out_of_memory_message(cfg: TrainConfig, error: BaseException, step: int, ite
     else:
         fixes.append("load the base with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base")
     fixes.append("close other GPU work; `python -m trainer estimate` predicts the memory a config needs")
-    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    first = first_line(error, 300) or type(error).__name__
     saved = (f"Saved a resumable checkpoint at step {step}, the last good step: {checkpoint}." if checkpoint
              else f"There was nothing new to save at step {step}: no step had finished since the start, or this is one of "
                   "several ranks (torchrun), which never save alone; the newest checkpoint resumes the run.")
-    return (f"out of memory at step {step + 1} (batch: {', '.join(items) or '(unnamed)'}): {first_line}. {saved} "
+    return (f"out of memory at step {step + 1} (batch: {', '.join(items) or '(unnamed)'}): {first}. {saved} "
             f"To fit: {'; '.join(fixes)}. Then queue again: an unchanged run resumes, a changed setting starts anew.")
 
 
