@@ -988,7 +988,8 @@ def main(argv=None) -> int:
                              "context), which Kiln's auto levers plan within")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="an A/B switch of the pack set before the rows run, e.g. trainer.backends.torch_backend."
-                             "checkpointing.MARK_TOKEN_DIMS=0 (int, float or string; recorded as `lever`)")
+                             "checkpointing.MARK_TOKEN_DIMS=0 (read as the switch's own type: bool 1/0, true/false, "
+                             "on/off; int, float, str; recorded as `lever`)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"), help="JSON list to append to")
     parser.add_argument("--merge", nargs="+", metavar="FILE", help="append these files' records to --out and exit")
     args = parser.parse_args(argv)
@@ -1080,18 +1081,24 @@ def set_switches(prepare, assignments: list[str]) -> list[str]:
         module = prepare.import_pack(module_name)
         if not hasattr(module, name):
             raise SystemExit(f"--set {assignment}: {module_name} has no {name}")
-        value = next((kind(text) for kind in (int, float) if _parses(kind, text)), text)
-        setattr(module, name, value)
+        setattr(module, name, _as_type_of(getattr(module, name), text, assignment))
         done.append(f"{target.rpartition('.')[0].rpartition('.')[2]}.{name}={text}")
     return done
 
 
-def _parses(kind, text: str) -> bool:
+def _as_type_of(current, text: str, assignment: str):
+    """`text` as a value of the switch's own type (a bool from 1/0, true/false, on/off), else refused."""
+    if isinstance(current, bool):
+        words = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+        if text.lower() not in words:
+            raise SystemExit(f"--set {assignment}: a bool switch takes 1/0, true/false or on/off")
+        return words[text.lower()]
+    if not isinstance(current, (int, float, str)):
+        raise SystemExit(f"--set {assignment}: a {type(current).__name__} switch is not settable from the command line")
     try:
-        kind(text)
-        return True
+        return type(current)(text)
     except ValueError:
-        return False
+        raise SystemExit(f"--set {assignment}: not a {type(current).__name__}") from None
 
 
 def cap_memory(device: torch.device, card_gb: float) -> dict:
@@ -1099,6 +1106,9 @@ def cap_memory(device: torch.device, card_gb: float) -> dict:
     size (the context is what the GPU held before torch allocated anything)."""
     if device.type != "cuda":
         raise SystemExit("--card-gb needs a CUDA GPU")
+    probe = torch.ones(256, 256, device=device, dtype=torch.bfloat16)
+    (probe @ probe).sum().item()   # cuBLAS loaded: its handles and kernels count as context on a real card too
+    del probe
     free, total = torch.cuda.mem_get_info(device)
     context = total - free - torch.cuda.memory_reserved(device)
     cap = card_gb * GIB - context

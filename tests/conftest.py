@@ -20,12 +20,11 @@ from tiny_runs import tiny_config, tiny_data, tiny_model
 
 @pytest.fixture(autouse=True)
 def _compile_cache_in_tmp(monkeypatch, tmp_path_factory):
-    """Compiled blocks set up in a test cache into a temporary folder, never the developer's ~/.cache
-    (checkpointing.keep_compiled leaves a TORCHINDUCTOR_CACHE_DIR that is set alone)."""
-    import os
-
-    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
+    """Compiled blocks set up in a test cache into a temporary folder, never the developer's ~/.cache:
+    checkpointing.keep_compiled leaves a TORCHINDUCTOR_CACHE_DIR set to anything but inductor's default (which
+    importing torch._dynamo has already written into it), and monkeypatch undoes what a test changes."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
 
 
 @pytest.fixture

@@ -391,6 +391,8 @@ def test_compiled_blocks_are_cached_where_a_reboot_keeps_them(tmp_path, monkeypa
     assert checkpointing.keep_compiled(environ) == str(tmp_path / "cache" / "kiln" / "torch_compile")
     assert environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "kiln" / "torch_compile")
     assert (tmp_path / "cache" / "kiln" / "torch_compile").is_dir()
+    relative = checkpointing.compile_cache_folder({"XDG_CACHE_HOME": "cache"})   # the XDG spec: ignored
+    assert relative.is_absolute() and relative.parts[-3:] == (".cache", "kiln", "torch_compile")
     mine = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": "/fast/disk"}
     assert checkpointing.keep_compiled(mine) is None and mine["TORCHINDUCTOR_CACHE_DIR"] == "/fast/disk"
     (tmp_path / "file").write_text("not a folder")
@@ -403,7 +405,7 @@ def test_compiled_blocks_are_cached_where_a_reboot_keeps_them(tmp_path, monkeypa
                  "TRITON_CACHE_DIR": os.path.join(default_cache_dir(), "triton", "0")}   # inductor wrote both
     assert checkpointing.keep_compiled(defaulted) == defaulted["TORCHINDUCTOR_CACHE_DIR"] == \
         str(tmp_path / "cache" / "kiln" / "torch_compile")
-    assert "TRITON_CACHE_DIR" not in defaulted                 # derived again from the new folder by inductor
+    assert defaulted["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "kiln" / "torch_compile" / "triton")
     own_triton = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TRITON_CACHE_DIR": "/fast/triton"}
     checkpointing.keep_compiled(own_triton)
     assert own_triton["TRITON_CACHE_DIR"] == "/fast/triton"    # the user's own stays

@@ -138,8 +138,9 @@ def compile_cache_folder(environ=os.environ) -> Path:
     $XDG_CACHE_HOME/kiln/torch_compile (~/.cache/kiln/torch_compile)."""
     if os.name == "nt" and environ.get("LOCALAPPDATA"):
         home = Path(environ["LOCALAPPDATA"])
-    else:
-        home = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    else:   # the XDG spec: a relative XDG_CACHE_HOME is ignored
+        xdg = environ.get("XDG_CACHE_HOME", "")
+        home = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
     return home / "kiln" / "torch_compile"
 
 
@@ -158,11 +159,12 @@ def keep_compiled(environ=os.environ) -> str | None:
     except (OSError, RuntimeError, KeyError):   # RuntimeError, KeyError: Path.home() without a home
         return None
     environ[CACHE_ENV] = str(folder)
-    # inductor writes TRITON_CACHE_DIR (its folder's triton/<device>) at its first Triton kernel; one written
-    # before (another node's compile) would keep the kernels in the temp folder: inductor derives it anew
+    # inductor writes TRITON_CACHE_DIR (its folder's triton/<device>) at its first Triton kernel, in this process
+    # and in each compile worker; one written before (another node's compile) would keep the kernels in the temp
+    # folder. Set anew, it reaches the workers too (each job carries it; a removed one would not reach them).
     triton = environ.get("TRITON_CACHE_DIR")
     if default and triton and os.path.abspath(triton).startswith(default + os.sep):
-        del environ["TRITON_CACHE_DIR"]
+        environ["TRITON_CACHE_DIR"] = str(folder / "triton")
     logging.getLogger("kiln").info("[Kiln] compiled blocks are cached in %s (a later run of the same model and "
                                    "settings compiles from it; set %s to move it)", folder, CACHE_ENV)
     return str(folder)
