@@ -24,6 +24,7 @@ from .buckets import BucketPlan, Entry, plan_buckets
 from .cache import Cache, latent_key, text_key
 from .captions import CaptionSettings, caption_variants, class_caption
 from .companions import companions_key, entry_sample
+from .prefetch import in_order
 from .report import DatasetMeta, Item, Problem, ScanReport, format_report
 
 ImageEncoder = Callable[[np.ndarray], np.ndarray]
@@ -173,31 +174,35 @@ class Dataset:
                           {"image": ds.report.items[entries[n].item].path, "bucket": entries[n].key})
                 start += count
 
-        done, current, image = 0, None, None
-        for n in sorted(todo, key=lambda n: entries[n].item):  # decode each image once for all its entries
-            entry = entries[n]
-            if entry.item in failed:
-                continue
-            if entry.item != current:
-                current, item = entry.item, ds.report.items[entry.item]
-                try:
-                    image = Image.fromarray(load_rgb(Path(ds.report.root) / item.path))
-                except ImageProblem as err:
-                    failed.add(entry.item)
-                    problems.append(Problem(err.code, item.path, err.message, err.fix, "skipped"))
-                    continue
+        root = Path(ds.report.root)
+
+        def decode(job):   # on a worker thread: each image decoded once for all its entries
+            index, ns = job
+            item, samples = ds.report.items[index], []
             try:
-                sample = entry_sample(Path(ds.report.root), item, image, entry, crop_pixels)
-            except ImageProblem as err:   # a mask or control that fails to decode: the image is left out
-                failed.add(entry.item)
-                problems.append(Problem(err.code, item.path, err.message, err.fix, "skipped"))
-                continue
-            pending.setdefault(entry.bucket, []).append((n, sample))
-            if len(pending[entry.bucket]) >= batch_size:
-                flush(entry.bucket)
-            done += 1
-            if progress is not None:
-                progress(done, len(todo))
+                image = Image.fromarray(load_rgb(root / item.path))
+                for n in ns:
+                    samples.append((n, entry_sample(root, item, image, entries[n], crop_pixels)))
+            except ImageProblem as err:   # the image, a mask or a control: the image is left out from here
+                return index, samples, Problem(err.code, item.path, err.message, err.fix, "skipped")
+            return index, samples, None
+
+        by_item: dict[int, list[int]] = {}
+        for n in sorted(todo, key=lambda n: entries[n].item):
+            if entries[n].item not in failed:
+                by_item.setdefault(entries[n].item, []).append(n)
+        done = 0
+        for index, samples, problem in in_order(by_item.items(), decode):
+            for n, sample in samples:
+                pending.setdefault(entries[n].bucket, []).append((n, sample))
+                if len(pending[entries[n].bucket]) >= batch_size:
+                    flush(entries[n].bucket)
+                done += 1
+                if progress is not None:
+                    progress(done, len(todo))
+            if problem is not None:
+                failed.add(index)
+                problems.append(problem)
         for bucket in list(pending):
             flush(bucket)
         if len(failed) == len(self.report.items):
