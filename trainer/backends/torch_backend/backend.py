@@ -128,14 +128,18 @@ class TorchBackend:
             return self._preserving_loss(batch)
         return self._loss(self._device_batch(batch))
 
-    def _device_batch(self, batch) -> dict:
-        """The micro-batch's tensors on the device (integer extras stay on the host: they choose shapes)."""
+    def _flow_tensors(self, batch) -> dict:
+        """The micro-batch's latents, noise, σ, weights and mask on the device in fp32 (every loss's)."""
         return {"x0": self._to_device(batch.latents, torch.float32),
                 "noise": self._to_device(batch.noise, torch.float32),
                 "sigmas": self._to_device(batch.sigmas, torch.float32),
                 "weights": self._to_device(batch.weights, torch.float32),
-                "mask": None if batch.mask is None else self._to_device(batch.mask, torch.float32),
-                "context": self._to_device(batch.context, self.dtype), "extras": self._extras(batch.extras)}
+                "mask": None if batch.mask is None else self._to_device(batch.mask, torch.float32)}
+
+    def _device_batch(self, batch) -> dict:
+        """The micro-batch's tensors on the device (integer extras stay on the host: they choose shapes)."""
+        return {**self._flow_tensors(batch), "context": self._to_device(batch.context, self.dtype),
+                "extras": self._extras(batch.extras)}
 
     def _amp(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
@@ -171,10 +175,8 @@ class TorchBackend:
         """Differential output preservation (trainer/preservation.py): the base model's prediction on the
         class-word captions (LoRA off, no grad; a compiled block runs eagerly without grad, so nothing
         recompiles) is the target of the LoRA's, from one forward of the rows and their class-word rows."""
-        kept, amp = batch.preservation, self._amp()
-        x0, noise, sigmas, weights = (self._to_device(a, torch.float32)
-                                      for a in (batch.latents, batch.noise, batch.sigmas, batch.weights))
-        mask = None if batch.mask is None else self._to_device(batch.mask, torch.float32)
+        kept, amp, flow = batch.preservation, self._amp(), self._flow_tensors(batch)
+        x0, noise, sigmas, weights, mask = (flow[k] for k in ("x0", "noise", "sigmas", "weights", "mask"))
         x_t, target = interpolate(x0, noise, sigmas), velocity_target(x0, noise)
         x_in, rows = x_t.to(self.dtype), x_t.shape[0]
         with torch.no_grad(), amp, self.lora.disabled():   # not through DDP: no gradient to average
