@@ -159,8 +159,10 @@ class ComfyServer:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self, timeout: float = 150.0) -> ComfyServer:
+        # KILN_COMFY_GPU=1 (tests/comfy_env.py) serves on the GPU as a user's ComfyUI does: the device checks
+        device = [] if os.environ.get("KILN_COMFY_GPU", "") == "1" else ["--cpu"]
         args = [sys.executable, str(HERE / "comfy_server.py"), self.comfy,
-                "--cpu", "--listen", "127.0.0.1", "--port", str(self.port), "--disable-auto-launch",
+                *device, "--listen", "127.0.0.1", "--port", str(self.port), "--disable-auto-launch",
                 "--base-directory", str(self.base), "--database-url", "sqlite:///:memory:",
                 "--disable-api-nodes", *self.extra_args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -261,7 +263,8 @@ def _launch(argv: list[str]) -> None:
     sys.path.insert(0, str(HERE.parent))          # tests/, for comfy_env
     import comfy_env
 
-    comfy_env.cpu_torch_workarounds()
+    if not comfy_env.gpu():   # for PyPI's CPU wheels; on a GPU ComfyUI must be first to import torch (its allocator)
+        comfy_env.cpu_torch_workarounds()
     import runpy
 
     # As `python main.py` from ComfyUI's folder: its folder first on sys.path, not this test folder.

@@ -40,7 +40,8 @@ def _two_bucket_data(model, vae, clip):
 def _train(model, data, tmp_path, *, compile: bool):
     """Six steps of batch 1 (seed 1: a 32 px image first); each step's latent width and the compiled graphs
     counted after its forward."""
-    cfg = config.from_dict(dict(arch="zimage", device="cpu", mixed_precision="no", steps=6, batch_size=1, rank=4,
+    device = "auto" if comfy_env.gpu() else "cpu"
+    cfg = config.from_dict(dict(arch="zimage", device=device, mixed_precision="no", steps=6, batch_size=1, rank=4,
                                 alpha=4.0, learning_rate=1e-3, checkpoint_every=0, keep_checkpoints=1, log_every=1,
                                 resolutions=[64], caption_dropout=0.0, gradient_checkpointing=True, seed=1,
                                 compile_blocks=compile, checkpoint_budget=1.0 if compile else 0.0))

@@ -78,8 +78,11 @@ def klein_run(tmp_path, name: str, *, steps: int = 4, extra: str = "") -> Path:
             (tmp_path / f"{stand_in}.safetensors").write_bytes(b"stand-in: the loaders below return tiny models")
         tc.write_photos(tmp_path / "ds")
     config = tmp_path / f"{name}.toml"
+    attention = 'attention = "flash"' if comfy_env.gpu() else ""   # the same_kernels fixture's, on the GPU
     config.write_text(
-        f'arch = "flux2_klein"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = {steps}\nrank = 4\nalpha = 4.0\n'
+        f'arch = "flux2_klein"\ndevice = "{"auto" if comfy_env.gpu() else "cpu"}"\n'
+        f'mixed_precision = "{"bf16" if comfy_env.gpu() else "no"}"\nsteps = {steps}\nrank = 4\nalpha = 4.0\n'
+        f'{attention}\n'
         f'learning_rate = 0.02\nmodel_path = "{model_file}"\nvae_path = "{tmp_path / "vae.safetensors"}"\n'
         f'text_encoder_path = "{tmp_path / "te.safetensors"}"\ndataset_dir = "{tmp_path / "ds"}"\n'
         f'output_dir = "{tmp_path / "runs"}"\nrun_name = "{name}"\nresolutions = [64]\ncheckpoint_every = 2\n'
@@ -106,7 +109,7 @@ def as_saved(images) -> np.ndarray:
     return np.clip(255.0 * images[0].float().cpu().numpy(), 0, 255).astype(np.uint8)
 
 
-def test_headless_samples_its_prompts_into_the_run_folder_through_comfys_sampler(tmp_path, capsys):
+def test_headless_samples_its_prompts_into_the_run_folder_through_comfys_sampler(tmp_path, capsys, same_kernels):
     """Two sample prompts every 2 steps of 4: files by step and prompt before the first step, at 2 and at 4,
     each with its settings in the PNG. Before training the image is bitwise what ComfyUI's sampler gives the
     plain model (bridge.sample, the node's path); at the end, what it gives the model with the run's LoRA
@@ -158,15 +161,21 @@ def test_headless_samples_its_prompts_into_the_run_folder_through_comfys_sampler
     trained = bridge.apply_lora(model, bridge.lora_model_from(lora, "flux2_klein"), 1.0)
     first, last = png(run / "samples" / "step-000000-p0.png")[0], png(run / "samples" / "step-000004-p0.png")[0]
     expected = as_saved(bridge.sample(trained, vae=vae, **red))
-    assert np.abs(last.astype(int) - expected).max() <= 2
-    assert np.abs(last.astype(int) - first).max() > 10, "the LoRA should have changed the sample"
+    apart, moved = np.abs(last.astype(int) - expected), np.abs(last.astype(int) - first)
+    if comfy_env.gpu():
+        # bf16: ComfyUI samples the LoRA merged into the weights, rounded to bf16; the run sampled it as a side
+        # branch (H200: mean 0.77 of 255 apart, max 8, against 20.6 from the untrained sample)
+        assert apart.mean() < 0.1 * moved.mean(), (apart.mean(), moved.mean())
+    else:
+        assert apart.max() <= 2
+    assert moved.max() > 10, "the LoRA should have changed the sample"
     # Sampling leaves training alone: the same LoRA as the run without samples.
     same, _ = lora_format.load_lora(tmp_path / "runs" / "sampled" / "sampled.safetensors")
     theirs, _ = lora_format.load_lora(tmp_path / "runs" / "plain" / "plain.safetensors")
     assert same_lora(same, theirs)
 
 
-def test_sample_settings_are_outside_the_run_and_its_resume(tmp_path, monkeypatch):
+def test_sample_settings_are_outside_the_run_and_its_resume(tmp_path, monkeypatch, same_kernels):
     """Headless: a run stopped at step 2 resumes under other sample settings (other prompts, every step) to
     the LoRA it would have trained straight, sampling from where it resumed (no second 'before' sample).
     The node: its run folder's name (the settings hash) ignores every sample_* setting."""

@@ -149,6 +149,10 @@ def _only_missing_files(node_errors: dict) -> list[str]:
 
 def test_train_save_then_load_with_comfys_lora_loader(server):
     train = json.loads((WORKFLOWS / "tiny_flux2_api.json").read_text(encoding="utf-8"))
+    if comfy_env.gpu():   # the device checks: Kiln's defaults on the GPU
+        for node in train.values():
+            if node["class_type"] == "KilnTrainingOptions":
+                node["inputs"].update(device="auto", mixed_precision="bf16")
     started = time.monotonic()
     entry = server.run(train, timeout=150)
     train_s = time.monotonic() - started
@@ -199,7 +203,8 @@ def test_example_workflow_passes_comfys_validation(server, path):
 def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
     """An example API workflow on the tiny models: Z-Image's UNETLoader becomes the test node that builds a
     tiny Z-Image, CLIPLoader the tiny text encoder of that family, the VAEs and the training adapter tiny
-    files; 64 px, a few steps (steps / 250, so chained and resumed runs keep their order), on the CPU.
+    files; 64 px, a few steps (steps / 250, so chained and resumed runs keep their order), on the CPU
+    (with KILN_COMFY_GPU=1 on the GPU, with the workflow's own device and precision).
     Every Kiln node and every link stays as shipped."""
     api, zimage = json.loads(json.dumps(api)), any(n["inputs"].get("type") == "lumina2" for n in api.values())
     for node in api.values():
@@ -217,7 +222,10 @@ def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
         elif kind == "LoadImage":
             inputs.update(image=TINY_FILES["reference"])
         elif kind == "KilnTrainingOptions":
-            inputs.update(device="cpu", mixed_precision="no", checkpoint_every=2, log_every=1)
+            # on the GPU (KILN_COMFY_GPU=1) the shipped device and precision stay: Kiln's defaults as users get them
+            inputs.update(checkpoint_every=2, log_every=1)
+            if not comfy_env.gpu():
+                inputs.update(device="cpu", mixed_precision="no")
         elif kind == "KilnTrainLoRA":
             inputs.update(steps=max(2, inputs["steps"] // 250), rank=4, alpha=4.0)
             if inputs.get("training_adapter", "none") != "none":
