@@ -159,8 +159,9 @@ class ComfyServer:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self, timeout: float = 150.0) -> ComfyServer:
-        # KILN_COMFY_GPU=1 (tests/comfy_env.py) serves on the GPU as a user's ComfyUI does: the device checks
-        device = [] if os.environ.get("KILN_COMFY_GPU", "") == "1" else ["--cpu"]
+        import comfy_env   # tests/, on sys.path in a test process (conftest)
+
+        device = [] if comfy_env.gpu() else ["--cpu"]   # KILN_COMFY_GPU=1: on the GPU, as a user's ComfyUI serves
         args = [sys.executable, str(HERE / "comfy_server.py"), self.comfy,
                 *device, "--listen", "127.0.0.1", "--port", str(self.port), "--disable-auto-launch",
                 "--base-directory", str(self.base), "--database-url", "sqlite:///:memory:",
