@@ -3,6 +3,11 @@ stop button deferred to step boundaries; and the memory given back afterwards.
 
 Every prompt runs under torch.inference_mode(): models loaded in a prompt hold inference tensors,
 which autograd cannot save, so a training session swaps them for normal copies (same values).
+ComfyUI's own model management (loads, evictions, validation sampling and its VAE decode) still runs
+under inference mode, as in ComfyUI's nodes: a model whose weights were made in a prompt and moved
+outside inference mode keeps Parameters without a version counter (`param.data = ...`), which later
+prompts' ops refuse ("Inference tensors do not track version counter": ComfyUI 0.33's VAE Decode
+after a run on an H100, bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -67,14 +72,16 @@ _SESSIONS: list = []  # models in an open training_session (innermost last); sam
 
 @contextlib.contextmanager
 def sampling(reload_after=None):
-    """Sampling between training steps (or outside a session): no grad, in_training off (the inference
-    RoPE path), the stop button live. Afterwards the model of the open training_session (or
+    """Sampling between training steps (or outside a session): inference mode, in_training off (the
+    inference RoPE path), the stop button live. Afterwards the model of the open training_session (or
     reload_after) is loaded fully again: sampling may have loaded another clone (e.g. the model without
     the training adapter) or evicted it for the VAE."""
     previous = mm.in_training
     try:
         mm.in_training = False
-        with torch.no_grad(), _run_every_op(_RUN_EVERY_OP):
+        # inference mode, as ComfyUI's KSampler and VAE Decode run: the models the sampler and the decode load
+        # or evict are moved as in a prompt (module docstring); the LoRA branches live outside ComfyUI's modules
+        with torch.inference_mode(), _run_every_op(_RUN_EVERY_OP):
             yield
     finally:
         mm.in_training = previous
@@ -93,7 +100,9 @@ def _load_fully(model, evict_others: bool = True) -> None:
     """load_models_gpu with no lowvram offload (and, at the start, everything else evicted, as
     nodes_train.py does with memory_required=1e20); then inference tensors become normal ones."""
     try:
-        with _fp32_patches(model.load_device):
+        # under inference mode, as ComfyUI loads: the models it evicts for this one stay as a prompt left them
+        # (module docstring); what this model gets as inference tensors becomes normal below
+        with _fp32_patches(model.load_device), torch.inference_mode():
             mm.load_models_gpu([model], memory_required=1e20 if evict_others else 0, force_full_load=True)
     except torch.OutOfMemoryError as error:
         size = model.model_size() / 2**30

@@ -32,6 +32,7 @@ data_module = comfy_env.import_pack("trainer.data")
 loop = comfy_env.import_pack("trainer.loop")
 LoraWeights = comfy_env.import_pack("trainer.lora_format").LoraWeights
 TorchBackend = comfy_env.import_pack("trainer.backends.torch_backend.backend").TorchBackend
+bridge_session = comfy_env.import_pack("nodes.comfy.session")
 
 
 # ---------------------------------------------------------------- fixtures (built once)
@@ -432,6 +433,56 @@ def test_sample_returns_image_with_lora_installed(klein, klein_clip, flux2_vae):
             backend.teardown()
     assert image.shape == (1, 32, 48, 3) and torch.isfinite(image).all()
     assert 0.0 <= image.min() and image.max() <= 1.0
+
+
+def test_comfys_model_moves_stay_in_inference_mode(zimage, zimage_clip, flux_vae, monkeypatch):
+    """Every model load ComfyUI makes for a session (the training model, and the sampler's and VAE Decode's
+    loads in a validation sample, which evict others) runs under inference mode, as in ComfyUI's own nodes.
+    Moved outside it, a model whose weights a prompt made keeps Parameters without a version counter, and a
+    later prompt's VAE Decode failed on them (ComfyUI 0.33, H100: "Inference tensors do not track version
+    counter"); the trap itself is test_a_prompts_weights_moved_outside_inference_mode_lose_their_version."""
+    modes = []
+    load = mm.load_models_gpu
+
+    def recording(models, *args, **kwargs):
+        modes.append((type(models[0].model).__name__, torch.is_inference_mode_enabled()))
+        return load(models, *args, **kwargs)
+
+    monkeypatch.setattr(mm, "load_models_gpu", recording)
+    cond = tc.conditioning(zimage_clip, "a cat")
+    adapter = bridge.lora_model_from(random_lora(zimage, "zimage", seed=5), "zimage", dtype=torch.bfloat16)
+    merged = bridge.training_adapter_merged(zimage, adapter)   # Turbo's way: sampled without it, then reloaded
+    backend = TorchBackend()
+    with bridge.training_session(merged) as (dm, _):
+        backend.setup(dm, small_config("zimage"), archs.get_arch("zimage"))
+        try:
+            bridge.sample(zimage, cond, cond, flux_vae, seed=1, steps=1, cfg=1.0, sampler_name="euler",
+                          scheduler="simple", width=32, height=32, reload_after=merged)
+            assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()   # the session's state is back
+            assert not any(bridge_session._inference(p) for p in dm.parameters())     # and its weights trainable
+        finally:
+            backend.teardown()
+    kinds = {kind for kind, _ in modes}
+    assert len(modes) >= 3 and len(kinds) >= 2, modes   # the session's loads, the sampler's, the VAE's
+    assert all(inference for _, inference in modes), modes
+
+
+def test_a_prompts_weights_moved_outside_inference_mode_lose_their_version():
+    """The trap behind the test above, in torch alone: a module built in a prompt (inference mode) and moved
+    outside it keeps its Parameter objects with `.data` swapped (Module._apply): they say they are not
+    inference tensors but have no version counter, and ops that read it fail, even back in inference mode.
+    Moved inside inference mode, they stay inference tensors, which every op in a prompt accepts."""
+    with torch.inference_mode():
+        outside, inside = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    outside.to(torch.float64)
+    with torch.inference_mode():
+        inside.to(torch.float64)
+    assert not outside.weight.is_inference() and bridge_session._inference(outside.weight)
+    with pytest.raises(RuntimeError, match="version counter"), torch.inference_mode():
+        torch.mm(outside.weight.view(4, 4), outside.weight.t())
+    with torch.inference_mode():
+        assert inside.weight.is_inference()
+        assert torch.mm(inside.weight.view(4, 4), inside.weight.t()).shape == (4, 4)
 
 
 @contextlib.contextmanager
