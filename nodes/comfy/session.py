@@ -2,12 +2,9 @@
 stop button deferred to step boundaries; and the memory given back afterwards.
 
 Every prompt runs under torch.inference_mode(): models loaded in a prompt hold inference tensors,
-which autograd cannot save, so a training session swaps them for normal copies (same values).
-ComfyUI's own model management (loads, evictions, validation sampling and its VAE decode) still runs
-under inference mode, as in ComfyUI's nodes: a model whose weights were made in a prompt and moved
-outside inference mode keeps Parameters without a version counter (`param.data = ...`), which later
-prompts' ops refuse ("Inference tensors do not track version counter": ComfyUI 0.33's VAE Decode
-after a run on an H100, bench/RESULTS.md).
+which autograd cannot save, so a training session swaps them for normal copies (same values). The
+other models ComfyUI moves meanwhile (its evictions, a validation sample's loads) are mended back to
+inference tensors afterwards (mend_moved_weights).
 """
 from __future__ import annotations
 
@@ -44,7 +41,8 @@ def training_session(model, device=None, *, quantized_matmul: bool = False):
 
     Yields (diffusion_model module, torch.device). The stop button is honoured at step boundaries
     (Progress.update) rather than inside a forward or backward. On exit the flags come back; the
-    model stays loaded and its weights keep their values (inference tensors became normal tensors).
+    model stays loaded and its weights keep their values (normal tensors during the session; inference
+    tensors again after one in a prompt).
     """
     wanted = None if device in (None, "", "auto") else torch.device(device)
     if wanted is not None and (wanted.type != model.load_device.type
@@ -54,17 +52,21 @@ def training_session(model, device=None, *, quantized_matmul: bool = False):
     if model.is_dynamic():
         raise RuntimeError("training_session needs bridge.trainable(model): this patcher uses dynamic VRAM, "
                            "which never loads weights fully")
-    previous = mm.in_training
+    previous, in_a_prompt = mm.in_training, torch.is_inference_mode_enabled()
     with torch.inference_mode(False), torch.enable_grad(), _run_every_op(_deferring_run_every_op), \
             comfy_paths.training(model, quantized_matmul=quantized_matmul):
         try:
             mm.in_training = True
             _SESSIONS.append(model)
-            _load_fully(model)
+            others = _prompt_models(model)
+            _load_fully(model)   # evicts the others, outside inference mode
+            mend_moved_weights(others + _prompt_models(model))
             yield model.model.diffusion_model, model.load_device
         finally:
             _SESSIONS.remove(model)
             mm.in_training = previous
+            if in_a_prompt:
+                _as_a_prompt_left_them(model.model.diffusion_model)
 
 
 _SESSIONS: list = []  # models in an open training_session (innermost last); sampling() reloads it after
@@ -72,22 +74,23 @@ _SESSIONS: list = []  # models in an open training_session (innermost last); sam
 
 @contextlib.contextmanager
 def sampling(reload_after=None):
-    """Sampling between training steps (or outside a session): inference mode, in_training off (the
-    inference RoPE path), the stop button live. Afterwards the model of the open training_session (or
+    """Sampling between training steps (or outside a session): no grad, in_training off (the inference
+    RoPE path), the stop button live. Afterwards the model of the open training_session (or
     reload_after) is loaded fully again: sampling may have loaded another clone (e.g. the model without
     the training adapter) or evicted it for the VAE."""
     previous = mm.in_training
+    training = reload_after if reload_after is not None else (_SESSIONS[-1] if _SESSIONS else None)
+    moved = _prompt_models(training)
     try:
         mm.in_training = False
-        # inference mode, as ComfyUI's KSampler and VAE Decode run: the models the sampler and the decode load
-        # or evict are moved as in a prompt (module docstring); the LoRA branches live outside ComfyUI's modules
-        with torch.inference_mode(), _run_every_op(_RUN_EVERY_OP):
+        with torch.no_grad(), _run_every_op(_RUN_EVERY_OP):
             yield
     finally:
         mm.in_training = previous
-        training = reload_after if reload_after is not None else (_SESSIONS[-1] if _SESSIONS else None)
+        moved += _prompt_models(training)   # the sampler's and the VAE's, which the reload may evict
         if training is not None:
             reload_for_training(training)
+        mend_moved_weights(moved + _prompt_models(training))
 
 
 def reload_for_training(model) -> None:
@@ -100,9 +103,7 @@ def _load_fully(model, evict_others: bool = True) -> None:
     """load_models_gpu with no lowvram offload (and, at the start, everything else evicted, as
     nodes_train.py does with memory_required=1e20); then inference tensors become normal ones."""
     try:
-        # under inference mode, as ComfyUI loads: the models it evicts for this one stay as a prompt left them
-        # (module docstring); what this model gets as inference tensors becomes normal below
-        with _fp32_patches(model.load_device), torch.inference_mode():
+        with _fp32_patches(model.load_device):
             mm.load_models_gpu([model], memory_required=1e20 if evict_others else 0, force_full_load=True)
     except torch.OutOfMemoryError as error:
         size = model.model_size() / 2**30
@@ -137,6 +138,66 @@ def _fp32_patches(device):
             table[device] = previous
         else:
             table.pop(device, None)
+
+
+def _prompt_models(training=None) -> list[torch.nn.Module]:
+    """The modules of the models ComfyUI has loaded now, except the training model's (and its clones')."""
+    modules = []
+    for loaded in list(mm.current_loaded_models):
+        module = getattr(loaded.model, "model", None)   # LoadedModel.model: its patcher (a weak reference)
+        if isinstance(module, torch.nn.Module) and (training is None or module is not training.model):
+            modules.append(module)
+    return modules
+
+
+def mend_moved_weights(modules) -> int:
+    """ComfyUI's models hold inference tensors (a prompt made them). Moved by ComfyUI's model management
+    while a session has inference mode off (the eviction at its start, a validation sample's loads), a
+    weight keeps its Parameter object with `.data` swapped (Module._apply): it says it is no inference
+    tensor but has no version counter, and ops that read it fail in later prompts too ("Inference tensors
+    do not track version counter": ComfyUI 0.33's VAE Decode after a run on an H100, bench/RESULTS.md).
+    Each such weight becomes an inference tensor again, as the prompt left it, in a new Parameter (as
+    ComfyUI's own set_attr_param does); tensor subclasses (quantized weights) are left alone. Returns how
+    many were mended. Running ComfyUI's moves under inference mode instead would move the training model's
+    normal weights there too, which ComfyUI's quantized Linear refuses ("Cannot set version_counter")."""
+    mended, seen = 0, set()
+    with torch.inference_mode():
+        for module in modules:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for sub in module.modules():
+                for store in (sub._parameters, sub._buffers):
+                    for name, tensor in store.items():
+                        if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not _moved_out(tensor):
+                            continue
+                        copy = tensor.clone()
+                        store[name] = torch.nn.Parameter(copy, tensor.requires_grad) \
+                            if isinstance(tensor, torch.nn.Parameter) else copy
+                        mended += 1
+    return mended
+
+
+def _as_a_prompt_left_them(module) -> None:
+    """The training model's weights inference tensors again at the end of a session in a prompt, as ComfyUI's
+    loaders made them (same values, new Parameters as ComfyUI's set_attr_param makes them). Left normal,
+    ComfyUI's later loads and evictions, which run under inference mode, fail on a quantized base's weights
+    (its Linear re-wraps each moved weight: "Cannot set version_counter for inference tensor", on a model
+    trained on an fp8 checkpoint and unloaded and loaded again by a later prompt)."""
+    with torch.inference_mode():
+        for sub in module.modules():
+            for store in (sub._parameters, sub._buffers):
+                for name, tensor in store.items():
+                    if tensor is None or tensor.is_inference():
+                        continue
+                    copy = tensor.clone()
+                    store[name] = torch.nn.Parameter(copy, tensor.requires_grad) \
+                        if isinstance(tensor, torch.nn.Parameter) else copy
+
+
+def _moved_out(tensor) -> bool:
+    """A prompt's tensor whose Parameter had its .data swapped outside inference mode (no version counter)."""
+    return not tensor.is_inference() and _inference(tensor)
 
 
 def _inference(tensor) -> bool:

@@ -31,7 +31,7 @@ def sample(model, positive, negative, vae, *, seed: int, steps: int, cfg: float,
            scheduler: str, width: int, height: int, reload_after=None) -> torch.Tensor:
     """One image through ComfyUI's own sampler (comfy.sample.sample) and vae.decode: IMAGE [1,H,W,3].
 
-    Runs in session.sampling (inference mode, in_training off, the stop button live; the training model
+    Runs in session.sampling (no grad, in_training off, the stop button live; the training model
     loaded again afterwards) on ComfyUI's own code paths; LoRA side branches installed in the module
     forwards take part."""
     fmt = model.get_model_object("latent_format")

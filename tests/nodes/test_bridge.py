@@ -323,6 +323,30 @@ def test_trains_on_a_comfy_quantized_fp8_base(checkpointing, tmp_path, klein, kl
     assert bridge.unmatched_lora_keys(model, bridge.lora_model_from(result.lora, "flux2_klein")) == []
 
 
+def test_a_quantized_base_loads_again_in_a_later_prompt(tmp_path, klein_clip, flux2_vae):
+    """A session in a prompt gives the training model's weights back as inference tensors, as ComfyUI's loader
+    made them: ComfyUI's quantized Linear re-wraps each weight it moves, under inference mode, and refused the
+    normal weights a session had left ("Cannot set version_counter for inference tensor") when a later prompt
+    unloaded and loaded the trained fp8 model again."""
+    import comfy.sd
+
+    path = tc.write_flux2_file(tmp_path / "tiny_flux2_fp8.safetensors", quantized=True)
+    with torch.inference_mode():
+        model = comfy.sd.load_diffusion_model(str(path))
+    data = training_data(model, flux2_vae, klein_clip, ["a cat", "a dog"], 32)
+    probe_x = torch.from_numpy(data.latent(0)[None])
+    with torch.inference_mode(), bridge.training_session(model) as (dm, _):   # the Train node, in a prompt
+        assert not any(p.is_inference() for p in dm.parameters())
+        loop.train(small_config("flux2_klein", steps=1), dm, data, run_dir=tmp_path / "run",
+                   forward=bridge.make_forward(model, "flux2_klein"))
+    assert all(p.is_inference() for p in bridge.diffusion_model(model).parameters())
+    before = model_output(model, "flux2_klein", probe_x, torch.tensor([0.6]), data.context(0))
+    with torch.inference_mode():                                               # a later prompt
+        mm.unload_all_models()
+        mm.load_models_gpu([model], force_full_load=True)
+    assert torch.equal(model_output(model, "flux2_klein", probe_x, torch.tensor([0.6]), data.context(0)), before)
+
+
 # ---------------------------------------------------------------- LoRAs through ComfyUI's loader
 
 def test_lora_model_loads_through_comfy_and_matches_side_branches(klein, klein_clip):
@@ -435,36 +459,62 @@ def test_sample_returns_image_with_lora_installed(klein, klein_clip, flux2_vae):
     assert 0.0 <= image.min() and image.max() <= 1.0
 
 
-def test_comfys_model_moves_stay_in_inference_mode(zimage, zimage_clip, flux_vae, monkeypatch):
-    """Every model load ComfyUI makes for a session (the training model, and the sampler's and VAE Decode's
-    loads in a validation sample, which evict others) runs under inference mode, as in ComfyUI's own nodes.
-    Moved outside it, a model whose weights a prompt made keeps Parameters without a version counter, and a
-    later prompt's VAE Decode failed on them (ComfyUI 0.33, H100: "Inference tensors do not track version
-    counter"); the trap itself is test_a_prompts_weights_moved_outside_inference_mode_lose_their_version."""
-    modes = []
-    load = mm.load_models_gpu
+def _prompt_model():
+    """A small model as a prompt leaves it: built and loaded by ComfyUI's model management under inference
+    mode (a VAE's or a text encoder's place in ComfyUI's loaded models)."""
+    import comfy.model_patcher
 
-    def recording(models, *args, **kwargs):
-        modes.append((type(models[0].model).__name__, torch.is_inference_mode_enabled()))
-        return load(models, *args, **kwargs)
+    with torch.inference_mode():
+        module = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.GroupNorm(2, 8))
+        patcher = comfy.model_patcher.ModelPatcher(module, load_device=torch.device("cpu"),
+                                                   offload_device=torch.device("cpu"))
+        mm.load_models_gpu([patcher])
+    return patcher, module
 
-    monkeypatch.setattr(mm, "load_models_gpu", recording)
-    cond = tc.conditioning(zimage_clip, "a cat")
-    adapter = bridge.lora_model_from(random_lora(zimage, "zimage", seed=5), "zimage", dtype=torch.bfloat16)
-    merged = bridge.training_adapter_merged(zimage, adapter)   # Turbo's way: sampled without it, then reloaded
-    backend = TorchBackend()
-    with bridge.training_session(merged) as (dm, _):
-        backend.setup(dm, small_config("zimage"), archs.get_arch("zimage"))
+
+def _moved_outside_inference_mode(module):
+    """What ComfyUI's eviction or load does to a prompt's module while a session has inference mode off,
+    a device move (Module._apply) run on the CPU."""
+    module._apply(lambda t: t.clone())
+
+
+def _usable_in_a_prompt(module) -> bool:
+    with torch.inference_mode():
         try:
-            bridge.sample(zimage, cond, cond, flux_vae, seed=1, steps=1, cfg=1.0, sampler_name="euler",
-                          scheduler="simple", width=32, height=32, reload_after=merged)
-            assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()   # the session's state is back
-            assert not any(bridge_session._inference(p) for p in dm.parameters())     # and its weights trainable
+            for p in module.parameters():
+                torch.mm(p.reshape(p.shape[0], -1), p.reshape(p.shape[0], -1).t())   # reads the version, as a view does
+            return all(p.is_inference() for p in module.parameters())
+        except RuntimeError:
+            return False
+
+
+def test_a_session_mends_the_prompt_models_comfy_moved(klein, klein_clip, flux2_vae):
+    """ComfyUI moves the other models of the prompt when a session loads its model (evicting them) and when a
+    validation sample loads the sampler's model and the VAE, all with inference mode off. Moved so, a prompt's
+    weights keep Parameters without a version counter, and a later prompt's VAE Decode failed on them (ComfyUI
+    0.33, H100). The session mends them back to inference tensors after each; the training model keeps its normal
+    weights, and the other prompt model its values."""
+    patcher, module = _prompt_model()
+    values = [p.detach().clone() for p in module.parameters()]
+    _moved_outside_inference_mode(module)
+    assert not _usable_in_a_prompt(module)                 # the trap (below) as a session leaves it, unmended
+    cond = tc.conditioning(klein_clip, "a cat")
+    backend = TorchBackend()
+    with bridge.training_session(klein) as (dm, _):
+        assert _usable_in_a_prompt(module)                 # mended after the session's load
+        assert not any(bridge_session._inference(p) for p in dm.parameters())
+        backend.setup(dm, small_config("flux2_klein"), archs.get_arch("flux2_klein"))
+        try:
+            mm.load_models_gpu([patcher])                  # still one of ComfyUI's loaded models
+            _moved_outside_inference_mode(module)
+            bridge.sample(klein, cond, cond, flux2_vae, seed=1, steps=1, cfg=1.0, sampler_name="euler",
+                          scheduler="simple", width=32, height=32)
+            assert _usable_in_a_prompt(module)             # mended after the validation sample
+            assert not any(bridge_session._inference(p) for p in dm.parameters())   # the training model untouched
         finally:
             backend.teardown()
-    kinds = {kind for kind, _ in modes}
-    assert len(modes) >= 3 and len(kinds) >= 2, modes   # the session's loads, the sampler's, the VAE's
-    assert all(inference for _, inference in modes), modes
+    assert all(torch.equal(p, v) for p, v in zip(module.parameters(), values))
+    assert all(p.requires_grad for p in module.parameters())   # as the module made them
 
 
 def test_a_prompts_weights_moved_outside_inference_mode_lose_their_version():
