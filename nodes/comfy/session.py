@@ -59,8 +59,8 @@ def training_session(model, device=None, *, quantized_matmul: bool = False):
             mm.in_training = True
             _SESSIONS.append(model)
             others = _prompt_models(model)
-            _load_fully(model)   # evicts the others, outside inference mode
-            mend_moved_weights(others + _prompt_models(model))
+            _load_fully(model)   # evicts the others, outside inference mode (it loads none of them)
+            mend_moved_weights(others)
             yield model.model.diffusion_model, model.load_device
         finally:
             _SESSIONS.remove(model)
@@ -89,8 +89,8 @@ def sampling(reload_after=None):
         mm.in_training = previous
         moved += _prompt_models(training)   # the sampler's and the VAE's, which the reload may evict
         if training is not None:
-            reload_for_training(training)
-        mend_moved_weights(moved + _prompt_models(training))
+            reload_for_training(training)   # loads only the training model
+        mend_moved_weights(moved)
 
 
 def reload_for_training(model) -> None:
@@ -115,13 +115,7 @@ def _load_fully(model, evict_others: bool = True) -> None:
         raise RuntimeError(f"ComfyUI loaded the model only partly onto {model.load_device} (weights on {stray}); "
                            "training needs it whole: free VRAM, use a smaller/fp8 model, or run with --highvram")
     with torch.inference_mode(False):
-        for module in dm.modules():
-            for store in (module._parameters, module._buffers):
-                for name, tensor in store.items():
-                    if tensor is not None and _inference(tensor):
-                        copy = tensor.clone()
-                        store[name] = torch.nn.Parameter(copy, tensor.requires_grad) \
-                            if isinstance(tensor, torch.nn.Parameter) else copy
+        _copied(dm, lambda tensor: tensor is not None and _inference(tensor))
 
 
 @contextlib.contextmanager
@@ -160,22 +154,10 @@ def mend_moved_weights(modules) -> int:
     ComfyUI's own set_attr_param does); tensor subclasses (quantized weights) are left alone. Returns how
     many were mended. Running ComfyUI's moves under inference mode instead would move the training model's
     normal weights there too, which ComfyUI's quantized Linear refuses ("Cannot set version_counter")."""
-    mended, seen = 0, set()
+    unique = {id(module): module for module in modules}.values()
     with torch.inference_mode():
-        for module in modules:
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            for sub in module.modules():
-                for store in (sub._parameters, sub._buffers):
-                    for name, tensor in store.items():
-                        if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not _moved_out(tensor):
-                            continue
-                        copy = tensor.clone()
-                        store[name] = torch.nn.Parameter(copy, tensor.requires_grad) \
-                            if isinstance(tensor, torch.nn.Parameter) else copy
-                        mended += 1
-    return mended
+        return sum(_copied(module, lambda t: type(t) in (torch.Tensor, torch.nn.Parameter) and _moved_out(t))
+                   for module in unique)
 
 
 def _as_a_prompt_left_them(module) -> None:
@@ -185,14 +167,22 @@ def _as_a_prompt_left_them(module) -> None:
     (its Linear re-wraps each moved weight: "Cannot set version_counter for inference tensor", on a model
     trained on an fp8 checkpoint and unloaded and loaded again by a later prompt)."""
     with torch.inference_mode():
-        for sub in module.modules():
-            for store in (sub._parameters, sub._buffers):
-                for name, tensor in store.items():
-                    if tensor is None or tensor.is_inference():
-                        continue
+        _copied(module, lambda tensor: tensor is not None and not tensor.is_inference())
+
+
+def _copied(module, chosen) -> int:
+    """Each parameter and buffer of `module` for which `chosen` is true replaced by a clone made in the caller's
+    mode (normal or inference tensor), a Parameter again with its requires_grad; returns how many."""
+    count = 0
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, tensor in store.items():
+                if chosen(tensor):
                     copy = tensor.clone()
                     store[name] = torch.nn.Parameter(copy, tensor.requires_grad) \
                         if isinstance(tensor, torch.nn.Parameter) else copy
+                    count += 1
+    return count
 
 
 def _moved_out(tensor) -> bool:
