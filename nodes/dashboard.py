@@ -61,6 +61,9 @@ class Run:
     message: str = ""
     started: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
+    # +1 at every change: a page drops a summary older than one it applied (an action's HTTP answer can
+    # arrive after the kiln.run event of what the training thread did next, e.g. Save now's save).
+    rev: int = 0
     step: int = 0
     figures: dict = field(default_factory=dict)             # the newest step's lr, it/s, ETA, memory, loss
     steps: list[int] = field(default_factory=list)          # steps with a loss reading
@@ -82,7 +85,7 @@ class Run:
         return {"id": self.id, "name": self.name, "node": self.node, "prompt_id": self.prompt_id,
                 "arch": self.arch, "status": self.status, "message": self.message, "step": self.step,
                 "total": self.total, "start_step": self.start_step, "started": self.started,
-                "updated": self.updated, "stop_requested": self.stop_requested,
+                "updated": self.updated, "rev": self.rev, "stop_requested": self.stop_requested,
                 "save_requested": self.save_requested, "can_save": self.can_save,
                 "pause_requested": self.pause_requested, "paused": self.paused}
 
@@ -137,7 +140,8 @@ class Registry:
     def record(self, run: Run, report) -> dict:
         """Add one step's report to the run; returns the kiln.progress payload."""
         with self.lock:
-            run.step, run.total, run.updated = report.step, report.total_steps, time.time()
+            run.step, run.total = report.step, report.total_steps
+            _touch(run)
             run.lr_steps.append(report.step)
             run.lr.append(float(report.lr))
             if report.loss is not None:
@@ -158,24 +162,27 @@ class Registry:
         """A validation sample (ComfyUI /view arguments); returns the kiln.sample payload."""
         with self.lock:
             run.samples = [*run.samples, {"step": step, "image": dict(image)}][-KEEP_SAMPLES:]
-            run.updated = time.time()
+            _touch(run)
             return {"run_id": run.id, "run": run.name, "node": run.node, "step": step, "image": dict(image)}
 
     def set_grid(self, run: Run, step: int, image: dict) -> dict:
         """The newest sample grid (ComfyUI /view arguments); returns the kiln.grid payload."""
         with self.lock:
-            run.grid, run.updated = {"step": step, "image": dict(image)}, time.time()
+            run.grid = {"step": step, "image": dict(image)}
+            _touch(run)
             return {"run_id": run.id, "run": run.name, "node": run.node, "step": step, "image": dict(image)}
 
     def add_saved(self, run: Run, step: int, name: str) -> dict:
         with self.lock:
             run.saved.append({"step": step, "name": name})
-            run.save_requested, run.updated = False, time.time()
+            run.save_requested = False
+            _touch(run)
             return run.summary() | {"saved": list(run.saved)}
 
     def finish(self, run: Run, status: str, message: str = "") -> dict:
         with self.lock:
-            run.status, run.message, run.updated = status, message, time.time()
+            run.status, run.message = status, message
+            _touch(run)
             run.save_requested = run.pause_requested = run.paused = False
             if status == STOPPED and run.node is not None:
                 self.stops_by_node[run.node] = self.stops_by_node.get(run.node, 0) + 1
@@ -185,6 +192,8 @@ class Registry:
         """True once per Save now request (the training thread then writes the LoRA)."""
         with self.lock:
             wanted, run.save_requested = run.save_requested, False
+            if wanted:
+                _touch(run)
             return wanted
 
     def stop_wanted(self, run: Run) -> bool:
@@ -198,7 +207,8 @@ class Registry:
     def set_paused(self, run: Run, paused: bool) -> dict:
         """The loop began (or ended) a wait; returns the kiln.run payload."""
         with self.lock:
-            run.paused, run.updated = bool(paused), time.time()
+            run.paused = bool(paused)
+            _touch(run)
             return run.summary()
 
     def stops(self, node: str | None) -> int:
@@ -232,8 +242,13 @@ class Registry:
                                       "LoRAs (checkpoint_loras), or Stop, which saves its LoRA",
                              "run": run.summary()}
             ACTIONS[action](run)
-            run.updated = time.time()
+            _touch(run)
             return 202, {"run": run.summary()}
+
+
+def _touch(run: Run) -> None:
+    """A change to the run (under the registry's lock): its time and revision."""
+    run.updated, run.rev = time.time(), run.rev + 1
 
 
 def _set(flag: str, value: bool):

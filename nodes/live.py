@@ -70,7 +70,9 @@ class Tracker:
         cfg, step = self.cfg, report.step
         at_checkpoint = cfg.checkpoint_loras and (step == cfg.steps or (cfg.checkpoint_every
                                                                         and step % cfg.checkpoint_every == 0))
-        if (self.registry.take_save(self.run) or at_checkpoint) and report.weights is not None:
+        if report.weights is None:   # no weights on this side (a torchrun child's relay): a request stays pending
+            return
+        if self.registry.take_save(self.run) or at_checkpoint:
             name = self.save_lora(step, report.weights())
             bridge.send_event("kiln.run", self.registry.add_saved(self.run, step, name))
 

@@ -176,11 +176,20 @@ function emptyRun(id) {
     updated: 0, figures: {}, steps: [], loss: [], lrSteps: [], lr: [], samples: [], buckets: {}, saved: [],
     stopRequested: false, saveRequested: false, hasDetail: false,
     pauseRequested: false, holdoutSteps: [], holdout: [], grid: null,
-    paused: false, canSave: true,
+    paused: false, canSave: true, rev: null,
   };
 }
 
 function applySummaryFields(run, summary) {
+  // A summary older than one applied (an action's HTTP answer that arrives after the kiln.run event of what
+  // the run did next) would bring back a flag the run already cleared: only its step counts.
+  if (finite(summary.rev)) {
+    if (finite(run.rev) && summary.rev < run.rev) {
+      if (finite(summary.step)) run.step = Math.max(run.step, summary.step);
+      return false;
+    }
+    run.rev = summary.rev;
+  }
   const fields = { name: "name", node: "node", prompt_id: "promptId", status: "status", message: "message",
     total: "total", started: "started", updated: "updated", stop_requested: "stopRequested",
     save_requested: "saveRequested", arch: "arch", start_step: "startStep", pause_requested: "pauseRequested",
@@ -188,6 +197,7 @@ function applySummaryFields(run, summary) {
   for (const [key, name] of Object.entries(fields)) if (summary[key] !== undefined) run[name] = summary[key];
   if (finite(summary.step)) run.step = Math.max(run.step, summary.step);
   if (Array.isArray(summary.saved)) run.saved = summary.saved;
+  return true;
 }
 
 /** Every run this page knows, merged from events and snapshots; views subscribe to changes. */

@@ -72,7 +72,11 @@ def test_stop_and_save_are_requests_the_training_thread_takes():
     run = started(registry)
     assert not registry.stop_wanted(run) and not registry.take_save(run)
     assert registry.answer("POST", run.id, "save")[0] == 202
+    revs = [registry.answer("GET", run.id)[1]["rev"]]
     assert registry.take_save(run) and not registry.take_save(run)     # once per request
+    revs.append(registry.answer("GET", run.id)[1]["rev"])
+    revs.append(registry.add_saved(run, 2, "kiln/x-step000002.safetensors")["rev"])
+    assert revs[0] < revs[1] < revs[2]     # every change a newer revision: a page drops an older summary
     status, body = registry.answer("POST", run.id, "stop")
     assert status == 202 and body["run"]["stop_requested"] and registry.stop_wanted(run)
 

@@ -254,6 +254,25 @@ test("Save now: disabled with the reason for a run the server cannot save, enabl
   assert.equal(saveButtonState(null).disabled, true);
 });
 
+test("Save now answered after the save: the late HTTP answer does not bring back 'saving'", () => {
+  // CI found it on a slow machine (ComfyUI 0.33): the training thread saved and its kiln.run event (rev 5)
+  // reached the page before POST .../save's answer (rev 4, save_requested true); the page then showed
+  // "saving at the next step…" and kept Save now disabled until the run ended.
+  const store = new RunStore();
+  const run = store.applyProgress(progress(1));
+  store.applySummary({ id: "r1", status: "running", rev: 5, save_requested: false, step: 3,
+    saved: [{ step: 3, name: "kiln/r1-step000003.safetensors" }] });
+  store.applySummary({ id: "r1", status: "running", rev: 4, save_requested: true, step: 2 });
+  assert.equal(run.saveRequested, false);
+  assert.equal(saveButtonState(run).disabled, false);
+  assert.equal(run.saved.length, 1);
+  assert.equal(run.step, 3);
+  store.applySummary({ id: "r1", status: "running", rev: 6, stop_requested: true });   // a newer one applies
+  assert.equal(run.stopRequested, true);
+  store.applySummary({ id: "r1", status: "finished", rev: 7 });
+  assert.equal(run.status, "finished");
+});
+
 test("the sample grid: the newest one is kept, an older event never replaces it, snapshots carry it", () => {
   const store = new RunStore();
   const image = (step) => ({ filename: `r1-grid-step${step}.jpg`, subfolder: "kiln", type: "temp" });
