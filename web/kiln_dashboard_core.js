@@ -186,7 +186,7 @@ function applySummaryFields(run, summary) {
   if (finite(summary.rev)) {
     if (finite(run.rev) && summary.rev < run.rev) {
       if (finite(summary.step)) run.step = Math.max(run.step, summary.step);
-      return false;
+      return;
     }
     run.rev = summary.rev;
   }
@@ -197,7 +197,6 @@ function applySummaryFields(run, summary) {
   for (const [key, name] of Object.entries(fields)) if (summary[key] !== undefined) run[name] = summary[key];
   if (finite(summary.step)) run.step = Math.max(run.step, summary.step);
   if (Array.isArray(summary.saved)) run.saved = summary.saved;
-  return true;
 }
 
 /** Every run this page knows, merged from events and snapshots; views subscribe to changes. */
