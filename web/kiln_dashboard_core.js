@@ -183,11 +183,9 @@ function emptyRun(id) {
 function applySummaryFields(run, summary) {
   // A summary older than one applied (an action's HTTP answer that arrives after the kiln.run event of what
   // the run did next) would bring back a flag the run already cleared: only its step counts.
+  if (finite(summary.step)) run.step = Math.max(run.step, summary.step);
   if (finite(summary.rev)) {
-    if (finite(run.rev) && summary.rev < run.rev) {
-      if (finite(summary.step)) run.step = Math.max(run.step, summary.step);
-      return;
-    }
+    if (finite(run.rev) && summary.rev < run.rev) return;
     run.rev = summary.rev;
   }
   const fields = { name: "name", node: "node", prompt_id: "promptId", status: "status", message: "message",
@@ -195,7 +193,6 @@ function applySummaryFields(run, summary) {
     save_requested: "saveRequested", arch: "arch", start_step: "startStep", pause_requested: "pauseRequested",
     paused: "paused", can_save: "canSave" };
   for (const [key, name] of Object.entries(fields)) if (summary[key] !== undefined) run[name] = summary[key];
-  if (finite(summary.step)) run.step = Math.max(run.step, summary.step);
   if (Array.isArray(summary.saved)) run.saved = summary.saved;
 }
 
