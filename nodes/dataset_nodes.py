@@ -12,9 +12,10 @@ from ..trainer.data import captioning
 from ..trainer.data.captioners import WHERE, list_models, resolve_model
 from ..trainer.data.captions import CaptionSettings
 from ..trainer.data.dataset import DataSettings, Dataset, folder_fingerprint
+from ..trainer.errors import did_you_mean
 
 from .comfy import bridge
-from .widgets import CATEGORY, DATASET, parse_list, widget
+from .widgets import CATEGORY, DATASET, checked, parse_list, widget
 
 
 def resolve_folder(folder: str, node: str = "Kiln Load Dataset") -> Path:
@@ -24,12 +25,25 @@ def resolve_folder(folder: str, node: str = "Kiln Load Dataset") -> Path:
         raise ValueError(f"{node}: set `folder` to a folder of images with .txt captions "
                          "(a name under ComfyUI's input/ folder, or an absolute path)")
     path = Path(os.path.expanduser(text))
-    if not path.is_absolute():
-        path = Path(bridge.folders()["input"]) / path
+    inputs, relative = Path(bridge.folders()["input"]), not path.is_absolute()
+    if relative:
+        path = inputs / path
     if not path.is_dir():
-        raise ValueError(f"{node}: {path} is not a folder; put your images in "
-                         f"{Path(bridge.folders()['input']) / 'my_dataset'} or give an absolute path")
+        hint = did_you_mean(text, input_folders(inputs)) if relative else ""
+        raise ValueError(f"{node}: {path} is not a folder{hint}; put your images in "
+                         f"{inputs / 'my_dataset'} or give an absolute path")
     return path
+
+
+def input_folders(inputs: Path) -> list[str]:
+    """The folders under input/ and one level below ("people/anna"), for a "did you mean" (names only, no scan)."""
+    found: list[str] = []
+    if not inputs.is_dir():
+        return found
+    for child in sorted(p for p in inputs.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        found.append(child.name)
+        found += [f"{child.name}/{g.name}" for g in sorted(child.iterdir()) if g.is_dir() and not g.name.startswith(".")]
+    return found
 
 
 class KilnLoadDataset(io.ComfyNode):
@@ -62,6 +76,10 @@ class KilnLoadDataset(io.ComfyNode):
             ],
             outputs=[DATASET.Output(display_name="dataset", tooltip="The scanned dataset (KILN_DATASET)")],
         )
+
+    @classmethod
+    def validate_inputs(cls, folder=None):
+        return checked(resolve_folder, folder)   # before any model loads
 
     @classmethod
     def fingerprint_inputs(cls, folder, **kwargs):
@@ -220,6 +238,10 @@ class KilnCaptionImages(io.ComfyNode):
                                       "folder (it then runs after the captions are written)"),
                      io.String.Output(display_name="report", tooltip="What was written, kept and skipped")],
         )
+
+    @classmethod
+    def validate_inputs(cls, folder=None):
+        return checked(lambda text: resolve_folder(text, "Kiln Caption Images"), folder)
 
     @classmethod
     def fingerprint_inputs(cls, folder, only="", **kwargs):

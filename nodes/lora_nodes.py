@@ -11,12 +11,17 @@ from ..trainer.config import CHOICES
 
 from . import run
 from .comfy import bridge
-from .widgets import CATEGORY, STATE
+from .widgets import CATEGORY, STATE, checked
+
+def lora_path(name: str, node: str = "Kiln Save LoRA") -> Path:
+    """models/loras/<name>.safetensors; a name that would leave the folder is refused."""
+    text = (name or "").strip().removesuffix(".safetensors")
+    return paths.inside(bridge.folders()["loras"], text, f"{node}: name", subfolders=True, suffix=".safetensors")
+
 
 def lora_target(name: str, overwrite: bool, node: str = "Kiln Save LoRA") -> Path:
-    """models/loras/<name>.safetensors; names that leave the folder or exist (unless asked) are refused."""
-    text = (name or "").strip().removesuffix(".safetensors")
-    path = paths.inside(bridge.folders()["loras"], text, f"{node}: name", subfolders=True, suffix=".safetensors")
+    """lora_path; a file that exists is refused unless asked."""
+    path = lora_path(name, node)
     if path.exists() and not overwrite:
         raise ValueError(f"{node}: {path} exists; choose another name or turn on overwrite")
     return path
@@ -71,6 +76,10 @@ class KilnSaveLoRA(io.ComfyNode):
             ],
             outputs=[io.String.Output(display_name="path", tooltip="The written file")],
         )
+
+    @classmethod
+    def validate_inputs(cls, name=None):
+        return checked(lora_path, name)
 
     @classmethod
     def execute(cls, lora, name, format, dtype, trigger_word="", notes="", overwrite=False, state=None):
@@ -167,6 +176,10 @@ class KilnConvertLoRA(io.ComfyNode):
                      io.String.Output(display_name="path", tooltip="The written file"),
                      io.String.Output(display_name="report", tooltip="How the file was read; keys not placed")],
         )
+
+    @classmethod
+    def validate_inputs(cls, name=None):   # empty: <lora_file>_comfy
+        return checked(lambda text: text.strip() and lora_path(text, "Kiln Convert LoRA"), name)
 
     @classmethod
     def execute(cls, lora_file, name, arch, allow_unplaced, overwrite):

@@ -29,6 +29,7 @@ from ..trainer import config as cfg_module
 from ..trainer import paths
 from ..trainer import state as state_module
 from ..trainer.data.dataset import Dataset
+from ..trainer.errors import did_you_mean
 from ..trainer.init_lora import InitLora
 from ..trainer.lora_format import LoraWeights
 from ..trainer.loop import RunResult, train
@@ -184,7 +185,8 @@ def resolve_run(text: str) -> Path:
         if root not in path.parents:
             raise ValueError(f"Kiln Load Run: {text!r} leaves output/kiln/; give a name inside it or an absolute path")
     if not path.is_dir():
-        raise ValueError(f"Kiln Load Run: {path} does not exist; runs under output/kiln/: {known_runs(root)}")
+        hint = did_you_mean(text, [name for name, _ in state_module.list_runs(root)]) if root in path.parents else ""
+        raise ValueError(f"Kiln Load Run: {path} does not exist{hint}; runs under output/kiln/: {known_runs(root)}")
     if state_module.STEP_DIR.match(path.name) and (path / "run.json").is_file():
         return path
     found = state_module.list_checkpoints(path)

@@ -8,11 +8,12 @@ from comfy_api.latest import io, ui
 
 from ..trainer import config as cfg_module
 from ..trainer import init_lora as init_module
+from ..trainer import paths
 from ..trainer.archs import ARCHS
 
 from . import live, run
 from .comfy import bridge
-from .widgets import CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, from_widget, parse_list, widget
+from .widgets import CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, checked, from_widget, parse_list, widget
 
 TRAIN_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "optimizer", "backend", "seed")
 DATASET_FIELDS = ("dataset_dir", "resolutions", "repeats", "caption_dropout", "trigger_word", "caption_prefix",
@@ -55,6 +56,10 @@ class KilnTrainingOptions(io.ComfyNode):
             inputs=[widget(name) for name in OPTION_FIELDS],
             outputs=[OPTIONS.Output(display_name="options", tooltip="Plug into Kiln Train LoRA")],
         )
+
+    @classmethod
+    def validate_inputs(cls, run_name=None):
+        return checked(lambda name: name and paths.check_name(name, "Kiln Training Options: run_name"), run_name)
 
     @classmethod
     def execute(cls, **values):
@@ -239,6 +244,10 @@ class KilnLoadRun(io.ComfyNode):
                                     "complete checkpoint is used")],
             outputs=[STATE.Output(display_name="state", tooltip="The run state (KILN_STATE)")],
         )
+
+    @classmethod
+    def validate_inputs(cls, run_folder=None):
+        return checked(run.resolve_run, run_folder)
 
     @classmethod
     def fingerprint_inputs(cls, run_folder):

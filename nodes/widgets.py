@@ -86,3 +86,16 @@ def parse_list(text: str, kind=str) -> list:
         return [kind(t) for t in items]
     except ValueError as err:
         raise ValueError(f"could not read {text!r} as a comma-separated list of {kind.__name__}: {err}") from None
+
+
+def checked(check, value) -> bool | str:
+    """A node's validate_inputs: True, or the message of the ValueError `check(value)` raises, which ComfyUI shows
+    on the node when it refuses the prompt, before any model loads. A value wired from another node is None at
+    that time: it is checked when the node runs."""
+    if value is None:
+        return True
+    try:
+        check(value)
+    except ValueError as error:
+        return str(error)
+    return True

@@ -18,6 +18,7 @@ from typing import Any
 from .adapters import ADAPTER_KINDS
 from .archs import ARCHS
 from .data.sampler import BATCHING
+from .errors import KilnError
 from .objective import CONTENT_OR_STYLE, LOSS_WEIGHTINGS, SAMPLINGS, SHIFT_MODES
 from .schedules import SCHEDULES
 
@@ -322,7 +323,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(KilnError):
     """A bad setting: the message names the key, the value and what is allowed."""
 
 

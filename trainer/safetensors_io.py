@@ -18,6 +18,7 @@ from math import prod
 import numpy as np
 
 from .atomic import atomic_write, require_free_space
+from .errors import KilnError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # real headers are KB..MB; more means a corrupt length
 _DAMAGED = "the file is damaged or not a safetensors file; re-download or re-save it"
@@ -36,7 +37,7 @@ _STORED[np.dtype(bool)] = "BOOL"
 _FLOAT_TARGETS = {"BF16", "F16", "F32"}
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(KilnError):
     """A safetensors file we cannot read or write; the message names the file and the fix."""
 
 

@@ -12,8 +12,10 @@ import zlib
 
 import numpy as np
 
+from .errors import KilnError
 
-class TargetError(ValueError):
+
+class TargetError(KilnError):
     """No layer (or not every pattern) matched: names the patterns and sample module names."""
 
 

@@ -70,6 +70,8 @@ def test_load_run_says_a_folder_does_not_exist_and_lists_the_runs_that_do(comfy_
     with pytest.raises(ValueError, match=r"empty has no complete checkpoint .* yet; runs with one .*: done-1a2b$"):
         run.resolve_run("empty")
     assert run.resolve_run("done-1a2b") == (kiln / "done-1a2b" / "step-000010").resolve()
+    with pytest.raises(ValueError, match=r"done-1a2 does not exist; did you mean 'done-1a2b'\?; runs under"):
+        run.resolve_run("done-1a2")
 
 
 def test_a_misshapen_training_adapter_is_refused_by_name(comfy_dirs, model):

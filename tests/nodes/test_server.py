@@ -133,12 +133,19 @@ def test_example_workflow_matches_the_node_definitions(object_info, path):
         assert not linked, f"{path.stem}: node {node_id} links missing in the UI file: {linked}"
 
 
+# The user's own data a shipped workflow names, which Kiln's validate_inputs look for before anything loads.
+USER_DATA = {("KilnLoadDataset", "folder"), ("KilnCaptionImages", "folder"), ("KilnLoadRun", "run_folder")}
+
+
 def _only_missing_files(node_errors: dict) -> list[str]:
-    """Errors other than a model file that is not installed (value_not_in_list on a file input)."""
+    """Errors other than a model file that is not installed (value_not_in_list on a file input), or the user's
+    own dataset or run folder (Kiln's custom validation)."""
     other = []
     for node_id, entry in node_errors.items():
         for error in entry["errors"]:
             name = error.get("extra_info", {}).get("input_name")
+            if error["type"] == "custom_validation_failed" and (entry["class_type"], name) in USER_DATA:
+                continue
             missing = error["type"] == "value_not_in_list" or (   # LoadImage checks its file itself
                 entry["class_type"] == "LoadImage" and "Invalid image file" in error.get("message", "")
                 + error.get("details", ""))
@@ -180,22 +187,48 @@ def test_train_save_then_load_with_comfys_lora_loader(server):
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_workflow_passes_comfys_validation(server, path):
-    """POST /prompt runs ComfyUI's own validation. With none of the real model files installed, the only
-    errors allowed are those files. Outputs that need no model file pass validation and run: in
-    resume_from_run_folder that is Load Run → Apply EMA → Save LoRA, which must then fail cleanly in Load
-    Run (there is no such run folder here)."""
+    """POST /prompt runs ComfyUI's own validation. With none of the real model files and none of the user's
+    datasets or runs here, the only errors allowed are those (so nothing runs): in resume_from_run_folder
+    even Load Run → Apply EMA → Save LoRA, which needs no model file, is refused before it runs."""
     api = json.loads(path.read_text(encoding="utf-8"))
     status, answer = server.post("/prompt", {"prompt": api, "client_id": "kiln-test"})
     assert _only_missing_files(answer.get("node_errors", {})) == []
-    if status == 400:
-        assert answer["error"]["type"] == "prompt_outputs_failed_validation", answer
-        return
-    assert status == 200, answer
-    entry = server.wait(answer["prompt_id"], timeout=60)
-    errors = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
-    assert entry["status"]["status_str"] == "error" and len(errors) == 1, entry["status"]
-    assert errors[0]["node_type"] == "KilnLoadRun", errors
-    assert "does not exist; runs under output/kiln/" in errors[0]["exception_message"], errors
+    assert status == 400 and answer["error"]["type"] == "prompt_outputs_failed_validation", answer
+    if path.stem == "resume_from_run_folder":
+        load_run = [e for e in answer["node_errors"].values() if e["class_type"] == "KilnLoadRun"]
+        assert load_run and "does not exist; runs under output/kiln/" in json.dumps(load_run), answer
+
+
+def _refusals(answer: dict) -> dict[str, str]:
+    """class_type → the details of its custom_validation_failed errors, from a refused POST /prompt."""
+    return {entry["class_type"]: " ".join(e["details"] for e in entry["errors"] if e["type"] == "custom_validation_failed")
+            for entry in answer.get("node_errors", {}).values()}
+
+
+def test_mistyped_names_are_refused_before_anything_loads(server):
+    """Kiln's validate_inputs: ComfyUI refuses the prompt (HTTP 400, nothing queued, no model loaded) with the
+    message on the node and the closest names; a wired folder is checked when it runs."""
+    prompt = json.loads((WORKFLOWS / "tiny_flux2_api.json").read_text(encoding="utf-8"))
+    kinds = {node["class_type"]: node for node in prompt.values()}
+    kinds["KilnLoadDataset"]["inputs"]["folder"] = "kiln_tiny_datset"
+    kinds["KilnSaveLoRA"]["inputs"]["name"] = "../outside"
+    kinds["KilnTrainingOptions"]["inputs"]["run_name"] = "a/b"
+    history_before = server.get("/history")
+    status, answer = server.post("/prompt", {"prompt": prompt, "client_id": "kiln-test"})
+    assert status == 400 and answer["error"]["type"] == "prompt_outputs_failed_validation", answer
+    refused = _refusals(answer)
+    assert "did you mean 'kiln_tiny_dataset'" in refused["KilnLoadDataset"], refused
+    assert refused["KilnLoadDataset"].startswith("folder - Kiln Load Dataset:"), refused
+    assert "name - Kiln Save LoRA: name: '../outside' has an empty, '.', '..'" in refused["KilnSaveLoRA"], refused
+    assert "run_name - Kiln Training Options: run_name: 'a/b' has a path separator" in refused["KilnTrainingOptions"]
+    assert server.get("/history") == history_before          # nothing ran
+
+    load_run = {"1": {"class_type": "KilnLoadRun", "inputs": {"run_folder": "no-such-run"}},
+                "2": {"class_type": "KilnApplyEMA", "inputs": {"state": ["1", 0]}},
+                "3": {"class_type": "KilnSaveLoRA", "inputs": {"lora": ["2", 0], "name": "x", "format": "comfy",
+                                                               "dtype": "bf16"}}}
+    status, answer = server.post("/prompt", {"prompt": load_run, "client_id": "kiln-test"})
+    assert status == 400 and "run_folder - Kiln Load Run:" in _refusals(answer)["KilnLoadRun"], answer
 
 
 # ---------------------------------------------------------------- the example workflows through comfy-cli

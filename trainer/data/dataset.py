@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
+from ..errors import KilnError
 from .buckets import BucketPlan, Entry, plan_buckets
 from .cache import Cache, latent_key, text_key
 from .captions import CaptionSettings, caption_variants, class_caption
@@ -34,7 +35,7 @@ Progress = Callable[[int, int], None]
 CACHE_FOLDER = ".kiln_cache"
 
 
-class DatasetError(ValueError):
+class DatasetError(KilnError):
     """The dataset cannot train: the message names the folder, the problems and the fixes."""
 
 

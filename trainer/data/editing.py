@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..atomic import atomic_write_text, fsync_dir
+from ..errors import KilnError
 from .images import IMAGE_EXTENSIONS
 from .meta import META_TYPES, meta_value_error
 from .report import META_FILE
@@ -29,7 +30,7 @@ MAX_NAME_CHARS = 120
 _BAD_CHARACTERS = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]')
 
 
-class EditError(ValueError):
+class EditError(KilnError):
     """A refused edit: `status` is the HTTP status the routes answer with."""
 
     def __init__(self, status: int, message: str):
