@@ -7,13 +7,13 @@ ComfyUI is not on PyPI, so the tests run against source trees (../shared/comfyui
 For one tree this:
   1. copies it to WORKDIR/ComfyUI: ComfyUI writes into its own folder (user/, output/, temp/, and the
      in-process tests' folder_paths point there), and the source trees stay read-only fixtures;
-  2. makes a virtual environment for it with the system site packages visible (the installed CPU torch,
-     pytest, MLX and Kiln's test tools) and installs the tree's requirements.txt into it with torch held
-     at the installed version (`-c` constraints): otherwise pip replaces the CPU torch with a
-     multi-gigabyte CUDA build. Each ComfyUI version pins its own frontend, comfy-kitchen and
+  2. makes a virtual environment for it that sees the packages of the Python running this script (the
+     installed CPU torch, pytest, MLX and Kiln's test tools; from a virtual or conda environment too) and
+     installs the tree's requirements.txt into it with torch held at the installed version (`-c`
+     constraints): otherwise pip replaces the CPU torch with a multi-gigabyte CUDA build. Each ComfyUI version pins its own frontend, comfy-kitchen and
      comfy-aimdo, so each gets its own environment.
-The environment is cached under runs/comfyui/ (keyed by the requirements, the Python and the torch
-version) and reused while it is complete; a half-built one is never reused (it is marked ready only at
+The environment is cached under runs/comfyui/ (keyed by the requirements, the Python, its environment
+and the torch version) and reused while it is complete; a half-built one is never reused (it is marked ready only at
 the end). PyPI's torchvision/torchaudio wheels do not load against the CPU torch: tests/comfy_env.py
 works around that at run time, in the tests and in the server launcher.
 """
@@ -76,7 +76,8 @@ def environment(tree: Path, version: str) -> Path:
     """The cached virtual environment for this tree's requirements (built when missing): its python."""
     requirements = (tree / "requirements.txt").read_bytes()
     torch = torch_version()
-    key = hashlib.sha256(requirements + f"|{sys.version}|{torch}".encode()).hexdigest()[:12]
+    # sys.prefix: a virtual or conda environment's tree environment sees that environment's packages (below)
+    key = hashlib.sha256(requirements + f"|{sys.version}|{sys.prefix}|{torch}".encode()).hexdigest()[:12]
     venv = CACHE / f"venv-{version}-{key}"
     python = venv / "bin" / "python"
     if (venv / ".ready").is_file() and python.is_file():
@@ -85,6 +86,7 @@ def environment(tree: Path, version: str) -> Path:
         shutil.rmtree(venv)             # a half-built one from an interrupted run
     CACHE.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    see_packages_of_this_python(python)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
         constraints.write(f"torch=={torch}\n")
     try:
@@ -99,6 +101,20 @@ def environment(tree: Path, version: str) -> Path:
         raise SystemExit(f"installing ComfyUI's requirements changed torch {torch} -> {held}")
     (venv / ".ready").write_text(f"ComfyUI {version}, torch {torch}\n", encoding="utf-8")
     return python
+
+
+def see_packages_of_this_python(python: Path) -> None:
+    """`--system-site-packages` shows the base interpreter's packages: run from a virtual environment (or a conda
+    one), the tree's environment would not see what that environment installed (Kiln's test extra, MLX). A .pth
+    file puts this interpreter's own site-packages after the tree's, so the tree's pins (frontend, kitchen) win."""
+    import site
+
+    ours = [*site.getsitepackages(), site.getusersitepackages()]
+    done = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                          capture_output=True, text=True, check=True)
+    theirs = Path(done.stdout.strip())
+    lines = [folder for folder in ours if Path(folder).is_dir() and Path(folder).resolve() != theirs.resolve()]
+    (theirs / "kiln_outer_site_packages.pth").write_text("".join(f"{folder}\n" for folder in lines), encoding="utf-8")
 
 
 def main(argv: list[str]) -> int:

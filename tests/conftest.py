@@ -95,6 +95,25 @@ def tiny_florence(tmp_path_factory) -> Path:
 COMFYUI_CALL = "comfy_env.require_comfy()"
 
 
+def pytest_configure(config):
+    """In CI a test never skips for a missing optional package (MLX, diffusers, peft, tensorboard, wandb,
+    transformers, aiohttp): ./scripts/test installs them all, so a skip there means an install step is missing."""
+    import comfy_env
+
+    if not comfy_env.required():
+        return
+    skip_when_missing = pytest.importorskip
+
+    def importorskip(modname, *args, **kwargs):
+        try:
+            return skip_when_missing(modname, *args, **kwargs)
+        except pytest.skip.Exception as skipped:
+            pytest.fail(f"CI: {modname} is missing here ({skipped}); ./scripts/test installs it (pip install -e "
+                        "'.[test]', and mlx[cpu] off Apple Silicon)", pytrace=False)
+
+    pytest.importorskip = importorskip
+
+
 def pytest_addoption(parser):
     parser.addoption("--comfyui", choices=("with", "without", "only"), default="with",
                      help="with: every test (ComfyUI tests skip without COMFYUI_PATH); without: only the tests that "
