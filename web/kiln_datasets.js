@@ -39,13 +39,15 @@ class DatasetEditor {
     this.status = el("div", { className: "kds-status", kiln: "status", role: "status" });
     this.summary = el("span", { kiln: "summary" });
     this.body = el("div", { className: "kds-main", kiln: "body", hidden: true });
+    this.empty = el("div", { className: "kds-hint", kiln: "empty", textContent: "Choose a dataset above, or make one with " +
+      "New dataset…: its images, captions and problems show here. Load Dataset reads the same folders in input/." });
     this.zoom = new Zoom();
     this.element = el("div", { className: "kiln-datasets kds-wide", role: "dialog", "aria-modal": "true",
       "aria-labelledby": "kds-title" },
     el("div", { className: "kds-head" }, el("h2", { id: "kds-title", textContent: "Kiln datasets" }),
       field("Dataset", this.pick, "kds-inline"), newButton, this.summary, close),
-    this.form, this.status, this.body, this.zoom.element);
-    this.view = new WideView(this.element, this.zoom, () => this.mayClose());
+    this.form, this.status, this.empty, this.body, this.zoom.element);
+    this.view = new WideView(this.element, this.zoom, () => this.mayClose(), () => refreshLauncher?.());
     this.element.addEventListener("dragover", () => this.element.classList.add("kds-over"));
     this.element.addEventListener("dragleave", (event) => {
       if (!this.element.contains(event.relatedTarget)) this.element.classList.remove("kds-over");
@@ -123,6 +125,7 @@ class DatasetEditor {
 
   async open(name, fresh = false) {
     this.pick.value = name;
+    this.empty.hidden = Boolean(name);
     if (!name) {
       this.dataset = null;
       this.body.hidden = true;
@@ -300,6 +303,7 @@ class DatasetEditor {
 }
 
 let editor = null;
+let refreshLauncher = null;            // the sidebar's list, reread when the editor closes (it may have made a dataset)
 const openEditor = (name) => {
   editor ??= new DatasetEditor();
   return editor.show(name);
@@ -316,11 +320,12 @@ function launcher(container) {
     el("span", { className: "kds-hint", textContent: "Images, captions and problems of the datasets in ComfyUI's input/." }),
     open, list);
   container.replaceChildren(element);
-  call("/kiln/datasets").then(({ datasets }) => list.replaceChildren(...datasets.map((d) => {
-    const button = el("button", { type: "button", textContent: `${d.name} (${d.detail})`, "aria-label": `edit ${d.name}` });
+  refreshLauncher = () => call("/kiln/datasets").then(({ datasets }) => list.replaceChildren(...datasets.map((d) => {
+    const button = el("button", { type: "button", textContent: `${d.name} (${d.detail})`, title: `open ${d.name} in the editor` });
     button.addEventListener("click", () => openEditor(d.name));
     return el("li", {}, button);
   })), (error) => list.replaceChildren(el("li", { textContent: `could not list the datasets: ${error.message}` })));
+  refreshLauncher();
 }
 
 app.registerExtension({

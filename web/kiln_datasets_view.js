@@ -5,8 +5,8 @@
 import { zoomStep } from "./kiln_datasets_core.js";
 
 const STYLE_ID = "kiln-datasets-style";
-// z-index 1000: above the canvas and the side bars, below PrimeVue's toasts and dialogs (1100+), so ComfyUI's own
-// messages still show over the editor.
+// z-index 1000: above the canvas and the side bars, below ComfyUI's toasts (10000) and PrimeVue's dialogs (1100+),
+// so the frontend's own messages still show over the editor.
 const CSS = `
 .kiln-datasets [hidden], .kds-overlay[hidden] { display: none !important; }
 .kds-overlay { position: fixed; inset: 0; z-index: 1000; background: rgba(0, 0, 0, .6); display: flex;
@@ -118,11 +118,13 @@ export class Zoom {
   }
 }
 
-/** The wide window: `content` inside a fixed overlay. `mayClose()` (async → boolean) is asked before it closes. */
+/** The wide window: `content` inside a fixed overlay. `mayClose()` (async → boolean) is asked before it closes;
+ * `closed()` is told after. */
 export class WideView {
-  constructor(content, zoom, mayClose) {
+  constructor(content, zoom, mayClose, closed = () => {}) {
     this.zoom = zoom;
     this.mayClose = mayClose;
+    this.closed = closed;
     this.element = el("div", { className: "kds-overlay", kiln: "overlay", hidden: true }, content);
     this.element.addEventListener("keydown", (event) => this.key(event));
     // Keys, pastes and drops stay in the editor: ComfyUI would act on the graph (or load a dropped PNG as a workflow).
@@ -145,6 +147,7 @@ export class WideView {
     this.zoom.hide();
     this.element.hidden = true;
     this.returnFocus?.focus?.();
+    this.closed();
     return true;
   }
 

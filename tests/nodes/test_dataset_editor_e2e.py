@@ -151,6 +151,7 @@ def editor_report(server, tmp_path_factory):
 def test_the_editor_opens_wide_from_the_sidebar(editor_report):
     widths = editor_report["widths"]
     assert "kiln_tiny_dataset (4 images, 4 captions)" in editor_report["launcher"]
+    assert f"{NAME} (4 images, 4 captions)" in editor_report["launcherAfter"]       # reread when the editor closed
     # The sidebar tab keeps its default width; the editor takes most of the 1500 px window, and again when reopened.
     assert widths["sidebar"] < 500 and widths["editor"] > 2 * widths["sidebar"], widths
     assert widths["editor"] >= 0.9 * widths["viewport"] and widths["again"] == widths["editor"], widths

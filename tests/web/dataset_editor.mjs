@@ -224,6 +224,10 @@ try {
   await page.keyboard.press("Escape");
   await page.waitForSelector(EDITOR, { state: "hidden", timeout });
   report.closeAsk.closedDialogs = report.dialogs.length;
+  // The sidebar's list was reread on closing: it has the new dataset.
+  await page.waitForFunction(([sel, name]) => [...document.querySelectorAll(sel)].some((b) => b.textContent.startsWith(`${name} (`)),
+    [`${LAUNCHER} [data-kiln=launcher-list] button`, options.name], { timeout, polling: 100 });
+  report.launcherAfter = await page.$$eval(`${LAUNCHER} [data-kiln=launcher-list] button`, (b) => b.map((e) => e.textContent));
   report.widths.again = (await openEditor()).editor;
   await page.waitForSelector(cardOf(image), { timeout });
 
