@@ -6,6 +6,7 @@
 // the node would offer; the prompt itself is built by captionPrompt (kiln_datasets_core.js).
 import { api } from "../../scripts/api.js";
 import { captionPrompt, captionSummary, promptError } from "./kiln_datasets_core.js";
+import { el, field } from "./kiln_datasets_view.js";
 
 const POLL_MS = 2000;
 
@@ -17,7 +18,7 @@ function option(value, text = value) {
 }
 
 function labelled(title, input) {
-  input.title = title;
+  input.title = title;                 // the longer why, on hover; each control also has a visible label
   return input;
 }
 
@@ -51,26 +52,27 @@ export class CaptionRow {
     this.overwrite = labelled("Caption images that have a caption too (the old one is kept as .txt.bak)",
       make("input", { type: "checkbox" }));
     this.button = make("button", { type: "button", textContent: "Caption selected" });
-    this.hint = make("span", { textContent: choices.models.length ? "" : `transformers: ${choices.where}` });
+    this.hint = make("span", { className: "kds-hint", textContent: choices.models.length ? "" : `transformers: ${choices.where}` });
     for (const [node, name] of [[this.engine, "caption-engine"], [this.model, "caption-model"], [this.clip, "caption-clip"],
       [this.clipType, "caption-clip-type"], [this.style, "caption-style"], [this.trigger, "caption-trigger"], [this.maxTokens, "caption-max-tokens"],
       [this.overwrite, "caption-overwrite"], [this.button, "caption-run"], [this.hint, "caption-hint"]]) node.dataset.kiln = name;
     this.engine.addEventListener("change", () => this.showEngine());
     this.button.addEventListener("click", () => this.editor.run(() => this.queue()));
-    const overwrite = make("label", { textContent: " overwrite" });
-    overwrite.prepend(this.overwrite);
-    this.element = make("div", { className: "kds-row" });
-    this.element.dataset.kiln = "caption";
-    this.element.append(this.engine, this.model, this.clip, this.clipType, this.style, this.trigger, this.maxTokens, overwrite, this.button, this.hint);
+    this.fields = { model: field("captioner (models/LLM)", this.model), clip: field("text encoder", this.clip),
+      clipType: field("CLIP type", this.clipType) };
+    this.element = el("fieldset", { kiln: "caption" }, el("legend", { textContent: "Caption selected images" }),
+      field("engine", this.engine), this.fields.model, this.fields.clip, this.fields.clipType, field("style", this.style),
+      field("trigger word", this.trigger), field("max tokens", this.maxTokens),
+      el("label", { className: "kds-inline" }, this.overwrite, "overwrite existing captions"), this.button, this.hint);
     this.showEngine();
   }
 
   showEngine() {
     const clip = this.engine.value === "comfyui_clip";
-    this.model.hidden = clip;
+    this.fields.model.hidden = clip;
     this.hint.hidden = clip;
-    this.clip.hidden = !clip;
-    this.clipType.hidden = !clip;
+    this.fields.clip.hidden = !clip;
+    this.fields.clipType.hidden = !clip;
   }
 
   /** Queue the prompt; the status line follows it until it ends, then the gallery reloads. */

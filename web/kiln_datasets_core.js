@@ -136,3 +136,44 @@ export function captionSummary(report) {
   const problems = lines.findIndex((line) => /file\(s\) not captioned/.test(line));
   return [head, ...(problems < 0 ? [] : lines.slice(problems).map((line) => line.trim()))].join("\n");
 }
+
+/** The problems a card lists, each once, worst first: the scan's, then the quality pass's own. A verdict repeats
+ * the scan's warnings under the same codes, so a code the scan already lists is not listed again. */
+export function cardProblems(image, verdict) {
+  const scan = image?.problems ?? [];
+  const seen = new Set(scan.map((p) => p.code));
+  const quality = [];
+  (verdict?.problems ?? []).forEach((code, i) => {
+    if (seen.has(code)) return;
+    seen.add(code);
+    quality.push({ code, severity: "warning", message: verdict.messages?.[i] ?? code, fix: verdict.fixes?.[i] ?? "" });
+  });
+  return [...scan, ...quality].sort((a, b) => SEVERITY_ORDER.indexOf(a.severity) - SEVERITY_ORDER.indexOf(b.severity));
+}
+
+/** A verdict's size and buckets for its card ("96x80 [64: 64x48 crop 0x5] ok"): its problems are in the card's list,
+ * so only "ok" and the near-duplicate note ("... the one to keep") are added. */
+export function verdictHead(verdict) {
+  const [width, height] = verdict?.size ?? [];
+  const buckets = verdict?.buckets?.length ? ` [${verdict.buckets.join(", ")}]` : "";
+  const size = width ? `${width}x${height}${buckets}` : buckets.trim();
+  return [size, verdict?.ok ? "ok" : ""].filter(Boolean).join(" ") + (verdict?.note ? ` — ${verdict.note}` : "");
+}
+
+/** What a key pressed in a caption does: Enter saves, Shift+Enter (or Enter while an IME composes) is a newline. */
+export function captionKey({ key, shiftKey = false, isComposing = false, altKey = false, ctrlKey = false, metaKey = false }) {
+  return key === "Enter" && !shiftKey && !isComposing && !altKey && !ctrlKey && !metaKey ? "save" : null;
+}
+
+/** The question asked before unsaved captions (path → text) are dropped, or null when there are none. */
+export function unsavedQuestion(drafts, action) {
+  const paths = [...(drafts?.keys?.() ?? [])];
+  if (!paths.length) return null;
+  const shown = paths.slice(0, 3).join(", ") + (paths.length > 3 ? ` and ${paths.length - 3} more` : "");
+  const what = paths.length === 1 ? `The caption of ${shown} is not saved` : `${paths.length} captions are not saved (${shown})`;
+  return `${what}. Discard ${paths.length === 1 ? "it" : "them"} and ${action}?\n\n` +
+    "OK discards; Cancel keeps you here to save (Enter, or leave the field).";
+}
+
+/** The image shown after `index` when the zoom steps by `delta` (arrow keys), wrapping around. */
+export const zoomStep = (index, delta, count) => (count ? (((index + delta) % count) + count) % count : -1);

@@ -1,18 +1,22 @@
 """The dataset editor against a real ComfyUI (COMFYUI_PATH) with the pack: the /kiln/datasets routes over
 HTTP (ComfyUI's aiohttp server and middleware, Kiln's own cross-site refusal on top), and in ComfyUI's own
-frontend (headless Chromium, tests/web/dataset_editor.mjs): create a dataset, upload three images, drop a
-too-small image and a text file on the drop zone, edit a caption, add a prefix to all captions, see the
-small image flagged and the text file refused; upload three real photos (one a resized copy of another, one
-blurred), caption them with "Caption selected" (ComfyUI's queue running Kiln Caption Images on a tiny random
-Florence-2 in models/LLM/), see the captions and the quality verdicts (the near-duplicate pair naming each
-other, the blurred one) on their cards and the "only images with problems" filter; then train on the new folder
-from the graph (Load Dataset → Train LoRA on the tiny Flux2). Skips without node, Chromium or playwright-core
-(fails in CI).
+frontend (headless Chromium, tests/web/dataset_editor.mjs): open the editor wide from its sidebar tab, create a
+dataset, upload three images (each uncaptioned image's problem listed once on its card), drop a too-small image
+and a text file on the drop zone, type a caption ("unsaved" until the field is left, then on disk), save one with
+Enter (Shift+Enter a new line), add a prefix to all captions, see the small image flagged and the text file
+refused; leave a caption the server refuses unsaved and switch dataset (asked: Cancel stays, OK switches), press
+Esc with an unsaved caption (asked); find a label on every control; enlarge a thumbnail; upload three real
+photos (one a resized copy of another, one blurred), caption them with "Caption selected" (ComfyUI's queue
+running Kiln Caption Images on a tiny random Florence-2 in models/LLM/), see the captions and the quality
+verdicts (the near-duplicate pair naming each other, the blurred one) on their cards and the "only images with
+problems" filter; then train on the new folder from the graph (Load Dataset → Train LoRA on the tiny Flux2).
+Skips without node, Chromium or playwright-core (fails in CI).
 """
 from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import urllib.error
 import urllib.request
@@ -113,25 +117,108 @@ def photos(tmp_path: Path) -> list[Path]:
     return out
 
 
-def test_create_upload_caption_prefix_flag_then_train(server, tmp_path):
+@pytest.fixture(scope="module")
+def editor_report(server, tmp_path_factory):
+    """The browser driver's report on its walk through the editor (the folder it made stays for the tests)."""
     require_browser("the dataset editor test")
+    tmp_path = tmp_path_factory.mktemp("editor")
     files = {}
     for name, data in {"a.png": png(96, 80, 1), "b.png": png(80, 96, 2), "c.png": png(64, 64, 3),
                        "tiny.png": png(32, 32, 4), "notes.png": b"these are notes, not an image\n"}.items():
         files[name] = tmp_path / name
         files[name].write_bytes(data)
+    shots = tmp_path / "browser"
     done = subprocess.run([NODE, str(REPO / "tests" / "web" / "dataset_editor.mjs"), "--url", server.url,
-                           "--out", str(tmp_path / "browser"), "--chromium", CHROMIUM, "--name", NAME,
+                           "--out", str(shots), "--chromium", CHROMIUM, "--name", NAME,
                            *[arg for n in ("a.png", "b.png", "c.png") for arg in ("--image", str(files[n]))],
                            "--drop", str(files["tiny.png"]), "--drop", str(files["notes.png"]),
-                           "--caption", "a.png=a red square", "--prefix", "ohwx",
+                           "--caption", "a.png=a red square", "--enter", "c.png=green|square", "--prefix", "ohwx",
                            *[arg for photo in photos(tmp_path) for arg in ("--photo", str(photo))],
-                           "--caption-model", "Florence-2-tiny"],
+                           "--caption-model", "Florence-2-tiny", "--other", "kiln_tiny_dataset"],
                           cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    artifacts = REPO / "runs" / "test-reports"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    for shot in shots.glob("*.png"):     # kept for a person to look at: runs/test-reports/dataset-editor-0.33.0-*.png
+        kept = shot.stem.replace("dataset_editor", f"dataset-editor-{comfy_env.version()}")
+        shutil.copyfile(shot, artifacts / f"{kept}.png")
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     report = json.loads(lines[-1])
-    assert report["ok"], (report.get("error"), report.get("statuses"))
+    assert report["ok"], (report.get("error"), report.get("statuses"), report.get("dialogs"))
+    return report
+
+
+def test_the_editor_opens_wide_from_the_sidebar(editor_report):
+    widths = editor_report["widths"]
+    assert "kiln_tiny_dataset (4 images, 4 captions)" in editor_report["launcher"]
+    assert f"{NAME} (4 images, 4 captions)" in editor_report["launcherAfter"]       # reread when the editor closed
+    # The sidebar tab keeps its default width; the editor takes most of the 1500 px window, and again when reopened.
+    assert widths["sidebar"] < 500 and widths["editor"] > 2 * widths["sidebar"], widths
+    assert widths["editor"] >= 0.9 * widths["viewport"] and widths["again"] == widths["editor"], widths
+
+
+def test_a_caption_saves_on_leaving_the_field_or_enter_and_shows_unsaved_before(editor_report, server):
+    blur, enter = editor_report["blurSave"], editor_report["enterSave"]
+    assert blur["typed"]["state"] == "dirty" and blur["typed"]["marker"].startswith("● unsaved"), blur
+    assert blur["typed"]["saveShown"] and blur["serverBefore"] == ""        # typed, not on disk yet
+    assert blur["saved"] == {"state": "clean", "marker": "", "value": "a red square", "saveShown": False}
+    assert blur["serverAfter"] == "a red square"
+    # Shift+Enter made a new line (still unsaved); Enter saved it and kept the field focused.
+    assert enter["typed"]["state"] == "dirty" and enter["typed"]["value"] == "green\nsquare", enter
+    assert enter["saved"]["state"] == "clean" and enter["serverAfter"] == "green\nsquare"
+    assert enter["focused"] == "c.png"
+    assert (server.input / NAME / "c.txt").read_text(encoding="utf-8") == "ohwx, green\nsquare\n"   # then the prefix
+
+
+def test_dropping_an_unsaved_caption_asks_first(editor_report, server):
+    ask = editor_report["switchAsk"]
+    # Over 20,000 characters: the server refuses, the card says so and keeps the text.
+    assert ask["refused"]["state"] == "error" and "keep it under 20000" in ask["refused"]["marker"], ask["refused"]
+    asked = editor_report["dialogs"][ask["dialogsBefore"]:]
+    assert asked[0]["type"] == "confirm" and asked[0]["answer"] == "dismiss"
+    assert asked[0]["message"].startswith("The caption of a.png is not saved. Discard it and open kiln_tiny_dataset?")
+    assert ask["dismissed"] == {"pick": NAME, "dialogs": ask["dialogsBefore"] + 1, "card": "error", "length": 20005}
+    assert asked[1]["answer"] == "accept" and ask["accepted"] == {"pick": "kiln_tiny_dataset",
+                                                                  "dialogs": ask["dialogsBefore"] + 2, "cards": 4}
+    # Back with nothing unsaved: no question, and the refused text was dropped (the disk has the saved caption).
+    assert ask["back"] == {"dialogs": ask["dialogsBefore"] + 2, "caption": "ohwx, a red square",
+                           "server": "ohwx, a red square"}
+    close = editor_report["closeAsk"]
+    assert close["open"] and close["dialogs"] == ask["dialogsBefore"] + 3 and close["closedDialogs"] == close["dialogs"]
+    assert editor_report["dialogs"][close["dialogs"] - 1]["message"].startswith(
+        "The caption of a.png is not saved. Discard it and close the editor?")
+
+
+def test_every_control_has_a_label(editor_report):
+    assert editor_report["unlabelled"] == []
+    assert editor_report["captionLabels"] == {
+        "caption-engine": "engine", "caption-model": "captioner (models/LLM)", "caption-clip": "text encoder",
+        "caption-clip-type": "CLIP type", "caption-style": "style", "caption-trigger": "trigger word",
+        "caption-max-tokens": "max tokens", "caption-overwrite": "overwrite existing captions",
+        "caption-run": "Caption selected"}
+
+
+def test_a_thumbnail_enlarges(editor_report):
+    zoom = editor_report["zoom"]
+    assert zoom["natural"] == 96 and zoom["name"].startswith("a.png 96×80 — 1 of 7"), zoom
+    assert zoom["shown"][0] > 2 * zoom["thumbnail"][0] and zoom["shown"][1] > 2 * zoom["thumbnail"][1], zoom
+    assert zoom["next"].startswith("b.png 80×96 — 2 of 7") and zoom["editorOpen"]
+
+
+def test_each_problem_is_said_once_per_card(editor_report):
+    for report in (editor_report["uncaptioned"], editor_report["cards"]):
+        for card in report:
+            assert len(card["codes"]) == len(set(card["codes"])), card
+            assert not any(code in (card["verdict"] or "") for code in card["codes"]), card
+    # Uploaded without captions: the scan's warning, once (the quality pass repeats it under the same code).
+    uncaptioned = {card["path"]: card for card in editor_report["uncaptioned"]}
+    assert [uncaptioned[n]["codes"] for n in ("a.png", "b.png", "c.png")] == [["caption_missing"]] * 3
+    assert uncaptioned["a.png"]["verdictCodes"] == "caption_missing"     # in the verdict, but said there no more
+    assert uncaptioned["a.png"]["verdict"] == "96x80 [64: 64x48 crop 0x5]"
+
+
+def test_create_upload_caption_prefix_flag_then_train(server, editor_report):
+    report = editor_report
     statuses = report["statuses"]
     assert not any(s.get("error") for s in statuses.values()), statuses
     assert statuses["upload"]["text"] == "added a.png, b.png, c.png"
@@ -154,7 +241,8 @@ def test_create_upload_caption_prefix_flag_then_train(server, tmp_path):
     # The quality verdicts: the copy names its original and the original its copy; the blurred photo is flagged.
     # (both photos are also soft next to the random-noise images: under a fifth of this dataset's median sharpness)
     assert cards["coffee_small.jpg"]["verdictCodes"].split()[0] == "near_duplicate"
-    assert "the sharper coffee.jpg stays" in cards["coffee_small.jpg"]["verdict"]
+    assert cards["coffee_small.jpg"]["codes"][0] == "near_duplicate"       # the quality pass's problem, in the list
+    assert "the sharper coffee.jpg stays" in cards["coffee_small.jpg"]["problems"][0]
     assert cards["coffee.jpg"]["verdict"].endswith(" — near-duplicate of coffee_small.jpg; this one is the "
                                                    "sharpest, the one to keep")
     assert "near_duplicate" not in cards["coffee.jpg"]["verdictCodes"]
@@ -165,7 +253,9 @@ def test_create_upload_caption_prefix_flag_then_train(server, tmp_path):
     assert "7 images, 1 skipped" in report["summary"] and f"{NAME} (7 images, 7 captions)" in report["listed"]
     assert report["formHidden"] and "null" not in report["text"] and "undefined" not in report["text"]
     kiln_errors = [e for e in report["console"] if "kiln" in (e["text"] + e["url"]).lower()]
-    assert kiln_errors == [] and [e for e in report["pageErrors"] if "kiln" in e.lower()] == []
+    refused = [e for e in kiln_errors if e["url"].endswith(f"/kiln/datasets/{NAME}/caption") and "400" in e["text"]]
+    assert len(refused) == 1 and len(kiln_errors) == 1       # the browser logs the over-long caption's refusal only
+    assert [e for e in report["pageErrors"] if "kiln" in e.lower()] == []
 
     # What the editor wrote is what Load Dataset reads.
     folder = server.input / NAME

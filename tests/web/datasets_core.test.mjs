@@ -81,3 +81,53 @@ test("Caption Images' report becomes the status line, without the server's folde
   assert.equal(captionSummary("C:\\in: x: 1 caption written\n  a.txt: y\n1 file(s) not captioned:\n  [truncated] b.png: cut"),
     "1 caption written\n1 file(s) not captioned:\n[truncated] b.png: cut");
 });
+
+test("a card lists each problem once: the scan's, then the quality pass's own", async () => {
+  const { cardProblems } = await import("../../web/kiln_datasets_core.js");
+  const missing = { code: "caption_missing", severity: "warning", message: "no caption file a.txt", fix: "write one" };
+  const image = { path: "a.png", problems: [missing, { code: "converted", severity: "note", message: "CMYK", fix: "none" }] };
+  // The verdict repeats the scan's warning (same code) and adds the quality pass's own.
+  const verdict = { path: "a.png", ok: false, problems: ["caption_missing", "blurry", "blurry"],
+    messages: ["no caption file a.txt", "soft", "soft"], fixes: ["write one", "retake it", "retake it"] };
+  const listed = cardProblems(image, verdict);
+  assert.deepEqual(listed.map((p) => p.code), ["caption_missing", "blurry", "converted"]);
+  assert.deepEqual(listed[1], { code: "blurry", severity: "warning", message: "soft", fix: "retake it" });
+  assert.deepEqual(cardProblems(image, null).map((p) => p.code), ["caption_missing", "converted"]);
+  assert.deepEqual(cardProblems({ problems: [] }, { problems: ["near_duplicate"], messages: [], fixes: [] }),
+    [{ code: "near_duplicate", severity: "warning", message: "near_duplicate", fix: "" }]);
+});
+
+test("a card's verdict line keeps the size, the buckets, ok and the keep note, not the problems again", async () => {
+  const { verdictHead } = await import("../../web/kiln_datasets_core.js");
+  assert.equal(verdictHead({ size: [96, 80], buckets: ["64: 64x48 crop 0x5"], ok: true, note: "" }), "96x80 [64: 64x48 crop 0x5] ok");
+  assert.equal(verdictHead({ size: [192, 128], buckets: ["64: 96x64", "512: none, too small"], ok: false,
+    problems: ["near_duplicate"] }), "192x128 [64: 96x64, 512: none, too small]");
+  assert.equal(verdictHead({ size: [8, 8], buckets: [], ok: false, note: "near-duplicate of b.png; keep this one" }),
+    "8x8 — near-duplicate of b.png; keep this one");
+});
+
+test("Enter saves a caption; Shift+Enter, a composing IME and modified Enter do not", async () => {
+  const { captionKey } = await import("../../web/kiln_datasets_core.js");
+  assert.equal(captionKey({ key: "Enter" }), "save");
+  assert.equal(captionKey({ key: "Enter", shiftKey: true }), null);
+  assert.equal(captionKey({ key: "Enter", isComposing: true }), null);
+  assert.equal(captionKey({ key: "Enter", ctrlKey: true }), null);
+  assert.equal(captionKey({ key: "a" }), null);
+});
+
+test("dropping unsaved captions asks, naming them; nothing unsaved asks nothing", async () => {
+  const { unsavedQuestion } = await import("../../web/kiln_datasets_core.js");
+  assert.equal(unsavedQuestion(new Map(), "open faces"), null);
+  const one = unsavedQuestion(new Map([["a.png", "x"]]), "open faces");
+  assert.match(one, /^The caption of a\.png is not saved\. Discard it and open faces\?/);
+  const many = unsavedQuestion(new Map(["a", "b", "c", "d", "e"].map((n) => [`${n}.png`, n])), "close the editor");
+  assert.match(many, /^5 captions are not saved \(a\.png, b\.png, c\.png and 2 more\)\. Discard them and close the editor\?/);
+});
+
+test("the zoom's arrows wrap around the gallery", async () => {
+  const { zoomStep } = await import("../../web/kiln_datasets_core.js");
+  assert.equal(zoomStep(0, -1, 3), 2);
+  assert.equal(zoomStep(2, 1, 3), 0);
+  assert.equal(zoomStep(1, 1, 3), 2);
+  assert.equal(zoomStep(0, 1, 0), -1);
+});
