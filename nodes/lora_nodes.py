@@ -5,7 +5,7 @@ from pathlib import Path
 
 from comfy_api.latest import io, ui
 
-from ..trainer import lora_format, lora_sources, paths
+from ..trainer import lora_format, paths
 from ..trainer.archs import ARCHS, guess_arch
 from ..trainer.config import CHOICES
 
@@ -186,7 +186,7 @@ class KilnConvertLoRA(io.ComfyNode):
         source = bridge.lora_path(lora_file)
         path = lora_target(name or f"{Path(lora_file).with_suffix('')}_comfy", overwrite, "Kiln Convert LoRA")
         path.parent.mkdir(parents=True, exist_ok=True)
-        converted = lora_sources.convert_file(source, path, arch=None if arch == "auto" else arch,
+        converted = lora_format.convert_file(source, path, arch=None if arch == "auto" else arch,
                                               allow_unplaced=allow_unplaced)
         bridge.refresh_loras()
         report = f"{converted.report()}\nwrote {path}"

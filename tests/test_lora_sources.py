@@ -89,7 +89,7 @@ def test_convert_writes_a_comfy_file_and_records_the_source(tmp_path):
     lokr = fx.build("zimage", "ai-toolkit", SHAPES["zimage"], seed=1)
     src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
     safetensors_io.write(src, {**fixture.tensors, **lokr.tensors}, {"ss_network_dim": "4"})
-    converted = ls.convert_file(src, dst)
+    converted = lf.convert_file(src, dst)
     tensors, metadata = safetensors_io.read(dst)
     assert all(k.startswith(("diffusion_model.", "transformer.")) for k in tensors)
     assert "transformer.layers.0.attention.to_q.lokr_w1" in tensors  # a q/k/v part: ComfyUI applies it to its slice

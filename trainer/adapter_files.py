@@ -1,5 +1,5 @@
 """Kiln's LoKr, LoHa and DoRA files (trainer/adapters.py): written under ComfyUI's adapter names with comfy
-paths or kohya's flat `lora_unet_` names (LyCORIS's), read back, described. lora_format.py calls in here."""
+paths or kohya's flat `lora_unet_` names (LyCORIS's), read back, described. lora_format.py reads and writes through here; lora_report.py describes them."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -8,7 +8,7 @@ import numpy as np
 
 from . import adapters
 from .adapters import AdapterWeights
-from .lora_format import COMFY_PREFIX, KOHYA_PREFIX, Lora, _module_paths
+from .lora_keys import COMFY_PREFIX, KOHYA_PREFIX, Lora, module_paths
 
 
 def to_tensors(lora: Lora, fmt: str) -> dict[str, np.ndarray]:
@@ -31,7 +31,7 @@ def read(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], source:
         return None
     if all(key.startswith(COMFY_PREFIX) for key in tensors):
         return adapters.from_file_tensors(tensors, COMFY_PREFIX, source), "comfy"
-    paths = _module_paths(metadata, source) if all(key.startswith(KOHYA_PREFIX) for key in tensors) else None
+    paths = module_paths(metadata, source) if all(key.startswith(KOHYA_PREFIX) for key in tensors) else None
     if paths is None:
         return None
     flat = adapters.from_file_tensors(tensors, KOHYA_PREFIX, source)
@@ -40,16 +40,3 @@ def read(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], source:
     if unknown:
         raise ValueError(f"{source}: {unknown[:3]} are not in the file's kiln.module_paths; re-save it with Kiln")
     return {dotted[name]: w for name, w in flat.items()}, "kohya"
-
-
-def describe(path, lora: Lora, fmt: str, metadata, header) -> dict:
-    """A Kiln LoKr/LoHa/DoRA file: a row per module with its kind and tensors."""
-    prefix = COMFY_PREFIX if fmt == "comfy" else KOHYA_PREFIX
-    table = [{"name": name, "kind": w.kind, "rank": w.rank, "alpha": w.alpha, "parameters": w.size,
-              "dtype": header[next(k for k in adapters.file_tensors(prefix + (name if fmt == "comfy" else
-                                                                              name.replace(".", "_")), w)
-                                   if not k.endswith((".alpha", ".dora_scale")))]["dtype"],
-              "tensors": {role: list(t.shape) for role, t in w.tensors.items()}} for name, w in lora.items()]
-    from .lora_report import summary  # lora_report reads through lora_format, which calls in here
-
-    return {**summary(path, fmt, lora, table, metadata, header), "adapter": sorted({w.kind for w in lora.values()})}

@@ -175,7 +175,7 @@ def add_commands(commands) -> None:
 
 
 def cmd_convert(args) -> int:
-    from .lora_sources import convert_file
+    from .lora_format import convert_file
 
     if Path(args.output).exists() and not args.overwrite:
         raise FileExistsError(f"{args.output} already exists; pass --overwrite to replace it, or choose another output")

@@ -6,8 +6,11 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping
 
-from . import safetensors_io
-from .lora_format import FORMATS, _module_paths, _native, _split_keys, detect_format, from_tensors
+from . import adapter_files, safetensors_io
+from . import adapters as adapter_kinds
+from .config import TrainConfig
+from .lora_format import from_tensors
+from .lora_keys import COMFY_PREFIX, FORMATS, KOHYA_PREFIX, Lora, detect_format, module_paths, native_keys, split_keys
 
 _SHOWN = ("kiln.arch", "kiln.steps", "kiln.trigger_words", "kiln.config", "kiln.format", "kiln.module_paths")
 _BLOCK = re.compile(r"^([^.]+\.\d+)\.(.+)$")   # double_blocks.0.img_attn.qkv -> double_blocks.0, img_attn.qkv
@@ -17,19 +20,17 @@ _DTYPE_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 def describe(path) -> dict:
     """What `python -m trainer inspect` prints; works without arch or module names."""
-    from . import adapter_files  # it builds on lora_format
-
     tensors, metadata = safetensors_io.read(path)
     header, _ = safetensors_io.read_header(path)
     own_adapters = adapter_files.read(tensors, metadata, str(path))
     if own_adapters is not None:
-        return adapter_files.describe(path, *own_adapters, metadata, header)
-    if not _native(tensors) or len({n for k in tensors for n, f in FORMATS.items() if k.startswith(f.key_prefix)}) != 1:
+        return _describe_adapters(path, *own_adapters, metadata, header)
+    if not native_keys(tensors) or len({n for k in tensors for n, f in FORMATS.items() if k.startswith(f.key_prefix)}) != 1:
         return _describe_foreign(path, tensors, metadata, header)
     fmt = detect_format(tensors, str(path))
     prefix = FORMATS[fmt].key_prefix
-    modules = _split_keys(tensors, prefix, str(path))  # file's modules, unfused
-    dotted = {p.replace(".", "_"): p for p in _module_paths(metadata, str(path)) or []}  # kohya's '_' names
+    modules = split_keys(tensors, prefix, str(path))  # file's modules, unfused
+    dotted = {p.replace(".", "_"): p for p in module_paths(metadata, str(path)) or []}  # kohya's '_' names
     table = [{"name": dotted.get(name, name), "rank": w.rank, "alpha": w.alpha, "parameters": w.A.size + w.B.size,
               "dtype": header[prefix + name + next(s for s in (".lora_A.weight", ".lora_down.weight")
                                                    if prefix + name + s in header)]["dtype"]}
@@ -56,7 +57,6 @@ def summary(path, fmt: str, weights: Mapping, table: list[dict], metadata, heade
 
 def non_default_settings(config_json: str) -> list[tuple[str, object]] | None:
     """kiln.config's settings that differ from TrainConfig's defaults, in field order; None if unreadable."""
-    from .config import TrainConfig
 
     try:
         config = json.loads(config_json)
@@ -122,3 +122,14 @@ def format_description(info: dict) -> str:
                  f"ranks {', '.join(map(str, info['ranks']))}, alphas {', '.join(map(_number, info['alphas']))}, "
                  f"dtypes {', '.join(info['dtypes'])}")
     return "\n".join(lines)
+
+
+def _describe_adapters(path, lora: Lora, fmt: str, metadata, header) -> dict:
+    """A Kiln LoKr/LoHa/DoRA file: a row per module with its kind and tensors."""
+    prefix = COMFY_PREFIX if fmt == "comfy" else KOHYA_PREFIX
+    table = [{"name": name, "kind": w.kind, "rank": w.rank, "alpha": w.alpha, "parameters": w.size,
+              "dtype": header[next(k for k in adapter_kinds.file_tensors(prefix + (name if fmt == "comfy" else
+                                                                              name.replace(".", "_")), w)
+                                   if not k.endswith((".alpha", ".dora_scale")))]["dtype"],
+              "tensors": {role: list(t.shape) for role, t in w.tensors.items()}} for name, w in lora.items()]
+    return {**summary(path, fmt, lora, table, metadata, header), "adapter": sorted({w.kind for w in lora.values()})}

@@ -13,7 +13,7 @@ What each tool writes (the tests build one fixture per line, and say where each 
   kohya, musubi-tuner, Kiln kohya                   lora_unet_<flat name>.lora_down (+ .alpha)
   musubi-tuner convert_lora.py --target other       diffusion_model.<name with '_'→'.' guessed>.lora_A
   LyCORIS LoKr/LoHa                                 <any of the above>.lokr_w1 / .hada_w1_a ... (+ .alpha)
-LoRA pairs become LoraWeights (split parts fused exactly, see lora_format._fuse). LoKr, LoHa and
+LoRA pairs become LoraWeights (split parts fused exactly, see lora_keys.fuse). LoKr, LoHa and
 ComfyUI's `diff` patches are not (A, B) pairs: they pass through as tensors renamed to a key ComfyUI's
 loader maps (`diffusion_model.<path>.lokr_w1`, or `transformer.<diffusers name>...` for a part of a fused
 layer, which ComfyUI applies to its slice), exact and without an SVD.
@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import lora_format as lf
+from . import lora_keys as lf
 from . import safetensors_io
 from .archs import ARCHS, Arch, DiffusersRule
 
@@ -129,8 +129,8 @@ def _from_match(arch: Arch, match: re.Match, rule: DiffusersRule, part: int | No
     values = match.groupdict()
     if len(values) != len(_groups(rule)):
         return None  # the name does not carry every group of the ComfyUI path
-    path = lf._fill_groups(rule.comfy, [values[f"g{i}"] for i in range(len(values))])
-    forward = lf._targets(arch, path)
+    path = lf.fill_groups(rule.comfy, [values[f"g{i}"] for i in range(len(values))])
+    forward = lf.diffusers_targets(arch, path)
     if forward is None or forward[0] != rule:
         return None
     if part is None or len(rule.targets) == 1:  # a one-part rule: its diffusers name is the whole module
@@ -242,7 +242,7 @@ def read(tensors: Mapping[str, np.ndarray], *, arch: Arch | None, module_names=N
         if "lora" not in entry.kinds:
             converted.passthrough.update(_renamed(arch, where, roles, source, module))
             continue
-        weights = lf._weights(source, module, _with_alpha(roles, metadata or {}, entry.name, converted.notes))
+        weights = lf.checked_weights(source, module, _with_alpha(roles, metadata or {}, entry.name, converted.notes))
         if where.part is not None:
             parts.setdefault(where.path, (where.rule, {}))[1][where.part] = weights
         elif where.path in converted.lora:
@@ -252,7 +252,7 @@ def read(tensors: Mapping[str, np.ndarray], *, arch: Arch | None, module_names=N
     for path, (rule, found) in parts.items():
         if path in converted.lora:
             raise ValueError(f"{source}: {path} is in the file both whole and as diffusers parts; keep one")
-        converted.lora[path] = lf._fuse(rule, found, f"{source}: {path}")
+        converted.lora[path] = lf.fuse(rule, found, f"{source}: {path}")
     converted.unplaced = sorted(unplaced)
     converted.notes.insert(0, f"{source}: keys as {', '.join(sorted(writers)) or 'no known trainer'} write them; "
                               f"arch {arch.name if arch else 'unknown'}")
@@ -298,29 +298,9 @@ def file_identity(path) -> dict[str, str]:
 def read_file(path, *, arch: Arch | str | None = None) -> tuple[Converted, dict[str, str]]:
     """A LoRA file of any trainer read (arch and kohya module names from its metadata when it has them)."""
     tensors, metadata = safetensors_io.read(path)
-    converted = read(tensors, arch=lf._arch(arch, metadata), module_names=lf._module_paths(metadata, str(path)),
+    converted = read(tensors, arch=lf.arch_of(arch, metadata), module_names=lf.module_paths(metadata, str(path)),
                      metadata=metadata, source=str(path))
     if not converted.lora and not converted.passthrough:
         raise ValueError(f"{path}: no LoRA, LoKr or LoHa weights Kiln can place (keys such as "
                          f"{', '.join(converted.unplaced[:5]) or 'none'}); is this a LoRA for the diffusion model?")
     return converted, metadata
-
-
-def convert_file(src, dst, *, arch: Arch | str | None = None, fmt: str = "comfy",
-                 allow_unplaced: bool = False) -> Converted:
-    """Rewrite another trainer's LoRA as a file ComfyUI loads key for key. Keys nothing places stop the
-    conversion (listed), unless allow_unplaced, which leaves them out and still lists them."""
-    converted, metadata = read_file(src, arch=arch)
-    if converted.unplaced and not allow_unplaced:
-        raise ValueError(f"{src}: {len(converted.unplaced)} key(s) fit no module of arch "
-                         f"{converted.arch.name if converted.arch else '(unknown)'}: {', '.join(converted.unplaced)}; "
-                         "pass the arch the LoRA was trained for, or allow unplaced keys to write the rest")
-    header, _ = safetensors_io.read_header(src)
-    weight_dtypes = {e["dtype"] for key, e in header.items() if not key.endswith(".alpha")}
-    dtype = {"BF16": "bf16", "F16": "fp16"}.get(weight_dtypes.pop(), "fp32") if len(weight_dtypes) == 1 else "fp32"
-    kept = {k: v for k, v in metadata.items() if not k.startswith("kiln.") and k != "lora_adapter_metadata"}
-    kept["kiln.converted_from"] = json.dumps(file_identity(src))
-    kept["kiln.convert_report"] = converted.report()
-    lf.save_lora(dst, converted.lora, arch=converted.arch, fmt=fmt, dtype=dtype, metadata=kept,
-                 passthrough=converted.passthrough)
-    return converted

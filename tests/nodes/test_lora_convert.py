@@ -21,7 +21,7 @@ import comfy.utils  # noqa: E402
 import lora_fixtures as fx  # noqa: E402
 import tiny_comfy  # noqa: E402
 
-from trainer import lora_sources  # noqa: E402
+from trainer import lora_format  # noqa: E402
 from trainer import safetensors_io  # noqa: E402
 
 FAMILIES = {"flux2": lambda tmp: tiny_comfy.tiny_flux2(tmp), "zimage": lambda tmp: tiny_comfy.tiny_zimage()}
@@ -68,7 +68,7 @@ def test_converted_file_loads_in_comfyui_with_the_same_effect(models, tmp_path, 
     fixture = fx.build(family, name, shapes)
     src, dst = tmp_path / "foreign.safetensors", tmp_path / "converted.safetensors"
     safetensors_io.write(src, fixture.tensors, fixture.metadata, dtype={k: "F32" for k in fixture.tensors})
-    converted = lora_sources.convert_file(src, dst)
+    converted = lora_format.convert_file(src, dst)
     assert converted.unplaced == []
     header, _ = safetensors_io.read_header(dst)
     assert {e["dtype"] for k, e in header.items()} == {"F32"}  # the source's dtype is kept

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from . import Arch, ComfyModel, DiffusersRule, Sampling, register
+from .base import Arch, ComfyModel, DiffusersRule, Sampling
 from .layout import BlockGroup, HeaderSpec, Layout, ModelDims
 
 CONTEXT_TOKENS = 512  # model_base.Flux2.extra_conds left-pads one prompt to this (a batch trains what sampling sees)
@@ -132,7 +132,7 @@ _COMMON = dict(
 )
 
 # Klein and Dev are one ComfyUI class; Dev has the guidance embedding (comfy/model_detection.py).
-register(Arch(name="flux2_klein", model_extras=klein_extras, module_marker=MODULE_MARKER,
+KLEIN = Arch(name="flux2_klein", model_extras=klein_extras, module_marker=MODULE_MARKER,
               comfy=ComfyModel("Flux2", attributes=(("diffusion_model.params.guidance_embed", False),)),
               modelspec=("Flux.2-klein/lora", IMPLEMENTATION),
               # 20 euler steps at cfg 1 suit the distilled 4B/9B files (made for 4) and give the base a usable
@@ -140,8 +140,8 @@ register(Arch(name="flux2_klein", model_extras=klein_extras, module_marker=MODUL
               sampling=Sampling(steps=20, cfg=1.0, sampler="euler", scheduler="simple"),
               # Qwen3 at 512 tokens (diffusers' Flux2KleinPipeline), 12 of them ComfyUI's chat template.
               caption_token_limit=CONTEXT_TOKENS - 12,
-              description="Flux2 Klein 4B/9B (base, undistilled); no guidance input", **_COMMON))
-register(Arch(name="flux2_dev", model_extras=dev_extras,
+              description="Flux2 Klein 4B/9B (base, undistilled); no guidance input", **_COMMON)
+ARCHS = (KLEIN, Arch(name="flux2_dev", model_extras=dev_extras,
               comfy=ComfyModel("Flux2", attributes=(("diffusion_model.params.guidance_embed", True),)),
               modelspec=("Flux.2-dev/lora", IMPLEMENTATION),
               # ComfyUI's Flux2 Dev template: 20 euler steps, cfg 1 (the guidance embedding takes ComfyUI's default).

@@ -5,11 +5,11 @@ conditioning, so the trainer needs no facts beyond the user's target patterns.
 """
 from __future__ import annotations
 
-from . import Arch, no_extras, register
+from .base import Arch, no_extras
 
-register(Arch(
+ARCHS = (Arch(
     name="generic", family="generic", latent_channels=0, latent_downscale=8, patch=1, bucket_divisor=16,
     default_targets=(), block_lists=(), shift_mode="none", shift=1.0,
     model_extras=no_extras,
     description="any ComfyUI MODEL; set `targets` to the module-name patterns to train",
-))
+),)

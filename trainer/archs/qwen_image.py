@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 
-from . import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths, register
+from .base import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths
 from .layout import BlockGroup, HeaderSpec, Layout, ModelDims
 
 # The block Linears (diffusers and ComfyUI names alike). Targets leave out the modulation (img_mod,
@@ -97,7 +97,7 @@ LAYOUT = Layout(
 )
 
 
-register(Arch(
+ARCHS = (Arch(
     name="qwen_image", family="qwen_image", latent_channels=16, latent_downscale=8, patch=2, bucket_divisor=16,
     default_targets=DEFAULT_TARGETS, block_lists=("transformer_blocks",),
     # ComfyUI samples Qwen-Image with ModelSamplingFlux at shift 1.15 (supported_models.QwenImage), a
@@ -112,4 +112,4 @@ register(Arch(
     caption_token_limit=1024,  # diffusers' QwenImagePipeline: 1024 tokens after its template's are dropped
     sampling=Sampling(steps=20, cfg=2.5, sampler="euler", scheduler="simple"),  # ComfyUI's Qwen-Image template
     description="Qwen-Image (20B MMDiT, Qwen2.5-VL text encoder); PyTorch backend",
-))
+),)

@@ -8,7 +8,7 @@ for validation samples, never saved.
 """
 from __future__ import annotations
 
-from . import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths, register
+from .base import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths
 from .layout import BlockGroup, HeaderSpec, Layout, ModelDims, ceil_to
 
 
@@ -115,11 +115,11 @@ _COMMON = dict(
 _IMPLEMENTATION = "https://github.com/Tongyi-MAI/Z-Image"
 
 # Turbo and base are one ComfyUI model: Turbo is what a model with a training adapter trains as.
-register(Arch(name="zimage_turbo", training_adapter="merge", modelspec=("Z-Image-Turbo/lora", _IMPLEMENTATION),
+TURBO = Arch(name="zimage_turbo", training_adapter="merge", modelspec=("Z-Image-Turbo/lora", _IMPLEMENTATION),
               # Turbo is distilled for 8 steps without CFG (ComfyUI's template, the example workflow).
               sampling=Sampling(steps=8, cfg=1.0, sampler="res_multistep", scheduler="simple"),
-              description="Z-Image Turbo (distilled): training adapter merged for training", **_COMMON))
-register(Arch(name="zimage", modelspec=("Z-Image/lora", _IMPLEMENTATION),
+              description="Z-Image Turbo (distilled): training adapter merged for training", **_COMMON)
+ARCHS = (TURBO, Arch(name="zimage", modelspec=("Z-Image/lora", _IMPLEMENTATION),
               module_marker=r"^(layers|noise_refiner|context_refiner)\.\d+\.(attention|feed_forward)",
               # The undistilled base needs CFG and more steps.
               sampling=Sampling(steps=30, cfg=4.0, sampler="res_multistep", scheduler="simple"),

@@ -6,6 +6,12 @@ from typing import Protocol
 
 import numpy as np
 
+from ..errors import KilnError
+
+
+class DatasetError(KilnError):
+    """The dataset cannot train: the message names the folder, the problems and the fixes."""
+
 
 class TrainingData(Protocol):
     buckets: dict[str, list[int]]      # bucket key ("WxH") -> item indices (repeats included)

@@ -20,12 +20,13 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
-from ..errors import KilnError
+from . import DatasetError  # noqa: F401  (raised here; callers import it from here too)
 from .buckets import BucketPlan, Entry, plan_buckets
 from .cache import Cache, latent_key, text_key
 from .captions import CaptionSettings, caption_variants, class_caption
 from .companions import companions_key, entry_sample
 from .prefetch import in_order
+from .regularised import RegularisedData
 from .report import DatasetMeta, Item, Problem, ScanReport, format_report
 
 ImageEncoder = Callable[[np.ndarray], np.ndarray]
@@ -33,10 +34,6 @@ TextEncoder = Callable[[str], np.ndarray]
 Progress = Callable[[int, int], None]
 
 CACHE_FOLDER = ".kiln_cache"
-
-
-class DatasetError(KilnError):
-    """The dataset cannot train: the message names the folder, the problems and the fixes."""
 
 
 @dataclass(frozen=True)
@@ -251,8 +248,6 @@ class Dataset:
             raise DatasetError(f"{self.report.root}: run {' and '.join(missing)} on this dataset before training")
         if self.regularisation is None:
             return CachedData(self, memory_budget)
-        from .regularised import RegularisedData
-
         return RegularisedData.of(self, CachedData(self, memory_budget), memory_budget)
 
     @property

@@ -222,7 +222,7 @@ def bulk(root: str | Path, name: str, op: str, paths: list[str], **args) -> dict
     return {"op": op, "changed": changed, "unchanged": len(paths) - len(changed)}
 
 
-def _free_name(path: Path) -> Path:
+def free_name(path: Path) -> Path:
     """path, or 'name (2).ext', 'name (3).ext', ... when it is taken."""
     candidate, number = path, 2
     while candidate.exists() or candidate.is_symlink():
@@ -242,7 +242,7 @@ def trash(root: str | Path, name: str, paths: list[str]) -> dict:
         for source in (image, caption_path(image)):
             if not source.is_file():
                 continue
-            target = _free_name(folder / TRASH / source.relative_to(folder))
+            target = free_name(folder / TRASH / source.relative_to(folder))
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(source, target)                  # a rename on one disk: never half-moved
             fsync_dir(target.parent)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import TrainingData
+from . import DatasetError, TrainingData
 
 PREFIX = "reg/"   # bucket keys and image names of the regularisation set
 
@@ -32,8 +32,6 @@ class RegularisedData:
     def of(cls, dataset, main: TrainingData, memory_budget: int) -> RegularisedData:
         """A Dataset's cached data with its regularisation Dataset's; both encoded by the same VAE and text
         encoder (the model sees one latent format and one embedding width)."""
-        from .dataset import DatasetError
-
         reg = dataset.regularisation
         for what, ours, theirs in (("Encode Images (VAE)", dataset.latent_identity, reg.latent_identity),
                                    ("Encode Captions (text encoder)", dataset.text_identity, reg.text_identity)):

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path, PurePosixPath
 
 from ..atomic import fsync_dir
-from .editing import EditError, _free_name, check_component
+from .editing import EditError, free_name, check_component
 from .images import ImageProblem, verify
 from .scan import EXTENSION_OF
 
@@ -50,7 +50,7 @@ async def receive(folder: Path, filename: str, chunks: AsyncIterator[bytes],
             handle.flush()
             os.fsync(handle.fileno())
         info = await asyncio.to_thread(_check, Path(tmp), filename)
-        target = _free_name(folder / f"{stem}.{EXTENSION_OF.get(info.format, 'jpg')}")
+        target = free_name(folder / f"{stem}.{EXTENSION_OF.get(info.format, 'jpg')}")
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
         fsync_dir(folder)
