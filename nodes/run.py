@@ -162,6 +162,13 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
     trackers[0].finish(result)
     state = KilnState(run_dir=str(run_dir), checkpoint=str(result.checkpoint), step=result.step, arch=cfg.arch,
                       config=cfg.to_dict(), lora=result.lora, ema_lora=result.ema_lora, history=result.history)
+    summary = summary_line(cfg, result, blocked)
+    return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]), blocked)
+
+
+def summary_line(cfg: cfg_module.TrainConfig, result: RunResult, blocked: bool) -> str:
+    """Train LoRA's report of a run that returned: how it ended (a dashboard stop, and what it did downstream),
+    the steps skipped for NaN, the best held-out step, the loss from first to last tenth."""
     losses = [v for v in result.history.loss if np.isfinite(v)]
     summary = f"trained to step {result.step}/{cfg.steps}; {result.trainable_parameters:,} LoRA parameters"
     if result.history.skipped:
@@ -177,8 +184,9 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
         summary += (f"; held-out loss best {result.best.loss:.4f} at step {result.best.step}"
                     f"{' (stopped early)' if result.early_stopped else ''}, its LoRA: {result.best_lora}")
     if losses:
-        summary += f"; loss {np.mean(losses[:max(1, len(losses) // 10)]):.4f} → {np.mean(losses[-max(1, len(losses) // 10):]):.4f}"
-    return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]), blocked)
+        tenth = max(1, len(losses) // 10)
+        summary += f"; loss {np.mean(losses[:tenth]):.4f} → {np.mean(losses[-tenth:]):.4f}"
+    return summary
 
 
 def loss_image(state: KilnState):
