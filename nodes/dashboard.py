@@ -5,7 +5,10 @@ Train LoRA node, and `add_routes` puts it on ComfyUI's server:
 
   GET  /kiln/runs              the runs this server has seen, newest first (summaries)
   GET  /kiln/runs/{id}         one run: figures, loss and learning-rate history, samples, buckets
-  POST /kiln/runs/{id}/stop    ask the run to stop at the next step: it saves a resumable checkpoint
+  POST /kiln/runs/{id}/stop    ask the run to stop at the next step: it saves a resumable checkpoint, and the
+                               nodes after Train LoRA are skipped (the run is not done: nothing saves it)
+  POST /kiln/runs/{id}/stop_save  stop as /stop does, and let Train LoRA's outputs flow (Save LoRA writes the
+                               LoRA as of that step)
   POST /kiln/runs/{id}/save    ask the run to write a LoRA of its current weights at the next step
   POST /kiln/runs/{id}/pause   ask the run to wait after the current step (memory kept; Stop still works;
                                a torchrun child run: its node writes <run>/PAUSE, every rank agrees)
@@ -73,6 +76,7 @@ class Run:
     samples: list[dict] = field(default_factory=list)       # {"step", "image": {filename, subfolder, type}}
     saved: list[dict] = field(default_factory=list)         # {"step", "name"} LoRAs written by Save now
     stop_requested: bool = False
+    stop_saves: bool = False                # Stop & save: the outputs flow (a plain Stop blocks them)
     save_requested: bool = False
     can_save: bool = True                   # False for a several-GPU run (its weights are in the child)
     pause_requested: bool = False
@@ -86,6 +90,7 @@ class Run:
                 "arch": self.arch, "status": self.status, "message": self.message, "step": self.step,
                 "total": self.total, "start_step": self.start_step, "started": self.started,
                 "updated": self.updated, "rev": self.rev, "stop_requested": self.stop_requested,
+                "stop_saves": self.stop_saves,
                 "save_requested": self.save_requested, "can_save": self.can_save,
                 "pause_requested": self.pause_requested, "paused": self.paused}
 
@@ -200,6 +205,11 @@ class Registry:
         with self.lock:
             return run.stop_requested
 
+    def stop_saves(self, run: Run) -> bool:
+        """Whether the dashboard's stop was Stop & save (Train LoRA's outputs flow) rather than Stop."""
+        with self.lock:
+            return run.stop_saves
+
     def pause_wanted(self, run: Run) -> bool:
         with self.lock:
             return run.pause_requested
@@ -251,12 +261,14 @@ def _touch(run: Run) -> None:
     run.updated, run.rev = time.time(), run.rev + 1
 
 
-def _set(flag: str, value: bool):
-    return lambda run: setattr(run, flag, value)
+def _set(flag: str, value: bool, **others: bool):
+    return lambda run: [setattr(run, name, v) for name, v in {flag: value, **others}.items()]
 
 
-# POST /kiln/runs/{id}/<action>: the flag each sets; the training thread reads them between steps.
-ACTIONS = {"stop": _set("stop_requested", True), "save": _set("save_requested", True),
+# POST /kiln/runs/{id}/<action>: the flags each sets; the training thread reads them between steps. The
+# stop pressed last says what happens downstream.
+ACTIONS = {"stop": _set("stop_requested", True, stop_saves=False),
+           "stop_save": _set("stop_requested", True, stop_saves=True), "save": _set("save_requested", True),
            "pause": _set("pause_requested", True), "resume": _set("pause_requested", False)}
 
 REGISTRY = Registry()

@@ -91,10 +91,11 @@ def outputs_images(run_dir: Path):
     return bridge.cat_images([read_image(path) for path in files if path.is_file()])
 
 
-def follow(job: launch.Launch, cfg, run_dir: Path, resume: Path | None) -> launch.Outcome:
+def follow(job: launch.Launch, cfg, run_dir: Path, resume: Path | None) -> tuple[launch.Outcome, bool]:
     """The launched run until it ends: its steps on the node's bar and the dashboard, its samples as previews
     on both, Stop from either as the stop file, the dashboard's Pause / Resume as <run>/PAUSE (the child's
-    KILN_PAUSED lines show it paused). An error here or Stop pressed stops the run cleanly first."""
+    KILN_PAUSED lines show it paused). An error here or Stop pressed stops the run cleanly first. Also whether
+    the node's lora and run_folder are blocked (a dashboard Stop, not Stop & save: the run is not done)."""
     tracker = live.Tracker(cfg, run_dir, None, resume, can_save=False)
     bar = bridge.progress(cfg.steps)
 
@@ -124,23 +125,26 @@ def follow(job: launch.Launch, cfg, run_dir: Path, resume: Path | None) -> launc
         tracker.finish(error=error)
         raise
     tracker.finish(outcome)
-    return outcome
+    return outcome, outcome.stopped and not tracker.keeps_outputs()
 
 
-def train(config: dict, run_dir: Path, processes: int, gpus: str) -> tuple[Path, str]:
-    """The run's LoRA file and a summary: trained (or resumed) under torchrun, or found finished."""
+def train(config: dict, run_dir: Path, processes: int, gpus: str) -> tuple[Path, str, bool]:
+    """The run's LoRA file, a summary and whether the outputs are blocked: trained (or resumed) under torchrun,
+    or found finished."""
     found = state_module.list_checkpoints(run_dir)
     lora_file = run_dir / f"{run_dir.name}.safetensors"
     if found and found[-1][0] >= config["steps"] and lora_file.is_file():
-        return lora_file, f"already trained: {found[-1][1]}; loaded its LoRA instead of training again"
+        return lora_file, f"already trained: {found[-1][1]}; loaded its LoRA instead of training again", False
     job = launch.Launch(config, run_dir, processes=processes, gpus=gpus,
                         comfyui_path=None if config["arch"] == "demo" else bridge.comfyui_root())
     job.start(resume=bool(found))
-    outcome = follow(job, job.config, run_dir, found[-1][1] if found else None)
+    outcome, blocked = follow(job, job.config, run_dir, found[-1][1] if found else None)
     if outcome.stopped:
+        then = ("the nodes after this one were skipped (the run is not done)" if blocked else
+                "Stop & save: its LoRA as of that step goes on")
         return outcome.lora, (f"stopped at step {outcome.step}/{config['steps']} from the dashboard, with a "
-                              "checkpoint; queue again to resume")
-    return outcome.lora, f"trained to step {outcome.step}/{config['steps']} on {processes} process(es)"
+                              f"checkpoint; {then}; queue again to resume"), blocked
+    return outcome.lora, f"trained to step {outcome.step}/{config['steps']} on {processes} process(es)", False
 
 
 class KilnTrainLoRATorchrun(io.ComfyNode):
@@ -210,9 +214,11 @@ class KilnTrainLoRATorchrun(io.ComfyNode):
                  "training_adapter": training_adapter}
         config = build_config(arch, files, values, preset, options)
         run_dir = run_folder(config, processes)
-        lora_file, summary = train(config, run_dir, processes, gpus)
-        lora_model = bridge.load_lora_file(lora_file)
-        return io.NodeOutput(lora_model, str(run_dir), outputs_images(run_dir),
+        lora_file, summary, blocked = train(config, run_dir, processes, gpus)
+        # As Train LoRA's: after a dashboard Stop nothing downstream saves (or loads) the unfinished run.
+        lora, folder = (bridge.blocked(), bridge.blocked()) if blocked else (bridge.load_lora_file(lora_file),
+                                                                             str(run_dir))
+        return io.NodeOutput(lora, folder, outputs_images(run_dir),
                              ui=ui.PreviewText(f"{summary}\nrun folder: {run_dir}"))
 
 

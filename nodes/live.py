@@ -3,10 +3,11 @@
 Per step it records the report in the run registry and sends `kiln.progress`; per validation sample it
 writes a JPEG into ComfyUI's temp folder (served by /view) and sends `kiln.sample`, and the run folder's
 sample grid (trainer/sample_grid.py) as `kiln.grid`; on start, on Save now and at the end it sends
-`kiln.run` (the run's summary). The dashboard's Stop, Save now, Pause and Resume buttons only set flags in
-the registry: the training loop reads Stop through `should_stop` (it saves a resumable checkpoint and
-returns) and Pause through `should_pause` (it waits between steps, the node still running, memory kept),
-and `on_step` writes a Save now LoRA from the step's best weights.
+`kiln.run` (the run's summary). The dashboard's Stop, Stop & save, Save now, Pause and Resume buttons only
+set flags in the registry: the training loop reads Stop through `should_stop` (it saves a resumable checkpoint
+and returns; `keeps_outputs` then tells Train LoRA whether to pass its outputs on) and Pause through
+`should_pause` (it waits between steps, the node still running, memory kept); `on_step` writes a Save now LoRA
+from the step's best weights, and so does `should_pause` while the loop waits.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class Tracker:
         node, prompt_id = bridge.executing_node()
         loss, lr, holdout = prior_history(resume)
         self.cfg, self.registry = cfg, registry
+        self.latest = None   # (step, weights()) of the newest step: what a Save now while paused writes
         # A child run (data None) writes its own samples and grid into the run folder: this side only shows them.
         self.grid = SampleGrid(run_dir, [GRID_COLUMN]).load_existing() if data is not None else None
         buckets = {key: len(items) for key, items in data.buckets.items()} if data is not None else {}
@@ -72,18 +74,31 @@ class Tracker:
                                                                         and step % cfg.checkpoint_every == 0))
         if report.weights is None:   # no weights on this side (a torchrun child's relay): a request stays pending
             return
+        self.latest = (step, report.weights)
         if self.registry.take_save(self.run) or at_checkpoint:
-            name = self.save_lora(step, report.weights())
-            bridge.send_event("kiln.run", self.registry.add_saved(self.run, step, name))
+            self.save_latest()
+
+    def save_latest(self) -> None:
+        step, weights = self.latest
+        name = self.save_lora(step, weights())
+        bridge.send_event("kiln.run", self.registry.add_saved(self.run, step, name))
 
     def should_stop(self) -> bool:
         return self.registry.stop_wanted(self.run)
 
+    def keeps_outputs(self) -> bool:
+        """After a dashboard stop: True for Stop & save (Train LoRA's outputs flow on), False for Stop."""
+        return self.registry.stop_saves(self.run)
+
     def should_pause(self) -> bool:
-        """The dashboard's Pause; ComfyUI's own stop button ends a pause by raising (a checkpoint is saved)."""
+        """The dashboard's Pause; ComfyUI's own stop button ends a pause by raising (a checkpoint is saved).
+        The paused loop polls here, so a Save now pressed meanwhile is written at once (the loop's weights
+        stand still) instead of after Resume."""
         paused = self.registry.pause_wanted(self.run)
         if paused:
             bridge.raise_if_interrupted()
+            if self.latest is not None and self.registry.take_save(self.run):
+                self.save_latest()
         return paused
 
     def on_pause(self, paused: bool) -> None:
@@ -130,7 +145,9 @@ class Tracker:
             status = dashboard.INTERRUPTED if isinstance(error, bridge.Interrupted) else dashboard.FAILED
             message = "stopped by ComfyUI's stop button" if status == dashboard.INTERRUPTED else str(error)[:300]
         elif result.stopped:
-            status, message = dashboard.STOPPED, f"stopped at step {result.step} from the dashboard"
+            then = ("its LoRA goes on to the nodes after Train LoRA" if self.keeps_outputs()
+                    else "the nodes after Train LoRA were skipped")
+            status, message = dashboard.STOPPED, f"stopped at step {result.step} from the dashboard; {then}"
         else:
             status, message = dashboard.FINISHED, f"trained to step {result.step}"
         bridge.send_event("kiln.run", self.registry.finish(self.run, status, message))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from comfy_api.latest import io, ui
 
-from ..trainer import lora_format, paths
+from ..trainer import lora_format, paths, safetensors_io
 from ..trainer.archs import ARCHS, guess_arch
 from ..trainer.config import CHOICES
 
@@ -25,6 +25,36 @@ def lora_target(name: str, overwrite: bool, node: str = "Kiln Save LoRA") -> Pat
     if path.exists() and not overwrite:
         raise ValueError(f"{node}: {path} exists; choose another name or turn on overwrite")
     return path
+
+
+RUN_KEY = "kiln.run"   # the metadata key naming the run that wrote a file (nodes/run.py: run_key)
+
+
+def written_by(path: Path) -> str | None:
+    """The run that wrote a LoRA file (its kiln.run), or None: another tool, Kiln without a state, unreadable."""
+    try:
+        return safetensors_io.read_header(path)[1].get(RUN_KEY)
+    except (OSError, ValueError):
+        return None
+
+
+def save_target(name: str, overwrite: bool, run_key: str | None) -> tuple[Path, str]:
+    """(path, what the report says): a file this run wrote is replaced (re-queueing after a Stop & save, then
+    the finished run); another run's, or any other file, only with overwrite; without a run, as lora_target."""
+    if run_key is None:
+        path = lora_target(name, overwrite)
+        return path, "replaced" if path.exists() else "saved"
+    path = lora_path(name)
+    if not path.exists():
+        return path, "saved"
+    writer = written_by(path)
+    if writer == run_key:
+        return path, "replaced (same run)"
+    if overwrite:
+        return path, f"replaced ({f'run {writer}' if writer else 'a file of no Kiln run'}; overwrite on)"
+    who = f"another run, {writer}" if writer else "no Kiln run (another tool, or Save LoRA without a state)"
+    raise ValueError(f"Kiln Save LoRA: {path} exists, written by {who}; choose another name, or turn on "
+                     "overwrite to replace it")
 
 
 class KilnApplyEMA(io.ComfyNode):
@@ -57,7 +87,9 @@ class KilnSaveLoRA(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="KilnSaveLoRA", display_name="Kiln Save LoRA", category=f"{CATEGORY}/lora", is_output_node=True,
-            description="Write models/loras/<name>.safetensors; ComfyUI's LoRA loaders list it at once.",
+            description="Write models/loras/<name>.safetensors; ComfyUI's LoRA loaders list it at once. With a "
+                        "state, the file records its run: saving the same run again replaces it, a file of "
+                        "another run (or of no run) needs overwrite.",
             inputs=[
                 io.LoraModel.Input("lora", tooltip="From Kiln Train LoRA, Apply EMA or Invert Adapter"),
                 io.String.Input("name", default="kiln/my_lora", tooltip="File name under models/loras/ "
@@ -71,8 +103,10 @@ class KilnSaveLoRA(io.ComfyNode):
                 io.String.Input("trigger_word", default="", optional=True, tooltip="Stored in the metadata; "
                                 "left empty, the run's own (Load Dataset's, from the state input)"),
                 io.String.Input("notes", default="", multiline=True, optional=True, tooltip="Stored in the metadata"),
-                io.Boolean.Input("overwrite", default=False, optional=True, tooltip="Replace an existing file"),
-                STATE.Input("state", optional=True, tooltip="The run, for its config and step count in the metadata"),
+                io.Boolean.Input("overwrite", default=False, optional=True, tooltip="Replace an existing file "
+                                 "(one this run wrote is replaced without it)"),
+                STATE.Input("state", optional=True, tooltip="The run, for its config and step count in the "
+                            "metadata, and which run wrote the file (a re-save of the same run replaces it)"),
             ],
             outputs=[io.String.Output(display_name="path", tooltip="The written file")],
         )
@@ -85,7 +119,8 @@ class KilnSaveLoRA(io.ComfyNode):
     def execute(cls, lora, name, format, dtype, trigger_word="", notes="", overwrite=False, state=None):
         weights = bridge.lora_weights_from(lora)
         arch = state.arch if state is not None else guess_arch(weights)
-        path = lora_target(name, overwrite)
+        run_key = run.run_key(state) if state is not None else None
+        path, done = save_target(name, overwrite, run_key)
         path.parent.mkdir(parents=True, exist_ok=True)
         # The trigger word is typed once, on Load Dataset: the run's config carries it to the file.
         trigger_word = trigger_word or (state.config.get("trigger_word", "") if state is not None else "")
@@ -93,9 +128,13 @@ class KilnSaveLoRA(io.ComfyNode):
             arch_name=arch or "generic", config=state.config if state is not None else {},
             steps=state.step if state is not None else 0,
             trigger_words=[trigger_word] if trigger_word else [], title=path.stem, notes=notes)
-        lora_format.save_lora(path, weights, arch=arch, fmt=format, dtype=dtype, metadata=metadata)
+        if run_key is not None:
+            metadata[RUN_KEY] = run_key
+        lora_format.save_lora(path, weights, arch=arch, fmt=format, dtype=dtype, metadata=metadata)  # atomic
         bridge.refresh_loras()
-        return io.NodeOutput(str(path), ui=ui.PreviewText(f"saved {path} ({format}, {dtype}, {len(weights)} modules)"))
+        step = f", step {state.step}" if state is not None else ""
+        return io.NodeOutput(str(path), ui=ui.PreviewText(f"{done} {path} ({format}, {dtype}, {len(weights)} "
+                                                          f"modules{step})"))
 
 
 class KilnInvertAdapter(io.ComfyNode):

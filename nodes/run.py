@@ -10,10 +10,13 @@ so re-queueing the same workflow finds its own run:
 `steps` is not part of the hash: raising it on a finished run continues that run.
 
 Under ComfyUI's own cache: while the server runs and no input changed, ComfyUI returns the node's
-cached outputs without running it (the finished result, nothing retrained). A run that was stopped,
-ran out of memory or hit NaNs raised an error, so nothing was cached and a re-queue runs the node,
-which resumes. After a restart the cache is empty and the rules above apply. Dataset edits on disk
-reach the hash through Load Dataset's fingerprint. tests/nodes/test_node_faults.py holds each case.
+cached outputs without running it (the finished result, nothing retrained). A run that ComfyUI's stop
+ended, ran out of memory or hit NaNs raised an error, so nothing was cached and a re-queue runs the node,
+which resumes. A run the dashboard stopped returned (Stop: its model, lora and state outputs blocked, so
+nothing downstream saves an unfinished LoRA; Stop & save: its LoRA as of that step), and its node's
+fingerprint moved on, so a re-queue runs the node again too. After a restart the cache is empty and the rules
+above apply. Dataset edits on disk reach the hash through Load Dataset's fingerprint.
+tests/nodes/test_node_faults.py and test_stop_and_save.py hold each case.
 """
 from __future__ import annotations
 
@@ -67,6 +70,12 @@ class KilnState:
         return self.ema_lora if self.ema_lora is not None else self.lora
 
 
+def run_key(state: KilnState) -> str:
+    """Which run a state belongs to, as Save LoRA records it in a file (kiln.run): the run folder's name, one
+    per run identity, the same across its stops and resumes. The one place that says so."""
+    return Path(state.run_dir).name
+
+
 def dataset_identity(dataset: Dataset) -> str:
     parts = [[i.sha256, i.repeats] for i in dataset.report.items], dataset.captions, [
         dataset.latent_identity, dataset.text_identity, sorted(dataset.failed_items),
@@ -98,6 +107,7 @@ class Outcome:
     state: KilnState
     samples: list                      # IMAGE tensors from validation
     message: str
+    blocked: bool = False              # stopped by the dashboard's Stop: the nodes downstream must not save it
 
 
 def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=None, resume_state: KilnState | None = None,
@@ -149,22 +159,35 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
         for tracker in trackers:
             tracker.finish(error=error)
         raise
+    blocked = result.stopped and not trackers[0].keeps_outputs()
     trackers[0].finish(result)
     state = KilnState(run_dir=str(run_dir), checkpoint=str(result.checkpoint), step=result.step, arch=cfg.arch,
                       config=cfg.to_dict(), lora=result.lora, ema_lora=result.ema_lora, history=result.history)
+    summary = summary_line(cfg, result, blocked)
+    return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]), blocked)
+
+
+def summary_line(cfg: cfg_module.TrainConfig, result: RunResult, blocked: bool) -> str:
+    """Train LoRA's report of a run that returned: how it ended (a dashboard stop, and what it did downstream),
+    the steps skipped for NaN, the best held-out step, the loss from first to last tenth."""
     losses = [v for v in result.history.loss if np.isfinite(v)]
     summary = f"trained to step {result.step}/{cfg.steps}; {result.trainable_parameters:,} LoRA parameters"
     if result.history.skipped:
         summary += (f"; {len(result.history.skipped)} step(s) skipped for a NaN/inf loss (images: "
                     f"{', '.join(sorted({n for e in result.history.skipped for n in e['items']}))})")
     if result.stopped:
-        summary = f"stopped from the dashboard; queue again to continue. {summary}"
+        summary = (f"stopped at step {result.step} from the dashboard; " + (
+            "the nodes after Train LoRA (Save LoRA, ...) were skipped: the run is not done. Queue again to continue "
+            "(Stop & save passes the LoRA on instead)" if blocked else
+            f"Stop & save: its LoRA as of step {result.step} goes on to the nodes after Train LoRA. Queue again "
+            "to continue") + f". {summary}")
     if result.best is not None:
         summary += (f"; held-out loss best {result.best.loss:.4f} at step {result.best.step}"
                     f"{' (stopped early)' if result.early_stopped else ''}, its LoRA: {result.best_lora}")
     if losses:
-        summary += f"; loss {np.mean(losses[:max(1, len(losses) // 10)]):.4f} → {np.mean(losses[-max(1, len(losses) // 10):]):.4f}"
-    return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]))
+        tenth = max(1, len(losses) // 10)
+        summary += f"; loss {np.mean(losses[:tenth]):.4f} → {np.mean(losses[-tenth:]):.4f}"
+    return summary
 
 
 def loss_image(state: KilnState):

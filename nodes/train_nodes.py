@@ -153,6 +153,17 @@ def start_from(cfg, lora_model, file_name: str, resume):
         raise ValueError(f"{where}: {error}") from None
 
 
+def trained_outputs(model, outcome: run.Outcome) -> tuple:
+    """(model, lora, state): what leads to a saved LoRA, blocked after a dashboard Stop (the run is not done, so
+    Save LoRA and every other node downstream is skipped). loss_map and samples still flow: they show how far the
+    run got and write nothing under a LoRA's final name."""
+    if outcome.blocked:
+        return bridge.blocked(), bridge.blocked(), bridge.blocked()
+    state = outcome.state
+    lora_model = bridge.lora_model_from(state.best_lora(), state.arch)
+    return bridge.apply_lora(model, lora_model, 1.0), lora_model, state
+
+
 class KilnTrainLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -160,7 +171,8 @@ class KilnTrainLoRA(io.ComfyNode):
             node_id="KilnTrainLoRA", display_name="Kiln Train LoRA", category=f"{CATEGORY}/train",
             description="Train a LoRA on the model in place (side branches; the model is left as it was). "
                         "Checkpoints go to output/kiln/<run>; re-queueing resumes a stopped run and reuses a "
-                        "finished one.",
+                        "finished one. The dashboard's Stop skips the nodes after this one (the run is not done); "
+                        "its Stop & save passes the LoRA as of that step on.",
             is_output_node=True,
             inputs=[
                 io.Model.Input("model", tooltip="A model of a Kiln family (" + ", ".join(MODEL_FAMILIES) + "), "
@@ -225,10 +237,8 @@ class KilnTrainLoRA(io.ComfyNode):
         outcome = run.execute(cfg, model, dataset, adapter=adapter, resume_state=resume, validation=validation,
                               output_root=Path(bridge.folders()["output"]) / "kiln", init=init)
         state = outcome.state
-        lora_model = bridge.lora_model_from(state.best_lora(), state.arch)
-        trained = bridge.apply_lora(model, lora_model, 1.0)
         images = bridge.cat_images(outcome.samples) if outcome.samples else run.loss_image(state)
-        return io.NodeOutput(trained, lora_model, state, bridge.loss_map(state.history.loss), images,
+        return io.NodeOutput(*trained_outputs(model, outcome), bridge.loss_map(state.history.loss), images,
                              ui=ui.PreviewText(outcome.message))
 
 

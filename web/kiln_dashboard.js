@@ -1,8 +1,9 @@
 // Kiln live dashboard: a ComfyUI frontend extension. It shows a training run while it runs, on each
 // Kiln Train LoRA node (a DOM widget) and in a "Kiln" sidebar tab: loss (raw and smoothed), learning
 // rate, step of total, speed, ETA, peak memory, the newest validation samples, the bucket
-// distribution, and the buttons Stop (checkpoint, then the node returns) and Save now (a LoRA of the
-// current weights into models/loras/kiln/, training goes on).
+// distribution, and the buttons Stop (checkpoint, then the node returns and the nodes after it are skipped),
+// Stop & save (the same, and its LoRA goes on to Save LoRA) and Save now (a LoRA of the current weights into
+// models/loras/kiln/, training goes on; also while paused).
 //
 // Fed by the kiln.progress / kiln.sample / kiln.run events of nodes/live.py; after a page reload, or
 // in a second tab, it asks the pack's read-only routes (GET /kiln/runs, GET /kiln/runs/{id}).
@@ -50,12 +51,14 @@ async function post(run, action) {
   const answer = await response.json().catch(() => ({}));
   if (!response.ok) throw new Error(answer.error ?? `HTTP ${response.status}`);
   if (answer.run) store.applySummary(answer.run);
-  return { stop: "stopping after this step…", save: "saving at the next step…",
-    pause: "paused after this step (memory kept)…", resume: "resumed" }[action];
+  return { stop: "stopping after this step…", stop_save: "stopping after this step, then saving…",
+    save: run.paused ? "saving now…" : "saving at the next step…", pause: "paused after this step (memory kept)…",
+    resume: "resumed" }[action];
 }
 
 const actions = {
   stop: (run) => post(run, "stop"),
+  stop_save: (run) => post(run, "stop_save"),
   save: (run) => post(run, "save"),
   pause: (run) => post(run, "pause"),
   resume: (run) => post(run, "resume"),

@@ -61,7 +61,8 @@ const CSS = `
 .kd-actions button { font: inherit; padding: 3px 12px; border-radius: 5px; cursor: pointer; color: #fff;
   border: 1px solid transparent; }
 .kd-actions button:disabled { opacity: .4; cursor: default; }
-.kd-stop { background: #a33; } .kd-save { background: #2d5f9a; } .kd-pause { background: #6a5a2a; }
+.kd-stop { background: #a33; } .kd-stopsave { background: #8a4a2a; }
+.kd-save { background: #2d5f9a; } .kd-pause { background: #6a5a2a; }
 .kd-status.paused { background: #6a5a2a; }
 .kd-note { flex: 1; min-width: 0; font-size: 11px; color: var(--descrip-text, #999); overflow-wrap: anywhere; }
 .kd-idle { color: var(--descrip-text, #999); font-size: 12px; padding: 6px 0; }
@@ -89,13 +90,15 @@ function svg(tag, attributes) {
 }
 
 // What each action button sets at once (the server's answer confirms it), and the note it shows.
-const FLAGS = { stop: "stopRequested", save: "saveRequested", pause: "pauseRequested", resume: "pauseRequested" };
-const NOTES = { stop: "stopping after this step…", save: "saving at the next step…",
+const FLAGS = { stop: "stopRequested", stop_save: "stopRequested", save: "saveRequested", pause: "pauseRequested",
+  resume: "pauseRequested" };
+const NOTES = { stop: "stopping after this step…", stop_save: "stopping after this step, then saving…",
+  save: "saving at the next step…",
   pause: "paused after this step (memory kept)…", resume: "resuming…" };
 
 /**
  * A dashboard bound to a RunStore. `pick()` chooses the run to show (the node's own, or the
- * sidebar's current one); `actions` = {stop(run), save(run), pause(run), resume(run), imageUrl(query)}.
+ * sidebar's current one); `actions` = {stop(run), stop_save(run), save(run), pause(run), resume(run), imageUrl(query)}.
  */
 export class DashboardView {
   constructor(store, { pick, actions, panel = false, idleText }) {
@@ -156,7 +159,12 @@ export class DashboardView {
     this.buckets.dataset.kiln = "buckets";
     const actions = el("div", "kd-actions");
     this.stopButton = el("button", "kd-stop", "Stop");
-    this.stopButton.title = "Stop after this step and save a resumable checkpoint (queue again to continue)";
+    this.stopButton.title = "Stop after this step and save a resumable checkpoint; the nodes after Train LoRA " +
+      "(Save LoRA) are skipped: the run is not done (queue again to continue)";
+    this.stopSaveButton = el("button", "kd-stopsave", "Stop & save");
+    this.stopSaveButton.title = "Stop after this step with a resumable checkpoint, and let Save LoRA write the " +
+      "LoRA as of that step (queue again to continue; the finished run's save replaces it)";
+    this.stopSaveButton.addEventListener("click", () => this.act("stop_save"));
     this.saveButton = el("button", "kd-save", "Save now");
     this.saveButton.title = saveButtonState(null).title;
     this.pauseButton = el("button", "kd-pause", "Pause");
@@ -165,7 +173,7 @@ export class DashboardView {
     this.note = el("span", "kd-note", "");
     this.stopButton.addEventListener("click", () => this.act("stop"));
     this.saveButton.addEventListener("click", () => this.act("save"));
-    actions.append(this.stopButton, this.saveButton, this.pauseButton, this.note);
+    actions.append(this.stopButton, this.stopSaveButton, this.saveButton, this.pauseButton, this.note);
     this.idle = el("div", "kd-idle", this.idleText);
     this.body = el("div", "kd-body");
     this.gridSection = el("div", "kd-section", "Sample grid");
@@ -228,12 +236,12 @@ export class DashboardView {
     this.renderGrid(run);
     this.renderBuckets(run);
     const running = run.status === "running";
-    this.stopButton.disabled = !running || run.stopRequested;
+    this.stopButton.disabled = this.stopSaveButton.disabled = !running || run.stopRequested;
     Object.assign(this.saveButton, saveButtonState(run));
     this.pauseButton.disabled = !running || run.stopRequested;
     this.pauseButton.textContent = run.pauseRequested ? "Resume" : "Pause";
     const saved = run.saved?.at(-1) ? `saved ${run.saved.at(-1).name}` : "";
-    const busy = running && (run.saveRequested || run.stopRequested || run.pauseRequested);
+    const busy = running && (run.saveRequested || run.stopRequested || (run.pauseRequested && !run.paused));
     const texts = running ? [busy ? this.notes.get(run.id) : saved] : [run.message, saved];
     this.note.textContent = texts.filter(Boolean).join(" · ");
     this.note.title = this.note.textContent;

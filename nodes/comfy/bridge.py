@@ -10,7 +10,7 @@ nodes/comfy/ imports ComfyUI (tests/test_imports.py holds that), and trainer/ ne
     lora.py      LoRAs in and out through ComfyUI's own loader, every key checked
     paths.py     which of ComfyUI's code paths training takes (attention, quantized matmuls)
     training.py  the one training sequence of the node and headless training, and their validation sampling
-    ui.py        sampling, progress, server events, folders
+    ui.py        sampling, progress, server events, folders, blocked outputs
     weights.py   a MODEL's effective (patched) weights, one at a time, for extracting a LoRA
     loaders.py   headless: ComfyUI started as a library, models loaded from files
 """
@@ -23,8 +23,8 @@ from .lora import (apply_lora, load_lora_file, lora_arrays, lora_model_from, lor
 from .model import detect_arch, diffusion_model, latents_in, make_forward, matching_archs  # noqa: F401
 from .session import Interrupted, free_memory, reload_for_training, trainable, training_session  # noqa: F401
 from .training import Sample, prompt_samples, train, validation  # noqa: F401
-from .ui import (Progress, add_json_routes, add_routes, cat_images, check_sampling, comfyui_root,  # noqa: F401
-                 executing_node, folders, image_tensor, interrupt_requested, lora_names, lora_path, loss_map,
-                 model_names, model_path, progress, prompt_server, raise_if_interrupted, refresh_loras, sample,
-                 sampler_names, scheduler_names, send_event)
+from .ui import (Progress, add_json_routes, add_routes, blocked, cat_images, check_sampling, comfyui_root,  # noqa: F401
+                 executing_node, folders, image_tensor, interrupt_requested, is_blocked, lora_names, lora_path,
+                 loss_map, model_names, model_path, progress, prompt_server, raise_if_interrupted, refresh_loras,
+                 sample, sampler_names, scheduler_names, send_event)
 from .weights import EffectiveWeights, compute_device  # noqa: F401

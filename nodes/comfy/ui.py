@@ -12,6 +12,7 @@ import folder_paths
 import numpy as np
 import torch
 from comfy.cli_args import args
+from comfy_execution.graph_utils import ExecutionBlocker
 from PIL import Image
 
 from . import paths as comfy_paths
@@ -114,6 +115,16 @@ def add_routes(name: str, register) -> None:
         return
     register(server.routes)
     _ROUTES_ADDED.add(name)
+
+
+def blocked():
+    """An output ComfyUI does not pass on: the nodes that read it are skipped, without an error (ComfyUI's
+    ExecutionBlocker with no message)."""
+    return ExecutionBlocker(None)
+
+
+def is_blocked(value) -> bool:
+    return isinstance(value, ExecutionBlocker)
 
 
 def executing_node() -> tuple[str | None, str | None]:

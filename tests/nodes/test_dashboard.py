@@ -87,6 +87,20 @@ def test_stop_and_save_are_requests_the_training_thread_takes():
     assert status == 409 and "queue the workflow again" in body["error"]
 
 
+def test_stop_and_save_stops_and_lets_the_outputs_flow_the_stop_pressed_last_decides():
+    registry = dashboard.Registry()
+    run = started(registry)
+    assert not registry.stop_saves(run) and not registry.answer("GET", run.id)[1]["stop_saves"]
+    status, body = registry.answer("POST", run.id, "stop_save")
+    assert status == 202 and body["run"]["stop_requested"] and body["run"]["stop_saves"]
+    assert registry.stop_wanted(run) and registry.stop_saves(run)
+    assert registry.answer("POST", run.id, "stop")[0] == 202        # Stop after Stop & save: blocked again
+    assert registry.stop_wanted(run) and not registry.stop_saves(run)
+    registry.answer("POST", run.id, "stop_save")
+    registry.finish(run, dashboard.STOPPED, "stopped at step 4 from the dashboard")
+    assert registry.stops("8") == 1                                  # re-queueing resumes it, as after Stop
+
+
 def test_unknown_runs_and_actions_are_refused():
     registry = dashboard.Registry()
     run = started(registry)
@@ -155,14 +169,16 @@ def test_routes_on_aiohttp():
     async def scenario(client):
         listing = await (await client.get("/kiln/runs")).json()
         detail = await client.get(f"/kiln/runs/{run.id}")
+        stop_save = await client.post(f"/kiln/runs/{run.id}/stop_save")
         stop = await client.post(f"/kiln/runs/{run.id}/stop")
         missing = await client.get("/kiln/runs/nope")
-        return listing, detail.status, await detail.json(), stop.status, missing.status
+        return listing, detail.status, await detail.json(), stop_save.status, stop.status, missing.status
 
-    listing, detail_status, detail, stop_status, missing_status = on_aiohttp(registry, scenario)
+    listing, detail_status, detail, stop_save_status, stop_status, missing_status = on_aiohttp(registry, scenario)
     assert listing["runs"][0]["id"] == run.id
     assert detail_status == 200 and detail["history"]["step"] == [1]
-    assert stop_status == 202 and registry.stop_wanted(run)
+    assert stop_save_status == 202 and stop_status == 202 and registry.stop_wanted(run)
+    assert not registry.stop_saves(run)    # the stop pressed last
     assert missing_status == 404
 
 

@@ -7,7 +7,8 @@ otherwise, and fails in CI. The browser loads the
 workflow (Train LoRA with validation samples every 2 steps), queues it as the Queue button does, and
 checks on the Train LoRA node and in the Kiln sidebar tab: the loss curve, the figures, the bucket
 distribution and a sample thumbnail; then Save now (a LoRA appears in models/loras/kiln/), Stop (a
-resumable checkpoint, the run says stopped) and queueing again (the run resumes from that step). No
+resumable checkpoint, the run says stopped, the nodes after it skipped), queueing again (the run resumes from
+that step) and Stop & save (the run says its LoRA goes on). No
 console errors may come from Kiln's files. The screenshot is kept as a CI artifact,
 runs/test-reports/dashboard-<ComfyUI version>.png; KILN_DASHBOARD_SCREENSHOT=docs/dashboard.png copies it
 there too (for the README).
@@ -115,6 +116,7 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
     assert str(server.base) not in json.dumps(runs)                     # names and ids, no paths
     first = next(r for r in runs if r["id"] == report["stopped"]["node"]["run"])
     assert first["status"] == "stopped" and 0 < first["step"] < TOTAL_STEPS
+    assert "the nodes after Train LoRA were skipped" in first["message"]   # Stop: the run is not done
     assert report["stopped"]["panel"]["status"] == "stopped"
     checkpoint = server.base / "output" / "kiln" / first["name"] / f"step-{first['step']:06d}"
     assert (checkpoint / "run.json").is_file(), sorted(p.name for p in checkpoint.parent.iterdir())
@@ -124,6 +126,7 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
     assert str(server.base) not in json.dumps(second)
     assert second["name"] == first["name"] and second["start_step"] == first["step"]
     assert second["status"] == "stopped" and second["step"] > first["step"]
+    assert "its LoRA goes on" in second["message"]                          # the node's Stop & save button
     assert second["history"]["step"][:first["step"]] == list(range(1, first["step"] + 1))
 
     screenshot = shots / "dashboard.png"

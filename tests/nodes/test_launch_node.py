@@ -153,6 +153,31 @@ def test_the_dashboard_pauses_and_resumes_a_launched_run_and_comfyuis_stop_ends_
     assert not [d for n, d in events if n == "kiln.run" and d.get("paused")]
 
 
+def test_the_dashboards_stop_blocks_the_lora_and_run_folder_and_stop_and_save_passes_them_on(comfy_dirs,
+                                                                                             monkeypatch):
+    """As Train LoRA's: after the dashboard's Stop the run is not done, so its lora and run_folder are blocked
+    (nothing downstream saves or loads it); queueing again resumes, and Stop & save returns the LoRA."""
+    dataset = comfy_dirs / "input" / "shapes"
+    demo.make_dataset(dataset)
+    monkeypatch.setattr(bridge, "executing_node", lambda: ("kiln-launch-stop", "prompt-4"))
+    presses = {3: "stop", 6: "stop_save"}
+
+    def send_event(name, data):
+        if name == "kiln.progress" and data["step"] in presses:
+            assert dashboard.REGISTRY.answer("POST", data["run_id"], presses.pop(data["step"]))[0] == 202
+        return True
+
+    monkeypatch.setattr(bridge, "send_event", send_event)
+    stopped = queue(dataset, "blocked")
+    text = "".join(stopped.ui.as_dict()["text"])
+    assert bridge.is_blocked(out(stopped)) and bridge.is_blocked(out(stopped, 1)) and out(stopped, 2).ndim == 4
+    assert "were skipped" in text and "queue again to resume" in text
+    saved = queue(dataset, "blocked")   # resumes; Stop & save at step 6
+    assert "Stop & save" in "".join(saved.ui.as_dict()["text"])
+    lora, folder = out(saved), out(saved, 1)
+    assert lora and all(torch.is_tensor(v) for v in lora.values()) and Path(folder).name.startswith("blocked")
+
+
 PROMPTS = "a red cube --w 64 --h 64 --steps 1\na blue ball --w 64 --h 64 --steps 1 --seed 3"
 
 

@@ -24,6 +24,7 @@ dashboard = comfy_env.import_pack("nodes.dashboard")
 live = comfy_env.import_pack("nodes.live")
 dn = comfy_env.import_pack("nodes.dataset_nodes")
 tn = comfy_env.import_pack("nodes.train_nodes")
+run = comfy_env.import_pack("nodes.run")
 lora_format = comfy_env.import_pack("trainer.lora_format")
 
 
@@ -84,9 +85,12 @@ def test_save_now_and_stop_from_the_dashboard_then_resume(comfy_dirs, monkeypatc
                                                  "run_name": "live", "ema": True, "ema_decay": 0.9, "log_every": 1})
 
     stopped = train()
-    state = stopped.result[2]
-    assert state.step == 4 and "stopped from the dashboard" in stopped.ui.value
-    assert Path(state.checkpoint).name == "step-000004" and (Path(state.checkpoint) / "run.json").is_file()
+    # Stop: the run is not done, so model, lora and state are blocked (Save LoRA downstream is skipped).
+    assert all(bridge.is_blocked(value) for value in stopped.result[:3])
+    assert "stopped at step 4 from the dashboard" in stopped.ui.value and "skipped" in stopped.ui.value
+    state = run.KilnState.from_checkpoint(comfy_dirs / "output" / "kiln" / events[-1][1]["name"])
+    assert state.step == 4 and Path(state.checkpoint).name == "step-000004"
+    assert (Path(state.checkpoint) / "run.json").is_file()
 
     names = [name for name, _ in events]
     assert names[0] == "kiln.run" and events[0][1]["status"] == "running" and events[0][1]["node"] == "kiln-live-test"

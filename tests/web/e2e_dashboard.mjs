@@ -7,7 +7,7 @@
 // It loads the API-format workflow into the canvas, opens the Kiln sidebar tab, queues the workflow the
 // way the Queue button does (app.queuePrompt), waits until the Train LoRA node's dashboard shows a
 // loss curve, the figures and a sample thumbnail, takes a screenshot, presses Save now and then Stop,
-// queues again (the run resumes) and stops that too. It prints one JSON line with what it saw; the
+// queues again (the run resumes) and presses Stop & save there. It prints one JSON line with what it saw; the
 // pytest side asserts on it. Nothing here reaches the internet: Chromium runs with networking extras off.
 import fs from "node:fs";
 import path from "node:path";
@@ -163,7 +163,8 @@ try {
     return view?.dataset.run && view.dataset.run !== args[1] && view.dataset.status === "running";
   }, [NODE_VIEW, first]);
   report.resumed = await viewState(NODE_VIEW);
-  await page.click(`${NODE_VIEW} .kd-stop`);
+  note("Stop & save (node)");
+  await page.click(`${NODE_VIEW} .kd-stopsave`);
   await until("the resumed run stopped", (sel) => document.querySelector(sel)?.dataset.status === "stopped", NODE_VIEW);
   report.resumedStopped = await viewState(NODE_VIEW);
   report.ok = true;
