@@ -15,7 +15,7 @@ import { DashboardView } from "./kiln_dashboard_view.js";
 import { onQueueChange, promptsOfActiveWorkflow } from "./kiln_queue.js";
 
 const NODE_TYPE = "KilnTrainLoRA";
-const RUN_HEIGHT = 420; // the dashboard's room while it shows a run: header, chart, figures (the rest scrolls)
+const RUN_HEIGHT = 500; // the dashboard's room while it shows a run: header, chart, figures, samples (the rest scrolls)
 const IDLE_HEIGHT = 48; // idle: one line (the widget's slot; its element is 2 × 10 px smaller)
 const store = new RunStore();
 const fetching = new Set();
