@@ -7,12 +7,17 @@
 //
 // Fed by the kiln.progress / kiln.sample / kiln.run events of nodes/live.py; after a page reload, or
 // in a second tab, it asks the pack's read-only routes (GET /kiln/runs, GET /kiln/runs/{id}).
+// The node shows the runs its own workflow tab queued (kiln_queue.js), else one idle line; the sidebar
+// lists every run.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { RunStore } from "./kiln_dashboard_core.js";
 import { DashboardView } from "./kiln_dashboard_view.js";
+import { onQueueChange, promptsOfActiveWorkflow } from "./kiln_queue.js";
 
 const NODE_TYPE = "KilnTrainLoRA";
+const RUN_HEIGHT = 500; // the dashboard's room while it shows a run: header, chart, figures, samples (the rest scrolls)
+const IDLE_HEIGHT = 48; // idle: one line (the widget's slot; its element is 2 × 10 px smaller)
 const store = new RunStore();
 const fetching = new Set();
 let sidebarView = null;
@@ -88,32 +93,46 @@ function listen() {
     if (!before) loadRun(run.id);
   });
   api.addEventListener("reconnected", () => loadRuns());
+  onQueueChange(() => store.changed(null)); // a prompt queued here, or another tab on the canvas: views pick anew
+}
+
+/** The node fits the dashboard: grown to hold a run it shows, shrunk to its widgets and one line when idle. */
+function fitNode(node, showing) {
+  const [width, height] = node.computeSize();
+  node.setSize([Math.max(node.size[0], width, 400), showing ? Math.max(node.size[1], height) : height]);
+  node.setDirtyCanvas?.(true, true);
+}
+
+/** ComfyUI draws a node's progress previews (the validation samples Train LoRA sends with its progress bar)
+ * under its widgets; the dashboard shows them already. The canvas draws them from the node's
+ * onDrawBackground, Vue nodes skip a node with hideOutputImages (both frontends). */
+function keepComfyPreviewsOff(node) {
+  node.hideOutputImages = true;
+  node.onDrawBackground = function () {};
 }
 
 function addNodeDashboard(node) {
   const view = new DashboardView(store, {
-    pick: () => store.forNode(node.id),
+    pick: () => store.forWorkflow(promptsOfActiveWorkflow(), node.id),
     actions,
-    idleText: "Queue the workflow: loss, samples, buckets and Stop / Save now appear here while this node trains.",
+    idleText: "Kiln dashboard: queue the workflow to watch this node train",
+    onShape: (showing) => fitNode(node, showing),
   });
   const widget = node.addDOMWidget("kiln_dashboard", "kiln-dashboard", view.element, {
     serialize: false,
     hideOnZoom: false,
     getValue: () => "",
     setValue: () => {},
-    getMinHeight: () => 540,
+    getMinHeight: () => (view.showing ? RUN_HEIGHT : IDLE_HEIGHT),
+    getMaxHeight: () => (view.showing ? undefined : IDLE_HEIGHT),
   });
   widget.serialize = false; // not a widget value: keeps widgets_values and the API prompt as they were
+  keepComfyPreviewsOff(node);
   const removed = node.onRemoved;
   node.onRemoved = function () {
     view.dispose();
     return removed?.apply(this, arguments);
   };
-  requestAnimationFrame(() => {
-    const [width, height] = node.computeSize();
-    node.setSize([Math.max(node.size[0], width, 400), Math.max(node.size[1], height)]);
-    node.setDirtyCanvas?.(true, true);
-  });
 }
 
 app.registerExtension({

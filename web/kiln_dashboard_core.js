@@ -316,9 +316,10 @@ export class RunStore {
     return runs.find((run) => run.status === "running") ?? runs[0] ?? null;
   }
 
-  /** The newest run of a Train LoRA node (its id in the prompt). */
-  forNode(nodeId) {
-    return this.list().find((run) => run.node !== null && String(run.node) === String(nodeId)) ?? null;
+  /** The newest run of a Train LoRA node (its id in the prompt) among the prompts its workflow tab queued. */
+  forWorkflow(promptIds, nodeId) {
+    return this.list().find((run) => run.node !== null && String(run.node) === String(nodeId) &&
+      promptIds.has(run.promptId)) ?? null;
   }
 }
 

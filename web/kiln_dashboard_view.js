@@ -12,10 +12,17 @@ const CSS = `
   font: 12px/1.35 system-ui, -apple-system, "Segoe UI", sans-serif; color: var(--fg-color, #ddd);
   background: var(--comfy-menu-bg, #202020); border: 1px solid var(--border-color, #3a3a3a); border-radius: 8px;
   overflow: hidden; height: 100%; }
-.kiln-dash.kd-panel { border: none; border-radius: 0; height: auto; min-height: 100%; padding: 12px; gap: 10px; }
+.kiln-dash.kd-panel { border: none; border-radius: 0; height: auto; min-height: 100%; padding: 0 12px 12px; gap: 10px;
+  overflow: visible; }
 .kiln-dash * { box-sizing: border-box; }
-.kd-body { display: flex; flex-direction: column; gap: 6px; min-height: 0; }
-.kd-panel .kd-body { gap: 10px; }
+.kd-top { flex: none; display: flex; flex-direction: column; gap: 6px; }
+.kd-panel .kd-top { position: sticky; top: 0; z-index: 1; padding-top: 12px; padding-bottom: 4px;
+  background: var(--comfy-menu-bg, #202020); }
+.kd-body { display: flex; flex-direction: column; gap: 6px; flex: 1 1 auto; min-height: 0; overflow-y: auto; }
+.kd-panel .kd-body { gap: 10px; overflow: visible; }
+.kiln-dash:not(.kd-panel) .kd-grid img { max-height: 72px; width: auto; }
+.kiln-dash.kd-is-idle:not(.kd-panel) { padding: 4px 8px; justify-content: center; }
+.kiln-dash.kd-is-idle .kd-title { font-weight: 400; color: var(--descrip-text, #999); }
 .kd-body > * { flex: none; }
 .kd-head { display: flex; align-items: center; gap: 8px; min-height: 20px; }
 .kd-title { font-weight: 600; flex: 1; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
@@ -57,14 +64,14 @@ const CSS = `
 .kd-buckets { display: grid; grid-template-columns: auto 1fr auto; gap: 2px 6px; align-items: center; font-size: 11px; }
 .kd-buckets .kd-bbar { height: 6px; border-radius: 3px; background: #7a5cc7; min-width: 2px; }
 .kd-buckets span { font-variant-numeric: tabular-nums; }
-.kd-actions { display: flex; gap: 6px; align-items: center; flex-wrap: wrap; }
+.kd-actions { display: flex; gap: 6px; align-items: center; flex-wrap: wrap; row-gap: 4px; }
 .kd-actions button { font: inherit; padding: 3px 12px; border-radius: 5px; cursor: pointer; color: #fff;
   border: 1px solid transparent; }
 .kd-actions button:disabled { opacity: .4; cursor: default; }
 .kd-stop { background: #a33; } .kd-stopsave { background: #8a4a2a; }
 .kd-save { background: #2d5f9a; } .kd-pause { background: #6a5a2a; }
 .kd-status.paused { background: #6a5a2a; }
-.kd-note { flex: 1; min-width: 0; font-size: 11px; color: var(--descrip-text, #999); overflow-wrap: anywhere; }
+.kd-note { flex: 1 1 120px; min-width: 0; font-size: 11px; color: var(--descrip-text, #999); overflow-wrap: anywhere; }
 .kd-idle { color: var(--descrip-text, #999); font-size: 12px; padding: 6px 0; }
 `;
 
@@ -98,16 +105,20 @@ const NOTES = { stop: "stopping after this step…", stop_save: "stopping after 
 
 /**
  * A dashboard bound to a RunStore. `pick()` chooses the run to show (the node's own, or the
- * sidebar's current one); `actions` = {stop(run), stop_save(run), save(run), pause(run), resume(run), imageUrl(query)}.
+ * sidebar's current one); `actions` = {stop(run), stop_save(run), save(run), pause(run), resume(run),
+ * imageUrl(query)}; `onShape(showing)` hears when the view turns from idle (one line) to showing a run, and back.
+ * Status, progress and the buttons are a header that never scrolls away; the rest scrolls below it.
  */
 export class DashboardView {
-  constructor(store, { pick, actions, panel = false, idleText }) {
+  constructor(store, { pick, actions, panel = false, idleText, onShape }) {
     installStyle(document);
     this.store = store;
     this.pick = pick;
     this.actions = actions;
     this.panel = panel;
     this.idleText = idleText;
+    this.onShape = onShape;
+    this.showing = null; // whether the last render showed a run (null: not rendered yet)
     this.chosen = null; // a run id the user picked in the sidebar
     this.notes = new Map(); // run id → note text ("stopping …", "saved …")
     this.element = el("div", `kiln-dash${panel ? " kd-panel" : ""}`);
@@ -176,10 +187,15 @@ export class DashboardView {
     actions.append(this.stopButton, this.stopSaveButton, this.saveButton, this.pauseButton, this.note);
     this.idle = el("div", "kd-idle", this.idleText);
     this.body = el("div", "kd-body");
-    this.gridSection = el("div", "kd-section", "Sample grid");
-    this.body.append(progress, this.chart, legend, this.figureBox, el("div", "kd-section", "Samples"), this.samples,
-      this.gridSection, this.grid, el("div", "kd-section", "Buckets"), this.buckets, actions);
-    this.element.append(head, this.idle, this.body);
+    // on the node the grid is a thumbnail: its full size belongs to the sidebar, where there is room
+    this.gridSection = el("div", "kd-section", this.panel ? "Sample grid" : "Sample grid (full size in the Kiln tab)");
+    this.progress = progress;
+    this.actionBar = actions;
+    this.top = el("div", "kd-top");
+    this.top.append(head, progress, actions);
+    this.body.append(this.chart, legend, this.figureBox, el("div", "kd-section", "Samples"), this.samples,
+      this.gridSection, this.grid, el("div", "kd-section", "Buckets"), this.buckets);
+    this.element.append(this.top, this.idle, this.body);
   }
 
   current() {
@@ -217,14 +233,16 @@ export class DashboardView {
   render() {
     const run = this.current();
     if (this.panel) this.renderPicker(run);
-    this.idle.style.display = run ? "none" : "";
-    this.body.style.display = run ? "" : "none";
+    this.renderShape(Boolean(run));
     this.status.textContent = statusText(run);
     const waiting = run?.status === "running" && (run.paused || run.pauseRequested);
     this.status.className = `kd-status ${waiting ? "paused" : run?.status ?? ""}`;
     this.element.dataset.run = run?.id ?? "";
     this.element.dataset.status = run?.status ?? "idle";
-    if (!run) return;
+    if (!run) {
+      this.title.textContent = this.title.title = this.idleText;
+      return;
+    }
     this.title.textContent = run.name || "Kiln";
     this.title.title = run.name;
     const fraction = run.total ? Math.min(1, run.step / run.total) : 0;
@@ -245,6 +263,16 @@ export class DashboardView {
     const texts = running ? [busy ? this.notes.get(run.id) : saved] : [run.message, saved];
     this.note.textContent = texts.filter(Boolean).join(" · ");
     this.note.title = this.note.textContent;
+  }
+
+  /** Idle: the head line alone (the node reserves no room for a run it has not shown); else all of it. */
+  renderShape(showing) {
+    this.element.classList.toggle("kd-is-idle", !showing);
+    this.idle.style.display = !showing && this.panel ? "" : "none";
+    for (const part of [this.progress, this.actionBar, this.body]) part.style.display = showing ? "" : "none";
+    if (showing === this.showing) return;
+    this.showing = showing;
+    this.onShape?.(showing);
   }
 
   renderPicker(run) {

@@ -103,6 +103,14 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
         assert view["sample"]["width"] > 0 and "/view?" in view["sample"]["src"], view["sample"]
         assert "type=temp" in view["sample"]["src"]
 
+    # With the sample grid there, Stop / Save now / Pause stay in the node's header, in view and uncovered, also
+    # with the dashboard's body scrolled to its end; the grid is a thumbnail; ComfyUI drew no preview of its own.
+    for stage, header in report["header"].items():
+        assert header["status"] == "running" and header["bodyScrolls"] and 0 < header["gridHeight"] <= 80, header
+        for name in ("Stop", "Save now", "Pause"):
+            assert header["buttons"][name] == {"inside": True, "onTop": True, "enabled": True}, (stage, name, header)
+    assert report["comfyPreviews"] == 0
+
     # Save now wrote a LoRA of the current weights into models/loras/kiln/, loadable as any Kiln LoRA.
     saved_name = re.search(r"saved (kiln/\S+\.safetensors)", report["saved"]["note"]).group(1)
     saved = server.base / "models" / "loras" / saved_name

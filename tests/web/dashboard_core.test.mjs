@@ -137,13 +137,25 @@ test("kiln.run summaries set the status and clear pending requests once the run 
 
 test("the sidebar shows the running run; a node shows its own newest run", () => {
   const store = new RunStore();
-  store.applySummary({ id: "old", name: "a", node: "8", status: "finished", started: 1 });
-  store.applySummary({ id: "live", name: "b", node: "3", status: "running", started: 2 });
-  store.applySummary({ id: "newer", name: "c", node: "8", status: "stopped", started: 3 });
+  store.applySummary({ id: "old", name: "a", node: "8", prompt_id: "p1", status: "finished", started: 1 });
+  store.applySummary({ id: "live", name: "b", node: "3", prompt_id: "p2", status: "running", started: 2 });
+  store.applySummary({ id: "newer", name: "c", node: "8", prompt_id: "p3", status: "stopped", started: 3 });
   assert.equal(store.current().id, "live");
-  assert.equal(store.forNode(8).id, "newer");
-  assert.equal(store.forNode("99"), null);
+  const mine = new Set(["p1", "p2", "p3"]);
+  assert.equal(store.forWorkflow(mine, 8).id, "newer");
+  assert.equal(store.forWorkflow(mine, "99"), null);
   assert.equal(new RunStore().current(), null);
+});
+
+test("a node shows only the runs its own workflow tab queued: the same node id in another tab stays idle", () => {
+  const store = new RunStore();
+  store.applySummary({ id: "theirs", node: "8", prompt_id: "other-tab", status: "running", started: 5 });
+  store.applySummary({ id: "mine", node: "8", prompt_id: "this-tab", status: "finished", started: 1 });
+  store.applyProgress({ run_id: "elsewhere", node: "8", prompt_id: "api", step: 1, total: 9, lr: 1e-4, started: 9 });
+  assert.equal(store.forWorkflow(new Set(["this-tab"]), "8").id, "mine"); // older, but this tab's
+  assert.equal(store.forWorkflow(new Set(), "8"), null); // a tab that queued nothing: idle
+  assert.equal(store.forWorkflow(new Set(["this-tab"]), "9"), null); // this tab's prompt, another node
+  assert.equal(store.current().id, "elsewhere"); // the sidebar still lists every run
 });
 
 test("chart: paths inside the box, x across the steps seen, a spike clipped to the top", () => {

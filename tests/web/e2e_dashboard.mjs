@@ -6,9 +6,11 @@
 //
 // It loads the API-format workflow into the canvas, opens the Kiln sidebar tab, queues the workflow the
 // way the Queue button does (app.queuePrompt), waits until the Train LoRA node's dashboard shows a
-// loss curve, the figures and a sample thumbnail, takes a screenshot, presses Save now and then Stop,
-// queues again (the run resumes) and presses Stop & save there. It prints one JSON line with what it saw; the
-// pytest side asserts on it. Nothing here reaches the internet: Chromium runs with networking extras off.
+// loss curve, the figures and a sample thumbnail, takes a screenshot, checks the header's buttons once the
+// sample grid is there (also with the dashboard's body scrolled to its end) and that ComfyUI drew no preview
+// image of its own on the node, presses Save now and then Stop, queues again (the run resumes) and presses
+// Stop & save there. It prints one JSON line with what it saw; the pytest side asserts on it. Nothing here
+// reaches the internet: Chromium runs with networking extras off.
 import fs from "node:fs";
 import path from "node:path";
 import { parseArgs } from "node:util";
@@ -65,6 +67,24 @@ const readView = (sel) => {
     sample: image ? { src: image.getAttribute("src"), width: image.naturalWidth, complete: image.complete } : null,
     note: view.querySelector(".kd-note")?.textContent ?? "",
   };
+};
+
+// The node view's header: each button inside the dashboard and the topmost element at its centre (nothing covers
+// or clips it); the grid as the node shows it.
+const readHeader = (sel) => {
+  const view = document.querySelector(sel);
+  const area = view.getBoundingClientRect();
+  const buttons = {};
+  for (const button of view.querySelectorAll(".kd-actions button")) {
+    const rect = button.getBoundingClientRect();
+    const hit = document.elementFromPoint(rect.left + rect.width / 2, rect.top + rect.height / 2);
+    const inside = rect.height > 0 && rect.top >= area.top - 1 && rect.bottom <= area.bottom + 1;
+    buttons[button.textContent] = { inside,
+      onTop: button === hit || button.contains(hit), enabled: !button.disabled };
+  }
+  const body = view.querySelector(".kd-body");
+  return { status: view.dataset.status, buttons, bodyScrolls: body.scrollHeight > body.clientHeight,
+    gridHeight: view.querySelector("[data-kiln=grid] img")?.getBoundingClientRect().height ?? 0 };
 };
 
 async function viewState(selector) {
@@ -133,6 +153,16 @@ try {
     return { widgets: node.widgets.map((w) => w.name), widgetsValues: saved.widgets_values,
       promptInputs: Object.keys(prompt.output[id].inputs) };
   }, TRAIN_NODE);
+  // The largest number of preview images ComfyUI itself put on the node while it trained (its validation samples
+  // go out as progress previews: ComfyUI would draw them under the dashboard, which shows them already).
+  await page.evaluate((id) => {
+    const node = window.comfyAPI.app.app.graph.getNodeById(Number(id));
+    window.kilnComfyPreviews = 0;
+    window.kilnPreviewWatch = setInterval(() => {
+      const drawn = (node.imgs?.length ?? 0) + node.widgets.filter((w) => w.name.startsWith("$$")).length;
+      window.kilnComfyPreviews = Math.max(window.kilnComfyPreviews, drawn);
+    }, 100);
+  }, TRAIN_NODE);
   note("queueing the workflow");
   await page.evaluate(() => window.comfyAPI.app.app.queuePrompt(0, 1));
   await until(`a curve of ${minPoints}+ points and a sample on the node`, ready, [NODE_VIEW, minPoints]);
@@ -141,6 +171,18 @@ try {
   report.running = { node: await loadedViewState(NODE_VIEW), panel: await loadedViewState(PANEL_VIEW) };
   await page.screenshot({ path: path.join(options.out, "dashboard.png") });
   note("screenshot taken");
+
+  await until("the sample grid on the node", (sel) => {
+    const grid = document.querySelector(sel)?.querySelector("[data-kiln=grid] img");
+    return grid?.complete && grid.naturalWidth > 0;
+  }, NODE_VIEW);
+  report.header = { grid: await page.evaluate(readHeader, NODE_VIEW) };
+  await page.evaluate((sel) => {
+    const body = document.querySelector(sel).querySelector(".kd-body");
+    body.scrollTop = body.scrollHeight;
+  }, NODE_VIEW);
+  report.header.scrolled = await page.evaluate(readHeader, NODE_VIEW);
+  await page.screenshot({ path: path.join(options.out, "dashboard_scrolled.png") });
 
   note("Save now");
   await page.click(`${NODE_VIEW} .kd-save`);
@@ -153,6 +195,10 @@ try {
   await until("the run stopped", (sels) => sels.every((sel) => document.querySelector(sel)?.dataset.status === "stopped"),
     [NODE_VIEW, PANEL_VIEW]);
   report.stopped = { node: await viewState(NODE_VIEW), panel: await viewState(PANEL_VIEW) };
+  report.comfyPreviews = await page.evaluate(() => {
+    clearInterval(window.kilnPreviewWatch);
+    return window.kilnComfyPreviews;
+  });
   await page.screenshot({ path: path.join(options.out, "dashboard_stopped.png") });
 
   note("queueing again: the stopped run resumes");
