@@ -154,7 +154,8 @@ try {
     [NODE_VIEW, PANEL_VIEW]);
   report.stopped = { node: await viewState(NODE_VIEW), panel: await viewState(PANEL_VIEW) };
   // The run as the server had it when it stopped (the resumed execution continues the same entry).
-  report.stopped.run = await page.evaluate(async (id) => (await fetch(`/kiln/runs/${id}`)).json(), report.stopped.node.run);
+  report.stopped.run = await page.evaluate(async (id) => (await fetch(`/kiln/runs/${id}`)).json(),
+    report.stopped.node.run);
   await page.screenshot({ path: path.join(options.out, "dashboard_stopped.png") });
 
   note("queueing again: the stopped run resumes");
