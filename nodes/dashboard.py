@@ -53,16 +53,18 @@ class Run:
     the server's thread: every change and every answer happens under the registry's lock."""
 
     id: str
-    name: str                               # the run folder's name, e.g. "tiny-0a1b2c3d4e"
+    name: str                               # the run folder's name, e.g. "portrait" or "portrait-2"
     total: int
-    start_step: int = 0                     # > 0 when the run resumed from a checkpoint
+    folder: str = ""                        # the run folder's path: its key (never in an answer)
+    start_step: int = 0                     # > 0 when the newest execution resumed from a checkpoint
     node: str | None = None                 # the Train LoRA node's id in the queued prompt
-    prompt_id: str | None = None
+    prompt_id: str | None = None            # the newest execution's prompt
+    prompt_ids: list[str] = field(default_factory=list)    # every execution's prompt, oldest first
     arch: str = ""
     buckets: dict[str, int] = field(default_factory=dict)   # "WxH" → training entries
     status: str = RUNNING
     message: str = ""
-    started: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.time)     # when its newest execution began
     updated: float = field(default_factory=time.time)
     # +1 at every change: a page drops a summary older than one it applied (an action's HTTP answer can
     # arrive after the kiln.run event of what the training thread did next, e.g. Save now's save).
@@ -87,6 +89,7 @@ class Run:
 
     def summary(self) -> dict:
         return {"id": self.id, "name": self.name, "node": self.node, "prompt_id": self.prompt_id,
+                "prompt_ids": list(self.prompt_ids),
                 "arch": self.arch, "status": self.status, "message": self.message, "step": self.step,
                 "total": self.total, "start_step": self.start_step, "started": self.started,
                 "updated": self.updated, "rev": self.rev, "stop_requested": self.stop_requested,
@@ -124,14 +127,33 @@ class Registry:
         self.runs: dict[str, Run] = {}
         self.stops_by_node: dict[str, int] = {}
 
-    def start(self, name: str, total: int, **details) -> Run:
-        run = Run(id=uuid.uuid4().hex[:12], name=name, total=total, **details)
-        run.step = run.start_step
+    def start(self, name: str, total: int, folder: str = "", **details) -> Run:
+        """A new entry, or the entry of the same run folder continued (a stopped or failed run queued again):
+        one run with its history joined, its status the newest execution's."""
         with self.lock:
+            run = self._continued(folder, name, total, details)
+            if run is None:
+                run = Run(id=uuid.uuid4().hex[:12], name=name, total=total, folder=folder, **details)
+                run.step = run.start_step
+            if run.prompt_id is not None and run.prompt_id not in run.prompt_ids:
+                run.prompt_ids.append(run.prompt_id)
             self.runs[run.id] = run
             finished = [r for r in self.runs.values() if r.status != RUNNING]
             for old in sorted(finished, key=lambda r: r.updated)[:max(0, len(self.runs) - self.keep)]:
                 del self.runs[old.id]
+        return run
+
+    def _continued(self, folder: str, name: str, total: int, details: dict) -> Run | None:
+        """The entry of this run folder, not running now, reset for a new execution; None if none (under the lock)."""
+        run = next((r for r in self.runs.values() if folder and r.folder == folder and r.status != RUNNING), None)
+        if run is None:
+            return None
+        for key, value in {**details, "name": name, "total": total}.items():
+            setattr(run, key, value)
+        run.status, run.message, run.started, run.step = RUNNING, "", time.time(), run.start_step
+        run.stop_requested = run.save_requested = run.pause_requested = run.paused = False
+        run.samples = [s for s in run.samples if s["step"] <= run.start_step]   # later ones are trained again
+        _touch(run)   # its revision goes on: a page keeps applying its summaries
         return run
 
     def preload(self, run: Run, loss: list, lr: list, holdout: list | None = None) -> None:

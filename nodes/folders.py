@@ -4,11 +4,14 @@ ComfyUI's input/ and the runs under output/kiln/ that hold a complete checkpoint
   GET /kiln/folders/datasets   {"root": "input", "folders": [{"name", "detail"}]}
   GET /kiln/folders/runs       {"root": "output/kiln", "folders": [{"name", "detail"}]}
 
+A run is one folder (a stopped run resumes into it), so each is listed once, with its newest checkpoint.
+
 Read-only and names only (never a file-system path), like the dashboard's routes. The widgets stay
 text fields: a picked name is typed into them, and an absolute path still works.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..trainer import state
@@ -21,9 +24,20 @@ def _datasets() -> list[dict]:
     return [{"name": f.name, "detail": f.describe()} for f in list_datasets(bridge.folders()["input"])]
 
 
+def run_detail(run_dir: Path, step: int) -> str:
+    """A run's newest state for its picker entry: 'step 4 of 8', 'finished, step 8' ('step 4' if unknown)."""
+    try:
+        total = json.loads((state.step_dir(run_dir, step) / "run.json").read_text(encoding="utf-8"))["config"]["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"step {step}"
+    if not isinstance(total, int):
+        return f"step {step}"
+    return f"finished, step {step}" if step >= total else f"step {step} of {total}"
+
+
 def _runs() -> list[dict]:
-    return [{"name": name, "detail": f"step {step}"}
-            for name, step in state.list_runs(Path(bridge.folders()["output"]) / "kiln")]
+    root = Path(bridge.folders()["output"]) / "kiln"
+    return [{"name": name, "detail": run_detail(root / name, step)} for name, step in state.list_runs(root)]
 
 
 KINDS = {"datasets": ("input", _datasets), "runs": ("output/kiln", _runs)}

@@ -18,7 +18,7 @@ from comfy_api.latest import io, ui
 from PIL import Image
 
 from ..trainer import config as cfg_module
-from ..trainer import launch, paths
+from ..trainer import launch, paths, run_folders
 from ..trainer import state as state_module
 from ..trainer.archs import ARCHS
 from ..trainer.loop import Report
@@ -56,13 +56,17 @@ def build_config(arch: str, files: dict, values: dict, preset: str, options: dic
 
 
 def run_folder(config: dict, processes: int) -> Path:
-    """output/kiln/<run_name or arch>-<hash of what is trained, on how many processes>."""
+    """output/kiln/<run_name> (empty: the dataset folder's name, else the arch), or <run_name>-N on a clash; the
+    run's identity is a hash of what is trained, on how many processes (trainer/run_folders.py)."""
+    where = "Kiln Training Options: run_name"
     if config.get("run_name"):
-        paths.check_name(config["run_name"], "Kiln Training Options: run_name")
+        paths.check_name(config["run_name"], where)
     values = {k: v for k, v in config.items() if k not in run.NOT_IDENTITY + cfg_module.SAMPLE_FIELDS}
     blob = json.dumps([values, config["dataset_dir"], processes], sort_keys=True, default=str)
-    name = f"{config.get('run_name') or config['arch']}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
-    return paths.inside(Path(bridge.folders()["output"]) / "kiln", name, "Kiln Training Options: run_name")
+    name = config.get("run_name") or run_folders.default_name([Path(config["dataset_dir"]).name], config["arch"])
+    return run_folders.find_or_claim(Path(bridge.folders()["output"]) / "kiln", name,
+                                     hashlib.sha256(blob.encode()).hexdigest(), where,
+                                     legacy=config.get("run_name") or config["arch"])
 
 
 def report_of(fields: dict) -> Report:
@@ -106,7 +110,7 @@ def follow(job: launch.Launch, cfg, run_dir: Path, resume: Path | None) -> tuple
     def on_sample(fields: dict) -> None:
         image = read_image(Path(fields["path"]))
         bar.update(fields["step"], preview=image)
-        tracker.on_sample(fields["step"], image)
+        tracker.on_sample(fields["step"], image, fields.get("index", 0))
 
     try:
         outcome = job.wait(on_progress=on_progress, on_sample=on_sample,

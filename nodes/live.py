@@ -11,6 +11,7 @@ from the step's best weights, and so does `should_pause` while the loop waits.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,6 @@ from .comfy import bridge
 SAMPLE_PX = 512               # longest side of a sample as the dashboard shows it
 SAMPLES_SUBFOLDER = "kiln"    # under ComfyUI's temp folder (emptied when ComfyUI starts)
 SAVED_SUBFOLDER = "kiln"      # Save now LoRAs go to models/loras/kiln/
-GRID_COLUMN = "Validation Settings"   # the grid's one column: a graph samples one prompt
 
 
 def fingerprint() -> int:
@@ -51,19 +51,21 @@ class Tracker:
     """One Train LoRA execution on the dashboard."""
 
     def __init__(self, cfg, run_dir: Path, data, resume=None, registry: dashboard.Registry = dashboard.REGISTRY,
-                 can_save: bool = True):
+                 can_save: bool = True, prompts: Sequence[str] = ()):
         """data None: a run in a child process (Train LoRA (several GPUs)), whose buckets this side does not
         know and whose weights it does not hold (can_save False: Save now is refused; Pause works through
-        <run>/PAUSE)."""
+        <run>/PAUSE). prompts: the grid's column headers, one per validation sample of a step."""
         node, prompt_id = bridge.executing_node()
         loss, lr, holdout = prior_history(resume)
         self.cfg, self.registry = cfg, registry
         self.latest = None   # (step, weights()) of the newest step: what a Save now while paused writes
         # A child run (data None) writes its own samples and grid into the run folder: this side only shows them.
-        self.grid = SampleGrid(run_dir, [GRID_COLUMN]).load_existing() if data is not None else None
+        self.grid = SampleGrid(run_dir, list(prompts)).load_existing() if data is not None else None
         buckets = {key: len(items) for key, items in data.buckets.items()} if data is not None else {}
-        self.run = registry.start(Path(run_dir).name, cfg.steps, start_step=len(lr), node=node, prompt_id=prompt_id,
-                                  arch=cfg.arch, buckets=buckets, can_save=can_save)
+        # The run folder is the run: a resumed execution of it continues the same dashboard entry.
+        self.run = registry.start(Path(run_dir).name, cfg.steps, folder=str(Path(run_dir).resolve()),
+                                  start_step=len(lr), node=node, prompt_id=prompt_id, arch=cfg.arch, buckets=buckets,
+                                  can_save=can_save)
         registry.preload(self.run, loss, lr, holdout)
         bridge.send_event("kiln.run", self.run.summary())
 
@@ -105,25 +107,28 @@ class Tracker:
         """The loop (every rank of a torchrun child) began or ended a wait: the dashboard shows it paused."""
         bridge.send_event("kiln.run", self.registry.set_paused(self.run, paused))
 
-    def on_sample(self, step: int, images) -> None:
-        """The first image of a validation batch (IMAGE [B,H,W,3] in [0,1]) as a JPEG in temp/kiln/."""
+    def on_sample(self, step: int, images, index: int = 0) -> None:
+        """The first image of a validation batch (IMAGE [B,H,W,3] in [0,1]) of prompt `index` as a JPEG in
+        temp/kiln/."""
         pixels = images.reshape(-1, *images.shape[-3:])[0].float().clamp(0, 1).mul(255).round().byte().cpu().numpy()
         picture = Image.fromarray(np.ascontiguousarray(pixels))
         picture.thumbnail((SAMPLE_PX, SAMPLE_PX))
         folder = Path(bridge.folders()["temp"]) / SAMPLES_SUBFOLDER
         folder.mkdir(parents=True, exist_ok=True)
-        filename = f"{self.run.id}-step{step:06d}.jpg"
+        filename = f"{self.run.id}-step{step:06d}-p{index}.jpg"
         picture.save(folder / filename, quality=90)
         image = {"filename": filename, "subfolder": SAMPLES_SUBFOLDER, "type": "temp"}
         bridge.send_event("kiln.sample", self.registry.add_sample(self.run, step, image))
-        if self.grid is not None:
-            self.add_to_grid(step, pixels / 255.0)
+        if self.grid is not None and index < len(self.grid.prompts):
+            self.add_to_grid(step, index, pixels / 255.0)
 
-    def add_to_grid(self, step: int, image: np.ndarray) -> None:
-        """The sample ([H,W,3] in 0..1) into <run>/samples/ and its grid; the grid as a JPEG in temp/kiln/ too,
-        for the dashboard."""
-        self.grid.save_sample(step, 0, image)
-        self.grid.add(step, 0, image)
+    def add_to_grid(self, step: int, index: int, image: np.ndarray) -> None:
+        """The sample ([H,W,3] in 0..1) into <run>/samples/ and its grid; once a step's last prompt is in, the
+        grid as a JPEG in temp/kiln/ too, for the dashboard."""
+        self.grid.save_sample(step, index, image)
+        self.grid.add(step, index, image)
+        if index < len(self.grid.prompts) - 1:
+            return
         filename = f"{self.run.id}-grid-step{step:06d}.jpg"
         self.grid.write().save(Path(bridge.folders()["temp"]) / SAMPLES_SUBFOLDER / filename, quality=90)
         grid = {"filename": filename, "subfolder": SAMPLES_SUBFOLDER, "type": "temp"}

@@ -1,9 +1,11 @@
 """One Train LoRA execution: config, run folder, resume rule, the loop, validation, outputs.
 
 ComfyUI objects are reached only through nodes/comfy/ (its bridge), which also runs the training
-sequence; this file decides what a run is. A run's folder is named by a hash of everything that
-determines its result (config, dataset content and captions, encoders, model arch, resume source),
-so re-queueing the same workflow finds its own run:
+sequence; this file decides what a run is. A run's identity is a hash of everything that determines its
+result (config, dataset content and captions, encoders, model arch, resume source); its folder is
+output/kiln/<run_name> as typed (empty: the dataset folder's name), with -2, -3, ... only when that name
+holds a run of another identity, and the identity written inside it (trainer/run_folders.py). So
+re-queueing the same workflow finds its own run (a folder of the old <name>-<hash> kind too):
   - newest checkpoint < steps (stopped, crashed, or ComfyUI restarted) → resume from it;
   - newest checkpoint == steps → load that result, train nothing (the UI says so);
   - no checkpoint → train from the start (or from a KILN_STATE input).
@@ -29,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..trainer import config as cfg_module
-from ..trainer import paths
+from ..trainer import paths, run_folders
 from ..trainer import state as state_module
 from ..trainer.data.dataset import Dataset
 from ..trainer.errors import did_you_mean
@@ -99,7 +101,16 @@ def run_identity(cfg: cfg_module.TrainConfig, dataset: Dataset, resume_from: str
     values = {k: v for k, v in cfg.to_dict().items() if k not in NOT_IDENTITY + cfg_module.SAMPLE_FIELDS}
     # `steps` is left out on purpose: raising it on a finished run continues that run.
     blob = json.dumps([values, dataset_identity(dataset), resume_from], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def run_folder(cfg: cfg_module.TrainConfig, dataset: Dataset, resume_from: str | None, output_root: Path) -> Path:
+    """output/kiln/<run_name>, or <run_name>-N on a clash; an empty run_name is the dataset folder's name (what
+    a user tells runs apart by; the arch alone would name every run of a family alike), else the arch."""
+    name = cfg.run_name or run_folders.default_name([Path(dataset.report.root).name], cfg.arch)
+    identity = run_identity(cfg, dataset, resume_from)
+    return run_folders.find_or_claim(output_root, name, identity, "Kiln Training Options: run_name",
+                                     legacy=cfg.run_name or cfg.arch)
 
 
 @dataclass
@@ -115,8 +126,7 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
     if cfg.run_name:  # before anything is loaded or written
         paths.check_name(cfg.run_name, "Kiln Training Options: run_name")
     resume_from = resume_state.checkpoint if resume_state is not None else None
-    run_dir = paths.inside(output_root, f"{cfg.run_name or cfg.arch}-{run_identity(cfg, dataset, resume_from)}",
-                           "Kiln Training Options: run_name")
+    run_dir = run_folder(cfg, dataset, resume_from, output_root)
     found = state_module.list_checkpoints(run_dir)
     newest = found[-1] if found else None
     if newest is not None and newest[0] >= cfg.steps:
@@ -134,7 +144,8 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
         lines.extend(f"skipped {p.line()}" for p in data.skipped)
         for line in lines:
             print(f"[Kiln] {line}")
-        tracker = live.Tracker(cfg, run_dir, data, resume)  # the live dashboard: events, Stop, Save now
+        # The live dashboard: events, Stop, Save now; the sample grid, a column per prompt of the chain.
+        tracker = live.Tracker(cfg, run_dir, data, resume, prompts=validation.prompts if validation else ())
         trackers.append(tracker)
 
         def on_step(report) -> None:
@@ -144,10 +155,10 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
         def on_sample(step: int, index: int, images) -> None:
             samples.append(images)
             bar.update(step, preview=images)
-            tracker.on_sample(step, images)
+            tracker.on_sample(step, images, index)
 
         # Sampled on `model` (without the training adapter), as headless training samples its prompts.
-        validate = bridge.validation(cfg, model, [validation], on_sample) if validation is not None else None
+        validate = bridge.validation(cfg, model, validation.samples, on_sample) if validation is not None else None
         return dict(resume=resume, on_step=on_step, should_stop=tracker.should_stop, validate=validate,
                     validate_every=validation.every if validation is not None else 0,
                     should_pause=tracker.should_pause, on_pause=tracker.on_pause)

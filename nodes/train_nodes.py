@@ -1,7 +1,6 @@
 """Train LoRA and the nodes that feed it: Training Options, Validation Settings, Load Run."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from comfy_api.latest import io, ui
@@ -11,7 +10,7 @@ from ..trainer import init_lora as init_module
 from ..trainer import paths
 from ..trainer.archs import ARCHS
 
-from . import live, run
+from . import live, run, validation_chain
 from .comfy import bridge
 from .widgets import CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, checked, from_widget, parse_list, widget
 
@@ -68,12 +67,6 @@ class KilnTrainingOptions(io.ComfyNode):
         return io.NodeOutput({name: from_widget(name, value) for name, value in values.items()})
 
 
-@dataclass(frozen=True)
-class Validation(bridge.Sample):
-    """Validation Settings' output: the one image to sample, and how often."""
-    every: int
-
-
 class KilnValidationSettings(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -95,14 +88,21 @@ class KilnValidationSettings(io.ComfyNode):
                                tooltip="ComfyUI scheduler"),
                 io.Int.Input("width", default=512, min=64, max=4096, step=16, tooltip="Sample width"),
                 io.Int.Input("height", default=512, min=64, max=4096, step=16, tooltip="Sample height"),
-                io.Int.Input("every", default=250, min=1, max=1_000_000, tooltip="Sample every N steps and at the end"),
+                io.Int.Input("every", default=250, min=1, max=1_000_000, tooltip="Sample every N steps and at the "
+                             "end (in a chain, the smallest every of the chain)"),
+                VALIDATION.Input("validation", optional=True, tooltip="Another Kiln Validation Settings: its "
+                                 "prompts are sampled first, then this one (one column of the sample grid each)"),
             ],
-            outputs=[VALIDATION.Output(display_name="validation", tooltip="Plug into Kiln Train LoRA")],
+            outputs=[VALIDATION.Output(display_name="validation", tooltip="Plug into Kiln Train LoRA, or into "
+                                       "another Validation Settings to sample several prompts")],
+            hidden=[io.Hidden.prompt, io.Hidden.unique_id],   # the positive prompt's text heads its grid column
         )
 
     @classmethod
-    def execute(cls, **values):
-        return io.NodeOutput(Validation(**values))
+    def execute(cls, validation=None, **values):
+        hidden = cls.hidden   # None when called outside a prompt (tests)
+        text = validation_chain.header(getattr(hidden, "prompt", None), getattr(hidden, "unique_id", None))
+        return io.NodeOutput(validation_chain.chain(validation, validation_chain.Validation(**values, prompt=text)))
 
 
 # What the model input's tooltip lists: the archs detected from a ComfyUI model, in registry order.
@@ -193,7 +193,8 @@ class KilnTrainLoRA(io.ComfyNode):
                                "training, removed for samples, never saved"),
                 STATE.Input("resume", optional=True, tooltip="A KILN_STATE to continue (from another Train LoRA "
                             "or Kiln Load Run)"),
-                VALIDATION.Input("validation", optional=True, tooltip="From Kiln Validation Settings"),
+                VALIDATION.Input("validation", optional=True, tooltip="From Kiln Validation Settings (chain several "
+                                 "to sample several prompts)"),
                 io.LoraModel.Input("init_lora", optional=True, tooltip="A LoRA to start from instead of a new one "
                                    "(a LORA_MODEL: another Train LoRA, Kiln Convert LoRA, Merge/Resize LoRA); its "
                                    "rank and alpha replace rank and alpha. Ignored when resuming"),

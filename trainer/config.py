@@ -228,7 +228,8 @@ class TrainConfig:
     reg_weight: float = setting(1.0, "loss weight of the regularisation batches (kohya's prior_loss_weight)")
     # --- run output
     output_dir: str = setting("runs", "run folders go here")
-    run_name: str = setting("", 'folder name; empty = "<arch>-<date>-<time>"')
+    run_name: str = setting("", "run folder name, as typed; empty: the dataset folder's name in ComfyUI "
+                                '(another run of other settings there: <name>-2), "<arch>-<date>-<time>" headless')
     checkpoint_every: int = setting(250, "steps between resumable checkpoints; 0 = only at the end")
     keep_checkpoints: int = setting(3, "newest K checkpoints kept")
     checkpoint_loras: bool = setting(False, "nodes: also write each checkpoint's LoRA to models/loras/kiln/"

@@ -131,6 +131,37 @@ def test_a_resumed_run_starts_with_its_history():
     assert detail["history"]["step"] == [1, 2, 3, 4] and detail["history"]["loss"] == [1.0, None, 0.5, 0.4]
 
 
+def test_a_stopped_run_queued_again_is_the_same_entry_with_its_history_joined():
+    """The run folder is the run: its next execution continues its entry (one id in the list, the newest
+    status, the history from step 1, flags of the stopped execution cleared, the revision going on), while
+    another folder, or the same folder running in another execution, gets an entry of its own."""
+    registry = dashboard.Registry()
+    first = started(registry, folder="/out/kiln/portrait")
+    for step in (1, 2, 3, 4):
+        registry.record(first, Report(step, total_steps=8, loss=1.0 / step))
+    registry.add_sample(first, 2, {"filename": "a-step000002-p0.jpg", "subfolder": "kiln", "type": "temp"})
+    registry.add_sample(first, 4, {"filename": "a-step000004-p0.jpg", "subfolder": "kiln", "type": "temp"})
+    registry.answer("POST", first.id, "stop")
+    rev = registry.finish(first, dashboard.STOPPED, "stopped at step 4")["rev"]
+    other = started(registry, folder="/out/kiln/portrait-2")
+
+    again = started(registry, folder="/out/kiln/portrait", start_step=3, prompt_id="p2")  # its checkpoint: step 3
+    registry.preload(again, [1.0, 0.5, 1 / 3], [1e-3] * 3)
+    registry.record(again, Report(4, total_steps=8, loss=0.2))
+    assert again is first and other.id != first.id
+    summary = registry.answer("GET", first.id)[1]
+    assert summary["status"] == "running" and summary["message"] == "" and not summary["stop_requested"]
+    assert summary["rev"] > rev and summary["start_step"] == 3 and summary["step"] == 4
+    assert summary["prompt_id"] == "p2" and summary["prompt_ids"] == ["p1", "p2"]
+    assert summary["history"]["step"] == [1, 2, 3, 4] and summary["history"]["loss"] == [1.0, 0.5, 1 / 3, 0.2]
+    assert [s["step"] for s in summary["samples"]] == [2]         # step 4 is trained again: its sample goes
+    registry.finish(again, dashboard.FINISHED)
+    assert sorted(r["id"] for r in registry.answer("GET")[1]["runs"]) == sorted([first.id, other.id])
+    assert started(registry, folder="/out/kiln/portrait").id == first.id
+    assert started(registry, folder="/out/kiln/portrait").id != first.id   # that one runs: a second entry
+    assert started(registry).id != started(registry).id              # no folder given: never joined
+
+
 def test_long_histories_are_thinned_evenly_keeping_both_ends():
     assert dashboard.thin(5, 10) == [0, 1, 2, 3, 4]
     kept = dashboard.thin(100_000, 1500)

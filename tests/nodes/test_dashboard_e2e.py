@@ -122,16 +122,19 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
     # Stop: the run says stopped, at a step short of the total, with a resumable checkpoint there.
     runs = server.get("/kiln/runs")["runs"]
     assert str(server.base) not in json.dumps(runs)                     # names and ids, no paths
-    first = next(r for r in runs if r["id"] == report["stopped"]["node"]["run"])
+    first = report["stopped"]["run"]                                     # as the server had it then
+    assert first["id"] == report["stopped"]["node"]["run"]
     assert first["status"] == "stopped" and 0 < first["step"] < TOTAL_STEPS
     assert "the nodes after Train LoRA were skipped" in first["message"]   # Stop: the run is not done
     assert report["stopped"]["panel"]["status"] == "stopped"
     checkpoint = server.base / "output" / "kiln" / first["name"] / f"step-{first['step']:06d}"
     assert (checkpoint / "run.json").is_file(), sorted(p.name for p in checkpoint.parent.iterdir())
 
-    # Queueing again re-ran Train LoRA (its fingerprint moved on) and resumed at the stopped step.
+    # Queueing again re-ran Train LoRA (its fingerprint moved on) and resumed at the stopped step: the same
+    # run on the dashboard (one entry, the history joined, the newest status), not a second one.
     second = server.get(f"/kiln/runs/{report['resumed']['run']}")
     assert str(server.base) not in json.dumps(second)
+    assert second["id"] == first["id"] and [r["id"] for r in runs if r["name"] == first["name"]] == [first["id"]]
     assert second["name"] == first["name"] and second["start_step"] == first["step"]
     assert second["status"] == "stopped" and second["step"] > first["step"]
     assert "its LoRA goes on" in second["message"]                          # the node's Stop & save button

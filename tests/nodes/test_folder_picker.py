@@ -7,6 +7,7 @@ playwright-core (fails in CI).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -25,12 +26,13 @@ DATASET = TINY_FILES["dataset"]
 EDITS = TINY_FILES["edit_dataset"]
 
 
-def fake_checkpoint(run_dir: Path, step: int) -> None:
-    """What state.list_checkpoints counts as a complete checkpoint (the picker reads nothing more)."""
+def fake_checkpoint(run_dir: Path, step: int, total: int | None = None) -> None:
+    """What state.list_checkpoints counts as a complete checkpoint, with the run's total steps in its run.json
+    (the picker reads nothing more)."""
     folder = run_dir / f"step-{step:06d}"
     folder.mkdir(parents=True)
     (folder / "state.safetensors").write_bytes(b"")
-    (folder / "run.json").write_text("{}", encoding="utf-8")
+    (folder / "run.json").write_text(json.dumps({"config": {"steps": total}} if total else {}), encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,12 @@ def server(tmp_path_factory):
     (base / "input" / "loose.png").write_bytes(b"")                   # a file, not a folder
     kiln = base / "output" / "kiln"
     fake_checkpoint(kiln / "portrait-0a1b2c3d4e", 4)
-    fake_checkpoint(kiln / "portrait-0a1b2c3d4e", 12)
+    fake_checkpoint(kiln / "portrait-0a1b2c3d4e", 12)                 # a run folder named the old way
+    fake_checkpoint(kiln / "portrait", 4, total=8)                      # stopped (or resumed and stopped again)
+    fake_checkpoint(kiln / "portrait-2", 8, total=8)
+    times = {"portrait-0a1b2c3d4e": 1, "portrait": 3, "portrait-2": 2}
+    for name, seconds in times.items():                                   # newest first: by the folder's time
+        os.utime(kiln / name, (1_700_000_000 + seconds, 1_700_000_000 + seconds))
     (kiln / "crashed-before-a-checkpoint" / ".tmp-step-000002").mkdir(parents=True)
     with running(COMFY, base) as comfy:
         yield comfy
@@ -53,7 +60,10 @@ def test_the_routes_list_datasets_and_runs_by_name(server):
     assert datasets == {"root": "input", "folders": [{"name": DATASET, "detail": "4 images, 4 captions"},
                                                      {"name": EDITS, "detail": "2 images, 2 captions"}]}
     runs = server.get("/kiln/folders/runs")
-    assert runs == {"root": "output/kiln", "folders": [{"name": "portrait-0a1b2c3d4e", "detail": "step 12"}]}
+    # One entry per run folder (a stopped run resumes into its own), its newest state; no hashes in new names.
+    assert runs == {"root": "output/kiln", "folders": [{"name": "portrait", "detail": "step 4 of 8"},
+                                                       {"name": "portrait-2", "detail": "finished, step 8"},
+                                                       {"name": "portrait-0a1b2c3d4e", "detail": "step 12"}]}
 
 
 def test_an_unknown_list_is_refused_with_the_known_ones(server):
@@ -63,7 +73,7 @@ def test_an_unknown_list_is_refused_with_the_known_ones(server):
 
 def test_the_choose_button_types_the_picked_folder(server, tmp_path):
     require_browser("the folder picker test")
-    picks = {"KilnLoadDataset": DATASET, "KilnLoadRun": "portrait-0a1b2c3d4e"}
+    picks = {"KilnLoadDataset": DATASET, "KilnLoadRun": "portrait-2"}
     done = subprocess.run([NODE, str(REPO / "tests" / "web" / "folder_picker.mjs"), "--url", server.url,
                            "--out", str(tmp_path), "--chromium", CHROMIUM,
                            *[arg for node, name in picks.items() for arg in ("--pick", f"{node}={name}")]],
@@ -87,6 +97,7 @@ def test_the_choose_button_types_the_picked_folder(server, tmp_path):
         assert seen["prompt"][field] == name and seen["label"] not in seen["prompt"], seen["prompt"]
     assert report["nodes"]["KilnLoadDataset"]["menu"] == [f"{DATASET}   (4 images, 4 captions)",
                                                           f"{EDITS}   (2 images, 2 captions)"]
-    assert report["nodes"]["KilnLoadRun"]["menu"] == ["portrait-0a1b2c3d4e   (step 12)"]
+    assert report["nodes"]["KilnLoadRun"]["menu"] == ["portrait   (step 4 of 8)", "portrait-2   (finished, step 8)",
+                                                      "portrait-0a1b2c3d4e   (step 12)"]
     kiln_errors = [e for e in report["console"] if "kiln" in (e["text"] + e["url"]).lower()]
     assert kiln_errors == [] and [e for e in report["pageErrors"] if "kiln" in e.lower()] == []

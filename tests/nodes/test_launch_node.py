@@ -74,7 +74,7 @@ def test_stop_leaves_a_checkpoint_and_queueing_again_resumes_to_the_lora(comfy_d
     monkeypatch.setattr(bridge, "progress", progress)
     with pytest.raises(mm.InterruptProcessingException):
         queue(dataset)
-    run_dir = next((comfy_dirs / "output" / "kiln").glob("several-*"))
+    run_dir = comfy_dirs / "output" / "kiln" / "several"
     stopped = state.list_checkpoints(run_dir)
     assert stopped and 3 <= stopped[-1][0] < STEPS and seen[:3] == [1, 2, 3], (stopped, seen)
     assert state.load_checkpoint(run_dir).info["world_size"] == 2
@@ -117,7 +117,7 @@ def test_the_dashboard_pauses_and_resumes_a_launched_run_and_comfyuis_stop_ends_
             assert dashboard.REGISTRY.answer("POST", data["run_id"], "pause")[0] == 202
         if name == "kiln.run" and data["status"] == "running" and data["paused"] != (pauses[-1][1] if pauses else False):
             pauses.append((data["step"], data["paused"], dashboard.REGISTRY.answer("GET", data["id"])[1]["paused"]))
-            run_dir = next((comfy_dirs / "output" / "kiln").glob("paused-*"))
+            run_dir = comfy_dirs / "output" / "kiln" / "paused"
             if data["paused"] and len(pauses) == 1:   # paused: the file is there; Resume a moment later
                 assert (run_dir / "PAUSE").is_file()
                 later(lambda: dashboard.REGISTRY.answer("POST", data["id"], "resume"))
@@ -141,7 +141,7 @@ def test_the_dashboard_pauses_and_resumes_a_launched_run_and_comfyuis_stop_ends_
     names = [(n, d.get("paused")) for n, d in events
              if n == "kiln.run" or (n == "kiln.progress" and d["step"] == first + 1)]
     assert names[:4] == [("kiln.run", False), ("kiln.run", True), ("kiln.run", False), ("kiln.progress", None)], names
-    run_dir = next((comfy_dirs / "output" / "kiln").glob("paused-*"))
+    run_dir = comfy_dirs / "output" / "kiln" / "paused"
     assert state.list_checkpoints(run_dir)[-1][0] == second and not (run_dir / "PAUSE").exists()
     detail = dashboard.REGISTRY.answer("GET", events[-1][1]["id"])[1]
     assert detail["status"] == "interrupted" and not detail["paused"]

@@ -118,9 +118,12 @@ def test_save_now_and_stop_from_the_dashboard_then_resume(comfy_dirs, monkeypatc
     assert tn.KilnTrainLoRA.fingerprint_inputs() == fingerprint + 1
     finished = train().result[2]
     assert finished.step == 8 and finished.run_dir == state.run_dir
+    # One run on the dashboard across the stop and the resume: the same entry, its history joined, finished.
     resumed = dashboard.REGISTRY.answer("GET", events[-1][1]["id"])[1]
-    assert resumed["id"] != run_id and resumed["start_step"] == 4 and resumed["status"] == "finished"
-    assert resumed["history"]["step"] == list(range(1, 9))
+    assert resumed["id"] == run_id and resumed["start_step"] == 4 and resumed["status"] == "finished"
+    assert resumed["history"]["step"] == list(range(1, 9)) and resumed["prompt_ids"] == ["prompt-1"]
+    assert [r["id"] for r in dashboard.REGISTRY.answer("GET")[1]["runs"] if r["name"] == "live"] == [run_id]
+    assert [s["step"] for s in resumed["samples"]] == [2, 4, 6, 8]
 
 
 def test_checkpoint_loras_go_to_models_loras_kiln_and_leave_the_run_identity_alone(comfy_dirs, monkeypatch):
@@ -207,3 +210,71 @@ def test_pause_resume_and_stop_while_paused_from_the_dashboard_with_the_grid_and
         assert grid.height > 2 * 32 and grid.width > 32                    # two rows of 32 px samples, labelled
     assert sorted(p.name for p in (run_dir / "samples").glob("step-*.png")) == ["step-000002-p0.png",
                                                                                  "step-000004-p0.png"]
+
+
+def test_chained_validation_settings_sample_each_prompt_in_a_grid_column_headed_by_its_text(comfy_dirs, monkeypatch):
+    """Two Validation Settings chained (the second's `validation` input takes the first): Train LoRA samples
+    both prompts at each sampling step, in chain order, as often as the smaller `every` asks; the grid has a
+    column per prompt, headed by the text of the CLIP Text Encode behind each `positive` (found through the
+    queued prompt, through a Flux Guidance node for the second)."""
+    io = comfy_env.import_pack("nodes.train_nodes").io
+    sample_grid = comfy_env.import_pack("trainer.sample_grid")
+    model, vae, clip = tc.tiny_flux2(comfy_dirs), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
+    ds = encoded_dataset(comfy_dirs, vae, clip)
+    queued = {   # the API-format prompt ComfyUI hands the nodes (hidden PROMPT), as the frontend sends it
+        "1": {"class_type": "CLIPTextEncode", "inputs": {"text": "kiln on a hill", "clip": ["9", 0]}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "kiln at night", "clip": ["9", 0]}},
+        "3": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["2", 0], "guidance": 3.5}},
+        "4": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["9", 0]}},
+        "10": {"class_type": "KilnValidationSettings", "inputs": {"positive": ["1", 0], "negative": ["4", 0]},
+               "_meta": {"title": "Kiln Validation Settings"}},
+        "11": {"class_type": "KilnValidationSettings", "_meta": {"title": "Night"},
+               "inputs": {"positive": ["3", 0], "negative": ["4", 0], "validation": ["10", 0]}},
+    }
+
+    def settings(node_id: str, text: str, every: int, before=None):
+        node = tn.KilnValidationSettings.PREPARE_CLASS_CLONE(   # how ComfyUI runs a V3 node: hidden inputs set
+            {"hidden_inputs": {io.Hidden.prompt: queued, io.Hidden.unique_id: node_id}})
+        return node.execute(positive=tc.conditioning(clip, text), negative=tc.conditioning(clip, ""), vae=vae,
+                            seed=0, steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", width=32,
+                            height=32, every=every, validation=before).result[0]
+
+    chain = settings("11", "kiln at night", 4, before=settings("10", "kiln on a hill", 2))
+    assert chain.prompts == ["kiln on a hill", "kiln at night"] and chain.every == 2
+    events: list[tuple[str, dict]] = []
+    monkeypatch.setattr(bridge, "send_event", lambda name, data: events.append((name, data)) or True)
+    result = tn.KilnTrainLoRA.execute(model, ds, steps=4, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw",
+                                      preset="none", backend="torch", seed=1, validation=chain,
+                                      options={"device": "cpu", "mixed_precision": "no", "checkpoint_every": 0,
+                                               "run_name": "chained"})
+    assert result.result[4].shape[0] == 4                                  # 2 prompts × steps 2 and 4
+    samples = [data for name, data in events if name == "kiln.sample"]
+    assert [(s["step"], s["image"]["filename"].rsplit("-", 1)[1]) for s in samples] == \
+        [(2, "p0.jpg"), (2, "p1.jpg"), (4, "p0.jpg"), (4, "p1.jpg")]
+    assert [data["step"] for name, data in events if name == "kiln.grid"] == [2, 4]   # once per sampling step
+    run_dir = Path(result.result[2].run_dir)
+    assert sorted(p.name for p in (run_dir / "samples").glob("step-*.png")) == [
+        "step-000002-p0.png", "step-000002-p1.png", "step-000004-p0.png", "step-000004-p1.png"]
+    # The grid is exactly the one headed by the two prompts' texts (not by the node's name).
+    expected = sample_grid.SampleGrid(run_dir, ["kiln on a hill", "kiln at night"]).load_existing().render()
+    by_node = sample_grid.SampleGrid(run_dir, ["Validation Settings"] * 2).load_existing().render()
+    with Image.open(run_dir / "samples" / "grid.png") as grid:
+        written = np.asarray(grid.convert("RGB"))
+    assert written.shape[1] == sample_grid.LABEL_PX + 2 * (sample_grid.CELL_PX + sample_grid.GAP_PX)
+    assert np.array_equal(written, np.asarray(expected)) and not np.array_equal(written, np.asarray(by_node))
+
+
+def test_the_grid_header_falls_back_to_the_node_title_without_a_prompt_text():
+    vc = comfy_env.import_pack("nodes.validation_chain")
+    queued = {"5": {"class_type": "StringConcat", "inputs": {"a": ["6", 0]}},
+              "6": {"class_type": "CLIPTextEncode", "inputs": {"text": ["5", 0]}},   # text computed by a node
+              "7": {"class_type": "PrimitiveStringMultiline", "inputs": {"value": "  a kiln, in watercolour "}},
+              "8": {"class_type": "CLIPTextEncode", "inputs": {"text": ["7", 0]}},
+              "9": {"class_type": "ReferenceLatent", "inputs": {"conditioning": ["8", 0], "latent": ["3", 0]}},
+              "10": {"class_type": "KilnValidationSettings", "inputs": {"positive": ["6", 0]},
+                     "_meta": {"title": "Style check"}},
+              "11": {"class_type": "KilnValidationSettings", "inputs": {"positive": ["9", 0]}},
+              "12": {"class_type": "KilnValidationSettings", "inputs": {"positive": ["6", 0]}}}
+    assert vc.header(queued, "10") == "Style check"                       # no text to find: the node's title
+    assert vc.header(queued, "11") == "a kiln, in watercolour"            # through a primitive and a reference
+    assert vc.header(queued, "12") == vc.header(None, None) == "Validation Settings"

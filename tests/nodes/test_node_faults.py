@@ -6,7 +6,9 @@
 - out of memory inside a step: the node fails with the fix named, the model is left without LoRA
   branches, in_training is reset, memory is handed back, and a re-queue resumes at the last good step;
 - re-queueing (ComfyUI's cache emptied, e.g. after a restart): the same workflow loads the finished
-  run without training, a changed setting trains anew, more steps continue the finished run.
+  run without training, a changed setting trains anew, more steps continue the finished run;
+- run folders: named by run_name as typed, -2 for another identity under the same name, each re-queue
+  finding its own folder, a folder of the old <name>-<hash> kind resumed in place.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch  # noqa: E402
 from test_nodes import encoded_dataset, train  # noqa: E402
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
+run_folders = comfy_env.import_pack("trainer.run_folders")
 door_model = comfy_env.import_pack("nodes.comfy.model")      # what the training sequence calls
 door_session = comfy_env.import_pack("nodes.comfy.session")
 run_module = comfy_env.import_pack("nodes.run")
@@ -77,7 +80,7 @@ def test_stop_button_mid_step_ends_that_step_and_requeue_continues_exactly(flux,
         mm.interrupt_current_processing(False)                    # what ComfyUI does before the next prompt
         hooks.clear()
     assert len(calls) == 5                                        # no forward after the stop: within one step
-    run_dir, = Path(straight.run_dir).parent.glob("stop_mid-*")
+    run_dir = Path(straight.run_dir).parent / "stop_mid"                # named as typed
     assert state_module.load_checkpoint(run_dir).step == 5       # the step in flight was finished and saved
     assert not mm.in_training and not mm.processing_interrupted()
     calls.clear()
@@ -137,3 +140,44 @@ def test_requeue_reuses_a_finished_run_and_retrains_only_on_a_change(flux, forwa
     longer = train(model, ds, steps=6, options={"run_name": "cache"})  # more steps: the finished run goes on
     assert len(calls) == 2 and "step-000004" in longer.ui.value and longer.result[2].step == 6
     assert Path(longer.result[2].run_dir) == Path(first.result[2].run_dir)
+
+
+def test_run_folders_are_named_as_typed_a_clash_gets_a_suffix_and_each_requeue_finds_its_own(flux, forwards):
+    model, ds = flux
+    calls, _ = forwards
+    first = train(model, ds, steps=2, options={"run_name": "my portrait"}).result[2]
+    root = Path(first.run_dir).parent
+    assert Path(first.run_dir) == root / "my portrait"
+    other = train(model, ds, steps=2, options={"run_name": "my portrait", "weight_decay": 0.05}).result[2]
+    assert Path(other.run_dir) == root / "my portrait-2"                    # another identity: a suffix
+    assert run_folders.read_identity(first.run_dir) != run_folders.read_identity(other.run_dir)
+    calls.clear()
+    longer = train(model, ds, steps=3, options={"run_name": "my portrait", "weight_decay": 0.05})
+    assert Path(longer.result[2].run_dir) == root / "my portrait-2" and "step-000002" in longer.ui.value
+    again = train(model, ds, steps=2, options={"run_name": "my portrait"})
+    assert "already trained" in again.ui.value and Path(again.result[2].run_dir) == root / "my portrait"
+    assert len(calls) == 1                                                  # step 3 of the second run only
+    assert sorted(p.name for p in root.glob("my portrait*")) == ["my portrait", "my portrait-2"]
+
+
+def test_an_empty_run_name_names_the_run_after_its_dataset_folder(flux):
+    model, ds = flux
+    state = train(model, ds, steps=1, options={"run_name": ""}).result[2]
+    assert Path(state.run_dir).name == "ds_faults"                         # Load Dataset's folder
+
+
+def test_a_run_folder_named_the_old_way_is_resumed_in_place(flux, forwards):
+    """A run stopped before run folders were named as typed: output/kiln/<run_name>-<10 hex of its identity>,
+    no identity file. Queued again, it resumes there and no new folder is made."""
+    model, ds = flux
+    calls, _ = forwards
+    new_style = Path(train(model, ds, steps=2, options={"run_name": "old"}).result[2].run_dir)
+    identity = run_folders.read_identity(new_style)
+    (new_style / run_folders.IDENTITY_FILE).unlink()
+    legacy = new_style.with_name(f"old-{identity[:10]}")
+    new_style.rename(legacy)                                                # as the older Kiln left it
+    calls.clear()
+    resumed = train(model, ds, steps=4, options={"run_name": "old"})
+    assert Path(resumed.result[2].run_dir) == legacy and "step-000002" in resumed.ui.value
+    assert len(calls) == 2 and resumed.result[2].step == 4
+    assert not new_style.exists()

@@ -298,11 +298,13 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
              "resume_from_run_folder"]
     assert sorted(order) == sorted(p.stem for p in EXAMPLES)
     runs: set[Path] = set()
+    made: dict[str, set[Path]] = {}
     for name in order:
         api = json.loads((REPO / "example_workflows" / "api" / f"{name}.json").read_text(encoding="utf-8"))
         run_folder = None
         if name == "resume_from_run_folder":   # the Z-Image Turbo run the character workflow left
-            run_folder = next(p.name for p in runs if p.name.startswith("zimage_turbo-"))
+            (character,) = made["zimage_turbo_character_lora"]
+            run_folder = character.name
         workflow = tmp_path / f"{name}.json"
         workflow.write_text(json.dumps(tiny_example(api, name, run_folder)), encoding="utf-8")
         done = comfy_run(server, workflow)
@@ -317,6 +319,7 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
         assert len(list(images.glob(f"{name}_*.png"))) == wanted_images, name
         new_runs = {p for p in (server.base / "output" / "kiln").iterdir() if p.is_dir()} - runs
         runs |= new_runs
+        made[name] = new_runs
     # Resuming from a loaded run trains on in a run folder of its own (its identity names where it started):
     # steps 9-12 after the character run's 8, with the loss history carried over.
     (resumed_dir,) = new_runs

@@ -199,14 +199,17 @@ try {
     clearInterval(window.kilnPreviewWatch);
     return window.kilnComfyPreviews;
   });
+  // The run as the server had it when it stopped (the resumed execution continues the same entry).
+  report.stopped.run = await page.evaluate(async (id) => (await fetch(`/kiln/runs/${id}`)).json(),
+    report.stopped.node.run);
   await page.screenshot({ path: path.join(options.out, "dashboard_stopped.png") });
 
   note("queueing again: the stopped run resumes");
   const first = report.stopped.node.run;
   await page.evaluate(() => window.comfyAPI.app.app.queuePrompt(0, 1));
-  await until("a new run training on the node", (args) => {
+  await until("the same run training again on the node", (args) => {
     const view = document.querySelector(args[0]);
-    return view?.dataset.run && view.dataset.run !== args[1] && view.dataset.status === "running";
+    return view?.dataset.run === args[1] && view.dataset.status === "running";
   }, [NODE_VIEW, first]);
   report.resumed = await viewState(NODE_VIEW);
   note("Stop & save (node)");
