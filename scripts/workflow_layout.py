@@ -115,14 +115,17 @@ def _stack(nodes: dict[str, dict], column: list[str], folded: set[str], x: int, 
 
 def view(nodes: dict[str, dict], groups: list[dict], folded: set[str]) -> dict:
     """extra.ds for a workflow opened from a file (drag and drop, Workflow → Open): the whole graph, groups
-    included, centred in a VIEW-sized window, at most 1:1."""
+    included, in what a VIEW-sized window leaves of the canvas, at most 1:1."""
     rects = [g["bounding"] for g in groups]
     for nid, node in nodes.items():
         x, y = node["pos"]
         rects.append([x, y - TITLE_H, node["size"][0], _box_height(node, nid in folded)])
     left, top = min(r[0] for r in rects), min(r[1] for r in rects)
     right, bottom = max(r[0] + r[2] for r in rects), max(r[1] + r[3] for r in rects)
-    margin = 40
-    scale = min(1.0, VIEW[0] / (right - left + 2 * margin), VIEW[1] / (bottom - top + 2 * margin))
-    offset = [VIEW[0] / scale / 2 - (left + right) / 2, VIEW[1] / scale / 2 - (top + bottom) / 2]
+    # the frontends draw over the canvas: the sidebar on the left, the tabs and toolbars on top
+    area_left, area_top, area_right, area_bottom = 70, 100, VIEW[0] - 20, VIEW[1] - 20
+    width, height = area_right - area_left, area_bottom - area_top
+    scale = min(1.0, width / (right - left), height / (bottom - top))
+    offset = [(area_left + (width - (right - left) * scale) / 2) / scale - left,
+              (area_top + (height - (bottom - top) * scale) / 2) / scale - top]   # screen = (canvas + offset) × scale
     return {"scale": round(scale, 3), "offset": [round(offset[0], 1), round(offset[1], 1)]}
