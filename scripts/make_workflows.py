@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Write Kiln's example workflows, each defined once here as an API-format graph, in both formats:
 
-  example_workflows/<name>.json       UI (litegraph) format: what the ComfyUI frontend loads
-                                      (drag it onto the canvas, or Workflow → Open)
-  example_workflows/api/<name>.json   API format: what POST /prompt takes (scripts, the server test)
+  example_workflows/<title>.json      UI (litegraph) format: what the ComfyUI frontend loads (its template
+                                      browser, Workflow → Browse Templates → kiln, shows the file name as the
+                                      title; or drag it onto the canvas), laid out in coloured groups by
+                                      workflow_layout.py
+  example_workflows/<title>.jpg       the template browser's picture of it (make_thumbnails.py; needs Pillow)
+  example_workflows/api/<title>.json  API format: what POST /prompt takes (scripts, the server test)
   tests/nodes/workflows/*.json        API-format graphs on tiny model files, for tests/nodes/test_server.py
 
 Widget order, input types, defaults, outputs and the control_after_generate rule come from the node
@@ -27,6 +30,9 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # workflow_layout, beside this file
+import workflow_layout as wl
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "example_workflows"
@@ -65,6 +71,16 @@ TEXT_ENCODER_URLS = {  # qwen_3_4b.safetensors is published in both repos; point
     "flux2": f"{_HF}/Comfy-Org/flux2-klein/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors",
 }
 PACK_ID, PACK_VERSION = "kiln-lora", "0.1.0"   # pyproject's [project] name/version: the registry id (cnr_id)
+# Each example's file name, which the template browser shows as its title (both frontends take a custom-node
+# template's title from its file name and offer no other field). Keys: the graphs' own names (ids, tests).
+# No ':' or '/' (Windows file names), no '_' (frontend 1.41 prints the name again with '_' and '-' as spaces).
+TEMPLATE_TITLES = {"zimage_turbo_character_lora": "Z-Image Turbo character LoRA",
+                   "flux2_klein_style_lora": "Flux.2 Klein style LoRA",
+                   "chained_training": "Two-stage chained training",
+                   "resume_from_run_folder": "Resume a run from its folder",
+                   "flux2_klein_edit_lora": "Flux.2 Klein edit LoRA"}
+# Rows the frontend draws beyond the node's own widgets: Kiln's folder picker button, LoadImage's upload one.
+EXTRA_WIDGET_ROWS = {"KilnLoadDataset": 1, "KilnLoadRun": 1, "LoadImage": 1}
 
 
 # ------------------------------------------------------------------ the node definitions (object_info)
@@ -176,6 +192,23 @@ def default_value(kind: str, options: dict):
 
 # ------------------------------------------------------------------ defining a graph
 
+NOTE = "note"   # the About note's place in a layout
+
+
+@dataclass
+class Folded:
+    """A node shown collapsed (its title bar only): the plumbing a user rarely changes."""
+    node: Node
+
+    @property
+    def id(self) -> str:
+        return self.node.id
+
+
+def fold(node: Node) -> Folded:
+    return Folded(node)
+
+
 @dataclass
 class Node:
     id: str
@@ -198,8 +231,18 @@ class Graph:
     description: str = ""
     nodes: list[Node] = field(default_factory=list)
     vae: Node | None = None       # the VAE the sampling chains decode with
-    layout: list[list] = field(default_factory=list)  # UI columns, left to right: nodes top to bottom; a
-                                                      # number in a column moves the next node down to that y
+    layout: list[wl.Box] = field(default_factory=list)   # the groups on the canvas (workflow_layout.place)
+    folded: set[str] = field(default_factory=set)        # ids of the nodes shown collapsed
+
+    @property
+    def title(self) -> str:
+        return TEMPLATE_TITLES.get(self.name, self.name)
+
+    def box(self, title: str | None, kind: str, col: int, *columns: list) -> wl.Box:
+        """A group of the layout: columns of nodes (NOTE: the About note); fold(node) shows a node collapsed."""
+        ids = [[NOTE if item is NOTE else item.id for item in column] for column in columns]
+        self.folded |= {item.node.id for column in columns for item in column if isinstance(item, Folded)}
+        return wl.Box(title, kind, col, ids)
 
     def add(self, class_type: str, *, title: str | None = None, **inputs) -> Node:
         """A node with the given inputs (links are lists [node_id, output_index]); every other widget
@@ -298,8 +341,13 @@ def single_lora(g: Graph, files: dict, *, folder: str, trigger: str, prompt: str
                                                sampler=sampler, prefix=f"kiln/{name}")
     loss = g.add("KilnLossGraph", state=train.out("state"))
     preview = g.add("PreviewImage", images=loss.out("image"))
-    g.layout = [loaders, data, [positive, negative, validation], [options], [train, loss, preview],
-                [save, latent, sampler_node], [decode, image]]
+    g.layout = [g.box("1. Models", "models", 0, loaders),
+                g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
+                g.box("3. Train", "train", 2, [fold(options), train]),
+                g.box("4. Save", "save", 3, [save, fold(loss), preview]),
+                g.box("5. Test", "test", 0, [positive, fold(negative), fold(validation), fold(latent)],
+                      [fold(sampler_node), fold(decode), image]),
+                g.box(None, "", 3, [NOTE])]
     return g
 
 
@@ -370,10 +418,14 @@ in ComfyUI's Klein template.
                                prefix="kiln/chained_step1000", title="KSampler: after 1000 steps")
     save = g.add("KilnSaveLoRA", lora=second.out("lora"), name="kiln/chained_1000",
                  state=second.out("state"))
-    row2 = 520   # the second stage's row
-    g.layout = [loaders, data, [positive, negative, latent], [options],
-                [first, row2, second], [sample_500[0], row2, sample_1000[0]], [sample_500[1], row2, sample_1000[1], save],
-                [sample_500[2], row2, sample_1000[2]]]
+    g.layout = [g.box("1. Models", "models", 0, loaders),
+                g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
+                g.box("3. Train 500, then 1000", "train", 2, [fold(options), first, fold(second)]),
+                g.box(None, "", 2, [NOTE]),
+                g.box("4. Save", "save", 3, [save]),
+                g.box("5. Test", "test", 0, [positive, fold(negative), fold(latent)],
+                      [fold(sample_500[0]), fold(sample_500[1]), fold(sample_1000[0]), fold(sample_1000[1])]),
+                g.box("Samples: 500 and 1000 steps", "test", 3, [sample_500[2], sample_1000[2]])]
     return g
 
 
@@ -401,7 +453,11 @@ the name the Train LoRA node printed (e.g. `zimage_turbo-1a2b3c4d5e`) or an abso
     ema = g.add("KilnApplyEMA", state=run.out("state"))
     save_ema = g.add("KilnSaveLoRA", title="Save EMA LoRA", lora=ema.out("lora"), name="kiln/my_character_ema",
                      state=run.out("state"))
-    g.layout = [loaders, data, [run, options], [train, 450, ema], [save, 450, save_ema]]
+    g.layout = [g.box("1. Models", "models", 0, loaders),
+                g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
+                g.box("3. Train on from the run", "train", 2, [run, fold(options), train]),
+                g.box("4. Save", "save", 3, [save, ema, save_ema]),
+                g.box(None, "", 0, [NOTE])]
     return g
 
 
@@ -436,8 +492,14 @@ def flux2_klein_edit_lora(info: dict) -> Graph:
     save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_edits", state=train.out("state"))
     sampler_node, decode, saved = sample_chain(g, train.out("model"), reference, negative, encoded, steps=4,
                                                sampler="euler", prefix="kiln/my_edits")
-    g.layout = [loaders, data, [image, encoded, positive, negative], [reference, validation, options],
-                [train, save], [sampler_node, decode, saved]]
+    g.layout = [g.box("1. Models", "models", 0, loaders),
+                g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
+                g.box("3. Train", "train", 2, [fold(options), train]),
+                g.box("4. Save", "save", 3, [save]),
+                g.box("5. Test: validation samples", "test", 0, [image, fold(encoded), fold(reference)],
+                      [positive, fold(negative), fold(validation)]),
+                g.box("6. Test the LoRA", "test", 3, [fold(sampler_node), fold(decode), saved]),
+                g.box(None, "", 2, [NOTE])]
     return g
 
 
@@ -558,21 +620,6 @@ def _check_widget(name: str, kind: str, options: dict, value, files_known: bool)
 
 # ------------------------------------------------------------------ API → UI (litegraph) format
 
-SLOT_H, WIDGET_H, MULTILINE_H, TITLE_PAD = 22, 24, 96, 16
-COLUMN_GAP, ROW_GAP = 70, 40
-
-
-def _node_size(class_type: str, info: dict, n_sockets: int, n_outputs: int, widgets: list[tuple]) -> list[int]:
-    long_text = any(kind == "STRING" and options.get("multiline") for _, kind, options in widgets)
-    width = 420 if long_text else 340 if class_type.startswith("Kiln") else 315
-    height = max(n_sockets, n_outputs, 1) * SLOT_H + TITLE_PAD
-    for _, kind, options in widgets:
-        height += MULTILINE_H if kind == "STRING" and options.get("multiline") else WIDGET_H
-    if class_type in ("SaveImage", "PreviewImage"):
-        width, height = 400, 420
-    return [width, height]
-
-
 def _topological(api: dict) -> list[str]:
     done, order = set(), []
 
@@ -598,7 +645,7 @@ def to_ui(graph: Graph) -> dict:
     for nid, node in api.items():
         class_type = node["class_type"]
         definition = info[class_type]
-        sockets, widget_inputs, widgets, values = [], [], [], []
+        sockets, widget_inputs, values, multiline = [], [], [], 0
         for name in ordered_inputs(definition):
             kind, options, optional = input_spec(definition, name)
             value = node["inputs"].get(name)
@@ -607,7 +654,7 @@ def to_ui(graph: Graph) -> dict:
             if is_widget(kind, options):
                 slot["widget"] = {"name": name}
                 widget_inputs.append((slot, value if linked else None))
-                widgets.append((name, kind, options))
+                multiline += bool(kind == "STRING" and options.get("multiline"))
                 values.append(default_value(kind, options) if linked or value is None else value)
                 if has_control_widget(name, kind, options):
                     values.append("fixed")       # seeds stay put: re-queueing a training resumes it
@@ -635,7 +682,8 @@ def to_ui(graph: Graph) -> dict:
         if models:
             properties["models"] = models
         ui_node = {"id": int(nid), "type": class_type, "pos": [0, 0],
-                   "size": _node_size(class_type, info, len(sockets), len(outputs), widgets),
+                   "size": wl.node_size(class_type, len(sockets), len(outputs),
+                                        len(values) + EXTRA_WIDGET_ROWS.get(class_type, 0), multiline),
                    "flags": {}, "order": order[nid], "mode": 0, "inputs": inputs, "outputs": outputs,
                    "properties": properties, "widgets_values": values}
         if graph.nodes[int(nid) - 1].title:
@@ -645,30 +693,23 @@ def to_ui(graph: Graph) -> dict:
         ui_nodes[nid]["outputs"][index]["links"] = ids
         ui_nodes[nid]["outputs"][index]["slot_index"] = index
 
-    # Layout: the graph's columns left to right, each as wide as its widest node, nodes stacked top down.
-    placed = [n.id for column in graph.layout for n in column if isinstance(n, Node)]
-    if sorted(placed) != sorted(api):
-        raise SystemExit(f"{graph.name}: layout must place every node once; placed {placed}, nodes {list(api)}")
-    x = 0.0
-    for column in graph.layout:
-        y = 0.0
-        for item in column:
-            if not isinstance(item, Node):
-                y = max(y, float(item))
-                continue
-            ui_nodes[item.id]["pos"] = [x, y]
-            y += ui_nodes[item.id]["size"][1] + ROW_GAP + 30   # + the title bar
-        x += max(ui_nodes[n.id]["size"][0] for n in column if isinstance(n, Node)) + COLUMN_GAP
     nodes = [ui_nodes[n] for n in api]
     last_id = len(nodes)
     if graph.description:
         last_id += 1
-        nodes.append({"id": last_id, "type": "MarkdownNote", "pos": [-520, 0], "size": [460, 420], "flags": {},
-                      "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "title": "About this workflow",
-                      "properties": {}, "widgets_values": [graph.description], "color": "#432", "bgcolor": "#653"})
+        ui_nodes[NOTE] = {"id": last_id, "type": "MarkdownNote", "pos": [0, 0],
+                          "size": wl.node_size("MarkdownNote", 0, 0, 1, 1),
+                          "flags": {}, "order": len(nodes), "mode": 0, "inputs": [], "outputs": [],
+                          "title": "About this workflow", "properties": {}, "widgets_values": [graph.description],
+                          "color": "#432", "bgcolor": "#653"}
+        nodes.append(ui_nodes[NOTE])
+    try:
+        groups = wl.place(ui_nodes, graph.layout, graph.folded)
+    except ValueError as err:
+        raise SystemExit(f"{graph.name}: {err}") from None
     return {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"kiln-lora/example_workflows/{graph.name}")), "revision": 0,
-            "last_node_id": last_id, "last_link_id": len(links), "nodes": nodes, "links": links, "groups": [],
-            "config": {}, "extra": {"ds": {"scale": 0.65, "offset": [600, 80]}}, "version": 0.4}
+            "last_node_id": last_id, "last_link_id": len(links), "nodes": nodes, "links": links, "groups": groups,
+            "config": {}, "extra": {"ds": wl.view(ui_nodes, groups, graph.folded)}, "version": 0.4}
 
 
 def _models(inputs: dict) -> list[dict]:
@@ -695,8 +736,8 @@ def render(info: dict) -> dict[Path, str]:
         problems = validate(api, info)
         if problems:
             raise SystemExit(f"{graph.name}:\n  " + "\n  ".join(problems))
-        files[EXAMPLES / f"{graph.name}.json"] = json.dumps(to_ui(graph), indent=2, ensure_ascii=False) + "\n"
-        files[EXAMPLES / "api" / f"{graph.name}.json"] = json.dumps(api, indent=2, ensure_ascii=False) + "\n"
+        files[EXAMPLES / f"{graph.title}.json"] = json.dumps(to_ui(graph), indent=2, ensure_ascii=False) + "\n"
+        files[EXAMPLES / "api" / f"{graph.title}.json"] = json.dumps(api, indent=2, ensure_ascii=False) + "\n"
     for make in TEST_GRAPHS:
         graph = make(info)
         api = graph.api()
@@ -717,15 +758,26 @@ def main(argv=None) -> int:
         parser.error("set COMFYUI_PATH (or --comfyui) to a ComfyUI 0.17+ checkout")
     files = render(load_object_info(args.comfyui))
     stale = [p for p, text in files.items() if not p.is_file() or p.read_text(encoding="utf-8") != text]
-    if args.check:
+    # a renamed example leaves its old files behind: the template browser would list them too
+    orphans = sorted({*EXAMPLES.glob("*.json"), *EXAMPLES.glob("api/*.json"), *EXAMPLES.glob("*.jpg")}
+                     - set(files) - {p.with_suffix(".jpg") for p in files if p.parent == EXAMPLES})
+    if args.check:   # the pictures' bytes depend on Pillow and the fonts: only their presence is checked
+        stale += [p.with_suffix(".jpg") for p in files if p.parent == EXAMPLES and not p.with_suffix(".jpg").is_file()]
         for path in stale:
             print(f"stale: {path.relative_to(ROOT)}")
-        return 1 if stale else 0
+        for path in orphans:
+            print(f"not generated (remove it): {path.relative_to(ROOT)}")
+        return 1 if stale or orphans else 0
+    for path in orphans:
+        path.unlink()
+        print(f"removed {path.relative_to(ROOT)}")
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         print(f"{'wrote' if path in stale else 'same '} {path.relative_to(ROOT)}")
-    return 0
+    import make_thumbnails  # the template browser's pictures, drawn from the UI files just written
+
+    return make_thumbnails.main()
 
 
 if __name__ == "__main__":

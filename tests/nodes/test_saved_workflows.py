@@ -13,10 +13,14 @@ Against a real ComfyUI server with the pack:
   3. in ComfyUI's own frontend (headless Chromium), loading each saved workflow puts on every Kiln widget,
      by name, the value it was saved with. Both ComfyUI versions' frontends restore widget values by
      position (V3 input ids are not used for it), which is what 1 protects.
+
+And the example workflows as templates in the frontend's template browser: their titles, pictures and
+groups, and the zoom each opens at (screenshots in runs/test-reports/templates-<ComfyUI version>/).
 """
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -36,7 +40,8 @@ mw = make_workflows()
 
 SHIPPED = json.loads((SAVED / "widget_order.json").read_text(encoding="utf-8"))
 WORKFLOWS = sorted(p for p in SAVED.glob("*.json") if p.name != "widget_order.json")
-AFTER_SHIPPING = {"flux2_klein_edit_lora.json"}   # examples added since the shipped ones: no saved copy to keep
+AFTER_SHIPPING = {"flux2_klein_edit_lora"}   # examples added since the shipped ones: no saved copy to keep
+EXAMPLES = REPO / "example_workflows"
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +68,9 @@ def saved_values(node: dict) -> dict:
 
 
 def test_fixtures_cover_every_shipped_node_and_workflow():
-    assert {p.name for p in WORKFLOWS} | AFTER_SHIPPING == {p.name for p in (REPO / "example_workflows").glob("*.json")}
+    # the examples were renamed to their titles since (the template browser shows the file name)
+    assert {p.stem for p in WORKFLOWS} | AFTER_SHIPPING == set(mw.TEMPLATE_TITLES)
+    assert {f"{title}.json" for title in mw.TEMPLATE_TITLES.values()} == {p.name for p in EXAMPLES.glob("*.json")}
     assert len(SHIPPED) == 11 and len(SHIPPED["KilnTrainingOptions"]) == 35
     assert {node["type"] for path in WORKFLOWS for node in kiln_nodes(path)} >= {
         "KilnLoadDataset", "KilnTrainLoRA", "KilnTrainingOptions", "KilnSaveLoRA", "KilnLoadRun"}
@@ -92,13 +99,7 @@ def test_saved_values_are_accepted_by_the_current_nodes(object_info, path):
 
 def test_the_frontend_loads_saved_workflows_with_the_same_values(server, tmp_path):
     require_browser("loading saved workflows in the frontend")
-    done = subprocess.run([NODE, str(REPO / "tests" / "web" / "load_workflows.mjs"), "--url", server.url,
-                           "--out", str(tmp_path), "--chromium", CHROMIUM, *map(str, WORKFLOWS)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    report = json.loads(lines[-1])
-    assert report["ok"], report.get("error")
+    report = run_browser(server, tmp_path, *map(str, WORKFLOWS))
     for path in WORKFLOWS:
         loaded = {str(node["id"]): node["widgets"] for node in report["files"][path.name]}   # 1.49: string ids
         for node in kiln_nodes(path):
@@ -111,3 +112,70 @@ def test_the_frontend_loads_saved_workflows_with_the_same_values(server, tmp_pat
                 assert shown == value, (path.name, node["type"], slot, shown, value)
     kiln_errors = [e for e in report["console"] if "kiln" in (e["text"] + e["url"]).lower()]
     assert kiln_errors == [] and [e for e in report["pageErrors"] if "kiln" in e.lower()] == []
+
+
+# ---------------------------------------------------------------- the examples in the template browser
+
+def run_browser(server, out: Path, *args: str) -> dict:
+    done = subprocess.run([NODE, str(REPO / "tests" / "web" / "load_workflows.mjs"), "--url", server.url,
+                           "--out", str(out), "--chromium", CHROMIUM, *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    report = json.loads(lines[-1])
+    assert report["ok"], report.get("error")
+    return report
+
+
+def overlaps(a: list[float], b: list[float]) -> bool:
+    return a[0] < b[0] + b[2] and b[0] < a[0] + a[2] and a[1] < b[1] + b[3] and b[1] < a[1] + a[3]
+
+
+def inside(a: list[float], b: list[float]) -> bool:
+    return b[0] <= a[0] and b[1] <= a[1] and a[0] + a[2] <= b[0] + b[2] and a[1] + a[3] <= b[1] + b[3]
+
+
+def test_the_template_browser_shows_each_example_with_its_title_picture_and_groups(server, tmp_path):
+    """Workflow → Browse Templates → kiln, as a user: each example's card has its title (the file name, the
+    only title a custom-node template can have) and its picture (HTTP 200, a JPEG the card decodes, not the
+    placeholder); opened from its card, each has its coloured groups, no node over another or outside its
+    group, and opens at a zoom where text is drawn (≥ 0.75 on a 1400×900 window)."""
+    require_browser("the template browser")
+    report = run_browser(server, tmp_path, "--templates", "kiln")["templates"]
+    shots = REPO / "runs" / "test-reports" / f"templates-{comfy_env.version()}"
+    shutil.rmtree(shots, ignore_errors=True)
+    shutil.copytree(tmp_path, shots, ignore=shutil.ignore_patterns("chromium-profile"))
+    titles = sorted(mw.TEMPLATE_TITLES.values())
+    assert report["names"] == titles
+    for title in titles:
+        card, picture = report["cards"][title], report["pictures"][f"{title}.jpg"]
+        assert card["found"] and card["title"] == title and "_" not in title
+        # 1.41 prints the file name again as the description, '-' and '_' as spaces; 1.49 prints none
+        assert card["description"] in (None, title.replace("-", " "))
+        assert picture["status"] == 200 and picture["type"] == "image/jpeg" and 5_000 < picture["bytes"] < 100_000
+        assert (card["picture"]["width"], card["picture"]["height"]) == (512, 512), card   # ours, decoded
+
+        workflow = json.loads((EXAMPLES / f"{title}.json").read_text(encoding="utf-8"))
+        opened = report["opened"][title]
+        assert opened["tab"] in (title, f"{title}.json")
+        assert [(g["title"], g["color"]) for g in opened["groups"]] == [(g["title"], g["color"])
+                                                                       for g in workflow["groups"]]
+        assert {g["title"].split(" ")[1].rstrip(":") for g in workflow["groups"] if g["title"][0].isdigit()} >= {
+            "Models", "Dataset", "Train", "Save"}
+        assert opened["canvas"] == [1400, 900] and opened["scale"] >= 0.75, (title, opened["scale"])
+    grown = {title: [(n["title"], n["plannedHeight"], n["height"]) for n in opened["nodes"]
+                     if n["type"] == "KilnTrainLoRA" and not n["collapsed"] and n["height"] > n["plannedHeight"] + 100]
+             for title, opened in report["opened"].items()}
+    if any(grown.values()):
+        # The layout leaves Train LoRA one line for its idle dashboard (issue 42: "idle is one line"); a
+        # dashboard that still reserves its old ~540 px grows the node (after the frontend fitted the view)
+        # out of its group and over what is below it.
+        pytest.xfail(f"Train LoRA's idle dashboard is taller than the layout plans: {grown}")
+    for title, opened in report["opened"].items():
+        nodes, groups = opened["nodes"], opened["groups"]
+        clashes = [(a["title"], b["title"]) for i, a in enumerate(nodes) for b in nodes[i + 1:]
+                   if overlaps(a["rect"], b["rect"])]
+        assert clashes == [], title
+        loose = [n["title"] for n in nodes if n["type"] != "MarkdownNote"
+                 and not any(inside(n["rect"], g["rect"]) for g in groups)]
+        assert loose == [], title

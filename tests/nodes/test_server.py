@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -89,9 +90,9 @@ def test_every_kiln_node_is_served_with_tooltips(object_info):
 def test_example_workflows_are_served_as_templates(server):
     templates = server.get("/workflow_templates")
     names = {path.stem for path in EXAMPLES}
-    assert set(templates.get("kiln", [])) == names
+    assert set(templates.get("kiln", [])) == names == set(mw.TEMPLATE_TITLES.values())
     for name in names:
-        served = server.get(f"/api/workflow_templates/kiln/{name}.json")
+        served = server.get(f"/api/workflow_templates/kiln/{urllib.parse.quote(name)}.json")
         assert served == json.loads((REPO / "example_workflows" / f"{name}.json").read_text(encoding="utf-8"))
 
 
@@ -240,6 +241,7 @@ def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
     (with KILN_COMFY_GPU=1 on the GPU, with the workflow's own device and precision).
     Every Kiln node and every link stays as shipped."""
     api, zimage = json.loads(json.dumps(api)), any(n["inputs"].get("type") == "lumina2" for n in api.values())
+    edit = any(n["class_type"] == "LoadImage" for n in api.values())   # the edit workflow's reference image
     for node in api.values():
         kind, inputs = node["class_type"], node["inputs"]
         if kind == "UNETLoader":
@@ -251,7 +253,7 @@ def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
         elif kind == "VAELoader":
             inputs.update(vae_name=TINY_FILES["flux_vae" if zimage else "flux2_vae"])
         elif kind == "KilnLoadDataset":
-            inputs.update(folder=TINY_FILES["edit_dataset" if "edit" in name else "dataset"], resolutions="64")
+            inputs.update(folder=TINY_FILES["edit_dataset" if edit else "dataset"], resolutions="64")
         elif kind == "LoadImage":
             inputs.update(image=TINY_FILES["reference"])
         elif kind == "KilnTrainingOptions":
@@ -295,12 +297,13 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
 
     loras, images = server.base / "models" / "loras" / "kiln_cli", server.base / "output" / "kiln_cli"
     order = ["zimage_turbo_character_lora", "flux2_klein_style_lora", "chained_training", "flux2_klein_edit_lora",
-             "resume_from_run_folder"]
-    assert sorted(order) == sorted(p.stem for p in EXAMPLES)
+             "resume_from_run_folder"]   # the graphs' names; their files are named by their titles
+    assert sorted(order) == sorted(mw.TEMPLATE_TITLES)
     runs: set[Path] = set()
     made: dict[str, set[Path]] = {}
     for name in order:
-        api = json.loads((REPO / "example_workflows" / "api" / f"{name}.json").read_text(encoding="utf-8"))
+        api = json.loads((REPO / "example_workflows" / "api" / f"{mw.TEMPLATE_TITLES[name]}.json")
+                         .read_text(encoding="utf-8"))
         run_folder = None
         if name == "resume_from_run_folder":   # the Z-Image Turbo run the character workflow left
             (character,) = made["zimage_turbo_character_lora"]

@@ -1,13 +1,17 @@
 // Loads saved UI workflows into ComfyUI's real frontend (headless Chromium, playwright-core) and reports
 // what each node's widgets then hold, by name. Run by tests/nodes/test_saved_workflows.py:
 //
-//   node tests/web/load_workflows.mjs --url http://127.0.0.1:PORT --out DIR [--chromium PATH] FILE...
+//   node tests/web/load_workflows.mjs --url http://127.0.0.1:PORT --out DIR [--chromium PATH] [--templates PACK]
+//        FILE...
 //
 // Prints one JSON line: {ok, files: {FILE: [{id, type, widgets: [[name, value], ...]}]}, console, pageErrors}.
+// With --templates PACK, also `templates`: PACK's cards in the template browser and each template as opened
+// from its card (templates.mjs), with screenshots in DIR.
 import fs from "node:fs";
 import path from "node:path";
 import { parseArgs } from "node:util";
 import { openPage } from "./browser.mjs";
+import { browseTemplates } from "./templates.mjs";
 
 
 const { values: options, positionals: files } = parseArgs({
@@ -17,6 +21,7 @@ const { values: options, positionals: files } = parseArgs({
     out: { type: "string" },
     chromium: { type: "string", default: "/usr/bin/chromium" },
     "timeout-s": { type: "string", default: "180" },
+    templates: { type: "string" },
   },
 });
 const timeout = Number(options["timeout-s"]) * 1000;
@@ -51,6 +56,7 @@ try {
       }));
     }, workflow);
   }
+  if (options.templates) report.templates = await browseTemplates(page, { pack: options.templates, out: options.out });
   report.ok = true;
 } catch (error) {
   report.ok = false;
