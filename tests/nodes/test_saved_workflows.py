@@ -166,11 +166,9 @@ def test_the_template_browser_shows_each_example_with_its_title_picture_and_grou
     grown = {title: [(n["title"], n["plannedHeight"], n["height"]) for n in opened["nodes"]
                      if n["type"] == "KilnTrainLoRA" and not n["collapsed"] and n["height"] > n["plannedHeight"] + 100]
              for title, opened in report["opened"].items()}
-    if any(grown.values()):
-        # The layout leaves Train LoRA one line for its idle dashboard (issue 42: "idle is one line"); a
-        # dashboard that still reserves its old ~540 px grows the node (after the frontend fitted the view)
-        # out of its group and over what is below it.
-        pytest.xfail(f"Train LoRA's idle dashboard is taller than the layout plans: {grown}")
+    # The layout leaves Train LoRA one line for its idle dashboard (issue 42: "idle is one line"); a dashboard
+    # that reserved its old ~540 px would grow the node out of its group and over what is below it.
+    assert not any(grown.values()), grown
     for title, opened in report["opened"].items():
         nodes, groups = opened["nodes"], opened["groups"]
         clashes = [(a["title"], b["title"]) for i, a in enumerate(nodes) for b in nodes[i + 1:]
