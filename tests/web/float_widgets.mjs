@@ -144,7 +144,10 @@ async function vueAdvanced(type) {
   await page.waitForTimeout(500);   // one frame painted (screenshot only)
   const before = await element.innerText();
   await page.screenshot({ path: path.join(options.out, `${type}-vue.png`) });
-  await element.getByText(/show advanced/i).first().click();
+  // Near the button's lower edge: 1.41 tucks the footer under the node's body, which takes clicks above that.
+  const button = element.locator("button", { hasText: /show advanced/i }).first();
+  const box = await button.boundingBox();
+  await button.click({ position: { x: box.width / 2, y: box.height - 4 } });
   await page.waitForTimeout(500);
   const after = await element.innerText();
   await page.screenshot({ path: path.join(options.out, `${type}-vue-advanced.png`) });
