@@ -18,7 +18,7 @@ from comfy_api.latest import io, ui
 from PIL import Image
 
 from ..trainer import config as cfg_module
-from ..trainer import launch, paths, run_folders
+from ..trainer import config_layers, launch, paths, run_folders
 from ..trainer import state as state_module
 from ..trainer.archs import ARCHS
 from ..trainer.loop import Report
@@ -37,20 +37,19 @@ def _file_input(name: str, folder: str, tooltip: str, optional: bool = False):
                           tooltip=tooltip)
 
 
-def build_config(arch: str, files: dict, values: dict, preset: str, options: dict | None) -> dict:
-    """preset < Training Options (those off their defaults, with a preset) < this node's widgets."""
-    defaults = cfg_module.TrainConfig().to_dict()
-    merged = {k: v for k, v in (options or {}).items() if preset == "none" or v != defaults.get(k)}
-    merged.update(values, arch=arch)
+def build_config(arch: str, files: dict, values: dict, preset: str, options: dict | None) -> config_layers.Resolved:
+    """preset < option nodes < this node's widgets and files; every value an option node sets wins over the preset."""
+    paths_of = {}
     for name, chosen in files.items():
         folder, key = FILES[name]
         if chosen not in (None, "none"):
-            merged[key] = bridge.model_path(folder, chosen)
+            paths_of[key] = bridge.model_path(folder, chosen)
         elif arch != "demo" and name != "training_adapter":
             raise ValueError(f"{WHERE}: arch {arch!r} trains ComfyUI's model from files; choose {name} "
                              f"(a file in models/{folder}), or arch 'demo' to try it without one")
+    layers = [("options", options or {}), (WHERE, {**values, "arch": arch, **paths_of})]
     try:
-        return cfg_module.from_dict(merged, preset=None if preset == "none" else preset).to_dict()
+        return config_layers.resolve(layers, preset=None if preset == "none" else preset)
     except cfg_module.ConfigError as error:
         raise ValueError(f"{WHERE}: {error}") from None
 
@@ -175,13 +174,15 @@ class KilnTrainLoRATorchrun(io.ComfyNode):
                 widget("rank"),
                 widget("alpha"),
                 io.Combo.Input("preset", options=["none", *cfg_module.PRESETS], default="none",
-                               tooltip="Fills the settings that are neither on this node nor in Training Options"),
+                               tooltip="Fills the settings that neither this node nor a connected option node "
+                                       "sets (README: Presets)"),
                 widget("seed"),
                 io.Int.Input("processes", default=2, min=1, max=64, tooltip="torchrun processes, one per GPU "
                              "(batch_size is per process)"),
                 io.String.Input("gpus", default="", tooltip="GPU indices for the run, e.g. '0,1' "
                                 "(CUDA_VISIBLE_DEVICES); blank: the first `processes` GPUs"),
-                OPTIONS.Input("options", optional=True, tooltip="From Kiln Training Options"),
+                OPTIONS.Input("options", optional=True, tooltip="From Kiln Training Options or a chain of the smaller "
+                              "option nodes; every value they set wins over the preset"),
                 _file_input("training_adapter", "loras", "Z-Image Turbo: the training adapter LoRA", optional=True),
                 io.String.Input("sample_prompts", default="", multiline=True, optional=True,
                                 tooltip="Validation prompts, one per line (ai-toolkit's flags work: 'a cat --w 768 "
@@ -216,14 +217,15 @@ class KilnTrainLoRATorchrun(io.ComfyNode):
             values.update(sample_prompts=prompts, sample_every=sample_every)
         files = {"model_file": model_file, "vae_file": vae_file, "text_encoder_file": text_encoder_file,
                  "training_adapter": training_adapter}
-        config = build_config(arch, files, values, preset, options)
+        resolved = build_config(arch, files, values, preset, options)
+        config = resolved.config.to_dict()
         run_dir = run_folder(config, processes)
         lora_file, summary, blocked = train(config, run_dir, processes, gpus)
         # As Train LoRA's: after a dashboard Stop nothing downstream saves (or loads) the unfinished run.
         lora, folder = (bridge.blocked(), bridge.blocked()) if blocked else (bridge.load_lora_file(lora_file),
                                                                              str(run_dir))
         return io.NodeOutput(lora, folder, outputs_images(run_dir),
-                             ui=ui.PreviewText(f"{summary}\nrun folder: {run_dir}"))
+                             ui=ui.PreviewText(f"{summary}\nrun folder: {run_dir}\n{resolved.report()}"))
 
 
 NODES = [KilnTrainLoRATorchrun]

@@ -6,13 +6,14 @@ from pathlib import Path
 from comfy_api.latest import io, ui
 
 from ..trainer import config as cfg_module
+from ..trainer import config_layers
 from ..trainer import init_lora as init_module
-from ..trainer import paths
 from ..trainer.archs import ARCHS
 
 from . import live, run, validation_chain
 from .comfy import bridge
-from .widgets import CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, checked, from_widget, parse_list, widget
+from .widgets import (CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, checked, from_widget, parse_list,
+                      run_name_check, widget)
 
 TRAIN_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "optimizer", "backend", "seed")
 DATASET_FIELDS = ("dataset_dir", "resolutions", "repeats", "caption_dropout", "trigger_word", "caption_prefix",
@@ -46,25 +47,31 @@ OPTION_FIELDS = tuple([name for name in _PINNED if name in _OPTION_NAMES]
 LIST_FIELDS = {"targets": str}
 
 
+def option_values(values: dict) -> dict:
+    """An option node's widget values as the config takes them (lists parsed, the auto widgets' words)."""
+    lists = {name: parse_list(values[name], kind) for name, kind in LIST_FIELDS.items() if name in values}
+    return {name: from_widget(name, value) for name, value in {**values, **lists}.items()}
+
+
 class KilnTrainingOptions(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
             node_id="KilnTrainingOptions", display_name="Kiln Training Options", category=f"{CATEGORY}/train",
-            description="Every other training setting. When connected, these values win over the preset.",
+            description="Every other training setting (experts' ones under the node's Show advanced). When "
+                        "connected, all these values win over the preset; the smaller option nodes (Kiln/train/"
+                        "options) set only their own.",
             inputs=[widget(name) for name in OPTION_FIELDS],
             outputs=[OPTIONS.Output(display_name="options", tooltip="Plug into Kiln Train LoRA")],
         )
 
     @classmethod
     def validate_inputs(cls, run_name=None):
-        return checked(lambda name: name and paths.check_name(name, "Kiln Training Options: run_name"), run_name)
+        return run_name_check(run_name)
 
     @classmethod
     def execute(cls, **values):
-        for name, kind in LIST_FIELDS.items():
-            values[name] = parse_list(values.get(name, ""), kind)
-        return io.NodeOutput({name: from_widget(name, value) for name, value in values.items()})
+        return io.NodeOutput(option_values(values))
 
 
 class KilnValidationSettings(io.ComfyNode):
@@ -109,23 +116,22 @@ class KilnValidationSettings(io.ComfyNode):
 MODEL_FAMILIES = [arch.name for arch in ARCHS.values() if arch.comfy is not None]
 
 
-def build_config(model, dataset, widgets: dict, preset: str, options: dict | None, adapter: bool):
-    """preset < Training Options < this node's widgets; the dataset's own settings; the detected arch.
+def build_config(model, dataset, widgets: dict, preset: str, options: dict | None,
+                 adapter: bool) -> config_layers.Resolved:
+    """preset < option nodes < this node's widgets < the dataset's own settings < the detected arch.
 
-    With a preset, an Options value left at its default keeps the preset's value (connecting Options
-    just to turn on EMA must not undo the preset's loss weighting)."""
+    Every value a connected option node sets wins over the preset, at its default or not: connect only the
+    option nodes whose settings you mean to set (Kiln EMA & Held-out alone keeps the preset's loss weighting)."""
     arch = bridge.detect_arch(model, adapter=adapter)  # with a training adapter: Z-Image Turbo
     s = dataset.settings
-    defaults = cfg_module.TrainConfig().to_dict()
-    values = {k: v for k, v in (options or {}).items() if preset == "none" or v != defaults.get(k)}
-    values.update(widgets)
-    values.update(arch=arch, resolutions=list(s.resolutions), repeats=s.repeats, caption_dropout=s.caption_dropout,
-                  trigger_word=s.captions.trigger_word, dataset_dir=dataset.report.root,
-                  preservation_class=dataset.preservation_class)
+    data = dict(resolutions=list(s.resolutions), repeats=s.repeats, caption_dropout=s.caption_dropout,
+                trigger_word=s.captions.trigger_word, dataset_dir=dataset.report.root,
+                preservation_class=dataset.preservation_class)
     reg = dataset.regularisation
     if reg is not None:
-        values.update(reg_dataset_dir=reg.report.root, reg_repeats=reg.settings.repeats)
-    return cfg_module.from_dict(values, preset=None if preset == "none" else preset)
+        data.update(reg_dataset_dir=reg.report.root, reg_repeats=reg.settings.repeats)
+    layers = [("options", options or {}), ("Train LoRA", widgets), ("dataset", data), ("model", {"arch": arch})]
+    return config_layers.resolve(layers, preset=None if preset == "none" else preset)
 
 
 def start_from(cfg, lora_model, file_name: str, resume):
@@ -184,10 +190,12 @@ class KilnTrainLoRA(io.ComfyNode):
                 widget("alpha"),
                 widget("optimizer"),
                 io.Combo.Input("preset", options=["none", *cfg_module.PRESETS], default="none",
-                               tooltip="Fills the settings that are neither on this node nor in Training Options"),
+                               tooltip="Fills the settings that neither this node nor a connected option node "
+                                       "sets (README: Presets)"),
                 widget("backend"),
                 widget("seed"),
-                OPTIONS.Input("options", optional=True, tooltip="From Kiln Training Options"),
+                OPTIONS.Input("options", optional=True, tooltip="From Kiln Training Options or a chain of the smaller "
+                              "option nodes; every value they set wins over the preset"),
                 io.Combo.Input("training_adapter", options=["none", *bridge.lora_names()], default="none",
                                optional=True, tooltip="Z-Image Turbo: the training adapter LoRA, merged at +1 for "
                                "training, removed for samples, never saved"),
@@ -233,14 +241,15 @@ class KilnTrainLoRA(io.ComfyNode):
         if adapter is not None:
             bridge.require_fit(model, adapter, f"Kiln Train LoRA: training_adapter {training_adapter!r}")
         dataset = dataset.with_regularisation(reg_dataset)
-        cfg = build_config(model, dataset, widgets, preset, options, adapter is not None)
-        cfg, init = start_from(cfg, init_lora, init_lora_file, resume)
+        resolved = build_config(model, dataset, widgets, preset, options, adapter is not None)
+        cfg, init = start_from(resolved.config, init_lora, init_lora_file, resume)
+        resolved = resolved.then(cfg, "init LoRA" if init is not None else "resumed run")
         outcome = run.execute(cfg, model, dataset, adapter=adapter, resume_state=resume, validation=validation,
                               output_root=Path(bridge.folders()["output"]) / "kiln", init=init)
         state = outcome.state
         images = bridge.cat_images(outcome.samples) if outcome.samples else run.loss_image(state)
         return io.NodeOutput(*trained_outputs(model, outcome), bridge.loss_map(state.history.loss), images,
-                             ui=ui.PreviewText(outcome.message))
+                             ui=ui.PreviewText(f"{outcome.message}\n{resolved.report()}"))
 
 
 class KilnLoadRun(io.ComfyNode):

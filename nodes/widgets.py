@@ -7,11 +7,14 @@ its default from `TrainConfig`, its tooltip from that field's help text
 from __future__ import annotations
 
 import dataclasses
+import decimal
+import inspect
 import re
 
 from comfy_api.latest import io
 
 from ..trainer import config as cfg_module
+from ..trainer import paths
 
 DATASET = io.Custom("KILN_DATASET")
 STATE = io.Custom("KILN_STATE")
@@ -20,6 +23,9 @@ VALIDATION = io.Custom("KILN_VALIDATION")
 
 CATEGORY = "Kiln"
 _DEFAULTS = cfg_module.TrainConfig()
+# ComfyUI's io hides `advanced` inputs behind the node's "Show advanced" (frontends 1.41 and 1.49 honour it);
+# an io without the argument shows every input.
+HAS_ADVANCED = "advanced" in inspect.signature(io.Boolean.Input.__init__).parameters
 
 
 # config.py's "auto" settings as the widget types saved workflows hold for them (a boolean, a number):
@@ -48,6 +54,21 @@ def from_widget(name: str, value):
     return value
 
 
+def decimals(value: float) -> int:
+    """Decimals of a number's shortest decimal form: 1e-4 → 4, 0.999 → 3, 32.0 → 0."""
+    return max(0, -decimal.Decimal(repr(float(value))).normalize().as_tuple().exponent)
+
+
+def float_step(name: str, value: float, low: float | None, high: float | None) -> float:
+    """A float widget's step. ComfyUI's frontends (1.41, 1.49) show a FLOAT with as many decimals as its step
+    has, move it by one step per arrow click and round a typed value to that step, so the step is as fine as
+    the default, the bounds and the setting's declared step are: each shows exactly, and no value the trainer
+    takes between them is rounded away (adam_eps 1e-12..1e-3: 12 decimals)."""
+    numbers = [value, *(bound for bound in (low, high) if bound is not None)]
+    digits = max(2, *map(decimals, numbers), decimals(cfg_module.STEPS.get(name, 1.0)))
+    return float(f"1e-{digits}")
+
+
 def widget(name: str, *, default=None, tooltip_text: str | None = None, optional: bool = False,
            display_name: str | None = None):
     """The widget for TrainConfig field `name`: bounds, choices, default and tooltip from config.py."""
@@ -56,6 +77,8 @@ def widget(name: str, *, default=None, tooltip_text: str | None = None, optional
     if name in AUTO_WIDGETS and value == cfg_module.AUTO:
         value, tooltip_text = AUTO_WIDGETS[name][0], tooltip_text or AUTO_WIDGETS[name][1]
     common = dict(tooltip=tooltip_text or cfg_module.HELP[name], optional=optional, display_name=display_name)
+    if HAS_ADVANCED and name in cfg_module.ADVANCED:
+        common["advanced"] = True
     if name in TRISTATE:
         words = {config_value: word for word, config_value in TRISTATE[name].items()}
         return io.Combo.Input(name, options=list(TRISTATE[name]), default=words[value], **common)
@@ -72,8 +95,9 @@ def widget(name: str, *, default=None, tooltip_text: str | None = None, optional
         return io.Int.Input(name, default=value, min=int(low) if low is not None else None,
                             max=int(high) if high is not None else None, **fixed, **common)
     if field.type in ("float", float):
-        step = 1e-6 if name == "learning_rate" else 0.01 if high is not None and high <= 10 else 0.1
-        return io.Float.Input(name, default=value, min=low, max=high, step=step, round=False, **common)
+        # No `round`: the frontends round to the step's decimals whatever it says (round=False included).
+        return io.Float.Input(name, default=value, min=low, max=high, step=float_step(name, value, low, high),
+                              **common)
     if field.type in ("list[int]", "list[str]"):
         return io.String.Input(name, default=", ".join(str(v) for v in value), **common)
     return io.String.Input(name, default=value, **common)
@@ -99,3 +123,8 @@ def checked(check, value) -> bool | str:
     except ValueError as error:
         return str(error)
     return True
+
+
+def run_name_check(run_name=None) -> bool | str:
+    """validate_inputs of every node with a run_name widget (Training Options, Saving & Logging)."""
+    return checked(lambda name: name and paths.check_name(name, "Kiln Training Options: run_name"), run_name)

@@ -24,6 +24,7 @@ pack = comfy_env.import_pack("nodes.extension")
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 dn = comfy_env.import_pack("nodes.dataset_nodes")
 tn = comfy_env.import_pack("nodes.train_nodes")
+on = comfy_env.import_pack("nodes.option_nodes")
 ln = comfy_env.import_pack("nodes.lora_nodes")
 run = comfy_env.import_pack("nodes.run")
 safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
@@ -89,7 +90,8 @@ def test_every_node_is_registered():
                    "KilnTrainingOptions",
                    "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
                    "KilnInvertAdapter", "KilnLossGraph", "KilnMergeLoRAs", "KilnResizeLoRA", "KilnExtractLoRA",
-                   "KilnConvertLoRA", "KilnTrainLoRATorchrun"}
+                   "KilnConvertLoRA", "KilnTrainLoRATorchrun", "KilnOptimizerOptions", "KilnNoiseLossOptions",
+                   "KilnEMAHoldoutOptions", "KilnAdapterOptions", "KilnSpeedMemoryOptions", "KilnSavingLoggingOptions"}
     for node in pack.NODES:
         schema = node.define_schema()
         assert schema.category.startswith("Kiln")
@@ -223,19 +225,89 @@ def test_validation_samples_and_adapter_never_saved(comfy_dirs):
     assert metadata["modelspec.trigger_phrase"] == "kiln"
 
 
-def test_options_left_at_defaults_keep_the_preset(comfy_dirs, tmp_path_factory):
+def option_node(node_id: str):
+    return next(node for node in on.NODES if node.define_schema().node_id == node_id)
+
+
+def widget_defaults(node) -> dict:
+    return {i.id: i.default for i in node.define_schema().inputs if i.id != "options"}
+
+
+def test_a_value_set_on_a_connected_option_node_wins_over_the_preset(comfy_dirs, tmp_path_factory):
+    """No hidden rule: Training Options connected sets every value it holds, its defaults too (loss_weighting
+    none under preset character trains none); a smaller option node sets only its own, so Kiln EMA & Held-out
+    alone keeps the preset's bell. Where each setting came from is in the resolution's lines."""
     model = tc.tiny_flux2(tmp_path_factory.mktemp("p"))
     folder = make_dataset(comfy_dirs / "input" / "ds_preset")
     ds = out(dn.KilnLoadDataset.execute(str(folder), "kiln", "", "", "64", 1, 0.0))
-    options = out(tn.KilnTrainingOptions.execute(**{name: tn.cfg_module.TrainConfig().to_dict()[name]
-                                                     for name in tn.OPTION_FIELDS if name != "targets"},
-                                                  targets=""))
-    options["ema"] = True
     widgets = dict(steps=50, learning_rate=1e-4, rank=8, alpha=8.0, optimizer="adamw", backend="torch", seed=3)
-    cfg = tn.build_config(model, ds, widgets, "character", options, adapter=False)
-    assert cfg.ema is True and cfg.loss_weighting == "bell" and cfg.steps == 50 and cfg.arch == "flux2_klein"
-    plain = tn.build_config(model, ds, widgets, "none", options, adapter=False)
+    everything = out(tn.KilnTrainingOptions.execute(**widget_defaults(tn.KilnTrainingOptions)))
+    assert everything["loss_weighting"] == "none"
+    cfg = tn.build_config(model, ds, widgets, "character", everything, adapter=False).config
+    assert cfg.loss_weighting == "none" and cfg.weight_decay == 1e-4 and cfg.steps == 50 and cfg.arch == "flux2_klein"
+    ema = option_node("KilnEMAHoldoutOptions")
+    ema_on = out(ema.execute(**{**widget_defaults(ema), "ema": True}))
+    resolved = tn.build_config(model, ds, widgets, "character", ema_on, adapter=False)
+    assert resolved.config.ema is True and resolved.config.loss_weighting == "bell"
+    lines = resolved.lines()
+    assert {"ema = True (options)", "loss_weighting = bell (preset character)", "arch = flux2_klein (model)",
+            "steps = 50 (Train LoRA; preset character: 3000)", "trigger_word = kiln (dataset)",
+            "resolutions = [64] (dataset; preset character: [512, 768, 1024])"} <= set(lines), lines
+    plain = tn.build_config(model, ds, widgets, "none", everything, adapter=False).config
     assert plain.loss_weighting == "none" and plain.resolutions == [64]
+
+
+def test_option_nodes_chain_and_the_node_nearer_train_lora_wins():
+    optimizer, noise = option_node("KilnOptimizerOptions"), option_node("KilnNoiseLossOptions")
+    first = out(tn.KilnTrainingOptions.execute(**{**widget_defaults(tn.KilnTrainingOptions), "loss_weighting": "bell",
+                                                  "weight_decay": 0.01}))
+    second = out(optimizer.execute(options=first, **{**widget_defaults(optimizer), "weight_decay": 0.05}))
+    assert second["weight_decay"] == 0.05 and second["loss_weighting"] == "bell" and second.keys() == first.keys()
+    third = out(noise.execute(options=second, **{**widget_defaults(noise), "loss_weighting": "none"}))
+    assert third["loss_weighting"] == "none" and third["weight_decay"] == 0.05
+    alone = out(noise.execute(**widget_defaults(noise)))            # unchained: its own group's settings only
+    assert list(alone) == list(on.group_fields("objective")) and alone["content_or_style"] == "balanced"
+    adapter = option_node("KilnAdapterOptions")
+    assert out(adapter.execute(**{**widget_defaults(adapter), "targets": "a.b, c"}))["targets"] == ["a.b", "c"]
+    speed = option_node("KilnSpeedMemoryOptions")
+    assert out(speed.execute(**widget_defaults(speed)))["compile_blocks"] == "auto"
+
+
+def test_option_nodes_split_training_options_by_group_with_the_same_widgets():
+    """Every Training Options setting is on exactly one smaller node, grouped as config.py declares, with the
+    same widget (bounds, step, default, tooltip, advanced); the shipped order of each node leads it."""
+    full = {i.id: i.as_dict() for i in tn.KilnTrainingOptions.define_schema().inputs}
+    seen = []
+    for node in on.NODES:
+        schema = node.define_schema()
+        chain, *widgets = schema.inputs
+        assert chain.id == "options" and chain.optional and schema.category == "Kiln/train/options"
+        assert "wins over" in schema.description and schema.outputs[0].io_type == "KILN_TRAIN_OPTIONS"
+        groups = {tn.cfg_module.GROUP[w.id] for w in widgets}
+        assert len(groups) == 1, (schema.node_id, groups)
+        group = groups.pop()
+        assert [w.id for w in widgets] == list(on.group_fields(group))
+        assert list(on.group_fields(group)[:len(on.SHIPPED_GROUP_ORDER[group])]) == list(on.SHIPPED_GROUP_ORDER[group])
+        assert all(w.as_dict() == full[w.id] for w in widgets)
+        seen += [w.id for w in widgets]
+    assert sorted(seen) == sorted(tn.OPTION_FIELDS) and len(seen) == len(set(seen))
+    hidden = {name for name, spec in full.items() if spec.get("advanced")}
+    assert hidden == set(tn.OPTION_FIELDS) & tn.cfg_module.ADVANCED and {"adam_eps", "cuda_graphs"} <= hidden
+
+
+def test_train_lora_reports_the_resolved_settings(comfy_dirs, tmp_path_factory):
+    model = tc.tiny_flux2(tmp_path_factory.mktemp("rep"))
+    ds = encoded_dataset(comfy_dirs, tc.tiny_vae(flux2=True), tc.tiny_klein_clip(), "ds_report")
+    options = {"device": "cpu", "mixed_precision": "no", "checkpoint_every": 0, "ema": True, "run_name": "report"}
+    result = tn.KilnTrainLoRA.execute(model, ds, steps=2, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw",
+                                      preset="character", backend="torch", seed=1, options=options)
+    text = "".join(result.ui.as_dict()["text"])
+    assert "settings (defaults < preset character < options < Train LoRA < dataset < model; later wins):" in text
+    for line in ("loss_weighting = bell (preset character)", "ema = True (options)", "run_name = report (options)",
+                 "steps = 2 (Train LoRA; preset character: 3000)", "rank = 4 (Train LoRA; preset character: 32)",
+                 "mixed_precision = no (options; preset character: bf16)", "trigger_word = kiln (dataset)"):
+        assert f"  {line}\n" in text + "\n", (line, text)
+    assert result.result[2].config["loss_weighting"] == "bell"
 
 
 def test_training_options_default_to_the_auto_levers_and_keep_saved_values():

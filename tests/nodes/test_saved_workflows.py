@@ -37,6 +37,9 @@ COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fai
 from comfy_server import CHROMIUM, NODE, make_workflows, require_browser, running, tiny_base  # noqa: E402
 
 mw = make_workflows()
+tn = comfy_env.import_pack("nodes.train_nodes")
+config = comfy_env.import_pack("trainer.config")
+config_layers = comfy_env.import_pack("trainer.config_layers")
 
 SHIPPED = json.loads((SAVED / "widget_order.json").read_text(encoding="utf-8"))
 WORKFLOWS = sorted(p for p in SAVED.glob("*.json") if p.name != "widget_order.json")
@@ -95,6 +98,28 @@ def test_saved_values_are_accepted_by_the_current_nodes(object_info, path):
             kind, options, _ = mw.input_spec(info, name)
             problems += [f"{node['type']}.{name}: {p}" for p in mw._check_widget(name, kind, options, value, False)]
     assert problems == []
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_saved_workflows_train_the_config_they_trained_before(path):
+    """The preset rule is explicit now (every value of a connected Training Options wins over the preset; 0.1.0
+    let the preset win over an Options value left at its default). The shipped workflows hold their preset's
+    values in Options, so each Train LoRA resolves to the config the old rule gave it."""
+    graph = json.loads(path.read_text(encoding="utf-8"))
+    nodes = {node["id"]: node for node in kiln_nodes(path)}
+    defaults = config.TrainConfig().to_dict()
+    trains = [node for node in nodes.values() if node["type"] == "KilnTrainLoRA"]
+    assert trains
+    for train in trains:
+        values = saved_values(train)
+        widgets = {name: values[name] for name in tn.TRAIN_WIDGETS}
+        sources = [link[1] for link in graph["links"] if link[3] == train["id"] and link[5] == "KILN_TRAIN_OPTIONS"]
+        assert len(sources) == 1 and nodes[sources[0]]["type"] == "KilnTrainingOptions", sources
+        options = tn.option_values({name: value for name, value in saved_values(nodes[sources[0]]).items()})
+        now = config_layers.resolve([("options", options), ("Train LoRA", widgets)], preset=values["preset"]).config
+        before = config.from_dict({**{k: v for k, v in options.items() if v != defaults[k]}, **widgets},
+                                  preset=values["preset"])
+        assert values["preset"] != "none" and now == before, path.name
 
 
 def test_the_frontend_loads_saved_workflows_with_the_same_values(server, tmp_path):

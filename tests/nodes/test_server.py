@@ -50,7 +50,8 @@ EXAMPLES = sorted((REPO / "example_workflows" / "api").glob("*.json"))
 KILN_NODES = {"KilnCaptionImages", "KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
               "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
               "KilnInvertAdapter", "KilnLossGraph", "KilnMergeLoRAs", "KilnResizeLoRA", "KilnExtractLoRA",
-              "KilnConvertLoRA", "KilnTrainLoRATorchrun"}
+              "KilnConvertLoRA", "KilnTrainLoRATorchrun", "KilnOptimizerOptions", "KilnNoiseLossOptions",
+              "KilnEMAHoldoutOptions", "KilnAdapterOptions", "KilnSpeedMemoryOptions", "KilnSavingLoggingOptions"}
 
 
 @pytest.fixture(scope="module")
