@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainer import config, config_file
+from trainer import config as config
 from trainer.archs import ARCHS
 from trainer.config import ConfigError, from_dict
-from trainer.samples import SamplePrompt, sample_path, sample_plan, save_sample
+from trainer.config import files as config_file
+from trainer.samples.plan import SamplePrompt, sample_path, sample_plan, save_sample
 
 
 def turbo(**values):
