@@ -190,9 +190,9 @@ def test_an_arch_without_layout_names_the_fix():
 
 
 def test_the_two_estimates_share_a_module_and_import_neither_other():
-    code = ("import sys, trainer.estimate.torch_step.mlx_step; assert 'trainer.estimate.torch_step' not in sys.modules; "
-            "del sys.modules['trainer.estimate.torch_step.mlx_step']; import trainer.estimate.torch_step; "
-            "assert 'trainer.estimate.torch_step.mlx_step' not in sys.modules")
+    code = ("import sys, trainer.estimate.mlx_step; assert 'trainer.estimate.torch_step' not in sys.modules; "
+            "del sys.modules['trainer.estimate.mlx_step']; import trainer.estimate.torch_step; "
+            "assert 'trainer.estimate.mlx_step' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

@@ -1,7 +1,7 @@
 """The MLX Z-Image port against ComfyUI's NextDiT, through goldens (no ComfyUI or torch needed here).
 
 tests/goldens/zimage*.safetensors hold inputs and ComfyUI's output for the tiny Z-Image of
-`trainer.demo.run.tiny_weights.zimage_weights(seed)`; scripts/make_goldens.py writes them (`zimage`,
+`trainer.demo.tiny_weights.zimage_weights(seed)`; scripts/make_goldens.py writes them (`zimage`,
 `zimage_short_caption`), calling ComfyUI's model as nodes/comfy/ does.
 """
 from __future__ import annotations

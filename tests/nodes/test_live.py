@@ -217,7 +217,7 @@ def test_chained_validation_settings_sample_each_prompt_in_a_grid_column_headed_
     column per prompt, headed by the text of the CLIP Text Encode behind each `positive` (found through the
     queued prompt, through a Flux Guidance node for the second)."""
     io = comfy_env.import_pack("nodes.train_nodes").io
-    sample_grid = comfy_env.import_pack("trainer.samples.plan.grid")
+    sample_grid = comfy_env.import_pack("trainer.samples.grid")
     model, vae, clip = tc.tiny_flux2(comfy_dirs), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
     ds = encoded_dataset(comfy_dirs, vae, clip)
     queued = {   # the API-format prompt ComfyUI hands the nodes (hidden PROMPT), as the frontend sends it

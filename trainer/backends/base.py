@@ -28,7 +28,7 @@ class Batch:
     context: np.ndarray           # already arch-padded, caption dropout applied
     extras: dict[str, Any] = field(default_factory=dict)  # arch model_extras (guidance, num_tokens)
     items: list[str] = field(default_factory=list)        # the global batch's image names (every rank), for messages
-    preservation: Any = None      # trainer.objective.flow.preservation.Preservation: DOP's class-word rows, None when off
+    preservation: Any = None      # trainer.objective.preservation.Preservation: DOP's class-word rows, None when off
     mask: np.ndarray | None = None  # [B,1,H,W] float32 per-cell loss weights (masked training), None: all 1
 
 

@@ -233,5 +233,5 @@ def demo_weights(seed: int = 0, **sizes) -> dict[str, np.ndarray]:
 
 
 def demo_model(seed: int = 0, dtype="float32", **sizes) -> TinyFlux:
-    """The MLX twin of trainer.demo.run.tiny_dit.build_tiny_flux(seed, **sizes): same weights, no torch needed."""
+    """The MLX twin of trainer.demo.tiny_dit.build_tiny_flux(seed, **sizes): same weights, no torch needed."""
     return build("demo", demo_weights(seed, **sizes), dtype, heads=sizes.get("heads", 4))
