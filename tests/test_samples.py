@@ -116,11 +116,12 @@ def test_samples_are_named_by_step_and_prompt_and_carry_their_settings(tmp_path)
 
 
 def test_the_readmes_config_examples_load():
-    """The README's TOML examples are valid configs (the [[sample_prompts]] one under a Z-Image Turbo run)."""
+    """The manual's TOML examples are valid configs (the [[sample_prompts]] one under a Z-Image Turbo run)."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    root = Path(__file__).parent.parent
+    readme = "\n".join(p.read_text(encoding="utf-8") for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
     blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
     assert any("sample_prompts" in b for b in blocks) and any("[[sample_prompts]]" in b for b in blocks)
     for block in blocks:

@@ -42,7 +42,7 @@ from .console import (
     STOP_FILE,
 )
 
-PACK_ROOT = Path(__file__).resolve().parents[1]
+PACK_ROOT = Path(__file__).resolve().parents[2]   # trainer/cli/launch.py → the pack root
 CONFIG_NAME = "launch.toml"
 STOP_WAIT_S = 120.0   # after stop(): how long the ranks may take to finish their step and save
 
