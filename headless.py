@@ -18,8 +18,8 @@ the first step, every sample_every steps and at the end; each is saved into <run
 Under torchrun (`torchrun --nproc_per_node N -m trainer train CONFIG`) every rank loads the diffusion
 model on its own GPU; rank 0 alone loads the VAE and text encoder, encodes the dataset into its caches
 (the other ranks then read them, under rank 0's encoder identities), samples (the others wait at a host
-barrier), writes and prints (trainer/distributed.py). With KILN_PROGRESS_JSON=1 each sample written is
-also named on a `KILN_SAMPLE {json}` line (trainer/launch.py reads it).
+barrier), writes and prints (trainer/run/distributed.py). With KILN_PROGRESS_JSON=1 each sample written is
+also named on a `KILN_SAMPLE {json}` line (trainer/cli/launch.py reads it).
 """
 from __future__ import annotations
 
@@ -27,15 +27,15 @@ import functools
 import time
 
 from .nodes.comfy import loaders as comfy_loaders
-from .trainer import config_file
-from .trainer import distributed, init_lora
 from .trainer.archs import get_arch
-from .trainer.console import SAMPLE_TAG, emit, finish, run_loop
+from .trainer.cli.console import SAMPLE_TAG, emit, finish, run_loop
+from .trainer.config import files as config_file
 from .trainer.data.dataset import DataSettings
+from .trainer.objective.preservation import encoded_datasets
 from .trainer.paths import inside
-from .trainer.preservation import encoded_datasets
-from .trainer.sample_grid import SampleGrid
-from .trainer.samples import describe, sample_path, sample_plan, save_sample
+from .trainer.run import distributed, init_lora
+from .trainer.samples.grid import SampleGrid
+from .trainer.samples.plan import describe, sample_path, sample_plan, save_sample
 
 
 def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_models) -> int:

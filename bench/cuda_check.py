@@ -17,10 +17,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import config, safetensors_io  # noqa: E402
+from trainer import config as config  # noqa: E402
+from trainer import safetensors_io
 from trainer.data import InMemoryData  # noqa: E402
-from trainer.loop import train  # noqa: E402
-from trainer.tiny_dit import build_tiny_flux  # noqa: E402
+from trainer.demo.tiny_dit import build_tiny_flux  # noqa: E402
+from trainer.run.loop import train  # noqa: E402
 
 
 def data(count=16, size=32):

@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import append  # noqa: E402
 from scan_bench import photo_like  # noqa: E402
+
 from trainer.data import prefetch  # noqa: E402
-from trainer.data.dataset import DataSettings, Dataset  # noqa: E402
+from trainer.data.dataset import Dataset, DataSettings  # noqa: E402
 
 SHAPES = [(4032, 3024), (3024, 4032), (4000, 3000), (3000, 4000), (4032, 2268), (2268, 4032), (3024, 3024)]
 

@@ -35,7 +35,7 @@ Inputs (synthetic "cached" latents and text embeddings, N(0,1) float32, seeded, 
               estimator's upper bound). Every image has its own caption embedding, all of length L.
 
 Kiln (what is timed). The Train LoRA node's own path: bridge.trainable(model) ->
-bridge.training_session(model, "auto") -> trainer.loop.train(cfg, module, data,
+bridge.training_session(model, "auto") -> trainer.run.loop.train(cfg, module, data,
 forward=bridge.make_forward(model, arch)) with the data as MappedLatents(InMemoryData, latents_in),
 exactly as nodes/run.py builds it. Config: rank 32, alpha 32, the arch's default targets (or
 `all` = every Linear, 're:.*'), AdamW (fused on CUDA), bf16 autocast with fp32 LoRA weights,
@@ -109,9 +109,9 @@ import itertools
 import json
 import logging
 import math
-import re
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -129,11 +129,11 @@ for _folder in (ROOT, ROOT / "tests", ROOT / "bench"):
         sys.path.insert(0, str(_folder))
 
 import torch  # noqa: E402
-
 from step_profile import StepProfiler  # noqa: E402
+
 from trainer.archs import flux2, get_arch, zimage  # noqa: E402
 from trainer.archs.layout import ModelDims  # noqa: E402
-from trainer.estimate_common import VARIANTS  # noqa: E402
+from trainer.estimate.common import VARIANTS  # noqa: E402
 
 GIB = 2 ** 30
 ARCH_VARIANTS = {"zimage": "zimage", "klein4b": "flux2-klein-4b", "klein9b": "flux2-klein-9b", "dev": "flux2-dev"}
@@ -898,7 +898,7 @@ def _list(text: str, kind=str) -> list:
 
 
 def plan_rows(args) -> list[Row]:
-    """The rows to time; --adapter repeats each for every adapter kind (trainer/adapters.py)."""
+    """The rows to time; --adapter repeats each for every adapter kind (trainer/lora/adapters.py)."""
     kinds = _list(args.adapter)
     return [Row(r.arch, r.resolution, r.batch, r.checkpointing, r.targets,
                 {**r.settings, **({"adapter": kind} if kind != "lora" else {})}) for r in _rows(args) for kind in kinds]
@@ -1017,7 +1017,7 @@ def main(argv=None) -> int:
     import comfy.model_management as mm
 
     pack = {"bridge": prepare.import_pack("nodes.comfy.bridge"), "config": prepare.import_pack("trainer.config"),
-            "loop": prepare.import_pack("trainer.loop"), "data": prepare.import_pack("trainer.data"),
+            "loop": prepare.import_pack("trainer.run.loop"), "data": prepare.import_pack("trainer.data"),
             "checkpointing": prepare.import_pack("trainer.backends.torch_backend.checkpointing"),
             "attention": prepare.import_pack("trainer.backends.torch_backend.attention")}
     archs_module = prepare.import_pack("trainer.archs")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The several-GPU launcher (trainer/launch.py, what Kiln Train LoRA (several GPUs) runs) on real GPUs:
+"""The several-GPU launcher (trainer/cli/launch.py, what Kiln Train LoRA (several GPUs) runs) on real GPUs:
 `processes` ranks of `torchrun -m trainer train` on the demo arch in CUDA, a stop request at step
 `--stop-at` (the stop file: every rank checkpoints the same step and exits 0), then a resume to the end.
 Prints one JSON line: what each phase returned and how long it took.
@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer import launch
-from trainer.demo import make_dataset
+from trainer.cli import launch
+from trainer.demo.run import make_dataset
 
 
 def main() -> int:

@@ -5,7 +5,7 @@
                                           # Z-Image ports on this machine vs the estimate (~6 min on 2 cores)
     python bench/mlx_memory.py --measure-edit  # the small Flux2 with 0, 1, 2 reference images (edit training)
 
-The table is trainer/estimate_mlx.py's (the `estimate --backend mlx` command prints the same rows).
+The table is trainer/estimate/mlx_step.py's (the `estimate --backend mlx` command prints the same rows).
 --measure runs each case in its own process (MLX keeps compiled graphs and buffers across runs in
 one process): hidden 256 (2 heads of 128), rank 32 on the default targets, AdamW, 64 text tokens,
 two sequence lengths, 1+1 / 2+1 / 1+2 blocks, checkpointing off and on; peak = mx.get_peak_memory()
@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from trainer.archs import flux2, zimage  # noqa: E402
 from trainer.archs.layout import ModelDims  # noqa: E402
-from trainer.estimate_common import GIB  # noqa: E402
-from trainer.estimate_mlx import estimate_mlx, mlx_budget_gib  # noqa: E402
+from trainer.estimate.common import GIB  # noqa: E402
+from trainer.estimate.mlx_step import estimate_mlx, mlx_budget_gib  # noqa: E402
 
 VARIANTS = ("flux2-klein-4b", "flux2-klein-9b", "zimage")
 MACS = (32, 64, 128)
@@ -55,11 +55,11 @@ def measure_case(family: str, first: int, second: int, side: int, checkpointing:
     import numpy as np
 
     from trainer import config as config_module
-    from trainer import tiny_weights
     from trainer.archs import get_arch
     from trainer.backends.base import Batch
     from trainer.backends.mlx_backend.backend import MlxBackend
     from trainer.backends.mlx_backend.models import build
+    from trainer.demo import tiny_weights
 
     rng = np.random.default_rng(0)
     if family == "flux2":
@@ -160,7 +160,7 @@ def measure_edit() -> str:
 
 
 def _overhead() -> int:
-    from trainer.estimate_mlx import MLX_OVERHEAD
+    from trainer.estimate.mlx_step import MLX_OVERHEAD
     return MLX_OVERHEAD  # Metal's fixed overhead: not part of a CPU measurement
 
 

@@ -3,7 +3,7 @@
 # Two ranks on two GPUs over NCCL train what one process with the doubled batch trains (demo arch).
 set -u
 cd "$(dirname "$0")/.."
-python3 -c "from trainer.demo import make_dataset; make_dataset('/tmp/shapes')" || exit 1
+python3 -c "from trainer.demo.run import make_dataset; make_dataset('/tmp/shapes')" || exit 1
 conf() { printf 'arch = "demo"\ndevice = "cuda"\nmixed_precision = "no"\nsteps = 40\nbatch_size = %s\nrank = 8\nalpha = 8.0\nresolutions = [128]\ncheckpoint_every = 20\nlog_every = 10\ncompile_blocks = false\ncaption_dropout = 0.1\nema = true\ndataset_dir = "/tmp/shapes"\noutput_dir = "/tmp/runs"\nrun_name = "%s"\n' "$1" "$2" > /tmp/$2.toml; }
 conf 2 nccl; conf 4 single
 nvidia-smi --query-gpu=name --format=csv,noheader

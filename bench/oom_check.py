@@ -3,7 +3,7 @@ step is saved and resumable, the message names the fix, and the memory comes bac
 
 The tiny DiT trains on two buckets, 32×32 latents and 256×256 ones; the process is capped with
 torch.cuda.set_per_process_memory_fraction so the first large batch runs out of memory (checkpointing
-off, batch 4). Expect: trainer.faults.OutOfMemory naming "resolutions" and a step-NNNNNN checkpoint;
+off, batch 4). Expect: trainer.run.faults.OutOfMemory naming "resolutions" and a step-NNNNNN checkpoint;
 allocated memory after the error back near the baseline; a resume on the small bucket alone finishing.
 Run: python bench/oom_check.py [--fraction 0.02]. Prints one JSON record; exit 1 if a check fails.
 """
@@ -21,10 +21,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import config, faults, state  # noqa: E402
+from trainer import config as config
 from trainer.data import InMemoryData  # noqa: E402
-from trainer.loop import train  # noqa: E402
-from trainer.tiny_dit import build_tiny_flux  # noqa: E402
+from trainer.demo.tiny_dit import build_tiny_flux  # noqa: E402
+from trainer.run import (
+    faults,
+    state,  # noqa: E402
+)
+from trainer.run.loop import train  # noqa: E402
 
 
 def data(sizes):

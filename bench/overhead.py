@@ -5,7 +5,7 @@ the demo's batch shapes: 12 cached items in two buckets (8 latents [16,16,16] an
 demo's 128×128 and 128×96 images), [8,32] text contexts, batch 2, rank 16 on the demo arch's default
 targets, AdamW (foreach), the same number of steps.
 
-- kiln:   `trainer.loop.train`, torch backend, the demo's config (`demo_config`, as `demo --steps N`
+- kiln:   `trainer.run.loop.train`, torch backend, the demo's config (`demo_config`, as `demo --steps N`
           makes it): gradient checkpointing, EMA, clipping at 1.0, cosine warm-up, a checkpoint
           every 50 steps.
 - plain:  a hand-written loop: LoRA A, B (fp32) as a minimal inline side branch on the same Linears;
@@ -62,9 +62,9 @@ sys.path.insert(0, str(ROOT))
 from trainer.archs import get_arch  # noqa: E402
 from trainer.data import InMemoryData  # noqa: E402
 from trainer.data.sampler import BucketSampler  # noqa: E402
-from trainer.demo import CONTEXT_DIM, CONTEXT_TOKENS, LATENT_CHANNELS, demo_config  # noqa: E402
-from trainer.loop import train  # noqa: E402
-from trainer.tiny_dit import build_tiny_flux  # noqa: E402
+from trainer.demo.run import CONTEXT_DIM, CONTEXT_TOKENS, LATENT_CHANNELS, demo_config  # noqa: E402
+from trainer.demo.tiny_dit import build_tiny_flux  # noqa: E402
+from trainer.run.loop import train  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results_cpu.json"
 
@@ -101,7 +101,7 @@ def _intervals(stamps: list[float]) -> list[float]:
 
 # --- Kiln ---------------------------------------------------------------------------------
 def run_kiln(steps: int, lean: bool = False, run_dir: Path | None = None, **overrides):
-    """trainer.loop.train on a fresh demo model; (seconds per step for steps 2..N, RunResult)."""
+    """trainer.run.loop.train on a fresh demo model; (seconds per step for steps 2..N, RunResult)."""
     cfg = bench_config(steps, lean, **overrides)
     stamps: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:

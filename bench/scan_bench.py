@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.data.scan import scan
+from trainer.data.folder.scan import scan
 
 
 def photo_like(rng: np.random.Generator, width: int, height: int) -> Image.Image:

@@ -7,7 +7,7 @@
 A dataset of --images synthetic images in mixed aspect ratios (1:1, 4:3, 3:4, 3:2, 2:3, 16:9, 9:16), each
 bucketed at every resolution of --res (512,768,1024: a 3:2 image is 624x416 / 928x624 / 1248x832 px, as
 trainer.data.buckets cuts it), trained for --steps with Kiln's defaults through the loop the node runs
-(trainer.loop.train in bridge.training_session, random weights as bench/gpu_train.py builds them), a
+(trainer.run.loop.train in bridge.training_session, random weights as bench/gpu_train.py builds them), a
 resumable checkpoint every --every steps and validation samples every --every steps and before the
 first (2 prompts, ComfyUI's sampler with the family's sampling defaults at 1024x1024: Z-Image as
 Turbo, 8 steps cfg 1; Klein 20 steps cfg 1), then the LoRA saved as Save LoRA saves it.
@@ -52,7 +52,7 @@ import wall_peers  # noqa: E402
 
 from trainer.archs import get_arch  # noqa: E402
 from trainer.data.buckets import bucket_size  # noqa: E402
-from trainer.estimate_common import VARIANTS  # noqa: E402
+from trainer.estimate.common import VARIANTS  # noqa: E402
 
 ASPECTS = ((1, 1), (4, 3), (3, 4), (3, 2), (2, 3), (16, 9), (9, 16))
 SAMPLES_LIKE = {"zimage": "zimage_turbo"}   # the bench's Z-Image samples as Turbo does (8 steps, cfg 1)
@@ -248,9 +248,9 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
     args, dims, device, phases = ctx.args, ctx.dims, ctx.device, ctx.phases
     bridge = prepare.import_pack("nodes.comfy.bridge")
     config = prepare.import_pack("trainer.config")
-    loop = prepare.import_pack("trainer.loop")
+    loop = prepare.import_pack("trainer.run.loop")
     data_module = prepare.import_pack("trainer.data")
-    lora_format = prepare.import_pack("trainer.lora_format")
+    lora_format = prepare.import_pack("trainer.lora.files")
     checkpointing = prepare.import_pack("trainer.backends.torch_backend.checkpointing")
     checkpointing.COMPILE_DYNAMIC = {"true": True}.get(args.compile_dynamic, checkpointing.COMPILE_DYNAMIC)
     checkpointing.MARK_TOKEN_DIMS = {"dynamo": False, "true": False}.get(args.compile_dynamic, checkpointing.MARK_TOKEN_DIMS)

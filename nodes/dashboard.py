@@ -83,7 +83,7 @@ class Run:
     can_save: bool = True                   # False for a several-GPU run (its weights are in the child)
     pause_requested: bool = False
     paused: bool = False                    # the loop waits now (every rank, for a torchrun run)
-    holdout_steps: list[int] = field(default_factory=list)  # steps with a held-out loss (trainer/holdout.py)
+    holdout_steps: list[int] = field(default_factory=list)  # steps with a held-out loss (trainer/run/holdout.py)
     holdout: list[float | None] = field(default_factory=list)
     grid: dict | None = None                                # the newest sample grid {"step", "image"}
 

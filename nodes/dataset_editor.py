@@ -1,4 +1,4 @@
-"""The dataset editor's routes (web/kiln_datasets.js), over trainer/data/editing.py and uploads.py:
+"""The dataset editor's routes (web/kiln_datasets.js), over trainer/data/folder/editing.py and uploads.py:
 
   GET  /kiln/datasets                  {"root": "input", "datasets": [{"name", "detail"}]}
   POST /kiln/datasets                  {"name", "type", "trigger_word", "resolutions"} → a new folder + dataset.json
@@ -23,8 +23,8 @@ import json
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..trainer.data import editing, uploads
-from ..trainer.data.editing import EditError
+from ..trainer.data.folder import editing, uploads
+from ..trainer.data.folder.editing import EditError
 
 ROOT_LABEL = "input"
 

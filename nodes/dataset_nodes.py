@@ -8,12 +8,11 @@ from pathlib import Path
 from comfy_api.latest import io, ui
 
 from ..trainer.archs import dataset_divisor
-from ..trainer.data import captioning
-from ..trainer.data.captioners import WHERE, list_models, resolve_model
+from ..trainer.data.captioning import jobs as captioning
+from ..trainer.data.captioning.models import WHERE, list_models, resolve_model
 from ..trainer.data.captions import CaptionSettings
-from ..trainer.data.dataset import DataSettings, Dataset, folder_fingerprint
+from ..trainer.data.dataset import Dataset, DataSettings, folder_fingerprint
 from ..trainer.errors import did_you_mean
-
 from .comfy import bridge
 from .widgets import CATEGORY, DATASET, checked, parse_list, widget
 

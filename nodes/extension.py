@@ -3,8 +3,17 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import (dataset_editor, dataset_nodes, folders, launch_nodes, live, lora_nodes, lora_tool_nodes, option_nodes,
-               train_nodes)
+from . import (
+    dataset_editor,
+    dataset_nodes,
+    folders,
+    launch_nodes,
+    live,
+    lora_nodes,
+    lora_tool_nodes,
+    option_nodes,
+    train_nodes,
+)
 
 NODES: list[type[io.ComfyNode]] = [*dataset_nodes.NODES, *train_nodes.NODES, *option_nodes.NODES, *lora_nodes.NODES,
                                    *lora_tool_nodes.NODES, *launch_nodes.NODES]

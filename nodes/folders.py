@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..trainer import state
-from ..trainer.data.scan import list_datasets
-
+from ..trainer.data.folder.scan import list_datasets
+from ..trainer.run import state
 from .comfy import bridge
 
 

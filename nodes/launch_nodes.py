@@ -1,7 +1,7 @@
 """Kiln Train LoRA (several GPUs): the headless run under torchrun, started from a graph (#22).
 
 A child process cannot take the graph's in-memory MODEL, so this node names model files as a headless
-config does; trainer/launch.py writes `<run>/launch.toml` and runs `torchrun -m trainer train` on the
+config does; trainer/cli/launch.py writes `<run>/launch.toml` and runs `torchrun -m trainer train` on the
 chosen GPUs (ComfyUI's loaders used as a library through headless.py, never ComfyUI's main). Progress
 lines move the node's bar and feed the live dashboard (nodes/live.py) as an in-process Train LoRA does;
 each validation sample the child writes is shown on the node and the dashboard, and the newest step's are
@@ -18,11 +18,14 @@ from comfy_api.latest import io, ui
 from PIL import Image
 
 from ..trainer import config as cfg_module
-from ..trainer import config_layers, launch, paths, run_folders
-from ..trainer import state as state_module
+from ..trainer import paths
 from ..trainer.archs import ARCHS
-from ..trainer.loop import Report
-from ..trainer.samples import SAMPLES_DIR
+from ..trainer.cli import launch
+from ..trainer.config import layers as config_layers
+from ..trainer.run import folders as run_folders
+from ..trainer.run import state as state_module
+from ..trainer.run.loop import Report
+from ..trainer.samples.plan import SAMPLES_DIR
 from . import live, run
 from .comfy import bridge
 from .widgets import CATEGORY, OPTIONS, parse_list, widget
@@ -56,7 +59,7 @@ def build_config(arch: str, files: dict, values: dict, preset: str, options: dic
 
 def run_folder(config: dict, processes: int) -> Path:
     """output/kiln/<run_name> (empty: the dataset folder's name, else the arch), or <run_name>-N on a clash; the
-    run's identity is a hash of what is trained, on how many processes (trainer/run_folders.py)."""
+    run's identity is a hash of what is trained, on how many processes (trainer/run/folders.py)."""
     where = "Kiln Training Options: run_name"
     if config.get("run_name"):
         paths.check_name(config["run_name"], where)

@@ -2,7 +2,7 @@
 
 Per step it records the report in the run registry and sends `kiln.progress`; per validation sample it
 writes a JPEG into ComfyUI's temp folder (served by /view) and sends `kiln.sample`, and the run folder's
-sample grid (trainer/sample_grid.py) as `kiln.grid`; on start, on Save now and at the end it sends
+sample grid (trainer/samples/grid.py) as `kiln.grid`; on start, on Save now and at the end it sends
 `kiln.run` (the run's summary). The dashboard's Stop, Stop & save, Save now, Pause and Resume buttons only
 set flags in the registry: the training loop reads Stop through `should_stop` (it saves a resumable checkpoint
 and returns; `keeps_outputs` then tells Train LoRA whether to pass its outputs on) and Pause through
@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..trainer import lora_format, state
 from ..trainer.archs import get_arch
-from ..trainer.lora_format import lora_metadata
-from ..trainer.sample_grid import SampleGrid
-
+from ..trainer.lora import files as lora_format
+from ..trainer.lora.files import lora_metadata
+from ..trainer.run import state
+from ..trainer.samples.grid import SampleGrid
 from . import dashboard
 from .comfy import bridge
 

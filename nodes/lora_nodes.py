@@ -5,13 +5,14 @@ from pathlib import Path
 
 from comfy_api.latest import io, ui
 
-from ..trainer import lora_format, paths, safetensors_io
+from ..trainer import paths, safetensors_io
 from ..trainer.archs import ARCHS, guess_arch
 from ..trainer.config import CHOICES
-
+from ..trainer.lora import files as lora_format
 from . import run
 from .comfy import bridge
 from .widgets import CATEGORY, STATE, checked
+
 
 def lora_path(name: str, node: str = "Kiln Save LoRA") -> Path:
     """models/loras/<name>.safetensors; a name that would leave the folder is refused."""
@@ -180,7 +181,7 @@ class KilnLossGraph(io.ComfyNode):
 
     @classmethod
     def execute(cls, loss_map=None, state=None):
-        from ..trainer.plot import loss_curve
+        from ..trainer.run.plot import loss_curve
 
         if state is not None:
             image = run.loss_image(state)

@@ -1,4 +1,4 @@
-"""LoRA tools after training: Merge LoRAs, Resize LoRA, Extract LoRA (trainer/lora_tools.py, lora_extract.py).
+"""LoRA tools after training: Merge LoRAs, Resize LoRA, Extract LoRA (trainer/lora/tools.py, lora_extract.py).
 Each returns ComfyUI's own LORA_MODEL (save it with Kiln Save LoRA or ComfyUI's SaveLoRA) and shows the
 energy report on the node."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ..trainer.archs import guess_arch
-from ..trainer.lora_extract import SVD_MODES, extract
-from ..trainer.lora_tools import DYNAMIC, RankRule, format_report, merge, resize
+from ..trainer.lora.extract import SVD_MODES, extract
+from ..trainer.lora.tools import DYNAMIC, RankRule, format_report, merge, resize
 from .comfy import bridge
 from .widgets import CATEGORY
 

@@ -1,4 +1,4 @@
-"""The smaller option nodes: Kiln Training Options cut by each setting's group (trainer/config.py `setting`).
+"""The smaller option nodes: Kiln Training Options cut by each setting's group (trainer/config/fields.py `setting`).
 
 Each sets only its own settings and takes an optional `options` input, so they chain in any order into one
 KILN_TRAIN_OPTIONS: a node's own values win over the ones it receives (the node nearer Train LoRA wins), and
@@ -9,7 +9,6 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..trainer import config as cfg_module
-
 from .train_nodes import OPTION_FIELDS, option_values
 from .widgets import CATEGORY, OPTIONS, run_name_check, widget
 

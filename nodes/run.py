@@ -4,7 +4,7 @@ ComfyUI objects are reached only through nodes/comfy/ (its bridge), which also r
 sequence; this file decides what a run is. A run's identity is a hash of everything that determines its
 result (config, dataset content and captions, encoders, model arch, resume source); its folder is
 output/kiln/<run_name> as typed (empty: the dataset folder's name), with -2, -3, ... only when that name
-holds a run of another identity, and the identity written inside it (trainer/run_folders.py). So
+holds a run of another identity, and the identity written inside it (trainer/run/folders.py). So
 re-queueing the same workflow finds its own run (a folder of the old <name>-<hash> kind too):
   - newest checkpoint < steps (stopped, crashed, or ComfyUI restarted) → resume from it;
   - newest checkpoint == steps → load that result, train nothing (the UI says so);
@@ -31,15 +31,15 @@ from pathlib import Path
 import numpy as np
 
 from ..trainer import config as cfg_module
-from ..trainer import paths, run_folders
-from ..trainer import state as state_module
+from ..trainer import paths
 from ..trainer.data.dataset import Dataset
 from ..trainer.errors import did_you_mean
-from ..trainer.init_lora import InitLora
-from ..trainer.lora_format import LoraWeights
-from ..trainer.loop import RunResult, train
-from ..trainer.plot import loss_curve
-
+from ..trainer.lora.files import LoraWeights
+from ..trainer.run import folders as run_folders
+from ..trainer.run import state as state_module
+from ..trainer.run.init_lora import InitLora
+from ..trainer.run.loop import RunResult, train
+from ..trainer.run.plot import loss_curve
 from . import live
 from .comfy import bridge
 

@@ -6,14 +6,23 @@ from pathlib import Path
 from comfy_api.latest import io, ui
 
 from ..trainer import config as cfg_module
-from ..trainer import config_layers
-from ..trainer import init_lora as init_module
 from ..trainer.archs import ARCHS
-
+from ..trainer.config import layers as config_layers
+from ..trainer.run import init_lora as init_module
 from . import live, run, validation_chain
 from .comfy import bridge
-from .widgets import (CATEGORY, DATASET, OPTIONS, STATE, VALIDATION, checked, from_widget, parse_list,
-                      run_name_check, widget)
+from .widgets import (
+    CATEGORY,
+    DATASET,
+    OPTIONS,
+    STATE,
+    VALIDATION,
+    checked,
+    from_widget,
+    parse_list,
+    run_name_check,
+    widget,
+)
 
 TRAIN_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "optimizer", "backend", "seed")
 DATASET_FIELDS = ("dataset_dir", "resolutions", "repeats", "caption_dropout", "trigger_word", "caption_prefix",

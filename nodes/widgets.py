@@ -1,4 +1,4 @@
-"""Widgets built from the constants trainer/config.py validates against, and Kiln's socket types.
+"""Widgets built from the constants trainer/config/fields.py validates against, and Kiln's socket types.
 
 A widget's bounds and choices come from `config.BOUNDS` and `config.CHOICES`,
 its default from `TrainConfig`, its tooltip from that field's help text

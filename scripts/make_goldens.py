@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the golden outputs that hold the MLX ports to ComfyUI: tests/goldens/<name>.safetensors.
 
-Each golden is ComfyUI's own diffusion model, built from the seeded weights of trainer/tiny_weights.py
+Each golden is ComfyUI's own diffusion model, built from the seeded weights of trainer/demo/tiny_weights.py
 (written to a temporary ComfyUI-format file and loaded through comfy.sd.load_diffusion_model, so
 ComfyUI's shape-based detection runs), run in float32 on the CPU on seeded inputs. A golden file holds
 the inputs and ComfyUI's output as F32 tensors; its metadata says how to rebuild the weights
@@ -27,7 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from trainer import safetensors_io, tiny_weights  # noqa: E402
+from trainer import safetensors_io
+from trainer.demo import tiny_weights  # noqa: E402
 
 GOLDEN_DIR = ROOT / "tests" / "goldens"
 MAX_BYTES = 200 * 1024

@@ -132,7 +132,9 @@ def prepare(path: str) -> None:
     if root not in sys.path:
         sys.path.insert(0, root)
     cpu_torch_workarounds()
-    from comfy.cli_args import args  # parses no argv unless comfy.options enabled it (main.py only)
+    from comfy.cli_args import (
+        args,  # parses no argv unless comfy.options enabled it (main.py only)
+    )
 
     if "comfy.model_management" not in sys.modules:
         # read once, at import of comfy.model_management (as `main.py --cpu`); KILN_COMFY_GPU=1 runs
@@ -142,11 +144,11 @@ def prepare(path: str) -> None:
 
 
 def import_pack(submodule: str = ""):
-    """This repository as ComfyUI imports a custom-node pack (`kiln_pack.<submodule>`); see trainer/__main__.py."""
+    """This repository as ComfyUI imports a custom-node pack (`kiln_pack.<submodule>`); see trainer/cli/main.py."""
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:  # pytest puts it there; a plain script may not
         sys.path.insert(0, root)
-    from trainer.__main__ import import_pack as _import
+    from trainer.cli.main import import_pack as _import
 
     return _import(submodule)
 

@@ -1,4 +1,4 @@
-"""LoKr, LoHa, DoRA (trainer/adapters.py, torch_backend/adapters.py): closed forms, gradients, files, resume."""
+"""LoKr, LoHa, DoRA (trainer/lora/adapters.py, torch_backend/adapters.py): closed forms, gradients, files, resume."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,10 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import adapters, config, lora_format, lora_report, safetensors_io, state
-from trainer.adapters import AdapterWeights, factorization
+from trainer import config as config
+from trainer import safetensors_io
 from trainer.backends.torch_backend.lora import LoraSet
-from trainer.loop import train
+from trainer.lora import adapters
+from trainer.lora import files as lora_format
+from trainer.lora import report as lora_report
+from trainer.lora.adapters import AdapterWeights, factorization
+from trainer.run import state
+from trainer.run.loop import train
 
 KINDS = {"lokr": {}, "lokr_full": {"lokr_full_w2": True}, "loha": {}, "dora": {}}
 
@@ -195,8 +200,8 @@ def test_resume_is_bitwise_and_ema_covers_every_tensor(tmp_path, make_model, mak
 
 
 def test_estimate_counts_each_kind():
-    from trainer.estimate import estimate
-    from trainer.estimate_common import get_dims, lora_shapes
+    from trainer.estimate.common import get_dims, lora_shapes
+    from trainer.estimate.torch_step import estimate
 
     shapes = lora_shapes(get_dims("flux2-klein-4b"), None)
     base = estimate("flux2-klein-4b", resolution=512, rank=16)
@@ -214,7 +219,8 @@ def test_estimate_counts_each_kind():
 
 
 def test_lora_tools_and_init_lora_refuse_adapter_files(tmp_path):
-    from trainer import init_lora, lora_tools
+    from trainer.lora import tools as lora_tools
+    from trainer.run import init_lora
 
     _, lora_set = _injected("loha")
     lora = {"double_blocks.0.img_attn.qkv": lora_set.branches()["proj"].weights()}
@@ -256,7 +262,7 @@ def test_mlx_matches_torch(tmp_path, make_model, make_data, make_config, monkeyp
 
 
 def test_mlx_estimate_counts_each_kind():
-    from trainer.estimate_mlx import estimate_mlx
+    from trainer.estimate.mlx_step import estimate_mlx
 
     base = estimate_mlx("flux2-klein-4b", resolution=512, rank=16)
     loha = estimate_mlx("flux2-klein-4b", resolution=512, rank=16, adapter="loha")

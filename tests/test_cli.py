@@ -55,7 +55,7 @@ def test_inspect_and_export(demo_run, tmp_path):
 
 
 def _small_lora(path, fmt="comfy"):
-    from trainer import lora_format as lf
+    from trainer.lora import files as lf
 
     lora = {name: lf.LoraWeights(np.ones((4, 8), np.float32), np.zeros((8, 4), np.float32), 4.0)
             for name in ("double_blocks.0.img_attn.qkv", "double_blocks.0.img_attn.proj",
@@ -139,7 +139,7 @@ def test_estimate_names_the_step_graphs_pool(tmp_path):
     assert "note: step_graphs on a CUDA GPU: steps of up to 800x800 px replay as CUDA graphs" in mixed
     assert "where it fits beside the largest step (auto" in mixed
     pool = float(mixed.split("memory pool of ~")[1].split(" GiB")[0])
-    from trainer.estimate import GRAPH_POOL_FACTOR, estimate
+    from trainer.estimate.torch_step import GRAPH_POOL_FACTOR, estimate
     at_800 = estimate("flux2-klein-4b", resolution=800)
     assert pool == pytest.approx(GRAPH_POOL_FACTOR * (at_800.total - at_800.weights) / 2**30, abs=0.06)
     assert "where it fits" not in run("resolutions = [512]\nstep_graphs = true")

@@ -7,13 +7,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from trainer import companion_batch, safetensors_io
+from trainer import safetensors_io
 from trainer.archs import ARCHS, get_arch
 from trainer.backends.base import Batch
 from trainer.backends.torch_backend.backend import TorchBackend, default_forward
 from trainer.config import ConfigError
-from trainer.data import InMemoryData
-from trainer.loop import train
+from trainer.data import InMemoryData, companion_batch
+from trainer.run.loop import train
 
 
 def masked_batch(unmasked_weight, batch_size=2, seed=0) -> tuple[Batch, np.ndarray]:
@@ -190,7 +190,7 @@ def test_flux2_takes_reference_latents_as_comfyui_does():
 
 def test_estimate_counts_the_reference_images_tokens(tmp_path):
     from trainer.data.companions import reference_count
-    from trainer.estimate import estimate
+    from trainer.estimate.torch_step import estimate
 
     plain, edit = (estimate("flux2-klein-4b", resolution=512, reference_images=n) for n in (0, 2))
     assert edit.tokens - plain.tokens == 2 * 32 * 32          # two more 512 px images of 16 px tokens

@@ -11,8 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from trainer import config, config_file
-from trainer.config import BOUNDS, CHOICES, FIELDS, HELP, PRESETS, ConfigError, TrainConfig, from_dict
+from trainer import config as config
+from trainer.config import (
+    BOUNDS,
+    CHOICES,
+    FIELDS,
+    HELP,
+    PRESETS,
+    ConfigError,
+    TrainConfig,
+    from_dict,
+)
+from trainer.config import files as config_file
 
 
 def test_defaults_are_valid():
@@ -147,7 +157,7 @@ def test_every_setting_has_help_text(name):
 def test_help_text_is_there_without_the_source(tmp_path):
     """An install of bytecode only (a zip, a compiled wheel): the help comes from the fields, not from reading
     config.py, which inspect.getsource cannot do there."""
-    package = Path(config.__file__).parent
+    package = Path(config.__file__).parents[1]   # trainer/ (config is a package)
     bundle = tmp_path / "trainer.zip"
     with zipfile.ZipFile(bundle, "w") as archive:
         for source in package.rglob("*.py"):

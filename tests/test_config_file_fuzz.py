@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from trainer import config as config_module
-from trainer import config_file
-from trainer.__main__ import main
+from trainer.cli.main import main
 from trainer.config import FIELDS, ConfigError
+from trainer.config import files as config_file
 
 # Any scalar value, with the ones that broke TOML round trips made common: emoji, DEL, quotes, backslashes.
 text = st.text(st.one_of(st.characters(codec="utf-8"), st.sampled_from("😀\U0001F525\x7f\x01\"\\é")), max_size=12)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainer import config, config_layers
+from trainer import config as config
 from trainer.config import ConfigError
+from trainer.config import layers as config_layers
 
 
 def test_later_layers_win_and_every_layer_wins_over_the_preset():

@@ -10,9 +10,11 @@ from collections import namedtuple
 import numpy as np
 import pytest
 
-from trainer import atomic, lora_format, safetensors_io, state
+from trainer import atomic, safetensors_io
 from trainer.atomic import NotEnoughSpace
-from trainer.loop import train
+from trainer.lora import files as lora_format
+from trainer.run import state
+from trainer.run.loop import train
 
 Usage = namedtuple("Usage", "total used free")
 

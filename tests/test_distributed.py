@@ -1,7 +1,7 @@
 """Several processes (#22): two gloo ranks on the CPU over the tiny DiT.
 
 In-process tests fork two ranks (torch.multiprocessing, fork: no interpreter start-up) that run
-trainer.loop.train as torchrun's ranks would; one test runs the real `torchrun -m trainer train` command.
+trainer.run.loop.train as torchrun's ranks would; one test runs the real `torchrun -m trainer train` command.
 What is held: two ranks with batch b train the LoRA one process with batch 2b trains (float tolerance),
 rank 0 alone writes, every rank ends with the same weights, optimizer and EMA, a 2-rank run resumes
 bitwise on 2 ranks and is refused on 1, and a killed rank ends the run with a resumable checkpoint.
@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import distributed, safetensors_io, state
+from trainer import safetensors_io
 from trainer.archs import get_arch
-from trainer.loop import build_batch, objective_settings, train
+from trainer.run import distributed, state
+from trainer.run.loop import build_batch, objective_settings, train
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or sys.platform == "win32",
@@ -204,7 +205,7 @@ def torchrun(config: Path, *, resume: bool = False, fault: str | None = None) ->
 
 
 def test_torchrun_a_killed_rank_ends_the_run_and_it_resumes_where_it_stopped(tmp_path):
-    from trainer.demo import make_dataset
+    from trainer.demo.run import make_dataset
 
     make_dataset(tmp_path / "shapes")
     config = tmp_path / "run.toml"
@@ -235,7 +236,7 @@ def test_torchrun_a_killed_rank_ends_the_run_and_it_resumes_where_it_stopped(tmp
 
 def _command_rank(rank: int, world: int, port: int, config: str) -> None:
     """`python -m trainer train CONFIG` as rank `rank` of a torchrun job (its environment variables)."""
-    from trainer.__main__ import main
+    from trainer.cli.main import main
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",

@@ -1,4 +1,4 @@
-"""trainer/estimate.py and estimate_common.py: full-size dims, parameter counts, header detection, the memory model."""
+"""trainer/estimate/torch_step.py and estimate_common.py: full-size dims, parameter counts, header detection, the memory model."""
 import subprocess
 import sys
 
@@ -6,8 +6,15 @@ import pytest
 
 from trainer.archs import get_arch, qwen_image
 from trainer.archs.layout import ModelDims
-from trainer.estimate import estimate
-from trainer.estimate_common import GIB, VARIANTS, format_estimate, linear_layers, param_count, variant_from_header
+from trainer.estimate.common import (
+    GIB,
+    VARIANTS,
+    format_estimate,
+    linear_layers,
+    param_count,
+    variant_from_header,
+)
+from trainer.estimate.torch_step import estimate
 
 # Published sizes. Klein 4B's "4B" rounds 3.88B up: its bf16 checkpoint is ~7.75 GB, and
 # ComfyUI's own module holds 3,875,544,576 parameters (3.1% under 4.0B), hence 3.5% there.
@@ -150,7 +157,7 @@ def test_format_estimate_says_fit_or_not():
 
 
 def test_estimate_imports_no_torch():
-    code = "import sys, trainer.estimate; sys.exit('torch' in sys.modules)"
+    code = "import sys, trainer.estimate.torch_step; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -183,14 +190,14 @@ def test_an_arch_without_layout_names_the_fix():
 
 
 def test_the_two_estimates_share_a_module_and_import_neither_other():
-    code = ("import sys, trainer.estimate_mlx; assert 'trainer.estimate' not in sys.modules; "
-            "del sys.modules['trainer.estimate_mlx']; import trainer.estimate; "
-            "assert 'trainer.estimate_mlx' not in sys.modules")
+    code = ("import sys, trainer.estimate.mlx_step; assert 'trainer.estimate.torch_step' not in sys.modules; "
+            "del sys.modules['trainer.estimate.mlx_step']; import trainer.estimate.torch_step; "
+            "assert 'trainer.estimate.mlx_step' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 def test_arch_names_and_variant_names_are_one_vocabulary():
-    from trainer.estimate_common import arch_variants, resolve_variant
+    from trainer.estimate.common import arch_variants, resolve_variant
 
     assert resolve_variant("flux2_klein") == ["flux2-klein-4b", "flux2-klein-9b"]  # smallest first
     assert [resolve_variant(a) for a in ("zimage_turbo", "zimage", "flux2_dev", "qwen_image")] == [

@@ -1,9 +1,14 @@
-"""trainer/estimate_mlx.py: the MLX memory model for Macs (quantized bases, unfused attention, working sets)."""
+"""trainer/estimate/mlx_step.py: the MLX memory model for Macs (quantized bases, unfused attention, working sets)."""
 import pytest
 
-from trainer.estimate import estimate
-from trainer.estimate_common import GIB, format_estimate
-from trainer.estimate_mlx import ATTENTION_KEPT, estimate_mlx, mlx_budget_gib, working_set_gib
+from trainer.estimate.common import GIB, format_estimate
+from trainer.estimate.mlx_step import (
+    ATTENTION_KEPT,
+    estimate_mlx,
+    mlx_budget_gib,
+    working_set_gib,
+)
+from trainer.estimate.torch_step import estimate
 
 
 def test_quantized_bases_shrink_the_weights():

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from trainer import config as config_module
-from trainer import faults, safetensors_io, state
+from trainer import safetensors_io
 from trainer.archs import get_arch
 from trainer.backends.base import Batch
 from trainer.backends.torch_backend.backend import TorchBackend
-from trainer.loop import train
+from trainer.run import faults, state
+from trainer.run.loop import train
 
 BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.skipif(
     not __import__("importlib").util.find_spec("mlx"), reason="mlx not installed (pip install 'mlx[cpu]')"))]

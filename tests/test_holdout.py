@@ -1,4 +1,4 @@
-"""Held-out loss and early stopping (trainer/holdout.py), and pausing the loop (trainer/pause.py)."""
+"""Held-out loss and early stopping (trainer/run/holdout.py), and pausing the loop (trainer/run/pause.py)."""
 from __future__ import annotations
 
 import json
@@ -6,10 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from trainer import config, holdout, pause, safetensors_io, state
+from trainer import config as config
+from trainer import safetensors_io
 from trainer.archs import get_arch
 from trainer.backends.torch_backend.backend import TorchBackend
-from trainer.loop import train
+from trainer.run import holdout, pause, state
+from trainer.run.loop import train
 
 
 def test_the_split_is_seeded_whole_images_and_leaves_training_something(make_data):
@@ -245,7 +247,7 @@ def test_held_out_batches_carry_the_images_mask_and_references(make_data, make_c
 def test_a_console_run_has_its_folder_before_its_first_step(tmp_path, make_model, make_data, make_config):
     """Headless: `touch <run>/PAUSE` (or stop.request) works from the first step, before any checkpoint made
     the folder (a user trying it found no folder to touch)."""
-    from trainer import console
+    from trainer.cli import console
 
     run_dir, seen = tmp_path / "runs" / "me", []
     console.run_loop(make_config(steps=2, checkpoint_every=10), make_model(), make_data(), run_dir=run_dir,

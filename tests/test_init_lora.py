@@ -6,12 +6,15 @@ import json
 import numpy as np
 import pytest
 
-from trainer import config, init_lora, lora_format, safetensors_io
+from trainer import config as config
+from trainer import safetensors_io
 from trainer.archs import get_arch
 from trainer.backends.torch_backend.backend import TorchBackend
-from trainer.loop import train
-from trainer.lora_format import LoraWeights
-from trainer.lora_sources import file_identity
+from trainer.lora import files as lora_format
+from trainer.lora.files import LoraWeights
+from trainer.lora.sources import file_identity
+from trainer.run import init_lora
+from trainer.run.loop import train
 
 LR = 1e-3   # tiny_config's: one AdamW step moves a weight by at most about this
 

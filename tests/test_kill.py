@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer import safetensors_io, state
+from trainer import safetensors_io
+from trainer.run import state
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY, KEEP = 8, 2, 2          # checkpoints at 2, 4, 6, 8; the demo keeps 2

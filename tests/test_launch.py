@@ -1,4 +1,4 @@
-"""trainer/launch.py (#22): a torchrun run of two gloo ranks on the CPU as a child process, its progress
+"""trainer/cli/launch.py (#22): a torchrun run of two gloo ranks on the CPU as a child process, its progress
 read from rank 0's KILN_PROGRESS lines, Stop as a clean checkpoint on every rank, then resumed."""
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from trainer import launch, state
-from trainer.lora_format import load_lora
+from trainer.cli import launch
+from trainer.lora.files import load_lora
+from trainer.run import state
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or sys.platform == "win32",
                                 reason="needs torch.distributed with gloo (Linux, macOS)")
@@ -52,7 +53,7 @@ def test_bad_gpus_and_processes_are_refused_with_the_fix(tmp_path):
 
 
 def test_two_ranks_report_progress_stop_with_a_checkpoint_and_resume(tmp_path):
-    from trainer.demo import make_dataset
+    from trainer.demo.run import make_dataset
 
     make_dataset(tmp_path / "shapes")
     run_dir = tmp_path / "runs" / "r"

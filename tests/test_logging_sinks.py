@@ -1,4 +1,4 @@
-"""TensorBoard and Weights & Biases logging (trainer/logging_sinks.py), with the real packages on CPU.
+"""TensorBoard and Weights & Biases logging (trainer/run/sinks.py), with the real packages on CPU.
 
 Each test skips, saying why, where its package is not installed (pip install tensorboard / wandb:
 both are in the `test` extra)."""
@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from trainer import logging_sinks
-from trainer.loop import train
+from trainer.run import sinks as logging_sinks
+from trainer.run.loop import train
 
 
 def _validate(step, lora):
@@ -43,7 +43,7 @@ def test_tensorboard_scalars_images_config_and_resume(tmp_path, make_model, make
     # Resume from step 3 (the run's step-3 checkpoint): steps 4..6 are logged again, not twice.
     import shutil
 
-    from trainer.state import step_dir
+    from trainer.run.state import step_dir
     shutil.rmtree(step_dir(run, 6))
     train(make_config(steps=6, log_every=2, checkpoint_every=3, log_tensorboard=True), make_model(), make_data(),
           run_dir=run, resume=step_dir(run, 3), validate=_validate, validate_every=3)
@@ -72,7 +72,7 @@ def test_tensorboard_gets_the_samples_before_the_first_step(tmp_path, make_model
 
     import shutil
 
-    from trainer.state import step_dir
+    from trainer.run.state import step_dir
     shutil.rmtree(step_dir(run, 4))
     seen.clear()
     train(cfg, make_model(), make_data(), run_dir=run, resume=step_dir(run, 2), validate=validate,

@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainer import objective
 from trainer.archs import get_arch
 from trainer.data import InMemoryData
-from trainer.loop import build_batch, objective_settings, train
+from trainer.objective import flow as objective
+from trainer.run.loop import build_batch, objective_settings, train
 
 
 def test_batch_is_one_bucket_with_caption_dropout_from_the_empty_embedding(make_data, make_config):
@@ -72,7 +72,7 @@ def test_validate_runs_every_n_with_ema_weights(make_model, make_data, make_conf
     """validate() sees the EMA weights: its output equals the base model with the EMA LoRA merged by hand."""
     import torch
 
-    from trainer.loop import train
+    from trainer.run.loop import train
 
     torch.manual_seed(0)
     x, sigma, ctx = torch.randn(1, 16, 4, 4), torch.tensor([0.5]), torch.randn(1, 8, 32)
@@ -125,9 +125,9 @@ def test_batches_collate_rows_as_each_arch_needs():
 
 
 def test_caption_variants_are_drawn_from_the_run_generator():
-    from trainer import objective
     from trainer.archs import get_arch
-    from trainer.loop import build_batch
+    from trainer.objective import flow as objective
+    from trainer.run.loop import build_batch
 
     class Variants:
         buckets = {"a": [0]}
@@ -161,7 +161,7 @@ def test_caption_variants_are_drawn_from_the_run_generator():
 
 def test_batch_by_tokens_sizes_batches_from_each_buckets_latents(make_data, make_config):
     from trainer.archs import get_arch
-    from trainer.loop import batch_sizes
+    from trainer.run.loop import batch_sizes
 
     data = make_data()                       # latents 4x4 and 6x4 (latent cells), demo arch: patch 1, no padding
     arch = get_arch("demo")
@@ -177,7 +177,7 @@ def test_the_demo_model_is_built_on_the_training_device(make_config, monkeypatch
     import torch
 
     from trainer.backends.torch_backend import backend
-    from trainer.demo import model_for
+    from trainer.demo.run import model_for
 
     monkeypatch.setattr(backend, "pick_device", lambda name: torch.device("meta"))
     model = model_for(make_config())

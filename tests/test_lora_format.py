@@ -1,4 +1,4 @@
-"""trainer/lora_format.py: key layouts, diffusers split/fuse, files, metadata."""
+"""trainer/lora/files.py: key layouts, diffusers split/fuse, files, metadata."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import lora_format as lf
-from trainer import lora_report, safetensors_io
+from trainer import safetensors_io
 from trainer.archs import DiffusersRule, get_arch
-from trainer.lora_format import LoraWeights
+from trainer.lora import files as lf
+from trainer.lora import report as lora_report
+from trainer.lora.files import LoraWeights
 
 HIDDEN, RANK = 64, 4
 

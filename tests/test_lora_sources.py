@@ -1,4 +1,4 @@
-"""trainer/lora_sources.py: other trainers' LoRA files (tests/lora_fixtures.py) → Kiln's in-memory LoRA →
+"""trainer/lora/sources.py: other trainers' LoRA files (tests/lora_fixtures.py) → Kiln's in-memory LoRA →
 a comfy file; `python -m trainer convert`. ComfyUI's own loader reads the results in
 tests/nodes/test_lora_convert.py."""
 from __future__ import annotations
@@ -9,10 +9,11 @@ import lora_fixtures as fx
 import numpy as np
 import pytest
 
-from trainer import lora_format as lf
-from trainer import lora_report, safetensors_io
-from trainer import lora_sources as ls
-from trainer.__main__ import main
+from trainer import safetensors_io
+from trainer.cli.main import main
+from trainer.lora import files as lf
+from trainer.lora import report as lora_report
+from trainer.lora import sources as ls
 
 HIDDEN = 64
 SHAPES = {
@@ -77,7 +78,7 @@ def test_lora_files_load_everywhere_kiln_reads_a_lora(tmp_path, family, name):
 
 
 def test_an_ai_toolkit_lokr_in_comfy_keys_reads_as_a_lokr_adapter(tmp_path):
-    """ai-toolkit writes LoKr under ComfyUI's keys, the layout Kiln's own LoKr files have (trainer/adapter_files.py):
+    """ai-toolkit writes LoKr under ComfyUI's keys, the layout Kiln's own LoKr files have (trainer/lora/adapter_files.py):
     it reads as LoKr adapters (the LoRA-pair tools refuse those by name: tests/test_adapters.py)."""
     fixture = fx.build("flux2", "ai-toolkit LoKr", SHAPES["flux2"])
     adapters, fmt = lf.from_tensors(fixture.tensors)

@@ -1,4 +1,4 @@
-"""LoRA tools (trainer/lora_tools.py, lora_extract.py, `python -m trainer merge|resize|extract`) against a
+"""LoRA tools (trainer/lora/tools.py, lora_extract.py, `python -m trainer merge|resize|extract`) against a
 dense reference: the weighted sum of scale·B@A, its truncated SVD (numpy, float64), the true difference
 of two models. Small random matrices; nothing downloaded."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import __main__ as cli
-from trainer.lora_extract import ModelFile, extract
-from trainer.lora_format import LoraWeights, load_lora, save_lora
-from trainer.lora_tools import RankRule, dense_delta, merge, resize
+from trainer.cli import main as cli
+from trainer.lora.extract import ModelFile, extract
+from trainer.lora.files import LoraWeights, load_lora, save_lora
+from trainer.lora.tools import RankRule, dense_delta, merge, resize
 
 
 def lora_weights(rng, out_features, in_features, rank, alpha) -> LoraWeights:
@@ -246,7 +246,7 @@ def test_cli_merge_resize_extract_write_files_that_match_the_reference(tmp_path,
 
 
 def test_cli_input_weights_parse_and_keep_drive_letters():
-    from trainer.lora_cli import _input
+    from trainer.cli.lora_commands import _input
 
     assert _input("style.safetensors:0.7") == ("style.safetensors", 0.7)
     assert _input("x.safetensors:-1") == ("x.safetensors", -1.0)

@@ -1,4 +1,4 @@
-"""trainer/objective.py: each sampler against its formula, shifts, weights, draws, algebra."""
+"""trainer/objective/flow.py: each sampler against its formula, shifts, weights, draws, algebra."""
 import ast
 import math
 from statistics import NormalDist
@@ -6,8 +6,8 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from trainer import objective as obj
-from trainer.objective import ObjectiveSettings
+from trainer.objective import flow as obj
+from trainer.objective.flow import ObjectiveSettings
 
 SEED = 1234
 

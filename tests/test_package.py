@@ -69,7 +69,7 @@ def test_the_zip_holds_what_a_user_needs(packed):
               "scripts/demo"}
     needed |= {name for name in tracked_files()
                if name.startswith(("nodes/", "trainer/", "web/", "example_workflows/")) and not name.endswith(".pyc")}
-    assert {"nodes/train_nodes.py", "trainer/loop.py", "web/kiln_dashboard.js"} <= needed
+    assert {"nodes/train_nodes.py", "trainer/run/loop.py", "web/kiln_dashboard.js"} <= needed
     assert any(name.startswith("example_workflows/api/") for name in needed)
     assert sorted(needed - names) == []
 
@@ -89,7 +89,7 @@ def test_the_unpacked_zip_runs_on_its_own(packed):
     done = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=unpacked, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert done.returncode == 0 and "check-dataset" in done.stdout, done.stderr[-2000:]
-    imported = subprocess.run([sys.executable, "-c", "import trainer.loop, trainer.data, trainer.lora_format, "
+    imported = subprocess.run([sys.executable, "-c", "import trainer.run.loop, trainer.data, trainer.lora.files, "
                                "trainer.backends.torch_backend.backend; print('ok')"],
                               cwd=unpacked, capture_output=True, text=True, timeout=120)
     assert imported.stdout.strip() == "ok", imported.stderr[-2000:]

@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 
 from trainer import paths
-from trainer.__main__ import main
+from trainer.cli.main import main
 from trainer.data.cache import Cache
-from trainer.data.scan import scan
+from trainer.data.folder.scan import scan
 
 EMPTY, ABSOLUTE, SEPARATOR = "is empty", "is an absolute path", "has a path separator"
 PART = "has an empty, '.', '..' or space-padded part"

@@ -16,8 +16,9 @@ import pytest
 import torch
 from test_distributed import free_port
 
-from trainer import distributed, pause, safetensors_io, state
-from trainer.loop import train
+from trainer import safetensors_io
+from trainer.run import distributed, pause, state
+from trainer.run.loop import train
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or sys.platform == "win32",
                                 reason="needs torch.distributed with gloo and fork (Linux, macOS)")

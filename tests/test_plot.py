@@ -1,9 +1,9 @@
-"""trainer/plot.py: the loss curve a run writes as loss.png, legend, axis labels and ticks included."""
+"""trainer/run/plot.py: the loss curve a run writes as loss.png, legend, axis labels and ticks included."""
 import math
 
 from PIL import Image
 
-from trainer.plot import curve_layout, loss_curve, nice_ticks, save_loss_curve
+from trainer.run.plot import curve_layout, loss_curve, nice_ticks, save_loss_curve
 
 LOSSES = [0.9 - 0.004 * i + 0.05 * math.sin(i) for i in range(200)]
 LRS = [1e-4 * min(1.0, (i + 1) / 20) for i in range(200)]

@@ -1,4 +1,4 @@
-"""Preservation (trainer/preservation.py): differential output preservation and regularisation images."""
+"""Preservation (trainer/objective/preservation.py): differential output preservation and regularisation images."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 from tiny_runs import tiny_data
 
-from trainer import config, safetensors_io
+from trainer import config as config
+from trainer import safetensors_io
 from trainer.archs import get_arch
 from trainer.backends.base import Batch
 from trainer.backends.torch_backend.backend import TorchBackend
@@ -20,8 +21,8 @@ from trainer.data.captions import CaptionSettings, class_caption
 from trainer.data.dataset import Dataset, DatasetError, DataSettings
 from trainer.data.regularised import RegularisedData
 from trainer.data.sampler import BucketSampler
-from trainer.loop import build_batch, objective_settings, train
-from trainer.preservation import OFF, Preservation, Settings
+from trainer.objective.preservation import OFF, Preservation, Settings
+from trainer.run.loop import build_batch, objective_settings, train
 
 DOP = {"preservation_class": "person", "preservation_weight": 1.0}
 REG = {"reg_dataset_dir": "reg", "reg_repeats": 2, "reg_weight": 0.5}
@@ -288,8 +289,8 @@ def test_mlx_trains_dop_and_reg_images_as_torch_does(tmp_path, make_model, make_
 
 
 def test_estimate_counts_dops_doubled_forward():
-    from trainer.estimate import estimate
-    from trainer.estimate_mlx import estimate_mlx
+    from trainer.estimate.mlx_step import estimate_mlx
+    from trainer.estimate.torch_step import estimate
 
     for rule in (estimate, estimate_mlx):
         plain = rule("flux2-klein-4b", resolution=512, batch_size=2)
@@ -302,7 +303,7 @@ def test_estimate_counts_dops_doubled_forward():
 def test_the_headless_data_path_caches_class_captions_and_the_reg_folder(tmp_path, make_config):
     """`train` (the demo's encoders): the class-word captions and the regularisation folder are encoded and
     cached; the regularisation images come with reg_repeats and without the trigger word; a run trains."""
-    from trainer.demo import build_data, make_images, model_for
+    from trainer.demo.run import build_data, make_images, model_for
 
     make_images(tmp_path / "main", count=4)
     make_images(tmp_path / "reg", count=3, seed=1)

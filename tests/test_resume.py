@@ -6,8 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from trainer import config, safetensors_io, state
-from trainer.loop import train
+from trainer import config as config
+from trainer import safetensors_io
+from trainer.run import state
+from trainer.run.loop import train
 
 
 def run(tmp_path, name, make_model, make_data, cfg, *, stop_at=None, resume=False):
@@ -131,8 +133,8 @@ def test_resume_with_other_rank_is_refused_clearly(tmp_path, make_model, make_da
 
 
 def test_checkpoint_lora_matches_run_result(make_model, make_data, make_config, tmp_path):
-    from trainer.loop import train
-    from trainer.state import checkpoint_history, checkpoint_lora, load_checkpoint
+    from trainer.run.loop import train
+    from trainer.run.state import checkpoint_history, checkpoint_lora, load_checkpoint
 
     cfg = make_config(steps=4, ema=True, checkpoint_every=0)
     result = train(cfg, make_model(), make_data(), run_dir=tmp_path)

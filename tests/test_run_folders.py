@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trainer import run_folders
+from trainer.run import folders as run_folders
 
 WHAT = "Kiln Training Options: run_name"
 A, B, C = "a" * 64, "b" * 64, "c" * 64

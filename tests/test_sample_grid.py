@@ -1,13 +1,13 @@
-"""The sample grid (trainer/sample_grid.py): prompts across, sampling steps down, labelled, written atomically."""
+"""The sample grid (trainer/samples/grid.py): prompts across, sampling steps down, labelled, written atomically."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from trainer import sample_grid
-from trainer.sample_grid import CELL_PX, GAP_PX, HEADER_PX, LABEL_PX, SampleGrid
-from trainer.samples import sample_path
+from trainer.samples import grid as sample_grid
+from trainer.samples.grid import CELL_PX, GAP_PX, HEADER_PX, LABEL_PX, SampleGrid
+from trainer.samples.plan import sample_path
 
 
 def solid(value: float, height: int = 64, width: int = 64) -> np.ndarray:

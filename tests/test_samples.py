@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainer import config, config_file
+from trainer import config as config
 from trainer.archs import ARCHS
 from trainer.config import ConfigError, from_dict
-from trainer.samples import SamplePrompt, sample_path, sample_plan, save_sample
+from trainer.config import files as config_file
+from trainer.samples.plan import SamplePrompt, sample_path, sample_plan, save_sample
 
 
 def turbo(**values):
@@ -115,11 +116,12 @@ def test_samples_are_named_by_step_and_prompt_and_carry_their_settings(tmp_path)
 
 
 def test_the_readmes_config_examples_load():
-    """The README's TOML examples are valid configs (the [[sample_prompts]] one under a Z-Image Turbo run)."""
+    """The manual's TOML examples are valid configs (the [[sample_prompts]] one under a Z-Image Turbo run)."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    root = Path(__file__).parent.parent
+    readme = "\n".join(p.read_text(encoding="utf-8") for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
     blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
     assert any("sample_prompts" in b for b in blocks) and any("[[sample_prompts]]" in b for b in blocks)
     for block in blocks:

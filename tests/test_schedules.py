@@ -1,9 +1,9 @@
-"""trainer/schedules.py: each schedule at warmup start/end, midpoint and last step; errors."""
+"""trainer/objective/schedules.py: each schedule at warmup start/end, midpoint and last step; errors."""
 import math
 
 import pytest
 
-from trainer.schedules import SCHEDULES, lr_at
+from trainer.objective.schedules import SCHEDULES, lr_at
 
 BASE = 1e-4
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer import lora_format, safetensors_io, state
-from trainer.loop import train
+from trainer import safetensors_io
+from trainer.lora import files as lora_format
+from trainer.run import state
+from trainer.run.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 UNPICKLING = re.compile(r"\bimport (pickle|dill|joblib|shelve|cloudpickle)\b|\bfrom (pickle|dill|joblib) import|"

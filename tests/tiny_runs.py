@@ -9,7 +9,7 @@ from trainer.data import InMemoryData
 
 
 def tiny_model(seed: int = 0):
-    from trainer.tiny_dit import build_tiny_flux
+    from trainer.demo.tiny_dit import build_tiny_flux
 
     return build_tiny_flux(seed, hidden=32, heads=2, double_blocks=1, single_blocks=1, in_channels=16,
                            context_dim=32)

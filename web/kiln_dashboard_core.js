@@ -8,7 +8,7 @@
 //   kiln.grid                    the run's sample grid (prompts × steps), newest
 //   GET /kiln/runs/{id}          the whole run so far (after a page reload, or from a second tab)
 
-export const SMOOTHING = 0.9; // as trainer/plot.py's smoothed(): bias-corrected EMA
+export const SMOOTHING = 0.9; // as trainer/run/plot.py's smoothed(): bias-corrected EMA
 
 const finite = (value) => typeof value === "number" && Number.isFinite(value);
 

@@ -16,15 +16,64 @@ nodes/comfy/ imports ComfyUI (tests/test_imports.py holds that), and trainer/ ne
 """
 from __future__ import annotations
 
-from .captioning import caption_model_folders, clip_captioner, clip_loader_choices, device_captioner  # noqa: F401
+from .captioning import (  # noqa: F401
+                   caption_model_folders,
+                   clip_captioner,
+                   clip_loader_choices,
+                   device_captioner,
+)
 from .encoders import conditioning, text_encoder, vae_encoder  # noqa: F401
-from .lora import (apply_lora, load_lora_file, lora_arrays, lora_model_from, lora_weights_from, negate_lora,  # noqa: F401
-                   require_fit, training_adapter_merged, unmatched_lora_keys)
-from .model import detect_arch, diffusion_model, latents_in, make_forward, matching_archs  # noqa: F401
-from .session import Interrupted, free_memory, reload_for_training, trainable, training_session  # noqa: F401
+from .lora import (  # noqa: F401
+                   apply_lora,
+                   load_lora_file,
+                   lora_arrays,
+                   lora_model_from,
+                   lora_weights_from,
+                   negate_lora,
+                   require_fit,
+                   training_adapter_merged,
+                   unmatched_lora_keys,
+)
+from .model import (  # noqa: F401
+                   detect_arch,
+                   diffusion_model,
+                   latents_in,
+                   make_forward,
+                   matching_archs,
+)
+from .session import (  # noqa: F401
+                   Interrupted,
+                   free_memory,
+                   reload_for_training,
+                   trainable,
+                   training_session,
+)
 from .training import Sample, prompt_samples, train, validation  # noqa: F401
-from .ui import (Progress, add_json_routes, add_routes, blocked, cat_images, check_sampling, comfyui_root,  # noqa: F401
-                 executing_node, folders, image_tensor, interrupt_requested, is_blocked, lora_names, lora_path,
-                 loss_map, model_names, model_path, progress, prompt_server, raise_if_interrupted, refresh_loras,
-                 sample, sampler_names, scheduler_names, send_event)
+from .ui import (  # noqa: F401
+                   Progress,
+                   add_json_routes,
+                   add_routes,
+                   blocked,
+                   cat_images,
+                   check_sampling,
+                   comfyui_root,
+                   executing_node,
+                   folders,
+                   image_tensor,
+                   interrupt_requested,
+                   is_blocked,
+                   lora_names,
+                   lora_path,
+                   loss_map,
+                   model_names,
+                   model_path,
+                   progress,
+                   prompt_server,
+                   raise_if_interrupted,
+                   refresh_loras,
+                   sample,
+                   sampler_names,
+                   scheduler_names,
+                   send_event,
+)
 from .weights import EffectiveWeights, compute_device  # noqa: F401

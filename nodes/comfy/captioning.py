@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ...trainer.data.captioners import MODELS_FOLDER, transformers_captioner
+from ...trainer.data.captioning.models import MODELS_FOLDER, transformers_captioner
 
 MAX_PIXELS = 768 * 768   # the image as the vision encoder sees it: enough for a caption, bounded cost
 # TextGenerate's "sampling on" defaults; the seed is the same for every image (a resumed run writes

@@ -9,8 +9,9 @@ import comfy.utils
 import numpy as np
 import torch
 
-from ...trainer import lora_format, safetensors_io
-from ...trainer.lora_format import LoraWeights
+from ...trainer import safetensors_io
+from ...trainer.lora import files as lora_format
+from ...trainer.lora.files import LoraWeights
 
 
 def lora_model_from(weights: dict[str, LoraWeights], arch_name: str | None = None,

@@ -17,7 +17,6 @@ import torch
 
 from ...trainer import archs
 
-
 # ---------------------------------------------------------------- what the model is
 
 def detect_arch(model, *, adapter: bool = False) -> str:

@@ -15,7 +15,9 @@ import comfy.model_management as mm
 import comfy.ops
 import torch
 
-from . import paths as comfy_paths  # which of ComfyUI's code paths training takes (attention, quantized matmuls)
+from . import (
+    paths as comfy_paths,  # which of ComfyUI's code paths training takes (attention, quantized matmuls)
+)
 
 Interrupted = mm.InterruptProcessingException  # raised by the stop button (ProgressBar hook, comfy ops)
 

@@ -12,18 +12,17 @@ import torch
 
 from ...trainer.archs import get_arch
 from ...trainer.data import MappedLatents
+
 # Called through their modules, so a test can wrap one (a forward that fails at step N, a counted free).
-from . import encoders
+from . import encoders, session, ui
 from . import lora as comfy_lora
 from . import model as comfy_model
-from . import session
-from . import ui
 
 
 def train(cfg, model, dataset, *, run: Callable, adapter=None, setup: Callable | None = None):
     """Train a LoRA for `model` (a ComfyUI MODEL) on `dataset` (latents and captions encoded).
 
-    run(cfg, model, data, forward=None, **hooks) is the loop as the front end runs it (trainer.loop.train
+    run(cfg, model, data, forward=None, **hooks) is the loop as the front end runs it (trainer.run.loop.train
     with its run folder bound, or the console's run_loop); setup(patcher, data) -> hooks is called once
     the patcher to train and sample on and the mapped data exist (the node's dashboard and validation
     need both). Memory is given back to ComfyUI afterwards, also after an error."""
@@ -77,7 +76,7 @@ class Sample:
 
 
 def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
-    """validate(step, lora) for the loop (trainer.loop.train's hook), the node's and headless training's:
+    """validate(step, lora) for the loop (trainer.run.loop.train's hook), the node's and headless training's:
     each of `samples` (Sample-like) drawn by ComfyUI's sampler and VAE (ui.sample) on `model`, the patcher
     setup() got, i.e. without the training adapter. Torch: the LoRA branches are live in its modules (the
     loop swaps the EMA weights in when EMA is on); MLX: the weights `lora()` gives are patched onto a clone
@@ -104,7 +103,7 @@ def _rng_devices() -> list[int]:
 
 
 def prompt_samples(plan, clip, vae) -> list[Sample]:
-    """Headless samples: trainer.samples.sample_plan's prompts with their CONDITIONING (CLIPTextEncode's,
+    """Headless samples: trainer.samples.plan.sample_plan's prompts with their CONDITIONING (CLIPTextEncode's,
     each text encoded once) and the VAE to decode them."""
     conds: dict[str, object] = {}
     for text in [t for p in plan for t in (p.prompt, p.negative)]:

@@ -7,10 +7,10 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from trainer import config as config_module
-from trainer import tiny_dit
 from trainer.archs import get_arch
 from trainer.backends.torch_backend import attention
 from trainer.backends.torch_backend.backend import TorchBackend
+from trainer.demo import tiny_dit
 
 from .test_torch_backend import fixed_batch
 

@@ -7,13 +7,20 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import config
+from trainer import config as config
 from trainer.backends.torch_backend.checkpointing import find_blocks
-from trainer.backends.torch_backend.fp8 import E4M3_MAX, Fp8Base, Fp8Weight, fp8_linear, fp8_products, quantize_rows
+from trainer.backends.torch_backend.fp8 import (
+    E4M3_MAX,
+    Fp8Base,
+    Fp8Weight,
+    fp8_linear,
+    fp8_products,
+    quantize_rows,
+)
 from trainer.config import ConfigError
-from trainer.estimate import estimate
-from trainer.estimate_common import get_dims, linear_layers
-from trainer.loop import train
+from trainer.estimate.common import get_dims, linear_layers
+from trainer.estimate.torch_step import estimate
+from trainer.run.loop import train
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -29,7 +29,7 @@ from trainer.backends.mlx_backend.backend import MlxBackend
 from trainer.backends.mlx_backend.models import build
 from trainer.backends.mlx_backend.models.tiny import demo_model, demo_weights
 from trainer.backends.torch_backend.backend import TorchBackend
-from trainer.loop import train
+from trainer.run.loop import train
 
 SIZES = dict(hidden=32, heads=2, double_blocks=1, single_blocks=1, in_channels=16, context_dim=32)  # conftest's
 
@@ -82,7 +82,7 @@ def run_mlx(model, batch):
 
 
 def test_demo_weights_are_torch_init_bit_for_bit(make_model):
-    from trainer.tiny_dit import build_tiny_flux
+    from trainer.demo.tiny_dit import build_tiny_flux
 
     for reference, seed, sizes in ((make_model(3), 3, SIZES), (build_tiny_flux(0), 0, {})):
         ours = demo_weights(seed, **sizes)
@@ -304,7 +304,8 @@ def test_adafactor_steps_and_other_optimizers_are_refused(make_config):
 
 def test_a_run_started_from_a_lora_matches_torch(tmp_path, make_model, make_data, make_config, monkeypatch):
     """init_lora on MLX: the file's weights (and EMA shadow) at step 0, then the same steps as torch."""
-    from trainer import init_lora, lora_format
+    from trainer.lora import files as lora_format
+    from trainer.run import init_lora
 
     torch_backend, _ = both(make_model, make_config)
     source = random_lora(torch_backend, seed=4)

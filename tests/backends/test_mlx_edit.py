@@ -15,14 +15,15 @@ torch = pytest.importorskip("torch")
 
 from test_companion_training import companion_data
 
-from trainer import safetensors_io, tiny_weights
+from trainer import safetensors_io
 from trainer.archs import ARCHS, get_arch
 from trainer.backends.base import Batch
 from trainer.backends.mlx_backend.backend import MlxBackend
 from trainer.backends.mlx_backend.models import build
 from trainer.backends.mlx_backend.models.flux2 import rope_tables
 from trainer.backends.mlx_backend.models.tiny import demo_model
-from trainer.loop import train
+from trainer.demo import tiny_weights
+from trainer.run.loop import train
 
 GOLDEN = Path(__file__).resolve().parents[1] / "goldens" / "flux2_klein_edit.safetensors"
 TOLERANCE = 1e-4  # max |MLX − ComfyUI| / max |ComfyUI|, both float32 (as tests/backends/test_mlx_flux2.py)

@@ -10,11 +10,12 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 nn = pytest.importorskip("mlx.nn")
 
-from trainer import safetensors_io, tiny_weights  # noqa: E402
+from trainer import safetensors_io
 from trainer.archs.flux2 import DEFAULT_TARGETS  # noqa: E402
 from trainer.backends.mlx_backend.models import build  # noqa: E402
 from trainer.backends.mlx_backend.models.weights import load_comfy_file  # noqa: E402
-from trainer.targets import select_targets  # noqa: E402
+from trainer.demo import tiny_weights  # noqa: E402
+from trainer.lora.targets import select_targets  # noqa: E402
 
 GOLDENS = Path(__file__).resolve().parents[1] / "goldens"
 FLUX2_GOLDENS = ("flux2_klein", "flux2_dev")

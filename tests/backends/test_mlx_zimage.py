@@ -1,7 +1,7 @@
 """The MLX Z-Image port against ComfyUI's NextDiT, through goldens (no ComfyUI or torch needed here).
 
 tests/goldens/zimage*.safetensors hold inputs and ComfyUI's output for the tiny Z-Image of
-`trainer.tiny_weights.zimage_weights(seed)`; scripts/make_goldens.py writes them (`zimage`,
+`trainer.demo.tiny_weights.zimage_weights(seed)`; scripts/make_goldens.py writes them (`zimage`,
 `zimage_short_caption`), calling ComfyUI's model as nodes/comfy/ does.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from mlx.utils import tree_flatten
 from trainer import safetensors_io
 from trainer.archs.zimage import DEFAULT_TARGETS
 from trainer.backends.mlx_backend.models import build, zimage
-from trainer.targets import matches, select_targets
-from trainer.tiny_weights import zimage_weights
+from trainer.demo.tiny_weights import zimage_weights
+from trainer.lora.targets import matches, select_targets
 
 GOLDENS = Path(__file__).resolve().parents[1] / "goldens"
 TOLERANCE = 1e-4  # max |ours − ComfyUI| relative to max |ComfyUI|, fp32
@@ -134,7 +134,7 @@ def test_trains_in_the_mlx_backend_with_captions_of_different_lengths(tmp_path):
     """Through the loop and the compiled step: per-row caption lengths reach the model as constants."""
     from trainer import config as config_module
     from trainer.data import InMemoryData
-    from trainer.loop import train
+    from trainer.run.loop import train
 
     model = build("zimage", zimage_weights(0), "float32")
     rng = np.random.default_rng(0)

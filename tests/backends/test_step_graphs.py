@@ -18,7 +18,7 @@ from trainer.backends.torch_backend import levers
 from trainer.backends.torch_backend import step_graphs as step_graphs_module
 from trainer.backends.torch_backend.backend import TorchBackend
 from trainer.backends.torch_backend.step_graphs import StepGraphs
-from trainer.loop import train
+from trainer.run.loop import train
 
 from .test_torch_backend import fixed_batch, split
 

@@ -11,14 +11,19 @@ from torch._dynamo.utils import counters
 
 from trainer import config as config_module
 from trainer.archs import get_arch
-from trainer.backends.torch_backend import checkpointing, levers
 from trainer.backends.torch_backend import backend as backend_module
+from trainer.backends.torch_backend import checkpointing, levers
 from trainer.backends.torch_backend.backend import CompileFailed, TorchBackend
 from trainer.backends.torch_backend.lora import LoraSet
-from trainer.estimate import AUTO_BUDGETS, AUTO_SAFETY, estimate
-from trainer.estimate_common import VARIANTS, linear_layers
+from trainer.estimate.common import VARIANTS, linear_layers
+from trainer.estimate.torch_step import AUTO_BUDGETS, AUTO_SAFETY, estimate
 
-from .test_torch_backend import InPlaceNet, fixed_batch, inplace_net_with_lora, with_lora
+from .test_torch_backend import (
+    InPlaceNet,
+    fixed_batch,
+    inplace_net_with_lora,
+    with_lora,
+)
 
 
 @pytest.fixture
@@ -138,7 +143,7 @@ def test_estimate_counts_the_blocks_that_keep_their_activations():
     assert totals[2] - totals[0] == 7 * per_block          # the last blocks are alike (Z-Image's layers)
     off = estimate("zimage", resolution=1024, gradient_checkpointing=False).total
     assert totals[2] < off
-    from trainer.estimate import advice
+    from trainer.estimate.torch_step import advice
     first = advice(estimate("zimage", resolution=1024, skip_checkpoint_blocks=7).settings)[0]
     assert first[1] == {"skip_checkpoint_blocks": 0}
 
@@ -261,7 +266,7 @@ def test_checkpoint_budget_is_refused_where_it_cannot_work():
 
 
 def test_estimate_counts_the_checkpoint_budget_against_the_measured_peaks():
-    from trainer.estimate import advice
+    from trainer.estimate.torch_step import advice
     measured = {0.0: 15.25, 0.3: 19.38, 0.5: 22.05, 0.8: 26.33}   # GiB, H100, Z-Image 1024 px (RESULTS.md)
     totals = {b: estimate("zimage", resolution=1024, checkpoint_budget=b).total / 2**30 for b in measured}
     assert all(measured[b] <= totals[b] <= 1.15 * measured[b] for b in measured)   # never below the peak

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from trainer.backends.torch_backend.lora import LoraSet, linear_layers
-from trainer.targets import TargetError, init_lora_A, matches, select_targets
+from trainer.lora.targets import TargetError, init_lora_A, matches, select_targets
 
 
 class CastLinear(nn.Linear):

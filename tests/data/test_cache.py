@@ -42,7 +42,7 @@ def test_roundtrip_torn_file_and_prune(tmp_path):
 def test_dataset_prune_keeps_its_own_entries(tmp_path):
     from PIL import Image
 
-    from trainer.data.dataset import DataSettings, Dataset
+    from trainer.data.dataset import Dataset, DataSettings
 
     root = tmp_path / "ds"
     root.mkdir()

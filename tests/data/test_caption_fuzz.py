@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from trainer.data.scan import scan
+from trainer.data.folder.scan import scan
 
 _buffer = io.BytesIO()
 Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(_buffer, "PNG")

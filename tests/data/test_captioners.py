@@ -14,9 +14,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainer.__main__ import main
-from trainer.data import captioners
-from trainer.data.captioners import list_models, resolve_model, transformers_captioner
+from trainer.cli.main import main
+from trainer.data.captioning import models as captioners
+from trainer.data.captioning.models import (
+    list_models,
+    resolve_model,
+    transformers_captioner,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers", reason="the transformers captioner's tests need transformers "

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainer.data.captioning import JOURNAL, STYLES, CaptionJob, caption_folder, plan
+from trainer.data.captioning.jobs import (
+    JOURNAL,
+    STYLES,
+    CaptionJob,
+    caption_folder,
+    plan,
+)
 
 
 def image(root: Path, rel: str, caption: str | None = None, size=(80, 72)) -> Path:
@@ -184,7 +190,7 @@ def test_a_missing_folder_is_named(tmp_path):
 def test_only_captions_the_named_images(tmp_path):
     """`only` (the editor's selection): those images and no others, with overwrite too; an unknown name is an
     error that names it, never a silent skip."""
-    from trainer.data.captioning import parse_only
+    from trainer.data.captioning.jobs import parse_only
 
     image(tmp_path, "a.png")
     image(tmp_path, "b.png", "old b")

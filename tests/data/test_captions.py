@@ -1,7 +1,7 @@
 """Trigger word, prefix, suffix and seeded tag shuffling."""
-from trainer.data.captions import CaptionSettings, caption_variants, shuffle_tags
-
 import numpy as np
+
+from trainer.data.captions import CaptionSettings, caption_variants, shuffle_tags
 
 KEY = "0123456789abcdef" * 4
 

@@ -6,7 +6,7 @@ from PIL import Image
 
 from trainer.data import companions
 from trainer.data.dataset import Dataset, DataSettings
-from trainer.data.scan import scan
+from trainer.data.folder.scan import scan
 
 
 def vae(x):
@@ -178,7 +178,7 @@ def test_companion_names():
 
 
 def test_the_dataset_picker_counts_no_masks_or_controls(tmp_path):
-    from trainer.data.scan import list_datasets
+    from trainer.data.folder.scan import list_datasets
 
     edit_folder(tmp_path, second=True)
     gradient_image((128, 128)).save(tmp_path / "ds" / "a.mask.png")

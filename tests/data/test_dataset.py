@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 
 from trainer.data.captions import CaptionSettings
-from trainer.data.dataset import DataSettings, Dataset, DatasetError
+from trainer.data.dataset import Dataset, DatasetError, DataSettings
 from trainer.data.sampler import BucketSampler
 
 

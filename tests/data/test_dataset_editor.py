@@ -1,4 +1,4 @@
-"""The dataset editor's routes (nodes/dataset_editor.py over trainer/data/editing.py and uploads.py), driven
+"""The dataset editor's routes (nodes/dataset_editor.py over trainer/data/folder/editing.py and uploads.py), driven
 through their handlers with a stand-in for the door's call object: no ComfyUI, no server. The real HTTP
 wiring and the browser are tested in tests/nodes/test_dataset_editor_e2e.py."""
 from __future__ import annotations
@@ -80,7 +80,7 @@ def upload(editor, name, *files, headers=SAME):
 
 
 def test_create_writes_a_dataset_json_that_load_dataset_reads(editor, root):
-    from trainer.data.meta import read_meta
+    from trainer.data.folder.meta import read_meta
 
     made(editor)
     meta, problems = read_meta(root / "faces")

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from trainer.data.images import IMAGE_EXTENSIONS, ImageProblem, load_rgb, probe, verify
+from trainer.data.folder.images import (
+    IMAGE_EXTENSIONS,
+    ImageProblem,
+    load_rgb,
+    probe,
+    verify,
+)
 
 
 def pattern(width: int = 12, height: int = 8) -> np.ndarray:

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from trainer.data import prefetch
-from trainer.data.dataset import DataSettings, Dataset
+from trainer.data.dataset import Dataset, DataSettings
 
 
 def test_results_come_in_the_jobs_order_and_no_more_than_threads_are_ahead():

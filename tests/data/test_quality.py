@@ -1,4 +1,4 @@
-"""The quality pass: near-duplicates, blur, long captions, verdict lines (trainer/data/quality.py)."""
+"""The quality pass: near-duplicates, blur, long captions, verdict lines (trainer/data/folder/quality.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,9 +6,9 @@ import pytest
 from PIL import Image, ImageDraw, ImageFilter
 
 from trainer.archs import ARCHS, get_arch
-from trainer.data import quality
 from trainer.data.dataset import Dataset, DataSettings
-from trainer.data.scan import scan
+from trainer.data.folder import quality
+from trainer.data.folder.scan import scan
 
 
 def photo(seed: int, size=(640, 480)) -> Image.Image:
@@ -130,7 +130,7 @@ def test_cache_skips_decoding_unchanged_images(tmp_path, monkeypatch):
 
 
 def test_check_dataset_cli_prints_verdicts(tmp_path, capsys):
-    from trainer.__main__ import main
+    from trainer.cli.main import main
 
     photo(1).save(tmp_path / "a.png")
     (tmp_path / "a.txt").write_text("word " * 420)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
-from trainer.data import quality
-from trainer.data.scan import scan
+from trainer.data.folder import quality
+from trainer.data.folder.scan import scan
 
 PHOTOS = sorted((Path(__file__).parent / "photos").glob("*.jpg"))
 

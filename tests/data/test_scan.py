@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainer.__main__ import main
-from trainer.data.dataset import DataSettings, Dataset
-from trainer.data.images import load_rgb
-from trainer.data.report import format_report
-from trainer.data.scan import scan as scan_with_defaults
+from trainer.cli.main import main
+from trainer.data.dataset import Dataset, DataSettings
+from trainer.data.folder.images import load_rgb
+from trainer.data.folder.report import format_report
+from trainer.data.folder.scan import scan as scan_with_defaults
 
 
 def image(root: Path, rel: str, size=(96, 80), mode="RGB", caption: str | bytes | None = "a photo", **save) -> Path:
@@ -373,7 +373,7 @@ def test_check_dataset_buckets_come_from_dataset_json_or_are_not_shown(tmp_path,
 def test_list_datasets_names_the_folders_that_hold_images(tmp_path):
     """What Load Dataset's picker offers: folders under input/ with images at any depth, with counts;
     not files, not folders without images, not hidden ones."""
-    from trainer.data.scan import list_datasets
+    from trainer.data.folder.scan import list_datasets
 
     Image.new("RGB", (64, 64)).save(tmp_path / "loose.png")
     (tmp_path / "portraits" / "10_me").mkdir(parents=True)

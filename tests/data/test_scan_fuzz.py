@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from trainer.data.scan import scan
+from trainer.data.folder.scan import scan
 
 
 def _encoded(fmt: str) -> bytes:

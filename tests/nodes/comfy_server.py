@@ -159,7 +159,7 @@ class ComfyServer:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self, timeout: float = 150.0) -> ComfyServer:
-        import comfy_env   # tests/, on sys.path in a test process (conftest)
+        import comfy_env  # tests/, on sys.path in a test process (conftest)
 
         device = [] if comfy_env.gpu() else ["--cpu"]   # KILN_COMFY_GPU=1: on the GPU, as a user's ComfyUI serves
         args = [sys.executable, str(HERE / "comfy_server.py"), self.comfy,

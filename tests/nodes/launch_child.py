@@ -1,5 +1,5 @@
 """The launched child of test_launch_node.py: torchrun runs this file instead of `-m trainer train CONFIG`,
-and it runs that same command (trainer.__main__.main) with one change: ComfyUI cannot detect tiny text-encoder
+and it runs that same command (trainer.cli.main.main) with one change: ComfyUI cannot detect tiny text-encoder
 files, so headless.py's loaders give the tiny VAE and text encoder, while the diffusion model really is read
 from its file by ComfyUI's loader (as tests/nodes/test_headless.py does in one process). Each rank writes
 what it was asked to load to <run>/loaded-rank<N>.json."""
@@ -29,8 +29,8 @@ def main() -> int:
     import comfy_env
 
     comfy_env.prepare(os.environ["COMFYUI_PATH"])   # as in the tests' own process: CPU torch beside PyPI's torchvision
-    from trainer.__main__ import _headless
-    from trainer.__main__ import main as cli
+    from trainer.cli.main import _headless
+    from trainer.cli.main import main as cli
 
     headless = _headless()
     real = headless.train_command

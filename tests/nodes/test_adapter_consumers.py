@@ -16,8 +16,8 @@ import comfy.utils
 import tiny_comfy
 
 from trainer import archs
-from trainer import lora_format as lf
 from trainer.backends.torch_backend.lora import LoraSet
+from trainer.lora import files as lf
 
 TOLERANCE = 1e-4
 KINDS = {"lokr": {"lokr_factor": 4}, "lokr_full": {"lokr_full_w2": True}, "loha": {}, "dora": {}}

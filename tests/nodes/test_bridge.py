@@ -2,7 +2,7 @@
 
 What is checked: arch detection from ComfyUI's own model classes; that the training forward hands
 the diffusion model exactly what ComfyUI's sampler hands it for the same prompt (bitwise), also for
-a Z-Image batch of captions of different lengths; a few real training steps through trainer.loop
+a Z-Image batch of captions of different lengths; a few real training steps through trainer.run.loop
 inside a training session leave the model bitwise as it was; the LORA_MODEL we emit loads through
 ComfyUI's own LoRA loader with every key matched and equals our LoRA side branches; the training
 adapter merge is undone by loading the plain model; validation sampling; VAE/CLIP encoders;
@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import contextlib
 
+import comfy_env
 import numpy as np
 import pytest
-
-import comfy_env
 
 comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
 
@@ -29,8 +28,8 @@ bridge = comfy_env.import_pack("nodes.comfy.bridge")
 archs = comfy_env.import_pack("trainer.archs")
 config = comfy_env.import_pack("trainer.config")
 data_module = comfy_env.import_pack("trainer.data")
-loop = comfy_env.import_pack("trainer.loop")
-LoraWeights = comfy_env.import_pack("trainer.lora_format").LoraWeights
+loop = comfy_env.import_pack("trainer.run.loop")
+LoraWeights = comfy_env.import_pack("trainer.lora.files").LoraWeights
 TorchBackend = comfy_env.import_pack("trainer.backends.torch_backend.backend").TorchBackend
 bridge_session = comfy_env.import_pack("nodes.comfy.session")
 
@@ -170,7 +169,7 @@ def model_output(model, arch_name, x, sigma, emb):
 def random_lora(model, arch_name, seed=0, rank=4):
     """Nonzero LoRA weights on the arch's default targets."""
     rng = np.random.default_rng(seed)
-    from_targets = comfy_env.import_pack("trainer.targets").select_targets
+    from_targets = comfy_env.import_pack("trainer.lora.targets").select_targets
     layers = {n: m for n, m in bridge.diffusion_model(model).named_modules() if isinstance(m, torch.nn.Linear)}
     paths = from_targets(list(layers), list(archs.get_arch(arch_name).default_targets))
     return {p: LoraWeights(A=rng.standard_normal((rank, layers[p].in_features)).astype(np.float32) * 0.1,

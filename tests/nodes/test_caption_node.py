@@ -9,11 +9,10 @@ import math
 import zlib
 from pathlib import Path
 
+import comfy_env
 import numpy as np
 import pytest
 from PIL import Image
-
-import comfy_env
 
 comfy_env.require_comfy()
 

@@ -1,4 +1,4 @@
-"""Compiled blocks (compile_blocks) on ComfyUI's own models, through trainer.loop as the node runs it.
+"""Compiled blocks (compile_blocks) on ComfyUI's own models, through trainer.run.loop as the node runs it.
 
 torch.compile runs with the "aot_eager" backend (the graphs inductor would compile, no C++/Triton build), so
 what is checked is dynamo's side: how many graphs a run with two bucket shapes compiles, and that the
@@ -6,10 +6,9 @@ compiled run trains what the eager run trains. Skipped without COMFYUI_PATH.
 """
 from __future__ import annotations
 
+import comfy_env
 import numpy as np
 import pytest
-
-import comfy_env
 
 comfy_env.require_comfy()
 
@@ -21,7 +20,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 config = comfy_env.import_pack("trainer.config")
 data_module = comfy_env.import_pack("trainer.data")
-loop = comfy_env.import_pack("trainer.loop")
+loop = comfy_env.import_pack("trainer.run.loop")
 checkpointing = comfy_env.import_pack("trainer.backends.torch_backend.checkpointing")
 
 

@@ -24,7 +24,7 @@ spec.loader.exec_module(dashboard)
 
 
 @dataclass
-class Report:                        # the fields of trainer.loop.Report the registry reads
+class Report:                        # the fields of trainer.run.loop.Report the registry reads
     step: int
     total_steps: int = 10
     lr: float = 1e-3

@@ -114,7 +114,7 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
     # Save now wrote a LoRA of the current weights into models/loras/kiln/, loadable as any Kiln LoRA.
     saved_name = re.search(r"saved (kiln/\S+\.safetensors)", report["saved"]["note"]).group(1)
     saved = server.base / "models" / "loras" / saved_name
-    from trainer import lora_format
+    from trainer.lora import files as lora_format
 
     lora, metadata = lora_format.load_lora(saved)
     assert lora and metadata["kiln.arch"] == "flux2_klein"

@@ -31,7 +31,14 @@ import comfy_env
 
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
 
-from comfy_server import CHROMIUM, NODE, make_workflows, require_browser, running, tiny_base
+from comfy_server import (
+    CHROMIUM,
+    NODE,
+    make_workflows,
+    require_browser,
+    running,
+    tiny_base,
+)
 
 NAME = "edited_set"
 

@@ -17,7 +17,7 @@ from test_bridge import Calls, comfy_sampling_calls, embedding
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 archs = comfy_env.import_pack("trainer.archs")
-companion_batch = comfy_env.import_pack("trainer.companion_batch")
+companion_batch = comfy_env.import_pack("trainer.data.companion_batch")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def edit_dataset(root, klein_clip, references=1):
 def test_a_few_steps_train_on_an_encoded_edit_dataset(klein, klein_clip, tmp_path):
     config = comfy_env.import_pack("trainer.config")
     training = comfy_env.import_pack("nodes.comfy.training")
-    loop = comfy_env.import_pack("trainer.loop")
+    loop = comfy_env.import_pack("trainer.run.loop")
     ds = edit_dataset(tmp_path / "edit", klein_clip)
     data = ds.training_data()
     assert len(data.controls(0)) == 1 and data.controls(0)[0].shape == data.latent(0).shape
@@ -123,7 +123,7 @@ def test_mlx_trains_an_edit_dataset_as_torch_does(klein, klein_clip, tmp_path, m
     monkeypatch.setattr(mlx_backend.MlxBackend, "compile_step", False)
     config = comfy_env.import_pack("trainer.config")
     training = comfy_env.import_pack("nodes.comfy.training")
-    loop = comfy_env.import_pack("trainer.loop")
+    loop = comfy_env.import_pack("trainer.run.loop")
     ds = edit_dataset(tmp_path / "edit", klein_clip, references=2)
     assert len(ds.training_data().controls(0)) == 2
     results = {}

@@ -28,7 +28,14 @@ import comfy_env  # noqa: E402
 
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
 
-from comfy_server import CHROMIUM, NODE, make_workflows, require_browser, running, tiny_base  # noqa: E402
+from comfy_server import (  # noqa: E402
+    CHROMIUM,
+    NODE,
+    make_workflows,
+    require_browser,
+    running,
+    tiny_base,
+)
 
 mw = make_workflows()
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import comfy_env
 import numpy as np
 import pytest
 from PIL import Image
-
-import comfy_env
 
 comfy_env.require_comfy()
 
@@ -21,7 +20,7 @@ import tiny_comfy as tc  # noqa: E402
 
 headless = comfy_env.import_pack("headless")
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
-lora_format = comfy_env.import_pack("trainer.lora_format")
+lora_format = comfy_env.import_pack("trainer.lora.files")
 tn = comfy_env.import_pack("nodes.train_nodes")
 
 
@@ -55,7 +54,7 @@ def test_headless_train_of_a_flux2_file(tmp_path, capsys, backend):
 
 
 def test_the_cli_reaches_the_same_headless_module():
-    from trainer.__main__ import _headless
+    from trainer.cli.main import _headless
 
     assert _headless() is headless
 
@@ -64,7 +63,7 @@ def test_the_cli_reaches_the_same_headless_module():
 
 run_module = comfy_env.import_pack("nodes.run")
 config_module = comfy_env.import_pack("trainer.config")
-state_module = comfy_env.import_pack("trainer.state")
+state_module = comfy_env.import_pack("trainer.run.state")
 
 PROMPTS = '["a red cube --seed 5", {prompt = "a blue ball", negative = "blurry", cfg = 2.0, width = 80, height = 64}]'
 
@@ -128,7 +127,7 @@ def test_headless_samples_its_prompts_into_the_run_folder_through_comfys_sampler
     assert sorted(p.name for p in (run / "samples").iterdir()) == ["grid.png"] + [
         f"step-{step:06d}-p{index}.png" for step in (0, 2, 4) for index in (0, 1)]
     # the grid: a column per prompt, a labelled row per sampling step (64 px samples, never upscaled)
-    grid_module = comfy_env.import_pack("trainer.sample_grid")
+    grid_module = comfy_env.import_pack("trainer.samples.grid")
     with Image.open(run / "samples" / "grid.png") as grid:
         assert grid.size == (grid_module.LABEL_PX + 2 * (grid_module.CELL_PX + grid_module.GAP_PX),
                              grid_module.HEADER_PX + 3 * (64 + grid_module.GAP_PX))
@@ -192,7 +191,7 @@ def test_sample_settings_are_outside_the_run_and_its_resume(tmp_path, monkeypatc
     assert sorted(p.name for p in samples.iterdir()) == [
         "grid.png", "step-000000-p0.png", "step-000002-p0.png", "step-000003-p0.png", "step-000003-p1.png",
         "step-000004-p0.png", "step-000004-p1.png"]
-    grid_module = comfy_env.import_pack("trainer.sample_grid")
+    grid_module = comfy_env.import_pack("trainer.samples.grid")
     with Image.open(samples / "grid.png") as grid:   # the resumed run's grid keeps the rows of steps 0 and 2
         assert grid.height == grid_module.HEADER_PX + 4 * (64 + grid_module.GAP_PX)
     theirs, _ = lora_format.load_lora(tmp_path / "runs" / "straight" / "straight.safetensors")

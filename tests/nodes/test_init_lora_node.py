@@ -16,9 +16,9 @@ from test_nodes import encoded_dataset, out, train
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 ln = comfy_env.import_pack("nodes.lora_nodes")
 safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
-lora_format = comfy_env.import_pack("trainer.lora_format")
-init_lora = comfy_env.import_pack("trainer.init_lora")
-lora_sources = comfy_env.import_pack("trainer.lora_sources")
+lora_format = comfy_env.import_pack("trainer.lora.files")
+init_lora = comfy_env.import_pack("trainer.run.init_lora")
+lora_sources = comfy_env.import_pack("trainer.lora.sources")
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,9 @@ from test_nodes import out
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 dashboard = comfy_env.import_pack("nodes.dashboard")
 launch_nodes = comfy_env.import_pack("nodes.launch_nodes")
-launch = comfy_env.import_pack("trainer.launch")
-state = comfy_env.import_pack("trainer.state")
-demo = comfy_env.import_pack("trainer.demo")
+launch = comfy_env.import_pack("trainer.cli.launch")
+state = comfy_env.import_pack("trainer.run.state")
+demo = comfy_env.import_pack("trainer.demo.run")
 CHILD = Path(__file__).with_name("launch_child.py")   # `-m trainer train` with the tiny encoders
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or sys.platform == "win32",

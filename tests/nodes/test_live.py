@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import comfy_env
 import numpy as np
 import pytest
 from PIL import Image
-
-import comfy_env
 
 comfy_env.require_comfy()
 
@@ -25,7 +24,7 @@ live = comfy_env.import_pack("nodes.live")
 dn = comfy_env.import_pack("nodes.dataset_nodes")
 tn = comfy_env.import_pack("nodes.train_nodes")
 run = comfy_env.import_pack("nodes.run")
-lora_format = comfy_env.import_pack("trainer.lora_format")
+lora_format = comfy_env.import_pack("trainer.lora.files")
 
 
 @pytest.fixture
@@ -161,7 +160,7 @@ def test_pause_resume_and_stop_while_paused_from_the_dashboard_with_the_grid_and
     until Resume; a second Pause at step 4 ends by ComfyUI's own stop button, which saves a resumable
     checkpoint at step 4. Samples every 2 steps build <run>/samples/grid.png (shown through kiln.grid), and
     a held-out image gives the dashboard its second loss line."""
-    pause = comfy_env.import_pack("trainer.pause")
+    pause = comfy_env.import_pack("trainer.run.pause")
     model, ds, validation = sampled_run_inputs(comfy_dirs)
     events: list[tuple[str, dict]] = []
     waits: list[int] = []
@@ -218,7 +217,7 @@ def test_chained_validation_settings_sample_each_prompt_in_a_grid_column_headed_
     column per prompt, headed by the text of the CLIP Text Encode behind each `positive` (found through the
     queued prompt, through a Flux Guidance node for the second)."""
     io = comfy_env.import_pack("nodes.train_nodes").io
-    sample_grid = comfy_env.import_pack("trainer.sample_grid")
+    sample_grid = comfy_env.import_pack("trainer.samples.grid")
     model, vae, clip = tc.tiny_flux2(comfy_dirs), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
     ds = encoded_dataset(comfy_dirs, vae, clip)
     queued = {   # the API-format prompt ComfyUI hands the nodes (hidden PROMPT), as the frontend sends it

@@ -19,11 +19,10 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import comfy_env
 import numpy as np
 import pytest
 import torch
-
-import comfy_env
 
 comfy_env.require_comfy()
 pytest.importorskip("diffusers", reason="needs diffusers (the `test` extra installs it): the real consumer of the "
@@ -33,17 +32,21 @@ pytest.importorskip("peft", reason="needs peft (the `test` extra installs it): d
 import comfy.model_management as mm  # noqa: E402
 import comfy.supported_models  # noqa: E402
 import folder_paths  # noqa: E402
-import nodes  # noqa: E402
 import tiny_comfy  # noqa: E402
 from comfy.ldm.lumina.model import NextDiT  # noqa: E402
-from diffusers import (Flux2KleinPipeline, Flux2Transformer2DModel, ZImagePipeline,  # noqa: E402
-                       ZImageTransformer2DModel)
+from diffusers import (  # noqa: E402
+    Flux2KleinPipeline,
+    Flux2Transformer2DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
+)
 from diffusers.loaders import single_file_utils  # noqa: E402
 
+import nodes  # noqa: E402
 from trainer import archs  # noqa: E402
-from trainer import lora_format as lf  # noqa: E402
-from trainer.lora_format import LoraWeights  # noqa: E402
-from trainer.targets import select_targets  # noqa: E402
+from trainer.lora import files as lf  # noqa: E402
+from trainer.lora.files import LoraWeights  # noqa: E402
+from trainer.lora.targets import select_targets  # noqa: E402
 
 TOLERANCE = 1e-4                          # relative to the LoRA's effect on the model output
 FORMATS = list(lf.FORMATS)

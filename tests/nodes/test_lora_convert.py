@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import logging
 
+import comfy_env
 import numpy as np
 import pytest
 import torch
-
-import comfy_env
 
 comfy_env.require_comfy()
 
@@ -21,8 +20,8 @@ import comfy.utils  # noqa: E402
 import lora_fixtures as fx  # noqa: E402
 import tiny_comfy  # noqa: E402
 
-from trainer import lora_format  # noqa: E402
 from trainer import safetensors_io  # noqa: E402
+from trainer.lora import files as lora_format  # noqa: E402
 
 FAMILIES = {"flux2": lambda tmp: tiny_comfy.tiny_flux2(tmp), "zimage": lambda tmp: tiny_comfy.tiny_zimage()}
 

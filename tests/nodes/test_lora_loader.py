@@ -3,11 +3,10 @@ model_lora_keys_unet, load_lora and calculate_weight on a stand-in model of Comf
 every format and family (the fixtures of tests/test_lora_format.py)."""
 from __future__ import annotations
 
+import comfy_env
 import numpy as np
 import pytest
 import torch
-
-import comfy_env
 
 comfy_env.require_comfy()
 
@@ -16,7 +15,7 @@ import comfy.model_base  # noqa: E402
 import comfy.utils  # noqa: E402
 from test_lora_format import CASES, HIDDEN, _metadata, delta, make_lora  # noqa: E402
 
-from trainer import lora_format as lf  # noqa: E402
+from trainer.lora import files as lf  # noqa: E402
 
 
 def _fake_model(model_class, modules: dict, unet_config: dict):

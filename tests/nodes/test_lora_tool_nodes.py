@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import comfy_env
 import numpy as np
 import pytest
-
-import comfy_env
 
 comfy_env.require_comfy()
 
@@ -26,8 +25,8 @@ from comfy_extras.nodes_train import LoraModelLoader, SaveLoRA  # noqa: E402
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 tools = comfy_env.import_pack("nodes.lora_tool_nodes")
-lora_format = comfy_env.import_pack("trainer.lora_format")
-lora_tools = comfy_env.import_pack("trainer.lora_tools")
+lora_format = comfy_env.import_pack("trainer.lora.files")
+lora_tools = comfy_env.import_pack("trainer.lora.tools")
 
 MODULES = ("double_blocks.0.img_attn.qkv", "double_blocks.1.img_mlp.0", "single_blocks.1.linear2")
 ZIMAGE_MODULES = ("layers.0.attention.qkv", "layers.1.feed_forward.w2")

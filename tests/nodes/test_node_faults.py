@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import comfy_env
 import numpy as np
 import pytest
-
-import comfy_env
 
 comfy_env.require_comfy()
 
@@ -27,12 +26,12 @@ import torch  # noqa: E402
 from test_nodes import encoded_dataset, train  # noqa: E402
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
-run_folders = comfy_env.import_pack("trainer.run_folders")
+run_folders = comfy_env.import_pack("trainer.run.folders")
 door_model = comfy_env.import_pack("nodes.comfy.model")      # what the training sequence calls
 door_session = comfy_env.import_pack("nodes.comfy.session")
 run_module = comfy_env.import_pack("nodes.run")
-faults = comfy_env.import_pack("trainer.faults")
-state_module = comfy_env.import_pack("trainer.state")
+faults = comfy_env.import_pack("trainer.run.faults")
+state_module = comfy_env.import_pack("trainer.run.state")
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,9 @@ and a training adapter or adapter file whose tensors do not fit the model is ref
 (ComfyUI's own loader would log the mismatch and leave the weight unpatched)."""
 from __future__ import annotations
 
-
+import comfy_env
 import numpy as np
 import pytest
-
-import comfy_env
 
 comfy_env.require_comfy()
 

@@ -28,7 +28,7 @@ on = comfy_env.import_pack("nodes.option_nodes")
 ln = comfy_env.import_pack("nodes.lora_nodes")
 run = comfy_env.import_pack("nodes.run")
 safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
-lora_format = comfy_env.import_pack("trainer.lora_format")
+lora_format = comfy_env.import_pack("trainer.lora.files")
 
 
 def make_dataset(folder: Path, count: int = 4) -> Path:

@@ -13,22 +13,28 @@ families have, on a tiny model built with ComfyUI's own classes.
 """
 from __future__ import annotations
 
+import comfy_env
 import numpy as np
 import pytest
-import comfy_env
 
 comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
 
 import comfy.model_management as mm  # noqa: E402
 import tiny_comfy as tc  # noqa: E402
 import torch  # noqa: E402
-from test_bridge import comfy_sampling_calls, our_call, random_lora, same_call, small_config  # noqa: E402
+from test_bridge import (  # noqa: E402
+    comfy_sampling_calls,
+    our_call,
+    random_lora,
+    same_call,
+    small_config,
+)
 
 bridge = comfy_env.import_pack("nodes.comfy.bridge")
 archs = comfy_env.import_pack("trainer.archs")
 data_module = comfy_env.import_pack("trainer.data")
-lf = comfy_env.import_pack("trainer.lora_format")
-loop = comfy_env.import_pack("trainer.loop")
+lf = comfy_env.import_pack("trainer.lora.files")
+loop = comfy_env.import_pack("trainer.run.loop")
 TorchBackend = comfy_env.import_pack("trainer.backends.torch_backend.backend").TorchBackend
 
 CONTEXT_DIM = 48  # Qwen2.5-VL 7B gives 3584; tiny here

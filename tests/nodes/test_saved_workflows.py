@@ -34,12 +34,19 @@ import comfy_env  # noqa: E402
 
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
 
-from comfy_server import CHROMIUM, NODE, make_workflows, require_browser, running, tiny_base  # noqa: E402
+from comfy_server import (  # noqa: E402
+    CHROMIUM,
+    NODE,
+    make_workflows,
+    require_browser,
+    running,
+    tiny_base,
+)
 
 mw = make_workflows()
 tn = comfy_env.import_pack("nodes.train_nodes")
 config = comfy_env.import_pack("trainer.config")
-config_layers = comfy_env.import_pack("trainer.config_layers")
+config_layers = comfy_env.import_pack("trainer.config.layers")
 
 SHIPPED = json.loads((SAVED / "widget_order.json").read_text(encoding="utf-8"))
 WORKFLOWS = sorted(p for p in SAVED.glob("*.json") if p.name != "widget_order.json")

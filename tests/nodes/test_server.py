@@ -43,7 +43,6 @@ COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
 from comfy_server import TINY_FILES, make_workflows, running, tiny_base  # noqa: E402
 
-
 mw = make_workflows()
 WORKFLOWS = HERE / "workflows"
 EXAMPLES = sorted((REPO / "example_workflows" / "api").glob("*.json"))
@@ -294,7 +293,7 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
     images saved, and the resume workflow continues the Z-Image run the first workflow left."""
     if shutil.which("comfy") is None:
         pytest.fail("comfy-cli is not installed: pip install -e '.[test]' installs it", pytrace=False)
-    from trainer import lora_format
+    from trainer.lora import files as lora_format
 
     loras, images = server.base / "models" / "loras" / "kiln_cli", server.base / "output" / "kiln_cli"
     order = ["zimage_turbo_character_lora", "flux2_klein_style_lora", "chained_training", "flux2_klein_edit_lora",

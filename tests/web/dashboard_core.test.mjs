@@ -18,8 +18,8 @@ function progress(step, extra = {}) {
     peak_memory_bytes: 0, ...extra };
 }
 
-test("smooth equals trainer/plot.py's smoothed (bias-corrected EMA, factor 0.9)", () => {
-  // python -c "from trainer.plot import smoothed; print(smoothed([1.0, 2.0, 0.5, 0.8, 1.2]))"
+test("smooth equals trainer/run/plot.py's smoothed (bias-corrected EMA, factor 0.9)", () => {
+  // python -c "from trainer.run.plot import smoothed; print(smoothed([1.0, 2.0, 0.5, 0.8, 1.2]))"
   const expected = [1.0, 1.5263157894736843, 1.1476014760147604, 1.0465251526606576, 1.0840028326536597];
   smooth([1.0, 2.0, 0.5, 0.8, 1.2]).forEach((value, i) => close(value, expected[i]));
 });

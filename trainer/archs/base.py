@@ -2,8 +2,6 @@
 names, sampling defaults), and the per-row model extras two families share. Imports no family."""
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 

@@ -1,4 +1,4 @@
-"""The built-in demo DiT (trainer/demo.py): a small Flux2-shaped model for CPU.
+"""The built-in demo DiT (trainer/demo/run.py): a small Flux2-shaped model for CPU.
 
 Same module names and call convention as ComfyUI's Flux2 (model(x, sigma,
 context)), so LoRA targets, key names and diffusers export are exercised

@@ -88,7 +88,7 @@ def extra_params(dims: ModelDims, layers: dict[str, tuple[int, int]]) -> int:
 
 
 def blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGroup]:
-    """Measured (trainer/estimate.py), per token of either stream; both kinds see the joint sequence.
+    """Measured (trainer/estimate/torch_step.py), per token of either stream; both kinds see the joint sequence.
     Double block:
       bf16  qkv in D, qkv out 3D, SDPA q/k/v/out 4D, proj in D, mlp.0 in D,
             mlp.0 out 2M (gate|up), silu M, mlp.2 in M      = 10D + 4M

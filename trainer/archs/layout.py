@@ -1,4 +1,4 @@
-"""The shape of a model family, as the memory estimate needs it (trainer/estimate_common.py).
+"""The shape of a model family, as the memory estimate needs it (trainer/estimate/common.py).
 
 Each family file (flux2.py, zimage.py, ...) builds one `Layout` from its own functions and hangs it
 on its `Arch` (`layout=`); the estimate asks the arch for it and never tests a family name. The
@@ -64,7 +64,7 @@ class Layout:
     linear_layers: Callable[[ModelDims, int], Shapes]
     # (dims, linear_layers) -> parameters beyond Linear weights: biases, norm scales, pad tokens
     extra_params: Callable[[ModelDims, Shapes], int]
-    # (dims, image tokens, text tokens) -> the block groups in block order (trainer/estimate.py docstring)
+    # (dims, image tokens, text tokens) -> the block groups in block order (trainer/estimate/torch_step.py docstring)
     blocks: Callable[[ModelDims, int, int], list[BlockGroup]]
     widest_output: Callable[[ModelDims], int]  # features of the widest per-token block Linear output
     header: HeaderSpec

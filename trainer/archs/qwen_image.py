@@ -69,7 +69,7 @@ def extra_params(dims: ModelDims, layers: dict[str, tuple[int, int]]) -> int:
 
 
 def blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGroup]:
-    """Derived by trainer/estimate.py's rules from ComfyUI's QwenImageTransformerBlock, not yet measured on a
+    """Derived by trainer/estimate/torch_step.py's rules from ComfyUI's QwenImageTransformerBlock, not yet measured on a
     GPU. A two-stream block with joint attention like Flux2's double block; per token of either stream:
       bf16  to_q/k/v in D (one input), q and k norm inputs 2D (contiguous copies: unlike Flux2's fused
             qkv, v's output is not kept), SDPA q/k/v/out 4D, to_out in D, mlp.net.0 in D, GELU in M,

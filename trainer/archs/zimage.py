@@ -11,7 +11,6 @@ from __future__ import annotations
 from .base import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths
 from .layout import BlockGroup, HeaderSpec, Layout, ModelDims, ceil_to
 
-
 DEFAULT_TARGETS = (
     "attention.qkv", "attention.out",
     "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
@@ -73,7 +72,7 @@ def extra_params(dims: ModelDims, layers: dict[str, tuple[int, int]]) -> int:
 
 
 def blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGroup]:
-    """Measured (trainer/estimate.py), per token; layers, noise_refiner (image tokens) and context_refiner
+    """Measured (trainer/estimate/torch_step.py), per token; layers, noise_refiner (image tokens) and context_refiner
     (text tokens) alike:
       bf16  norm1 in D, qkv in D, qkv out 3D, SDPA 4D, out in D, norm2 in D,
             ffn_norm1 in D, w1 and w3 in 2D (a copy per branch), w1/w3/silu

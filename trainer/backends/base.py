@@ -14,7 +14,7 @@ import numpy as np
 
 from ..archs import Arch
 from ..config import TrainConfig
-from ..lora_format import LoraWeights
+from ..lora.files import LoraWeights
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Batch:
     context: np.ndarray           # already arch-padded, caption dropout applied
     extras: dict[str, Any] = field(default_factory=dict)  # arch model_extras (guidance, num_tokens)
     items: list[str] = field(default_factory=list)        # the global batch's image names (every rank), for messages
-    preservation: Any = None      # trainer.preservation.Preservation: DOP's class-word rows, None when off
+    preservation: Any = None      # trainer.objective.preservation.Preservation: DOP's class-word rows, None when off
     mask: np.ndarray | None = None  # [B,1,H,W] float32 per-cell loss weights (masked training), None: all 1
 
 
@@ -89,7 +89,7 @@ class Backend(Protocol):
 
     def eval_loss(self, batches: list[Batch]) -> float:
         """The mean weighted loss over every row of `batches`, without gradients, with the weights a user
-        keeps (EMA when on) and LoRA dropout off: the held-out loss (trainer/holdout.py). No update."""
+        keeps (EMA when on) and LoRA dropout off: the held-out loss (trainer/run/holdout.py). No update."""
 
     def scalars(self, values: list[Any]) -> list[float]:
         """Device scalars → floats, in one transfer."""

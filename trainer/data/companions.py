@@ -27,8 +27,8 @@ import numpy as np
 from PIL import Image
 
 from .buckets import Entry
-from .images import IMAGE_EXTENSIONS, ImageProblem, load_mask, load_rgb, probe
-from .report import Item, Problem
+from .folder.images import IMAGE_EXTENSIONS, ImageProblem, load_mask, load_rgb, probe
+from .folder.report import Item, Problem
 
 MASK_SUFFIX = ".mask"
 CONTROL_FOLDER = re.compile(r"^control(?:_([2-9]|[1-9]\d))?$")   # control, control_2, ... control_99

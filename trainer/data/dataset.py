@@ -25,9 +25,9 @@ from .buckets import BucketPlan, Entry, plan_buckets
 from .cache import Cache, latent_key, text_key
 from .captions import CaptionSettings, caption_variants, class_caption
 from .companions import companions_key, entry_sample
+from .folder.report import DatasetMeta, Item, Problem, ScanReport, format_report
 from .prefetch import in_order
 from .regularised import RegularisedData
-from .report import DatasetMeta, Item, Problem, ScanReport, format_report
 
 ImageEncoder = Callable[[np.ndarray], np.ndarray]
 TextEncoder = Callable[[str], np.ndarray]
@@ -87,7 +87,7 @@ class Dataset:
     @classmethod
     def load(cls, root: str | Path, settings: DataSettings = DataSettings(), *,
              cache_dir: str | Path | None = None, min_side: int = 64) -> "Dataset":
-        from .scan import scan
+        from .folder.scan import scan
 
         report = scan(root, deep=settings.deep, resolutions=settings.resolutions or (512,), min_side=min_side)
         if not report.ok:
@@ -99,7 +99,7 @@ class Dataset:
         cache = Path(cache_dir) if cache_dir else Path(report.root) / CACHE_FOLDER
         if settings.quality:
             from ..archs import ARCHS
-            from .quality import CACHE_FILE, assess, token_limits
+            from .folder.quality import CACHE_FILE, assess, token_limits
 
             assess(report, [variants[0] for variants in captions], token_limits(ARCHS.values()),
                    cache_file=cache / CACHE_FILE)
@@ -147,7 +147,7 @@ class Dataset:
     def encode_images(self, encode: ImageEncoder, identity: str, *, batch_size: int = 4,
                       progress: Progress | None = None) -> "Dataset":
         """Cache a latent per entry; images that fail to decode are skipped and named, not fatal."""
-        from .images import ImageProblem, load_rgb
+        from .folder.images import ImageProblem, load_rgb
 
         ds = dataclasses.replace(self, latent_identity=identity)
         cache, entries = ds.cache, ds.plan.entries
@@ -258,7 +258,7 @@ class Dataset:
     def report_text(self) -> str:
         """What Load Dataset shows on its node: check-dataset's report with the bucket plan (and, after the
         quality pass, a verdict line per image)."""
-        from .quality import verdict_line, verdicts
+        from .folder.quality import verdict_line, verdicts
 
         buckets = describe_plan(self.plan, self.report.items, self.settings.resolutions)
         lines = [verdict_line(v) for v in verdicts(self.report, buckets)] if self.settings.quality else None

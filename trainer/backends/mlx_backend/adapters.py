@@ -1,5 +1,5 @@
 """LoKr, LoHa and DoRA layers for MLX: the torch backend's side branches (torch_backend/adapters.py), same
-parameter names, init and formulas (trainer/adapters.py). Like LoraLinear, each holds the very base layer
+parameter names, init and formulas (trainer/lora/adapters.py). Like LoraLinear, each holds the very base layer
 (`base_layer`, frozen) and takes its place on the parent; fp32 parameters; the branch runs in the
 activation dtype under bf16 mixed precision and is cast back to the base's output dtype."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from ... import adapters as kinds
-from ...adapters import AdapterWeights
+from ...lora import adapters as kinds
+from ...lora.adapters import AdapterWeights
 from ..base import parameter_name, saved_name
 
 

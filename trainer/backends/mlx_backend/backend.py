@@ -20,8 +20,8 @@ from mlx.utils import tree_flatten, tree_map
 
 from ...archs import Arch
 from ...config import TrainConfig
-from ...lora_format import LoraWeights
-from ...objective import interpolate, velocity_target
+from ...lora.files import LoraWeights
+from ...objective.flow import interpolate, velocity_target
 from ..base import StepStats, parameter_name, saved_name
 from .checkpointing import BlockCheckpointing
 from .ema import Ema
@@ -111,7 +111,7 @@ class MlxBackend:
         constants = {}
         self._extras_in(batch.extras, "", arrays, constants)
         kept = getattr(batch, "preservation", None)
-        if kept is not None:   # DOP (trainer/preservation.py): the class-word rows, and the rows with them
+        if kept is not None:   # DOP (trainer/objective/preservation.py): the class-word rows, and the rows with them
             arrays["dop.weights"] = mx.array(kept.weights, dtype=mx.float32)
             for where, context, extras in (("dop.", kept.context, kept.extras),
                                            ("joint.", kept.joint_context, kept.joint_extras)):

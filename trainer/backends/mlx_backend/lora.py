@@ -14,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...lora_format import LoraWeights
-from ...targets import init_lora_A, select_targets
+from ...lora.files import LoraWeights
+from ...lora.targets import init_lora_A, select_targets
 from . import adapters
 
 LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)

@@ -1,7 +1,7 @@
 """LoKr, LoHa and DoRA side branches: the same design as lora.py's LoraBranch (the base Linear's own
 forward runs unchanged; the branch adds to its output, or for DoRA scales its input), parameters fp32.
 
-Formulas and key names: trainer/adapters.py. LoKr never builds kron(w1, w2): the input is viewed as
+Formulas and key names: trainer/lora/adapters.py. LoKr never builds kron(w1, w2): the input is viewed as
 [..., in_m, in_n] and y = w1 · X · w2ᵀ. LoHa builds its [out, in] ΔW each step (a Hadamard product has
 no cheaper form). DoRA's column norms ‖W + s·BA‖ come from ‖W‖² (kept once), Bᵀ·W [r, in] and BᵀB [r, r],
 never from W + s·BA itself; the base weight is read, never copied or changed.
@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ... import adapters as kinds
-from ...adapters import AdapterWeights
+from ...lora import adapters as kinds
+from ...lora.adapters import AdapterWeights
 from ..base import parameter_name, saved_name
 
 
@@ -28,7 +28,7 @@ def _attribute(role: str) -> str:
 
 
 class AdapterBranch(nn.Module):
-    """Parameters named by role (trainer/adapters.py); `hook` gives the module's new forward."""
+    """Parameters named by role (trainer/lora/adapters.py); `hook` gives the module's new forward."""
 
     kind = ""
 

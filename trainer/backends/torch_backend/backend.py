@@ -7,18 +7,28 @@ import numpy as np
 import torch
 from torch import nn
 
-from ... import distributed
 from ...archs import Arch
 from ...config import AUTO, TrainConfig
-from ...estimate import GRAPH_MAX_PIXELS
-from ...lora_format import LoraWeights
-from ...objective import interpolate, velocity_target
+from ...estimate.torch_step import GRAPH_MAX_PIXELS
+from ...lora.files import LoraWeights
+from ...objective.flow import interpolate, velocity_target
+from ...run import distributed
 from ..base import StepStats, parameter_name, saved_name
 from . import attention, fallbacks, levers, lora
-from .checkpointing import BlockCheckpointing, CompileFailed, compile_errors_explained, find_blocks  # noqa: F401 (CompileFailed: imported from here)
+from .checkpointing import (  # noqa: F401 (CompileFailed: imported from here)
+    BlockCheckpointing,
+    CompileFailed,
+    compile_errors_explained,
+    find_blocks,
+)
 from .ema import Ema
 from .lora import LoraSet
-from .optim import build_optimizer, clip_global_norm, load_optimizer_arrays, optimizer_arrays
+from .optim import (
+    build_optimizer,
+    clip_global_norm,
+    load_optimizer_arrays,
+    optimizer_arrays,
+)
 from .step_graphs import StepGraphs
 
 
@@ -172,7 +182,7 @@ class TorchBackend:
                 for k, v in extras.items()}
 
     def _preserving_loss(self, batch) -> torch.Tensor:
-        """Differential output preservation (trainer/preservation.py): the base model's prediction on the
+        """Differential output preservation (trainer/objective/preservation.py): the base model's prediction on the
         class-word captions (LoRA off, no grad; a compiled block runs eagerly without grad, so nothing
         recompiles) is the target of the LoRA's, from one forward of the rows and their class-word rows."""
         kept, amp, flow = batch.preservation, self._amp(), self._flow_tensors(batch)

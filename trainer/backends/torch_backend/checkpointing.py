@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from ...faults import first_line
+from ...run.faults import first_line
 from ..base import checkpointed
 
 

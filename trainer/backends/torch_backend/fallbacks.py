@@ -13,7 +13,7 @@ import dataclasses
 import traceback
 
 from ...config import AUTO
-from ...faults import first_line, is_out_of_memory
+from ...run.faults import first_line, is_out_of_memory
 from .checkpointing import CompileFailed
 from .levers import log
 

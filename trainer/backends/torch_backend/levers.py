@@ -7,7 +7,7 @@ falls back to the eager blocks with one log line (backend.py), so "auto" never l
 
 checkpoint_budget auto: the largest share of each block's activation memory the compiled blocks may keep
 (bench/RESULTS.md: on an H100, Z-Image 1024 px went 0.381 → 0.350 → 0.294 s/step at budgets 0, 0.3, 0.8,
-for 15.3 → 19.4 → 26.3 GiB) whose estimated step (trainer/estimate.py, within −7…+9 % of measured peaks)
+for 15.3 → 19.4 → 26.3 GiB) whose estimated step (trainer/estimate/torch_step.py, within −7…+9 % of measured peaks)
 fits the memory free at the start, less a margin for validation sampling and the allocator. A model the
 estimator does not know (the generic arch) gets 0: plain checkpointing, the memory-safe choice.
 
@@ -59,10 +59,10 @@ def base_dtype(model: nn.Module) -> str:
 
 
 def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> int | None:
-    """What one training step adds to the resident weights at the largest bucket, by trainer/estimate.py;
+    """What one training step adds to the resident weights at the largest bucket, by trainer/estimate/torch_step.py;
     None for a model it does not know."""
-    from ...estimate import estimate
-    from ...estimate_common import variant_from_header
+    from ...estimate.common import variant_from_header
+    from ...estimate.torch_step import estimate
 
     try:
         variant = variant_from_header({name: list(t.shape) for name, t in model.state_dict().items()})
@@ -98,7 +98,7 @@ def free_bytes(device: torch.device) -> tuple[int, int]:
 
 def auto_budget(model: nn.Module, cfg: TrainConfig, device: torch.device, free_and_total=None) -> tuple[float, str]:
     """(budget, why) for checkpoint_budget auto."""
-    from ...estimate import auto_margin, largest_budget
+    from ...estimate.torch_step import auto_margin, largest_budget
 
     free, total = free_and_total or free_bytes(device)
     margin = auto_margin(total)
@@ -139,7 +139,7 @@ def fp8_stored_backward(model: nn.Module, cfg: TrainConfig, device: torch.device
     copy (30 GiB) does not fit beside its step on 80 GB, and it keeps the cast."""
     if not copy_bytes or device.type != "cuda":
         return False, ""
-    from ...estimate import AUTO_SAFETY, auto_margin, largest_budget
+    from ...estimate.torch_step import AUTO_SAFETY, auto_margin, largest_budget
 
     free, total = free_and_total or free_bytes(device)
     margin = auto_margin(total)
@@ -187,7 +187,12 @@ def step_graphs(model: nn.Module, cfg: TrainConfig, device: torch.device, budget
         return False, f"step_graphs → off ({why_not})" if cfg.step_graphs is True else ""
     if cfg.step_graphs is True:
         return True, ""
-    from ...estimate import AUTO_SAFETY, GRAPH_POOL_FACTOR, auto_margin, graph_resolution
+    from ...estimate.torch_step import (
+        AUTO_SAFETY,
+        GRAPH_POOL_FACTOR,
+        auto_margin,
+        graph_resolution,
+    )
 
     recorded = graph_resolution(cfg.resolutions, cfg.batch_size)
     if recorded is None:

@@ -15,10 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...lora_format import LoraWeights
-from ...targets import init_lora_A, select_targets
+from ...lora.files import LoraWeights
+from ...lora.targets import init_lora_A, select_targets
 from . import adapters
-
 
 # A/B switches for bench/ (both on in every run): the weights cast once per step under autocast, and no
 # multiply at scale 1 (alpha = rank, the default). Each removes small kernels (bench/RESULTS.md).
@@ -138,7 +137,7 @@ def _is_linear(module: nn.Module) -> bool:
 
 
 class LoraSet:
-    """All branches of one run, keyed by ComfyUI module path; `adapter` picks the kind (trainer/adapters.py)."""
+    """All branches of one run, keyed by ComfyUI module path; `adapter` picks the kind (trainer/lora/adapters.py)."""
 
     def __init__(self, model: nn.Module, patterns, *, rank: int, alpha: float, dropout: float, seed: int,
                  adapter: str = "lora", lokr_factor: int = -1, lokr_full_w2: bool = False):

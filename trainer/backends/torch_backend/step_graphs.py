@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from ...faults import first_line
+from ...run.faults import first_line
 
 log = logging.getLogger("kiln")
 

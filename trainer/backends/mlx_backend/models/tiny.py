@@ -1,4 +1,4 @@
-"""The demo's tiny Flux2-shaped DiT (trainer/tiny_dit.py) in MLX: same module paths, same math.
+"""The demo's tiny Flux2-shaped DiT (trainer/demo/tiny_dit.py) in MLX: same module paths, same math.
 
 Weights load from the torch model's state dict (as numpy), or come from `demo_weights(seed)`,
 which reproduces `build_tiny_flux(seed)`'s initialisation bit for bit without torch: torch's CPU
@@ -233,5 +233,5 @@ def demo_weights(seed: int = 0, **sizes) -> dict[str, np.ndarray]:
 
 
 def demo_model(seed: int = 0, dtype="float32", **sizes) -> TinyFlux:
-    """The MLX twin of trainer.tiny_dit.build_tiny_flux(seed, **sizes): same weights, no torch needed."""
+    """The MLX twin of trainer.demo.tiny_dit.build_tiny_flux(seed, **sizes): same weights, no torch needed."""
     return build("demo", demo_weights(seed, **sizes), dtype, heads=sizes.get("heads", 4))

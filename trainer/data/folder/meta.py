@@ -1,0 +1,79 @@
+"""dataset.json, the optional description of a dataset at its root (DatasetMeta): read and checked.
+Bad JSON or a bad value is fatal, an unknown key a warning; each problem says the fix."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from pathlib import Path
+
+from ...config import BOUNDS
+from .report import META_FILE, DatasetMeta, Problem, fatal
+
+META_TYPES = ("character", "style", "concept", "")
+
+
+def read_meta(root: Path) -> tuple[DatasetMeta, list[Problem]]:
+    """dataset.json at the root, if any. Bad JSON or a bad value is fatal; an unknown key a warning."""
+    path = root / META_FILE
+    if not path.is_file():
+        return DatasetMeta(), []
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except OSError as err:
+        return DatasetMeta(), [fatal("dataset_json_unreadable", META_FILE, f"cannot read: {err.strerror or err}",
+                                      "check the file's permissions")]
+    except UnicodeDecodeError as err:
+        return DatasetMeta(), [fatal("dataset_json_syntax", META_FILE, f"not UTF-8 (byte offset {err.start})",
+                                      "re-save it as UTF-8")]
+    except json.JSONDecodeError as err:
+        return DatasetMeta(), [fatal("dataset_json_syntax", META_FILE, f"invalid JSON at line {err.lineno}, "
+                                      f"column {err.colno}: {err.msg}",
+                                      "fix the JSON there (a missing comma or quote, or a trailing comma?)")]
+    if not isinstance(raw, dict):
+        return DatasetMeta(), [fatal("dataset_json_value", META_FILE, f"must be a JSON object, got {_kind(raw)}",
+                                      'write an object, e.g. {"trigger_word": "ohwx", "type": "character"}')]
+    names = [f.name for f in dataclasses.fields(DatasetMeta)]
+    values, problems = {}, []
+    for key, value in raw.items():
+        if key not in names:
+            match = difflib.get_close_matches(key, names, 1)
+            hint = f" (did you mean {match[0]!r}?)" if match else ""
+            problems.append(Problem("dataset_json_unknown_key", META_FILE, f"unknown key {key!r}{hint}; ignored",
+                                    f"rename or remove it; known keys: {', '.join(names)}", "warning"))
+        elif (error := meta_value_error(key, value)) is not None:
+            problems.append(fatal("dataset_json_value", META_FILE, f"{key!r}: {error}",
+                                   f"correct {key!r} in {META_FILE}, or remove it"))
+        else:
+            values[key] = list(value) if key == "resolutions" else value
+    return DatasetMeta(**values), problems
+
+
+def meta_value_error(key: str, value) -> str | None:
+    """What is wrong with one dataset.json value (None when it is fine); the editor checks with it too."""
+    if key in ("resolutions", "repeats") and value is None:
+        return None
+    if key == "resolutions":
+        low, high = BOUNDS["resolutions"]
+        if not isinstance(value, list) or not value or not all(_is_int(v) and low <= v <= high for v in value):
+            return f"must be a list of whole numbers {low:g}..{high:g}, e.g. [512, 768], got {value!r}"
+        return None
+    if key == "repeats":
+        low, high = BOUNDS["repeats"]
+        return None if _is_int(value) and low <= value <= high else f"must be a whole number {low:g}..{high:g}"
+    if not isinstance(value, str):
+        return f"must be a string, got {_kind(value)}"
+    if key == "type" and value not in META_TYPES:
+        match = difflib.get_close_matches(value, META_TYPES, 1)
+        return f"must be one of {', '.join(map(repr, META_TYPES))}, got {value!r}" + \
+            (f" (did you mean {match[0]!r}?)" if match else "")
+    return None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}.get(
+        type(value), f"the number {value!r}")

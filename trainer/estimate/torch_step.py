@@ -1,0 +1,206 @@
+"""Memory estimate for one LoRA training step on a full-size model (Flux2, Z-Image, ...; VARIANTS).
+
+An estimate, not a measurement: it counts the big tensors and adds a margin.
+Per GPU, diffusion model only; the text encoder and VAE are assumed run
+beforehand (cached latents and embeddings) or offloaded.
+
+    weights      params x bytes(base_dtype): bf16 2, fp8 1, fp32 4 (frozen, no grads)
+    lora         rank*(in+out) per targeted Linear, fp32; gradients the same
+    optimizer    per LoRA param: adamw 8 B (exp_avg, exp_avg_sq), adamw8bit 2 B
+                 (bitsandbytes; block scales ignored), prodigy 16 B (exp_avg,
+                 exp_avg_sq, s, p0; p0 of a zero lora_B is a scalar, so ~14 B real);
+                 adafactor 4 B x (rows + cols) per LoRA matrix (torch.optim.Adafactor:
+                 factored second moment, no momentum)
+    activations  what autograd keeps: the block model below
+    workspace    1 GiB (CUDA context, cuBLAS workspace, allocator slack) + 2x the
+                 widest Linear output (it and its gradient in backward) + for fp8
+                 bases the largest weight upcast to bf16 on use
+
+Tokens: one per (latent_downscale x patch)^2 pixels of the (square, worst-case) bucket, read from
+the arch (16x16 px in every family so far: Flux2 latent /16, patch 1; Z-Image latent /8, patch 2),
+padded as the model pads them (Layout.token_multiple: Z-Image 32), plus the variant's text tokens
+(512: Flux2 pads context to 512; for Z-Image 512 caption tokens is an upper bound).
+
+Block model: bytes autograd keeps per token, read with saved_tensors_hooks from
+ComfyUI 0.17's own full-size blocks on CUDA with Kiln's LoRA on every block
+Linear under bf16 autocast. D = hidden, M = MLP hidden. What the readings showed,
+and the rules a family's tally follows: a frozen base Linear keeps only its
+weight; each LoRA branch keeps its bf16 input (measured when every branch kept
+its own copy; since the branch uses the input as it comes, Linears sharing one
+input share it, so Z-Image's w1/w3 term counts D per token more than autograd
+now keeps: a conservative ~4 % of a Z-Image block); a LayerNorm under autocast
+keeps an fp32 copy of its input; a q/k RMSNorm keeps its input (in Flux2 and
+Z-Image a view that keeps the whole fused qkv output alive); SDPA keeps q, k, v
+and its output; a GLU keeps both halves, the activation's output and the
+product. Each family's tally is the docstring of `blocks` in its arch file
+(trainer/archs/<family>.py): Flux2 double 10D + 4M (+ 2D fp32) and single
+8D + 4M (+ 1D fp32), Z-Image 15D + 4M, measured; newer families derived by
+these rules until measured (their docstrings say so).
+Without checkpointing every block keeps all of this; with per-block
+checkpointing each block keeps only its input (D per token) and one block's
+internals are rebuilt at a time in backward. The final layer adds 2D per image
+token. Not counted: the RoPE table (shared), the rank-r LoRA hiddens, EMA (one
+more LoRA copy). Fewer targets save up to ~1D per token per untargeted Linear;
+mixed_precision "no" keeps the same tensors in fp32.
+
+Checked on an H200 (torch 2.11, ComfyUI 0.17 models with random weights, Kiln's LoRA, AdamW, one
+step): totals within -7%..+9% of peak reserved memory plus context for Klein 4B/9B and Z-Image at
+512 and 1024 px, checkpointing on and off (low end: Z-Image without checkpointing, allocator slack).
+"""
+from __future__ import annotations
+
+from ..archs.layout import ModelDims
+from .common import (
+    ACTIVATION_BYTES,
+    BASE_DTYPE_BYTES,
+    GIB,
+    OPTIMIZER_STATE,
+    PRESERVATION_NOTE,
+    Estimate,
+    EstimatorRules,
+    adapter_costs,
+    block_bytes,
+    check_settings,
+    get_dims,
+    image_token_count,
+    kept_by_last_blocks,
+    layout_of,
+    linear_layers,
+    lora_shapes,
+    ordered_advice,
+    param_count,
+    preservation_rows,
+    widest_output,
+)
+
+CUDA_CONTEXT_BYTES = GIB       # context (~0.25 GiB on an H200, more beside a desktop) + slack
+BUDGET_KEPT = 0.6   # share of checkpointing's savings a compiled block keeps per unit of checkpoint_budget
+
+
+def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int, checkpointing: bool,
+                 skip: int = 0) -> int:
+    D = dims.hidden
+    groups = block_bytes(dims, image_tokens, text_tokens, act)
+    head = 2 * D * act * image_tokens  # final layer: norm input and modulated output
+    if not checkpointing:
+        return sum(per_token * n * t for per_token, n, t in groups) + head
+    boundaries = sum(n * t * D * act for _, n, t in groups)  # each block's input
+    kept = kept_by_last_blocks([(per_token * t, n) for per_token, n, t in groups], skip)
+    return boundaries + kept + max(per_token * t for per_token, _, t in groups) + head
+
+
+def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, rank: int = 32,
+             targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
+             gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16",
+             skip_checkpoint_blocks: int = 0, checkpoint_budget: float = 0.0, preservation: bool = False,
+             fp8_compute: bool = False, reference_images: int = 0, adapter: str = "lora",
+             lokr_factor: int = -1, lokr_full_w2: bool = False) -> Estimate:
+    """Bytes one training step needs at square `resolution` (the largest bucket). `preservation`: DOP on.
+    reference_images: edit training's control images per sample, each cropped to the target's bucket, so
+    each adds the target's image tokens to the joint sequence (their loss is not computed, their
+    activations are kept). adapter: the kind (trainer/lora/adapters.py) with its LoKr settings."""
+    settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
+                "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
+                "base_dtype": base_dtype, "mixed_precision": mixed_precision,
+                "skip_checkpoint_blocks": skip_checkpoint_blocks, "checkpoint_budget": checkpoint_budget,
+                "preservation": preservation, "fp8_compute": fp8_compute, "reference_images": reference_images,
+                "adapter": adapter, "lokr_factor": lokr_factor, "lokr_full_w2": lokr_full_w2}
+    dims = get_dims(variant)
+    side = check_settings(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
+    rows = preservation_rows(batch_size, preservation)
+    image_tokens = image_token_count(dims, resolution, side) * (1 + reference_images)   # target + references
+    text_tokens, act = dims.context_tokens, ACTIVATION_BYTES[mixed_precision]
+    tokens = rows * (image_tokens + text_tokens)
+    shapes = lora_shapes(dims, targets)
+    lora_params = sum(rank * (i + o) for i, o in shapes)
+
+    weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
+    if fp8_compute and base_dtype != "fp8":   # an fp8 copy per product in fp8 (an fp8-stored base needs none)
+        from ..backends.torch_backend.fp8 import fp8_products
+
+        weights += sum(i * o * sum(fp8_products(i, o)) for i, o in linear_layers(dims).values())
+    activations = rows * _activations(dims, image_tokens, text_tokens, act, gradient_checkpointing,
+                                      skip_checkpoint_blocks)
+    if gradient_checkpointing and checkpoint_budget > 0:
+        # 0.6 x the budget's share of what checkpointing saves (eager): measured on an H100 (Z-Image
+        # 1024 px, bench/RESULTS.md) compiled blocks kept 0.02-0.44 of it at budgets 0.1-0.8, under
+        # 0.6 x budget each time (this estimate 3-14 % above those peaks).
+        kept_all = rows * _activations(dims, image_tokens, text_tokens, act, False)
+        activations += int(BUDGET_KEPT * checkpoint_budget * max(0, kept_all - activations))
+    workspace = CUDA_CONTEXT_BYTES + 2 * widest_output(dims) * tokens * act
+    if base_dtype == "fp8":
+        workspace += 2 * max(i * o for i, o in linear_layers(dims).values())
+    optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
+    layout = layout_of(dims)
+    notes = [f"{image_tokens} image + {text_tokens} text tokens per sample" + layout.text_note
+             + (f" ({reference_images} reference image{'s' * (reference_images > 1)} included)"
+                if reference_images else ""),
+             "diffusion model only: text encoder and VAE cached or offloaded",
+             "an estimate: measured peaks on an H200 fell within -7%..+9% of it" if layout.measured else
+             f"an estimate: the {layout.name} block model is derived, not yet checked against a GPU's peak"]
+    if preservation:
+        notes.append(PRESERVATION_NOTE)
+    if adapter != "lora":
+        lora_params, optimizer_bytes, extra, note = adapter_costs(
+            adapter, shapes, rank, optimizer, lokr_factor=lokr_factor, lokr_full_w2=lokr_full_w2, tokens=tokens,
+            act=act, blocks=dims.double_blocks + dims.single_blocks, checkpointing=gradient_checkpointing)
+        workspace += extra
+        notes.append(note)
+    if optimizer == "prodigy":
+        notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
+    total = weights + 8 * lora_params + optimizer_bytes + activations + workspace
+    return Estimate(weights=weights, lora=4 * lora_params, gradients=4 * lora_params, optimizer=optimizer_bytes,
+                    activations=activations, workspace=workspace, total=total, lora_params=lora_params,
+                    tokens=tokens, notes=notes, settings=settings)
+
+
+# checkpoint_budget "auto" (trainer/backends/torch_backend/levers.py, and `estimate --memory-gb`): the
+# largest of these whose step fits the free memory less the margin; the margin covers a validation
+# sample's VAE decode and the allocator, and at least this estimate's own error (−7…+9 %).
+AUTO_BUDGETS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+AUTO_MARGIN_BYTES, AUTO_MARGIN_SHARE = 4 * 2**30, 0.10
+# What a budgeted step is taken to need: the estimate beside the weights times this. On an H100 the
+# measured need at budget 1 was 10-18 % above the estimate (Z-Image, Klein 4B, Klein 9B), and Flux2 Dev
+# on an fp8 base ran out of memory at 0.7 where the estimate left 11 GiB (bench/RESULTS.md).
+AUTO_SAFETY = 1.25
+
+
+def auto_margin(total_bytes: int) -> int:
+    return max(AUTO_MARGIN_BYTES, int(AUTO_MARGIN_SHARE * total_bytes))
+
+
+def largest_budget(step_bytes, available: int) -> float:
+    """The largest AUTO_BUDGETS entry b with AUTO_SAFETY x step_bytes(b) <= available (bytes beyond the
+    resident weights), else 0 (plain checkpointing)."""
+    return next((b for b in AUTO_BUDGETS if AUTO_SAFETY * step_bytes(b) <= available), 0.0)
+
+
+# step_graphs "auto" (torch_backend/step_graphs.py, levers.py): steps of at most this many image pixels (a
+# 768 px image; batch rows count) are recorded as CUDA graphs. From 768 px up the GPU's work already hides the
+# host's (H200, Klein 4B 768 px: 0.091 s/step with and without), so recording larger steps would only grow the pool.
+GRAPH_MAX_PIXELS = 800 * 800
+# The graphs' shared memory pool, as a multiple of the largest recorded step's estimate: one shape's pool
+# was its estimate (Klein 4B 768 px: +8.0 GiB reserved for 7.8 estimated), but the 14 shapes of a mixed
+# 512/768 px run fragment it (+14.0 GiB reserved, H200, bench/RESULTS.md).
+GRAPH_POOL_FACTOR = 2.0
+
+
+def graph_resolution(resolutions, batch_size: int) -> int | None:
+    """The square resolution whose step stands for the largest recorded one (the pool's size), or None where
+    every bucket's step is larger than GRAPH_MAX_PIXELS (then no step is recorded)."""
+    if min(resolutions) ** 2 * batch_size > GRAPH_MAX_PIXELS:
+        return None
+    return min(max(resolutions), int((GRAPH_MAX_PIXELS / max(1, batch_size)) ** 0.5))
+
+
+def advice(settings: dict) -> list[tuple[str, dict]]:
+    """Changes that lower GPU memory, cheapest in quality first."""
+    return ordered_advice(settings, [
+        ("optimizer adamw8bit (bitsandbytes)", {"optimizer": "adamw8bit"}, settings["optimizer"] in ("adamw", "prodigy")),
+        ("base weights fp8", {"base_dtype": "fp8"}, settings["base_dtype"] != "fp8"),
+        ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
+        ("fp8_compute off (its fp8 weight copies)", {"fp8_compute": False}, settings.get("fp8_compute", False))])
+
+
+# estimate_common.backend_rules("torch"): a GPU's memory is all usable, in GiB as nvidia-smi shows it.
+RULES = EstimatorRules(estimate, advice, lambda gb: gb, lambda gb, usable: f"{gb:g} GiB")

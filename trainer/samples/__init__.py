@@ -1,0 +1,1 @@
+"""Validation samples of a headless run (plan.py) and the sample grid (grid.py)."""
