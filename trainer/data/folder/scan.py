@@ -34,7 +34,7 @@ from .report import DatasetMeta, Problem, ScanReport, fatal
 from .walk import FolderFile, FolderSummary, list_datasets, stem, walk
 
 # Importable from here as before: editing.py, uploads.py, nodes/folders.py and the tests use these names.
-__all__ = ["scan", "read_caption", "list_datasets", "FolderSummary", "EXTENSION_OF", "UNSUPPORTED_IMAGES"]
+__all__ = ["EXTENSION_OF", "UNSUPPORTED_IMAGES", "FolderSummary", "list_datasets", "read_caption", "scan"]
 
 DEFAULT_RESOLUTIONS = (512,)
 # Image formats people drop into datasets that we do not decode: skipped, with a fix.
