@@ -134,6 +134,13 @@ def _rank_options(parser, rank_help: str) -> None:
 
 
 def add_commands(commands) -> None:
+    """merge, resize and extract (convert has add_convert_command)."""
+    add_merge_command(commands)
+    add_resize_command(commands)
+    add_extract_command(commands)
+
+
+def add_merge_command(commands) -> None:
     merge = commands.add_parser(
         "merge", help="merge LoRAs into one (weighted; exact, or SVD to --rank)",
         description="Σ weight·ΔW per module. Without --rank the merge is exact (rank = sum of ranks); with --rank "
@@ -145,6 +152,8 @@ def add_commands(commands) -> None:
     _output_options(merge)
     merge.set_defaults(func=cmd_merge)
 
+
+def add_resize_command(commands) -> None:
     resize = commands.add_parser("resize", help="change a LoRA's rank by SVD; reports the energy kept",
                                  description="SVD of B·A·scale per module to a fixed or dynamic rank; alpha = new "
                                  "rank (scale folded), so at full rank the effect is unchanged.")
@@ -154,6 +163,8 @@ def add_commands(commands) -> None:
     _output_options(resize)
     resize.set_defaults(func=cmd_resize)
 
+
+def add_extract_command(commands) -> None:
     extract = commands.add_parser(
         "extract", help="a LoRA from the difference of two models (fine-tune − base)",
         description="Every weight matrix that differs, tuned − base, reduced by SVD; biases and norms that differ "

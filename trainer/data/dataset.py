@@ -12,26 +12,23 @@ string, so this layer never imports ComfyUI:
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from PIL import Image
 
 from . import DatasetError  # noqa: F401  (raised here; callers import it from here too)
 from .buckets import BucketPlan, Entry, plan_buckets
 from .cache import Cache, latent_key, text_key
+from .cached import CachedData
 from .captions import CaptionSettings, caption_variants, class_caption
-from .companions import companions_key, entry_sample
+from .companions import companions_key
+from .encoding import ImageEncoder, Progress, encode_latents
 from .folder.report import DatasetMeta, Item, Problem, ScanReport, format_report
-from .prefetch import in_order
 from .regularised import RegularisedData
 
-ImageEncoder = Callable[[np.ndarray], np.ndarray]
 TextEncoder = Callable[[str], np.ndarray]
-Progress = Callable[[int, int], None]
 
 CACHE_FOLDER = ".kiln_cache"
 
@@ -112,7 +109,7 @@ class Dataset:
     def usable_entries(self) -> list[int]:
         return [n for n, e in enumerate(self.plan.entries) if e.item not in self.failed_items]
 
-    def _latent_key(self, entry: Entry) -> str:
+    def entry_key(self, entry: Entry) -> str:
         item = self.report.items[entry.item]
         return latent_key(item.sha256, entry.bucket, entry.resized, entry.offset, self.latent_identity or "",
                           companions_key(item))
@@ -147,62 +144,8 @@ class Dataset:
     def encode_images(self, encode: ImageEncoder, identity: str, *, batch_size: int = 4,
                       progress: Progress | None = None) -> "Dataset":
         """Cache a latent per entry; images that fail to decode are skipped and named, not fatal."""
-        from .folder.images import ImageProblem, load_rgb
-
         ds = dataclasses.replace(self, latent_identity=identity)
-        cache, entries = ds.cache, ds.plan.entries
-        todo = [n for n in ds.usable_entries() if not cache.has("latents", ds._latent_key(entries[n]))]
-        failed, problems = set(self.failed_items), list(self.encode_problems)
-        pending: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
-
-        def flush(bucket) -> None:
-            rows = pending.pop(bucket, [])
-            if not rows:
-                return
-            # One encoder call for the images and their control images (all cropped to this bucket).
-            stack = [pixels for _, sample in rows for pixels in (sample.pixels, *sample.controls)]
-            latents = np.asarray(encode(np.stack(stack)), dtype=np.float32)
-            if latents.ndim != 4 or latents.shape[0] != len(stack):
-                raise DatasetError(f"the image encoder returned shape {latents.shape} for {len(stack)} images; "
-                                   "expected [B,C,h,w]")
-            start = 0
-            for n, sample in rows:
-                count = 1 + len(sample.controls)
-                cache.put("latents", ds._latent_key(entries[n]), sample.tensors(latents[start:start + count]),
-                          {"image": ds.report.items[entries[n].item].path, "bucket": entries[n].key})
-                start += count
-
-        root = Path(ds.report.root)
-
-        def decode(job):   # on a worker thread: each image decoded once for all its entries
-            index, ns = job
-            item, samples = ds.report.items[index], []
-            try:
-                image = Image.fromarray(load_rgb(root / item.path))
-                for n in ns:
-                    samples.append((n, entry_sample(root, item, image, entries[n], crop_pixels)))
-            except ImageProblem as err:   # the image, a mask or a control: the image is left out from here
-                return index, samples, Problem(err.code, item.path, err.message, err.fix, "skipped")
-            return index, samples, None
-
-        by_item: dict[int, list[int]] = {}
-        for n in sorted(todo, key=lambda n: entries[n].item):
-            if entries[n].item not in failed:
-                by_item.setdefault(entries[n].item, []).append(n)
-        done = 0
-        for index, samples, problem in in_order(by_item.items(), decode):
-            for n, sample in samples:
-                pending.setdefault(entries[n].bucket, []).append((n, sample))
-                if len(pending[entries[n].bucket]) >= batch_size:
-                    flush(entries[n].bucket)
-                done += 1
-                if progress is not None:
-                    progress(done, len(todo))
-            if problem is not None:
-                failed.add(index)
-                problems.append(problem)
-        for bucket in list(pending):
-            flush(bucket)
+        failed, problems = encode_latents(ds, encode, batch_size=batch_size, progress=progress)
         if len(failed) == len(self.report.items):
             raise DatasetError(f"{self.report.root}: no image could be decoded:\n"
                                + "\n".join(p.line() for p in problems))
@@ -229,7 +172,7 @@ class Dataset:
         """The cache files this dataset reads (kept when the cache is pruned)."""
         cache, out = self.cache, set()
         if self.latent_identity is not None:
-            out |= {cache.path("latents", self._latent_key(self.plan.entries[n])) for n in self.usable_entries()}
+            out |= {cache.path("latents", self.entry_key(self.plan.entries[n])) for n in self.usable_entries()}
         if self.text_identity is not None:
             out |= {cache.path("text", text_key(t, self.text_identity)) for t in self.texts()}
         if self.regularisation is not None:   # a shared cache folder keeps the regularisation set's entries too
@@ -241,7 +184,7 @@ class Dataset:
         return self.cache.prune(int(max_gb * 2**30), keep=self.cache_paths()) if max_gb > 0 else None
 
     # --- training ----------------------------------------------------------------
-    def training_data(self, memory_budget: int = 2 << 30) -> "CachedData":
+    def training_data(self, memory_budget: int = 2 << 30) -> CachedData:
         missing = [name for name, ident in (("Encode Images", self.latent_identity),
                                             ("Encode Captions", self.text_identity)) if ident is None]
         if missing:
@@ -273,14 +216,6 @@ class Dataset:
         return "\n".join(lines)
 
 
-def crop_pixels(image: Image.Image, entry: Entry) -> np.ndarray:
-    """Resize to cover the bucket (Lanczos), crop at the entry's offset → float32 [H,W,3] in 0..1."""
-    resized = image.resize(entry.resized, Image.Resampling.LANCZOS) if image.size != entry.resized else image
-    x, y = entry.offset
-    box = resized.crop((x, y, x + entry.bucket[0], y + entry.bucket[1]))
-    return np.asarray(box, dtype=np.float32) / 255.0
-
-
 def plan_for(items: list[Item], settings: DataSettings) -> BucketPlan:
     """The bucket plan of the usable items at settings' resolutions (training and check-dataset share it)."""
     return plan_buckets([(i.width, i.height) for i in items], list(settings.resolutions), settings.divisor,
@@ -298,82 +233,6 @@ def describe_failure(report: ScanReport) -> str:
     if not report.fatal and not report.skipped:
         lines.append("  no images found: add .png/.jpg/.webp files with same-name .txt captions")
     return "\n".join(lines)
-
-
-class CachedData:
-    """TrainingData over a Dataset's caches, with the latents and embeddings it read held in an LRU."""
-
-    def __init__(self, dataset: Dataset, memory_budget: int):
-        self.dataset, self.cache = dataset, dataset.cache
-        entries, items = dataset.plan.entries, dataset.report.items
-        usable = set(dataset.usable_entries())
-        repeats = [item.repeats * dataset.settings.repeats for item in items]
-        self.buckets = {key: [n for n in indices if n in usable]
-                        for key, indices in dataset.plan.buckets(repeats).items()}
-        self.buckets = {k: v for k, v in self.buckets.items() if v}
-        self.entries, self.items = entries, items
-        self.skipped = dataset.skipped
-        self._memory: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._budget, self._held = memory_budget, 0
-
-    def _read_all(self, kind: str, key: str, name: str, what: str) -> dict[str, np.ndarray]:
-        if key in self._memory:
-            self._memory.move_to_end(key)
-            return self._memory[key]
-        tensors = self.cache.get(kind, key)
-        if tensors is None:
-            raise DatasetError(f"the {what} for {name!r} is missing from the cache {self.cache.root} "
-                               "(deleted while training?): run the encode nodes again")
-        self._memory[key] = tensors
-        self._held += sum(array.nbytes for array in tensors.values())
-        while self._held > self._budget and len(self._memory) > 1:
-            _, old = self._memory.popitem(last=False)
-            self._held -= sum(array.nbytes for array in old.values())
-        return tensors
-
-    def _read(self, kind: str, key: str, name: str, what: str) -> np.ndarray:
-        tensors = self._read_all(kind, key, name, what)
-        return tensors[next(iter(tensors))]
-
-    def _entry(self, index: int) -> dict[str, np.ndarray]:
-        entry = self.entries[index]
-        return self._read_all("latents", self.dataset._latent_key(entry), self.items[entry.item].path, "latent")
-
-    def latent(self, index: int) -> np.ndarray:
-        return self._entry(index)["latent"]
-
-    def mask(self, index: int) -> np.ndarray | None:
-        """[1,h,w] in 0..1 on the latent grid, or None: the image has no mask."""
-        return self._entry(index).get("mask")
-
-    def controls(self, index: int) -> list[np.ndarray]:
-        """The control images' raw VAE latents [C,h,w], in control-folder order (empty: not an edit item)."""
-        tensors = self._entry(index)
-        return [tensors[f"control.{n}"] for n in range(len(self.items[self.entries[index].item].controls))]
-
-    def variants(self, index: int) -> int:
-        return len(self.dataset.captions[self.entries[index].item])
-
-    def context(self, index: int, variant: int = 0) -> np.ndarray:
-        text = self.dataset.captions[self.entries[index].item][variant]
-        return self._read("text", text_key(text, self.dataset.text_identity), text, "text embedding")
-
-    def empty_context(self) -> np.ndarray:
-        return self._read("text", text_key("", self.dataset.text_identity), "", "empty-caption embedding")
-
-    def name(self, index: int) -> str:
-        return self.items[self.entries[index].item].path
-
-    def preservation_context(self, index: int, variant: int = 0) -> np.ndarray | None:
-        """DOP: the embedding of the caption with the class word for the trigger word; None when off."""
-        captions = self.dataset.preservation_captions()
-        if not captions:
-            return None
-        text = captions[self.entries[index].item][variant]
-        return self._read("text", text_key(text, self.dataset.text_identity), text, "class-word caption embedding")
-
-    def caption(self, index: int, variant: int = 0) -> str:
-        return self.dataset.captions[self.entries[index].item][variant]
 
 
 def folder_fingerprint(root: str | Path) -> str:

@@ -74,7 +74,9 @@ def _seeded(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarr
     for key in sorted(shapes):
         shape = shapes[key]
         noise = rng.standard_normal(shape)
-        if len(shape) >= 2:
+        if key.endswith("pad_token"):   # Z-Image's learned pad tokens: as large as real tokens
+            value = noise
+        elif len(shape) >= 2:
             value = noise / math.sqrt(math.prod(shape[1:]))
         elif "norm" in key:
             value = 1.0 + 0.1 * noise
@@ -94,6 +96,14 @@ def zimage_weights(seed: int, *, dim: int = 256, n_layers: int = 2, n_refiner_la
     time MLP hidden min(dim, 1024). Matrices ~ N(0, 1/fan_in), norm scales ~ 1 ± 0.1, biases ~ 0.02;
     the two learned pad tokens ~ N(0, 1), as large as real tokens, so their use shows in the output.
     """
+    shapes = zimage_shapes(dim=dim, n_layers=n_layers, n_refiner_layers=n_refiner_layers, cap_feat_dim=cap_feat_dim,
+                           in_channels=in_channels, patch=patch)
+    return _seeded(shapes, seed)
+
+
+def zimage_shapes(*, dim: int = 256, n_layers: int = 2, n_refiner_layers: int = 2, cap_feat_dim: int = 64,
+                  in_channels: int = 16, patch: int = 2) -> dict[str, tuple[int, ...]]:
+    """{ComfyUI diffusion-model key: shape} of a Z-Image (zimage_weights says how its sizes follow from dim)."""
     if dim % 128:
         raise ValueError(f"Z-Image dim must be a multiple of 128 (heads of 128), got {dim}")
     head, mod, t_hidden = 128, min(dim, 256), min(dim, 1024)
@@ -125,17 +135,4 @@ def zimage_weights(seed: int, *, dim: int = 256, n_layers: int = 2, n_refiner_la
         if modulated:
             shapes[prefix + "adaLN_modulation.0.weight"] = (4 * dim, mod)
             shapes[prefix + "adaLN_modulation.0.bias"] = (4 * dim,)
-    rng = np.random.default_rng(seed)
-    weights = {}
-    for key in sorted(shapes):  # sorted: values depend on the seed and the shapes only
-        noise = rng.standard_normal(shapes[key])
-        if key.endswith("pad_token"):
-            value = noise
-        elif noise.ndim >= 2:
-            value = noise / math.sqrt(shapes[key][1])
-        elif "norm" in key:
-            value = 1.0 + 0.1 * noise
-        else:
-            value = 0.02 * noise
-        weights[key] = value.astype(np.float32)
-    return weights
+    return shapes

@@ -1,6 +1,6 @@
 """What the two memory estimates share: trainer/estimate/torch_step.py (torch) and trainer/estimate/mlx_step.py (MLX).
 
-The model side comes from the archs: a variant's `ModelDims` names its arch, and the arch carries the
+The model side (variants.py) comes from the archs: a variant's `ModelDims` names its arch, and the arch carries the
 latent layout (latent_channels, latent_downscale, patch), the default LoRA targets and the family's
 `Layout` (its Linears, extra parameters, block model; trainer/archs/layout.py). Nothing here tests a
 family name. The backend estimators sit in ESTIMATORS and are imported on first use, so neither
@@ -12,127 +12,25 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from ..archs import ARCHS, Arch, get_arch
-from ..archs.layout import Layout, ModelDims, Shapes, ceil_to
+from ..archs.layout import ModelDims, ceil_to
 from ..lora import adapters
-from ..lora.targets import TargetError, select_targets
+from .variants import (  # noqa: F401 (the model side, importable from here as before)
+    VARIANTS,
+    arch_of,
+    arch_variants,
+    get_dims,
+    layout_of,
+    linear_layers,
+    lora_shapes,
+    param_count,
+    resolve_variant,
+    several_sizes_note,
+    variant_from_header,
+)
 
 GIB = 2 ** 30
 BASE_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 ACTIVATION_BYTES = {"bf16": 2, "no": 4}   # mixed_precision, as in TrainConfig
-
-
-def _variants() -> dict[str, ModelDims]:
-    """Every registered arch's Layout variants, in registry order (archs sharing a Layout list them once)."""
-    layouts = {id(arch.layout): arch.layout for arch in ARCHS.values() if arch.layout is not None}
-    return {dims.variant: dims for layout in layouts.values() for dims in layout.variants}
-
-
-VARIANTS: dict[str, ModelDims] = _variants()
-
-
-def get_dims(variant: str | ModelDims) -> ModelDims:
-    """VARIANTS[variant]; a ModelDims passes through (for hypothetical sizes)."""
-    if isinstance(variant, ModelDims):
-        return variant
-    try:
-        return VARIANTS[variant]
-    except KeyError:
-        raise ValueError(f"unknown model variant {variant!r}; choose one of {list(VARIANTS)}") from None
-
-
-def arch_variants(arch_name: str) -> list[str]:
-    """The VARIANTS an arch trains, smallest first; empty for an arch without a Layout (demo, generic).
-    Archs sharing one model (zimage_turbo and zimage) share its variants."""
-    layout = get_arch(arch_name).layout
-    if layout is None:
-        return []
-    own = [dims for dims in layout.variants if dims.arch == arch_name] or list(layout.variants)
-    return [dims.variant for dims in sorted(own, key=param_count)]
-
-
-def resolve_variant(name: str) -> list[str]:
-    """A variant (flux2-klein-9b) or an arch (flux2_klein) -> the variants it names, smallest first."""
-    if name in VARIANTS:
-        return [name]
-    if name in ARCHS and arch_variants(name):
-        return arch_variants(name)
-    archs = [arch for arch in ARCHS if arch_variants(arch)]
-    raise ValueError(f"unknown --variant {name!r}; give a model size ({', '.join(VARIANTS)}) "
-                     f"or an arch ({', '.join(archs)})")
-
-
-def several_sizes_note(name: str, variants: list[str]) -> list[str]:
-    """The note an estimate of the smallest of several variants carries; none for one variant."""
-    if len(variants) < 2:
-        return []
-    return [f"{name} comes in {', '.join(variants)}; estimated the smallest, {variants[0]}; "
-            f"pick another with --variant {' or --variant '.join(variants[1:])}"]
-
-
-def arch_of(dims: ModelDims) -> Arch:
-    """The arch `dims` names; it must carry a Layout."""
-    arch = get_arch(dims.arch)
-    if arch.layout is None:
-        raise ValueError(f"{dims.variant}: arch {dims.arch!r} has no Layout (trainer/archs/layout.py), so there is "
-                         f"no memory estimate for it; known variants: {list(VARIANTS)}")
-    return arch
-
-
-def layout_of(dims: ModelDims) -> Layout:
-    return arch_of(dims).layout
-
-
-def linear_layers(dims: ModelDims) -> Shapes:
-    """Every Linear of the diffusion model: ComfyUI module path -> (in, out), in model order."""
-    arch = arch_of(dims)
-    return arch.layout.linear_layers(dims, arch.latent_channels * arch.patch ** 2)
-
-
-def param_count(dims: ModelDims) -> int:
-    """Linear weights + biases + norm scales + pad tokens (everything a checkpoint holds)."""
-    layers = linear_layers(dims)
-    return sum(i * o for i, o in layers.values()) + layout_of(dims).extra_params(dims, layers)
-
-
-_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-
-
-def variant_from_header(shapes: dict[str, list[int]]) -> str:
-    """The VARIANTS key of a ComfyUI diffusion-model safetensors header (key -> shape)."""
-    keys = {}
-    for key, shape in shapes.items():
-        if isinstance(shape, (list, tuple)):
-            keys[next((key[len(p):] for p in _PREFIXES if key.startswith(p)), key)] = list(shape)
-    layouts = list({id(layout_of(dims)): layout_of(dims) for dims in VARIANTS.values()}.values())
-    layout = next((layout for layout in layouts if all(k in keys for k in layout.header.markers)), None)
-    if layout is None:
-        names = " or ".join(layout.name for layout in layouts)
-        markers = " or ".join(layout.header.markers[0].removesuffix(".weight") for layout in layouts)
-        raise ValueError(f"not a {names} diffusion model (no {markers} weight among {len(keys)} tensors, "
-                         f"e.g. {sorted(keys)[:5]}); known variants: {list(VARIANTS)}")
-    spec = layout.header
-    found = {name: keys[key][axis] for name, (key, axis) in spec.sizes.items()}
-    found.update({name: _count(keys, prefix) for name, prefix in spec.counts.items()})
-    for dims in layout.variants:
-        if all(getattr(dims, k) == v for k, v in found.items()):
-            return dims.variant
-    raise ValueError(f"{layout.name} model with {found} matches none of the known variants {list(VARIANTS)}")
-
-
-def _count(keys, prefix: str) -> int:
-    indices = {int(k[len(prefix):].split(".")[0]) for k in keys if k.startswith(prefix)}
-    return max(indices) + 1 if indices else 0
-
-
-def lora_shapes(dims: ModelDims, targets) -> list[tuple[int, int]]:
-    """(in, out) of every Linear the targets (None: the arch's defaults) select."""
-    layers = linear_layers(dims)
-    patterns = get_arch(dims.arch).default_targets if targets is None else tuple(targets)
-    try:
-        return [layers[name] for name in select_targets(list(layers), patterns)]
-    except TargetError as err:
-        raise ValueError(f"{dims.variant}: {err}") from None
 
 
 def _per_param(nbytes: int):
@@ -166,6 +64,18 @@ def adapter_costs(kind: str, shapes, rank: int, optimizer: str, *, lokr_factor: 
     note = {"loha": "loha builds each layer's ΔW [out, in] in the step (counted in the workspace)",
             "dora": "dora keeps each layer's scaled input (counted in the workspace)"}.get(kind, f"adapter {kind}")
     return params, optimizer_bytes, extra, note
+
+
+def trainable_costs(settings: dict, dims: ModelDims, shapes, tokens: int, act: int) -> tuple[int, int, int, str | None]:
+    """(trainable params, optimizer bytes, extra step bytes, note or None) of the estimate's `settings`
+    (its arguments by name): a plain LoRA's, or its adapter's (adapter_costs)."""
+    kind, rank, optimizer = settings["adapter"], settings["rank"], settings["optimizer"]
+    if kind == "lora":
+        return sum(rank * (i + o) for i, o in shapes), OPTIMIZER_STATE[optimizer](shapes, rank), 0, None
+    return adapter_costs(kind, shapes, rank, optimizer, lokr_factor=settings["lokr_factor"],
+                         lokr_full_w2=settings["lokr_full_w2"], tokens=tokens, act=act,
+                         blocks=dims.double_blocks + dims.single_blocks,
+                         checkpointing=settings["gradient_checkpointing"])
 
 
 def check_settings(dims: ModelDims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision) -> int:
@@ -224,6 +134,15 @@ class Estimate:
     tokens: int               # sequence tokens per step: batch x (image + text)
     notes: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict)  # the estimate() arguments, for what-if advice
+
+    @classmethod
+    def summed(cls, *, weights: int, lora_params: int, optimizer: int, activations: int, workspace: int, tokens: int,
+               notes: list[str], settings: dict) -> Estimate:
+        """The parts and their total; the LoRA and its gradients are fp32, 4 B a parameter each."""
+        total = weights + 8 * lora_params + optimizer + activations + workspace
+        return cls(weights=weights, lora=4 * lora_params, gradients=4 * lora_params, optimizer=optimizer,
+                   activations=activations, workspace=workspace, total=total, lora_params=lora_params,
+                   tokens=tokens, notes=notes, settings=settings)
 
 
 # preservation_weight > 0 (trainer/objective/preservation.py): what differential output preservation costs a step.

@@ -32,11 +32,9 @@ from ..archs import get_arch
 from .common import (
     ACTIVATION_BYTES,
     GIB,
-    OPTIMIZER_STATE,
     PRESERVATION_NOTE,
     Estimate,
     EstimatorRules,
-    adapter_costs,
     arch_of,
     block_bytes,
     check_settings,
@@ -48,6 +46,7 @@ from .common import (
     ordered_advice,
     param_count,
     preservation_rows,
+    trainable_costs,
     widest_output,
 )
 
@@ -88,13 +87,38 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     """Bytes one MLX training step needs at square `resolution` (the largest bucket); `preservation`: DOP on;
     adapter: the kind (trainer/lora/adapters.py) with its LoKr settings; reference_images: edit training's
     control images per sample, each the target's tokens again in the joint sequence (as estimate.py)."""
-    settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
-                "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
-                "skip_checkpoint_blocks": skip_checkpoint_blocks,
-                "base_dtype": base_dtype, "mixed_precision": mixed_precision, "backend": "mlx",
-                "preservation": preservation, "adapter": adapter, "lokr_factor": lokr_factor,
-                "lokr_full_w2": lokr_full_w2, "reference_images": reference_images}
+    settings = {**locals(), "backend": "mlx"}  # every argument by name, first thing: advice re-estimates with them
+    dims = _mlx_dims(variant, base_dtype, optimizer)
+    side = check_settings(dims, resolution, batch_size, rank, optimizer, "bf16", mixed_precision)
     rows = preservation_rows(batch_size, preservation)
+    act = ACTIVATION_BYTES[mixed_precision]
+    target_tokens = image_token_count(dims, resolution, side)
+    image_tokens = target_tokens * (1 + reference_images)   # target + references: the blocks see them all
+    text_tokens = dims.context_tokens
+    tokens = rows * (image_tokens + text_tokens)
+    shapes = lora_shapes(dims, targets)
+    lora_params, optimizer_bytes, adapter_workspace, adapter_note = trainable_costs(settings, dims, shapes, tokens, act)
+    activations = _activations(dims, image_tokens, target_tokens, text_tokens, act, gradient_checkpointing,
+                               skip_checkpoint_blocks)
+    notes = _notes(image_tokens, text_tokens, reference_images, preservation) + ([adapter_note] if adapter_note else [])
+    return Estimate.summed(weights=_weight_bytes(dims, base_dtype), lora_params=lora_params,
+                           optimizer=optimizer_bytes, activations=int(rows * activations),
+                           workspace=MLX_OVERHEAD + 2 * widest_output(dims) * tokens * act + adapter_workspace,
+                           tokens=tokens, notes=notes, settings=settings)
+
+
+def _notes(image_tokens: int, text_tokens: int, reference_images: int, preservation: bool) -> list[str]:
+    return [f"{image_tokens} image + {text_tokens} text tokens per sample"
+            + (f" ({reference_images} reference image{'s' * (reference_images > 1)} included)"
+               if reference_images else ""),
+            "diffusion model only: text encoder and VAE cached or offloaded",
+            "MLX: unfused attention keeps heads x L^2 probabilities per block (checkpointing keeps one block's)",
+            "an estimate fitted on mlx[cpu] at small sizes; not yet checked on a Mac"] + (
+                [PRESERVATION_NOTE] if preservation else [])
+
+
+def _mlx_dims(variant, base_dtype: str, optimizer: str):
+    """The variant's dims, once the base dtype, the optimizer and the model are known to train on MLX."""
     if base_dtype not in MLX_BASE_BYTES:
         raise ValueError(f"base_dtype for MLX must be one of {list(MLX_BASE_BYTES)} (fp8 files are decoded to "
                          f"bf16; base_quantize int8/int4 is MLX's smaller base), got {base_dtype!r}")
@@ -104,14 +128,13 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
     if not arch_of(dims).mlx_model:
         raise ValueError(f"{dims.variant} has no MLX port (arch {dims.arch!r} trains on the PyTorch backend); "
                          "estimate it with backend torch")
-    side = check_settings(dims, resolution, batch_size, rank, optimizer, "bf16", mixed_precision)
-    act = ACTIVATION_BYTES[mixed_precision]
-    target_tokens = image_token_count(dims, resolution, side)
-    image_tokens = target_tokens * (1 + reference_images)   # target + references: the blocks see them all
-    text_tokens = dims.context_tokens
-    shapes = lora_shapes(dims, targets)
-    lora_params = sum(rank * (i + o) for i, o in shapes)
+    return dims
 
+
+def _activations(dims, image_tokens: int, target_tokens: int, text_tokens: int, act: int, checkpointing: bool,
+                 skip: int) -> float:
+    """What one row keeps for backward: the block model, each block's attention matrices, the final layer,
+    and the gradients of the block being differentiated."""
     groups = block_bytes(dims, image_tokens, text_tokens, act)
     heads = dims.heads
     # (per-token bytes, blocks, tokens) + the attention matrices each such block keeps
@@ -119,35 +142,13 @@ def estimate_mlx(variant, *, resolution: int, batch_size: int = 1, rank: int = 3
                  for per_token, count, tokens in groups]
     head = 2 * dims.hidden * act * target_tokens   # the final layer runs on the target's tokens only
     largest = max(b for b, _, _ in per_block)
-    if gradient_checkpointing:   # block inputs, and one block rebuilt in backward
+    if checkpointing:   # block inputs, and one block rebuilt in backward
         kept = sum(count * tokens * dims.hidden * act for _, count, tokens in per_block) + largest
-        kept += kept_by_last_blocks([(b, count) for b, count, _ in per_block], skip_checkpoint_blocks)
+        kept += kept_by_last_blocks([(b, count) for b, count, _ in per_block], skip)
     else:
         kept = sum(b * count for b, count, _ in per_block)
     # The block being differentiated holds its internals' gradients beside them
-    activations = int(rows * (kept + head + BACKWARD_FACTOR * largest))
-
-    workspace = MLX_OVERHEAD + 2 * widest_output(dims) * rows * (image_tokens + text_tokens) * act
-    weights = _weight_bytes(dims, base_dtype)
-    optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
-    notes = [f"{image_tokens} image + {text_tokens} text tokens per sample"
-             + (f" ({reference_images} reference image{'s' * (reference_images > 1)} included)"
-                if reference_images else ""),
-             "diffusion model only: text encoder and VAE cached or offloaded",
-             "MLX: unfused attention keeps heads x L^2 probabilities per block (checkpointing keeps one block's)",
-             "an estimate fitted on mlx[cpu] at small sizes; not yet checked on a Mac"] + (
-                 [PRESERVATION_NOTE] if preservation else [])
-    if adapter != "lora":
-        lora_params, optimizer_bytes, extra, note = adapter_costs(
-            adapter, shapes, rank, optimizer, lokr_factor=lokr_factor, lokr_full_w2=lokr_full_w2,
-            tokens=rows * (image_tokens + text_tokens), act=act, blocks=dims.double_blocks + dims.single_blocks,
-            checkpointing=gradient_checkpointing)
-        workspace += extra
-        notes.append(note)
-    total = weights + 8 * lora_params + optimizer_bytes + activations + workspace
-    return Estimate(weights=weights, lora=4 * lora_params, gradients=4 * lora_params, optimizer=optimizer_bytes,
-                    activations=activations, workspace=workspace, total=total, lora_params=lora_params,
-                    tokens=rows * (image_tokens + text_tokens), notes=notes, settings=settings)
+    return kept + head + BACKWARD_FACTOR * largest
 
 
 def advice(settings: dict) -> list[tuple[str, dict]]:

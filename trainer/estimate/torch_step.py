@@ -54,11 +54,9 @@ from .common import (
     ACTIVATION_BYTES,
     BASE_DTYPE_BYTES,
     GIB,
-    OPTIMIZER_STATE,
     PRESERVATION_NOTE,
     Estimate,
     EstimatorRules,
-    adapter_costs,
     block_bytes,
     check_settings,
     get_dims,
@@ -70,6 +68,7 @@ from .common import (
     ordered_advice,
     param_count,
     preservation_rows,
+    trainable_costs,
     widest_output,
 )
 
@@ -99,12 +98,7 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
     reference_images: edit training's control images per sample, each cropped to the target's bucket, so
     each adds the target's image tokens to the joint sequence (their loss is not computed, their
     activations are kept). adapter: the kind (trainer/lora/adapters.py) with its LoKr settings."""
-    settings = {"variant": variant, "resolution": resolution, "batch_size": batch_size, "rank": rank,
-                "targets": targets, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
-                "base_dtype": base_dtype, "mixed_precision": mixed_precision,
-                "skip_checkpoint_blocks": skip_checkpoint_blocks, "checkpoint_budget": checkpoint_budget,
-                "preservation": preservation, "fp8_compute": fp8_compute, "reference_images": reference_images,
-                "adapter": adapter, "lokr_factor": lokr_factor, "lokr_full_w2": lokr_full_w2}
+    settings = dict(locals())  # every argument by name, first thing: advice re-estimates with a few changed
     dims = get_dims(variant)
     side = check_settings(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
     rows = preservation_rows(batch_size, preservation)
@@ -112,25 +106,51 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
     text_tokens, act = dims.context_tokens, ACTIVATION_BYTES[mixed_precision]
     tokens = rows * (image_tokens + text_tokens)
     shapes = lora_shapes(dims, targets)
-    lora_params = sum(rank * (i + o) for i, o in shapes)
-
-    weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
-    if fp8_compute and base_dtype != "fp8":   # an fp8 copy per product in fp8 (an fp8-stored base needs none)
-        from ..backends.torch_backend.fp8 import fp8_products
-
-        weights += sum(i * o * sum(fp8_products(i, o)) for i, o in linear_layers(dims).values())
+    lora_params, optimizer_bytes, adapter_workspace, adapter_note = trainable_costs(settings, dims, shapes, tokens, act)
     activations = rows * _activations(dims, image_tokens, text_tokens, act, gradient_checkpointing,
                                       skip_checkpoint_blocks)
     if gradient_checkpointing and checkpoint_budget > 0:
-        # 0.6 x the budget's share of what checkpointing saves (eager): measured on an H100 (Z-Image
-        # 1024 px, bench/RESULTS.md) compiled blocks kept 0.02-0.44 of it at budgets 0.1-0.8, under
-        # 0.6 x budget each time (this estimate 3-14 % above those peaks).
-        kept_all = rows * _activations(dims, image_tokens, text_tokens, act, False)
-        activations += int(BUDGET_KEPT * checkpoint_budget * max(0, kept_all - activations))
+        activations += _budget_kept(rows * _activations(dims, image_tokens, text_tokens, act, False), activations,
+                                    checkpoint_budget)
+    notes = _notes(dims, image_tokens, text_tokens, reference_images, preservation)
+    notes += [adapter_note] if adapter_note else []
+    if optimizer == "prodigy":
+        notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
+    return Estimate.summed(weights=_weights(dims, base_dtype, fp8_compute), lora_params=lora_params,
+                           optimizer=optimizer_bytes, activations=activations,
+                           workspace=_workspace(dims, tokens, act, base_dtype) + adapter_workspace, tokens=tokens,
+                           notes=notes, settings=settings)
+
+
+def _weights(dims: ModelDims, base_dtype: str, fp8_compute: bool) -> int:
+    """The frozen base in its dtype, and with fp8_compute an fp8 copy per product (none for an fp8-stored base)."""
+    weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
+    if fp8_compute and base_dtype != "fp8":
+        from ..backends.torch_backend.fp8 import fp8_products
+
+        weights += sum(i * o * sum(fp8_products(i, o)) for i, o in linear_layers(dims).values())
+    return weights
+
+
+def _budget_kept(kept_all: int, checkpointed: int, budget: float) -> int:
+    """What compiled blocks under checkpoint_budget keep beyond plain checkpointing's activations."""
+    # 0.6 x the budget's share of what checkpointing saves (eager): measured on an H100 (Z-Image
+    # 1024 px, bench/RESULTS.md) compiled blocks kept 0.02-0.44 of it at budgets 0.1-0.8, under
+    # 0.6 x budget each time (this estimate 3-14 % above those peaks).
+    return int(BUDGET_KEPT * budget * max(0, kept_all - checkpointed))
+
+
+def _workspace(dims: ModelDims, tokens: int, act: int, base_dtype: str) -> int:
+    """CUDA context and slack, the widest Linear output and its gradient, and an fp8 base's bf16 upcast."""
     workspace = CUDA_CONTEXT_BYTES + 2 * widest_output(dims) * tokens * act
     if base_dtype == "fp8":
         workspace += 2 * max(i * o for i, o in linear_layers(dims).values())
-    optimizer_bytes = OPTIMIZER_STATE[optimizer](shapes, rank)
+    return workspace
+
+
+def _notes(
+    dims: ModelDims, image_tokens: int, text_tokens: int, reference_images: int, preservation: bool
+) -> list[str]:
     layout = layout_of(dims)
     notes = [f"{image_tokens} image + {text_tokens} text tokens per sample" + layout.text_note
              + (f" ({reference_images} reference image{'s' * (reference_images > 1)} included)"
@@ -138,20 +158,7 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
              "diffusion model only: text encoder and VAE cached or offloaded",
              "an estimate: measured peaks on an H200 fell within -7%..+9% of it" if layout.measured else
              f"an estimate: the {layout.name} block model is derived, not yet checked against a GPU's peak"]
-    if preservation:
-        notes.append(PRESERVATION_NOTE)
-    if adapter != "lora":
-        lora_params, optimizer_bytes, extra, note = adapter_costs(
-            adapter, shapes, rank, optimizer, lokr_factor=lokr_factor, lokr_full_w2=lokr_full_w2, tokens=tokens,
-            act=act, blocks=dims.double_blocks + dims.single_blocks, checkpointing=gradient_checkpointing)
-        workspace += extra
-        notes.append(note)
-    if optimizer == "prodigy":
-        notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
-    total = weights + 8 * lora_params + optimizer_bytes + activations + workspace
-    return Estimate(weights=weights, lora=4 * lora_params, gradients=4 * lora_params, optimizer=optimizer_bytes,
-                    activations=activations, workspace=workspace, total=total, lora_params=lora_params,
-                    tokens=tokens, notes=notes, settings=settings)
+    return notes + [PRESERVATION_NOTE] if preservation else notes
 
 
 # checkpoint_budget "auto" (trainer/backends/torch_backend/levers.py, and `estimate --memory-gb`): the

@@ -21,6 +21,7 @@ from .checkpointing import (  # noqa: F401 (CompileFailed: imported from here)
     compile_errors_explained,
     find_blocks,
 )
+from .device_batch import extras_on_device, flow_tensors, to_device
 from .ema import Ema
 from .lora import LoraSet
 from .optim import (
@@ -71,12 +72,7 @@ class TorchBackend:
         # Remember requires_grad so teardown leaves the model exactly as it came.
         self.frozen = [(p, p.requires_grad) for p in model.parameters()]
         model.requires_grad_(False)
-        targets = cfg.targets or list(arch.default_targets)
-        # fp8 forwards go in first, so the LoRA branches wrap them (removed in the reverse order)
-        self.fp8, fp8_note = levers.fp8_base(model, cfg, self.device, find_blocks(model, arch.block_lists),
-                                             arch.fp8_quantize_kernel)
-        self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout, seed=cfg.seed,
-                            adapter=cfg.adapter, lokr_factor=cfg.lokr_factor, lokr_full_w2=cfg.lokr_full_w2)
+        fp8_note = self._add_lora()
         self.parallel = distributed.current().world > 1   # auto levers never fall back mid-step on one rank alone
         self.levers = levers.decide(model, cfg, self.device, notes=(fp8_note,), parallel=self.parallel,
                                     blocks_write_norm_inputs=arch.blocks_write_norm_inputs)
@@ -100,6 +96,27 @@ class TorchBackend:
         self.outer_rng = self.rng_state()
         torch.manual_seed(distributed.rank_seed(cfg.seed))
 
+    def _add_lora(self) -> str:
+        """The LoRA branches on the targets, over the fp8 forwards where fp8 is on; the fp8 lever's note."""
+        cfg, arch, model = self.cfg, self.arch, self.model
+        targets = cfg.targets or list(arch.default_targets)
+        # fp8 forwards go in first, so the LoRA branches wrap them (removed in the reverse order)
+        self.fp8, fp8_note = levers.fp8_base(
+            model, cfg, self.device, find_blocks(model, arch.block_lists), arch.fp8_quantize_kernel
+        )
+        self.lora = LoraSet(
+            model,
+            targets,
+            rank=cfg.rank,
+            alpha=cfg.alpha,
+            dropout=cfg.lora_dropout,
+            seed=cfg.seed,
+            adapter=cfg.adapter,
+            lokr_factor=cfg.lokr_factor,
+            lokr_full_w2=cfg.lokr_full_w2,
+        )
+        return fp8_note
+
     def _wrap_blocks(self, chosen: "levers.Levers") -> None:
         # Blocks are wrapped either way: with checkpointing off the wrapper only copies block inputs.
         cfg = self.cfg
@@ -122,33 +139,16 @@ class TorchBackend:
 
     # --- training -----------------------------------------------------------------
     def _to_device(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type != "cuda":
-            return tensor.to(self.device, dtype=dtype)
-        # One host pass into pinned memory already in the dtype the GPU wants (a bf16 context crosses at
-        # half its fp32 size, not cast again there; the same rounding), then an async copy. The pinned
-        # block is the caching host allocator's, reused once the copy from it has run. At small buckets
-        # the host paces the step, and this pass was a share of it (bench/RESULTS.md).
-        staged = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, pin_memory=True)
-        staged.copy_(tensor)
-        return staged.to(self.device, non_blocking=True)
+        return to_device(array, self.device, dtype)
 
     def _micro_loss(self, batch) -> torch.Tensor:
         if getattr(batch, "preservation", None) is not None:
             return self._preserving_loss(batch)
         return self._loss(self._device_batch(batch))
 
-    def _flow_tensors(self, batch) -> dict:
-        """The micro-batch's latents, noise, σ, weights and mask on the device in fp32 (every loss's)."""
-        return {"x0": self._to_device(batch.latents, torch.float32),
-                "noise": self._to_device(batch.noise, torch.float32),
-                "sigmas": self._to_device(batch.sigmas, torch.float32),
-                "weights": self._to_device(batch.weights, torch.float32),
-                "mask": None if batch.mask is None else self._to_device(batch.mask, torch.float32)}
-
     def _device_batch(self, batch) -> dict:
         """The micro-batch's tensors on the device (integer extras stay on the host: they choose shapes)."""
-        return {**self._flow_tensors(batch), "context": self._to_device(batch.context, self.dtype),
+        return {**flow_tensors(batch, self.device), "context": self._to_device(batch.context, self.dtype),
                 "extras": self._extras(batch.extras)}
 
     def _amp(self):
@@ -170,22 +170,13 @@ class TorchBackend:
         return (per_sample * inputs["weights"]).mean()
 
     def _extras(self, extras: dict) -> dict:
-        # Per-row numbers stay on the host: integers (token counts) choose shapes, and ComfyUI reads a
-        # per-row float (Dev's guidance) as a Python number; on the GPU either would be read back once a
-        # step, stalling the host (bench/RESULTS.md, lever "no host sync") and any step graph's recording.
-        # Other float extras go to the device in the model dtype. Reference latents (edit training, a
-        # list): raw fp32 VAE latents, as ComfyUI's conds hold them.
-        return {k: (torch.from_numpy(np.ascontiguousarray(v)) if np.issubdtype(v.dtype, np.integer)
-                    else torch.from_numpy(np.ascontiguousarray(v)).to(self.dtype) if v.ndim == 1
-                    else self._to_device(v, self.dtype)) if isinstance(v, np.ndarray)
-                else [self._to_device(a, torch.float32) for a in v] if isinstance(v, list) else v
-                for k, v in extras.items()}
+        return extras_on_device(extras, self.device, self.dtype)
 
     def _preserving_loss(self, batch) -> torch.Tensor:
         """Differential output preservation (trainer/objective/preservation.py): the base model's prediction on the
         class-word captions (LoRA off, no grad; a compiled block runs eagerly without grad, so nothing
         recompiles) is the target of the LoRA's, from one forward of the rows and their class-word rows."""
-        kept, amp, flow = batch.preservation, self._amp(), self._flow_tensors(batch)
+        kept, amp, flow = batch.preservation, self._amp(), flow_tensors(batch, self.device)
         x0, noise, sigmas, weights, mask = (flow[k] for k in ("x0", "noise", "sigmas", "weights", "mask"))
         x_t, target = interpolate(x0, noise, sigmas), velocity_target(x0, noise)
         x_in, rows = x_t.to(self.dtype), x_t.shape[0]

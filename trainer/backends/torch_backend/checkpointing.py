@@ -203,13 +203,42 @@ def _budgeted(compiled, budget: float):
     return call
 
 
-def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: float = 0.0, key: str = "",
-             pure: bool = False, cuda_graphs: bool = False):
+def _wrapped(
+    block_forward,
+    recompute: bool,
+    compile: bool = False,
+    budget: float = 0.0,
+    key: str = "",
+    pure: bool = False,
+    cuda_graphs: bool = False,
+):
+    """The block's forward under training: eager (recomputed, or keeping its residuals) or compiled."""
+    fresh_inputs = _on_copies(block_forward)
+    if compile:
+        training = _compiled_training(block_forward, fresh_inputs, recompute, budget, key, pure, cuda_graphs)
+    else:
+        training = _checkpointed(fresh_inputs) if recompute else _keeping_residuals(block_forward)
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return block_forward(*args, **kwargs)
+        if compile and MARK_TOKEN_DIMS:
+            _mark_token_dims([*args, *kwargs.values()])
+        return training(*args, **kwargs)
+
+    return forward
+
+
+def _on_copies(block_forward):
     # ComfyUI's Flux2 blocks add into their own inputs (`img += ...`), which autograd (and the
     # checkpoint's recompute) still needs: a block under training works on copies (transient memory).
     def fresh_inputs(*args, **kwargs):
         return block_forward(*map(_copy_floats, args), **{k: _copy_floats(v) for k, v in kwargs.items()})
 
+    return fresh_inputs
+
+
+def _keeping_residuals(block_forward):
     def keep_residuals(*args, **kwargs):
         # No recompute: tensors autograd saves from the block's own inputs (e.g. a norm's input)
         # are copied when saved, because `x += ...` later in the block overwrites them. The
@@ -224,43 +253,42 @@ def _wrapped(block_forward, recompute: bool, compile: bool = False, budget: floa
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             return block_forward(*args, **kwargs)
 
+    return keep_residuals
+
+
+def _checkpointed(fresh_inputs, **options):
+    """The block under torch.utils.checkpoint: its inputs kept, the rest recomputed in backward."""
+
+    def recomputed(*args, **kwargs):
+        return checkpoint(fresh_inputs, *args, use_reentrant=False, **options, **kwargs)
+
+    return recomputed
+
+
+def _compiled_training(block_forward, fresh_inputs, recompute, budget, key, pure, cuda_graphs):
+    # As torchtitan does: the checkpoint goes inside the compiled region, so the recompute is
+    # compiled too and the partitioner keeps the attention outputs (SAVED_OPS). Eager, that
+    # policy's per-op dispatch cost more than it saved (bench/RESULTS.md).
+    keep_attention = functools.partial(create_selective_checkpoint_contexts, list(SAVED_OPS))
+    key = f"{key}|saved={sorted(str(op) for op in SAVED_OPS)}|pure={pure}"
+
     def whole(*args, **kwargs):
         return block_forward(*args, **kwargs)
 
-    def recomputed(*args, **kwargs):
-        return checkpoint(fresh_inputs, *args, use_reentrant=False, **kwargs)
-
-    def recomputed_keeping_attention(*args, **kwargs):
-        return checkpoint(fresh_inputs, *args, use_reentrant=False, context_fn=keep_attention, **kwargs)
-
-    training = recomputed if recompute else keep_residuals
-    if compile:
-        # As torchtitan does: the checkpoint goes inside the compiled region, so the recompute is
-        # compiled too and the partitioner keeps the attention outputs (SAVED_OPS). Eager, that
-        # policy's per-op dispatch cost more than it saved (bench/RESULTS.md).
-        keep_attention = functools.partial(create_selective_checkpoint_contexts, list(SAVED_OPS))
-        key = f"{key}|saved={sorted(str(op) for op in SAVED_OPS)}|pure={pure}"
-        # A block compiled whole (it keeps its activations, or the partitioner chooses within a budget)
-        # is made pure first: a block that writes into its inputs (Flux2's `img += ...`) gets copies of
-        # them inside the compiled region, where functionalisation turns the writes into new tensors.
-        # Compiled as it was, with the writes on the graph's own inputs, such a block gave NaNs and an
-        # illegal memory access on an H100 (bench/RESULTS.md).
-        kept = whole if pure else fresh_inputs
-        if recompute and budget > 0:
-            # Compiled whole, without torch.utils.checkpoint: the partitioner decides what to
-            # recompute within the budget (checkpoint_budget).
-            training = _budgeted(_compiled(kept, f"{key}|budget={budget!r}", cuda_graphs), budget)
-        else:
-            chosen = (recomputed_keeping_attention if SAVED_OPS else recomputed) if recompute else kept
-            training = _compiled(chosen, key, cuda_graphs)
-
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return block_forward(*args, **kwargs)
-        if compile and MARK_TOKEN_DIMS:
-            _mark_token_dims([*args, *kwargs.values()])
-        return training(*args, **kwargs)
-    return forward
+    # A block compiled whole (it keeps its activations, or the partitioner chooses within a budget)
+    # is made pure first: a block that writes into its inputs (Flux2's `img += ...`) gets copies of
+    # them inside the compiled region, where functionalisation turns the writes into new tensors.
+    # Compiled as it was, with the writes on the graph's own inputs, such a block gave NaNs and an
+    # illegal memory access on an H100 (bench/RESULTS.md).
+    kept = whole if pure else fresh_inputs
+    if recompute and budget > 0:
+        # Compiled whole, without torch.utils.checkpoint: the partitioner decides what to
+        # recompute within the budget (checkpoint_budget).
+        return _budgeted(_compiled(kept, f"{key}|budget={budget!r}", cuda_graphs), budget)
+    if not recompute:
+        return _compiled(kept, key, cuda_graphs)
+    recomputed = _checkpointed(fresh_inputs, context_fn=keep_attention) if SAVED_OPS else _checkpointed(fresh_inputs)
+    return _compiled(recomputed, key, cuda_graphs)
 
 
 class BlockCheckpointing:

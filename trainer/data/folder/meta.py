@@ -18,32 +18,67 @@ def read_meta(root: Path) -> tuple[DatasetMeta, list[Problem]]:
     path = root / META_FILE
     if not path.is_file():
         return DatasetMeta(), []
+    raw, problem = _parse(path)
+    if problem is not None:
+        return DatasetMeta(), [problem]
+    return _checked(raw)
+
+
+def _parse(path: Path) -> tuple[dict, Problem | None]:
+    """The file's JSON object, or the fatal problem that stops it being read as one."""
     try:
         raw = json.loads(path.read_bytes().decode("utf-8-sig"))
     except OSError as err:
-        return DatasetMeta(), [fatal("dataset_json_unreadable", META_FILE, f"cannot read: {err.strerror or err}",
-                                      "check the file's permissions")]
+        return {}, fatal(
+            "dataset_json_unreadable", META_FILE, f"cannot read: {err.strerror or err}", "check the file's permissions"
+        )
     except UnicodeDecodeError as err:
-        return DatasetMeta(), [fatal("dataset_json_syntax", META_FILE, f"not UTF-8 (byte offset {err.start})",
-                                      "re-save it as UTF-8")]
+        return {}, fatal(
+            "dataset_json_syntax", META_FILE, f"not UTF-8 (byte offset {err.start})", "re-save it as UTF-8"
+        )
     except json.JSONDecodeError as err:
-        return DatasetMeta(), [fatal("dataset_json_syntax", META_FILE, f"invalid JSON at line {err.lineno}, "
-                                      f"column {err.colno}: {err.msg}",
-                                      "fix the JSON there (a missing comma or quote, or a trailing comma?)")]
+        return {}, fatal(
+            "dataset_json_syntax",
+            META_FILE,
+            f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}",
+            "fix the JSON there (a missing comma or quote, or a trailing comma?)",
+        )
     if not isinstance(raw, dict):
-        return DatasetMeta(), [fatal("dataset_json_value", META_FILE, f"must be a JSON object, got {_kind(raw)}",
-                                      'write an object, e.g. {"trigger_word": "ohwx", "type": "character"}')]
+        return {}, fatal(
+            "dataset_json_value",
+            META_FILE,
+            f"must be a JSON object, got {_kind(raw)}",
+            'write an object, e.g. {"trigger_word": "ohwx", "type": "character"}',
+        )
+    return raw, None
+
+
+def _checked(raw: dict) -> tuple[DatasetMeta, list[Problem]]:
+    """The known keys with good values; a warning per unknown key, a fatal problem per bad value."""
     names = [f.name for f in dataclasses.fields(DatasetMeta)]
     values, problems = {}, []
     for key, value in raw.items():
         if key not in names:
             match = difflib.get_close_matches(key, names, 1)
             hint = f" (did you mean {match[0]!r}?)" if match else ""
-            problems.append(Problem("dataset_json_unknown_key", META_FILE, f"unknown key {key!r}{hint}; ignored",
-                                    f"rename or remove it; known keys: {', '.join(names)}", "warning"))
+            problems.append(
+                Problem(
+                    "dataset_json_unknown_key",
+                    META_FILE,
+                    f"unknown key {key!r}{hint}; ignored",
+                    f"rename or remove it; known keys: {', '.join(names)}",
+                    "warning",
+                )
+            )
         elif (error := meta_value_error(key, value)) is not None:
-            problems.append(fatal("dataset_json_value", META_FILE, f"{key!r}: {error}",
-                                   f"correct {key!r} in {META_FILE}, or remove it"))
+            problems.append(
+                fatal(
+                    "dataset_json_value",
+                    META_FILE,
+                    f"{key!r}: {error}",
+                    f"correct {key!r} in {META_FILE}, or remove it",
+                )
+            )
         else:
             values[key] = list(value) if key == "resolutions" else value
     return DatasetMeta(**values), problems
