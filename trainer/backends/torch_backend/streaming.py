@@ -1,0 +1,244 @@
+"""The frozen base streamed from host memory: a small card trains a model larger than itself.
+
+The base never changes, so nothing goes back: each streamed block's frozen weights keep their master copy in
+pinned host memory, and a ring of `slots` GPU buffers holds the blocks about to run. Block j always lands in
+slot j mod slots, and its parameters point at views of that slot once and for all: addresses never change, so
+compiled blocks, tensors autograd saved in the forward (they alias the slot, refilled with the same weights
+before the block's backward) and CUDA graphs all see one fixed layout.
+
+Copies run on a side stream, `slots - 1` blocks ahead of the compute, in the order the blocks run: the
+forward (0, 1, ...), then the backward with its recompute (..., 1, 0), then the next forward, whose first
+blocks the backward leaves in place. Each use of a block — a forward, or the start of its backward, seen by
+an autograd gate on its outputs — first makes the compute stream wait for that block's copy (copying it
+there and then if no prefetch did), then starts the copies that come next into slots whose blocks are done
+(the copy stream waits for an event recorded at this use, after every earlier kernel).
+
+Why not ComfyUI's own low-VRAM loading: it casts each weight into a reused buffer, so a backward fails
+("modified by an inplace operation"), and its forward streams at 1.4-1.6x the copy floor (bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+ALIGN = 512  # bytes: each weight's view in a slot starts as the caching allocator would start it (cuBLAS picks kernels by alignment)
+
+
+@dataclass
+class StreamPlan:
+    """What streams: `blocks` (indices into the model's block order) over `slots` GPU buffers."""
+
+    blocks: list[int]
+    slots: int
+    slot_bytes: int
+    streamed_bytes: int
+    host_bytes: int
+
+    def gpu_bytes(self) -> int:
+        """What the streamed blocks hold on the GPU: the ring."""
+        return self.slots * self.slot_bytes
+
+
+def frozen_weights(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """A block's frozen parameters (the base): what streams. Adapters (requires_grad) and buffers stay."""
+    return [(name, p) for name, p in block.named_parameters() if not p.requires_grad]
+
+
+def _layout(weights: list[tuple[str, nn.Parameter]]) -> tuple[list[int], int]:
+    offsets, at = [], 0
+    for _, p in weights:
+        offsets.append(at)
+        at += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+    return offsets, at
+
+
+def plan(blocks: list[nn.Module], streamed: list[int], slots: int) -> StreamPlan:
+    """The ring for `streamed` blocks: each slot as large as the largest streamed block."""
+    if slots < 2:
+        raise ValueError(f"stream slots must be at least 2 (one computing, one copying), got {slots}")
+    sizes = [_layout(frozen_weights(blocks[i]))[1] for i in streamed]
+    slots = min(slots, len(streamed)) if streamed else 0
+    return StreamPlan(list(streamed), slots, max(sizes, default=0), sum(sizes), sum(sizes))
+
+
+@dataclass
+class _Block:
+    module: nn.Module
+    weights: list[tuple[str, nn.Parameter]]
+    offsets: list[int]
+    host: list[torch.Tensor] = field(default_factory=list)  # the master copies (pinned on a CUDA device)
+    ready: object = None  # the copy stream's event after this block's copy
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on a block's outputs; its backward runs as the block's backward begins (before the recompute)."""
+
+    @staticmethod
+    def forward(ctx, streamer, position, *outputs):
+        ctx.streamer, ctx.position = streamer, position
+        ctx.mark_non_differentiable(*[t for t in outputs if torch.is_tensor(t) and not t.requires_grad])
+        return tuple(t.view_as(t) if torch.is_tensor(t) else t for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.streamer.use(ctx.position, backward=True)
+        return (None, None, *grads)
+
+
+class BlockStreamer:
+    """Streams the frozen weights of `plan.blocks` of `blocks` (in the order they run) to `device`."""
+
+    def __init__(self, blocks: list[nn.Module], stream_plan: StreamPlan, device: torch.device, log=None):
+        self.device, self.plan, self.log = torch.device(device), stream_plan, log
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.ring = [torch.empty(stream_plan.slot_bytes, dtype=torch.uint8, device=self.device)
+                     for _ in range(stream_plan.slots)]
+        self.holds: list[int | None] = [None] * stream_plan.slots  # which streamed block each slot holds
+        self.order = {block: position for position, block in enumerate(stream_plan.blocks)}
+        self.streamed: list[_Block] = []
+        self.previous: list = []
+        self.registered: list[torch.Tensor] = []  # host weights pinned in place, unregistered by remove()
+        for position, index in enumerate(stream_plan.blocks):
+            self.streamed.append(self._adopt(blocks[index], position))
+
+    def _adopt(self, module: nn.Module, position: int) -> _Block:
+        """The block's frozen weights moved to host memory (pinned), its parameters pointed at its slot's views."""
+        weights = frozen_weights(module)
+        offsets, _ = _layout(weights)
+        block = _Block(module, weights, offsets)
+        slot = self.ring[position % len(self.ring)]
+        for (_, p), offset in zip(weights, offsets):
+            block.host.append(self._host_copy(p.data))
+            view = slot[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            p.data = view
+        self.previous.append(module.__dict__.get("forward"))
+        module.forward = self._streamed_forward(module.forward, position)
+        return block
+
+    def _host_copy(self, weight: torch.Tensor) -> torch.Tensor:
+        """The master copy in host memory: pinned for fast asynchronous copies. A weight already on the host
+        (ComfyUI's loaders, its low-VRAM offload) is pinned where it lies, not copied a second time."""
+        if weight.device.type != "cpu":
+            host = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=self.cuda)
+            return host.copy_(weight)
+        weight = weight.contiguous()
+        if self.cuda and not weight.is_pinned():
+            nbytes = weight.numel() * weight.element_size()
+            if torch.cuda.cudart().cudaHostRegister(weight.data_ptr(), nbytes, 0) == 0:
+                self.registered.append(weight)
+            else:
+                weight = weight.pin_memory()
+        return weight
+
+    def _streamed_forward(self, block_forward, position: int):
+        def forward(*args, **kwargs):
+            if torch._C._current_graph_task_id() != -1:
+                # a checkpoint's recompute inside the backward (the streamer wraps a checkpointed block from
+                # inside): the gate on its outputs has placed this block and started the next copies
+                self._place(position, self._mark())
+                return block_forward(*args, **kwargs)
+            self.use(position, backward=False)
+            out = block_forward(*args, **kwargs)
+            if not torch.is_grad_enabled():
+                return out
+            tensors = out if isinstance(out, tuple) else (out,)
+            if not any(torch.is_tensor(t) and t.requires_grad for t in tensors):
+                return out
+            gated = _BackwardStart.apply(self, position, *tensors)
+            return gated if isinstance(out, tuple) else gated[0]
+
+        return forward
+
+    # ---------------------------------------------------------------- the schedule
+
+    def use(self, position: int, backward: bool) -> None:
+        """Block `position` is about to run: its weights in place before its kernels, the next ones on their way."""
+        if self.log is not None:
+            self.log.append(("backward" if backward else "forward", self.plan.blocks[position]))
+        done = self._mark()
+        self._place(position, done)
+        # The next uses, each into a slot no block between here and there needs: a slot is refilled only after
+        # its block ran (the copy waits for `done`), never while it or a block before the new one still will.
+        taken = {position % len(self.ring)}
+        for upcoming in self._next_uses(position, backward):
+            if upcoming % len(self.ring) in taken:
+                break
+            taken.add(upcoming % len(self.ring))
+            self._load(upcoming, done)
+
+    def _mark(self):
+        """An event after every kernel issued so far on the compute stream (None off CUDA)."""
+        if not self.cuda:
+            return None
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
+
+    def _place(self, position: int, done) -> None:
+        """Block `position` in its slot before the compute stream's next kernel."""
+        self._load(position, done)
+        block = self.streamed[position]
+        if block.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(block.ready)
+
+    def _next_uses(self, position: int, backward: bool) -> list[int]:
+        """The blocks that run after `position`, up to slots - 1 of them: the forward's next ones (wrapping
+        around to the first blocks when no backward follows, as sampling runs the model again), or the
+        backward's."""
+        count, step, found = len(self.streamed), -1 if backward else 1, []
+        for ahead in range(1, len(self.ring)):
+            upcoming = position + step * ahead
+            if not backward and upcoming >= count:
+                if torch.is_grad_enabled():
+                    break  # the backward follows, and it starts with the blocks in place
+                upcoming -= count
+            if not 0 <= upcoming < count:
+                break
+            found.append(upcoming)
+        return found
+
+    def _load(self, position: int, after) -> None:
+        """Copy block `position` into its slot unless it is there; the copy waits for `after` (the slot's
+        previous block is done with it)."""
+        slot = position % len(self.ring)
+        if self.holds[slot] == position:
+            return
+        block, target = self.streamed[position], self.ring[slot]
+        if self.log is not None:
+            self.log.append(("copy", self.plan.blocks[position]))
+        stream = self.copy_stream
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            if after is not None:
+                stream.wait_event(after)
+            for host, offset in zip(block.host, block.offsets):
+                nbytes = host.numel() * host.element_size()
+                target[offset : offset + nbytes].copy_(host.view(-1).view(torch.uint8), non_blocking=True)
+            if stream is not None:
+                block.ready = torch.cuda.Event()
+                block.ready.record(stream)
+        self.holds[slot] = position
+
+    def remove(self) -> None:
+        """Every streamed weight back on the device as a tensor of its own, the forwards restored."""
+        for block, previous in zip(self.streamed, self.previous):
+            for (_, p), host in zip(block.weights, block.host):
+                p.data = host.to(self.device, copy=True)
+            if previous is None:
+                block.module.__dict__.pop("forward", None)
+            else:
+                block.module.forward = previous
+        for weight in self.registered:
+            torch.cuda.cudart().cudaHostUnregister(weight.data_ptr())
+        self.streamed, self.previous, self.ring, self.registered = [], [], [], []
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
