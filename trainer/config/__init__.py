@@ -8,22 +8,22 @@ widgets (layers.py).
 `__all__` says what this door exports."""
 
 from . import build, data, declaration, fields, output, presets, prompts, training
-from .build import *  # noqa: F401,F403
-from .data import *  # noqa: F401,F403
-from .declaration import *  # noqa: F401,F403
-from .fields import *  # noqa: F401,F403
-from .output import *  # noqa: F401,F403
-from .presets import *  # noqa: F401,F403
-from .prompts import *  # noqa: F401,F403
-from .training import *  # noqa: F401,F403
+from .build import *
+from .data import *
+from .declaration import *
+from .fields import *
+from .output import *
+from .presets import *
+from .prompts import *
+from .training import *
 
-__all__ = [
-    *build.__all__,
-    *declaration.__all__,
-    *training.__all__,
-    *data.__all__,
-    *output.__all__,
-    *fields.__all__,
-    *presets.__all__,
-    *prompts.__all__,
-]
+__all__ = (
+    build.__all__
+    + declaration.__all__
+    + training.__all__
+    + data.__all__
+    + output.__all__
+    + fields.__all__
+    + presets.__all__
+    + prompts.__all__
+)

@@ -9,7 +9,7 @@ from .declaration import ConfigError
 from .fields import FIELDS, TrainConfig
 from .presets import PRESETS
 
-__all__ = ["from_dict", "validate", "replace"]
+__all__ = ["from_dict", "replace", "validate"]
 
 
 def from_dict(values: dict[str, Any], *, preset: str | None = None) -> TrainConfig:

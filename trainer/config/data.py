@@ -13,9 +13,7 @@ __all__ = ["DataFields", "PreservationFields"]
 
 @dataclass
 class DataFields:
-    dataset_dir: str = setting(
-        "", "folder of images + same-stem .txt captions", "data", identity=False, node="dataset"
-    )
+    dataset_dir: str = setting("", "folder of images + same-stem .txt captions", "data", identity=False, node="dataset")
     resolutions: list[int] = setting(
         [512], "bucket resolutions (area cap res²)", "data", bounds=(64, 4096), node="dataset"
     )
@@ -24,9 +22,7 @@ class DataFields:
         0.05, "probability of training on the empty caption", "data", bounds=(0.0, 1.0), node="dataset"
     )
     trigger_word: str = setting("", "replaces {trigger} in captions, else prepended", "data", node="dataset")
-    caption_prefix: str = setting(
-        "", "put before every caption (after the trigger word)", "data", node="dataset"
-    )
+    caption_prefix: str = setting("", "put before every caption (after the trigger word)", "data", node="dataset")
     caption_suffix: str = setting("", "put after every caption", "data", node="dataset")
     default_caption: str = setting(
         "", "for images without a .txt (else the trigger word alone)", "data", node="dataset"
@@ -34,9 +30,7 @@ class DataFields:
     shuffle_tags: bool = setting(
         False, "shuffle comma-separated tags (seeded variants, each encoded once)", "data", node="dataset"
     )
-    keep_tags: int = setting(
-        0, "leading tags that shuffling keeps in place", "data", bounds=(0, 100), node="dataset"
-    )
+    keep_tags: int = setting(0, "leading tags that shuffling keeps in place", "data", bounds=(0, 100), node="dataset")
     caption_variants: int = setting(
         4, "shuffled variants cached per caption when shuffle_tags is on", "data", bounds=(1, 64), node="dataset"
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import KilnError
 
-__all__ = ["AUTO", "GROUPS", "NODES", "ConfigError", "setting", "Tables"]
+__all__ = ["AUTO", "GROUPS", "NODES", "ConfigError", "Tables", "setting"]
 
 # Settings that may also be "auto": the backend decides at the start of a run, from the device and its free
 # memory (trainer/backends/torch_backend/levers.py). They are the fast path, so they are defaults.
@@ -58,8 +58,19 @@ def setting(
         raise ValueError(f"setting node {node!r} is not one of {NODES}, or a slot is given off Train LoRA")
     if (auto or tristate) and (default != AUTO or not auto):
         raise ValueError('an auto setting defaults to "auto"; a tristate one is auto too')
-    metadata = dict(help=help_text, group=group, advanced=advanced, step=step, bounds=bounds, choices=choices,
-                    identity=identity, node=node, slot=slot, auto=auto, tristate=tristate)
+    metadata = dict(
+        help=help_text,
+        group=group,
+        advanced=advanced,
+        step=step,
+        bounds=bounds,
+        choices=choices,
+        identity=identity,
+        node=node,
+        slot=slot,
+        auto=auto,
+        tristate=tristate,
+    )
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)

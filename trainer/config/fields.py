@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .data import DataFields, PreservationFields
-from .output import HoldoutFields, OutputFields, SampleFields
 from .declaration import Tables
+from .output import HoldoutFields, OutputFields, SampleFields
 from .training import (
     AdapterKindFields,
     EmaFields,
@@ -27,23 +27,23 @@ from .training import (
 )
 
 __all__ = [
-    "TrainConfig",
-    "FIELDS",
-    "HELP",
-    "GROUP",
     "ADVANCED",
-    "STEPS",
+    "AUTO_FIELDS",
     "BOUNDS",
     "CHOICES",
-    "KIND",
-    "AUTO_FIELDS",
-    "TRISTATE_FIELDS",
-    "NOT_IDENTITY",
-    "SAMPLE_FIELDS",
-    "NODE",
-    "TRAIN_WIDGETS",
     "DATASET_FIELDS",
+    "FIELDS",
+    "GROUP",
+    "HELP",
+    "KIND",
+    "NODE",
+    "NOT_IDENTITY",
     "NOT_IN_GRAPH",
+    "SAMPLE_FIELDS",
+    "STEPS",
+    "TRAIN_WIDGETS",
+    "TRISTATE_FIELDS",
+    "TrainConfig",
     "identity_values",
 ]
 

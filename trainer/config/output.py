@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .declaration import setting
 
-__all__ = ["OutputFields", "SampleFields", "HoldoutFields"]
+__all__ = ["HoldoutFields", "OutputFields", "SampleFields"]
 
 
 @dataclass
@@ -28,9 +28,7 @@ class OutputFields:
         bounds=(0, 1_000_000),
         identity=False,
     )
-    keep_checkpoints: int = setting(
-        3, "newest K checkpoints kept", "output", bounds=(1, 1000), identity=False
-    )
+    keep_checkpoints: int = setting(3, "newest K checkpoints kept", "output", bounds=(1, 1000), identity=False)
     checkpoint_loras: bool = setting(
         False,
         "nodes: also write each checkpoint's LoRA to models/loras/kiln/<run>-stepNNNNNN.safetensors, to compare "
@@ -99,8 +97,7 @@ class SampleFields:
     )
     sample_first: bool = setting(
         True,
-        "also sample before the first step (the model without the LoRA, to compare against); a resumed run "
-        "does not",
+        "also sample before the first step (the model without the LoRA, to compare against); a resumed run does not",
         "samples",
         identity=False,
         node="none",
@@ -137,8 +134,7 @@ class SampleFields:
     )
     sample_cfg: float = setting(
         0.0,
-        "CFG scale; 0 = the model family's (1.0 for Z-Image Turbo and Flux2, 4.0 for Z-Image, 2.5 for "
-        "Qwen-Image)",
+        "CFG scale; 0 = the model family's (1.0 for Z-Image Turbo and Flux2, 4.0 for Z-Image, 2.5 for Qwen-Image)",
         "samples",
         bounds=(0.0, 30.0),
         identity=False,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PROMPT_KEYS", "PROMPT_FLAGS"]
+__all__ = ["PROMPT_FLAGS", "PROMPT_KEYS"]
 
 # A sample prompt's own settings (a table's keys) → the setting each overrides (its type and bounds).
 PROMPT_KEYS = {

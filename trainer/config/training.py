@@ -16,13 +16,13 @@ from .declaration import AUTO, setting
 
 __all__ = [
     "OPTIMIZER_NAMES",
-    "ModelFields",
+    "AdapterKindFields",
+    "EmaFields",
     "LoraFields",
+    "ModelFields",
+    "ObjectiveFields",
     "OptimiserFields",
     "SpeedFields",
-    "ObjectiveFields",
-    "EmaFields",
-    "AdapterKindFields",
 ]
 
 OPTIMIZER_NAMES = ("adamw", "adamw8bit", "adafactor", "prodigy")  # backends register each
@@ -87,9 +87,7 @@ class ModelFields:
 
 @dataclass
 class LoraFields:
-    rank: int = setting(
-        32, "16-64 for characters, 8-32 for styles", "adapter", bounds=(1, 256), node="train", slot=2
-    )
+    rank: int = setting(32, "16-64 for characters, 8-32 for styles", "adapter", bounds=(1, 256), node="train", slot=2)
     alpha: float = setting(
         32.0,
         "scale = alpha / rank; alpha = rank keeps scale 1",
@@ -343,8 +341,7 @@ class AdapterKindFields:
     )
     lokr_factor: int = setting(
         -1,
-        "lokr: w1 is about factor × factor (LyCORIS's factorization); -1 = the split nearest a square (smallest "
-        "file)",
+        "lokr: w1 is about factor × factor (LyCORIS's factorization); -1 = the split nearest a square (smallest file)",
         "adapter",
         advanced=True,
         bounds=(-1, 4096),
