@@ -1,4 +1,5 @@
-"""Widgets built from the constants trainer/config/fields.py validates against, and Kiln's socket types.
+"""Widgets built from the settings' declarations (trainer/config), which the checks validate against, and Kiln's
+socket types.
 
 A widget's bounds and choices come from `config.BOUNDS` and `config.CHOICES`,
 its default from `TrainConfig`, its tooltip from that field's help text
@@ -27,7 +28,7 @@ _DEFAULTS = cfg_module.TrainConfig()
 HAS_ADVANCED = "advanced" in inspect.signature(io.Boolean.Input.__init__).parameters
 
 
-# config.py's "auto" settings as the widget types saved workflows hold for them (a boolean, a number):
+# The "auto" settings shipped in 0.1.0 as the widget types saved workflows hold for them (a boolean, a number):
 # the widget value that means auto, and the tooltip that says so.
 AUTO_WIDGETS = {
     "compile_blocks": (True, "torch.compile each block (fuses norms, RoPE, gates; the first steps compile). On: "
@@ -45,7 +46,7 @@ STEPS_TOOLTIP = "Total optimizer steps (a resumed run continues to this)"
 
 
 def from_widget(name: str, value):
-    """A widget's value as config.py takes it: the auto widgets' "auto" values become "auto"."""
+    """A widget's value as the config takes it: the auto widgets' "auto" values become "auto"."""
     if name in TRISTATE and isinstance(value, str):
         return TRISTATE[name].get(value, value)
     if name == "compile_blocks":
@@ -72,7 +73,7 @@ def float_step(name: str, value: float, low: float | None, high: float | None) -
 
 def widget(name: str, *, default=None, tooltip_text: str | None = None, optional: bool = False,
            display_name: str | None = None):
-    """The widget for TrainConfig field `name`: bounds, choices, default and tooltip from config.py."""
+    """The widget for TrainConfig field `name`: bounds, choices, default and tooltip from its declaration."""
     kind = cfg_module.KIND[name]  # an auto setting's type without "auto": what its widget holds
     value = getattr(_DEFAULTS, name) if default is None else default
     if name in AUTO_WIDGETS and value == cfg_module.AUTO:
