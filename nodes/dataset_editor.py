@@ -149,8 +149,8 @@ async def _guarded(call, run) -> tuple[int, dict]:
 
 def add_routes() -> None:
     """Put the /kiln/datasets routes on ComfyUI's server (once); nothing when no server runs."""
+    from .caption_nodes import caption_choices
     from .comfy import bridge
-    from .dataset_nodes import caption_choices
 
     bridge.add_json_routes("datasets", Editor(lambda: Path(bridge.folders()["input"]),
                                               captioners=caption_choices).table())

@@ -1,4 +1,4 @@
-"""Kiln Train LoRA (several GPUs): the headless run under torchrun, started from a graph (#22).
+"""Kiln Train LoRA (several GPUs): the headless run under torchrun, started from a graph.
 
 A child process cannot take the graph's in-memory MODEL, so this node names model files as a headless
 config does; trainer/cli/launch.py writes `<run>/launch.toml` and runs `torchrun -m trainer train` on the
@@ -26,9 +26,9 @@ from ..trainer.run import folders as run_folders
 from ..trainer.run import state as state_module
 from ..trainer.run.loop import Report
 from ..trainer.samples.plan import SAMPLES_DIR
-from . import live, run
+from . import live
 from .comfy import bridge
-from .widgets import CATEGORY, OPTIONS, parse_list, widget
+from .widgets import CATEGORY, OPTIONS, STEPS_TOOLTIP, parse_list, preset_input, widget
 
 WHERE = "Kiln Train LoRA (several GPUs)"
 FILES = {"model_file": ("diffusion_models", "model_path"), "vae_file": ("vae", "vae_path"),
@@ -63,7 +63,7 @@ def run_folder(config: dict, processes: int) -> Path:
     where = "Kiln Training Options: run_name"
     if config.get("run_name"):
         paths.check_name(config["run_name"], where)
-    values = {k: v for k, v in config.items() if k not in run.NOT_IDENTITY + cfg_module.SAMPLE_FIELDS}
+    values = cfg_module.identity_values(config)
     blob = json.dumps([values, config["dataset_dir"], processes], sort_keys=True, default=str)
     name = config.get("run_name") or run_folders.default_name([Path(config["dataset_dir"]).name], config["arch"])
     return run_folders.find_or_claim(Path(bridge.folders()["output"]) / "kiln", name,
@@ -153,6 +153,76 @@ def train(config: dict, run_dir: Path, processes: int, gpus: str) -> tuple[Path,
     return outcome.lora, f"trained to step {outcome.step}/{config['steps']} on {processes} process(es)", False
 
 
+def launch_inputs() -> list:
+    """The model files, the dataset and the widgets Train LoRA has too (the preset after alpha, as shipped)."""
+    return [
+        io.Combo.Input(
+            "arch",
+            options=list(ARCHS),
+            default="demo",
+            tooltip="The model family of model_file (demo: a tiny model, no files)",
+        ),
+        _file_input("model_file", "diffusion_models", "The diffusion model (models/diffusion_models)"),
+        _file_input("vae_file", "vae", "The model's VAE (models/vae)"),
+        _file_input("text_encoder_file", "text_encoders", "The model's text encoder (models/text_encoders)"),
+        io.String.Input(
+            "dataset_dir",
+            default="",
+            tooltip="A folder of images with same-name .txt captions (the child encodes it and caches latents and "
+            "texts)",
+        ),
+        io.String.Input("resolutions", default="512", tooltip="Training resolutions, e.g. '512, 768'"),
+        io.String.Input("trigger_word", default="", tooltip="Replaces {trigger} in the captions"),
+        widget("steps", default=1000, tooltip_text=STEPS_TOOLTIP),
+        widget("learning_rate"),
+        widget("rank"),
+        widget("alpha"),
+        preset_input(),
+        widget("seed"),
+    ]
+
+
+def launch_extras() -> list:
+    """The processes and GPUs, then the optional inputs."""
+    return [
+        io.Int.Input(
+            "processes",
+            default=2,
+            min=1,
+            max=64,
+            tooltip="torchrun processes, one per GPU (batch_size is per process)",
+        ),
+        io.String.Input(
+            "gpus",
+            default="",
+            tooltip="GPU indices for the run, e.g. '0,1' (CUDA_VISIBLE_DEVICES); blank: the first `processes` GPUs",
+        ),
+        OPTIONS.Input(
+            "options",
+            optional=True,
+            tooltip="From Kiln Training Options or a chain of the smaller option nodes; every value they set wins "
+            "over the preset",
+        ),
+        _file_input("training_adapter", "loras", "Z-Image Turbo: the training adapter LoRA", optional=True),
+        io.String.Input(
+            "sample_prompts",
+            default="",
+            multiline=True,
+            optional=True,
+            tooltip="Validation prompts, one per line (ai-toolkit's flags work: 'a cat --w 768 --h 1024 --seed 7 "
+            "--steps 20'); rank 0 samples them with ComfyUI's sampler into <run>/samples/. Empty: no samples",
+        ),
+        io.Int.Input(
+            "sample_every",
+            default=250,
+            min=0,
+            max=1_000_000,
+            optional=True,
+            tooltip="Steps between validation samples (and at the last step); 0: only at the end",
+        ),
+    ]
+
+
 class KilnTrainLoRATorchrun(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -162,38 +232,7 @@ class KilnTrainLoRATorchrun(io.ComfyNode):
             description="Train a LoRA from model files on several GPUs: the headless run under torchrun as a "
                         "child process (one process per GPU). Stop saves a checkpoint on every rank; "
                         "re-queueing resumes it. The run folder holds launch.toml, checkpoints and the LoRA.",
-            inputs=[
-                io.Combo.Input("arch", options=list(ARCHS), default="demo",
-                               tooltip="The model family of model_file (demo: a tiny model, no files)"),
-                _file_input("model_file", "diffusion_models", "The diffusion model (models/diffusion_models)"),
-                _file_input("vae_file", "vae", "The model's VAE (models/vae)"),
-                _file_input("text_encoder_file", "text_encoders", "The model's text encoder (models/text_encoders)"),
-                io.String.Input("dataset_dir", default="", tooltip="A folder of images with same-name .txt "
-                                "captions (the child encodes it and caches latents and texts)"),
-                io.String.Input("resolutions", default="512", tooltip="Training resolutions, e.g. '512, 768'"),
-                io.String.Input("trigger_word", default="", tooltip="Replaces {trigger} in the captions"),
-                widget("steps", default=1000, tooltip_text="Total optimizer steps (a resumed run continues to this)"),
-                widget("learning_rate"),
-                widget("rank"),
-                widget("alpha"),
-                io.Combo.Input("preset", options=["none", *cfg_module.PRESETS], default="none",
-                               tooltip="Fills the settings that neither this node nor a connected option node "
-                                       "sets (README: Presets)"),
-                widget("seed"),
-                io.Int.Input("processes", default=2, min=1, max=64, tooltip="torchrun processes, one per GPU "
-                             "(batch_size is per process)"),
-                io.String.Input("gpus", default="", tooltip="GPU indices for the run, e.g. '0,1' "
-                                "(CUDA_VISIBLE_DEVICES); blank: the first `processes` GPUs"),
-                OPTIONS.Input("options", optional=True, tooltip="From Kiln Training Options or a chain of the smaller "
-                              "option nodes; every value they set wins over the preset"),
-                _file_input("training_adapter", "loras", "Z-Image Turbo: the training adapter LoRA", optional=True),
-                io.String.Input("sample_prompts", default="", multiline=True, optional=True,
-                                tooltip="Validation prompts, one per line (ai-toolkit's flags work: 'a cat --w 768 "
-                                        "--h 1024 --seed 7 --steps 20'); rank 0 samples them with ComfyUI's "
-                                        "sampler into <run>/samples/. Empty: no samples"),
-                io.Int.Input("sample_every", default=250, min=0, max=1_000_000, optional=True,
-                             tooltip="Steps between validation samples (and at the last step); 0: only at the end"),
-            ],
+            inputs=[*launch_inputs(), *launch_extras()],
             outputs=[
                 io.LoraModel.Output(display_name="lora", tooltip="The trained LoRA (ComfyUI's LORA_MODEL)"),
                 io.String.Output(display_name="run_folder", tooltip="The run folder (Kiln Load Run reads it)"),

@@ -1,4 +1,5 @@
-"""The smaller option nodes: Kiln Training Options cut by each setting's group (trainer/config/fields.py `setting`).
+"""The option nodes: Kiln Training Options (every setting declared node="options", trainer/config), and the
+smaller ones, Training Options cut by each setting's group.
 
 Each sets only its own settings and takes an optional `options` input, so they chain in any order into one
 KILN_TRAIN_OPTIONS: a node's own values win over the ones it receives (the node nearer Train LoRA wins), and
@@ -9,8 +10,58 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..trainer import config as cfg_module
-from .train_nodes import OPTION_FIELDS, option_values
-from .widgets import CATEGORY, OPTIONS, run_name_check, widget
+from .widgets import CATEGORY, OPTIONS, from_widget, parse_list, run_name_check, widget
+
+# Training Options' widgets as shipped in 0.1.0. A saved workflow's widgets_values are positional, so this
+# order is forever: a field added to trainer/config later goes after these, in field order
+# (tests/nodes/test_saved_workflows.py holds every node's shipped order and today's workflows).
+SHIPPED_OPTION_ORDER = (
+    "device", "mixed_precision", "base_quantize", "lora_dropout", "targets", "batch_size", "grad_accum",
+    "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "lr_schedule", "warmup_steps", "min_lr_ratio",
+    "max_grad_norm", "gradient_checkpointing", "skip_checkpoint_blocks", "compile_blocks", "checkpoint_budget",
+    "attention", "timestep_sampling", "logit_mean", "logit_std", "shift_mode", "shift", "content_or_style",
+    "loss_weighting", "ema", "ema_decay", "run_name", "checkpoint_every", "keep_checkpoints", "log_every",
+    "save_dtype", "lora_format")
+# Fields added since 0.1.0, in the order main has served them (session workflows saved with them keep their
+# positions); a field added to trainer/config later goes after these, in field order.
+OPTIONS_SINCE_0_1 = (
+    "batch_by", "fp8_compute", "unmasked_weight", "checkpoint_loras", "log_tensorboard", "wandb_project",
+    "wandb_mode", "adapter", "lokr_factor", "lokr_full_w2", "holdout", "holdout_every", "holdout_sigmas",
+    "early_stop_patience", "early_stop_min_delta", "preservation_weight", "reg_weight", "cuda_graphs", "step_graphs")
+# The settings an option node shows: those declared node="options" (trainer/config).
+_OPTION_NAMES = [name for name, node in cfg_module.NODE.items() if node == "options"]
+_PINNED = SHIPPED_OPTION_ORDER + OPTIONS_SINCE_0_1
+OPTION_FIELDS = tuple([name for name in _PINNED if name in _OPTION_NAMES]
+                      + [name for name in _OPTION_NAMES if name not in _PINNED])
+LIST_FIELDS = {"targets": str}
+
+
+def option_values(values: dict) -> dict:
+    """An option node's widget values as the config takes them (lists parsed, the auto widgets' words)."""
+    lists = {name: parse_list(values[name], kind) for name, kind in LIST_FIELDS.items() if name in values}
+    return {name: from_widget(name, value) for name, value in {**values, **lists}.items()}
+
+
+class KilnTrainingOptions(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnTrainingOptions", display_name="Kiln Training Options", category=f"{CATEGORY}/train",
+            description="Every other training setting (experts' ones under the node's Show advanced). When "
+                        "connected, all these values win over the preset; the smaller option nodes (Kiln/train/"
+                        "options) set only their own.",
+            inputs=[widget(name) for name in OPTION_FIELDS],
+            outputs=[OPTIONS.Output(display_name="options", tooltip="Plug into Kiln Train LoRA")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, run_name=None):
+        return run_name_check(run_name)
+
+    @classmethod
+    def execute(cls, **values):
+        return io.NodeOutput(option_values(values))
+
 
 # Each node's widgets as first shipped, everyday settings first. Saved workflows hold widgets_values by
 # position, so this order is forever: a setting added to a group later goes after these (group_fields).

@@ -88,18 +88,12 @@ def dataset_identity(dataset: Dataset) -> str:
     return hashlib.sha256(json.dumps(parts, default=list).encode()).hexdigest()
 
 
-# Settings that say how a run is computed or what it writes beside, not what it trains: changing one
-# after a stop resumes the same run (the speed levers give the same losses to bf16 noise).
-NOT_IDENTITY = ("output_dir", "run_name", "log_every", "log_tensorboard", "wandb_project", "wandb_mode", "checkpoint_every", "keep_checkpoints", "checkpoint_loras",
-                "dataset_dir", "cache_dir", "cache_max_gb", "steps", "reg_dataset_dir",
-                "gradient_checkpointing", "skip_checkpoint_blocks", "compile_blocks", "checkpoint_budget", "attention",
-                "fp8_compute", "cuda_graphs", "step_graphs",   # fp8: the frozen base's products rounded, the loss within ~1 %
-                "init_lora")  # where the init LoRA lies; its content is init_lora_sha256, which counts
+# Settings that are not part of a run's identity are declared so at the field (identity=False, trainer/config).
+NOT_IDENTITY = cfg_module.NOT_IDENTITY  # kept one release
 
 
 def run_identity(cfg: cfg_module.TrainConfig, dataset: Dataset, resume_from: str | None) -> str:
-    values = {k: v for k, v in cfg.to_dict().items() if k not in NOT_IDENTITY + cfg_module.SAMPLE_FIELDS}
-    # `steps` is left out on purpose: raising it on a finished run continues that run.
+    values = cfg_module.identity_values(cfg.to_dict())
     blob = json.dumps([values, dataset_identity(dataset), resume_from], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

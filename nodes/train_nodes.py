@@ -11,76 +11,10 @@ from ..trainer.config import layers as config_layers
 from ..trainer.run import init_lora as init_module
 from . import live, run, validation_chain
 from .comfy import bridge
-from .widgets import (
-    CATEGORY,
-    DATASET,
-    OPTIONS,
-    STATE,
-    VALIDATION,
-    checked,
-    from_widget,
-    parse_list,
-    run_name_check,
-    widget,
-)
+from .option_nodes import OPTION_FIELDS, KilnTrainingOptions, option_values  # noqa: F401 (kept here one release)
+from .widgets import CATEGORY, DATASET, OPTIONS, STATE, STEPS_TOOLTIP, VALIDATION, checked, preset_input, widget
 
-TRAIN_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "optimizer", "backend", "seed")
-DATASET_FIELDS = ("dataset_dir", "resolutions", "repeats", "caption_dropout", "trigger_word", "caption_prefix",
-                  "caption_suffix", "default_caption", "shuffle_tags", "keep_tags", "caption_variants", "crop",
-                  "cache_dir", "cache_max_gb",
-                  "preservation_class", "reg_dataset_dir", "reg_repeats")  # Encode Captions and reg_dataset give these
-NOT_IN_GRAPH = ("arch", "model_path", "vae_path", "text_encoder_path", "training_adapter",
-                "init_lora", "init_lora_sha256",  # Train LoRA's init_lora / init_lora_file inputs
-                "output_dir",  # the graph supplies these (headless `train` reads them from its config)
-                *cfg_module.SAMPLE_FIELDS)  # headless samples; a graph has Validation Settings
-# Training Options' widgets as shipped in 0.1.0. A saved workflow's widgets_values are positional, so this
-# order is forever: a field added to config.py later goes after these, wherever config.py lists it
-# (tests/nodes/test_saved_workflows.py holds every node's shipped order and today's workflows).
-SHIPPED_OPTION_ORDER = (
-    "device", "mixed_precision", "base_quantize", "lora_dropout", "targets", "batch_size", "grad_accum",
-    "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "lr_schedule", "warmup_steps", "min_lr_ratio",
-    "max_grad_norm", "gradient_checkpointing", "skip_checkpoint_blocks", "compile_blocks", "checkpoint_budget",
-    "attention", "timestep_sampling", "logit_mean", "logit_std", "shift_mode", "shift", "content_or_style",
-    "loss_weighting", "ema", "ema_decay", "run_name", "checkpoint_every", "keep_checkpoints", "log_every",
-    "save_dtype", "lora_format")
-# Fields added since 0.1.0, in the order main has served them (session workflows saved with them keep their
-# positions); a field added to config.py later goes after these, wherever config.py lists it.
-OPTIONS_SINCE_0_1 = (
-    "batch_by", "fp8_compute", "unmasked_weight", "checkpoint_loras", "log_tensorboard", "wandb_project",
-    "wandb_mode", "adapter", "lokr_factor", "lokr_full_w2", "holdout", "holdout_every", "holdout_sigmas",
-    "early_stop_patience", "early_stop_min_delta", "preservation_weight", "reg_weight", "cuda_graphs", "step_graphs")
-_OPTION_NAMES = [name for name in cfg_module.FIELDS if name not in TRAIN_WIDGETS + DATASET_FIELDS + NOT_IN_GRAPH]
-_PINNED = SHIPPED_OPTION_ORDER + OPTIONS_SINCE_0_1
-OPTION_FIELDS = tuple([name for name in _PINNED if name in _OPTION_NAMES]
-                      + [name for name in _OPTION_NAMES if name not in _PINNED])
-LIST_FIELDS = {"targets": str}
-
-
-def option_values(values: dict) -> dict:
-    """An option node's widget values as the config takes them (lists parsed, the auto widgets' words)."""
-    lists = {name: parse_list(values[name], kind) for name, kind in LIST_FIELDS.items() if name in values}
-    return {name: from_widget(name, value) for name, value in {**values, **lists}.items()}
-
-
-class KilnTrainingOptions(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return io.Schema(
-            node_id="KilnTrainingOptions", display_name="Kiln Training Options", category=f"{CATEGORY}/train",
-            description="Every other training setting (experts' ones under the node's Show advanced). When "
-                        "connected, all these values win over the preset; the smaller option nodes (Kiln/train/"
-                        "options) set only their own.",
-            inputs=[widget(name) for name in OPTION_FIELDS],
-            outputs=[OPTIONS.Output(display_name="options", tooltip="Plug into Kiln Train LoRA")],
-        )
-
-    @classmethod
-    def validate_inputs(cls, run_name=None):
-        return run_name_check(run_name)
-
-    @classmethod
-    def execute(cls, **values):
-        return io.NodeOutput(option_values(values))
+TRAIN_WIDGETS = cfg_module.TRAIN_WIDGETS  # the settings declared node="train", in slot order
 
 
 class KilnValidationSettings(io.ComfyNode):
@@ -179,6 +113,75 @@ def trained_outputs(model, outcome: run.Outcome) -> tuple:
     return bridge.apply_lora(model, lora_model, 1.0), lora_model, state
 
 
+def train_inputs() -> list:
+    """Train LoRA's model, dataset and widgets: the settings declared node="train" in slot order, the preset
+    combo after the optimizer (where 0.1.0 put it: widgets_values are positional)."""
+    widgets = [widget(name, tooltip_text=STEPS_TOOLTIP if name == "steps" else None) for name in TRAIN_WIDGETS]
+    cut = TRAIN_WIDGETS.index("optimizer") + 1
+    return [
+        io.Model.Input(
+            "model",
+            tooltip="A model of a Kiln family (" + ", ".join(MODEL_FAMILIES) + "), "
+            "or any ComfyUI model (then list targets in Training Options)",
+        ),
+        DATASET.Input("dataset", tooltip="From Kiln Encode Captions (latents and captions encoded)"),
+        *widgets[:cut],
+        preset_input(),
+        *widgets[cut:],
+    ]
+
+
+def train_sockets() -> list:
+    """Train LoRA's optional inputs, after its widgets."""
+    loras = ["none", *bridge.lora_names()]
+    return [
+        OPTIONS.Input(
+            "options",
+            optional=True,
+            tooltip="From Kiln Training Options or a chain of the smaller option nodes; every value they set wins "
+            "over the preset",
+        ),
+        io.Combo.Input(
+            "training_adapter",
+            options=loras,
+            default="none",
+            optional=True,
+            tooltip="Z-Image Turbo: the training adapter LoRA, merged at +1 for training, removed for samples, "
+            "never saved",
+        ),
+        STATE.Input(
+            "resume", optional=True, tooltip="A KILN_STATE to continue (from another Train LoRA or Kiln Load Run)"
+        ),
+        VALIDATION.Input(
+            "validation",
+            optional=True,
+            tooltip="From Kiln Validation Settings (chain several to sample several prompts)",
+        ),
+        io.LoraModel.Input(
+            "init_lora",
+            optional=True,
+            tooltip="A LoRA to start from instead of a new one (a LORA_MODEL: another Train LoRA, Kiln Convert "
+            "LoRA, Merge/Resize LoRA); its rank and alpha replace rank and alpha. Ignored when resuming",
+        ),
+        io.Combo.Input(
+            "init_lora_file",
+            options=loras,
+            default="none",
+            optional=True,
+            tooltip="A LoRA file (models/loras; ai-toolkit, musubi-tuner, SimpleTuner, diffusers/PEFT, kohya, "
+            "ComfyUI or Kiln layout) to start from, as init_lora",
+        ),
+        DATASET.Input(
+            "reg_dataset",
+            optional=True,
+            tooltip="Regularisation images (prior preservation): a folder of class images with their own "
+            "captions, through Load Dataset (its repeats are reg_repeats; no trigger word), Encode Images and "
+            "Encode Captions with the same VAE and text encoder. Trained in batches of their own each epoch, "
+            "their loss times reg_weight (Training Options)",
+        ),
+    ]
+
+
 class KilnTrainLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -189,42 +192,7 @@ class KilnTrainLoRA(io.ComfyNode):
                         "finished one. The dashboard's Stop skips the nodes after this one (the run is not done); "
                         "its Stop & save passes the LoRA as of that step on.",
             is_output_node=True,
-            inputs=[
-                io.Model.Input("model", tooltip="A model of a Kiln family (" + ", ".join(MODEL_FAMILIES) + "), "
-                               "or any ComfyUI model (then list targets in Training Options)"),
-                DATASET.Input("dataset", tooltip="From Kiln Encode Captions (latents and captions encoded)"),
-                widget("steps", default=1000, tooltip_text="Total optimizer steps (a resumed run continues to this)"),
-                widget("learning_rate"),
-                widget("rank"),
-                widget("alpha"),
-                widget("optimizer"),
-                io.Combo.Input("preset", options=["none", *cfg_module.PRESETS], default="none",
-                               tooltip="Fills the settings that neither this node nor a connected option node "
-                                       "sets (README: Presets)"),
-                widget("backend"),
-                widget("seed"),
-                OPTIONS.Input("options", optional=True, tooltip="From Kiln Training Options or a chain of the smaller "
-                              "option nodes; every value they set wins over the preset"),
-                io.Combo.Input("training_adapter", options=["none", *bridge.lora_names()], default="none",
-                               optional=True, tooltip="Z-Image Turbo: the training adapter LoRA, merged at +1 for "
-                               "training, removed for samples, never saved"),
-                STATE.Input("resume", optional=True, tooltip="A KILN_STATE to continue (from another Train LoRA "
-                            "or Kiln Load Run)"),
-                VALIDATION.Input("validation", optional=True, tooltip="From Kiln Validation Settings (chain several "
-                                 "to sample several prompts)"),
-                io.LoraModel.Input("init_lora", optional=True, tooltip="A LoRA to start from instead of a new one "
-                                   "(a LORA_MODEL: another Train LoRA, Kiln Convert LoRA, Merge/Resize LoRA); its "
-                                   "rank and alpha replace rank and alpha. Ignored when resuming"),
-                io.Combo.Input("init_lora_file", options=["none", *bridge.lora_names()], default="none",
-                               optional=True, tooltip="A LoRA file (models/loras; ai-toolkit, musubi-tuner, "
-                               "SimpleTuner, diffusers/PEFT, kohya, ComfyUI or Kiln layout) to start from, as "
-                               "init_lora"),
-                DATASET.Input("reg_dataset", optional=True, tooltip="Regularisation images (prior preservation): "
-                              "a folder of class images with their own captions, through Load Dataset (its repeats "
-                              "are reg_repeats; no trigger word), Encode Images and Encode Captions with the same "
-                              "VAE and text encoder. Trained in batches of their own each epoch, their loss times "
-                              "reg_weight (Training Options)"),
-            ],
+            inputs=[*train_inputs(), *train_sockets()],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input model with the trained LoRA (EMA weights "
                                 "when EMA is on), ready for KSampler"),

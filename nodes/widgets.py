@@ -1,4 +1,5 @@
-"""Widgets built from the constants trainer/config/fields.py validates against, and Kiln's socket types.
+"""Widgets built from the settings' declarations (trainer/config), which the checks validate against, and Kiln's
+socket types.
 
 A widget's bounds and choices come from `config.BOUNDS` and `config.CHOICES`,
 its default from `TrainConfig`, its tooltip from that field's help text
@@ -6,7 +7,6 @@ its default from `TrainConfig`, its tooltip from that field's help text
 """
 from __future__ import annotations
 
-import dataclasses
 import decimal
 import inspect
 import re
@@ -28,7 +28,7 @@ _DEFAULTS = cfg_module.TrainConfig()
 HAS_ADVANCED = "advanced" in inspect.signature(io.Boolean.Input.__init__).parameters
 
 
-# config.py's "auto" settings as the widget types saved workflows hold for them (a boolean, a number):
+# The "auto" settings shipped in 0.1.0 as the widget types saved workflows hold for them (a boolean, a number):
 # the widget value that means auto, and the tooltip that says so.
 AUTO_WIDGETS = {
     "compile_blocks": (True, "torch.compile each block (fuses norms, RoPE, gates; the first steps compile). On: "
@@ -39,12 +39,14 @@ AUTO_WIDGETS = {
                                 "largest share whose estimated peak leaves a margin of the GPU's free memory."),
 }
 
-# "auto" settings added after 0.1.0 are combos of three words (no saved workflow holds another type for them).
-TRISTATE = {name: {"auto": cfg_module.AUTO, "on": True, "off": False} for name in ("fp8_compute", "step_graphs")}
+# "auto" settings added after 0.1.0 are combos of three words (no saved workflow holds another type for them):
+# the fields declared tristate (trainer/config), each word → the config's value.
+TRISTATE = {name: {"auto": cfg_module.AUTO, "on": True, "off": False} for name in cfg_module.TRISTATE_FIELDS}
+STEPS_TOOLTIP = "Total optimizer steps (a resumed run continues to this)"
 
 
 def from_widget(name: str, value):
-    """A widget's value as config.py takes it: the auto widgets' "auto" values become "auto"."""
+    """A widget's value as the config takes it: the auto widgets' "auto" values become "auto"."""
     if name in TRISTATE and isinstance(value, str):
         return TRISTATE[name].get(value, value)
     if name == "compile_blocks":
@@ -71,8 +73,8 @@ def float_step(name: str, value: float, low: float | None, high: float | None) -
 
 def widget(name: str, *, default=None, tooltip_text: str | None = None, optional: bool = False,
            display_name: str | None = None):
-    """The widget for TrainConfig field `name`: bounds, choices, default and tooltip from config.py."""
-    field = {f.name: f for f in dataclasses.fields(cfg_module.TrainConfig)}[name]
+    """The widget for TrainConfig field `name`: bounds, choices, default and tooltip from its declaration."""
+    kind = cfg_module.KIND[name]  # an auto setting's type without "auto": what its widget holds
     value = getattr(_DEFAULTS, name) if default is None else default
     if name in AUTO_WIDGETS and value == cfg_module.AUTO:
         value, tooltip_text = AUTO_WIDGETS[name][0], tooltip_text or AUTO_WIDGETS[name][1]
@@ -84,23 +86,33 @@ def widget(name: str, *, default=None, tooltip_text: str | None = None, optional
         return io.Combo.Input(name, options=list(TRISTATE[name]), default=words[value], **common)
     if name in cfg_module.CHOICES:
         return io.Combo.Input(name, options=list(cfg_module.CHOICES[name]), default=value, **common)
-    if field.type in ("bool", bool):
+    if kind == "bool":
         return io.Boolean.Input(name, default=value, **common)
     low, high = cfg_module.BOUNDS.get(name, (None, None))
     if name == "checkpoint_budget":
         low = AUTO_WIDGETS[name][0]
-    if field.type in ("int", int):
+    if kind == "int":
         # A seed that re-rolls after each queue would start a new run instead of resuming this one.
         fixed = dict(control_after_generate=io.ControlAfterGenerate.fixed) if name == "seed" else {}
         return io.Int.Input(name, default=value, min=int(low) if low is not None else None,
                             max=int(high) if high is not None else None, **fixed, **common)
-    if field.type in ("float", float):
+    if kind == "float":
         # No `round`: the frontends round to the step's decimals whatever it says (round=False included).
         return io.Float.Input(name, default=value, min=low, max=high, step=float_step(name, value, low, high),
                               **common)
-    if field.type in ("list[int]", "list[str]"):
+    if kind in ("list[int]", "list[str]"):
         return io.String.Input(name, default=", ".join(str(v) for v in value), **common)
     return io.String.Input(name, default=value, **common)
+
+
+def preset_input():
+    """The preset combo of the train nodes: the config's presets, or none."""
+    return io.Combo.Input(
+        "preset",
+        options=["none", *cfg_module.PRESETS],
+        default="none",
+        tooltip="Fills the settings that neither this node nor a connected option node sets (README: Presets)",
+    )
 
 
 def parse_list(text: str, kind=str) -> list:

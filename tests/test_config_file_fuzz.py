@@ -55,9 +55,9 @@ TYPED = {"int": st.integers(0, 5000), "float": st.floats(-1, 10), "bool": st.boo
 def tables(draw) -> dict:
     """Mostly well-typed values for real keys (so many files load and reach save), else anything."""
     table = {}
-    free_text = sorted(k for k, f in FIELDS.items() if f.type == "str" and k not in config_module.CHOICES)
+    free_text = sorted(k for k in FIELDS if config_module.KIND[k] == "str" and k not in config_module.CHOICES)
     for key in draw(st.lists(st.one_of(keys, st.sampled_from(free_text)), max_size=5, unique=True)):
-        kind = FIELDS[key].type if key in FIELDS else None
+        kind = config_module.KIND.get(key)
         table[key] = draw(TYPED[kind]) if kind and draw(st.integers(0, 3)) else draw(values)
     return table
 

@@ -1,4 +1,4 @@
-"""A headless run under torchrun as a child process (#22): what ComfyUI's "Train LoRA (several GPUs)"
+"""A headless run under torchrun as a child process: what ComfyUI's "Train LoRA (several GPUs)"
 node starts, usable from any Python program.
 
 The run's config is written to `<run>/launch.toml` (atomically), then

@@ -5,7 +5,11 @@ import difflib
 from typing import Any
 
 from .checks import check_combinations, check_value
-from .fields import FIELDS, PRESETS, ConfigError, TrainConfig
+from .declaration import ConfigError
+from .fields import FIELDS, TrainConfig
+from .presets import PRESETS
+
+__all__ = ["from_dict", "replace", "validate"]
 
 
 def from_dict(values: dict[str, Any], *, preset: str | None = None) -> TrainConfig:

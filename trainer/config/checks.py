@@ -1,7 +1,7 @@
 """The checks behind config.from_dict: each value's type and bounds, sample prompts, settings wrong together.
 
-config.py holds the schema and the tables these read and imports this module inside from_dict, so the
-import graph has one direction at load time while config.py stays the one door callers use.
+They read the tables fields.py derives from the declarations; build.py calls them, so the import graph has one
+direction.
 """
 from __future__ import annotations
 
@@ -13,17 +13,9 @@ from typing import Any
 
 from ..archs import ARCHS
 from ..lora import adapters
-from .fields import (
-    AUTO,
-    AUTO_FIELDS,
-    BOUNDS,
-    CHOICES,
-    FIELDS,
-    PROMPT_FLAGS,
-    PROMPT_KEYS,
-    ConfigError,
-    TrainConfig,
-)
+from .declaration import AUTO, ConfigError
+from .fields import AUTO_FIELDS, BOUNDS, CHOICES, KIND, TrainConfig
+from .prompts import PROMPT_FLAGS, PROMPT_KEYS
 
 _KINDS = {"str": str, "int": int, "float": float, "bool": bool, "list[str]": list, "list[int]": list,
           "list[str | dict]": list}
@@ -40,8 +32,8 @@ def check_value(key: str, value: Any) -> Any:
 def _check_type(key: str, value: Any) -> Any:
     if key in AUTO_FIELDS and value == AUTO:
         return value
-    kind = FIELDS[key].type
-    expected, shown = _KINDS[kind], f'{FIELDS[key].type} or "{AUTO}"' if key in AUTO_FIELDS else kind
+    kind = KIND[key]
+    expected, shown = _KINDS[kind], f'{kind} or "{AUTO}"' if key in AUTO_FIELDS else kind
     if kind == "list[str | dict]":
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list of prompts (strings or tables), got {type(value).__name__} "
@@ -111,7 +103,7 @@ def parse_prompt(entry: str | dict, where: str = "sample prompt") -> dict[str, A
             raise ConfigError(f"{where}: unknown flag --{flag}; a prompt string takes --n (negative), --w, --h, "
                               "--seed, --cfg, --steps (or a table: {prompt = \"...\", seed = 7})")
         key, text = PROMPT_FLAGS[flag], text.strip()
-        kind = FIELDS[PROMPT_KEYS[key]].type
+        kind = KIND[PROMPT_KEYS[key]]
         if kind == "str":
             values[key] = text
             continue
@@ -128,7 +120,7 @@ def _check_prompt(where: str, entry: Any) -> str | dict:
     values = parse_prompt(entry, where)
     for key, value in values.items():
         setting_key = PROMPT_KEYS[key]
-        kind = FIELDS[setting_key].type if setting_key else "str"
+        kind = KIND[setting_key] if setting_key else "str"
         try:
             if setting_key:
                 values[key] = value = _check_type(setting_key, value)

@@ -15,7 +15,8 @@ except ModuleNotFoundError:  # Python 3.10 (ComfyUI still supports it)
     import tomli as tomllib
 
 from .build import from_dict
-from .fields import ConfigError, TrainConfig
+from .declaration import ConfigError
+from .fields import TrainConfig
 
 
 def load(path: str | Path) -> TrainConfig:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .build import from_dict
-from .fields import PRESETS, TrainConfig
+from .fields import TrainConfig
+from .presets import PRESETS
 
 _DEFAULTS = TrainConfig().to_dict()
 
