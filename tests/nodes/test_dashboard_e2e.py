@@ -28,11 +28,12 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-import comfy_env  # noqa: E402
+from helpers import comfy_env  # noqa: E402
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
-from comfy_server import CHROMIUM, NODE, require_browser, running, tiny_base  # noqa: E402
+from helpers.comfy_server import CHROMIUM, NODE, require_browser, running, tiny_base  # noqa: E402
 
 require_browser("the dashboard e2e test")   # skips the module without node/Chromium/playwright (fails in CI)
 

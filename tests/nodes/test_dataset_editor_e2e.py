@@ -27,11 +27,12 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-import comfy_env
+from helpers import comfy_env
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
 
-from comfy_server import (
+from helpers.comfy_server import (
     CHROMIUM,
     NODE,
     make_workflows,
@@ -111,10 +112,10 @@ def test_the_routes_answer_on_comfyuis_server_and_refuse_other_sites(server):
 
 
 def photos(tmp_path: Path) -> list[Path]:
-    """coffee.jpg, a resized re-encoded copy of it, and a blurred rocket (tests/data/photos/)."""
+    """coffee.jpg, a resized re-encoded copy of it, and a blurred rocket (tests/fixtures/photos/)."""
     from PIL import Image, ImageFilter
 
-    source = REPO / "tests" / "data" / "photos"
+    source = REPO / "tests" / "fixtures" / "photos"
     out = [tmp_path / "coffee.jpg", tmp_path / "coffee_small.jpg", tmp_path / "rocket_blurred.png"]
     out[0].write_bytes((source / "coffee.jpg").read_bytes())
     with Image.open(source / "coffee.jpg") as cup:

@@ -24,11 +24,12 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-import comfy_env  # noqa: E402
+from helpers import comfy_env  # noqa: E402
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
 
-from comfy_server import (  # noqa: E402
+from helpers.comfy_server import (  # noqa: E402
     CHROMIUM,
     NODE,
     make_workflows,
