@@ -106,6 +106,23 @@ NODE = shutil.which("node") or ""
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") or ""
 
 
+def drive(
+    driver: str, server: ComfyServer, out: Path, *args: str, timeout: float = 1800
+) -> subprocess.CompletedProcess:
+    """A browser driver of tests/web/ (node, playwright-core, headless Chromium) run against a live test server:
+    --url, --out and --chromium, then the driver's own arguments. driver_report() reads what it found."""
+    command = [NODE, str(HERE.parent / "web" / driver), "--url", server.url, "--out", str(out), "--chromium", CHROMIUM]
+    return subprocess.run([*command, *args], cwd=HERE.parents[1], capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+def driver_report(done: subprocess.CompletedProcess) -> dict:
+    """A driver's report: the JSON of its last line on stdout, after it exited cleanly."""
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, f"driver failed ({done.returncode}):\n{done.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
 def require_browser(what: str) -> None:
     """Skip the calling test (or module) without node, Chromium or playwright-core, naming how to get each;
     fail instead in CI (comfy_env.required()), where ./scripts/test installs them."""
