@@ -1,7 +1,7 @@
 """Find and prepare a ComfyUI checkout for the tests that need one (COMFYUI_PATH).
 
-`require_comfy()` is how a test module says it needs ComfyUI (tests/conftest.py sorts test files by
-that call). Without COMFYUI_PATH it skips the module with the reason on a developer machine, and fails
+`require_comfy()` prepares ComfyUI for a test module marked `comfyui` (the marker is what --comfyui selects
+on, tests/conftest.py), before the module imports ComfyUI. Without COMFYUI_PATH it skips the module with the reason on a developer machine, and fails
 it in CI (CI or KILN_REQUIRE_COMFYUI set): there every ComfyUI test must run. With COMFYUI_PATH it puts
 ComfyUI on sys.path, works around PyPI's torchvision/torchaudio wheels on CPU torch, and makes ComfyUI
 run on the CPU, all before anything from ComfyUI is imported. Safe to call any number of times.
@@ -144,7 +144,8 @@ def prepare(path: str) -> None:
 
 
 def import_pack(submodule: str = ""):
-    """This repository as ComfyUI imports a custom-node pack (`kiln_pack.<submodule>`); see trainer/cli/main.py."""
+    """This repository as ComfyUI imports a custom-node pack (`kiln_pack.<submodule>`); see trainer/cli/main.py.
+    For scripts/ and bench/: the tests import `kiln_pack.<module>` with import statements (tests/conftest.py)."""
     root = str(Path(__file__).resolve().parents[2])
     if root not in sys.path:  # pytest puts it there; a plain script may not
         sys.path.insert(0, root)

@@ -1,5 +1,5 @@
 """The tiny model, data and config the library tests train on (conftest.py's fixtures hand them out; a test
-module that needs them outside a fixture imports them from here by name: tests/ is on sys.path)."""
+module that needs them outside a fixture imports them from here: `from helpers.tiny_runs import tiny_data`)."""
 from __future__ import annotations
 
 import numpy as np
