@@ -15,5 +15,5 @@ set -o pipefail
 export KILN_COMFY_GPU=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 DO_NOT_TRACK=1
 cd "$(dirname "$0")/.." || exit 2
 exec "${PYTHON:-python3}" -m pytest -q -rfE --comfyui only --durations=10 \
-  tests/nodes/test_server.py tests/nodes/test_nodes.py tests/nodes/test_headless.py tests/nodes/test_node_faults.py \
-  tests/nodes/test_compiled_blocks.py tests/nodes/test_node_reliability.py "$@"
+  tests/nodes/test_server.py tests/nodes/test_nodes.py tests/test_headless.py tests/nodes/test_node_faults.py \
+  tests/nodes/comfy/test_compiled_blocks.py tests/nodes/test_node_reliability.py "$@"

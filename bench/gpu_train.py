@@ -19,7 +19,7 @@ Models. No weight files: the architecture's state-dict shapes come from a meta-d
 ComfyUI's own class (comfy.ldm.flux.model.Flux / comfy.ldm.lumina.model.NextDiT) with the config
 that ComfyUI's detection derives from a real file; the model config is then what
 comfy.model_detection detects from those shapes (Z-Image below dim 3840 is not detected by ComfyUI,
-so --tiny Z-Image uses supported_models.ZImage(unet_config), as tests/nodes/tiny_comfy.py does).
+so --tiny Z-Image uses supported_models.ZImage(unet_config), as tests/helpers/tiny_comfy.py does).
 `model_config.get_model(device=...)` allocates the weights directly on the target device in bf16
 (comfy.ops skips torch's init), then each parameter is filled in place on that device: matrices
 N(0, 1/fan_in), norm scales N(1, 0.1^2), biases and pad tokens N(0, 0.02^2). The model is wrapped
@@ -152,8 +152,8 @@ TIMED_CODE = ("trainer", "nodes", "headless.py", "__init__.py", "bench/gpu_train
 # ---------------------------------------------------------------- setup
 
 def prepare_comfy(device: str):
-    """ComfyUI on sys.path, on the GPU unless device is cpu (tests/comfy_env.py; read once)."""
-    import comfy_env
+    """ComfyUI on sys.path, on the GPU unless device is cpu (tests/helpers/comfy_env.py; read once)."""
+    from helpers import comfy_env
 
     path = comfy_env.comfy_path()
     if path is None:

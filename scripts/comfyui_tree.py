@@ -14,7 +14,7 @@ For one tree this:
      comfy-aimdo, so each gets its own environment.
 The environment is cached under runs/comfyui/ (keyed by the requirements, the Python, its environment
 and the torch version) and reused while it is complete; a half-built one is never reused (it is marked ready only at
-the end). PyPI's torchvision/torchaudio wheels do not load against the CPU torch: tests/comfy_env.py
+the end). PyPI's torchvision/torchaudio wheels do not load against the CPU torch: tests/helpers/comfy_env.py
 works around that at run time, in the tests and in the server launcher.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ Each golden is ComfyUI's own diffusion model, built from the seeded weights of t
 ComfyUI's shape-based detection runs), run in float32 on the CPU on seeded inputs. A golden file holds
 the inputs and ComfyUI's output as F32 tensors; its metadata says how to rebuild the weights
 (`kiln.weights`: the tiny_weights function and its JSON arguments) and what ComfyUI made it. The tests
-(tests/backends/test_mlx_*.py) need neither torch nor ComfyUI. Run it where ComfyUI is checked out and
+(tests/trainer/backends/mlx_backend/test_*.py) need neither torch nor ComfyUI. Run it where ComfyUI is checked out and
 commit the files:
 
     COMFYUI_PATH=/path/to/ComfyUI python scripts/make_goldens.py              # all goldens
@@ -38,7 +38,7 @@ MAX_BYTES = 200 * 1024
 
 def comfy():
     """Import ComfyUI from COMFYUI_PATH (CPU), as the tests do."""
-    import comfy_env
+    from helpers import comfy_env
 
     path = comfy_env.comfy_path()
     if path is None:
@@ -150,7 +150,7 @@ def comfy_zimage(weights: dict[str, np.ndarray]):
     """ModelPatcher of ComfyUI's NextDiT with the Z-Image config holding exactly `weights` (float32).
 
     ComfyUI detects Z-Image only at dim 3840, so this is load_diffusion_model_state_dict by hand (as
-    tests/nodes/tiny_comfy.py does): supported_models.ZImage(model_detection's config at this size)."""
+    tests/helpers/tiny_comfy.py does): supported_models.ZImage(model_detection's config at this size)."""
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.supported_models
@@ -182,7 +182,7 @@ def comfy_zimage(weights: dict[str, np.ndarray]):
 def _zimage(*, batch: int, height: int, width: int, tokens: int, sigmas: list[float], seed: int = 0):
     """A tiny Z-Image (dim 256, 2 layers, 2+2 refiners, caption dim 64) called as nodes/comfy/ calls it
     (make_forward: extra_conds → num_tokens, model_sampling.timestep, the casts)."""
-    import comfy_env
+    from helpers import comfy_env
     import torch
 
     bridge, archs = comfy_env.import_pack("nodes.comfy.bridge"), comfy_env.import_pack("trainer.archs")

@@ -105,10 +105,10 @@ def load_object_info(comfy: str) -> dict:
     import importlib.util
     import logging
 
-    for folder in (ROOT, ROOT / "tests"):        # the repository (trainer/) and tests/ (comfy_env)
+    for folder in (ROOT, ROOT / "tests"):        # the repository (trainer/) and tests/ (helpers.comfy_env)
         if str(folder) not in sys.path:
             sys.path.insert(0, str(folder))
-    import comfy_env
+    from helpers import comfy_env
 
     comfy_env.prepare(comfy)
     logging.getLogger().setLevel(logging.ERROR)   # comfy_extras modules that need audio/GL libraries complain

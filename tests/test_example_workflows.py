@@ -18,7 +18,7 @@ TITLE_H = 30   # LiteGraph's title bar, above a node's pos
 
 
 def _make_workflows():
-    """scripts/make_workflows.py as a module (as tests/nodes/comfy_server.py loads it; no ComfyUI import)."""
+    """scripts/make_workflows.py as a module (as tests/helpers/comfy_server.py loads it; no ComfyUI import)."""
     if "kiln_make_workflows" in sys.modules:
         return sys.modules["kiln_make_workflows"]
     spec = importlib.util.spec_from_file_location("kiln_make_workflows", REPO / "scripts" / "make_workflows.py")

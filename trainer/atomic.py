@@ -7,7 +7,7 @@ gives an error that names the folder and the fix instead of a torn write.
 Test-only crash hook: with KILN_FAULT set to a glob, `fault_point(label)` kills the
 process (SIGKILL, as a power cut or the OOM killer would) where `label` matches.
 Labels: "write:<path>" (the file's bytes are in its temp file, not yet renamed) and
-"checkpoint:<step>:<stage>" (trainer/run/state.py). tests/test_kill.py drives it.
+"checkpoint:<step>:<stage>" (trainer/run/state.py). tests/trainer/run/test_kill.py drives it.
 """
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def _convert(extra, dtype, device):
 
 # Whether this ComfyUI's BaseModel._apply_model sets transformer_options["prefetch_dynamic_vbars"] (0.33
 # does, 0.17 does not; the key is a constant of its code): _call mirrors the version it runs in, and
-# tests/nodes/test_bridge.py compares the options with what ComfyUI's sampler hands the model.
+# tests/nodes/comfy/test_bridge.py compares the options with what ComfyUI's sampler hands the model.
 _PREFETCH_FLAG = "prefetch_dynamic_vbars" in comfy.model_base.BaseModel._apply_model.__code__.co_consts
 
 

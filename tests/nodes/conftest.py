@@ -1,14 +1,5 @@
-"""The node tests import their helpers by module name (comfy_env from tests/; tiny_comfy, comfy_server and
-test_nodes from here): both folders go on sys.path once, before any node test module is collected."""
-import sys
-from pathlib import Path
-
+"""Fixtures of the node pack's tests: ComfyUI's folders in a temporary folder, kernels for bitwise GPU runs."""
 import pytest
-
-HERE = Path(__file__).resolve().parent
-for folder in (HERE.parent, HERE):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +23,7 @@ def same_kernels():
     deterministic paths: otherwise LoRA weights were up to ~3e-4 apart after 8 steps of two equal runs on an
     H200), and flash attention. Set CUBLAS_WORKSPACE_CONFIG=:4096:8 for the process too. On the CPU runs are
     bitwise as they are: {}."""
-    import comfy_env
+    from helpers import comfy_env
 
     if not comfy_env.gpu():
         yield {}

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import logging
 
-import comfy_env
+from helpers import comfy_env
 import pytest
 import torch
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.sd
 import comfy.utils
-import tiny_comfy
+from helpers import tiny_comfy
 
 from trainer import archs
 from trainer.backends.torch_backend.lora import LoraSet
@@ -88,7 +89,8 @@ def test_comfyui_loader_gives_the_training_forward(klein, tmp_path, caplog, name
 def test_train_node_trains_a_dora_that_save_lora_writes(comfy_dirs, tmp_path_factory):
     """Train LoRA with Training Options' adapter = dora: its MODEL carries the adapter as ComfyUI patches
     (every key loaded), Save LoRA writes the dora file, and the file reads back as DoRA."""
-    from test_nodes import encoded_dataset, ln, out, train
+    import kiln_pack.nodes.lora_nodes as ln
+    from helpers.node_runs import encoded_dataset, out, train
 
     model = tiny_comfy.tiny_flux2(tmp_path_factory.mktemp("m"))
     ds = encoded_dataset(comfy_dirs, tiny_comfy.tiny_vae(flux2=True), tiny_comfy.tiny_klein_clip(), "ds_dora")

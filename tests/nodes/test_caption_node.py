@@ -9,20 +9,21 @@ import math
 import zlib
 from pathlib import Path
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
 from PIL import Image
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.model_management as mm  # noqa: E402
 import comfy.sd  # noqa: E402
 import folder_paths  # noqa: E402
-import tiny_comfy as tc  # noqa: E402
+from helpers import tiny_comfy as tc  # noqa: E402
 from comfy.text_encoders.qwen_image import QwenImageTokenizer  # noqa: E402
 
-dn = comfy_env.import_pack("nodes.dataset_nodes")
+import kiln_pack.nodes.dataset_nodes as dn
 ANSWER = "A red square on a white background."
 
 

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -28,15 +27,15 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-import comfy_env  # noqa: E402
+from helpers import comfy_env  # noqa: E402
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
-from comfy_server import CHROMIUM, NODE, require_browser, running, tiny_base  # noqa: E402
+from helpers.comfy_server import drive, driver_report, require_browser, running, tiny_base  # noqa: E402
 
 require_browser("the dashboard e2e test")   # skips the module without node/Chromium/playwright (fails in CI)
 
-DRIVER = REPO / "tests" / "web" / "e2e_dashboard.mjs"
 TOTAL_STEPS = 1000        # far more than the test waits for: it stops the run
 MIN_POINTS = int(os.environ.get("KILN_E2E_MIN_POINTS", "4"))
 
@@ -77,12 +76,9 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
     workflow.write_text(json.dumps(dashboard_workflow()), encoding="utf-8")
     shots = tmp_path / "browser"
     started = time.monotonic()
-    done = subprocess.run([NODE, str(DRIVER), "--url", server.url, "--workflow", str(workflow), "--out", str(shots),
-                           "--chromium", CHROMIUM, "--min-points", str(MIN_POINTS), "--timeout-s", "420"],
-                          cwd=REPO, capture_output=True, text=True, timeout=1800)
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, f"driver failed ({done.returncode}):\n{done.stderr[-4000:]}"
-    report = json.loads(lines[-1])
+    done = drive("e2e_dashboard.mjs", server, shots, "--workflow", str(workflow), "--min-points", str(MIN_POINTS),
+                 "--timeout-s", "420")
+    report = driver_report(done)
     assert report["ok"], f"{report.get('error')}\n{done.stderr[-3000:]}\nserver:\n{server.log_tail(80)}"
     assert kiln_errors(report) == [], kiln_errors(report)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import io
 import json
 import shutil
-import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -27,13 +26,14 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-import comfy_env
+from helpers import comfy_env
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
 
-from comfy_server import (
-    CHROMIUM,
-    NODE,
+from helpers.comfy_server import (
+    drive,
+    driver_report,
     make_workflows,
     require_browser,
     running,
@@ -111,10 +111,10 @@ def test_the_routes_answer_on_comfyuis_server_and_refuse_other_sites(server):
 
 
 def photos(tmp_path: Path) -> list[Path]:
-    """coffee.jpg, a resized re-encoded copy of it, and a blurred rocket (tests/data/photos/)."""
+    """coffee.jpg, a resized re-encoded copy of it, and a blurred rocket (tests/fixtures/photos/)."""
     from PIL import Image, ImageFilter
 
-    source = REPO / "tests" / "data" / "photos"
+    source = REPO / "tests" / "fixtures" / "photos"
     out = [tmp_path / "coffee.jpg", tmp_path / "coffee_small.jpg", tmp_path / "rocket_blurred.png"]
     out[0].write_bytes((source / "coffee.jpg").read_bytes())
     with Image.open(source / "coffee.jpg") as cup:
@@ -135,22 +135,18 @@ def editor_report(server, tmp_path_factory):
         files[name] = tmp_path / name
         files[name].write_bytes(data)
     shots = tmp_path / "browser"
-    done = subprocess.run([NODE, str(REPO / "tests" / "web" / "dataset_editor.mjs"), "--url", server.url,
-                           "--out", str(shots), "--chromium", CHROMIUM, "--name", NAME,
-                           *[arg for n in ("a.png", "b.png", "c.png") for arg in ("--image", str(files[n]))],
-                           "--drop", str(files["tiny.png"]), "--drop", str(files["notes.png"]),
-                           "--caption", "a.png=a red square", "--enter", "c.png=green|square", "--prefix", "ohwx",
-                           *[arg for photo in photos(tmp_path) for arg in ("--photo", str(photo))],
-                           "--caption-model", "Florence-2-tiny", "--other", "kiln_tiny_dataset"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    done = drive("dataset_editor.mjs", server, shots, "--name", NAME,
+                 *[arg for n in ("a.png", "b.png", "c.png") for arg in ("--image", str(files[n]))],
+                 "--drop", str(files["tiny.png"]), "--drop", str(files["notes.png"]),
+                 "--caption", "a.png=a red square", "--enter", "c.png=green|square", "--prefix", "ohwx",
+                 *[arg for photo in photos(tmp_path) for arg in ("--photo", str(photo))],
+                 "--caption-model", "Florence-2-tiny", "--other", "kiln_tiny_dataset", timeout=600)
     artifacts = REPO / "runs" / "test-reports"
     artifacts.mkdir(parents=True, exist_ok=True)
     for shot in shots.glob("*.png"):     # kept for a person to look at: runs/test-reports/dataset-editor-0.33.0-*.png
         kept = shot.stem.replace("dataset_editor", f"dataset-editor-{comfy_env.version()}")
         shutil.copyfile(shot, artifacts / f"{kept}.png")
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    report = json.loads(lines[-1])
+    report = driver_report(done)
     assert report["ok"], (report.get("error"), report.get("statuses"), report.get("dialogs"))
     return report
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
 from decimal import Decimal
 from pathlib import Path
 
@@ -24,13 +23,14 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-import comfy_env  # noqa: E402
+from helpers import comfy_env  # noqa: E402
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
 
-from comfy_server import (  # noqa: E402
-    CHROMIUM,
-    NODE,
+from helpers.comfy_server import (  # noqa: E402
+    drive,
+    driver_report,
     make_workflows,
     require_browser,
     running,
@@ -40,7 +40,6 @@ from comfy_server import (  # noqa: E402
 mw = make_workflows()
 
 require_browser("the float widget test")
-DRIVER = REPO / "tests" / "web" / "float_widgets.mjs"
 
 
 @pytest.fixture(scope="module")
@@ -121,12 +120,9 @@ def test_every_kiln_float_widget_shows_keeps_and_steps_its_value(server, tmp_pat
     nodes_file = tmp_path / "nodes.json"
     nodes_file.write_text(json.dumps(wanted), encoding="utf-8")
     shots = tmp_path / "browser"
-    done = subprocess.run([NODE, str(DRIVER), "--url", server.url, "--out", str(shots), "--nodes", str(nodes_file),
-                           "--vue", "KilnTrainingOptions", "--chromium", CHROMIUM],
-                          cwd=REPO, capture_output=True, text=True, timeout=1500)
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    report = json.loads(lines[-1])
+    done = drive("float_widgets.mjs", server, shots, "--nodes", str(nodes_file), "--vue", "KilnTrainingOptions",
+                 timeout=1500)
+    report = driver_report(done)
     artifacts = REPO / "runs" / "test-reports" / f"float-widgets-{comfy_env.version()}"
     artifacts.mkdir(parents=True, exist_ok=True)
     for shot in shots.glob("*.png"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,15 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-import comfy_env  # noqa: E402
+from helpers import comfy_env  # noqa: E402
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
 
-from comfy_server import (  # noqa: E402
-    CHROMIUM,
-    NODE,
+from helpers.comfy_server import (  # noqa: E402
     TINY_FILES,
+    drive,
+    driver_report,
     make_workflows,
     require_browser,
     running,
@@ -82,13 +82,9 @@ def test_an_unknown_list_is_refused_with_the_known_ones(server):
 def test_the_choose_button_types_the_picked_folder(server, tmp_path):
     require_browser("the folder picker test")
     picks = {"KilnLoadDataset": DATASET, "KilnLoadRun": "portrait-2"}
-    done = subprocess.run([NODE, str(REPO / "tests" / "web" / "folder_picker.mjs"), "--url", server.url,
-                           "--out", str(tmp_path), "--chromium", CHROMIUM,
-                           *[arg for node, name in picks.items() for arg in ("--pick", f"{node}={name}")]],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    report = json.loads(lines[-1])
+    done = drive("folder_picker.mjs", server, tmp_path,
+                 *[arg for node, name in picks.items() for arg in ("--pick", f"{node}={name}")], timeout=600)
+    report = driver_report(done)
     assert report["ok"], report.get("error")
     info = server.get("/object_info", timeout=60)
     mw = make_workflows()

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import json
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
-import tiny_comfy as tc
-from test_nodes import encoded_dataset, out, train
+from helpers import tiny_comfy as tc
+from helpers.node_runs import encoded_dataset, out, train
 
-bridge = comfy_env.import_pack("nodes.comfy.bridge")
-ln = comfy_env.import_pack("nodes.lora_nodes")
-safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
-lora_format = comfy_env.import_pack("trainer.lora.files")
-init_lora = comfy_env.import_pack("trainer.run.init_lora")
-lora_sources = comfy_env.import_pack("trainer.lora.sources")
+import kiln_pack.nodes.comfy.bridge as bridge
+import kiln_pack.nodes.lora_nodes as ln
+import kiln_pack.trainer.safetensors_io as safetensors_io
+import kiln_pack.trainer.lora.files as lora_format
+import kiln_pack.trainer.run.init_lora as init_lora
+import kiln_pack.trainer.lora.sources as lora_sources
 
 
 @pytest.fixture(scope="module")

@@ -8,23 +8,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
 from PIL import Image
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import folder_paths  # noqa: E402
-import tiny_comfy as tc  # noqa: E402
+from helpers import tiny_comfy as tc  # noqa: E402
 
-bridge = comfy_env.import_pack("nodes.comfy.bridge")
-dashboard = comfy_env.import_pack("nodes.dashboard")
-live = comfy_env.import_pack("nodes.live")
-dn = comfy_env.import_pack("nodes.dataset_nodes")
-tn = comfy_env.import_pack("nodes.train_nodes")
-run = comfy_env.import_pack("nodes.run")
-lora_format = comfy_env.import_pack("trainer.lora.files")
+import kiln_pack.nodes.comfy.bridge as bridge
+import kiln_pack.nodes.dashboard as dashboard
+import kiln_pack.nodes.dataset_nodes as dn
+import kiln_pack.nodes.train_nodes as tn
+import kiln_pack.nodes.run as run
+import kiln_pack.trainer.lora.files as lora_format
 
 
 @pytest.fixture
@@ -160,7 +160,7 @@ def test_pause_resume_and_stop_while_paused_from_the_dashboard_with_the_grid_and
     until Resume; a second Pause at step 4 ends by ComfyUI's own stop button, which saves a resumable
     checkpoint at step 4. Samples every 2 steps build <run>/samples/grid.png (shown through kiln.grid), and
     a held-out image gives the dashboard its second loss line."""
-    pause = comfy_env.import_pack("trainer.run.pause")
+    import kiln_pack.trainer.run.pause as pause
     model, ds, validation = sampled_run_inputs(comfy_dirs)
     events: list[tuple[str, dict]] = []
     waits: list[int] = []
@@ -216,8 +216,8 @@ def test_chained_validation_settings_sample_each_prompt_in_a_grid_column_headed_
     both prompts at each sampling step, in chain order, as often as the smaller `every` asks; the grid has a
     column per prompt, headed by the text of the CLIP Text Encode behind each `positive` (found through the
     queued prompt, through a Flux Guidance node for the second)."""
-    io = comfy_env.import_pack("nodes.train_nodes").io
-    sample_grid = comfy_env.import_pack("trainer.samples.grid")
+    from kiln_pack.nodes.train_nodes import io
+    import kiln_pack.trainer.samples.grid as sample_grid
     model, vae, clip = tc.tiny_flux2(comfy_dirs), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
     ds = encoded_dataset(comfy_dirs, vae, clip)
     queued = {   # the API-format prompt ComfyUI hands the nodes (hidden PROMPT), as the frontend sends it
@@ -264,7 +264,7 @@ def test_chained_validation_settings_sample_each_prompt_in_a_grid_column_headed_
 
 
 def test_the_grid_header_falls_back_to_the_node_title_without_a_prompt_text():
-    vc = comfy_env.import_pack("nodes.validation_chain")
+    import kiln_pack.nodes.validation_chain as vc
     queued = {"5": {"class_type": "StringConcat", "inputs": {"a": ["6", 0]}},
               "6": {"class_type": "CLIPTextEncode", "inputs": {"text": ["5", 0]}},   # text computed by a node
               "7": {"class_type": "PrimitiveStringMultiline", "inputs": {"value": "  a kiln, in watercolour "}},

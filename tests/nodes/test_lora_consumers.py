@@ -19,11 +19,12 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
 import torch
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 pytest.importorskip("diffusers", reason="needs diffusers (the `test` extra installs it): the real consumer of the "
                     "diffusers export")
@@ -32,7 +33,7 @@ pytest.importorskip("peft", reason="needs peft (the `test` extra installs it): d
 import comfy.model_management as mm  # noqa: E402
 import comfy.supported_models  # noqa: E402
 import folder_paths  # noqa: E402
-import tiny_comfy  # noqa: E402
+from helpers import tiny_comfy  # noqa: E402
 from comfy.ldm.lumina.model import NextDiT  # noqa: E402
 from diffusers import (  # noqa: E402
     Flux2KleinPipeline,

@@ -1,4 +1,4 @@
-"""Converted LoRAs in ComfyUI's own loader (#19): each other trainer's fixture (tests/lora_fixtures.py),
+"""Converted LoRAs in ComfyUI's own loader (#19): each other trainer's fixture (tests/helpers/lora_fixtures.py),
 built at the shapes of a tiny Flux2 Klein and a tiny Z-Image, goes through `python -m trainer convert`'s
 convert_file, then comfy.utils.load_torch_file → model_lora_keys_unet → comfy.lora.load_lora →
 calculate_weight: no key left unloaded, and every weight moves by what the fixture's pattern means
@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import logging
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
 import torch
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.lora  # noqa: E402
 import comfy.sd  # noqa: E402
 import comfy.utils  # noqa: E402
-import lora_fixtures as fx  # noqa: E402
-import tiny_comfy  # noqa: E402
+from helpers import lora_fixtures as fx  # noqa: E402
+from helpers import tiny_comfy  # noqa: E402
 
 from trainer import safetensors_io  # noqa: E402
 from trainer.lora import files as lora_format  # noqa: E402
@@ -83,7 +84,7 @@ def test_convert_node_writes_under_models_loras_and_reports(models, tmp_path, ca
     reported), saved beside it, its LORA_MODEL applied by ComfyUI's LoraModelLoader with nothing left over."""
     import folder_paths
 
-    lora_nodes = comfy_env.import_pack("nodes.lora_nodes")
+    import kiln_pack.nodes.lora_nodes as lora_nodes
     patcher, shapes = models("flux2")
     fixture = fx.build("flux2", "musubi-tuner", shapes)
     loras = tmp_path / "loras"

@@ -1,21 +1,22 @@
 """Kiln's LoRA files through ComfyUI's own LoRA loader (COMFYUI_PATH): comfy.utils.load_torch_file,
 model_lora_keys_unet, load_lora and calculate_weight on a stand-in model of ComfyUI's own class, for
-every format and family (the fixtures of tests/test_lora_format.py)."""
+every format and family (the cases of tests/helpers/lora_cases.py)."""
 from __future__ import annotations
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
 import torch
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.lora  # noqa: E402
 import comfy.model_base  # noqa: E402
 import comfy.utils  # noqa: E402
-from test_lora_format import CASES, HIDDEN, _metadata, delta, make_lora  # noqa: E402
-
 from trainer.lora import files as lf  # noqa: E402
+
+from helpers.lora_cases import CASES, HIDDEN, delta, lora_metadata, make_lora  # noqa: E402
 
 
 def _fake_model(model_class, modules: dict, unet_config: dict):
@@ -46,7 +47,7 @@ def test_comfyui_loader_applies_every_key(tmp_path, arch_name, modules, fmt, cap
              if arch_name.startswith("flux2") else
              _fake_model(comfy.model_base.Lumina2, modules, {"n_layers": 4, "dim": HIDDEN}))
     path = tmp_path / "lora.safetensors"
-    lf.save_lora(path, make_lora(modules), arch=arch_name, fmt=fmt, metadata=_metadata())
+    lf.save_lora(path, make_lora(modules), arch=arch_name, fmt=fmt, metadata=lora_metadata())
     lora, _ = lf.load_lora(path)  # the bf16-rounded weights ComfyUI will see
     tensors = comfy.utils.load_torch_file(str(path), safe_load=True)
     key_map = comfy.lora.model_lora_keys_unet(model, {})

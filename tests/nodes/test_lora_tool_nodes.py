@@ -9,24 +9,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.model_management as mm  # noqa: E402
 import comfy.sd  # noqa: E402
 import comfy.utils  # noqa: E402
 import folder_paths  # noqa: E402
-import tiny_comfy as tc  # noqa: E402
+from helpers import tiny_comfy as tc  # noqa: E402
 import torch  # noqa: E402
 from comfy_extras.nodes_train import LoraModelLoader, SaveLoRA  # noqa: E402
 
-bridge = comfy_env.import_pack("nodes.comfy.bridge")
-tools = comfy_env.import_pack("nodes.lora_tool_nodes")
-lora_format = comfy_env.import_pack("trainer.lora.files")
-lora_tools = comfy_env.import_pack("trainer.lora.tools")
+import kiln_pack.nodes.comfy.bridge as bridge
+import kiln_pack.nodes.lora_tool_nodes as tools
+import kiln_pack.trainer.lora.files as lora_format
+import kiln_pack.trainer.lora.tools as lora_tools
 
 MODULES = ("double_blocks.0.img_attn.qkv", "double_blocks.1.img_mlp.0", "single_blocks.1.linear2")
 ZIMAGE_MODULES = ("layers.0.attention.qkv", "layers.1.feed_forward.w2")

@@ -14,24 +14,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.model_management as mm  # noqa: E402
-import tiny_comfy as tc  # noqa: E402
+from helpers import tiny_comfy as tc  # noqa: E402
 import torch  # noqa: E402
-from test_nodes import encoded_dataset, train  # noqa: E402
+from helpers.node_runs import encoded_dataset, train  # noqa: E402
 
-bridge = comfy_env.import_pack("nodes.comfy.bridge")
-run_folders = comfy_env.import_pack("trainer.run.folders")
-door_model = comfy_env.import_pack("nodes.comfy.model")      # what the training sequence calls
-door_session = comfy_env.import_pack("nodes.comfy.session")
-run_module = comfy_env.import_pack("nodes.run")
-faults = comfy_env.import_pack("trainer.run.faults")
-state_module = comfy_env.import_pack("trainer.run.state")
+import kiln_pack.nodes.comfy.bridge as bridge
+import kiln_pack.trainer.run.folders as run_folders
+import kiln_pack.nodes.comfy.model as door_model  # what the training sequence calls
+import kiln_pack.nodes.comfy.session as door_session
+import kiln_pack.trainer.run.faults as faults
+import kiln_pack.trainer.run.state as state_module
 
 
 @pytest.fixture(scope="module")

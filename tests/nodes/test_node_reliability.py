@@ -3,19 +3,20 @@ and a training adapter or adapter file whose tensors do not fit the model is ref
 (ComfyUI's own loader would log the mismatch and leave the weight unpatched)."""
 from __future__ import annotations
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
-import tiny_comfy as tc  # noqa: E402
+from helpers import tiny_comfy as tc  # noqa: E402
 
-bridge = comfy_env.import_pack("nodes.comfy.bridge")
-run = comfy_env.import_pack("nodes.run")
-tn = comfy_env.import_pack("nodes.train_nodes")
-ln = comfy_env.import_pack("nodes.lora_nodes")
-safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
+import kiln_pack.nodes.comfy.bridge as bridge
+import kiln_pack.nodes.run as run
+import kiln_pack.nodes.train_nodes as tn
+import kiln_pack.nodes.lora_nodes as ln
+import kiln_pack.trainer.safetensors_io as safetensors_io
 SafetensorsError = safetensors_io.SafetensorsError
 QKV = "diffusion_model.double_blocks.0.img_attn.qkv"
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,15 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-import comfy_env  # noqa: E402
+from helpers import comfy_env  # noqa: E402
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
-from comfy_server import CHROMIUM, NODE, require_browser, running, tiny_base  # noqa: E402
+from helpers.comfy_server import drive, driver_report, require_browser, running, tiny_base  # noqa: E402
 
 require_browser("the node UI e2e test")   # skips the module without node/Chromium/playwright (fails in CI)
 
-DRIVER = REPO / "tests" / "web" / "e2e_node_ui.mjs"
 REPORTING = ("4", "8", "9")     # Load Dataset, Train LoRA, Save LoRA
 FRONTEND_ONLY = {"kiln_report", "kiln_dashboard"}
 
@@ -65,17 +64,13 @@ def report(tmp_path_factory):
     workflow.write_text(json.dumps(node_ui_workflow()), encoding="utf-8")
     shots = base / "browser"
     with running(COMFY, tiny_base(base / "comfy")) as server:
-        done = subprocess.run([NODE, str(DRIVER), "--url", server.url, "--workflow", str(workflow), "--out", str(shots),
-                               "--chromium", CHROMIUM, "--timeout-s", "420"],
-                              cwd=REPO, capture_output=True, text=True, timeout=1800)
+        done = drive("e2e_node_ui.mjs", server, shots, "--workflow", str(workflow), "--timeout-s", "420")
         log = server.log_tail(60)
     artifacts = REPO / "runs" / "test-reports" / f"node-ui-{comfy_env.version()}"
     artifacts.mkdir(parents=True, exist_ok=True)
     for picture in shots.glob("*.png"):
         shutil.copyfile(picture, artifacts / picture.name)
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, f"driver failed ({done.returncode}):\n{done.stderr[-4000:]}"
-    found = json.loads(lines[-1])
+    found = driver_report(done)
     assert found["ok"], f"{found.get('error')}\n{done.stderr[-3000:]}\nserver:\n{log}"
     assert kiln_errors(found) == [], kiln_errors(found)
     return found

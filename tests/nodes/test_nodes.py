@@ -10,56 +10,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
-from PIL import Image
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
-import tiny_comfy as tc
+from helpers import tiny_comfy as tc
 import torch
 
-pack = comfy_env.import_pack("nodes.extension")
-bridge = comfy_env.import_pack("nodes.comfy.bridge")
-dn = comfy_env.import_pack("nodes.dataset_nodes")
-tn = comfy_env.import_pack("nodes.train_nodes")
-on = comfy_env.import_pack("nodes.option_nodes")
-ln = comfy_env.import_pack("nodes.lora_nodes")
-run = comfy_env.import_pack("nodes.run")
-safetensors_io = comfy_env.import_pack("trainer.safetensors_io")
-lora_format = comfy_env.import_pack("trainer.lora.files")
-
-
-def make_dataset(folder: Path, count: int = 4) -> Path:
-    rng = np.random.default_rng(0)
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(count):
-        size = (64, 64) if i % 2 else (96, 64)
-        Image.fromarray(rng.integers(0, 255, (*size[::-1], 3), dtype=np.uint8)).save(folder / f"img{i}.png")
-        (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
-    return folder
-
-
-def out(result, index=0):
-    return result.result[index] if hasattr(result, "result") else result[index]
-
-
-def encoded_dataset(comfy_dirs, vae, clip, name):
-    make_dataset(comfy_dirs / "input" / name)
-    loaded = dn.KilnLoadDataset.execute(name, "kiln", "", "", "64", 1, 0.0)
-    ds = out(dn.KilnEncodeImages.execute(out(loaded), vae))
-    return out(dn.KilnEncodeCaptions.execute(ds, clip))
-
-
-def train(model, ds, steps=20, **kw):
-    args = dict(steps=steps, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw", preset="none",
-                backend="torch", seed=1)
-    options = dict(kw.pop("options", {}))
-    options.setdefault("device", "auto" if comfy_env.gpu() else "cpu")
-    options.setdefault("mixed_precision", "bf16" if comfy_env.gpu() else "no")
-    options.setdefault("checkpoint_every", 0)
-    return tn.KilnTrainLoRA.execute(model, ds, **args, options=options, **kw)
+import kiln_pack.nodes.extension as pack
+import kiln_pack.nodes.comfy.bridge as bridge
+import kiln_pack.nodes.dataset_nodes as dn
+import kiln_pack.nodes.train_nodes as tn
+import kiln_pack.nodes.option_nodes as on
+import kiln_pack.nodes.lora_nodes as ln
+import kiln_pack.nodes.run as run
+import kiln_pack.trainer.safetensors_io as safetensors_io
+import kiln_pack.trainer.lora.files as lora_format
+from helpers.node_runs import encoded_dataset, make_dataset, out, train
 
 
 def prediction(model, x, sigma, context, **extras):

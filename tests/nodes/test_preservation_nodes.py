@@ -6,19 +6,20 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
 from PIL import Image
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
-import tiny_comfy as tc
+from helpers import tiny_comfy as tc
 
-bridge = comfy_env.import_pack("nodes.comfy.bridge")
-dn = comfy_env.import_pack("nodes.dataset_nodes")
-tn = comfy_env.import_pack("nodes.train_nodes")
-run = comfy_env.import_pack("nodes.run")
+import kiln_pack.nodes.comfy.bridge as bridge
+import kiln_pack.nodes.dataset_nodes as dn
+import kiln_pack.nodes.train_nodes as tn
+import kiln_pack.nodes.run as run
 
 
 

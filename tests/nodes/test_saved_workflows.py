@@ -30,11 +30,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SAVED = HERE / "saved_workflows"
 
-import comfy_env  # noqa: E402
+from helpers import comfy_env  # noqa: E402
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
 
-from comfy_server import (  # noqa: E402
+from helpers.comfy_server import (  # noqa: E402
     CHROMIUM,
     NODE,
     make_workflows,
@@ -44,9 +45,9 @@ from comfy_server import (  # noqa: E402
 )
 
 mw = make_workflows()
-tn = comfy_env.import_pack("nodes.train_nodes")
-config = comfy_env.import_pack("trainer.config")
-config_layers = comfy_env.import_pack("trainer.config.layers")
+import kiln_pack.nodes.train_nodes as tn
+import kiln_pack.trainer.config as config
+import kiln_pack.trainer.config.layers as config_layers
 
 SHIPPED = json.loads((SAVED / "widget_order.json").read_text(encoding="utf-8"))
 WORKFLOWS = sorted(p for p in SAVED.glob("*.json") if p.name != "widget_order.json")

@@ -1,7 +1,7 @@
 """The pack inside a real ComfyUI server (COMFYUI_PATH), driven over HTTP as a user's frontend would.
 
 One server per module, on a temporary base directory (`--base-directory`), started through
-tests/nodes/comfy_server.py (ComfyUI's own main.py, CPU, with comfy_env's torchvision workaround):
+tests/helpers/comfy_server.py (ComfyUI's own main.py, CPU, with comfy_env's torchvision workaround):
 
   custom_nodes/kiln               → this repository (a symlink), imported by ComfyUI as any pack
   custom_nodes/kiln_test_nodes    → tests/nodes/server_nodes: a test-only node with a tiny text encoder
@@ -37,11 +37,12 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-import comfy_env  # noqa: E402
+from helpers import comfy_env  # noqa: E402
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
 
-from comfy_server import TINY_FILES, make_workflows, running, tiny_base  # noqa: E402
+from helpers.comfy_server import TINY_FILES, make_workflows, running, tiny_base  # noqa: E402
 
 mw = make_workflows()
 WORKFLOWS = HERE / "workflows"

@@ -15,25 +15,26 @@ import copy
 import dataclasses
 from pathlib import Path
 
-import comfy_env
+from helpers import comfy_env
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import execution  # noqa: E402
-import tiny_comfy as tc  # noqa: E402
-from test_nodes import encoded_dataset  # noqa: E402
+from helpers import tiny_comfy as tc  # noqa: E402
+from helpers.node_runs import encoded_dataset  # noqa: E402
 
 import nodes as comfy_nodes  # noqa: E402
 
-bridge = comfy_env.import_pack("nodes.comfy.bridge")
-dashboard = comfy_env.import_pack("nodes.dashboard")
-tn = comfy_env.import_pack("nodes.train_nodes")
-ln = comfy_env.import_pack("nodes.lora_nodes")
-run_module = comfy_env.import_pack("nodes.run")
-lora_format = comfy_env.import_pack("trainer.lora.files")
-state_module = comfy_env.import_pack("trainer.run.state")
+import kiln_pack.nodes.comfy.bridge as bridge
+import kiln_pack.nodes.dashboard as dashboard
+import kiln_pack.nodes.train_nodes as tn
+import kiln_pack.nodes.lora_nodes as ln
+import kiln_pack.nodes.run as run_module
+import kiln_pack.trainer.lora.files as lora_format
+import kiln_pack.trainer.run.state as state_module
 
 STEPS = 6
 SOURCES: dict = {}                  # what the test source node hands the graph (a tiny model, a dataset)
@@ -183,7 +184,7 @@ def test_save_lora_refuses_a_file_of_another_run_or_of_no_run_unless_overwrite(c
 def test_save_now_while_paused_writes_the_lora_at_once(comfy_dirs, tiny, monkeypatch):
     """Pause after step 2; Save now pressed while the loop waits is written during the wait (the EMA weights of
     step 2), shown on the dashboard; then Stop ends the pause and the run (its outputs blocked)."""
-    pause = comfy_env.import_pack("trainer.run.pause")
+    import kiln_pack.trainer.run.pause as pause
     events: list[tuple[str, dict]] = []
     waits: list[int] = []
 

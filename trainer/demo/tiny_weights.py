@@ -15,7 +15,7 @@ import numpy as np
 
 FLUX2_HEAD_DIM = 128          # sum of ComfyUI's Flux2 axes_dim [32, 32, 32, 32]; heads = hidden / 128
 FLUX2_MLP_RATIO = 3.0         # what comfy/model_detection.py sets for every Flux2
-FLUX2_CONTEXT_DIM = 192       # tests/nodes/tiny_comfy.py: 3 stacked layers of a 64-wide tiny Qwen3
+FLUX2_CONTEXT_DIM = 192       # tests/helpers/tiny_comfy.py: 3 stacked layers of a 64-wide tiny Qwen3
 
 
 def flux2_shapes(*, hidden: int = 256, double: int = 2, single: int = 2, context_dim: int = FLUX2_CONTEXT_DIM,

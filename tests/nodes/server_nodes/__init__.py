@@ -4,7 +4,7 @@ Never shipped.
 Why a node: ComfyUI's CLIPLoader reads a text-encoder file, recognises Qwen3-4B from its keys and then
 builds the model at its real size (hidden 2560, 36 layers) from a fixed config, so a tiny Qwen3 file
 cannot be loaded through it. This node returns the tiny Klein / Z-Image text encoders of
-tests/nodes/tiny_comfy.py instead: ComfyUI's own Qwen3 text-encoder classes and tokenizers with a tiny
+tests/helpers/tiny_comfy.py instead: ComfyUI's own Qwen3 text-encoder classes and tokenizers with a tiny
 config, i.e. a real comfy.sd.CLIP. (The tiny VAE needs no node: ComfyUI's VAELoader detects it from
 its file, which the test writes.)
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from comfy_api.latest import ComfyExtension, io
 
-_TESTS_NODES = str(Path(__file__).resolve().parents[1])   # tests/nodes (resolve: this folder is symlinked)
+_TESTS = str(Path(__file__).resolve().parents[2])   # tests/, for helpers (resolve: this folder is symlinked)
 
 
 class KilnTestTinyCLIP(io.ComfyNode):
@@ -37,9 +37,9 @@ class KilnTestTinyCLIP(io.ComfyNode):
 
     @classmethod
     def execute(cls, family: str, seed: int = 0):
-        if _TESTS_NODES not in sys.path:
-            sys.path.insert(0, _TESTS_NODES)
-        import tiny_comfy
+        if _TESTS not in sys.path:
+            sys.path.insert(0, _TESTS)
+        from helpers import tiny_comfy
 
         clip = tiny_comfy.tiny_klein_clip(seed=seed) if family == "flux2_klein" else tiny_comfy.tiny_zimage_clip(seed=seed)
         return io.NodeOutput(clip)
@@ -60,9 +60,9 @@ class KilnTestTinyZImage(io.ComfyNode):
 
     @classmethod
     def execute(cls, seed: int = 0):
-        if _TESTS_NODES not in sys.path:
-            sys.path.insert(0, _TESTS_NODES)
-        import tiny_comfy
+        if _TESTS not in sys.path:
+            sys.path.insert(0, _TESTS)
+        from helpers import tiny_comfy
 
         return io.NodeOutput(tiny_comfy.tiny_zimage(seed=seed))
 

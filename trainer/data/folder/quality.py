@@ -38,8 +38,8 @@ from .report import Problem, ScanReport
 
 HASH_SIDE = 8                 # dHash of 8 rows × 8 neighbour pairs: 64 bits
 # Calibrated on real photos (scikit-image's chelsea, coffee, astronaut, rocket, camera and motorcycle, at
-# their 300-740 px and scaled to 256 px; tests/data/test_quality_photos.py keeps four): a resized (3/4) and
-# re-encoded (JPEG 70) copy hashes 0-1 bits from its original, two different photos 21-40 bits apart.
+# their 300-740 px and scaled to 256 px; tests/trainer/data/folder/test_quality_photos.py keeps four): a
+# resized (3/4) and re-encoded (JPEG 70) copy hashes 0-1 bits from its original, two different photos 21-40 bits apart.
 # Sharp photos measure 400-3,000; a Gaussian blur of radius 2 px 4-44, of radius 1 px 22-290.
 NEAR_DUPLICATE_BITS = 6       # Hamming distance up to which two images are near-duplicates
 SHARPNESS_SIDE = 512          # grey image size the Laplacian is measured at

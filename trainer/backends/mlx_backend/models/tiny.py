@@ -3,7 +3,7 @@
 Weights load from the torch model's state dict (as numpy), or come from `demo_weights(seed)`,
 which reproduces `build_tiny_flux(seed)`'s initialisation bit for bit without torch: torch's CPU
 generator is MT19937 seeded like std::mt19937, and nn.Linear draws its weight, then its bias,
-from U(−1/√in, 1/√in) in construction order (tests/backends/test_mlx_backend.py checks it).
+from U(−1/√in, 1/√in) in construction order (tests/trainer/backends/mlx_backend/test_backend.py checks it).
 """
 from __future__ import annotations
 
