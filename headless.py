@@ -24,30 +24,25 @@ also named on a `KILN_SAMPLE {json}` line (trainer/cli/launch.py reads it).
 from __future__ import annotations
 
 import functools
-import time
 
 from .nodes.comfy import loaders as comfy_loaders
 from .trainer.archs import get_arch
 from .trainer.cli.console import SAMPLE_TAG, emit, finish, run_loop
-from .trainer.config import files as config_file
 from .trainer.data.dataset import DataSettings
 from .trainer.objective.preservation import encoded_datasets
-from .trainer.paths import inside
-from .trainer.run import distributed, init_lora
+from .trainer.run import distributed
+from .trainer.run.callbacks import Validation
 from .trainer.samples.grid import SampleGrid
 from .trainer.samples.plan import describe, sample_path, sample_plan, save_sample
 
 
-def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_models) -> int:
-    cfg, _ = init_lora.prepare(config_file.load(config_path))   # an init_lora file's rank and alpha
-    group = distributed.start(cfg.device, cfg.backend)   # under torchrun: this rank's GPU, before ComfyUI picks one
+def train_command(run, resume: bool, loaders=comfy_loaders.load_models) -> int:
+    """Train `run` (trainer/cli/train.py's Prepared: the config read with its init LoRA's rank and alpha, this
+    rank of torchrun's joined, the dataset folder checked, the run folder named) on a ComfyUI architecture."""
+    cfg, group, run_dir, config_path = run.cfg, run.group, run.run_dir, run.source
     comfy_loaders.start(cpu=cfg.device == "cpu")  # before the bridge imports ComfyUI's model management
     from .nodes.comfy import bridge
 
-    if not cfg.dataset_dir:
-        raise SystemExit(f"{config_path}: set dataset_dir to a folder of images with same-name .txt captions")
-    name = cfg.run_name or f"{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S', distributed.main_time())}"
-    run_dir = inside(cfg.output_dir, name, f"{config_path}: run_name")  # refused before any loading
     plan = sample_plan(cfg)
     try:
         bridge.check_sampling({p.sampler_name for p in plan}, {p.scheduler for p in plan})
@@ -90,14 +85,13 @@ def train_command(config_path: str, resume: bool, loaders=comfy_loaders.load_mod
 
         # The loop samples before its first step too (sample_first, a new run only), so its TensorBoard / W&B
         # sinks log those images as step 0.
-        return {"validate": bridge.validation(cfg, patcher, samples, on_sample),
-                "validate_every": cfg.sample_every or cfg.steps, "validate_first": cfg.sample_first}
+        validate = bridge.validation(cfg, patcher, samples, on_sample)
+        return {"validation": Validation(validate, every=cfg.sample_every or cfg.steps, first=cfg.sample_first)}
 
     result = bridge.train(cfg, model, dataset, adapter=comfy_loaders.training_adapter(cfg), setup=setup,
                           run=functools.partial(run_loop, run_dir=run_dir, resume=resume))
-    finish(cfg, result, run_dir, name)
+    finish(cfg, result, run_dir, run.name)
     return 0
-
 
 
 def encoders(vae, clip, group: distributed.Group, dataset_dir: str) -> tuple[tuple, tuple]:

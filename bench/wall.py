@@ -285,8 +285,8 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
            "mark_token_dims": checkpointing.MARK_TOKEN_DIMS, "params": build["params"],
            "kiln_settings": {**overrides, **({} if args.batch_by == "images" else {"batch_by": args.batch_by})}}
     notes = gpu_train.LeverNotes()
-    save_checkpoint = loop.state.save_checkpoint
-    loop.state.save_checkpoint = phases.timed("saving", save_checkpoint)
+    save_checkpoint = loop.checkpoint_writer.save_checkpoint
+    loop.checkpoint_writer.save_checkpoint = phases.timed("saving", save_checkpoint)
     backend_class._device_batch = shaped_batch
     graphs_class = prepare.import_pack("trainer.backends.torch_backend.step_graphs").StepGraphs
     record, recordings = graphs_class._record, []
@@ -311,7 +311,7 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
             save_lora(ctx.run_dir / "final.safetensors", result.lora, arch=arch_name, fmt="comfy",
                       metadata=lora_format.lora_metadata(cfg, arch, result.step))
     finally:
-        loop.state.save_checkpoint = save_checkpoint
+        loop.checkpoint_writer.save_checkpoint = save_checkpoint
         backend_class._device_batch = device_batch
         graphs_class._record = record
         notes.remove()

@@ -20,6 +20,7 @@ from PIL import Image
 from ..trainer.archs import get_arch
 from ..trainer.lora import files as lora_format
 from ..trainer.lora.files import lora_metadata
+from ..trainer.run import folders as run_folders
 from ..trainer.run import state
 from ..trainer.samples.grid import SampleGrid
 from . import dashboard
@@ -58,6 +59,7 @@ class Tracker:
         node, prompt_id = bridge.executing_node()
         loss, lr, holdout = prior_history(resume)
         self.cfg, self.registry = cfg, registry
+        self.run_key = run_folders.run_key(run_dir)   # its kiln.run in the LoRA files it saves, as Save LoRA's
         self.latest = None   # (step, weights()) of the newest step: what a Save now while paused writes
         # A child run (data None) writes its own samples and grid into the run folder: this side only shows them.
         self.grid = SampleGrid(run_dir, list(prompts)).load_existing() if data is not None else None
@@ -140,7 +142,8 @@ class Tracker:
         name = f"{SAVED_SUBFOLDER}/{self.run.name}-step{step:06d}.safetensors"
         cfg = self.cfg
         lora_format.save_lora(Path(bridge.folders()["loras"]) / name, weights, arch=cfg.arch, fmt=cfg.lora_format,
-                              dtype=cfg.save_dtype, metadata=lora_metadata(cfg, get_arch(cfg.arch), step))
+                              dtype=cfg.save_dtype, metadata={**lora_metadata(cfg, get_arch(cfg.arch), step),
+                                                              run_folders.RUN_KEY: self.run_key})
         bridge.refresh_loras()
         print(f"[Kiln] saved {name} (step {step})")
         return name

@@ -9,6 +9,7 @@ from ..trainer import paths, safetensors_io
 from ..trainer.archs import ARCHS, guess_arch
 from ..trainer.config import CHOICES
 from ..trainer.lora import files as lora_format
+from ..trainer.run import folders as run_folders
 from . import run
 from .comfy import bridge
 from .widgets import CATEGORY, STATE, checked
@@ -28,7 +29,7 @@ def lora_target(name: str, overwrite: bool, node: str = "Kiln Save LoRA") -> Pat
     return path
 
 
-RUN_KEY = "kiln.run"   # the metadata key naming the run that wrote a file (nodes/run.py: run_key)
+RUN_KEY = run_folders.RUN_KEY   # the metadata key naming the run that wrote a file (nodes/run.py: run_key)
 
 
 def written_by(path: Path) -> str | None:

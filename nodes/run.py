@@ -37,6 +37,7 @@ from ..trainer.errors import did_you_mean
 from ..trainer.lora.files import LoraWeights
 from ..trainer.run import folders as run_folders
 from ..trainer.run import state as state_module
+from ..trainer.run.callbacks import Callbacks
 from ..trainer.run.init_lora import InitLora
 from ..trainer.run.loop import RunResult, train
 from ..trainer.run.plot import loss_curve
@@ -73,9 +74,8 @@ class KilnState:
 
 
 def run_key(state: KilnState) -> str:
-    """Which run a state belongs to, as Save LoRA records it in a file (kiln.run): the run folder's name, one
-    per run identity, the same across its stops and resumes. The one place that says so."""
-    return Path(state.run_dir).name
+    """Which run a state belongs to, as Save LoRA records it in a file (kiln.run: trainer/run/folders.py)."""
+    return run_folders.run_key(state.run_dir)
 
 
 def dataset_identity(dataset: Dataset) -> str:
@@ -129,47 +129,67 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
                                   "training again. Delete that folder or change a setting to train anew.")
     resume = newest[1] if newest is not None else resume_from
     lines = [f"resuming from {resume}" if resume else "training from step 0", f"run folder: {run_dir}"]
-    bar = bridge.progress(cfg.steps)
-    samples: list = []
-    trackers: list[live.Tracker] = []
-
-    def setup(model, data) -> dict:
-        """The node's side of a run, once the patcher to sample on and the mapped data exist."""
-        lines.extend(f"skipped {p.line()}" for p in data.skipped)
-        for line in lines:
-            print(f"[Kiln] {line}")
-        # The live dashboard: events, Stop, Save now; the sample grid, a column per prompt of the chain.
-        tracker = live.Tracker(cfg, run_dir, data, resume, prompts=validation.prompts if validation else ())
-        trackers.append(tracker)
-
-        def on_step(report) -> None:
-            bar.update(report.step)
-            tracker.on_step(report)
-
-        def on_sample(step: int, index: int, images) -> None:
-            samples.append(images)
-            bar.update(step, preview=images)
-            tracker.on_sample(step, images, index)
-
-        # Sampled on `model` (without the training adapter), as headless training samples its prompts.
-        validate = bridge.validation(cfg, model, validation.samples, on_sample) if validation is not None else None
-        return dict(resume=resume, on_step=on_step, should_stop=tracker.should_stop, validate=validate,
-                    validate_every=validation.every if validation is not None else 0,
-                    should_pause=tracker.should_pause, on_pause=tracker.on_pause)
-
+    front = TrainNode(cfg, run_dir, resume, validation, lines)
     try:
-        result: RunResult = bridge.train(cfg, model, dataset, adapter=adapter, setup=setup,
+        result: RunResult = bridge.train(cfg, model, dataset, adapter=adapter, setup=front.setup,
                                          run=functools.partial(train, run_dir=run_dir, init=init))
     except BaseException as error:
-        for tracker in trackers:
-            tracker.finish(error=error)
+        if front.tracker is not None:
+            front.tracker.finish(error=error)
         raise
-    blocked = result.stopped and not trackers[0].keeps_outputs()
-    trackers[0].finish(result)
+    blocked = result.stopped and not front.tracker.keeps_outputs()
+    front.tracker.finish(result)
     state = KilnState(run_dir=str(run_dir), checkpoint=str(result.checkpoint), step=result.step, arch=cfg.arch,
                       config=cfg.to_dict(), lora=result.lora, ema_lora=result.ema_lora, history=result.history)
     summary = summary_line(cfg, result, blocked)
-    return Outcome(state, samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]), blocked)
+    return Outcome(state, front.samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]), blocked)
+
+
+class TrainNode(Callbacks):
+    """Train LoRA's front end for the loop: ComfyUI's progress bar, the live dashboard (progress, Stop, Pause,
+    Save now: nodes/live.py) and the validation samples, which also become the node's IMAGE output."""
+
+    def __init__(self, cfg: cfg_module.TrainConfig, run_dir: Path, resume, validation, lines: list[str]):
+        self.cfg, self.run_dir, self.resume, self.validation, self.lines = cfg, run_dir, resume, validation, lines
+        self.bar = bridge.progress(cfg.steps)
+        self.samples: list = []
+        self.tracker: live.Tracker | None = None
+        self.sampler = None
+        self.validate_every = validation.every if validation is not None else 0
+
+    def setup(self, model, data) -> dict:
+        """Once the patcher to sample on and the mapped data exist: the dashboard (events, Stop, Save now; the
+        sample grid, a column per prompt of the chain) and the sampler, on `model` without the training adapter
+        (as headless training samples its prompts)."""
+        self.lines.extend(f"skipped {p.line()}" for p in data.skipped)
+        for line in self.lines:
+            print(f"[Kiln] {line}")
+        prompts = self.validation.prompts if self.validation is not None else ()
+        self.tracker = live.Tracker(self.cfg, self.run_dir, data, self.resume, prompts=prompts)
+        if self.validation is not None:
+            self.sampler = bridge.validation(self.cfg, model, self.validation.samples, self.on_sample)
+        return {"resume": self.resume, "callbacks": self}
+
+    def on_step(self, report) -> None:
+        self.bar.update(report.step)
+        self.tracker.on_step(report)
+
+    def on_sample(self, step: int, index: int, images) -> None:
+        self.samples.append(images)
+        self.bar.update(step, preview=images)
+        self.tracker.on_sample(step, images, index)
+
+    def validate(self, step: int, lora):
+        return self.sampler(step, lora)
+
+    def should_stop(self) -> bool:
+        return self.tracker.should_stop()
+
+    def should_pause(self) -> bool:
+        return self.tracker.should_pause()
+
+    def on_pause(self, paused: bool) -> None:
+        self.tracker.on_pause(paused)
 
 
 def summary_line(cfg: cfg_module.TrainConfig, result: RunResult, blocked: bool) -> str:

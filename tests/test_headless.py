@@ -23,6 +23,7 @@ import kiln_pack.headless as headless
 import kiln_pack.nodes.comfy.bridge as bridge
 import kiln_pack.trainer.lora.files as lora_format
 import kiln_pack.nodes.train_nodes as tn
+from trainer.cli.train import train_config  # noqa: E402  (reads the config once, then calls headless.train_command)
 
 
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
@@ -44,7 +45,7 @@ def test_headless_train_of_a_flux2_file(tmp_path, capsys, backend):
     def loaders(cfg):
         return comfy.sd.load_diffusion_model(cfg.model_path), tc.tiny_vae(flux2=True), tc.tiny_klein_clip()
 
-    assert headless.train_command(str(config), False, loaders=loaders) == 0
+    assert train_config(str(config), False, loaders=loaders) == 0
     lora_file = tmp_path / "runs" / "klein" / "klein.safetensors"
     assert lora_file.is_file() and (tmp_path / "runs" / "klein" / "step-000004").is_dir()
     model = comfy.sd.load_diffusion_model(str(model_file))
@@ -116,11 +117,11 @@ def test_headless_samples_its_prompts_into_the_run_folder_through_comfys_sampler
     (patched through ComfyUI's loader, not bitwise: ComfyUI merges the LoRA into the weights); the prompts'
     own settings win over sample_*; the LoRA is the one a run without samples trains."""
     plain = klein_run(tmp_path, "plain")
-    assert headless.train_command(str(plain), False, loaders=tiny_loaders) == 0
+    assert train_config(str(plain), False, loaders=tiny_loaders) == 0
     sampled = klein_run(tmp_path, "sampled", extra=f"sample_every = 2\nsample_steps = 2\nsample_width = 64\n"
                                                    f"sample_height = 64\nsample_prompts = {PROMPTS}\n"
                                                    "log_tensorboard = true\n")
-    assert headless.train_command(str(sampled), False, loaders=tiny_loaders) == 0
+    assert train_config(str(sampled), False, loaders=tiny_loaders) == 0
     out = capsys.readouterr().out
     run = tmp_path / "runs" / "sampled"
     assert "samples: 2 prompt(s) every 2 steps and at the end (and before the first step)" in out
@@ -181,13 +182,13 @@ def test_sample_settings_are_outside_the_run_and_its_resume(tmp_path, monkeypatc
     The node: its run folder's name (the settings hash) ignores every sample_* setting."""
     straight = klein_run(tmp_path, "straight", extra='sample_prompts = ["a red cube"]\nsample_steps = 1\n'
                                                      "sample_width = 64\nsample_height = 64\n")
-    assert headless.train_command(str(straight), False, loaders=tiny_loaders) == 0
+    assert train_config(str(straight), False, loaders=tiny_loaders) == 0
     first = klein_run(tmp_path, "resumed", steps=2, extra='sample_prompts = ["a red cube"]\nsample_steps = 1\n'
                                                           "sample_width = 64\nsample_height = 64\n")
-    assert headless.train_command(str(first), False, loaders=tiny_loaders) == 0
+    assert train_config(str(first), False, loaders=tiny_loaders) == 0
     second = klein_run(tmp_path, "resumed", extra=f"sample_prompts = {PROMPTS}\nsample_every = 1\nsample_steps = 1\n"
                                                   "sample_width = 64\nsample_height = 64\nsample_walk_seed = false\n")
-    assert headless.train_command(str(second), True, loaders=tiny_loaders) == 0
+    assert train_config(str(second), True, loaders=tiny_loaders) == 0
     samples = tmp_path / "runs" / "resumed" / "samples"
     assert sorted(p.name for p in samples.iterdir()) == [
         "grid.png", "step-000000-p0.png", "step-000002-p0.png", "step-000003-p0.png", "step-000003-p1.png",
@@ -218,4 +219,4 @@ def test_a_sampler_comfyui_does_not_know_is_refused_before_loading(tmp_path):
 
     with pytest.raises(SystemExit, match="bad.toml: sample_sampler 'eulerr' is not a sampler of this ComfyUI; "
                                          "choose one of \\['euler'"):
-        headless.train_command(str(config), False, loaders=loaders)
+        train_config(str(config), False, loaders=loaders)

@@ -22,10 +22,11 @@ from . import model as comfy_model
 def train(cfg, model, dataset, *, run: Callable, adapter=None, setup: Callable | None = None):
     """Train a LoRA for `model` (a ComfyUI MODEL) on `dataset` (latents and captions encoded).
 
-    run(cfg, model, data, forward=None, **hooks) is the loop as the front end runs it (trainer.run.loop.train
-    with its run folder bound, or the console's run_loop); setup(patcher, data) -> hooks is called once
-    the patcher to train and sample on and the mapped data exist (the node's dashboard and validation
-    need both). Memory is given back to ComfyUI afterwards, also after an error."""
+    run(cfg, model, data, forward=None, **front) is the loop as the front end runs it (trainer.run.loop.train
+    with its run folder bound, or the console's run_loop); setup(patcher, data) -> front (keywords for `run`:
+    the front end's callbacks, trainer/run/callbacks.py) is called once the patcher to train and sample on and
+    the mapped data exist (the node's dashboard and validation need both). Memory is given back to ComfyUI
+    afterwards, also after an error."""
     arch = get_arch(cfg.arch)
     divisor = dataset.settings.divisor
     if divisor % arch.bucket_divisor:
@@ -34,13 +35,13 @@ def train(cfg, model, dataset, *, run: Callable, adapter=None, setup: Callable |
     model = session.trainable(model)  # dynamic VRAM: ComfyUI's fully loadable delegate (outputs use the original)
     # Caches hold raw VAE latents; the model sees them in its latent format (Z-Image: shift and scale).
     data = MappedLatents(dataset.training_data(), lambda raw: comfy_model.latents_in(model, raw))
-    hooks = setup(model, data) if setup is not None else {}
+    front = setup(model, data) if setup is not None else {}
     train_model = comfy_lora.training_adapter_merged(model, adapter) if adapter is not None else model
     try:
         if cfg.backend == "mlx":
-            return run(cfg, mlx_model(train_model, cfg), data, **hooks)
+            return run(cfg, mlx_model(train_model, cfg), data, **front)
         with session.training_session(train_model, cfg.device) as (module, _device):
-            return run(cfg, module, data, forward=comfy_model.make_forward(train_model, cfg.arch), **hooks)
+            return run(cfg, module, data, forward=comfy_model.make_forward(train_model, cfg.arch), **front)
     finally:
         session.free_memory()
 
@@ -76,7 +77,7 @@ class Sample:
 
 
 def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
-    """validate(step, lora) for the loop (trainer.run.loop.train's hook), the node's and headless training's:
+    """validate(step, lora) for the loop (a front end's Callbacks.validate), the node's and headless training's:
     each of `samples` (Sample-like) drawn by ComfyUI's sampler and VAE (ui.sample) on `model`, the patcher
     setup() got, i.e. without the training adapter. Torch: the LoRA branches are live in its modules (the
     loop swaps the EMA weights in when EMA is on); MLX: the weights `lora()` gives are patched onto a clone

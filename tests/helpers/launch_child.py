@@ -34,7 +34,7 @@ def main() -> int:
 
     headless = _headless()
     real = headless.train_command
-    headless.train_command = lambda config, resume: real(config, resume, loaders=loaders)
+    headless.train_command = lambda run, resume: real(run, resume, loaders=loaders)
     return cli(["train", *sys.argv[1:]])
 
 

@@ -111,6 +111,7 @@ def test_save_now_and_stop_from_the_dashboard_then_resume(comfy_dirs, monkeypatc
     assert name == f"kiln/{Path(state.run_dir).name}-step000002.safetensors" and name in bridge.lora_names()
     lora, metadata = lora_format.load_lora(comfy_dirs / "loras" / name)
     assert set(lora) == set(state.lora) and metadata["kiln.steps"] == "2"
+    assert metadata["kiln.run"] == Path(state.run_dir).name   # the run that wrote it, as Save LoRA records it
 
     # Queueing again: the node's fingerprint moved on (ComfyUI runs it instead of reusing the cached
     # outputs) and the run resumes at step 4 with its history.
@@ -149,7 +150,7 @@ def test_checkpoint_loras_go_to_models_loras_kiln_and_leave_the_run_identity_alo
     assert [entry["name"] for entry in saved][-3:] == expected
     for step, name in zip((2, 4, 5), expected):
         lora, metadata = lora_format.load_lora(comfy_dirs / "loras" / name)
-        assert set(lora) == set(state.lora) and metadata["kiln.steps"] == str(step)
+        assert set(lora) == set(state.lora) and metadata["kiln.steps"] == str(step) and metadata["kiln.run"] == run
         assert bridge.unmatched_lora_keys(model, bridge.load_lora_file(comfy_dirs / "loras" / name)) == []
     again = train(False)
     assert "already trained" in again.ui.value and again.result[2].run_dir == state.run_dir

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..run.callbacks import Callbacks
+
 # With KILN_PROGRESS_JSON=1 rank 0 also prints one machine-readable line per step, one per validation sample
 # written, one when the ranks pause and when they go on, and one at the end (`KILN_PROGRESS {json}`,
 # `KILN_SAMPLE {json}`, `KILN_PAUSED {json}`, `KILN_DONE {json}`), read by trainer/cli/launch.py instead of
@@ -25,25 +27,6 @@ def emit(tag: str, fields: dict) -> None:
     """One machine-readable line on stdout (when KILN_PROGRESS_JSON=1), flushed at once."""
     if os.environ.get(PROGRESS_ENV) == "1":
         print(f"{tag} {json.dumps(fields)}", flush=True)
-
-
-def progress_bar(total: int, start: int, show: bool = True):
-    """A tqdm bar fed by the loop's per-step reports (counting silently where `show` is off: torchrun's
-    ranks other than 0)."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, disable=not show)
-
-    def on_step(report) -> None:
-        bar.update(report.step - bar.n)
-        if report.loss is not None:
-            bar.set_postfix(loss=f"{report.loss:.4f}", smooth=f"{report.loss_smooth:.4f}", lr=f"{report.lr:.2e}")
-        if show:
-            emit(PROGRESS_TAG, {"step": report.step, "total": report.total_steps, "loss": report.loss,
-                                "loss_smooth": report.loss_smooth, "lr": report.lr, "it_per_s": report.it_per_s,
-                                "eta_s": report.eta_s, "peak_memory_bytes": report.peak_memory_bytes,
-                                "skipped_steps": report.skipped_steps})
-    return bar, on_step
 
 
 class StopOnSignal:
@@ -94,18 +77,58 @@ class StopFile:
         self.path.unlink(missing_ok=True)
 
 
-def pause_notice(run_dir: Path, bar, speak: bool = True):
-    """on_pause for a console run: says when every rank has paused and when they go on (rank 0 alone), as
-    text and as a KILN_PAUSED line."""
-    from ..run.pause import PAUSE_FILE
+class Console(Callbacks):
+    """The console's front end of a run: a tqdm bar (and KILN_PROGRESS lines), Ctrl-C or <run>/stop.request
+    as a clean stop, <run>/PAUSE as a pause; validation is `validation`'s (headless.py's samples), if any.
+    Under torchrun every rank has one; rank 0 alone (`speak`) shows and says anything."""
 
-    def on_pause(paused: bool) -> None:
-        if not speak:
+    def __init__(self, cfg, run_dir: Path, start: int, world: int, speak: bool, stop_after: int | None = None,
+                 validation: Callbacks | None = None, should_pause=None):
+        from tqdm import tqdm
+
+        from ..run.pause import file_flag
+
+        self.run_dir, self.speak, self.stop_after = Path(run_dir), speak, stop_after
+        self.bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True, disable=not speak)
+        self.signal = StopOnSignal(echo_s=2.0 if world > 1 else 0.0, speak=speak)
+        self.stop_file = StopFile(run_dir, speak)
+        self.paused_flag = should_pause or file_flag(run_dir)
+        self.validation = validation or Callbacks()
+        self.validate_every, self.validate_first = self.validation.validate_every, self.validation.validate_first
+
+    def on_step(self, report) -> None:
+        bar = self.bar
+        bar.update(report.step - bar.n)
+        if report.loss is not None:
+            bar.set_postfix(loss=f"{report.loss:.4f}", smooth=f"{report.loss_smooth:.4f}", lr=f"{report.lr:.2e}")
+        if self.speak:
+            emit(PROGRESS_TAG, {"step": report.step, "total": report.total_steps, "loss": report.loss,
+                                "loss_smooth": report.loss_smooth, "lr": report.lr, "it_per_s": report.it_per_s,
+                                "eta_s": report.eta_s, "peak_memory_bytes": report.peak_memory_bytes,
+                                "skipped_steps": report.skipped_steps})
+
+    def validate(self, step: int, lora):
+        return self.validation.validate(step, lora)
+
+    def should_stop(self) -> bool:
+        return self.signal() or self.stop_file() or bool(self.stop_after and self.bar.n >= self.stop_after)
+
+    def should_pause(self) -> bool:
+        return self.paused_flag()
+
+    def on_pause(self, paused: bool) -> None:
+        """Says when every rank has paused and when they go on (rank 0 alone), as text and a KILN_PAUSED line."""
+        from ..run.pause import PAUSE_FILE
+
+        if not self.speak:
             return
-        print(f"\npaused after step {bar.n}: delete {Path(run_dir) / PAUSE_FILE} to resume (Ctrl-C stops)"
+        print(f"\npaused after step {self.bar.n}: delete {self.run_dir / PAUSE_FILE} to resume (Ctrl-C stops)"
               if paused else "pause over", file=sys.stderr, flush=True)
-        emit(PAUSED_TAG, {"paused": paused, "step": bar.n})
-    return on_pause
+        emit(PAUSED_TAG, {"paused": paused, "step": self.bar.n})
+
+    def close(self) -> None:
+        self.signal.close()
+        self.bar.close()
 
 
 def start_step(run_dir: Path, resume) -> int:
@@ -117,37 +140,28 @@ def start_step(run_dir: Path, resume) -> int:
 
 
 def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None = None, forward=None,
-             validate=None, validate_every: int = 0, validate_first: bool = False, should_pause=None):
-    """loop.train with a progress bar, Ctrl-C as a clean stop and <run>/PAUSE as a pause (trainer/run/pause.py);
-    `resume` true continues the run's
-    newest checkpoint. The demo, `train` and headless.py (through nodes/comfy, with its validation
-    samples as `validate`) run this."""
+             validation: Callbacks | None = None, should_pause=None):
+    """loop.train with the Console front end; `resume` true continues the run's newest checkpoint. The demo,
+    `train` and headless.py (through nodes/comfy, with its validation samples as `validation`) run this."""
     from ..run import distributed
     from ..run.loop import train
-    from ..run.pause import file_flag
 
-    group = distributed.start(cfg.device, cfg.backend)   # under torchrun, rank 0 speaks for the run
+    group = distributed.start(cfg.device, cfg.backend)   # idempotent: under torchrun, rank 0 speaks for the run
     main = group.is_main
     if main:   # from the first step, `touch <run>/PAUSE` and `<run>/stop.request` have a folder to go in
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     start = start_step(run_dir, resume)
     for problem in getattr(data, "skipped", []) if main else []:
         print(f"skipped {problem.line()}", file=sys.stderr)
-    bar, on_step = progress_bar(cfg.steps, start, show=main)
-    stop, stop_file = StopOnSignal(echo_s=2.0 if group.world > 1 else 0.0, speak=main), StopFile(run_dir, main)
-    should_stop = (lambda: stop() or stop_file() or bool(stop_after and bar.n >= stop_after))
+    console = Console(cfg, run_dir, start, group.world, main, stop_after, validation, should_pause)
     try:
-        result = train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None,
-                       on_step=on_step, should_stop=should_stop, forward=forward, validate=validate,
-                       validate_every=validate_every, validate_first=validate_first,
-                       should_pause=should_pause or file_flag(run_dir),
-                       on_pause=pause_notice(run_dir, bar, main))
+        result = train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None, forward=forward,
+                       callbacks=console)
         if main:
-            stop_file.consume()
+            console.stop_file.consume()
         return result
     finally:
-        stop.close()
-        bar.close()
+        console.close()
 
 
 def finish(cfg, result, run_dir: Path, name: str) -> None:

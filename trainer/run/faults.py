@@ -136,16 +136,57 @@ def saves_on_error(save: Callable[[int], Any], step: int) -> Iterator[None]:
 
 
 @contextmanager
-def validation_saves_on_error(save: Callable[[int], Any], step: int) -> Iterator[None]:
-    """Around validation sampling: any error (the stop button while sampling) saves the step just trained
-    first; out of memory becomes OutOfMemory naming the validation settings, not the training ones."""
+def validation_out_of_memory(step: int) -> Iterator[None]:
+    """Around validation sampling: out of memory becomes OutOfMemory naming the validation settings, not the
+    training ones (the guard around it has saved the step)."""
     try:
         yield
     except BaseException as error:
-        save(step)
-        if is_out_of_memory(error):
-            traceback.clear_frames(error.__traceback__)
-            raise OutOfMemory(
-                f"out of memory while sampling validation images at step {step}; the step is saved "
-                f"(resumable). In Kiln Validation Settings lower width/height, or raise every") from error
-        raise
+        if not is_out_of_memory(error):
+            raise
+        traceback.clear_frames(error.__traceback__)
+        raise OutOfMemory(
+            f"out of memory while sampling validation images at step {step}; the step is saved "
+            f"(resumable). In Kiln Validation Settings lower width/height, or raise every") from error
+
+
+@contextmanager
+def validation_saves_on_error(save: Callable[[int], Any], step: int) -> Iterator[None]:
+    """Around validation sampling: any error (the stop button while sampling) saves the step just trained
+    first; out of memory becomes OutOfMemory naming the validation settings, not the training ones."""
+    with saves_on_error(save, step), validation_out_of_memory(step):
+        yield
+
+
+class Guard:
+    """The loop's fault handling, in one place: a step that runs out of memory rewinds its draws and saves the
+    last good step; an error in a front end's calls after a step (its progress, validation, pause: ComfyUI's
+    stop button) saves that step first. Either way the run is left resumable.
+
+    Under torchrun these error paths are one rank's alone (the others are in the step's all-reduce), and a save
+    needs every rank: so nothing is saved there; torchrun stops every rank and the run resumes from its newest
+    checkpoint."""
+
+    def __init__(self, cfg: TrainConfig, save: Callable[[int], Path], world: int, start: int):
+        self.cfg, self.start, self.every_rank_save = cfg, start, save
+        self.save = save if world == 1 else (lambda step: None)
+
+    def non_finite(self, streak: list[dict], done: int) -> None:
+        """Too many skipped (NaN/inf) steps in a row: stop with a resumable checkpoint, saved by every rank
+        (they read the same figures, so they all stop here)."""
+        if len(streak) >= MAX_NON_FINITE_IN_A_ROW:
+            raise NonFiniteLoss(non_finite_message(self.cfg, streak, self.every_rank_save(done)))
+
+    def training(self, step: int, items: list[str], draws: Draws):
+        """Around backend.step (nothing to save before the run's first step has finished)."""
+        return out_of_memory_rewinds(self.cfg, step, items, draws, self.save if step > self.start else None)
+
+    @contextmanager
+    def front_end(self, done: int) -> Iterator[None]:
+        """Around the front end's calls after step `done` (0: before the first step, nothing to save)."""
+        try:
+            yield
+        except BaseException:
+            if done:
+                self.save(done)
+            raise

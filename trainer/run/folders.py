@@ -17,8 +17,15 @@ from ..paths import check_name, inside
 
 IDENTITY_FILE = "identity.json"
 IDENTITY_FORMAT = "kiln-run-identity/1"
+RUN_KEY = "kiln.run"   # the LoRA metadata key naming the run that wrote a file (Save LoRA, Save now, checkpoints)
 LEGACY_HASH = 10               # hex digits of the identity in a folder name before identity files
 _SUFFIX = re.compile(r"^-([1-9]\d{0,5})$")
+
+
+def run_key(run_dir: str | Path) -> str:
+    """Which run a LoRA file comes from, as its kiln.run records it: the run folder's name, one per run identity,
+    the same across its stops and resumes. The one place that says so."""
+    return Path(run_dir).name
 
 
 def read_identity(folder: str | Path) -> str | None:

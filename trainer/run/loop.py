@@ -1,6 +1,9 @@
 """The training loop: one straight story from config to a saved LoRA.
 
-    setup → (resume) → for step: batch → backend.step → EMA → report → checkpoint → final save
+    setup → (resume) → for step: batch → backend.step → EMA → held-out loss → front end → checkpoint → result
+
+The front end (trainer/run/callbacks.py) is one object with no-op defaults; faults.Guard is the loop's one
+fault handling (an out-of-memory step rewinds, an error in a front end's call saves the step first).
 
 Everything random is drawn here, from one numpy generator seeded by cfg.seed
 (noise, sigmas, caption dropout) plus the sampler's own seeded plan, so both
@@ -10,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -27,27 +29,10 @@ from ..lora.files import LoraWeights, lora_metadata
 from ..objective import flow as objective
 from ..objective import preservation
 from ..objective.schedules import lr_at
-from . import distributed, faults, holdout, init_lora, pause, state
+from . import checkpoint_writer, distributed, faults, holdout, init_lora, pause, state
 from . import sinks as logging_sinks
-from .plot import smoothed
-
-
-@dataclass
-class Report:
-    """What a UI shows after each step; loss figures only on steps where the loss was read."""
-
-    step: int                    # optimizer steps done
-    total_steps: int
-    lr: float
-    it_per_s: float
-    eta_s: float
-    peak_memory_bytes: int
-    loss: float | None = None
-    loss_smooth: float | None = None
-    grad_norm: float | None = None
-    skipped_steps: int = 0       # steps skipped so far for a NaN/inf loss or gradient (as read)
-    holdout_loss: float | None = None   # on steps with a held-out evaluation (trainer/run/holdout.py)
-    weights: Callable[[], dict[str, LoraWeights]] | None = field(default=None, repr=False, compare=False)  # best LoRA now
+from .callbacks import Callbacks, from_functions, validation_due
+from .steplog import Report, StepLog  # noqa: F401  (Report: its old import path)
 
 
 @dataclass
@@ -120,58 +105,6 @@ def batch_sizes(cfg: TrainConfig, data: TrainingData, arch: Arch) -> dict[str, i
     return BATCHING[cfg.batch_by](per_image, cfg.batch_size)
 
 
-def _finite(value: float) -> float | None:
-    """A figure for a UI (JSON has no NaN): None when not finite."""
-    return value if np.isfinite(value) else None
-
-
-class StepLog:
-    """Step figures into the history. The backend's loss, norm and finite flag stay device scalars until
-    `flush` reads them all in one transfer (no host sync per step); it also keeps the latest run of
-    consecutive skipped (non-finite) steps, which stops the run when too long."""
-
-    def __init__(self, backend, history: state.History, start: int, total_steps: int,
-                 sinks: logging_sinks.Sinks | None = None):
-        self.backend, self.history, self.start, self.total_steps = backend, history, start, total_steps
-        self.sinks = sinks or logging_sinks.Sinks([])   # TensorBoard / W&B: each step's figures as read
-        self.pending: list = []  # (step, image names, StepStats, lr) not yet read
-        self.streak: list = []   # history.skipped entries of the latest run of skipped steps
-        self.started = time.perf_counter()
-
-    def add(self, step: int, items: list[str], stats, lr: float) -> None:
-        self.pending.append((step, items, stats, lr))
-        self.history.lr.append(lr)
-
-    def flush(self) -> None:
-        stats = [v for _, _, s, _ in self.pending for v in (s.loss, s.grad_norm, s.finite)]
-        values = self.backend.scalars(stats)
-        for (step_done, items, _, lr), loss, norm, finite in zip(self.pending, values[0::3], values[1::3],
-                                                                 values[2::3]):
-            self.history.loss.append(loss)
-            self.history.grad_norm.append(norm)
-            self.sinks.log_scalars(step_done, {"loss": loss, "grad_norm": norm, "learning_rate": lr})
-            if finite:
-                self.streak.clear()
-            else:  # the backend left weights, optimizer and EMA alone: count it and name the images
-                self.history.skipped.append({"step": step_done, "items": items})
-                self.streak.append(self.history.skipped[-1])
-        self.pending.clear()
-
-    def report(self, done: int, lr: float, logged: bool, weights: Callable[[], dict[str, LoraWeights]],
-               holdout_loss: float | None = None) -> Report:
-        """Speed and ETA over the steps of this call; loss figures only where `logged` (just flushed)."""
-        elapsed = time.perf_counter() - self.started
-        rate = (done - self.start) / elapsed if elapsed > 0 else 0.0
-        history = self.history
-        return Report(step=done, total_steps=self.total_steps, lr=lr, it_per_s=rate,
-                      eta_s=(self.total_steps - done) / rate if rate > 0 else 0.0,
-                      peak_memory_bytes=self.backend.peak_memory_bytes(),
-                      loss=_finite(history.loss[-1]) if logged else None,
-                      loss_smooth=_finite(smoothed(history.loss[-200:])[-1]) if logged else None,
-                      grad_norm=_finite(history.grad_norm[-1]) if logged else None,
-                      skipped_steps=len(history.skipped), weights=weights, holdout_loss=holdout_loss)
-
-
 def resumed(resume: str | Path | None, backend, rng: np.random.Generator,
             sampler: BucketSampler, group: distributed.Group = distributed.SINGLE,
             init_sha256: str = "") -> tuple[state.History, int]:
@@ -199,64 +132,34 @@ def best_lora(backend, ema: bool) -> dict[str, LoraWeights]:
         return backend.lora_state()
 
 
-def save_run(step: int, *, cfg: TrainConfig, arch: Arch, backend, run_dir: Path, rng: np.random.Generator,
-             sampler: BucketSampler, log: StepLog) -> Path:
-    """A resumable checkpoint at `step`; pending step figures are read first so its history is whole.
-    Under torchrun every rank calls it: their RNG states go into rank 0's checkpoint, which only rank 0
-    writes; the others wait until it is complete."""
-    log.flush()
-    rng_states = distributed.gather_arrays(backend.rng_state())
-    group = distributed.current()
-    path = state.step_dir(run_dir, step)
-    if group.is_main:
-        path = state.save_checkpoint(
-            run_dir, step, backend=backend, arch=arch, config=cfg.to_dict(), numpy_rng=rng,
-            cursor=sampler.state(), history=log.history, keep=cfg.keep_checkpoints,
-            lora_metadata=lora_metadata(cfg, arch, step), save_dtype=cfg.save_dtype, rank_rng=rng_states[1:])
-    distributed.barrier()
-    return path
+@dataclass
+class Setup:
+    """What a run fixes before its first step: the config (with the init LoRA's rank and alpha), the data
+    training sees (held-out images taken out), the seeded generator and sampler every rank shares."""
+
+    cfg: TrainConfig
+    arch: Arch
+    backend: Any
+    group: distributed.Group
+    run_dir: Path
+    rng: np.random.Generator
+    settings: objective.ObjectiveSettings
+    data: TrainingData
+    held: Any                            # the held-out images (trainer/run/holdout.py)
+    sampler: BucketSampler
+    preserve: preservation.Settings
+    init: init_lora.InitLora | None
+
+    def judge(self, history: state.History, sinks: logging_sinks.Sinks) -> holdout.Judge:
+        return holdout.Judge(self.cfg, self.arch, self.data, self.held, run_dir=self.run_dir, history=history,
+                             sinks=sinks, main=self.group.is_main)
 
 
-def _one_rank_save(save: Callable[[int], Path], group: distributed.Group) -> Callable[[int], Path | None]:
-    """The save of an error path, which one rank may take alone (out of memory, an error in a UI callback or
-    in validation): under torchrun it saves nothing, since a save needs every rank and the others are in the
-    step's all-reduce; the run ends (torchrun stops every rank) and resumes from its newest checkpoint."""
-    return save if group.world == 1 else (lambda step: None)
-
-
-def _validate_at(done: int, validate: Callable, backend, sinks, group, alone) -> None:
-    """validate(done, lora) on rank 0, its images to the sinks; the others wait at the host barrier."""
-    if group.is_main:   # an error saves the step just trained (nothing to save before the first)
-        guard = faults.validation_saves_on_error(alone, done) if done else contextlib.nullcontext()
-        with guard, backend.sampling():
-            sinks.log_images(done, "validation", validate(done, backend.lora_state))
-    distributed.barrier()
-
-
-def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Path,
-          forward: Callable | None = None, resume: str | Path | None = None,
-          on_step: Callable[[Report], None] | None = None,
-          should_stop: Callable[[], bool] | None = None,
-          validate: Callable[[int, Callable], None] | None = None, validate_every: int = 0,
-          init: init_lora.InitLora | None = None, validate_first: bool = False,
-          should_pause: Callable[[], bool] | None = None,
-          on_pause: Callable[[bool], None] | None = None) -> RunResult:
-    """Train a LoRA on `model` in place; the model is restored as it was on return, also after an error.
-
-    A new run starts from `init` (else from the file cfg.init_lora names, else a new LoRA), at its rank
-    and alpha (trainer/run/init_lora.py); a resumed run continues from its checkpoint.
-
-    `validate(step, lora)` runs every `validate_every` steps and at the last step (and at step 0 of a new
-    run with `validate_first`), with the EMA
-    weights swapped in when EMA is on; the images it returns ([H,W,3] in 0..1, or None) go to the
-    TensorBoard / W&B sinks the config asks for. A torch model samples with its LoRA branches live; `lora()`
-    gives the weights as numpy for a sampler that needs them applied (the MLX backend).
-
-    cfg.holdout keeps images out of training for a held-out loss, early stopping and <run>/best/
-    (trainer/run/holdout.py); while `should_pause()` the loop waits between steps (trainer/run/pause.py), agreed
-    between torchrun's ranks, and says so through `on_pause(True)` / `on_pause(False)`."""
+def set_up(cfg: TrainConfig, model: Any, data: TrainingData, run_dir: Path, forward: Callable | None,
+           init: init_lora.InitLora | None) -> Setup:
+    """Everything before the loop, in the order that keeps a run's draws the same; the backend set up last."""
     cfg, init = init_lora.prepare(cfg, init)   # before anything reads rank or alpha, or saves the config
-    arch, run_dir, backend = get_arch(cfg.arch), Path(run_dir), get_backend(cfg.backend)
+    arch, backend = get_arch(cfg.arch), get_backend(cfg.backend)
     group = distributed.start(cfg.device, cfg.backend)   # one process, or this rank of torchrun's
     rng = np.random.default_rng(cfg.seed)
     settings = objective_settings(cfg, arch)
@@ -267,68 +170,127 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     preserve = preservation.settings(cfg, data)   # DOP and regularisation images, checked against the data
     companion_batch.check(cfg, data, arch)
     backend.setup(model, cfg, arch, forward)
-    sinks = logging_sinks.Sinks([])
+    return Setup(cfg, arch, backend, group, run_dir, rng, settings, data, held, sampler, preserve, init)
+
+
+def one_step(run: Setup, step: int, guard: faults.Guard) -> tuple[float, list[str], Any]:
+    """Draw the step's micro-batches and train on them: (learning rate, image names, the backend's StepStats)."""
+    cfg = run.cfg
+    lr = lr_at(step, base_lr=cfg.learning_rate, schedule=cfg.lr_schedule, total_steps=cfg.steps,
+               warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
+    draws = faults.Draws(run.rng, run.sampler, run.backend)  # an out-of-memory step puts its draws back
+    micro_batches = [build_batch(run.data, run.sampler.next(), run.rng, run.settings, run.arch, cfg.caption_dropout,
+                                 run.group, run.preserve) for _ in range(cfg.grad_accum)]
+    names = [name for batch in micro_batches for name in batch.items]
+    with guard.training(step, names, draws):
+        return lr, names, run.backend.step(micro_batches, lr)
+
+
+def save_run(step: int, *, run: Setup, log: StepLog) -> Path:
+    """A resumable checkpoint at `step`; pending step figures are read first so its history is whole.
+    Under torchrun every rank calls it: their RNG states go into rank 0's checkpoint, which only rank 0
+    writes; the others wait until it is complete."""
+    log.flush()
+    cfg, arch, backend = run.cfg, run.arch, run.backend
+    rng_states = distributed.gather_arrays(backend.rng_state())
+    path = state.step_dir(run.run_dir, step)
+    if distributed.current().is_main:
+        path = checkpoint_writer.save_checkpoint(
+            run.run_dir, step, backend=backend, arch=arch, config=cfg.to_dict(), numpy_rng=run.rng,
+            cursor=run.sampler.state(), history=log.history, keep=cfg.keep_checkpoints,
+            lora_metadata=lora_metadata(cfg, arch, step), save_dtype=cfg.save_dtype, rank_rng=rng_states[1:])
+    distributed.barrier()
+    return path
+
+
+def validate_if_due(done: int, front: Callbacks, run: Setup, sinks: logging_sinks.Sinks) -> None:
+    """front.validate(done, lora) on rank 0 when due, its images to the sinks; the others wait at the host
+    barrier. Out of memory names the validation settings (after a step: the guard around it saves the step)."""
+    if not validation_due(front, done, run.cfg.steps):
+        return
+    if run.group.is_main:
+        named = faults.validation_out_of_memory(done) if done else contextlib.nullcontext()
+        with named, run.backend.sampling():
+            sinks.log_images(done, "validation", front.validate(done, run.backend.lora_state))
+    distributed.barrier()
+
+
+@dataclass
+class Ending:
+    """How the loop ended: the newest checkpoint it saved, and whether a stop or early stopping ended it."""
+
+    checkpoint: Path | None = None
+    stopped: bool = False
+    early_stopped: bool = False
+
+    @classmethod
+    def at_start(cls, judge: holdout.Judge, run_dir: Path, start: int) -> Ending:
+        """A resumed run that had stopped early (early_stop_patience) ends before its first step, as it was."""
+        early = judge.ended(start)
+        return cls(state.step_dir(run_dir, start) if early else None, early_stopped=early)
+
+
+def close(sinks: logging_sinks.Sinks, backend) -> None:
+    """The sinks closed, then the backend's model put back as it was, also when closing fails."""
     try:
-        history, start = resumed(resume, backend, rng, sampler, group, cfg.init_lora_sha256)
-        if init is not None and resume is None:   # every rank reads the same weights
-            init_lora.load_into(backend, init, cfg.ema)
-        sinks = logging_sinks.open_sinks(cfg, run_dir, start, group.is_main)
+        sinks.close()
+    finally:
+        backend.teardown()
+
+
+def result(run: Setup, log: StepLog, vote: distributed.StopVote, end: Ending, judge: holdout.Judge) -> RunResult:
+    """The loop's outcome, once the ranks' vote is closed and every step's figures read."""
+    vote.close()
+    log.flush()
+    backend, history = run.backend, log.history
+    ema_lora = best_lora(backend, True) if run.cfg.ema else None
+    return RunResult(run_dir=run.run_dir, step=len(history.lr), history=history, lora=backend.lora_state(),
+                     ema_lora=ema_lora, checkpoint=end.checkpoint, stopped=end.stopped,
+                     trainable_parameters=backend.trainable_parameter_count(),
+                     skipped_items=[p.line() for p in getattr(run.data, "skipped", [])],
+                     best=judge.best(), best_lora=judge.best_lora, early_stopped=end.early_stopped)
+
+
+def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Path, forward: Callable | None = None,
+          resume: str | Path | None = None, init: init_lora.InitLora | None = None,
+          callbacks: Callbacks | None = None, **functions: Any) -> RunResult:
+    """Train a LoRA on `model` in place (restored as it was on return, also after an error), from `init` or
+    cfg.init_lora (trainer/run/init_lora.py), or on from the checkpoint at `resume`. `callbacks`: the front end
+    (trainer/run/callbacks.py); loose functions (on_step=, should_stop=, validate=, ...) still build one."""
+    front = callbacks if callbacks is not None else from_functions(**functions)
+    run = set_up(cfg, model, data, Path(run_dir), forward, init)
+    cfg, backend, group, sinks = run.cfg, run.backend, run.group, logging_sinks.Sinks([])
+    try:
+        history, start = resumed(resume, backend, run.rng, run.sampler, group, cfg.init_lora_sha256)
+        if run.init is not None and resume is None:   # every rank reads the same weights
+            init_lora.load_into(backend, run.init, cfg.ema)
+        sinks = logging_sinks.open_sinks(cfg, run.run_dir, start, group.is_main)
         log = StepLog(backend, history, start, cfg.steps, sinks)
-        judge = holdout.Judge(cfg, arch, data, held, run_dir=run_dir, history=history, sinks=sinks, main=group.is_main)
-        save = functools.partial(save_run, cfg=cfg, arch=arch, backend=backend, run_dir=run_dir, rng=rng,
-                                 sampler=sampler, log=log)
-        alone = _one_rank_save(save, group)
+        judge, save = run.judge(history, sinks), functools.partial(save_run, run=run, log=log)
+        guard, vote = faults.Guard(cfg, save, group.world, start), distributed.StopVote()
         weights = functools.partial(best_lora, backend, cfg.ema)
-        stopped, vote = False, distributed.StopVote()
-        early_stopped = judge.ended(start)   # a resumed run that had stopped early ends at once, as it was
-        checkpoint_path = state.step_dir(run_dir, start) if early_stopped else None
-        if validate is not None and validate_first and start == 0:   # the start, logged as step 0
-            _validate_at(0, validate, backend, sinks, group, alone)
-        for step in range(start, start if early_stopped else cfg.steps):
-            lr = lr_at(step, base_lr=cfg.learning_rate, schedule=cfg.lr_schedule, total_steps=cfg.steps,
-                       warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
-            draws = faults.Draws(rng, sampler, backend)  # an out-of-memory step puts its draws back
-            micro_batches = [build_batch(data, sampler.next(), rng, settings, arch, cfg.caption_dropout, group,
-                                         preserve) for _ in range(cfg.grad_accum)]
-            names = [name for batch in micro_batches for name in batch.items]
+        end = Ending.at_start(judge, run.run_dir, start)   # a resumed run that had stopped early ends at once
+        if start == 0:   # the start, logged as step 0 (validate_first)
+            validate_if_due(0, front, run, sinks)
+        for step in range(start, start if end.early_stopped else cfg.steps):
+            lr, names, stats = one_step(run, step, guard)
             done = step + 1
-            with faults.out_of_memory_rewinds(cfg, step, names, draws, alone if step > start else None):
-                stats = backend.step(micro_batches, lr)
             fault_point(f"rank{group.rank}:step:{done}")   # tests kill one rank here (KILN_FAULT); else nothing
             log.add(done, names, stats, lr)
             backend.update_ema()
-            logged = done % cfg.log_every == 0 or done == cfg.steps
-            if logged:
-                log.flush()
-            if len(log.streak) >= faults.MAX_NON_FINITE_IN_A_ROW:
-                raise faults.NonFiniteLoss(faults.non_finite_message(cfg, log.streak, save(done)))
-            report = log.report(done, lr, logged, weights, judge.maybe(done, backend, weights))
-            if on_step is not None:
-                with faults.saves_on_error(alone, done):
-                    on_step(report)
-            if validate is not None and validate_every and (done % validate_every == 0 or done == cfg.steps):
-                _validate_at(done, validate, backend, sinks, group, alone)
-            with faults.saves_on_error(alone, done):   # paused: waits here (not counted in speed or ETA)
-                waited, stop = pause.between_steps(vote, should_pause, should_stop, on_pause)
-            log.started += waited
-            if stop:   # every rank stops (and pauses) after the same step
-                checkpoint_path, stopped = save(done), True
-                break
-            if judge.stop():   # every rank holds the same held-out history
-                checkpoint_path, early_stopped = save(done), True
+            logged = log.flush_due(done, cfg.log_every)
+            guard.non_finite(log.streak, done)
+            holdout_loss = judge.maybe(done, backend, weights)   # the held-out evaluation, when due
+            with guard.front_end(done):   # an error in the front end's calls saves this step first
+                front.on_step(log.report(done, lr, logged, weights, holdout_loss))
+                validate_if_due(done, front, run, sinks)
+                waited, stop = pause.between_steps(vote, front.should_pause, front.should_stop, front.on_pause)
+            log.started += waited   # paused: not counted in speed or ETA
+            if stop or judge.stop():   # every rank stops (or pauses) after the same step, holds the same history
+                end = Ending(save(done), stopped=stop, early_stopped=not stop)
                 break
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-                checkpoint_path = save(done)
-        vote.close()
-        log.flush()
-        ema_lora = weights() if cfg.ema else None
-        return RunResult(run_dir=run_dir, step=len(history.lr), history=history, lora=backend.lora_state(),
-                         ema_lora=ema_lora, checkpoint=checkpoint_path, stopped=stopped,
-                         trainable_parameters=backend.trainable_parameter_count(),
-                         skipped_items=[p.line() for p in getattr(data, "skipped", [])],
-                         best=judge.best(), best_lora=judge.best_lora, early_stopped=early_stopped)
+                end.checkpoint = save(done)
+        return result(run, log, vote, end, judge)
     finally:
-        try:
-            sinks.close()
-        finally:
-            backend.teardown()
+        close(sinks, backend)

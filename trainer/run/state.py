@@ -1,22 +1,17 @@
-"""Resumable run state: checkpoint folders written atomically, the newest K kept.
+"""Resumable run state: the checkpoint folders of a run, listed, read, checked and put back into a backend
+(trainer/run/checkpoint_writer.py writes them, atomically, the newest K kept).
 
 Layout (DESIGN.md):
   <run>/step-000500/lora.safetensors    the LoRA as a user loads it (save_dtype, comfy keys)
   <run>/step-000500/state.safetensors   exact fp32 LoRA (lora.<path>.A/.B/.alpha), EMA shadow (ema.<path>.A/.B),
                                         optimizer moments, RNG states
   <run>/step-000500/run.json            config, step, numpy RNG, data cursor, loss history; written last
-A checkpoint is built in a hidden temp folder and renamed into place, so a
-crash at any moment leaves either no folder or a complete one; one being
-deleted is renamed out of sight first. Hidden leftovers of a killed writer
-(.tmp-step-*, .old-step-*) are removed by the next save. No pickle: run.json
-and every tensor are checked on load, and errors name the file and the key.
+No pickle: run.json and every tensor are checked on load, and errors name the file and the key.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +19,8 @@ from typing import Any
 import numpy as np
 
 from .. import safetensors_io
-from ..atomic import atomic_write_text, fault_point, fsync_dir, require_free_space
 from ..backends.base import parameter_name
 from ..lora import adapters
-from ..lora import files as lora_format
 from ..lora.adapters import AdapterWeights
 from ..lora.files import LoraWeights
 
@@ -81,16 +74,7 @@ def list_runs(root: str | Path) -> list[tuple[str, int]]:
     return [(name, step) for _, name, step in sorted(runs, key=lambda run: run[0], reverse=True)]
 
 
-def _lora_tensors(lora: dict[str, LoraWeights], prefix: str) -> dict[str, np.ndarray]:
-    out = {}
-    for path, weights in lora.items():
-        for role, array in _roles(weights).items():
-            out[f"{prefix}{path}.{role}"] = array
-        out[f"{prefix}{path}.alpha"] = np.asarray(weights.alpha, dtype=np.float32)
-    return out
-
-
-def _roles(weights) -> dict[str, np.ndarray]:
+def module_roles(weights) -> dict[str, np.ndarray]:
     """A module's tensors by checkpoint role: A/B for LoRA, the adapter's role names (trainer/lora/adapters.py)."""
     return weights.tensors if isinstance(weights, AdapterWeights) else {"A": weights.A, "B": weights.B}
 
@@ -111,100 +95,12 @@ def _by_module(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, dict[st
 def _weights_of(path: str, roles: dict[str, np.ndarray], alpha: float):
     if set(roles) == {"A", "B"}:
         return LoraWeights(A=roles["A"], B=roles["B"], alpha=alpha)
-    return adapters.from_roles({**roles, "alpha": np.float32(alpha)}, source=path)
+    return adapters.frommodule_roles({**roles, "alpha": np.float32(alpha)}, source=path)
 
 
 def _lora_from(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, LoraWeights]:
     return {path: _weights_of(path, roles, float(tensors[f"{prefix}{path}.alpha"]))
             for path, roles in sorted(_by_module(tensors, prefix).items())}
-
-
-_LORA_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-_HEADER_BYTES_PER_TENSOR = 256  # a safetensors header entry: name, dtype, shape, offsets
-
-
-def _checkpoint_bytes(lora: dict[str, LoraWeights], tensors: dict[str, np.ndarray], run_json: str,
-                      save_dtype: str) -> int:
-    """About what a checkpoint takes on disk: lora.safetensors + state.safetensors + run.json."""
-    itemsize = _LORA_ITEMSIZE.get(save_dtype, 4)
-    lora_bytes = sum(sum(a.size for a in _roles(w).values()) * itemsize + 4 for w in lora.values())
-    state_bytes = sum(np.asarray(v).nbytes for v in tensors.values())
-    headers = _HEADER_BYTES_PER_TENSOR * (sum(1 + len(_roles(w)) for w in lora.values()) + len(tensors))
-    return lora_bytes + state_bytes + headers + len(run_json.encode("utf-8"))
-
-
-def save_checkpoint(run_dir: str | Path, step: int, *, backend, arch, config: dict, numpy_rng: np.random.Generator,
-                    cursor: dict, history: History, keep: int, lora_metadata: dict[str, str],
-                    save_dtype: str = "bf16", rank_rng: list[dict[str, np.ndarray]] = ()) -> Path:
-    """Write <run>/step-NNNNNN atomically; prune to the newest `keep`.
-
-    `rank_rng`: the RNG states of ranks 1..N-1 of a torchrun run (rank 0 is `backend`), saved as
-    rng.rank<r>.<name>; the run's world size goes into run.json, and a resume needs the same.
-
-    The oldest are pruned first, so `keep` checkpoints never need room for keep+1, but the newest
-    complete one always stays until the new one is complete (keep=1 briefly holds two)."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _prune(run_dir, max(keep - 1, 1), step)
-    fault_point(f"checkpoint:{step}:pruned")
-    lora = backend.lora_state()
-    optimizer_tensors, optimizer_meta = backend.optimizer_state()
-    tensors = _lora_tensors(lora, "lora.")
-    tensors.update({f"ema.{k}": v for k, v in backend.ema_state().items()})
-    tensors.update({f"optim.{k}": v for k, v in optimizer_tensors.items()})
-    tensors.update({f"rng.{k}": v for k, v in backend.rng_state().items()})
-    for rank, states in enumerate(rank_rng, start=1):
-        tensors.update({f"rng.rank{rank}.{k}": v for k, v in states.items()})
-    info = {
-        "format": RUN_FORMAT, "step": step, "arch": arch.name, "backend": backend.name, "config": config,
-        "world_size": 1 + len(rank_rng),
-        "numpy_rng": numpy_rng.bit_generator.state, "cursor": cursor, "optimizer": optimizer_meta,
-        "history": {"loss": history.loss, "lr": history.lr, "grad_norm": history.grad_norm,
-                    "skipped": history.skipped, "holdout": history.holdout},
-    }
-    run_json = json.dumps(info, indent=1)
-    final = step_dir(run_dir, step)
-    require_free_space(run_dir, _checkpoint_bytes(lora, tensors, run_json, save_dtype), f"checkpoint {final.name}",
-                       f"free space on that disk, lower keep_checkpoints (now {keep}), or set output_dir to a "
-                       "folder on a larger disk; then resume")
-    temp = run_dir / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir()
-    try:
-        lora_format.save_lora(temp / "lora.safetensors", lora, arch=arch, fmt="comfy",
-                              dtype=save_dtype, metadata=lora_metadata)
-        safetensors_io.write(temp / "state.safetensors", tensors, {"kiln.format": RUN_FORMAT})
-        atomic_write_text(temp / "run.json", run_json)
-        fsync_dir(temp)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)  # a full disk or an error: no half checkpoint left behind
-        raise
-    fault_point(f"checkpoint:{step}:complete")
-    old = None
-    if final.exists():  # the same step saved again (e.g. a stop right after a periodic save)
-        old = run_dir / f".old-{final.name}-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(temp, final)
-    fsync_dir(run_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    fault_point(f"checkpoint:{step}:renamed")
-    _prune(run_dir, keep, step)
-    return final
-
-
-def _prune(run_dir: Path, keep: int, step: int) -> None:
-    """Keep the newest `keep` complete checkpoints; clear the hidden leftovers of killed writers."""
-    for _, path in list_checkpoints(run_dir)[:-keep]:
-        trash = run_dir / f".old-{path.name}-{os.getpid()}"
-        shutil.rmtree(trash, ignore_errors=True)
-        os.replace(path, trash)  # out of sight in one step: a kill mid-delete never leaves half a step folder
-        fault_point(f"checkpoint:{step}:pruning")
-        shutil.rmtree(trash, ignore_errors=True)
-    for stale in [*run_dir.glob(".tmp-step-*"), *run_dir.glob(".old-step-*")]:
-        if not stale.name.endswith(f"-{os.getpid()}"):
-            shutil.rmtree(stale, ignore_errors=True)
 
 
 _RESUME_FIX = "resume from an earlier checkpoint (delete this step folder), or start a new run"
@@ -300,7 +196,7 @@ def checkpoint_lora(checkpoint: Checkpoint, *, ema: bool = False) -> dict[str, L
         raise ValueError(f"{checkpoint.path}: this run trained without EMA; set ema on in Training Options "
                          "(or use the LoRA as trained)")
     return {path: _weights_of(path, roles, w.alpha)
-            for path, w in lora.items() for roles in [{role: shadow[f"{path}.{role}"] for role in _roles(w)}]}
+            for path, w in lora.items() for roles in [{role: shadow[f"{path}.{role}"] for role in module_roles(w)}]}
 
 
 def checkpoint_history(checkpoint: Checkpoint) -> History:

@@ -20,7 +20,7 @@ import torch
 
 from trainer import safetensors_io
 from trainer.archs import get_arch
-from trainer.run import distributed, state
+from trainer.run import checkpoint_writer, distributed, state
 from trainer.run.loop import build_batch, objective_settings, train
 
 from helpers.distributed import free_port
@@ -86,8 +86,8 @@ def _rank(rank: int, world: int, port: int, out: str, settings: dict, runs: list
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     writes = []
-    real_save = state.save_checkpoint
-    state.save_checkpoint = lambda *a, **k: writes.append(k["cursor"]) or real_save(*a, **k)
+    real_save = checkpoint_writer.save_checkpoint
+    checkpoint_writer.save_checkpoint = lambda *a, **k: writes.append(k["cursor"]) or real_save(*a, **k)
     try:
         cfg = tiny_config(**settings)
         ended = {}
@@ -104,7 +104,7 @@ def _rank(rank: int, world: int, port: int, out: str, settings: dict, runs: list
         tensors.update(flat_state(result, _ema_and_moments(result)))
         safetensors_io.write(Path(out) / f"rank{rank}.safetensors", tensors)
     finally:
-        state.save_checkpoint = real_save
+        checkpoint_writer.save_checkpoint = real_save
         distributed.stop()
 
 

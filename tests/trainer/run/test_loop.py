@@ -182,3 +182,46 @@ def test_the_demo_model_is_built_on_the_training_device(make_config, monkeypatch
     monkeypatch.setattr(backend, "pick_device", lambda name: torch.device("meta"))
     model = model_for(make_config())
     assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def test_one_front_end_object_drives_progress_validation_stop_and_pause(tmp_path, make_model, make_data, make_config):
+    """A Callbacks subclass (trainer/run/callbacks.py) overrides only what it needs; the loop calls it in its order:
+    on_step, validate when due (before the first step with validate_first), then pause and stop."""
+    from trainer.run.callbacks import Callbacks
+
+    class Front(Callbacks):
+        validate_every, validate_first = 2, True
+
+        def __init__(self):
+            self.calls = []
+
+        def on_step(self, report):
+            self.calls.append(("step", report.step))
+
+        def validate(self, step, lora):
+            self.calls.append(("validate", step))
+
+        def should_pause(self):
+            self.calls.append(("pause?", len(self.calls)))
+            return False
+
+        def should_stop(self):
+            return ("step", 3) in self.calls
+
+    front = Front()
+    result = train(make_config(steps=6, checkpoint_every=0), make_model(), make_data(), run_dir=tmp_path / "r",
+                   callbacks=front)
+    steps = [c for c in front.calls if c[0] != "pause?"]
+    assert steps == [("validate", 0), ("step", 1), ("step", 2), ("validate", 2), ("step", 3)]
+    assert sum(c[0] == "pause?" for c in front.calls) == 3   # asked once after each step
+    assert result.stopped and result.step == 3 and result.checkpoint.name == "step-000003"
+
+
+def test_loose_functions_still_build_the_front_end_and_unknown_ones_are_refused(tmp_path, make_model, make_data,
+                                                                               make_config):
+    with pytest.raises(TypeError, match=r"\['on_stp'\]"):
+        train(make_config(steps=2), make_model(), make_data(), run_dir=tmp_path / "r", on_stp=print)
+    validated = []   # validate_first without validate: nothing to run, as before
+    train(make_config(steps=2, checkpoint_every=0), make_model(), make_data(), run_dir=tmp_path / "s",
+          validate_first=True, on_step=lambda report: validated.append(report.step))
+    assert validated == [1, 2]
