@@ -5,6 +5,7 @@ below. Nodes are imported lazily so that loading the pack costs nothing until
 ComfyUI asks for them. (No V1 node-mapping dict here: ComfyUI would then ignore
 comfy_entrypoint.)
 """
+
 WEB_DIRECTORY = "./web"
 
 

@@ -21,6 +21,7 @@ model on its own GPU; rank 0 alone loads the VAE and text encoder, encodes the d
 barrier), writes and prints (trainer/run/distributed.py). With KILN_PROGRESS_JSON=1 each sample written is
 also named on a `KILN_SAMPLE {json}` line (trainer/cli/launch.py reads it).
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,11 +53,13 @@ def train_command(run, resume: bool, loaders=comfy_loaders.load_models) -> int:
     model, vae, clip = loaders(cfg) if group.is_main else loaders(cfg, encoders=False)
     fits = bridge.matching_archs(model)
     if cfg.arch not in fits:
-        raise SystemExit(f"{config_path}: arch is {cfg.arch!r} but {cfg.model_path} is a "
-                         f"{' / '.join(fits) or 'generic'} model; set arch to match the file")
+        raise SystemExit(
+            f"{config_path}: arch is {cfg.arch!r} but {cfg.model_path} is a "
+            f"{' / '.join(fits) or 'generic'} model; set arch to match the file"
+        )
     settings = DataSettings.from_config(cfg, get_arch(cfg.arch).bucket_divisor)
     image_encoder, text_encoder = encoders(vae, clip, group, cfg.dataset_dir)
-    with distributed.main_first():   # rank 0 encodes into the caches; the other ranks read them
+    with distributed.main_first():  # rank 0 encodes into the caches; the other ranks read them
         dataset = encoded_datasets(cfg, settings, cfg.dataset_dir, image_encoder, text_encoder, cfg.cache_dir or None)
         if group.is_main:
             dataset.prune_cache(cfg.cache_max_gb)
@@ -72,12 +75,13 @@ def train_command(run, resume: bool, loaders=comfy_loaders.load_models) -> int:
         """The sampling hook on the patcher to train, as the node's; the base model first on a new run."""
         if not plan:
             return {}
-        grid = SampleGrid(run_dir, [p.prompt for p in plan]).load_existing()   # a resumed run's earlier rows
+        grid = SampleGrid(run_dir, [p.prompt for p in plan]).load_existing()  # a resumed run's earlier rows
 
         def on_sample(step: int, index: int, images) -> None:
             image = images[0].float().cpu().numpy()
-            path = save_sample(sample_path(run_dir, step, index, len(plan)), image, plan[index], step=step,
-                               arch=cfg.arch)
+            path = save_sample(
+                sample_path(run_dir, step, index, len(plan)), image, plan[index], step=step, arch=cfg.arch
+            )
             emit(SAMPLE_TAG, {"step": step, "index": index, "path": str(path)})
             grid.add(step, index, image)
             if index == len(plan) - 1:
@@ -88,8 +92,14 @@ def train_command(run, resume: bool, loaders=comfy_loaders.load_models) -> int:
         validate = bridge.validation(cfg, patcher, samples, on_sample)
         return {"validation": Validation(validate, every=cfg.sample_every or cfg.steps, first=cfg.sample_first)}
 
-    result = bridge.train(cfg, model, dataset, adapter=comfy_loaders.training_adapter(cfg), setup=setup,
-                          run=functools.partial(run_loop, run_dir=run_dir, resume=resume))
+    result = bridge.train(
+        cfg,
+        model,
+        dataset,
+        adapter=comfy_loaders.training_adapter(cfg),
+        setup=setup,
+        run=functools.partial(run_loop, run_dir=run_dir, resume=resume),
+    )
     finish(cfg, result, run_dir, run.name)
     return 0
 
@@ -108,9 +118,12 @@ def encoders(vae, clip, group: distributed.Group, dataset_dir: str) -> tuple[tup
 
     def missing(what: str):
         def encode(_):
-            raise RuntimeError(f"rank {group.rank}: {dataset_dir}: {what} is not in the cache rank 0 just filled "
-                               "(only rank 0 loads the encoders); was the cache folder changed or pruned during "
-                               "the start? Run again (the cache is filled once more)")
+            raise RuntimeError(
+                f"rank {group.rank}: {dataset_dir}: {what} is not in the cache rank 0 just filled "
+                "(only rank 0 loads the encoders); was the cache folder changed or pruned during "
+                "the start? Run again (the cache is filled once more)"
+            )
+
         return encode
 
     return (missing("an image's latent"), identities[0]), (missing("a caption's encoding"), identities[1])

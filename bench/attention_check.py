@@ -11,6 +11,7 @@ hands them: [B, L, H, D] moved to [B, H, L, D], not contiguous) and each kernel 
                calls, median; TFLOPS with 4·B·H·L²·D forward FLOPs and 2.5x that for backward
 Prints one JSON record per (shape, kernel) and appends them to --out when given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,16 +32,30 @@ SHAPES = {  # heads, image + text tokens at 1024 px (bench/gpu_train.py's inputs
     "klein4b": (24, 4096 + 512),
     "klein9b": (32, 4096 + 512),
 }
-KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-           "cudnn": SDPBackend.CUDNN_ATTENTION}
+KERNELS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
 
 
 def inputs(heads: int, tokens: int, seed: int = 0):
     generator = torch.Generator("cuda").manual_seed(seed)
-    make = lambda: torch.randn(1, tokens, heads, 128, device="cuda", generator=generator,  # noqa: E731
-                               dtype=torch.bfloat16).movedim(1, 2)
-    return make(), make(), make(), torch.randn(1, heads, tokens, 128, device="cuda", generator=generator,
-                                               dtype=torch.bfloat16)
+    make = lambda: torch.randn(
+        1,
+        tokens,
+        heads,
+        128,
+        device="cuda",
+        generator=generator,  # noqa: E731
+        dtype=torch.bfloat16,
+    ).movedim(1, 2)
+    return (
+        make(),
+        make(),
+        make(),
+        torch.randn(1, heads, tokens, 128, device="cuda", generator=generator, dtype=torch.bfloat16),
+    )
 
 
 def run(q, k, v, grad, backend=None, dtype=None):
@@ -76,10 +91,14 @@ def check(shape: str, kernel: str) -> dict:
     try:
         reference = run(q, k, v, grad, dtype=torch.float32)
         got = run(q, k, v, grad, KERNELS[kernel])
-    except RuntimeError as error:   # the kernel does not take this input here
+    except RuntimeError as error:  # the kernel does not take this input here
         return {**record, "error": str(error).splitlines()[0][:300]}
-    record.update({f"rel_err_{name}": round(relative(g, r), 5)
-                   for name, g, r in zip(("out", "dq", "dk", "dv"), got, reference, strict=True)})
+    record.update(
+        {
+            f"rel_err_{name}": round(relative(g, r), 5)
+            for name, g, r in zip(("out", "dq", "dk", "dv"), got, reference, strict=True)
+        }
+    )
     del reference, got
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 
@@ -93,8 +112,12 @@ def check(shape: str, kernel: str) -> dict:
 
     flops = 4 * heads * tokens * tokens * 128
     fwd, both = timed(forward), timed(forward_backward)
-    record.update(forward_ms=round(fwd * 1e3, 3), forward_backward_ms=round(both * 1e3, 3),
-                  forward_tflops=round(flops / fwd / 1e12, 1), forward_backward_tflops=round(3.5 * flops / both / 1e12, 1))
+    record.update(
+        forward_ms=round(fwd * 1e3, 3),
+        forward_backward_ms=round(both * 1e3, 3),
+        forward_tflops=round(flops / fwd / 1e12, 1),
+        forward_backward_tflops=round(3.5 * flops / both / 1e12, 1),
+    )
     return record
 
 
@@ -104,9 +127,13 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("attention_check needs a CUDA GPU")
-    common = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
+    common = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+    }
     records = []
     for shape in SHAPES:
         for kernel in KERNELS:

@@ -4,6 +4,7 @@ Not a speed benchmark (that is the full-size harness); it proves the CUDA code
 paths train, resume and report memory. Run: python bench/cuda_check.py
 Prints one JSON record.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,9 @@ def data(count=16, size=32):
     rng = np.random.default_rng(0)
     latents = [rng.standard_normal((16, size, size)).astype(np.float32) for _ in range(count)]
     contexts = [rng.standard_normal((8, 32)).astype(np.float32) for _ in range(count)]
-    return InMemoryData.from_arrays(latents, contexts, [f"{i}.png" for i in range(count)], np.zeros((8, 32), np.float32))
+    return InMemoryData.from_arrays(
+        latents, contexts, [f"{i}.png" for i in range(count)], np.zeros((8, 32), np.float32)
+    )
 
 
 def model():
@@ -38,14 +41,30 @@ def model():
 def run(cfg, folder, stop_at=None, resume=False):
     count = []
     stop = (lambda: len(count) >= stop_at) if stop_at else None
-    return train(cfg, model(), data(), run_dir=folder, resume=folder if resume else None,
-                 on_step=count.append, should_stop=stop)
+    return train(
+        cfg, model(), data(), run_dir=folder, resume=folder if resume else None, on_step=count.append, should_stop=stop
+    )
 
 
 def main():
-    cfg = config.from_dict(dict(arch="demo", device="cuda", mixed_precision="bf16", steps=40, batch_size=4,
-                                rank=16, alpha=16.0, learning_rate=1e-3, ema=True, gradient_checkpointing=True,
-                                checkpoint_every=20, log_every=10, lora_dropout=0.1, caption_dropout=0.1))
+    cfg = config.from_dict(
+        dict(
+            arch="demo",
+            device="cuda",
+            mixed_precision="bf16",
+            steps=40,
+            batch_size=4,
+            rank=16,
+            alpha=16.0,
+            learning_rate=1e-3,
+            ema=True,
+            gradient_checkpointing=True,
+            checkpoint_every=20,
+            log_every=10,
+            lora_dropout=0.1,
+            caption_dropout=0.1,
+        )
+    )
     tmp = Path(tempfile.mkdtemp())
     started = time.perf_counter()
     straight = run(cfg, tmp / "a")
@@ -58,20 +77,31 @@ def main():
     c, _ = safetensors_io.read(again.checkpoint / "state.safetensors")
 
     def diff(x, y):
-        return max(float(np.abs(x[k].astype(np.float64) - y[k].astype(np.float64)).max()) for k in x if k.startswith("lora."))
+        return max(
+            float(np.abs(x[k].astype(np.float64) - y[k].astype(np.float64)).max()) for k in x if k.startswith("lora.")
+        )
+
     losses = straight.history.loss
-    print(json.dumps({
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "steps": cfg.steps, "wall_s_incl_setup": round(elapsed, 2),
-        "loss_first10": float(np.mean(losses[:10])), "loss_last10": float(np.mean(losses[-10:])),
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "resume_bitwise_equal": all(np.array_equal(a[k], b[k]) for k in a),
-        "resume_max_abs_diff_lora": diff(a, b),
-        "rerun_bitwise_equal": all(np.array_equal(a[k], c[k]) for k in a),
-        "rerun_max_abs_diff_lora": diff(a, c),
-        "peak_alloc_mb": torch.cuda.max_memory_allocated() / 2**20,
-        "fused_adamw": True,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "steps": cfg.steps,
+                "wall_s_incl_setup": round(elapsed, 2),
+                "loss_first10": float(np.mean(losses[:10])),
+                "loss_last10": float(np.mean(losses[-10:])),
+                "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                "resume_bitwise_equal": all(np.array_equal(a[k], b[k]) for k in a),
+                "resume_max_abs_diff_lora": diff(a, b),
+                "rerun_bitwise_equal": all(np.array_equal(a[k], c[k]) for k in a),
+                "rerun_max_abs_diff_lora": diff(a, c),
+                "peak_alloc_mb": torch.cuda.max_memory_allocated() / 2**20,
+                "fused_adamw": True,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

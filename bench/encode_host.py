@@ -8,6 +8,7 @@ VAE (an 8x8 mean pool: the host's work, not the GPU's) into a fresh cache, with 
 the default (`trainer.data.prefetch.workers()`), alternating, `--runs` times each; the encoder's inputs must
 be equal bit for bit. Appends one record to bench/results_cpu.json (`"kind": "encode_host"`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,12 +87,25 @@ def main(argv=None) -> int:
     if len(digests) != 1:
         raise SystemExit("the encoder's inputs differed between thread counts")
     one, many = statistics.median(seconds[1]), statistics.median(seconds[threads])
-    record = {"kind": "encode_host", "date": time.strftime("%Y-%m-%d"), "machine": platform.node(),
-              "cpu": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version(),
-              "images": args.images, "megapixels": 12.2, "jpeg_mb": round(megabytes, 1), "resolutions": resolutions,
-              "entries": entries, "threads": threads, "one_thread_s": round(one, 2), "threads_s": round(many, 2),
-              "speedup": round(one / many, 2), "runs": args.runs, "inputs_equal": True,
-              "seconds": {str(k): [round(v, 2) for v in vs] for k, vs in seconds.items()}}
+    record = {
+        "kind": "encode_host",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.node(),
+        "cpu": f"{platform.machine()}, {os.cpu_count()} cores",
+        "python": platform.python_version(),
+        "images": args.images,
+        "megapixels": 12.2,
+        "jpeg_mb": round(megabytes, 1),
+        "resolutions": resolutions,
+        "entries": entries,
+        "threads": threads,
+        "one_thread_s": round(one, 2),
+        "threads_s": round(many, 2),
+        "speedup": round(one / many, 2),
+        "runs": args.runs,
+        "inputs_equal": True,
+        "seconds": {str(k): [round(v, 2) for v in vs] for k, vs in seconds.items()},
+    }
     append(record)
     print(json.dumps(record, indent=1))
     return 0

@@ -12,6 +12,7 @@ decide fp8.FP8_PRODUCTS.
 
     python bench/fp8_matmul.py            # on a CUDA GPU; one JSON line per shape
 """
+
 from __future__ import annotations
 
 import json
@@ -24,11 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.backends.torch_backend.fp8 import Fp8Weight, fp8_linear, quantize_rows
 
 SHAPES = {  # name: (tokens, in, out)
-    "klein4b double qkv": (4608, 3072, 9216), "klein4b double proj": (4608, 3072, 3072),
-    "klein4b double mlp in": (4608, 3072, 18432), "klein4b double mlp out": (4608, 9216, 3072),
-    "klein4b single linear1": (4608, 3072, 27648), "klein4b single linear2": (4608, 12288, 3072),
-    "zimage qkv": (4352, 3840, 11520), "zimage out": (4352, 3840, 3840),
-    "zimage w1": (4352, 3840, 10240), "zimage w2": (4352, 10240, 3840),
+    "klein4b double qkv": (4608, 3072, 9216),
+    "klein4b double proj": (4608, 3072, 3072),
+    "klein4b double mlp in": (4608, 3072, 18432),
+    "klein4b double mlp out": (4608, 9216, 3072),
+    "klein4b single linear1": (4608, 3072, 27648),
+    "klein4b single linear2": (4608, 12288, 3072),
+    "zimage qkv": (4352, 3840, 11520),
+    "zimage out": (4352, 3840, 3840),
+    "zimage w1": (4352, 3840, 10240),
+    "zimage w2": (4352, 10240, 3840),
 }
 
 
@@ -80,8 +86,9 @@ def main() -> int:
         with torch.no_grad():
             exact = torch.nn.functional.linear(x.float(), weight.float())
             row["fp8_rel_err"] = round(float((fp8_linear(x, fp8, None).float() - exact).norm() / exact.norm()), 5)
-            row["bf16_rel_err"] = round(float((torch.nn.functional.linear(x, weight).float() - exact).norm()
-                                              / exact.norm()), 5)
+            row["bf16_rel_err"] = round(
+                float((torch.nn.functional.linear(x, weight).float() - exact).norm() / exact.norm()), 5
+            )
         print(json.dumps(row), flush=True)
     return 0
 

@@ -9,6 +9,7 @@ at the copy bandwidth measured in the same process. Bit equality against eager t
 
     python bench/fp8_quant.py [--out FILE]      # on a CUDA GPU with Triton; one JSON record
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,14 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.backends.torch_backend import fp8, fp8_kernels
 
 WIDTHS = {  # name: (tokens, width) of a quantized [tokens, width] input at 1024 px
-    "klein4b in 3072": (4608, 3072), "klein4b double mlp out in 9216": (4608, 9216),
-    "klein4b single linear2 in 12288": (4608, 12288), "klein4b single linear1 grad 27648": (4608, 27648),
-    "zimage in 3840": (4352, 3840), "zimage w2 in 10240": (4352, 10240), "wide 40960 (looped)": (2048, 40960),
+    "klein4b in 3072": (4608, 3072),
+    "klein4b double mlp out in 9216": (4608, 9216),
+    "klein4b single linear2 in 12288": (4608, 12288),
+    "klein4b single linear1 grad 27648": (4608, 27648),
+    "zimage in 3840": (4352, 3840),
+    "zimage w2 in 10240": (4352, 10240),
+    "wide 40960 (looped)": (2048, 40960),
 }
 
 
 def median_ms(fn) -> float:
     import triton.testing
+
     return float(triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median"))
 
 
@@ -62,23 +68,37 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device("cuda")
     big = torch.empty(2**30, dtype=torch.uint8, device=dev)
-    bandwidth = 2 * 2**30 / (median_ms(big.clone) / 1e3) / 1e9     # GB/s, read + write
+    bandwidth = 2 * 2**30 / (median_ms(big.clone) / 1e3) / 1e9  # GB/s, read + write
     big = None
-    record = {"kind": "fp8_quant", "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "copy_gbps": round(bandwidth), "widths": []}
+    record = {
+        "kind": "fp8_quant",
+        "device": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "copy_gbps": round(bandwidth),
+        "widths": [],
+    }
     compiled = torch.compile(torch_quantize)
     print(f"copy bandwidth {bandwidth:.0f} GB/s")
     print(f"{'input':36} {'floor':>7} {'eager':>7} {'inductor':>9} {'triton':>7}  bits equal")
     for name, (tokens, width) in WIDTHS.items():
         t = torch.randn(tokens, width, device=dev, dtype=torch.bfloat16) * torch.rand(tokens, 1, device=dev) * 8
-        floor = (t.numel() * 3 + tokens * 4) / bandwidth / 1e6      # bf16 read, e4m3 written, scales (ms)
-        row = {"name": name, "tokens": tokens, "width": width, "floor_ms": round(floor, 4),
-               "eager_ms": round(median_ms(lambda t=t: torch_quantize(t)), 4),
-               "inductor_ms": round(median_ms(lambda t=t: compiled(t)), 4),
-               "triton_ms": round(median_ms(lambda t=t: torch.ops.kiln.quantize_rows(t)), 4), **agreement(t)}
+        floor = (t.numel() * 3 + tokens * 4) / bandwidth / 1e6  # bf16 read, e4m3 written, scales (ms)
+        row = {
+            "name": name,
+            "tokens": tokens,
+            "width": width,
+            "floor_ms": round(floor, 4),
+            "eager_ms": round(median_ms(lambda t=t: torch_quantize(t)), 4),
+            "inductor_ms": round(median_ms(lambda t=t: compiled(t)), 4),
+            "triton_ms": round(median_ms(lambda t=t: torch.ops.kiln.quantize_rows(t)), 4),
+            **agreement(t),
+        }
         record["widths"].append(row)
-        print(f"{name:36} {row['floor_ms']:7.3f} {row['eager_ms']:7.3f} {row['inductor_ms']:9.3f} "
-              f"{row['triton_ms']:7.3f}  {row['q_bits_equal']:.6f} scales {row['scales_equal']}")
+        print(
+            f"{name:36} {row['floor_ms']:7.3f} {row['eager_ms']:7.3f} {row['inductor_ms']:9.3f} "
+            f"{row['triton_ms']:7.3f}  {row['q_bits_equal']:.6f} scales {row['scales_equal']}"
+        )
     # As in a compiled Klein single block: inductor's fused reduction against the opaque kernel.
     tokens = 4608
     attn = torch.randn(tokens, 3072, device=dev, dtype=torch.bfloat16)
@@ -91,10 +111,16 @@ def main(argv=None) -> int:
         fused[kernel] = (round(median_ms(lambda f=fn: f(attn, base, lora)), 4), q, s)
     floor = (attn.numel() * 2 + base.numel() * 4 + tokens * 12288 * 3) / bandwidth / 1e6
     same = (fused[False][1].view(torch.uint8) == fused[True][1].view(torch.uint8)).float().mean().item()
-    record["klein_linear2_pattern"] = {"floor_ms": round(floor, 4), "inductor_fused_ms": fused[False][0],
-                                       "triton_kernel_ms": fused[True][0], "q_bits_equal": round(same, 6)}
-    print(f"Klein linear2 input as compiled: floor {floor:.3f} ms, inductor fused {fused[False][0]:.3f} ms, "
-          f"producer + Triton kernel {fused[True][0]:.3f} ms (bits equal {same:.6f})")
+    record["klein_linear2_pattern"] = {
+        "floor_ms": round(floor, 4),
+        "inductor_fused_ms": fused[False][0],
+        "triton_kernel_ms": fused[True][0],
+        "q_bits_equal": round(same, 6),
+    }
+    print(
+        f"Klein linear2 input as compiled: floor {floor:.3f} ms, inductor fused {fused[False][0]:.3f} ms, "
+        f"producer + Triton kernel {fused[True][0]:.3f} ms (bits equal {same:.6f})"
+    )
     if args.out:
         args.out.write_text(json.dumps(record, indent=1))
     return 0

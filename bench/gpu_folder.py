@@ -37,12 +37,32 @@ LIMIT_MB = 60  # the device tool carries 64 MiB per call; the checkout's own fil
 # Not needed on a GPU machine that runs benches and node tests: the frontend and its templates (the tests
 # serve a stand-in), the embedded docs, torch's own packages (the machine's CUDA build stays), and the
 # tree's "non essential" extras (upscalers, OpenGL nodes).
-LEAVE_OUT = {"comfyui-frontend-package", "comfyui-workflow-templates", "comfyui-embedded-docs", "torch",
-             "torchvision", "torchaudio", "kornia", "spandrel", "pyopengl", "comfy-angle", "pydantic-settings"}
+LEAVE_OUT = {
+    "comfyui-frontend-package",
+    "comfyui-workflow-templates",
+    "comfyui-embedded-docs",
+    "torch",
+    "torchvision",
+    "torchaudio",
+    "kornia",
+    "spandrel",
+    "pyopengl",
+    "comfy-angle",
+    "pydantic-settings",
+}
 KILN_NEEDS = ["diffusers==0.42.1", "importlib_metadata"]  # bench/peer.py; peft is on the machine
 # av's modules ComfyUI imports at load time (comfy_api.latest); the stub answers any name with a placeholder.
-AV_STUB_MODULES = ("av", "av.container", "av.subtitles", "av.subtitles.stream", "av.video", "av.video.reformatter",
-                   "av.audio", "av.audio.resampler", "av.error")
+AV_STUB_MODULES = (
+    "av",
+    "av.container",
+    "av.subtitles",
+    "av.subtitles.stream",
+    "av.video",
+    "av.video.reformatter",
+    "av.audio",
+    "av.audio.resampler",
+    "av.error",
+)
 
 
 def project(name: str) -> str:
@@ -73,9 +93,27 @@ def download(wanted: list[str], python: str, dest: Path, have: set[str]) -> list
     """Wheels of `wanted` and of their dependencies that the GPU machine lacks, for its Python on x86-64 Linux.
     One project at a time without pip's resolver: it would fetch torch and CUDA (gigabytes) that the machine has."""
     abi = "cp" + python.replace(".", "")
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-               "--python-version", python, "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none",
-               "-d", str(dest)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python,
+        "--implementation",
+        "cp",
+        "--abi",
+        abi,
+        "--abi",
+        "abi3",
+        "--abi",
+        "none",
+        "-d",
+        str(dest),
+    ]
     for platform in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any"):
         command += ["--platform", platform]
     queue, seen = list(wanted), set()
@@ -99,9 +137,17 @@ def dependencies(wheel: Path, python: str) -> list[str]:
     with zipfile.ZipFile(wheel) as archive:
         meta = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
         lines = archive.read(meta).decode().splitlines()
-    env = {"python_version": python, "python_full_version": python + ".0", "sys_platform": "linux",
-           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-           "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    env = {
+        "python_version": python,
+        "python_full_version": python + ".0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "extra": "",
+    }
     found = []
     for line in lines:
         if line.startswith("Requires-Dist:"):
@@ -151,8 +197,12 @@ def commit() -> str:
     """HEAD of this checkout, + '-dirty' when the carried code differs from it."""
     git = ["git", "-C", str(ROOT)]
     head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    dirty = subprocess.run(git + ["status", "--porcelain", "--", "trainer", "nodes", "bench", "headless.py"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    dirty = subprocess.run(
+        git + ["status", "--porcelain", "--", "trainer", "nodes", "bench", "headless.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     return head + ("-dirty" if dirty else "")
 
 
@@ -184,8 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", default=str(ROOT.parent / "shared" / "comfyui" / "v0.33"), help="a ComfyUI tree")
     parser.add_argument("--python", default="3.12", help="the GPU machine's Python (major.minor)")
-    parser.add_argument("--machine", default=str(ROOT / "bench" / "gpu_machine.txt"),
-                        help="the GPU machine's `pip freeze` (what it already has)")
+    parser.add_argument(
+        "--machine",
+        default=str(ROOT / "bench" / "gpu_machine.txt"),
+        help="the GPU machine's `pip freeze` (what it already has)",
+    )
     parser.add_argument("--video", action="store_true", help="carry the real PyAV (35 MB) instead of a stub")
     parser.add_argument("--out", default=str(ROOT / "runs" / "gpu"))
     args = parser.parse_args(argv)

@@ -99,6 +99,7 @@ linears, checkpointing on. --profile N adds N steps per Kiln run under torch.pro
 timed ones (bench/step_profile.py; `kiln_profile` in the record). --no-native skips the native side; --merge FILE... appends the records
 of other result files (e.g. fetched from a GPU box) to --out and exits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -135,14 +136,15 @@ from trainer.archs import flux2, get_arch, zimage  # noqa: E402
 from trainer.archs.layout import ModelDims  # noqa: E402
 from trainer.estimate.common import VARIANTS  # noqa: E402
 
-GIB = 2 ** 30
+GIB = 2**30
 ARCH_VARIANTS = {"zimage": "zimage", "klein4b": "flux2-klein-4b", "klein9b": "flux2-klein-9b", "dev": "flux2-dev"}
 # --tiny: the same classes at test size (head dim 128 as in the real models; Flux2 1+1 blocks because its
 # 512 text tokens make every block costly on a CPU).
 TINY = {
     "zimage": zimage.model_dims("zimage-tiny", hidden=256, layers=2, refiners=2, context_dim=64, context_tokens=32),
-    "klein4b": flux2.model_dims("flux2-klein-tiny", "flux2_klein", hidden=256, double_blocks=1, single_blocks=1,
-                                context_dim=192),
+    "klein4b": flux2.model_dims(
+        "flux2-klein-tiny", "flux2_klein", hidden=256, double_blocks=1, single_blocks=1, context_dim=192
+    ),
 }
 TINY["klein9b"] = TINY["klein4b"]
 FLUX2_TEXT_TOKENS = 512
@@ -150,6 +152,7 @@ TIMED_CODE = ("trainer", "nodes", "headless.py", "__init__.py", "bench/gpu_train
 
 
 # ---------------------------------------------------------------- setup
+
 
 def prepare_comfy(device: str):
     """ComfyUI on sys.path, on the GPU unless device is cpu (tests/helpers/comfy_env.py; read once)."""
@@ -198,7 +201,7 @@ class StepClock:
 
 def timed_stats(durations: list[float], warmup: int) -> dict:
     """Median / p95 / mean of steps warmup+1.. (durations[0] is step 2: step 1 has no start mark)."""
-    kept = durations[max(0, warmup - 1):]
+    kept = durations[max(0, warmup - 1) :]
     if not kept:
         return {"median": None, "p95": None, "mean": None, "n": 0}
     ordered = sorted(kept)
@@ -262,7 +265,7 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters: int =
             seconds = time.perf_counter() - started
         best = min(best, seconds)
     del c
-    return 2 * n ** 3 * iters / best / 1e12
+    return 2 * n**3 * iters / best / 1e12
 
 
 def git_commit() -> str:
@@ -271,10 +274,12 @@ def git_commit() -> str:
     if os.environ.get("KILN_COMMIT"):
         return os.environ["KILN_COMMIT"]
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", *TIMED_CODE], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", *TIMED_CODE], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -288,6 +293,7 @@ def device_name(device: torch.device) -> str:
 
 # ---------------------------------------------------------------- the model
 
+
 def family_of(dims: ModelDims) -> str:
     """The arch family ("flux2", "zimage") of the model these dims describe: which ComfyUI class builds it."""
     return get_arch(dims.arch).family
@@ -298,23 +304,59 @@ def unet_config(dims: ModelDims) -> dict:
     (comfy/model_detection.py: the flux2 branch, and the lumina2 dim-3840 branch for Z-Image)."""
     heads = dims.hidden // 128
     if family_of(dims) == "flux2":
-        return dict(image_model="flux2", axes_dim=[32, 32, 32, 32], num_heads=heads, mlp_ratio=3.0, theta=2000,
-                    out_channels=128, global_modulation=True, mlp_silu_act=True, qkv_bias=False, ops_bias=False,
-                    default_ref_method="index", ref_index_scale=10.0, txt_ids_dims=[3], patch_size=1,
-                    in_channels=128, hidden_size=dims.hidden, context_in_dim=dims.context_dim, vec_in_dim=None,
-                    depth=dims.double_blocks, depth_single_blocks=dims.single_blocks,
-                    guidance_embed=dims.guidance_embed, yak_mlp=False, txt_norm=False)
-    return dict(image_model="lumina2", patch_size=2, in_channels=16, dim=dims.hidden, cap_feat_dim=dims.context_dim,
-                n_layers=dims.single_blocks, n_refiner_layers=dims.refiner_blocks, qk_norm=True, n_heads=heads,
-                n_kv_heads=heads, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512], rope_theta=256.0,
-                ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32)
+        return dict(
+            image_model="flux2",
+            axes_dim=[32, 32, 32, 32],
+            num_heads=heads,
+            mlp_ratio=3.0,
+            theta=2000,
+            out_channels=128,
+            global_modulation=True,
+            mlp_silu_act=True,
+            qkv_bias=False,
+            ops_bias=False,
+            default_ref_method="index",
+            ref_index_scale=10.0,
+            txt_ids_dims=[3],
+            patch_size=1,
+            in_channels=128,
+            hidden_size=dims.hidden,
+            context_in_dim=dims.context_dim,
+            vec_in_dim=None,
+            depth=dims.double_blocks,
+            depth_single_blocks=dims.single_blocks,
+            guidance_embed=dims.guidance_embed,
+            yak_mlp=False,
+            txt_norm=False,
+        )
+    return dict(
+        image_model="lumina2",
+        patch_size=2,
+        in_channels=16,
+        dim=dims.hidden,
+        cap_feat_dim=dims.context_dim,
+        n_layers=dims.single_blocks,
+        n_refiner_layers=dims.refiner_blocks,
+        qk_norm=True,
+        n_heads=heads,
+        n_kv_heads=heads,
+        axes_dims=[32, 48, 48],
+        axes_lens=[1536, 512, 512],
+        rope_theta=256.0,
+        ffn_dim_multiplier=8.0 / 3.0,
+        z_image_modulation=True,
+        time_scale=1000.0,
+        pad_tokens_multiple=32,
+    )
 
 
 def _model_class(family: str):
     if family == "flux2":
         from comfy.ldm.flux.model import Flux
+
         return Flux
     from comfy.ldm.lumina.model import NextDiT
+
     return NextDiT
 
 
@@ -365,11 +407,15 @@ def build_model(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed:
     # A quantized weight (comfy-kitchen QuantizedTensor) reports its logical dtype; its bytes are in _qdata.
     stored = [getattr(p, "_qdata", p) for p in dm.parameters()]
     weight_gb = sum(t.numel() * t.element_size() for t in stored) / GIB
-    return patcher, {"model_config": source, "params": params, "weights_gb": round(weight_gb, 3),
-                     "build_s": round(time.perf_counter() - started, 2)}
+    return patcher, {
+        "model_config": source,
+        "params": params,
+        "weights_gb": round(weight_gb, 3),
+        "build_s": round(time.perf_counter() - started, 2),
+    }
 
 
-REBUILT: list = []   # callbacks told of every diffusion model _build_patcher makes for a deep clone
+REBUILT: list = []  # callbacks told of every diffusion model _build_patcher makes for a deep clone
 
 
 def _build_patcher(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed: int, base: str):
@@ -406,8 +452,9 @@ def _quantized_copy(model, dims: ModelDims, dtype: torch.dtype):
 
     import comfy.model_management as mm
 
-    blocks = tuple(f"{name}." for name in ("double_blocks", "single_blocks", "layers", "noise_refiner",
-                                           "context_refiner"))
+    blocks = tuple(
+        f"{name}." for name in ("double_blocks", "single_blocks", "layers", "noise_refiner", "context_refiner")
+    )
     tag = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
     sd = {}
     for key, value in model.diffusion_model.state_dict().items():
@@ -422,8 +469,8 @@ def _quantized_copy(model, dims: ModelDims, dtype: torch.dtype):
     del model
     mm.soft_empty_cache()
     model_config, _ = model_config_for(dims)
-    model_config.quant_config = {"mixed_ops": True}   # what comfy.utils.detect_layer_quantization answers
-    model_config.set_inference_dtype(dtype, dtype)     # the compute dtype the quantized layers cast to
+    model_config.quant_config = {"mixed_ops": True}  # what comfy.utils.detect_layer_quantization answers
+    model_config.set_inference_dtype(dtype, dtype)  # the compute dtype the quantized layers cast to
     quantized = model_config.get_model(sd, "", device=device)
     quantized.load_model_weights(sd, "")
     quantized.to(device)
@@ -438,6 +485,7 @@ def _rebuild(dims, device, dtype, seed, base, disable_dynamic=False):
 
 
 # ---------------------------------------------------------------- FLOPs
+
 
 def _pad(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
@@ -479,12 +527,16 @@ def _attention_layers(dims: ModelDims, img: int, txt: int) -> list[tuple[str, in
     """(block list, sequence length) per attention layer."""
     if family_of(dims) == "flux2":
         return [("double_blocks", img + txt)] * dims.double_blocks + [("single_blocks", img + txt)] * dims.single_blocks
-    return ([("noise_refiner", img)] * dims.refiner_blocks + [("context_refiner", txt)] * dims.refiner_blocks
-            + [("layers", img + txt)] * dims.single_blocks)
+    return (
+        [("noise_refiner", img)] * dims.refiner_blocks
+        + [("context_refiner", txt)] * dims.refiner_blocks
+        + [("layers", img + txt)] * dims.single_blocks
+    )
 
 
-def recomputed_blocks(dm: torch.nn.Module, block_lists: tuple[str, ...], checkpointing: bool,
-                      skip: int = 0) -> set[str]:
+def recomputed_blocks(
+    dm: torch.nn.Module, block_lists: tuple[str, ...], checkpointing: bool, skip: int = 0
+) -> set[str]:
     """'<list>.<index>' of the blocks whose forward runs again in backward (the backends' own plan)."""
     from trainer.backends.base import checkpointed
 
@@ -492,9 +544,21 @@ def recomputed_blocks(dm: torch.nn.Module, block_lists: tuple[str, ...], checkpo
     return {name for name, again in zip(names, checkpointed(len(names), checkpointing, skip)) if again}
 
 
-def model_flops(dm: torch.nn.Module, dims: ModelDims, *, img: int, txt: int, batch: int, rank: int,
-                lora_paths: list[str], block_lists: tuple[str, ...], checkpointing: bool, skip: int = 0,
-                attention_saved: bool = False, budgeted: bool = False) -> dict:
+def model_flops(
+    dm: torch.nn.Module,
+    dims: ModelDims,
+    *,
+    img: int,
+    txt: int,
+    batch: int,
+    rank: int,
+    lora_paths: list[str],
+    block_lists: tuple[str, ...],
+    checkpointing: bool,
+    skip: int = 0,
+    attention_saved: bool = False,
+    budgeted: bool = False,
+) -> dict:
     """Model FLOPs of one training step (module docstring), from the built model's own Linear shapes.
     Recompute counts the blocks that are checkpointed (all but `skip`), without attention when its
     outputs are kept (selective checkpointing); with a checkpoint_budget (`budgeted`) the compiler
@@ -528,10 +592,11 @@ def model_flops(dm: torch.nn.Module, dims: ModelDims, *, img: int, txt: int, bat
 
 # ---------------------------------------------------------------- inputs
 
+
 @dataclass
 class Inputs:
-    latents: list[np.ndarray]     # raw VAE latents [C,h,w] float32, one per image
-    contexts: list[np.ndarray]    # text embeddings [T,D] float32, one per image
+    latents: list[np.ndarray]  # raw VAE latents [C,h,w] float32, one per image
+    contexts: list[np.ndarray]  # text embeddings [T,D] float32, one per image
     img_tokens: int
     txt_tokens: int
 
@@ -568,6 +633,7 @@ class RowCounter:
 
 # ---------------------------------------------------------------- Kiln
 
+
 class LeverNotes(logging.Handler):
     """Collects the "[Kiln] ..." lines of the `kiln` logger during a row: the levers the backend chose."""
 
@@ -595,13 +661,18 @@ class LeverNotes(logging.Handler):
         if "compile failed" in text:
             compiled, budget = False, 0.0
         fp8 = cfg.fp8_compute if cfg.fp8_compute != "auto" else "fp8_compute auto → on" in text
-        return {"kiln_compiled": bool(compiled), "kiln_budget": float(budget), "kiln_fp8_compute": bool(fp8),
-                # an fp8-stored base's backward in fp8 through a transposed copy (levers.fp8_stored_backward)
-                "kiln_fp8_stored_backward": "its backward in fp8 too" in text,
-                "kiln_cuda_graphs": bool(cfg.cuda_graphs) and bool(compiled),
-                # step graphs: what auto (or the setting) chose, and whether a recording failed mid-run
-                "kiln_step_graphs": ("step_graphs auto → on" in text or cfg.step_graphs is True)
-                and "could not be recorded" not in text, "kiln_levers_note": text}
+        return {
+            "kiln_compiled": bool(compiled),
+            "kiln_budget": float(budget),
+            "kiln_fp8_compute": bool(fp8),
+            # an fp8-stored base's backward in fp8 through a transposed copy (levers.fp8_stored_backward)
+            "kiln_fp8_stored_backward": "its backward in fp8 too" in text,
+            "kiln_cuda_graphs": bool(cfg.cuda_graphs) and bool(compiled),
+            # step graphs: what auto (or the setting) chose, and whether a recording failed mid-run
+            "kiln_step_graphs": ("step_graphs auto → on" in text or cfg.step_graphs is True)
+            and "could not be recorded" not in text,
+            "kiln_levers_note": text,
+        }
 
 
 class BenchCompanions:
@@ -640,10 +711,25 @@ class BenchCompanions:
         return [self.inputs.latents[index].copy() for _ in range(self.count)]
 
 
-def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targets: str, checkpointing: bool,
-             resolution: int = 1024,
-             steps: int, warmup: int, timing: str, device: torch.device, dtype: str, settings: dict | None = None,
-             profile_steps: int = 0, quantized_matmul: bool = False) -> dict:
+def run_kiln(
+    pack,
+    patcher,
+    dims: ModelDims,
+    inputs: Inputs,
+    *,
+    batch: int,
+    targets: str,
+    checkpointing: bool,
+    resolution: int = 1024,
+    steps: int,
+    warmup: int,
+    timing: str,
+    device: torch.device,
+    dtype: str,
+    settings: dict | None = None,
+    profile_steps: int = 0,
+    quantized_matmul: bool = False,
+) -> dict:
     bridge, config, loop, data_module = pack["bridge"], pack["config"], pack["loop"], pack["data"]
     out: dict = {}
     model = bridge.trainable(patcher)
@@ -652,70 +738,117 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
     if detected != arch_name:
         raise RuntimeError(f"bridge.detect_arch says {detected!r} for the {dims.variant} model, expected {arch_name!r}")
     data = data_module.MappedLatents(
-        data_module.InMemoryData.from_arrays(inputs.latents, inputs.contexts,
-                                             [f"img{i}.png" for i in range(len(inputs.latents))],
-                                             np.zeros_like(inputs.contexts[0])),
-        lambda raw: bridge.latents_in(model, raw))
+        data_module.InMemoryData.from_arrays(
+            inputs.latents,
+            inputs.contexts,
+            [f"img{i}.png" for i in range(len(inputs.latents))],
+            np.zeros_like(inputs.contexts[0]),
+        ),
+        lambda raw: bridge.latents_in(model, raw),
+    )
     settings = dict(settings or {})
     data = BenchCompanions.wrap(data, inputs, settings)
-    cfg = config.from_dict(dict(
-        arch=arch_name, device="auto", mixed_precision="bf16" if dtype == "bf16" else "no", rank=32, alpha=32.0,
-        targets=["re:.*"] if targets == "all" else [], optimizer="adamw", learning_rate=1e-4,
-        steps=steps + profile_steps, batch_size=batch, gradient_checkpointing=checkpointing, caption_dropout=0.0,
-        resolutions=[resolution],   # what the row trains at (checkpoint_budget auto reads it, as from a dataset)
-        checkpoint_every=0, keep_checkpoints=1, log_every=10, ema=False, seed=0, **(settings or {})))
+    cfg = config.from_dict(
+        dict(
+            arch=arch_name,
+            device="auto",
+            mixed_precision="bf16" if dtype == "bf16" else "no",
+            rank=32,
+            alpha=32.0,
+            targets=["re:.*"] if targets == "all" else [],
+            optimizer="adamw",
+            learning_rate=1e-4,
+            steps=steps + profile_steps,
+            batch_size=batch,
+            gradient_checkpointing=checkpointing,
+            caption_dropout=0.0,
+            resolutions=[resolution],  # what the row trains at (checkpoint_budget auto reads it, as from a dataset)
+            checkpoint_every=0,
+            keep_checkpoints=1,
+            log_every=10,
+            ema=False,
+            seed=0,
+            **(settings or {}),
+        )
+    )
     clock = StepClock(device, timing)
     # Profiled steps come after the timed ones (the profiler's own host cost stays out of the timing).
     profiler = StepProfiler(first=steps + 1, count=profile_steps, rank=32, device=device)
     entered = time.perf_counter()
-    with peak_memory(device, out, ""), tempfile.TemporaryDirectory(prefix="kiln_bench_") as run_dir, \
-            torch.inference_mode(), bridge.training_session(model, "auto", quantized_matmul=quantized_matmul) \
-            as (module, _device):
+    with (
+        peak_memory(device, out, ""),
+        tempfile.TemporaryDirectory(prefix="kiln_bench_") as run_dir,
+        torch.inference_mode(),
+        bridge.training_session(model, "auto", quantized_matmul=quantized_matmul) as (module, _device),
+    ):
         # inference mode as inside a ComfyUI prompt; the session turns it off
         out["kiln_load_s"] = round(time.perf_counter() - entered, 2)  # the session's full load (untimed setup)
         stray = [n for n, m in module.named_modules() if getattr(m, "weight_function", None)]
         if stray:  # e.g. native's adapters left on the modules: the timing would not be Kiln's
-            raise RuntimeError(f"{len(stray)} modules carry ComfyUI weight functions in Kiln's session, "
-                               f"e.g. {stray[:3]}")
+            raise RuntimeError(
+                f"{len(stray)} modules carry ComfyUI weight functions in Kiln's session, e.g. {stray[:3]}"
+            )
         counter = RowCounter(module)
         bar, started = bridge.progress(cfg.steps), time.time()
 
         def on_step(report) -> None:  # what nodes/run.py's on_step does, then the step boundary
             bar.update(report.step)
-            bridge.send_event("kiln.progress", {
-                "step": report.step, "total": report.total_steps, "lr": report.lr, "loss": report.loss,
-                "loss_smooth": report.loss_smooth, "it_per_s": report.it_per_s, "eta_s": report.eta_s,
-                "peak_memory_bytes": report.peak_memory_bytes, "run": "bench", "started": started})
+            bridge.send_event(
+                "kiln.progress",
+                {
+                    "step": report.step,
+                    "total": report.total_steps,
+                    "lr": report.lr,
+                    "loss": report.loss,
+                    "loss_smooth": report.loss_smooth,
+                    "it_per_s": report.it_per_s,
+                    "eta_s": report.eta_s,
+                    "peak_memory_bytes": report.peak_memory_bytes,
+                    "run": "bench",
+                    "started": started,
+                },
+            )
             clock.mark()
             profiler.on_step(report.step)
 
-        notes = LeverNotes()   # what compile_blocks / checkpoint_budget "auto" decided (the backend's log line)
+        notes = LeverNotes()  # what compile_blocks / checkpoint_budget "auto" decided (the backend's log line)
         skips_before = _cudagraph_skips()
         try:
             before = time.perf_counter()
-            result = loop.train(cfg, module, data, run_dir=run_dir, forward=bridge.make_forward(model, arch_name),
-                                on_step=on_step)
+            result = loop.train(
+                cfg, module, data, run_dir=run_dir, forward=bridge.make_forward(model, arch_name), on_step=on_step
+            )
         finally:
             counter.remove()
             notes.remove()
     out.update(notes.levers(cfg))
     # compiled graphs inductor ran without CUDA graphs although asked (cuda_graphs): each skip costs the speed
     out["kiln_cudagraph_skips"] = _cudagraph_skips() - skips_before
-    stats = timed_stats(clock.durations()[:steps - 1], warmup)
+    stats = timed_stats(clock.durations()[: steps - 1], warmup)
     losses = [float(v) for v in result.history.loss][:steps]
     # Step 1 from the train() call (LoRA injection, and compiling when compile_blocks is on), then the
     # untimed warm-up steps (recompiles land there): what a user waits before the timed pace.
-    out.update(kiln_first_step_s=round(clock.first_mark - before, 2) if clock.first_mark else None,
-               kiln_warmup_s=round(sum(clock.durations()[:max(0, warmup - 1)]), 2))
-    out.update(kiln_s_per_step=stats["median"], kiln_p95=stats["p95"], kiln_mean=stats["mean"],
-               kiln_steps_timed=stats["n"], kiln_loss_first=losses[0] if losses else None,
-               kiln_loss_last=losses[-1] if losses else None,
-               kiln_loss_finite=bool(losses) and all(math.isfinite(v) for v in losses),
-               # the curve in means of 10 steps: rows with the same seed draw the same noise and timesteps, so
-               # two settings' curves compare step for step (fp8_compute against bf16)
-               kiln_loss_curve=[round(sum(losses[i:i + 10]) / len(losses[i:i + 10]), 5) for i in range(0, len(losses), 10)],
-               lora_params=result.trainable_parameters, lora_modules=len(result.lora),
-               kiln_forward_rows=sum(counter.rows) / max(1, result.step))
+    out.update(
+        kiln_first_step_s=round(clock.first_mark - before, 2) if clock.first_mark else None,
+        kiln_warmup_s=round(sum(clock.durations()[: max(0, warmup - 1)]), 2),
+    )
+    out.update(
+        kiln_s_per_step=stats["median"],
+        kiln_p95=stats["p95"],
+        kiln_mean=stats["mean"],
+        kiln_steps_timed=stats["n"],
+        kiln_loss_first=losses[0] if losses else None,
+        kiln_loss_last=losses[-1] if losses else None,
+        kiln_loss_finite=bool(losses) and all(math.isfinite(v) for v in losses),
+        # the curve in means of 10 steps: rows with the same seed draw the same noise and timesteps, so
+        # two settings' curves compare step for step (fp8_compute against bf16)
+        kiln_loss_curve=[
+            round(sum(losses[i : i + 10]) / len(losses[i : i + 10]), 5) for i in range(0, len(losses), 10)
+        ],
+        lora_params=result.trainable_parameters,
+        lora_modules=len(result.lora),
+        kiln_forward_rows=sum(counter.rows) / max(1, result.step),
+    )
     out["_lora_paths"] = list(result.lora)
     if profiler.result:
         out["kiln_profile"] = profiler.result
@@ -724,10 +857,12 @@ def run_kiln(pack, patcher, dims: ModelDims, inputs: Inputs, *, batch: int, targ
 
 def _cudagraph_skips() -> int:
     from torch._dynamo.utils import counters
+
     return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
 # ---------------------------------------------------------------- native
+
 
 @contextlib.contextmanager
 def comfy_fp8_backward(on: bool):
@@ -779,9 +914,21 @@ def native_steps(on_start, on_step):
         nodes_train.ProgressBar, comfy.utils.PROGRESS_BAR_ENABLED = previous_bar, previous_enabled
 
 
-def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, steps: int, warmup: int, timing: str,
-               device: torch.device, dtype: str, lora_dtype: str, checkpoint_depth: int = 2,
-               quantized_backward: bool = False) -> dict:
+def run_native(
+    patcher,
+    inputs: Inputs,
+    *,
+    batch: int,
+    checkpointing: bool,
+    steps: int,
+    warmup: int,
+    timing: str,
+    device: torch.device,
+    dtype: str,
+    lora_dtype: str,
+    checkpoint_depth: int = 2,
+    quantized_backward: bool = False,
+) -> dict:
     import comfy.model_management
     from comfy_extras import nodes_train
 
@@ -790,11 +937,28 @@ def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, step
 
     latent = {"samples": torch.from_numpy(np.stack(inputs.latents))}
     conditioning = [[torch.from_numpy(c)[None], {"pooled_output": None}] for c in inputs.contexts]
-    arguments = dict(model=patcher, latents=latent, positive=conditioning, batch_size=batch, steps=steps,
-                     grad_accumulation_steps=1, learning_rate=1e-4, rank=32, optimizer="AdamW",
-                     loss_function="MSE", seed=0, training_dtype=dtype, lora_dtype=lora_dtype, algorithm="LoRA",
-                     gradient_checkpointing=checkpointing, checkpoint_depth=checkpoint_depth, offloading=False,
-                     existing_lora="[None]", bucket_mode=False, bypass_mode=False)
+    arguments = dict(
+        model=patcher,
+        latents=latent,
+        positive=conditioning,
+        batch_size=batch,
+        steps=steps,
+        grad_accumulation_steps=1,
+        learning_rate=1e-4,
+        rank=32,
+        optimizer="AdamW",
+        loss_function="MSE",
+        seed=0,
+        training_dtype=dtype,
+        lora_dtype=lora_dtype,
+        algorithm="LoRA",
+        gradient_checkpointing=checkpointing,
+        checkpoint_depth=checkpoint_depth,
+        offloading=False,
+        existing_lora="[None]",
+        bucket_mode=False,
+        bypass_mode=False,
+    )
     # The node's inputs differ by version: 0.19 added quantized_backward (FP8 backward for fp8/nvfp4 bases;
     # the row's fp8_bwd). Every input its schema lists must be given.
     wanted = {item.id for item in nodes_train.TrainLoraNode.define_schema().inputs}
@@ -811,28 +975,38 @@ def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, step
     counter = RowCounter(patcher.model.diffusion_model)
     REBUILT.append(counter.watch)
     rebuilt_before = len(counter.handles)
-    previous_fp8_bwd = getattr(comfy.model_management, "training_fp8_bwd", None)   # the node sets it and leaves it
+    previous_fp8_bwd = getattr(comfy.model_management, "training_fp8_bwd", None)  # the node sets it and leaves it
     entered = time.perf_counter()
 
     def loop_starts():
         out["native_setup_s"] = round(time.perf_counter() - entered, 2)  # adapters, loads (untimed)
 
     try:
-        with native_steps(loop_starts, clock.mark), peak_memory(device, out, "native_"), torch.inference_mode(), \
-                warnings.catch_warnings():
+        with (
+            native_steps(loop_starts, clock.mark),
+            peak_memory(device, out, "native_"),
+            torch.inference_mode(),
+            warnings.catch_warnings(),
+        ):
             # inference mode as inside a ComfyUI prompt; its fp32 autocast on a CPU (--tiny) only warns
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
             result = nodes_train.TrainLoraNode.execute(**{k: [v] for k, v in arguments.items()})
         lora_sd, loss_map = result.result[0], result.result[1]
         stats = timed_stats(clock.durations(), warmup)
         losses = [float(v) for v in loss_map["loss"]]
-        out.update(native_s_per_step=stats["median"], native_p95=stats["p95"], native_mean=stats["mean"],
-                   native_steps_timed=stats["n"], native_loss_first=losses[0] if losses else None,
-                   native_loss_last=losses[-1] if losses else None,
-                   native_loss_finite=bool(losses) and all(math.isfinite(v) for v in losses),
-                   native_trainable_params=sum(t.numel() for t in lora_sd.values()),
-                   native_forward_rows=sum(counter.rows) / steps, native_error=None,
-                   native_deep_copy=len(counter.handles) > rebuilt_before)
+        out.update(
+            native_s_per_step=stats["median"],
+            native_p95=stats["p95"],
+            native_mean=stats["mean"],
+            native_steps_timed=stats["n"],
+            native_loss_first=losses[0] if losses else None,
+            native_loss_last=losses[-1] if losses else None,
+            native_loss_finite=bool(losses) and all(math.isfinite(v) for v in losses),
+            native_trainable_params=sum(t.numel() for t in lora_sd.values()),
+            native_forward_rows=sum(counter.rows) / steps,
+            native_error=None,
+            native_deep_copy=len(counter.handles) > rebuilt_before,
+        )
     except Exception as error:  # noqa: BLE001 — recorded (e.g. its Flux2 backward without checkpointing)
         out.update(native_s_per_step=None, native_p95=None, native_error=f"{type(error).__name__}: {error}"[:500])
         print(f"[bench] native trainer failed: {out['native_error']}", file=sys.stderr)
@@ -848,13 +1022,14 @@ def run_native(patcher, inputs: Inputs, *, batch: int, checkpointing: bool, step
 
 # ---------------------------------------------------------------- rows and records
 
+
 @dataclass(frozen=True)
 class Row:
     arch: str
     resolution: int
     batch: int
     checkpointing: bool
-    targets: str          # "default" | "all"
+    targets: str  # "default" | "all"
     settings: dict = field(default_factory=dict)  # Kiln config overrides (levers), e.g. compile_blocks
 
 
@@ -878,13 +1053,13 @@ def _settings(text: str) -> dict:
     out: dict = {}
     for item in filter(None, text.split("+")):
         key, _, value = item.partition("=")
-        if key == "base":   # bench only: bf16 or fp8 storage of the frozen base
+        if key == "base":  # bench only: bf16 or fp8 storage of the frozen base
             out[key] = value
             continue
         if key in ("native", "fp8_bwd", "fp8_matmul", "bench_dop", "bench_mask"):  # bench only (see above)
             out[key] = _bool(value)
             continue
-        for kind in (int, float, _bool, str):   # e.g. 7, 0.4, on, cudnn
+        for kind in (int, float, _bool, str):  # e.g. 7, 0.4, on, cudnn
             try:
                 out[key] = kind(value)
                 break
@@ -900,8 +1075,18 @@ def _list(text: str, kind=str) -> list:
 def plan_rows(args) -> list[Row]:
     """The rows to time; --adapter repeats each for every adapter kind (trainer/lora/adapters.py)."""
     kinds = _list(args.adapter)
-    return [Row(r.arch, r.resolution, r.batch, r.checkpointing, r.targets,
-                {**r.settings, **({"adapter": kind} if kind != "lora" else {})}) for r in _rows(args) for kind in kinds]
+    return [
+        Row(
+            r.arch,
+            r.resolution,
+            r.batch,
+            r.checkpointing,
+            r.targets,
+            {**r.settings, **({"adapter": kind} if kind != "lora" else {})},
+        )
+        for r in _rows(args)
+        for kind in kinds
+    ]
 
 
 def _rows(args) -> list[Row]:
@@ -914,8 +1099,10 @@ def _rows(args) -> list[Row]:
         for spec in _list(args.rows):
             parts = spec.split(":")
             if len(parts) not in (5, 6) or parts[0] not in ARCH_VARIANTS or parts[4] not in ("default", "all"):
-                raise SystemExit(f"--rows: {spec!r} is not arch:res:batch:on|off:default|all[:key=value+...] "
-                                 f"(arch in {list(ARCH_VARIANTS)})")
+                raise SystemExit(
+                    f"--rows: {spec!r} is not arch:res:batch:on|off:default|all[:key=value+...] "
+                    f"(arch in {list(ARCH_VARIANTS)})"
+                )
             settings = _settings(parts[5]) if len(parts) == 6 else {}
             rows.append(Row(parts[0], int(parts[1]), int(parts[2]), _bool(parts[3]), parts[4], settings))
         return rows
@@ -930,8 +1117,10 @@ def _rows(args) -> list[Row]:
             shapes = [(default_res, 1, "default")]
         return [Row(a, r, b, c, t) for a in archs for (r, b, t) in shapes for c in ckpts]
     resolutions = resolutions or ([args.tiny_res] if args.tiny else [1024])
-    return [Row(a, r, b, c, t) for a, r, b, c, t in
-            itertools.product(archs, resolutions, batches or [1], ckpts, targets or ["default"])]
+    return [
+        Row(a, r, b, c, t)
+        for a, r, b, c, t in itertools.product(archs, resolutions, batches or [1], ckpts, targets or ["default"])
+    ]
 
 
 def append_records(path: Path, records: list[dict]) -> None:
@@ -950,46 +1139,83 @@ def _round(value, digits=4):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--arch", default="zimage,klein4b", help=f"comma list of {list(ARCH_VARIANTS)}")
     parser.add_argument("--res", help="comma list of square resolutions in px (default: the issue's set)")
     parser.add_argument("--batch", help="comma list of batch sizes")
     parser.add_argument("--ckpt", default="on", help="gradient checkpointing: on, off or on,off")
     parser.add_argument("--targets", help="default (the arch's), all (every Linear) or default,all")
     parser.add_argument("--rows", help="explicit rows arch:res:batch:on|off:default|all, comma separated")
-    parser.add_argument("--adapter", default="lora", help="comma list of adapter kinds to time each row with: lora, "
-                        "lokr, loha, dora (e.g. lora,lokr,loha,dora; with --no-native: ComfyUI's native trainer "
-                        "trains LoRA only). LoKr's factor: a row setting, e.g. --rows ...:lokr_factor=16")
+    parser.add_argument(
+        "--adapter",
+        default="lora",
+        help="comma list of adapter kinds to time each row with: lora, "
+        "lokr, loha, dora (e.g. lora,lokr,loha,dora; with --no-native: ComfyUI's native trainer "
+        "trains LoRA only). LoKr's factor: a row setting, e.g. --rows ...:lokr_factor=16",
+    )
     parser.add_argument("--steps", type=int, help="steps per trainer (default 60; --tiny 3)")
     parser.add_argument("--warmup", type=int, help="untimed first steps (default 10; --tiny 1)")
     parser.add_argument("--native-steps", type=int, help="steps for the native trainer (default: --steps)")
     parser.add_argument("--no-native", action="store_true", help="time Kiln only")
-    parser.add_argument("--peer", default="", help="diffusers' transformer + PEFT LoRA in each row (bench/peer.py): "
-                        "eager, compiled (compile_repeated_blocks) or eager,compiled; needs diffusers and peft")
-    parser.add_argument("--dtype", choices=["bf16", "fp32"],
-                        help="weights and autocast (default bf16; --tiny on a CPU fp32: CPU bf16 matmuls crawl)")
-    parser.add_argument("--native-lora-dtype", choices=["bf16", "fp32"],
-                        help="the native node's lora_dtype (default: its own default bf16; fp32 with --dtype fp32)")
-    parser.add_argument("--native-ckpt-depth", type=int, default=2,
-                        help="the native node's checkpoint_depth (2: per block, like Kiln; the node's default is 1)")
+    parser.add_argument(
+        "--peer",
+        default="",
+        help="diffusers' transformer + PEFT LoRA in each row (bench/peer.py): "
+        "eager, compiled (compile_repeated_blocks) or eager,compiled; needs diffusers and peft",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        help="weights and autocast (default bf16; --tiny on a CPU fp32: CPU bf16 matmuls crawl)",
+    )
+    parser.add_argument(
+        "--native-lora-dtype",
+        choices=["bf16", "fp32"],
+        help="the native node's lora_dtype (default: its own default bf16; fp32 with --dtype fp32)",
+    )
+    parser.add_argument(
+        "--native-ckpt-depth",
+        type=int,
+        default=2,
+        help="the native node's checkpoint_depth (2: per block, like Kiln; the node's default is 1)",
+    )
     parser.add_argument("--zimage-tokens", type=int, help="Z-Image caption tokens per image (default 256; --tiny 32)")
-    parser.add_argument("--timing", default="events", choices=["events", "sync"],
-                        help="step boundaries by CUDA events (no sync added; the default) or after a synchronize")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="profile N steps after the timed ones (bench/step_profile.py; CUDA only)")
+    parser.add_argument(
+        "--timing",
+        default="events",
+        choices=["events", "sync"],
+        help="step boundaries by CUDA events (no sync added; the default) or after a synchronize",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile N steps after the timed ones (bench/step_profile.py; CUDA only)",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--matmul-n", type=int, help="matmul size for the rate (default 8192 on CUDA, 512 on CPU)")
     parser.add_argument("--tiny", action="store_true", help="tiny dims (hidden 256), same code path; CPU is fine")
     parser.add_argument("--tiny-res", type=int, default=128, help=argparse.SUPPRESS)
-    parser.add_argument("--card-gb", type=float, metavar="G",
-                        help="act as a G GiB card: this process's torch allocator capped (set_per_process_memory_"
-                             "fraction) at G GiB less what the GPU held before torch allocated anything (its CUDA "
-                             "context), which Kiln's auto levers plan within")
-    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                        help="an A/B switch of the pack set before the rows run, e.g. trainer.backends.torch_backend."
-                             "checkpointing.MARK_TOKEN_DIMS=0 (read as the switch's own type: bool 1/0, true/false, "
-                             "on/off; int, float, str; recorded as `lever`)")
+    parser.add_argument(
+        "--card-gb",
+        type=float,
+        metavar="G",
+        help="act as a G GiB card: this process's torch allocator capped (set_per_process_memory_"
+        "fraction) at G GiB less what the GPU held before torch allocated anything (its CUDA "
+        "context), which Kiln's auto levers plan within",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="an A/B switch of the pack set before the rows run, e.g. trainer.backends.torch_backend."
+        "checkpointing.MARK_TOKEN_DIMS=0 (read as the switch's own type: bool 1/0, true/false, "
+        "on/off; int, float, str; recorded as `lever`)",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"), help="JSON list to append to")
     parser.add_argument("--merge", nargs="+", metavar="FILE", help="append these files' records to --out and exit")
     args = parser.parse_args(argv)
@@ -1016,10 +1242,14 @@ def main(argv=None) -> int:
     import comfy.ldm.modules.attention as comfy_attention
     import comfy.model_management as mm
 
-    pack = {"bridge": prepare.import_pack("nodes.comfy.bridge"), "config": prepare.import_pack("trainer.config"),
-            "loop": prepare.import_pack("trainer.run.loop"), "data": prepare.import_pack("trainer.data"),
-            "checkpointing": prepare.import_pack("trainer.backends.torch_backend.checkpointing"),
-            "attention": prepare.import_pack("trainer.backends.torch_backend.attention")}
+    pack = {
+        "bridge": prepare.import_pack("nodes.comfy.bridge"),
+        "config": prepare.import_pack("trainer.config"),
+        "loop": prepare.import_pack("trainer.run.loop"),
+        "data": prepare.import_pack("trainer.data"),
+        "checkpointing": prepare.import_pack("trainer.backends.torch_backend.checkpointing"),
+        "attention": prepare.import_pack("trainer.backends.torch_backend.attention"),
+    }
     archs_module = prepare.import_pack("trainer.archs")
     device = mm.get_torch_device()
     dtype_name = args.dtype or ("fp32" if args.tiny and device.type == "cpu" else "bf16")
@@ -1034,27 +1264,54 @@ def main(argv=None) -> int:
     card = cap_memory(device, args.card_gb) if args.card_gb else {}
     compile_workers = count_compile_workers()
     rate = matmul_tflops(device, dtype, args.matmul_n or (8192 if on_gpu else 512), iters=50 if on_gpu else 10)
-    common = {"commit": git_commit(), "device": device_name(device), "torch": torch.__version__,
-              "python": platform.python_version(), "comfyui": comfy_version, "matmul_tflops": float(f"{rate:.4g}"),
-              "attention": getattr(comfy_attention.optimized_attention, "__name__", "?"),
-              "rank": 32, "dtype": dtype_name, "timing": args.timing, "steps": steps, "warmup": warmup,
-              "native_steps": None if args.no_native else native_steps, "tiny": args.tiny, **card,
-              **({"lever": ",".join(levers_set)} if levers_set else {})}
-    print(f"[bench] {common['device']}, torch {common['torch']}, ComfyUI {comfy_version}, "
-          f"{dtype_name} matmul {rate:.4g} TFLOPS; {len(rows)} row(s)", flush=True)
+    common = {
+        "commit": git_commit(),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "comfyui": comfy_version,
+        "matmul_tflops": float(f"{rate:.4g}"),
+        "attention": getattr(comfy_attention.optimized_attention, "__name__", "?"),
+        "rank": 32,
+        "dtype": dtype_name,
+        "timing": args.timing,
+        "steps": steps,
+        "warmup": warmup,
+        "native_steps": None if args.no_native else native_steps,
+        "tiny": args.tiny,
+        **card,
+        **({"lever": ",".join(levers_set)} if levers_set else {}),
+    }
+    print(
+        f"[bench] {common['device']}, torch {common['torch']}, ComfyUI {comfy_version}, "
+        f"{dtype_name} matmul {rate:.4g} TFLOPS; {len(rows)} row(s)",
+        flush=True,
+    )
 
     arch_names = {dims.arch for dims in (*TINY.values(), *(VARIANTS[name] for name in ARCH_VARIANTS.values()))}
     block_lists = {name: archs_module.get_arch(name).block_lists for name in arch_names}
-    opts = argparse.Namespace(pack=pack, block_lists=block_lists,
-                              steps=steps, warmup=warmup, native_steps=native_steps, timing=args.timing, device=device,
-                              dtype=dtype_name, native_lora_dtype=native_lora_dtype, no_native=args.no_native,
-                              native_ckpt_depth=args.native_ckpt_depth, profile=args.profile,
-                              rate=rate, common=common, zimage_tokens=zimage_tokens,
-                              peer=[{"eager": False, "compiled": True}[m] for m in _list(args.peer)])
+    opts = argparse.Namespace(
+        pack=pack,
+        block_lists=block_lists,
+        steps=steps,
+        warmup=warmup,
+        native_steps=native_steps,
+        timing=args.timing,
+        device=device,
+        dtype=dtype_name,
+        native_lora_dtype=native_lora_dtype,
+        no_native=args.no_native,
+        native_ckpt_depth=args.native_ckpt_depth,
+        profile=args.profile,
+        rate=rate,
+        common=common,
+        zimage_tokens=zimage_tokens,
+        peer=[{"eager": False, "compiled": True}[m] for m in _list(args.peer)],
+    )
     models: dict[str, tuple] = {}
     for row in rows:
         dims = TINY[row.arch] if args.tiny else VARIANTS[ARCH_VARIANTS[row.arch]]
-        base = row.settings.get("base", "bf16")   # bench only: fp8 = ComfyUI's fp8_e4m3fn weight dtype
+        base = row.settings.get("base", "bf16")  # bench only: fp8 = ComfyUI's fp8_e4m3fn weight dtype
         key = f"{row.arch}:{base}"
         if key not in models:
             models.clear()  # one full-size model on the GPU at a time
@@ -1062,7 +1319,7 @@ def main(argv=None) -> int:
             models[key] = build_model(dims, device, dtype, base=base)
             print(f"[bench] built {dims.variant} ({base}): {models[key][1]}", flush=True)
         record = run_row(row, dims, *models[key], opts)
-        if compile_workers is not None:   # Triton kernels inductor asked for before / after its workers answered
+        if compile_workers is not None:  # Triton kernels inductor asked for before / after its workers answered
             record["triton_kernels_in_process"], record["triton_kernels_to_workers"] = compile_workers
             compile_workers[:] = [0, 0]
         record["compile_phases_s"] = compile_phases()
@@ -1107,14 +1364,17 @@ def cap_memory(device: torch.device, card_gb: float) -> dict:
     if device.type != "cuda":
         raise SystemExit("--card-gb needs a CUDA GPU")
     probe = torch.ones(256, 256, device=device, dtype=torch.bfloat16)
-    (probe @ probe).sum().item()   # cuBLAS loaded: its handles and kernels count as context on a real card too
+    (probe @ probe).sum().item()  # cuBLAS loaded: its handles and kernels count as context on a real card too
     del probe
     free, total = torch.cuda.mem_get_info(device)
     context = total - free - torch.cuda.memory_reserved(device)
     cap = card_gb * GIB - context
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
-    print(f"[bench] acting as a {card_gb:g} GiB card: allocator capped at {cap / GIB:.2f} GiB "
-          f"(context {context / GIB:.2f} GiB)", flush=True)
+    print(
+        f"[bench] acting as a {card_gb:g} GiB card: allocator capped at {cap / GIB:.2f} GiB "
+        f"(context {context / GIB:.2f} GiB)",
+        flush=True,
+    )
     return {"card_gb": card_gb, "memory_cap_gb": round(cap / GIB, 3)}
 
 
@@ -1143,8 +1403,9 @@ def compile_phases(top: int = 14) -> dict[str, float]:
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:
         return {}
-    totals = sorted(((name, sum(values)) for name, values in compilation_time_metrics.items()),
-                    key=lambda item: -item[1])
+    totals = sorted(
+        ((name, sum(values)) for name, values in compilation_time_metrics.items()), key=lambda item: -item[1]
+    )
     compilation_time_metrics.clear()
     return {name: round(seconds, 2) for name, seconds in totals[:top] if seconds >= 0.01}
 
@@ -1152,14 +1413,20 @@ def compile_phases(top: int = 14) -> dict[str, float]:
 def summary(r: dict) -> str:
     def num(value, fmt):
         return format(value, fmt) if isinstance(value, (int, float)) else "-"
-    native = (f"native {num(r.get('native_s_per_step'), '.3f')} s/step "
-              f"(native/kiln {num(r.get('speedup_vs_native'), '.2f')})"
-              if r.get("native_s_per_step") else f"native: {r.get('native_error')}")
-    return (f"[bench] {r['arch']} {r['resolution']}px b{r['batch']} ckpt {'on' if r['checkpointing'] else 'off'} "
-            f"{r['targets']} {r.get('kiln_settings') or ''}: kiln {num(r['kiln_s_per_step'], '.3f')} s/step (p95 {num(r['kiln_p95'], '.3f')}), "
-            f"MFU {num(r['mfu'], '.1%')}, peak {num(r.get('peak_alloc_gb'), '.2f')}/"
-            f"{num(r.get('peak_reserved_gb'), '.2f')} GiB alloc/reserved"
-            + (f" (kiln: {r['kiln_error']})" if r.get("kiln_error") else "") + f"; {native}")
+
+    native = (
+        f"native {num(r.get('native_s_per_step'), '.3f')} s/step (native/kiln {num(r.get('speedup_vs_native'), '.2f')})"
+        if r.get("native_s_per_step")
+        else f"native: {r.get('native_error')}"
+    )
+    return (
+        f"[bench] {r['arch']} {r['resolution']}px b{r['batch']} ckpt {'on' if r['checkpointing'] else 'off'} "
+        f"{r['targets']} {r.get('kiln_settings') or ''}: kiln {num(r['kiln_s_per_step'], '.3f')} s/step (p95 {num(r['kiln_p95'], '.3f')}), "
+        f"MFU {num(r['mfu'], '.1%')}, peak {num(r.get('peak_alloc_gb'), '.2f')}/"
+        f"{num(r.get('peak_reserved_gb'), '.2f')} GiB alloc/reserved"
+        + (f" (kiln: {r['kiln_error']})" if r.get("kiln_error") else "")
+        + f"; {native}"
+    )
 
 
 def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
@@ -1167,11 +1434,21 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     text_tokens = opts.zimage_tokens if family_of(dims) == "zimage" else FLUX2_TEXT_TOKENS
     # bench_images=N: N images instead of one per batch row (a held-out split needs images to hold out)
     inputs = make_inputs(dims, row.resolution, max(row.batch, int(row.settings.get("bench_images", 0))), text_tokens)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **opts.common,
-              "arch": row.arch, "variant": dims.variant, "resolution": row.resolution, "batch": row.batch,
-              "targets": row.targets, "checkpointing": row.checkpointing, "image_tokens": inputs.img_tokens,
-              "text_tokens": inputs.txt_tokens, "params": build_info["params"], "weights_gb": build_info["weights_gb"],
-              "model_config": build_info["model_config"]}
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **opts.common,
+        "arch": row.arch,
+        "variant": dims.variant,
+        "resolution": row.resolution,
+        "batch": row.batch,
+        "targets": row.targets,
+        "checkpointing": row.checkpointing,
+        "image_tokens": inputs.img_tokens,
+        "text_tokens": inputs.txt_tokens,
+        "params": build_info["params"],
+        "weights_gb": build_info["weights_gb"],
+        "model_config": build_info["model_config"],
+    }
     device, rate = opts.device, opts.rate * 1e12
     started = time.perf_counter()
     settings = dict(row.settings)
@@ -1190,19 +1467,38 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
         if not saved_attention:
             ckpt_module.SAVED_OPS.clear()
         with comfy_fp8_backward(fp8_bwd) as quant_calls:
-            kiln = run_kiln(opts.pack, patcher, dims, inputs, batch=row.batch, targets=row.targets, resolution=row.resolution,
-                            checkpointing=row.checkpointing, steps=opts.steps, warmup=opts.warmup, timing=opts.timing,
-                            device=device, dtype=opts.dtype, settings=settings, profile_steps=opts.profile,
-                            quantized_matmul=quantized_matmul)
+            kiln = run_kiln(
+                opts.pack,
+                patcher,
+                dims,
+                inputs,
+                batch=row.batch,
+                targets=row.targets,
+                resolution=row.resolution,
+                checkpointing=row.checkpointing,
+                steps=opts.steps,
+                warmup=opts.warmup,
+                timing=opts.timing,
+                device=device,
+                dtype=opts.dtype,
+                settings=settings,
+                profile_steps=opts.profile,
+                quantized_matmul=quantized_matmul,
+            )
         kiln["kiln_error"] = None
         # Layers that ran ComfyUI's quantized training function (fp8 forward, FP8 or dequantized backward)
         kiln["kiln_quant_linear_calls"] = quant_calls[0] // max(1, opts.steps + opts.profile) if quant_calls else None
     except Exception as error:  # noqa: BLE001 — recorded (an OOM says what does not fit), the run goes on
         if os.environ.get("KILN_BENCH_TRACE"):
             import traceback
+
             traceback.print_exc()
-        kiln = {"kiln_s_per_step": None, "kiln_p95": None, "_lora_paths": [],
-                "kiln_error": f"{type(error).__name__}: {error}"[:500]}
+        kiln = {
+            "kiln_s_per_step": None,
+            "kiln_p95": None,
+            "_lora_paths": [],
+            "kiln_error": f"{type(error).__name__}: {error}"[:500],
+        }
         print(f"[bench] Kiln failed: {kiln['kiln_error']}", file=sys.stderr)
         cuda = device.type == "cuda"  # the peak of the failed attempt (its stats were reset when it began)
         kiln["peak_alloc_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 3) if cuda else None
@@ -1214,13 +1510,24 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     record.update(kiln, kiln_wall_s=round(time.perf_counter() - started, 2))
     # What ran: compile_blocks / checkpoint_budget as set, or as "auto" decided (None when Kiln failed).
     compiled, budget = record.get("kiln_compiled", False), record.get("kiln_budget", 0.0)
-    record.update(compile=compiled, saved_attention=saved_attention and row.checkpointing and bool(saved_ops)
-                  and compiled)  # eager blocks recompute attention
+    record.update(
+        compile=compiled, saved_attention=saved_attention and row.checkpointing and bool(saved_ops) and compiled
+    )  # eager blocks recompute attention
     dm, block_lists = patcher.model.diffusion_model, opts.block_lists[dims.arch]
-    flops = model_flops(dm, dims, img=inputs.img_tokens, txt=inputs.txt_tokens, batch=row.batch, rank=32,
-                        lora_paths=lora_paths, block_lists=block_lists, checkpointing=row.checkpointing,
-                        skip=settings.get("skip_checkpoint_blocks", 0), attention_saved=record["saved_attention"],
-                        budgeted=budget > 0)
+    flops = model_flops(
+        dm,
+        dims,
+        img=inputs.img_tokens,
+        txt=inputs.txt_tokens,
+        batch=row.batch,
+        rank=32,
+        lora_paths=lora_paths,
+        block_lists=block_lists,
+        checkpointing=row.checkpointing,
+        skip=settings.get("skip_checkpoint_blocks", 0),
+        attention_saved=record["saved_attention"],
+        budgeted=budget > 0,
+    )
     record["mfu_counts_recompute"] = not budget > 0
     kiln_s = record["kiln_s_per_step"]
     record["model_tflop_per_step"] = round(flops["total"] / 1e12, 4)
@@ -1229,29 +1536,62 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
         record.update(native_s_per_step=None, native_p95=None, native_error="not run (--no-native or native=off)")
     else:
         started = time.perf_counter()
-        record.update(run_native(patcher, inputs, batch=row.batch, checkpointing=row.checkpointing,
-                                 steps=opts.native_steps, warmup=opts.warmup, timing=opts.timing, device=device,
-                                 dtype=opts.dtype, lora_dtype=opts.native_lora_dtype,
-                                 checkpoint_depth=opts.native_ckpt_depth, quantized_backward=fp8_bwd))
+        record.update(
+            run_native(
+                patcher,
+                inputs,
+                batch=row.batch,
+                checkpointing=row.checkpointing,
+                steps=opts.native_steps,
+                warmup=opts.warmup,
+                timing=opts.timing,
+                device=device,
+                dtype=opts.dtype,
+                lora_dtype=opts.native_lora_dtype,
+                checkpoint_depth=opts.native_ckpt_depth,
+                quantized_backward=fp8_bwd,
+            )
+        )
         release(device)
-        record.update(native_wall_s=round(time.perf_counter() - started, 2), native_lora_dtype=opts.native_lora_dtype,
-                      native_checkpoint_depth=opts.native_ckpt_depth if row.checkpointing else None)
+        record.update(
+            native_wall_s=round(time.perf_counter() - started, 2),
+            native_lora_dtype=opts.native_lora_dtype,
+            native_checkpoint_depth=opts.native_ckpt_depth if row.checkpointing else None,
+        )
         native_s = record.get("native_s_per_step")
         every_linear = [n for n, m in dm.named_modules() if isinstance(m, torch.nn.Linear)]
-        native_flops = model_flops(dm, dims, img=inputs.img_tokens, txt=inputs.txt_tokens, batch=row.batch, rank=32,
-                                   lora_paths=every_linear, block_lists=block_lists,
-                                   checkpointing=row.checkpointing)["total"]
+        native_flops = model_flops(
+            dm,
+            dims,
+            img=inputs.img_tokens,
+            txt=inputs.txt_tokens,
+            batch=row.batch,
+            rank=32,
+            lora_paths=every_linear,
+            block_lists=block_lists,
+            checkpointing=row.checkpointing,
+        )["total"]
         record["native_mfu"] = round(native_flops / native_s / rate, 4) if native_s else None
         record["speedup_vs_native"] = round(native_s / kiln_s, 3) if native_s and kiln_s else None
-    for compiled in opts.peer:   # diffusers' own transformer + PEFT LoRA (bench/peer.py), eager and/or compiled
+    for compiled in opts.peer:  # diffusers' own transformer + PEFT LoRA (bench/peer.py), eager and/or compiled
         from peer import run_peer
 
         prefix = "peer_compiled_" if compiled else "peer_"
         started = time.perf_counter()
         try:
-            record.update(run_peer(dims, inputs.latents, inputs.contexts, steps=opts.steps, warmup=opts.warmup,
-                                   device=device, compiled=compiled, checkpointing=row.checkpointing,
-                                   clock=StepClock(device, opts.timing)))
+            record.update(
+                run_peer(
+                    dims,
+                    inputs.latents,
+                    inputs.contexts,
+                    steps=opts.steps,
+                    warmup=opts.warmup,
+                    device=device,
+                    compiled=compiled,
+                    checkpointing=row.checkpointing,
+                    clock=StepClock(device, opts.timing),
+                )
+            )
             peer_s = record[f"{prefix}s_per_step"]
             record[f"speedup_vs_{prefix.rstrip('_')}"] = round(peer_s / kiln_s, 3) if peer_s and kiln_s else None
         except Exception as error:  # noqa: BLE001 — recorded, the run goes on
@@ -1259,9 +1599,13 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
             print(f"[bench] peer failed: {record[f'{prefix}error']}", file=sys.stderr)
         release(device)
         record[f"{prefix}wall_s"] = round(time.perf_counter() - started, 2)
-        print(f"[bench]   peer{' compiled' if compiled else ''}: {record.get(f'{prefix}s_per_step')} s/step, "
-              f"peak {record.get(f'{prefix}peak_alloc_gb')} GiB, loss {record.get(f'{prefix}loss_first')} → "
-              f"{record.get(f'{prefix}loss_last')}", file=sys.stderr, flush=True)
+        print(
+            f"[bench]   peer{' compiled' if compiled else ''}: {record.get(f'{prefix}s_per_step')} s/step, "
+            f"peak {record.get(f'{prefix}peak_alloc_gb')} GiB, loss {record.get(f'{prefix}loss_first')} → "
+            f"{record.get(f'{prefix}loss_last')}",
+            file=sys.stderr,
+            flush=True,
+        )
     return {k: _round(v) for k, v in record.items()}
 
 

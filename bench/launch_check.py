@@ -7,6 +7,7 @@ Prints one JSON line: what each phase returned and how long it took.
     python bench/launch_check.py --processes 1            # the single-GPU machine
     python bench/launch_check.py --processes 2 --gpus 0,1 # two GPUs (NCCL)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,18 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kiln-launch-"))
     make_dataset(work / "shapes")
-    config = {"arch": "demo", "device": args.device, "steps": args.steps, "batch_size": 2, "rank": 8, "alpha": 8.0,
-              "resolutions": [256], "checkpoint_every": 100, "log_every": 10, "dataset_dir": str(work / "shapes")}
+    config = {
+        "arch": "demo",
+        "device": args.device,
+        "steps": args.steps,
+        "batch_size": 2,
+        "rank": 8,
+        "alpha": 8.0,
+        "resolutions": [256],
+        "checkpoint_every": 100,
+        "log_every": 10,
+        "dataset_dir": str(work / "shapes"),
+    }
     run_dir, record, steps = work / "runs" / "check", {"processes": args.processes, "gpus": args.gpus}, []
 
     def on_progress(fields: dict) -> None:
@@ -41,14 +52,23 @@ def main() -> int:
     started = time.perf_counter()
     first = launch.Launch(config, run_dir, processes=args.processes, gpus=args.gpus).start()
     outcome = first.wait(on_progress, should_stop=lambda: bool(steps) and steps[-1] >= args.stop_at)
-    record.update(stopped_rc=outcome.returncode, stopped=outcome.stopped, stopped_step=outcome.step,
-                  stopped_wall_s=round(time.perf_counter() - started, 1), progress_lines=len(steps))
+    record.update(
+        stopped_rc=outcome.returncode,
+        stopped=outcome.stopped,
+        stopped_step=outcome.step,
+        stopped_wall_s=round(time.perf_counter() - started, 1),
+        progress_lines=len(steps),
+    )
     started = time.perf_counter()
     resumed = launch.Launch(config, run_dir, processes=args.processes, gpus=args.gpus).start(resume=True)
     final = resumed.wait(on_progress)
-    record.update(final_rc=final.returncode, final_step=final.step, lora=bool(final.lora),
-                  resumed_wall_s=round(time.perf_counter() - started, 1),
-                  tail=final.tail[-400:] if final.returncode else "")
+    record.update(
+        final_rc=final.returncode,
+        final_step=final.step,
+        lora=bool(final.lora),
+        resumed_wall_s=round(time.perf_counter() - started, 1),
+        tail=final.tail[-400:] if final.returncode else "",
+    )
     print(json.dumps(record), flush=True)
     return 0 if outcome.returncode == 0 and final.returncode == 0 and final.step == args.steps else 1
 

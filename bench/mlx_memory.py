@@ -12,6 +12,7 @@ two sequence lengths, 1+1 / 2+1 / 1+2 blocks, checkpointing off and on; peak = m
 over the second step minus the model's weights, against the estimate's total minus weights.
 The attention probe times n chained SDPA calls under a gradient: bytes per (heads x L^2) value.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,16 +40,23 @@ def table() -> str:
         for resolution in (512, 1024):
             for checkpointing in (True, False):
                 for base in ("bf16", "int8", "int4"):
-                    total = estimate_mlx(variant, resolution=resolution, gradient_checkpointing=checkpointing,
-                                         base_dtype=base).total / GIB
+                    total = (
+                        estimate_mlx(
+                            variant, resolution=resolution, gradient_checkpointing=checkpointing, base_dtype=base
+                        ).total
+                        / GIB
+                    )
                     fits = ["fits" if total <= mlx_budget_gib(gb) else "no" for gb in MACS]
-                    lines.append(f"| {variant} | {resolution} | {'on' if checkpointing else 'off'} | {base} | "
-                                 f"{total:.1f} | " + " | ".join(fits) + " |")
+                    lines.append(
+                        f"| {variant} | {resolution} | {'on' if checkpointing else 'off'} | {base} | "
+                        f"{total:.1f} | " + " | ".join(fits) + " |"
+                    )
     budgets = ", ".join(f"{gb} GB: {mlx_budget_gib(gb):.1f} GiB" for gb in MACS)
     return "\n".join(lines) + f"\n\nMLX budget (95 % of the conservative working set): {budgets}"
 
 
 # ---------------------------------------------------------------- measurement (one case per process)
+
 
 def measure_case(family: str, first: int, second: int, side: int, checkpointing: bool, references: int = 0) -> dict:
     import mlx.core as mx
@@ -65,19 +73,30 @@ def measure_case(family: str, first: int, second: int, side: int, checkpointing:
     if family == "flux2":
         arch, shape, context = "flux2_klein", (1, 128, side, side), (1, 64, 192)
         model = build(arch, tiny_weights.flux2_weights(0, hidden=256, double=first, single=second), "bfloat16")
-        extras = {"reference_latents": [rng.standard_normal(shape).astype(np.float32) for _ in range(references)]} \
-            if references else {}
+        extras = (
+            {"reference_latents": [rng.standard_normal(shape).astype(np.float32) for _ in range(references)]}
+            if references
+            else {}
+        )
     else:
         arch, shape, context = "zimage", (1, 16, side, side), (1, 64, 64)
-        model = build(arch, tiny_weights.zimage_weights(0, dim=256, n_layers=second, n_refiner_layers=first),
-                      "bfloat16")
+        model = build(
+            arch, tiny_weights.zimage_weights(0, dim=256, n_layers=second, n_refiner_layers=first), "bfloat16"
+        )
         extras = {"num_tokens": np.full(1, 64, np.int64)}
-    batch = Batch(latents=rng.standard_normal(shape).astype(np.float32),
-                  noise=rng.standard_normal(shape).astype(np.float32), sigmas=np.full(1, 0.5, np.float32),
-                  weights=np.ones(1, np.float32), context=rng.standard_normal(context).astype(np.float32),
-                  extras=extras)
-    cfg = config_module.from_dict(dict(arch=arch, backend="mlx", mixed_precision="bf16", rank=32, alpha=32.0,
-                                       gradient_checkpointing=checkpointing))
+    batch = Batch(
+        latents=rng.standard_normal(shape).astype(np.float32),
+        noise=rng.standard_normal(shape).astype(np.float32),
+        sigmas=np.full(1, 0.5, np.float32),
+        weights=np.ones(1, np.float32),
+        context=rng.standard_normal(context).astype(np.float32),
+        extras=extras,
+    )
+    cfg = config_module.from_dict(
+        dict(
+            arch=arch, backend="mlx", mixed_precision="bf16", rank=32, alpha=32.0, gradient_checkpointing=checkpointing
+        )
+    )
     weights = mx.get_active_memory()
     backend = MlxBackend()
     backend.setup(model, cfg, get_arch(arch))
@@ -95,7 +114,7 @@ def attention_bytes(length: int, chained: int, heads: int = 2) -> float:
 
     def loss(a, b, c):
         for _ in range(chained):
-            a = mx.fast.scaled_dot_product_attention(a, b, c, scale=128 ** -0.5)
+            a = mx.fast.scaled_dot_product_attention(a, b, c, scale=128**-0.5)
         return (a * w).astype(mx.float32).sum()
 
     gradient = mx.compile(mx.grad(loss, argnums=(0, 1, 2)))
@@ -103,7 +122,7 @@ def attention_bytes(length: int, chained: int, heads: int = 2) -> float:
     mx.reset_peak_memory()
     base = mx.get_active_memory()
     mx.eval(gradient(q, k, v))
-    return (mx.get_peak_memory() - base) / (heads * length ** 2)
+    return (mx.get_peak_memory() - base) / (heads * length**2)
 
 
 def probe_dims(family: str, first: int, second: int) -> ModelDims:
@@ -115,28 +134,41 @@ def probe_dims(family: str, first: int, second: int) -> ModelDims:
 def measure() -> str:
     import mlx.core as mx
 
-    lines = [f"mlx {mx.__version__} on {mx.default_device()}", "",
-             "attention under a gradient, bytes per heads x L^2 value (1, 2, 3 chained SDPA calls):"]
+    lines = [
+        f"mlx {mx.__version__} on {mx.default_device()}",
+        "",
+        "attention under a gradient, bytes per heads x L^2 value (1, 2, 3 chained SDPA calls):",
+    ]
     for length in (1024, 2048):
         lines.append(f"  L={length}: " + ", ".join(f"{attention_bytes(length, n):.2f}" for n in (1, 2, 3)))
-    lines += ["", "| family | blocks | latent side | checkpointing | measured MB | estimate MB | error |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| family | blocks | latent side | checkpointing | measured MB | estimate MB | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for family, sides in (("flux2", (16, 32)), ("zimage", (32, 64))):
         for checkpointing in (False, True):
             for first, second in ((1, 1), (2, 1), (1, 2)):
                 for side in sides:
-                    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import mlx_memory; "
-                            f"print(json.dumps(mlx_memory.measure_case({family!r}, {first}, {second}, {side}, "
-                            f"{checkpointing})))")
+                    code = (
+                        f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import mlx_memory; "
+                        f"print(json.dumps(mlx_memory.measure_case({family!r}, {first}, {second}, {side}, "
+                        f"{checkpointing})))"
+                    )
                     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                     found = json.loads(out.stdout.strip().splitlines()[-1])
                     measured = found["peak"] - found["weights"]
-                    est = estimate_mlx(probe_dims(family, first, second), resolution=side * (16 if family == "flux2" else 8),
-                                       gradient_checkpointing=checkpointing)
+                    est = estimate_mlx(
+                        probe_dims(family, first, second),
+                        resolution=side * (16 if family == "flux2" else 8),
+                        gradient_checkpointing=checkpointing,
+                    )
                     estimated = est.total - est.weights - est.workspace + (est.workspace - _overhead())
-                    lines.append(f"| {family} | {first}+{second} | {side} | {'on' if checkpointing else 'off'} | "
-                                 f"{measured / 2**20:.1f} | {estimated / 2**20:.1f} | "
-                                 f"{(estimated - measured) / measured:+.0%} |")
+                    lines.append(
+                        f"| {family} | {first}+{second} | {side} | {'on' if checkpointing else 'off'} | "
+                        f"{measured / 2**20:.1f} | {estimated / 2**20:.1f} | "
+                        f"{(estimated - measured) / measured:+.0%} |"
+                    )
     return "\n".join(lines)
 
 
@@ -146,21 +178,30 @@ def measure_edit() -> str:
     lines = ["| references | checkpointing | measured MB | estimate MB | error |", "|---|---|---|---|---|"]
     for checkpointing in (False, True):
         for references in (0, 1, 2):
-            code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import mlx_memory; "
-                    f"print(json.dumps(mlx_memory.measure_case('flux2', 1, 1, 16, {checkpointing}, {references})))")
+            code = (
+                f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import mlx_memory; "
+                f"print(json.dumps(mlx_memory.measure_case('flux2', 1, 1, 16, {checkpointing}, {references})))"
+            )
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
             found = json.loads(out.stdout.strip().splitlines()[-1])
             measured = found["peak"] - found["weights"]
-            est = estimate_mlx(probe_dims("flux2", 1, 1), resolution=256, gradient_checkpointing=checkpointing,
-                               reference_images=references)
+            est = estimate_mlx(
+                probe_dims("flux2", 1, 1),
+                resolution=256,
+                gradient_checkpointing=checkpointing,
+                reference_images=references,
+            )
             estimated = est.total - est.weights - _overhead()
-            lines.append(f"| {references} | {'on' if checkpointing else 'off'} | {measured / 2**20:.1f} | "
-                         f"{estimated / 2**20:.1f} | {(estimated - measured) / measured:+.0%} |")
+            lines.append(
+                f"| {references} | {'on' if checkpointing else 'off'} | {measured / 2**20:.1f} | "
+                f"{estimated / 2**20:.1f} | {(estimated - measured) / measured:+.0%} |"
+            )
     return "\n".join(lines)
 
 
 def _overhead() -> int:
     from trainer.estimate.mlx_step import MLX_OVERHEAD
+
     return MLX_OVERHEAD  # Metal's fixed overhead: not part of a CPU measurement
 
 

@@ -115,10 +115,16 @@ def main(argv=None) -> int:
     inputs = gpu_train.make_inputs(dims, args.res, 1, text)
     patcher, info = gpu_train.build_model(dims, device, torch.bfloat16)
     rate = copy_rate(device)
-    common = {"arch": args.arch, "resolution": args.res, "weights_gb": info["weights_gb"], "h2d_gbps": round(rate, 1),
-              "comfyui": comfy_version,
-              "commit": gpu_train.git_commit(), "device": torch.cuda.get_device_name(device),
-              "date": time.strftime("%Y-%m-%d")}
+    common = {
+        "arch": args.arch,
+        "resolution": args.res,
+        "weights_gb": info["weights_gb"],
+        "h2d_gbps": round(rate, 1),
+        "comfyui": comfy_version,
+        "commit": gpu_train.git_commit(),
+        "device": torch.cuda.get_device_name(device),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     records = [measure("resident", patcher, inputs, device, args.iters, common)]
 
     patcher.model.to("cpu")

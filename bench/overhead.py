@@ -34,6 +34,7 @@ Run: python bench/overhead.py [--steps 80 --warmup 10 --rounds 3] [--threads 1 -
      python bench/overhead.py --profile {cprofile,torch} [--steps 40]
 Prints one JSON record and appends it to bench/results_cpu.json (a JSON list).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,11 +81,15 @@ LEAN = dict(gradient_checkpointing=False, ema=False, max_grad_norm=0.0, checkpoi
 def bench_data(seed: int = 0) -> InMemoryData:
     """The demo's layout: 8 latents of a 128×128 image, 4 of a 128×96 one, [8,32] contexts."""
     rng = np.random.default_rng(seed)
-    shapes = [(16, 16) if i % 3 else (12, 16) for i in range(12)]     # (H, W) latent cells, as make_images
+    shapes = [(16, 16) if i % 3 else (12, 16) for i in range(12)]  # (H, W) latent cells, as make_images
     latents = [rng.standard_normal((LATENT_CHANNELS, *hw)).astype(np.float32) for hw in shapes]
     contexts = [rng.standard_normal((CONTEXT_TOKENS, CONTEXT_DIM)).astype(np.float32) for _ in shapes]
-    return InMemoryData.from_arrays(latents, contexts, [f"shape_{i:02d}.png" for i in range(len(shapes))],
-                                    np.zeros((CONTEXT_TOKENS, CONTEXT_DIM), np.float32))
+    return InMemoryData.from_arrays(
+        latents,
+        contexts,
+        [f"shape_{i:02d}.png" for i in range(len(shapes))],
+        np.zeros((CONTEXT_TOKENS, CONTEXT_DIM), np.float32),
+    )
 
 
 def bench_config(steps: int, lean: bool = False, **overrides):
@@ -105,8 +110,13 @@ def run_kiln(steps: int, lean: bool = False, run_dir: Path | None = None, **over
     cfg = bench_config(steps, lean, **overrides)
     stamps: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        result = train(cfg, build_tiny_flux(cfg.seed), bench_data(), run_dir=run_dir or Path(tmp) / "run",
-                       on_step=lambda report: stamps.append(clock()))
+        result = train(
+            cfg,
+            build_tiny_flux(cfg.seed),
+            bench_data(),
+            run_dir=run_dir or Path(tmp) / "run",
+            on_step=lambda report: stamps.append(clock()),
+        )
     return _intervals(stamps), result
 
 
@@ -126,6 +136,7 @@ def add_plain_lora(model: nn.Module, targets, rank: int, alpha: float, seed: int
 
         def forward(x, base=module.forward, A=A, B=B):
             return base(x) + F.linear(F.linear(x, A), B) * scale
+
         module.forward = forward
         lora[name] = (A, B)
     return lora
@@ -144,13 +155,19 @@ class PlainLoop:
         seed = cfg.seed if seed is None else seed
         self.data, self.caption_dropout = bench_data(), cfg.caption_dropout
         sampler = BucketSampler(self.data.buckets, cfg.batch_size, seed)
-        self.order = [sampler.next() for _ in range(steps)]          # the batch order Kiln draws
+        self.order = [sampler.next() for _ in range(steps)]  # the batch order Kiln draws
         self.model = build_tiny_flux(seed)
         arch = get_arch(cfg.arch)
         self.lora = add_plain_lora(self.model, arch.default_targets, cfg.rank, cfg.alpha, seed)
         self.params = [p for pair in self.lora.values() for p in pair]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=True)
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            foreach=True,
+        )
         self.same_work, self.max_grad_norm, self.ema_decay = same_work, cfg.max_grad_norm, cfg.ema_decay
         if same_work:
             for block in (b for name in arch.block_lists for b in getattr(self.model, name)):
@@ -162,7 +179,7 @@ class PlainLoop:
     def step(self) -> None:
         data, rng, indices = self.data, self.rng, self.order[self.done]
         latents = np.stack([data.latent(i) for i in indices])
-        sigmas = rng.random(len(indices)).astype(np.float32)                 # uniform σ, as the demo arch
+        sigmas = rng.random(len(indices)).astype(np.float32)  # uniform σ, as the demo arch
         noise = rng.standard_normal(latents.shape, dtype=np.float32)
         drop = rng.random(len(indices)) < self.caption_dropout
         context = np.stack([data.empty_context() if d else data.context(i) for i, d in zip(indices, drop)])
@@ -203,7 +220,7 @@ def run_paired(steps: int, lean: bool = False, same_work: tuple[bool, ...] = (Fa
     def on_step(report) -> None:
         now = clock()
         if resumed[0] is not None:
-            kiln_times.append(now - resumed[0])       # from the end of the last plain step to this step's end
+            kiln_times.append(now - resumed[0])  # from the end of the last plain step to this step's end
         for plain, times in zip(plains, plain_times):
             started = clock()
             plain.step()
@@ -218,7 +235,7 @@ def run_paired(steps: int, lean: bool = False, same_work: tuple[bool, ...] = (Fa
 
 # --- measuring ----------------------------------------------------------------------------
 def median_after_warmup(times: list[float], warmup: int) -> float:
-    kept = times[max(0, warmup - 1):]   # times[0] is step 2
+    kept = times[max(0, warmup - 1) :]  # times[0] is step 2
     return statistics.median(kept)
 
 
@@ -269,20 +286,28 @@ def measure(steps: int, warmup: int, rounds: int, mode: str = "paired", clock_na
     clock = CLOCKS[clock_name]
     runs: dict[str, list[float]] = {"kiln": [], "lean": [], "plain": [], "plain_same_work": []}
     load_before = loadavg()
-    run_paired(min(steps, 12), same_work=(False, True))   # warm the process (imports, allocator, kernels)
+    run_paired(min(steps, 12), same_work=(False, True))  # warm the process (imports, allocator, kernels)
     for r in range(rounds):
         if mode == "paired":
             kiln, (plain, same) = run_paired(steps, same_work=(False, True))
             lean, (plain_lean,) = run_paired(steps, lean=True)
-            for name, times in (("kiln", kiln), ("plain", plain), ("plain_same_work", same), ("lean", lean),
-                                ("plain", plain_lean)):
+            for name, times in (
+                ("kiln", kiln),
+                ("plain", plain),
+                ("plain_same_work", same),
+                ("lean", lean),
+                ("plain", plain_lean),
+            ):
                 runs[name].append(median_after_warmup(times, warmup))
         else:
-            runners = {"kiln": lambda: run_kiln(steps)[0], "lean": lambda: run_kiln(steps, lean=True)[0],
-                       "plain": lambda: run_plain(steps)[0],
-                       "plain_same_work": lambda: run_plain(steps, same_work=True)[0]}
+            runners = {
+                "kiln": lambda: run_kiln(steps)[0],
+                "lean": lambda: run_kiln(steps, lean=True)[0],
+                "plain": lambda: run_plain(steps)[0],
+                "plain_same_work": lambda: run_plain(steps, same_work=True)[0],
+            }
             names = list(runners)
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 runs[name].append(median_after_warmup(runners[name](), warmup))
     kiln, lean, plain, same = (statistics.median(runs[n]) for n in ("kiln", "lean", "plain", "plain_same_work"))
     cfg = bench_config(steps)
@@ -297,9 +322,15 @@ def measure(steps: int, warmup: int, rounds: int, mode: str = "paired", clock_na
         "threads": torch.get_num_threads(),
         "loadavg_before_after": [load_before, loadavg()],
         "model": f"build_tiny_flux({cfg.seed}): hidden 96, 2+2 blocks, fp32",
-        "batch": cfg.batch_size, "rank": cfg.rank, "latents": "[16,16,16] x8 + [16,12,16] x4, context [8,32]",
+        "batch": cfg.batch_size,
+        "rank": cfg.rank,
+        "latents": "[16,16,16] x8 + [16,12,16] x4, context [8,32]",
         "kiln_config": "demo_config: checkpointing on, EMA on, clip 1.0, cosine warm-up, checkpoint every 50",
-        "mode": mode, "clock": clock_name, "steps": steps, "warmup": warmup, "rounds": rounds,
+        "mode": mode,
+        "clock": clock_name,
+        "steps": steps,
+        "warmup": warmup,
+        "rounds": rounds,
         "kiln_s_per_step": round(kiln, 6),
         "plain_s_per_step": round(plain, 6),
         "ratio": round(kiln / plain, 4),
@@ -323,8 +354,12 @@ def profile(steps: int, tool: str, out: Path | None) -> None:
     import cProfile
     import pstats
 
-    variants = {"kiln": lambda: run_kiln(steps), "kiln_lean": lambda: run_kiln(steps, lean=True),
-                "plain": lambda: run_plain(steps), "plain_same_work": lambda: run_plain(steps, same_work=True)}
+    variants = {
+        "kiln": lambda: run_kiln(steps),
+        "kiln_lean": lambda: run_kiln(steps, lean=True),
+        "plain": lambda: run_plain(steps),
+        "plain_same_work": lambda: run_plain(steps, same_work=True),
+    }
     for name, fn in variants.items():
         fn()
         print(f"===== {name}: {steps} steps, {tool}")
@@ -351,15 +386,26 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=80, help="steps per run (default 80)")
     parser.add_argument("--warmup", type=int, default=10, help="steps dropped at the start of each run")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved runs of each variant")
-    parser.add_argument("--mode", choices=["paired", "separate"], default="paired",
-                        help="paired: Kiln and the plain loop in lockstep, step by step (robust to other load); "
-                             "separate: whole runs one after another")
-    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
-                        help="wall: perf_counter; cpu: process CPU time (use with --threads 1 on a busy machine)")
+    parser.add_argument(
+        "--mode",
+        choices=["paired", "separate"],
+        default="paired",
+        help="paired: Kiln and the plain loop in lockstep, step by step (robust to other load); "
+        "separate: whole runs one after another",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="wall: perf_counter; cpu: process CPU time (use with --threads 1 on a busy machine)",
+    )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's own)")
     parser.add_argument("--no-save", action="store_true", help=f"print only; do not append to {RESULTS.name}")
-    parser.add_argument("--profile", choices=["cprofile", "torch"],
-                        help="instead of measuring: profile one run of each variant with this tool")
+    parser.add_argument(
+        "--profile",
+        choices=["cprofile", "torch"],
+        help="instead of measuring: profile one run of each variant with this tool",
+    )
     parser.add_argument("--profile-dir", type=Path, help="with --profile: also write .prof / trace files here")
     args = parser.parse_args(argv)
     if args.threads:

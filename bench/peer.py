@@ -17,6 +17,7 @@ Inputs are the row's own: the same latent tokens and caption tokens per image (F
 embeddings as lists), random, seeded. One step = what a trainer's step is: forward, loss, backward,
 clip, optimizer step, zero_grad; timed as the Kiln rows are (a sync at each step boundary).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,11 +28,15 @@ import torch
 
 PEER_TARGETS = {
     # Kiln's default targets (trainer/archs) under diffusers' module names.
-    "flux2_klein": (r".*transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj"
-                    r"|to_add_out)|ff\.(linear_in|linear_out)|ff_context\.(linear_in|linear_out))"
-                    r"|.*single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)"),
-    "zimage": (r".*(layers|noise_refiner|context_refiner)\.\d+\.(attention\.(to_q|to_k|to_v|to_out\.0)"
-               r"|feed_forward\.(w1|w2|w3))"),
+    "flux2_klein": (
+        r".*transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj"
+        r"|to_add_out)|ff\.(linear_in|linear_out)|ff_context\.(linear_in|linear_out))"
+        r"|.*single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)"
+    ),
+    "zimage": (
+        r".*(layers|noise_refiner|context_refiner)\.\d+\.(attention\.(to_q|to_k|to_v|to_out\.0)"
+        r"|feed_forward\.(w1|w2|w3))"
+    ),
 }
 
 
@@ -41,13 +46,22 @@ def build_peer(dims):
 
     if dims.arch == "flux2_klein":
         heads = dims.hidden // 128
-        return Flux2Transformer2DModel(num_layers=dims.double_blocks, num_single_layers=dims.single_blocks,
-                                       num_attention_heads=heads, joint_attention_dim=dims.context_dim,
-                                       guidance_embeds=False)
+        return Flux2Transformer2DModel(
+            num_layers=dims.double_blocks,
+            num_single_layers=dims.single_blocks,
+            num_attention_heads=heads,
+            joint_attention_dim=dims.context_dim,
+            guidance_embeds=False,
+        )
     if dims.arch == "zimage":
-        return ZImageTransformer2DModel(dim=dims.hidden, n_layers=dims.single_blocks,
-                                        n_refiner_layers=dims.refiner_blocks, n_heads=dims.hidden // 128,
-                                        n_kv_heads=dims.hidden // 128, cap_feat_dim=dims.context_dim)
+        return ZImageTransformer2DModel(
+            dim=dims.hidden,
+            n_layers=dims.single_blocks,
+            n_refiner_layers=dims.refiner_blocks,
+            n_heads=dims.hidden // 128,
+            n_kv_heads=dims.hidden // 128,
+            cap_feat_dim=dims.context_dim,
+        )
     raise ValueError(f"no diffusers peer for {dims.arch}")
 
 
@@ -60,13 +74,20 @@ def peer_inputs(dims, latents, contexts, device):
         context = torch.stack([torch.from_numpy(t) for t in contexts]).to(device, torch.bfloat16)
         img_ids = torch.tensor([[0, y, x, 0] for y in range(h) for x in range(w)], dtype=torch.float32)
         txt_ids = torch.tensor([[0, 0, 0, t] for t in range(context.shape[1])], dtype=torch.float32)
-        return dict(hidden_states=hidden, encoder_hidden_states=context,
-                    timestep=torch.full((batch,), 0.5, device=device),
-                    img_ids=img_ids[None].expand(batch, -1, -1).to(device),
-                    txt_ids=txt_ids[None].expand(batch, -1, -1).to(device), return_dict=False)
-    return dict(x=[torch.from_numpy(x)[:, None].to(device, torch.bfloat16) for x in latents],
-                t=torch.full((batch,), 0.5, device=device),
-                cap_feats=[torch.from_numpy(t).to(device, torch.bfloat16) for t in contexts], return_dict=False)
+        return dict(
+            hidden_states=hidden,
+            encoder_hidden_states=context,
+            timestep=torch.full((batch,), 0.5, device=device),
+            img_ids=img_ids[None].expand(batch, -1, -1).to(device),
+            txt_ids=txt_ids[None].expand(batch, -1, -1).to(device),
+            return_dict=False,
+        )
+    return dict(
+        x=[torch.from_numpy(x)[:, None].to(device, torch.bfloat16) for x in latents],
+        t=torch.full((batch,), 0.5, device=device),
+        cap_feats=[torch.from_numpy(t).to(device, torch.bfloat16) for t in contexts],
+        return_dict=False,
+    )
 
 
 def _output(dims, out):
@@ -74,8 +95,9 @@ def _output(dims, out):
     return torch.stack(list(out)) if isinstance(out, (list, tuple)) else out
 
 
-def run_peer(dims, latents, contexts, *, steps: int, warmup: int, device, compiled: bool, checkpointing: bool,
-             clock) -> dict:
+def run_peer(
+    dims, latents, contexts, *, steps: int, warmup: int, device, compiled: bool, checkpointing: bool, clock
+) -> dict:
     """clock: gpu_train.StepClock, timing the peer as the row's Kiln steps are timed (its --timing)."""
     from peft import LoraConfig
 
@@ -89,7 +111,7 @@ def run_peer(dims, latents, contexts, *, steps: int, warmup: int, device, compil
     model.add_adapter(LoraConfig(r=32, lora_alpha=32, init_lora_weights=True, target_modules=PEER_TARGETS[dims.arch]))
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
-        p.data = p.data.float()                       # fp32 LoRA weights, as Kiln trains them
+        p.data = p.data.float()  # fp32 LoRA weights, as Kiln trains them
     model.train()
     if compiled:
         model.compile_repeated_blocks(fullgraph=True)
@@ -113,14 +135,17 @@ def run_peer(dims, latents, contexts, *, steps: int, warmup: int, device, compil
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
         clock.mark()
-    durations = clock.durations()[max(0, warmup - 1):]   # durations()[0] is step 2
+    durations = clock.durations()[max(0, warmup - 1) :]  # durations()[0] is step 2
     losses = [float(v) for v in losses]
-    out = {f"{prefix}s_per_step": round(statistics.median(durations), 4) if durations else None,
-           f"{prefix}first_step_s": round(clock.first_mark - started, 2),
-           f"{prefix}loss_first": losses[0], f"{prefix}loss_last": losses[-1],
-           f"{prefix}loss_finite": all(math.isfinite(v) for v in losses),
-           "peer_lora_params": sum(p.numel() for p in params),
-           "peer_params": sum(p.numel() for p in model.parameters())}
+    out = {
+        f"{prefix}s_per_step": round(statistics.median(durations), 4) if durations else None,
+        f"{prefix}first_step_s": round(clock.first_mark - started, 2),
+        f"{prefix}loss_first": losses[0],
+        f"{prefix}loss_last": losses[-1],
+        f"{prefix}loss_finite": all(math.isfinite(v) for v in losses),
+        "peer_lora_params": sum(p.numel() for p in params),
+        "peer_params": sum(p.numel() for p in model.parameters()),
+    }
     if device.type == "cuda":
         out[f"{prefix}peak_alloc_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     del model, optimizer, params, kwargs, target

@@ -5,6 +5,7 @@
 Images are generated in a temporary folder first (not timed), so the files are
 in the page cache when the scans run: this measures the scanner, not the disk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,7 +57,7 @@ def make_large(folder: Path, count: int, seed: int = 1) -> None:
     for index in range(count):
         pixels = bases[index % len(bases)].copy()
         x, y = (int(v) for v in rng.integers(0, 1024 - 96, 2))
-        pixels[y:y + 96, x:x + 96] = rng.uniform(0, 255, 3).astype(np.uint8)
+        pixels[y : y + 96, x : x + 96] = rng.uniform(0, 255, 3).astype(np.uint8)
         Image.fromarray(pixels).save(folder / f"big_{index:04d}.jpg", quality=90)
         (folder / f"big_{index:04d}.txt").write_text("a large photo", encoding="utf-8")
 
@@ -82,8 +83,10 @@ def main() -> None:
     parser.add_argument("--large", type=int, default=200, help="1-MP JPEGs for the deep scan")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
-    print(f"{platform.processor() or platform.machine()}, {cores} cores, Python {platform.python_version()}, "
-          f"Pillow {Image.__version__}")
+    print(
+        f"{platform.processor() or platform.machine()}, {cores} cores, Python {platform.python_version()}, "
+        f"Pillow {Image.__version__}"
+    )
     with tempfile.TemporaryDirectory() as temp:
         small, large = Path(temp) / "small", Path(temp) / "large"
         started = time.perf_counter()
@@ -92,14 +95,21 @@ def main() -> None:
         print(f"generated {args.small} small and {args.large} large images in {time.perf_counter() - started:.1f} s")
         timed(f"fast scan, {args.small} small, 1 worker", args.small, lambda: scan(small, resolutions=[64], workers=1))
         timed(f"fast scan, {args.small} small, {cores} workers", args.small, lambda: scan(small, resolutions=[64]))
-        timed(f"deep scan, {args.small} small, {cores} workers", args.small,
-              lambda: scan(small, deep=True, resolutions=[64]))
-        one = timed(f"deep scan, {args.large} × 1 MP JPEG, 1 worker", args.large,
-                    lambda: scan(large, deep=True, workers=1))
-        every = timed(f"deep scan, {args.large} × 1 MP JPEG, {cores} workers", args.large,
-                      lambda: scan(large, deep=True))
-        print(f"deep scan: {one:.0f} images/s on one core; {every / cores:.0f} per core with all {cores} "
-              f"({every / one:.2f}× from {cores} threads)")
+        timed(
+            f"deep scan, {args.small} small, {cores} workers",
+            args.small,
+            lambda: scan(small, deep=True, resolutions=[64]),
+        )
+        one = timed(
+            f"deep scan, {args.large} × 1 MP JPEG, 1 worker", args.large, lambda: scan(large, deep=True, workers=1)
+        )
+        every = timed(
+            f"deep scan, {args.large} × 1 MP JPEG, {cores} workers", args.large, lambda: scan(large, deep=True)
+        )
+        print(
+            f"deep scan: {one:.0f} images/s on one core; {every / cores:.0f} per core with all {cores} "
+            f"({every / one:.2f}× from {cores} threads)"
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ resume, and a capture that fails (an op that waits for the host) falls back with
 Not a speed benchmark (gpu_train.py and wall.py time the real models). Run: python bench/step_graphs_check.py
 Prints one JSON record (and appends it to --out if given).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,9 @@ def data(count=16):
     rng = np.random.default_rng(0)
     latents = [rng.standard_normal((16, 32, 32 if i % 2 else 48)).astype(np.float32) for i in range(count)]
     contexts = [rng.standard_normal((8, 32)).astype(np.float32) for _ in range(count)]
-    return InMemoryData.from_arrays(latents, contexts, [f"{i}.png" for i in range(count)], np.zeros((8, 32), np.float32))
+    return InMemoryData.from_arrays(
+        latents, contexts, [f"{i}.png" for i in range(count)], np.zeros((8, 32), np.float32)
+    )
 
 
 def model():
@@ -57,6 +60,7 @@ class Recordings:
         def run(graphs, *args):
             outer.calls += 1
             return outer.run(graphs, *args)
+
         StepGraphs._record, StepGraphs.run = record, run
 
     def close(self):
@@ -68,16 +72,41 @@ def lora_of(result) -> np.ndarray:
 
 
 def trained(folder: Path, name: str, forward=None, stop_at=None, resume=False, **settings):
-    cfg = config.from_dict({**dict(arch="demo", device="cuda", mixed_precision="bf16", steps=30, batch_size=2,
-                                   rank=16, alpha=16.0, learning_rate=1e-3, ema=True, gradient_checkpointing=True,
-                                   checkpoint_every=10, log_every=10, caption_dropout=0.1, resolutions=[512]),
-                            **settings})
+    cfg = config.from_dict(
+        {
+            **dict(
+                arch="demo",
+                device="cuda",
+                mixed_precision="bf16",
+                steps=30,
+                batch_size=2,
+                rank=16,
+                alpha=16.0,
+                learning_rate=1e-3,
+                ema=True,
+                gradient_checkpointing=True,
+                checkpoint_every=10,
+                log_every=10,
+                caption_dropout=0.1,
+                resolutions=[512],
+            ),
+            **settings,
+        }
+    )
     count = []
     stop = (lambda: len(count) >= stop_at) if stop_at else None
     recordings = Recordings()
     try:
-        result = train(cfg, model(), data(), run_dir=folder / name, forward=forward, on_step=count.append,
-                       should_stop=stop, resume=folder / name if resume else None)
+        result = train(
+            cfg,
+            model(),
+            data(),
+            run_dir=folder / name,
+            forward=forward,
+            on_step=count.append,
+            should_stop=stop,
+            resume=folder / name if resume else None,
+        )
     finally:
         recordings.close()
     return result, recordings
@@ -85,9 +114,12 @@ def trained(folder: Path, name: str, forward=None, stop_at=None, resume=False, *
 
 def compare(a, b) -> dict:
     la, lb = np.array(a.history.loss), np.array(b.history.loss)
-    return {"losses_equal": bool(np.array_equal(la, lb)), "loss_max_abs_diff": float(np.abs(la - lb).max()),
-            "lora_bitwise_equal": bool(np.array_equal(lora_of(a), lora_of(b))),
-            "lora_max_abs_diff": float(np.abs(lora_of(a).astype(np.float64) - lora_of(b)).max())}
+    return {
+        "losses_equal": bool(np.array_equal(la, lb)),
+        "loss_max_abs_diff": float(np.abs(la - lb).max()),
+        "lora_bitwise_equal": bool(np.array_equal(lora_of(a), lora_of(b))),
+        "lora_max_abs_diff": float(np.abs(lora_of(a).astype(np.float64) - lora_of(b)).max()),
+    }
 
 
 def syncing_forward(model, x_t, sigmas, context, extras):
@@ -109,15 +141,21 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp())
     record: dict = {"kind": "step_graphs_check", "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     # two plain runs: the GPU's own run-to-run difference (atomics in some backward kernels), the yardstick
-    record["rerun_noise"] = compare(*(trained(tmp, f"noise-{k}", compile_blocks=False, step_graphs=False)[0]
-                                      for k in range(2)))
-    for compiled in ((False,) if args.skip_compiled else (False, True)):
+    record["rerun_noise"] = compare(
+        *(trained(tmp, f"noise-{k}", compile_blocks=False, step_graphs=False)[0] for k in range(2))
+    )
+    for compiled in (False,) if args.skip_compiled else (False, True):
         tag = "compiled" if compiled else "eager"
         plain, _ = trained(tmp, f"{tag}-off", compile_blocks=compiled, step_graphs=False)
         started = time.perf_counter()
         graphed, rec = trained(tmp, f"{tag}-on", compile_blocks=compiled, step_graphs=True)
-        record[tag] = {**compare(plain, graphed), "recordings": len(rec.recorded), "record_s": rec.recorded,
-                       "graph_calls": rec.calls, "wall_s": round(time.perf_counter() - started, 1)}
+        record[tag] = {
+            **compare(plain, graphed),
+            "recordings": len(rec.recorded),
+            "record_s": rec.recorded,
+            "graph_calls": rec.calls,
+            "wall_s": round(time.perf_counter() - started, 1),
+        }
     # gradient accumulation: two micro-batches a step, one graph replayed twice
     plain, _ = trained(tmp, "accum-off", compile_blocks=False, step_graphs=False, grad_accum=2, batch_size=1)
     graphed, rec = trained(tmp, "accum-on", compile_blocks=False, step_graphs=True, grad_accum=2, batch_size=1)
@@ -131,14 +169,16 @@ def main(argv=None) -> int:
     plain, _ = trained(tmp, "dropout-off", compile_blocks=False, step_graphs=False, lora_dropout=0.1)
     before = len(warnings)
     graphed, rec = trained(tmp, "dropout-on", compile_blocks=False, step_graphs=True, lora_dropout=0.1)
-    record["lora_dropout"] = {**compare(plain, graphed), "recordings": len(rec.recorded),
-                              "warnings": warnings[before:]}
+    record["lora_dropout"] = {**compare(plain, graphed), "recordings": len(rec.recorded), "warnings": warnings[before:]}
     # a capture that fails: one warning, the run goes on eagerly with the same result
     plain, _ = trained(tmp, "sync-off", compile_blocks=False, step_graphs=False, forward=syncing_forward)
     before = len(warnings)
     graphed, rec = trained(tmp, "sync-on", compile_blocks=False, step_graphs=True, forward=syncing_forward)
-    record["failed_capture"] = {**compare(plain, graphed), "recordings_tried": len(rec.recorded),
-                                "warnings": warnings[before:]}
+    record["failed_capture"] = {
+        **compare(plain, graphed),
+        "recordings_tried": len(rec.recorded),
+        "warnings": warnings[before:],
+    }
     record["peak_alloc_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     print(json.dumps(record, indent=1))
     if args.out:

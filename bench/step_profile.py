@@ -16,6 +16,7 @@ host overhead, so those steps are never in the timing). The summary, per profile
     host_top          the 15 ops / runtime calls with the most self CPU time (ms per step, calls per step):
                       launches, dynamo's guard checks, autograd, ComfyUI's small ops
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,14 @@ KINDS = {
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 # Ops whose own kernel time is reported by name: the NaN-skip check (isfinite), clipping's norm, the
 # optimizer, host->device copies.
-NAMED_OPS = ("aten::isfinite", "aten::_foreach_norm", "aten::linalg_vector_norm", "aten::_fused_adamw_",
-             "aten::_foreach_mul_", "aten::copy_")
+NAMED_OPS = (
+    "aten::isfinite",
+    "aten::_foreach_norm",
+    "aten::linalg_vector_norm",
+    "aten::_fused_adamw_",
+    "aten::_foreach_mul_",
+    "aten::copy_",
+)
 
 
 def kind_of(name: str) -> str:
@@ -71,7 +78,8 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
             self.profile = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
-                record_shapes=True)
+                record_shapes=True,
+            )
             self.profile.__enter__()
             self.started = time.perf_counter()
         elif step == self.first + self.count - 1 and self.profile is not None:
@@ -84,9 +92,15 @@ class StepProfiler:
     def summarise(self) -> dict:
         events = self.profile.events()
         # GPU-side ranges of record_function (e.g. inductor's "## Call CompiledFxGraph ... ##") are not kernels.
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not getattr(e, "is_user_annotation", False) and not e.name.startswith("## ")]
-        def ms(total_us: float) -> float:   # a total over the profiled steps → ms per step
+        kernels = [
+            e
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False)
+            and not e.name.startswith("## ")
+        ]
+
+        def ms(total_us: float) -> float:  # a total over the profiled steps → ms per step
             return round(total_us / 1e3 / self.count, 2)
 
         kinds: dict[str, float] = {}
@@ -105,13 +119,18 @@ class StepProfiler:
             shapes = [dim for shape in (avg.input_shapes or []) if isinstance(shape, list) for dim in shape]
             if avg.key in MATMUL_OPS and self.rank in shapes:
                 lora += avg.self_device_time_total
-        top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:int(os.environ.get("KILN_PROFILE_TOP", "12"))]
-        host = [(avg.key, avg.self_cpu_time_total, avg.count) for avg in self.profile.key_averages()
-                if avg.self_cpu_time_total > 0]
+        top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[: int(os.environ.get("KILN_PROFILE_TOP", "12"))]
+        host = [
+            (avg.key, avg.self_cpu_time_total, avg.count)
+            for avg in self.profile.key_averages()
+            if avg.self_cpu_time_total > 0
+        ]
         host_top = sorted(host, key=lambda item: -item[1])[:15]
         step_ms = self.wall * 1e3 / self.count
         return {
-            "steps": self.count, "step_ms": round(step_ms, 2), "busy_ms": ms(busy),
+            "steps": self.count,
+            "step_ms": round(step_ms, 2),
+            "busy_ms": ms(busy),
             "idle_pct": round(100 * (1 - busy / 1e3 / self.count / step_ms), 1) if step_ms else None,
             "kinds_ms": {kind: ms(us) for kind, us in sorted(kinds.items(), key=lambda i: -i[1])},
             "lora_gemm_ms": ms(lora),

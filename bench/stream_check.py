@@ -65,8 +65,15 @@ def main(argv=None) -> int:
         return run
 
     rate = copy_rate(device)
-    common = {"arch": args.arch, "resolution": args.res, "weights_gb": info["weights_gb"], "h2d_gbps": round(rate, 1),
-              "commit": gpu_train.git_commit(), "device": torch.cuda.get_device_name(device), "blocks": largest}
+    common = {
+        "arch": args.arch,
+        "resolution": args.res,
+        "weights_gb": info["weights_gb"],
+        "h2d_gbps": round(rate, 1),
+        "commit": gpu_train.git_commit(),
+        "device": torch.cuda.get_device_name(device),
+        "blocks": largest,
+    }
     records = []
 
     def measure(mode, **more):
@@ -75,8 +82,14 @@ def main(argv=None) -> int:
         seconds = timed(step(mode), args.iters)
         diff = (grads[mode] - grads["resident"]).abs().max().item() if "resident" in grads else 0.0
         scale = grads["resident"].abs().max().item() if "resident" in grads else 1.0
-        record = {"mode": mode, "forward_backward_s": round(seconds, 4), "grad_max_rel_diff": diff / scale,
-                  "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GIB, 2), **common, **more}
+        record = {
+            "mode": mode,
+            "forward_backward_s": round(seconds, 4),
+            "grad_max_rel_diff": diff / scale,
+            "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GIB, 2),
+            **common,
+            **more,
+        }
         print(json.dumps(record), flush=True)
         records.append(record)
 
@@ -90,8 +103,13 @@ def main(argv=None) -> int:
         streamer = BlockStreamer(blocks, stream_plan, device)
         torch.cuda.empty_cache()
         floor = 2 * stream_plan.streamed_bytes / 1e9 / rate
-        measure(f"streamed_{slots}", slots=slots, streamed_gb=round(stream_plan.streamed_bytes / 1e9, 2),
-                ring_gb=round(stream_plan.gpu_bytes() / 1e9, 2), floor_s=round(floor, 4))
+        measure(
+            f"streamed_{slots}",
+            slots=slots,
+            streamed_gb=round(stream_plan.streamed_bytes / 1e9, 2),
+            ring_gb=round(stream_plan.gpu_bytes() / 1e9, 2),
+            floor_s=round(floor, 4),
+        )
         streamer.remove()
     ckpt.remove()
     if args.out:

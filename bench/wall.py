@@ -24,6 +24,7 @@ once per dataset and resolution, then reuses the cache) and the VAE decode of th
 built: the sampler's latents stand in for the decoded image). The peers' per-bucket pace comes from
 bench/gpu_train.py rows at the same resolutions (bench/RESULTS.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,7 @@ from trainer.data.buckets import bucket_size  # noqa: E402
 from trainer.estimate.common import VARIANTS  # noqa: E402
 
 ASPECTS = ((1, 1), (4, 3), (3, 4), (3, 2), (2, 3), (16, 9), (9, 16))
-SAMPLES_LIKE = {"zimage": "zimage_turbo"}   # the bench's Z-Image samples as Turbo does (8 steps, cfg 1)
+SAMPLES_LIKE = {"zimage": "zimage_turbo"}  # the bench's Z-Image samples as Turbo does (8 steps, cfg 1)
 PROMPTS = 2
 
 
@@ -69,7 +70,9 @@ def synthetic_arrays(dims, resolutions: list[int], images: int, text_tokens: int
     for index in range(images):
         aw, ah = ASPECTS[index % len(ASPECTS)]
         width, height = (2048, 2048 * ah // aw) if aw >= ah else (2048 * aw // ah, 2048)
-        context = rng.standard_normal((int(rng.integers(text_tokens // 4, text_tokens + 1)), dims.context_dim)).astype(np.float32)
+        context = rng.standard_normal((int(rng.integers(text_tokens // 4, text_tokens + 1)), dims.context_dim)).astype(
+            np.float32
+        )
         for resolution in resolutions:
             bw, bh = bucket_size(width, height, resolution, arch.bucket_divisor)
             down = arch.latent_downscale
@@ -98,9 +101,9 @@ class Phases:
 
     def __init__(self, device, timing: str = "events"):
         self.device, self.shapes, self.extra = device, [], [0.0]
-        self.clock = gpu_train.StepClock(device, timing)   # its first mark is begin()
+        self.clock = gpu_train.StepClock(device, timing)  # its first mark is begin()
         self.validation = self.saving = 0.0
-        self.calls = {"validation": 0, "saving": 0}   # how many times each ran
+        self.calls = {"validation": 0, "saving": 0}  # how many times each ran
         self.shape = None
         self.started = None
 
@@ -126,24 +129,36 @@ class Phases:
                 setattr(self, kind, getattr(self, kind) + seconds)
                 self.calls[kind] += 1
                 self.extra[-1] += seconds
+
         return wrapper
 
     def step_end(self) -> None:
         self.clock.mark()
         self.shapes.append(self.shape)
         self.extra.append(0.0)
-        if len(self.shapes) % 100 == 0 or len(self.shapes) <= 3:   # (a sync per 100 steps when events)
+        if len(self.shapes) % 100 == 0 or len(self.shapes) <= 3:  # (a sync per 100 steps when events)
             ends = self.ends
-            print(f"[wall] step {len(ends)} {self.shape} at {ends[-1] - ends[0]:.1f} s after step 1",
-                  file=sys.stderr, flush=True)
-            if os.environ.get("KILN_WALL_PROGRESS"):   # a run cut short by a time limit keeps its steps so far
+            print(
+                f"[wall] step {len(ends)} {self.shape} at {ends[-1] - ends[0]:.1f} s after step 1",
+                file=sys.stderr,
+                flush=True,
+            )
+            if os.environ.get("KILN_WALL_PROGRESS"):  # a run cut short by a time limit keeps its steps so far
                 seconds, _ = per_bucket(self)
                 path = Path(os.environ["KILN_WALL_PROGRESS"])
                 partial = path.with_name(path.name + ".tmp")
-                partial.write_text(json.dumps(
-                    {"steps": len(seconds), "step_seconds": seconds, "step_shapes": self.shapes,
-                     "validation_s": self.validation, "saving_s": self.saving}))
-                os.replace(partial, path)   # a kill mid-write leaves the last whole one
+                partial.write_text(
+                    json.dumps(
+                        {
+                            "steps": len(seconds),
+                            "step_seconds": seconds,
+                            "step_shapes": self.shapes,
+                            "validation_s": self.validation,
+                            "saving_s": self.saving,
+                        }
+                    )
+                )
+                os.replace(partial, path)  # a kill mid-write leaves the last whole one
 
 
 def per_bucket(phases: Phases) -> tuple[list[float], dict]:
@@ -158,15 +173,19 @@ def per_bucket(phases: Phases) -> tuple[list[float], dict]:
     for shape, values in by_shape.items():
         steady = statistics.median(values[2:]) if len(values) > 2 else min(values)
         batch = int(shape.split("x")[0])
-        table[shape] = {"steps": len(values), "s_per_step": round(steady, 4),
-                        "images_per_s": round(batch / steady, 3) if steady > 0 else None,
-                        "warmup_s": round(sum(max(0.0, v - steady) for v in values[:2]), 2)}
+        table[shape] = {
+            "steps": len(values),
+            "s_per_step": round(steady, 4),
+            "images_per_s": round(batch / steady, 3) if steady > 0 else None,
+            "warmup_s": round(sum(max(0.0, v - steady) for v in values[:2]), 2),
+        }
     return seconds, table
 
 
 @dataclass
 class PeerContext:
     """What every trainer's run gets: the same arrays, samples and clock (bench/wall_peers.py reads it)."""
+
     args: argparse.Namespace
     dims: object
     device: torch.device
@@ -174,10 +193,10 @@ class PeerContext:
     phases: Phases
     latents: list
     contexts: list
-    prompts: list              # CONDITIONING per prompt
+    prompts: list  # CONDITIONING per prompt
     negative: list
     sample_steps: int
-    sampling: object           # the family's sampling defaults (cfg, sampler, scheduler)
+    sampling: object  # the family's sampling defaults (cfg, sampler, scheduler)
     run_dir: Path
     patcher: object = None
 
@@ -198,18 +217,41 @@ def run(args) -> dict:
     latents, contexts, names = synthetic_arrays(dims, resolutions, args.images, text_tokens)
     sampling = get_arch(SAMPLES_LIKE.get(arch_name, arch_name)).sampling
     phases = Phases(device, args.timing)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "kind": "wall", "trainer": args.trainer, "commit": gpu_train.git_commit(),
-              "device": gpu_train.device_name(device), "torch": torch.__version__, "arch": args.arch,
-              "variant": dims.variant, "steps": args.steps, "images": args.images, "resolutions": resolutions,
-              "entries": len(names), "every": args.every, "prompts": PROMPTS,
-              "sample_steps": args.sample_steps or sampling.steps, "sample_size": args.sample_size,
-              "timing": "events" if phases.clock.events else "sync", **card}
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "kind": "wall",
+        "trainer": args.trainer,
+        "commit": gpu_train.git_commit(),
+        "device": gpu_train.device_name(device),
+        "torch": torch.__version__,
+        "arch": args.arch,
+        "variant": dims.variant,
+        "steps": args.steps,
+        "images": args.images,
+        "resolutions": resolutions,
+        "entries": len(names),
+        "every": args.every,
+        "prompts": PROMPTS,
+        "sample_steps": args.sample_steps or sampling.steps,
+        "sample_size": args.sample_size,
+        "timing": "events" if phases.clock.events else "sync",
+        **card,
+    }
     with tempfile.TemporaryDirectory(prefix="kiln_wall_") as run_dir:
-        ctx = PeerContext(args, dims, device, dtype, phases, latents, contexts,
-                          prompts=[conditioning(dims, text_tokens, k) for k in range(PROMPTS)],
-                          negative=conditioning(dims, 8, 99), sample_steps=args.sample_steps or sampling.steps,
-                          sampling=sampling, run_dir=Path(run_dir))
+        ctx = PeerContext(
+            args,
+            dims,
+            device,
+            dtype,
+            phases,
+            latents,
+            contexts,
+            prompts=[conditioning(dims, text_tokens, k) for k in range(PROMPTS)],
+            negative=conditioning(dims, 8, 99),
+            sample_steps=args.sample_steps or sampling.steps,
+            sampling=sampling,
+            run_dir=Path(run_dir),
+        )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if args.trainer == "kiln":
@@ -228,18 +270,27 @@ def run(args) -> dict:
     steady = sum(entry["s_per_step"] * entry["steps"] for entry in table.values())
     compile_s = sum(seconds) - steady
     finite = [v for v in losses if math.isfinite(v)]
-    record.update(wall_s=round(wall, 1), steps_s=round(steady, 1), compile_warmup_s=round(compile_s, 1),
-                  validation_s=round(phases.validation, 1) if phases.calls["validation"] else None,  # native: none
-                  saving_s=round(phases.saving, 1), validation_calls=phases.calls["validation"],
-                  saving_calls=phases.calls["saving"],
-                  other_s=round(wall - sum(seconds) - phases.validation - phases.saving, 1),
-                  first_step_s=round(seconds[0], 2), compile_share=round(compile_s / wall, 3),
-                  compile_phases_s=gpu_train.compile_phases(),
-                  buckets=table, step_seconds=[round(v, 4) for v in seconds], step_shapes=phases.shapes,
-                  peak_alloc_gb=round(peak, 2) if peak else None,
-                  peak_reserved_gb=round(reserved, 2) if reserved else None, loss_finite=len(finite) == len(losses),
-                  loss_first=finite[0] if finite else None,
-                  loss_last_mean20=float(np.mean(finite[-20:])) if finite else None)
+    record.update(
+        wall_s=round(wall, 1),
+        steps_s=round(steady, 1),
+        compile_warmup_s=round(compile_s, 1),
+        validation_s=round(phases.validation, 1) if phases.calls["validation"] else None,  # native: none
+        saving_s=round(phases.saving, 1),
+        validation_calls=phases.calls["validation"],
+        saving_calls=phases.calls["saving"],
+        other_s=round(wall - sum(seconds) - phases.validation - phases.saving, 1),
+        first_step_s=round(seconds[0], 2),
+        compile_share=round(compile_s / wall, 3),
+        compile_phases_s=gpu_train.compile_phases(),
+        buckets=table,
+        step_seconds=[round(v, 4) for v in seconds],
+        step_shapes=phases.shapes,
+        peak_alloc_gb=round(peak, 2) if peak else None,
+        peak_reserved_gb=round(reserved, 2) if reserved else None,
+        loss_finite=len(finite) == len(losses),
+        loss_first=finite[0] if finite else None,
+        loss_last_mean20=float(np.mean(finite[-20:])) if finite else None,
+    )
     return record
 
 
@@ -253,22 +304,46 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
     lora_format = prepare.import_pack("trainer.lora.files")
     checkpointing = prepare.import_pack("trainer.backends.torch_backend.checkpointing")
     checkpointing.COMPILE_DYNAMIC = {"true": True}.get(args.compile_dynamic, checkpointing.COMPILE_DYNAMIC)
-    checkpointing.MARK_TOKEN_DIMS = {"dynamo": False, "true": False}.get(args.compile_dynamic, checkpointing.MARK_TOKEN_DIMS)
+    checkpointing.MARK_TOKEN_DIMS = {"dynamo": False, "true": False}.get(
+        args.compile_dynamic, checkpointing.MARK_TOKEN_DIMS
+    )
     arch_name, arch = dims.arch, get_arch(dims.arch)
     patcher, build = gpu_train.build_model(dims, device, ctx.dtype)
     empty = np.zeros((1, dims.context_dim), np.float32)
-    data = data_module.MappedLatents(data_module.InMemoryData.from_arrays(ctx.latents, ctx.contexts, names, empty),
-                                     lambda raw: bridge.latents_in(patcher, raw))
+    data = data_module.MappedLatents(
+        data_module.InMemoryData.from_arrays(ctx.latents, ctx.contexts, names, empty),
+        lambda raw: bridge.latents_in(patcher, raw),
+    )
     side = args.sample_size
-    samples = [bridge.Sample(positive=prompt, negative=ctx.negative, vae=LatentVAE(), seed=42 + k,
-                             steps=ctx.sample_steps, cfg=ctx.sampling.cfg, sampler_name=ctx.sampling.sampler,
-                             scheduler=ctx.sampling.scheduler, width=side, height=side)
-               for k, prompt in enumerate(ctx.prompts)]
+    samples = [
+        bridge.Sample(
+            positive=prompt,
+            negative=ctx.negative,
+            vae=LatentVAE(),
+            seed=42 + k,
+            steps=ctx.sample_steps,
+            cfg=ctx.sampling.cfg,
+            sampler_name=ctx.sampling.sampler,
+            scheduler=ctx.sampling.scheduler,
+            width=side,
+            height=side,
+        )
+        for k, prompt in enumerate(ctx.prompts)
+    ]
     overrides = gpu_train._settings(args.settings)
-    cfg = config.from_dict(dict(arch=arch_name, device="auto",
-                                mixed_precision="bf16" if ctx.dtype == torch.bfloat16 else "no",
-                                steps=args.steps, resolutions=resolutions, checkpoint_every=args.every,
-                                batch_by=args.batch_by, seed=0, **overrides))
+    cfg = config.from_dict(
+        dict(
+            arch=arch_name,
+            device="auto",
+            mixed_precision="bf16" if ctx.dtype == torch.bfloat16 else "no",
+            steps=args.steps,
+            resolutions=resolutions,
+            checkpoint_every=args.every,
+            batch_by=args.batch_by,
+            seed=0,
+            **overrides,
+        )
+    )
     forward = bridge.make_forward(patcher, arch_name)
 
     # The step's batch shape, for the per-bucket table, read where the backend takes the batch: a step
@@ -280,10 +355,14 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
         phases.shape = "x".join(str(n) for n in (batch.latents.shape[0], *batch.latents.shape[2:]))
         return device_batch(self, batch)
 
-    on_sample = lambda step, index, images: None   # noqa: E731
-    own = {"batch_by": args.batch_by, "compile_dynamic": args.compile_dynamic,
-           "mark_token_dims": checkpointing.MARK_TOKEN_DIMS, "params": build["params"],
-           "kiln_settings": {**overrides, **({} if args.batch_by == "images" else {"batch_by": args.batch_by})}}
+    on_sample = lambda step, index, images: None  # noqa: E731
+    own = {
+        "batch_by": args.batch_by,
+        "compile_dynamic": args.compile_dynamic,
+        "mark_token_dims": checkpointing.MARK_TOKEN_DIMS,
+        "params": build["params"],
+        "kiln_settings": {**overrides, **({} if args.batch_by == "images" else {"batch_by": args.batch_by})},
+    }
     notes = gpu_train.LeverNotes()
     save_checkpoint = loop.checkpoint_writer.save_checkpoint
     loop.checkpoint_writer.save_checkpoint = phases.timed("saving", save_checkpoint)
@@ -291,25 +370,38 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
     graphs_class = prepare.import_pack("trainer.backends.torch_backend.step_graphs").StepGraphs
     record, recordings = graphs_class._record, []
 
-    def timed_record(self, *args):   # each step graph's recording, host seconds (its shape: the step's)
+    def timed_record(self, *args):  # each step graph's recording, host seconds (its shape: the step's)
         started = time.perf_counter()
         try:
             return record(self, *args)
         finally:
             recordings.append([phases.shape, round(time.perf_counter() - started, 3)])
+
     graphs_class._record = timed_record
     try:
         with torch.inference_mode(), bridge.training_session(patcher, "auto") as (module, _device):
             validate = phases.timed("validation", bridge.validation(cfg, patcher, samples, on_sample))
             phases.begin()
-            validate(0)                                  # sample_first: the model before training
+            validate(0)  # sample_first: the model before training
             phases.extra[0] = phases.validation
-            result = loop.train(cfg, module, data, run_dir=str(ctx.run_dir), forward=forward,
-                                on_step=lambda report: phases.step_end(), validate=validate,
-                                validate_every=args.every)
+            result = loop.train(
+                cfg,
+                module,
+                data,
+                run_dir=str(ctx.run_dir),
+                forward=forward,
+                on_step=lambda report: phases.step_end(),
+                validate=validate,
+                validate_every=args.every,
+            )
             save_lora = phases.timed("saving", lora_format.save_lora)
-            save_lora(ctx.run_dir / "final.safetensors", result.lora, arch=arch_name, fmt="comfy",
-                      metadata=lora_format.lora_metadata(cfg, arch, result.step))
+            save_lora(
+                ctx.run_dir / "final.safetensors",
+                result.lora,
+                arch=arch_name,
+                fmt="comfy",
+                metadata=lora_format.lora_metadata(cfg, arch, result.step),
+            )
     finally:
         loop.checkpoint_writer.save_checkpoint = save_checkpoint
         backend_class._device_batch = device_batch
@@ -317,7 +409,7 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
         notes.remove()
     own.update(notes.levers(cfg))
     own["losses"] = list(result.history.loss)
-    own["step_graph_recordings"] = recordings   # [shape, seconds] each (step_graphs on)
+    own["step_graph_recordings"] = recordings  # [shape, seconds] each (step_graphs on)
     return own
 
 
@@ -332,22 +424,40 @@ def main(argv=None) -> int:
     parser.add_argument("--sample-size", type=int, default=1024)
     parser.add_argument("--sample-steps", type=int, default=0, help="0: the family's default")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--timing", default="events", choices=["events", "sync"],
-                        help="step ends by CUDA events (no sync added: the host runs ahead as in a user's run) "
-                             "or after a synchronize")
-    parser.add_argument("--compile-dynamic", default="default", choices=["default", "dynamo", "true"],
-                        help="default: Kiln's (checkpointing.MARK_TOKEN_DIMS: the blocks' sequence dims symbolic from "
-                             "the first compile); dynamo: dynamo's own policy (static at the first shape, symbolic "
-                             "from the second); true: every dim symbolic from the first compile")
-    parser.add_argument("--settings", default="", help="Kiln config overrides as bench/gpu_train.py's rows take "
-                                                       "them, e.g. cuda_graphs=on+checkpoint_budget=0.5")
-    parser.add_argument("--trainer", default="kiln", choices=TRAINERS,
-                        help="kiln (its defaults, or --settings); native: ComfyUI's Train LoRA node in bucket mode; "
-                             "diffusers / diffusers-compiled: diffusers' transformer + PEFT LoRA "
-                             "(bench/wall_peers.py)")
-    parser.add_argument("--native-ckpt-depth", type=int, default=2,
-                        help="the native node's checkpoint_depth (2: per block, as bench/gpu_train.py's rows; 1, the "
-                             "node's default, checkpoints the whole model as one)")
+    parser.add_argument(
+        "--timing",
+        default="events",
+        choices=["events", "sync"],
+        help="step ends by CUDA events (no sync added: the host runs ahead as in a user's run) or after a synchronize",
+    )
+    parser.add_argument(
+        "--compile-dynamic",
+        default="default",
+        choices=["default", "dynamo", "true"],
+        help="default: Kiln's (checkpointing.MARK_TOKEN_DIMS: the blocks' sequence dims symbolic from "
+        "the first compile); dynamo: dynamo's own policy (static at the first shape, symbolic "
+        "from the second); true: every dim symbolic from the first compile",
+    )
+    parser.add_argument(
+        "--settings",
+        default="",
+        help="Kiln config overrides as bench/gpu_train.py's rows take them, e.g. cuda_graphs=on+checkpoint_budget=0.5",
+    )
+    parser.add_argument(
+        "--trainer",
+        default="kiln",
+        choices=TRAINERS,
+        help="kiln (its defaults, or --settings); native: ComfyUI's Train LoRA node in bucket mode; "
+        "diffusers / diffusers-compiled: diffusers' transformer + PEFT LoRA "
+        "(bench/wall_peers.py)",
+    )
+    parser.add_argument(
+        "--native-ckpt-depth",
+        type=int,
+        default=2,
+        help="the native node's checkpoint_depth (2: per block, as bench/gpu_train.py's rows; 1, the "
+        "node's default, checkpoints the whole model as one)",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny dims on the same path (CPU is fine)")
     parser.add_argument("--card-gb", type=float, metavar="G", help="act as a G GiB card (bench/gpu_train.py's)")
     parser.add_argument("--out", required=True, help="JSON list to append the record to")

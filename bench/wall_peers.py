@@ -17,6 +17,7 @@ diffusers' one-line `compile_repeated_blocks`), each doing what a user of that t
 `ctx` is wall.PeerContext: the args, the dims, the synthetic arrays and wall.Phases, which times each step
 (after a sync), validation and saving, so the three trainers' records split their wall time the same way.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -40,6 +41,7 @@ def entry_order(entries: int, steps: int, seed: int = 0) -> list[int]:
 
 # ---------------------------------------------------------------- diffusers + PEFT
 
+
 def _flux2_ids(h: int, w: int, text: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
     zero = torch.zeros(h * w, dtype=torch.long)
@@ -54,8 +56,14 @@ def peer_call(family: str, model, latent: torch.Tensor, context: torch.Tensor, s
     if family == "flux2":
         c, h, w = latent.shape
         img_ids, txt_ids = _flux2_ids(h, w, context.shape[0], latent.device)
-        out = model(hidden_states=latent.reshape(c, h * w).T[None], encoder_hidden_states=context[None],
-                    timestep=sigma.reshape(1), img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]
+        out = model(
+            hidden_states=latent.reshape(c, h * w).T[None],
+            encoder_hidden_states=context[None],
+            timestep=sigma.reshape(1),
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            return_dict=False,
+        )[0]
         return out[0].T.reshape(c, h, w)
     out = model(x=[latent[:, None]], t=(1 - sigma).reshape(1), cap_feats=[context], return_dict=False)[0]
     return out[0][:, 0]
@@ -107,8 +115,11 @@ def run_diffusers(ctx, compiled: bool) -> dict:
     latents = [torch.from_numpy(x).to(device, ctx.dtype) for x in ctx.latents]
     # Flux2's captions reach the model as 512 tokens in diffusers too (Flux2KleinPipeline pads Qwen3's output to
     # max_sequence_length 512), as ComfyUI left-pads them; Z-Image's go in at their own length in both.
-    pad = (lambda c: torch.nn.functional.pad(c, (0, 0, flux2.CONTEXT_TOKENS - c.shape[0], 0))) if family == "flux2" \
+    pad = (
+        (lambda c: torch.nn.functional.pad(c, (0, 0, flux2.CONTEXT_TOKENS - c.shape[0], 0)))
+        if family == "flux2"
         else (lambda c: c)
+    )
     contexts = [pad(torch.from_numpy(c).to(device, ctx.dtype)) for c in ctx.contexts]
     prompts = [pad(c[0][0][0].to(device, ctx.dtype)) for c in ctx.prompts]
     negative = pad(ctx.negative[0][0][0].to(device, ctx.dtype))
@@ -120,7 +131,16 @@ def run_diffusers(ctx, compiled: bool) -> dict:
         generator = torch.Generator(device).manual_seed(42)
         with torch.no_grad():
             for prompt in prompts:
-                _sample(family, model, (channels, side, side), prompt, ctx.sample_steps, ctx.sampling.cfg, negative, generator)
+                _sample(
+                    family,
+                    model,
+                    (channels, side, side),
+                    prompt,
+                    ctx.sample_steps,
+                    ctx.sampling.cfg,
+                    negative,
+                    generator,
+                )
 
     def save(path: Path, with_optimizer: bool):
         lora = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in get_peft_model_state_dict(model).items()}
@@ -155,12 +175,17 @@ def run_diffusers(ctx, compiled: bool) -> dict:
             validate()
     save(ctx.run_dir / "final.safetensors", False)
     values = [float(v) for v in losses]
-    out = {"peer_lora_params": sum(p.numel() for p in params), "peer_params": sum(p.numel() for p in model.parameters()),
-           "checkpoints": args.steps // args.every, "losses": values}
+    out = {
+        "peer_lora_params": sum(p.numel() for p in params),
+        "peer_params": sum(p.numel() for p in model.parameters()),
+        "checkpoints": args.steps // args.every,
+        "losses": values,
+    }
     return out
 
 
 # ---------------------------------------------------------------- ComfyUI's native trainer
+
 
 def run_native(ctx) -> dict:
     """One whole run of ComfyUI's TrainLoraNode (bucket mode, per-block checkpointing as in bench/gpu_train.py's
@@ -174,11 +199,27 @@ def run_native(ctx) -> dict:
     conditioning = [[[torch.from_numpy(c)[None], {"pooled_output": None}]] for c in ctx.contexts]
     bucketed = nodes_dataset.ResolutionBucket.execute(latents, conditioning)
     bucket_latents, bucket_conds = bucketed.result[0], bucketed.result[1]
-    arguments = {"model": ctx.patcher, "batch_size": 1, "steps": args.steps, "grad_accumulation_steps": 1,
-                 "learning_rate": 1e-4, "rank": 32, "optimizer": "AdamW", "loss_function": "MSE", "seed": 0,
-                 "training_dtype": "bf16", "lora_dtype": "bf16", "quantized_backward": False, "algorithm": "LoRA",
-                 "gradient_checkpointing": True, "checkpoint_depth": args.native_ckpt_depth, "offloading": False,
-                 "existing_lora": "[None]", "bucket_mode": True, "bypass_mode": False}
+    arguments = {
+        "model": ctx.patcher,
+        "batch_size": 1,
+        "steps": args.steps,
+        "grad_accumulation_steps": 1,
+        "learning_rate": 1e-4,
+        "rank": 32,
+        "optimizer": "AdamW",
+        "loss_function": "MSE",
+        "seed": 0,
+        "training_dtype": "bf16",
+        "lora_dtype": "bf16",
+        "quantized_backward": False,
+        "algorithm": "LoRA",
+        "gradient_checkpointing": True,
+        "checkpoint_depth": args.native_ckpt_depth,
+        "offloading": False,
+        "existing_lora": "[None]",
+        "bucket_mode": True,
+        "bypass_mode": False,
+    }
     wanted = {item.id for item in nodes_train.TrainLoraNode.define_schema().inputs}
     missing = sorted(wanted - set(arguments) - {"latents", "positive"})
     if missing:
@@ -200,6 +241,7 @@ def run_native(ctx) -> dict:
     # With cuDNN's kernel out of ComfyUI's SDPA priority list (its sdpa_kernel context enables what the list
     # names) both run flash, the first of that list.
     import comfy.ops
+
     priority = list(getattr(comfy.ops, "SDPA_BACKEND_PRIORITY", []))
     if priority:
         comfy.ops.SDPA_BACKEND_PRIORITY[:] = [b for b in priority if b.name != "CUDNN_ATTENTION"]
@@ -214,7 +256,13 @@ def run_native(ctx) -> dict:
     lora_sd, loss_map = result.result[0], result.result[1]
     save = phases.timed("saving", lambda: comfy.utils.save_torch_file(lora_sd, str(ctx.run_dir / "final.safetensors")))
     save()
-    return {"native_setup_s": round(phases.started - entered, 1), "native_buckets": len(bucket_latents),
-            "native_checkpoint_depth": args.native_ckpt_depth, "native_cudnn_sdp": False,
-            "native_trainable_params": sum(t.numel() for t in lora_sd.values()), "checkpoints": None,
-            "losses": [float(v) for v in loss_map["loss"]], "wall_from": entered}
+    return {
+        "native_setup_s": round(phases.started - entered, 1),
+        "native_buckets": len(bucket_latents),
+        "native_checkpoint_depth": args.native_ckpt_depth,
+        "native_cudnn_sdp": False,
+        "native_trainable_params": sum(t.numel() for t in lora_sd.values()),
+        "checkpoints": None,
+        "losses": [float(v) for v in loss_map["loss"]],
+        "wall_from": entered,
+    }

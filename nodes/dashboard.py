@@ -17,6 +17,7 @@ Train LoRA node, and `add_routes` puts it on ComfyUI's server:
 Answers hold names and ids only, never file-system paths: a run's folder name, a LoRA's name under
 models/loras, and samples as ComfyUI /view arguments (filename, subfolder, type).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,9 +26,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-KEEP_RUNS = 16          # finished runs remembered for a reloaded page; running ones are never dropped
-KEEP_SAMPLES = 12       # newest validation samples kept per run
-MAX_POINTS = 1500       # history points in one answer; longer runs are thinned evenly
+KEEP_RUNS = 16  # finished runs remembered for a reloaded page; running ones are never dropped
+KEEP_SAMPLES = 12  # newest validation samples kept per run
+MAX_POINTS = 1500  # history points in one answer; longer runs are thinned evenly
 RUNNING, FINISHED, STOPPED, INTERRUPTED, FAILED = "running", "finished", "stopped", "interrupted", "error"
 
 
@@ -53,69 +54,108 @@ class Run:
     the server's thread: every change and every answer happens under the registry's lock."""
 
     id: str
-    name: str                               # the run folder's name, e.g. "portrait" or "portrait-2"
+    name: str  # the run folder's name, e.g. "portrait" or "portrait-2"
     total: int
-    folder: str = ""                        # the run folder's path: its key (never in an answer)
-    start_step: int = 0                     # > 0 when the newest execution resumed from a checkpoint
-    node: str | None = None                 # the Train LoRA node's id in the queued prompt
-    prompt_id: str | None = None            # the newest execution's prompt
-    prompt_ids: list[str] = field(default_factory=list)    # every execution's prompt, oldest first
+    folder: str = ""  # the run folder's path: its key (never in an answer)
+    start_step: int = 0  # > 0 when the newest execution resumed from a checkpoint
+    node: str | None = None  # the Train LoRA node's id in the queued prompt
+    prompt_id: str | None = None  # the newest execution's prompt
+    prompt_ids: list[str] = field(default_factory=list)  # every execution's prompt, oldest first
     arch: str = ""
-    buckets: dict[str, int] = field(default_factory=dict)   # "WxH" → training entries
+    buckets: dict[str, int] = field(default_factory=dict)  # "WxH" → training entries
     status: str = RUNNING
     message: str = ""
-    started: float = field(default_factory=time.time)     # when its newest execution began
+    started: float = field(default_factory=time.time)  # when its newest execution began
     updated: float = field(default_factory=time.time)
     # +1 at every change: a page drops a summary older than one it applied (an action's HTTP answer can
     # arrive after the kiln.run event of what the training thread did next, e.g. Save now's save).
     rev: int = 0
     step: int = 0
-    figures: dict = field(default_factory=dict)             # the newest step's lr, it/s, ETA, memory, loss
-    steps: list[int] = field(default_factory=list)          # steps with a loss reading
+    figures: dict = field(default_factory=dict)  # the newest step's lr, it/s, ETA, memory, loss
+    steps: list[int] = field(default_factory=list)  # steps with a loss reading
     loss: list[float | None] = field(default_factory=list)
     lr_steps: list[int] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
-    samples: list[dict] = field(default_factory=list)       # {"step", "image": {filename, subfolder, type}}
-    saved: list[dict] = field(default_factory=list)         # {"step", "name"} LoRAs written by Save now
+    samples: list[dict] = field(default_factory=list)  # {"step", "image": {filename, subfolder, type}}
+    saved: list[dict] = field(default_factory=list)  # {"step", "name"} LoRAs written by Save now
     stop_requested: bool = False
-    stop_saves: bool = False                # Stop & save: the outputs flow (a plain Stop blocks them)
+    stop_saves: bool = False  # Stop & save: the outputs flow (a plain Stop blocks them)
     save_requested: bool = False
-    can_save: bool = True                   # False for a several-GPU run (its weights are in the child)
+    can_save: bool = True  # False for a several-GPU run (its weights are in the child)
     pause_requested: bool = False
-    paused: bool = False                    # the loop waits now (every rank, for a torchrun run)
+    paused: bool = False  # the loop waits now (every rank, for a torchrun run)
     holdout_steps: list[int] = field(default_factory=list)  # steps with a held-out loss (trainer/run/holdout.py)
     holdout: list[float | None] = field(default_factory=list)
-    grid: dict | None = None                                # the newest sample grid {"step", "image"}
+    grid: dict | None = None  # the newest sample grid {"step", "image"}
 
     def summary(self) -> dict:
-        return {"id": self.id, "name": self.name, "node": self.node, "prompt_id": self.prompt_id,
-                "prompt_ids": list(self.prompt_ids),
-                "arch": self.arch, "status": self.status, "message": self.message, "step": self.step,
-                "total": self.total, "start_step": self.start_step, "started": self.started,
-                "updated": self.updated, "rev": self.rev, "stop_requested": self.stop_requested,
-                "stop_saves": self.stop_saves,
-                "save_requested": self.save_requested, "can_save": self.can_save,
-                "pause_requested": self.pause_requested, "paused": self.paused}
+        return {
+            "id": self.id,
+            "name": self.name,
+            "node": self.node,
+            "prompt_id": self.prompt_id,
+            "prompt_ids": list(self.prompt_ids),
+            "arch": self.arch,
+            "status": self.status,
+            "message": self.message,
+            "step": self.step,
+            "total": self.total,
+            "start_step": self.start_step,
+            "started": self.started,
+            "updated": self.updated,
+            "rev": self.rev,
+            "stop_requested": self.stop_requested,
+            "stop_saves": self.stop_saves,
+            "save_requested": self.save_requested,
+            "can_save": self.can_save,
+            "pause_requested": self.pause_requested,
+            "paused": self.paused,
+        }
 
     def detail(self, max_points: int = MAX_POINTS) -> dict:
         keep = thin(len(self.steps), max_points)
         keep_lr = thin(len(self.lr_steps), max_points)
-        return {**self.summary(), "figures": dict(self.figures), "buckets": dict(self.buckets),
-                "history": {"step": [self.steps[i] for i in keep], "loss": [self.loss[i] for i in keep],
-                            "lr_step": [self.lr_steps[i] for i in keep_lr], "lr": [self.lr[i] for i in keep_lr],
-                            "holdout_step": list(self.holdout_steps), "holdout": list(self.holdout)},
-                "samples": list(self.samples), "saved": list(self.saved), "grid": self.grid}
+        return {
+            **self.summary(),
+            "figures": dict(self.figures),
+            "buckets": dict(self.buckets),
+            "history": {
+                "step": [self.steps[i] for i in keep],
+                "loss": [self.loss[i] for i in keep],
+                "lr_step": [self.lr_steps[i] for i in keep_lr],
+                "lr": [self.lr[i] for i in keep_lr],
+                "holdout_step": list(self.holdout_steps),
+                "holdout": list(self.holdout),
+            },
+            "samples": list(self.samples),
+            "saved": list(self.saved),
+            "grid": self.grid,
+        }
 
 
 def progress_payload(run: Run, report) -> dict:
     """The kiln.progress event for one step: the old fields (step, total, loss, ...) plus the run's id,
     node and status, so a page can tell runs apart and ask GET /kiln/runs/{id} for what it missed."""
-    figures = {"lr": _number(report.lr), "loss": _number(report.loss), "loss_smooth": _number(report.loss_smooth),
-               "it_per_s": _number(report.it_per_s), "eta_s": _number(report.eta_s),
-               "peak_memory_bytes": int(report.peak_memory_bytes or 0),
-               "holdout_loss": _number(getattr(report, "holdout_loss", None))}
-    return {"run_id": run.id, "run": run.name, "node": run.node, "prompt_id": run.prompt_id, "step": report.step,
-            "total": report.total_steps, "started": run.started, "status": run.status, **figures}
+    figures = {
+        "lr": _number(report.lr),
+        "loss": _number(report.loss),
+        "loss_smooth": _number(report.loss_smooth),
+        "it_per_s": _number(report.it_per_s),
+        "eta_s": _number(report.eta_s),
+        "peak_memory_bytes": int(report.peak_memory_bytes or 0),
+        "holdout_loss": _number(getattr(report, "holdout_loss", None)),
+    }
+    return {
+        "run_id": run.id,
+        "run": run.name,
+        "node": run.node,
+        "prompt_id": run.prompt_id,
+        "step": report.step,
+        "total": report.total_steps,
+        "started": run.started,
+        "status": run.status,
+        **figures,
+    }
 
 
 class Registry:
@@ -139,7 +179,7 @@ class Registry:
                 run.prompt_ids.append(run.prompt_id)
             self.runs[run.id] = run
             finished = [r for r in self.runs.values() if r.status != RUNNING]
-            for old in sorted(finished, key=lambda r: r.updated)[:max(0, len(self.runs) - self.keep)]:
+            for old in sorted(finished, key=lambda r: r.updated)[: max(0, len(self.runs) - self.keep)]:
                 del self.runs[old.id]
         return run
 
@@ -152,8 +192,8 @@ class Registry:
             setattr(run, key, value)
         run.status, run.message, run.started, run.step = RUNNING, "", time.time(), run.start_step
         run.stop_requested = run.save_requested = run.pause_requested = run.paused = False
-        run.samples = [s for s in run.samples if s["step"] <= run.start_step]   # later ones are trained again
-        _touch(run)   # its revision goes on: a page keeps applying its summaries
+        run.samples = [s for s in run.samples if s["step"] <= run.start_step]  # later ones are trained again
+        _touch(run)  # its revision goes on: a page keeps applying its summaries
         return run
 
     def preload(self, run: Run, loss: list, lr: list, holdout: list | None = None) -> None:
@@ -175,8 +215,9 @@ class Registry:
                 run.steps.append(report.step)
                 run.loss.append(_number(report.loss))
             payload = progress_payload(run, report)
-            run.figures = {k: payload[k] for k in ("lr", "loss", "loss_smooth", "it_per_s", "eta_s",
-                                                   "peak_memory_bytes")}
+            run.figures = {
+                k: payload[k] for k in ("lr", "loss", "loss_smooth", "it_per_s", "eta_s", "peak_memory_bytes")
+            }
             if report.loss is None:  # a step without a loss reading keeps the last one shown
                 run.figures.update(loss=_number(run.loss[-1]) if run.loss else None)
             if payload["holdout_loss"] is not None:
@@ -263,16 +304,21 @@ class Registry:
             if action is None:
                 return 200, run.detail()
             if method != "POST" or action not in ACTIONS:
-                return 405, {"error": f"{method} /kiln/runs/{{id}}/{action} is not a Kiln action "
-                                      f"(POST {', '.join(ACTIONS)})"}
+                return 405, {
+                    "error": f"{method} /kiln/runs/{{id}}/{action} is not a Kiln action (POST {', '.join(ACTIONS)})"
+                }
             if run.status != RUNNING:
-                return 409, {"error": f"run {run.name} is {run.status}; queue the workflow again to continue it",
-                             "run": run.summary()}
+                return 409, {
+                    "error": f"run {run.name} is {run.status}; queue the workflow again to continue it",
+                    "run": run.summary(),
+                }
             if action == "save" and not run.can_save:
-                return 409, {"error": f"run {run.name} trains in a torchrun child process, whose weights this "
-                                      "server does not hold, so it cannot save it now: use its checkpoints' "
-                                      "LoRAs (checkpoint_loras), or Stop, which saves its LoRA",
-                             "run": run.summary()}
+                return 409, {
+                    "error": f"run {run.name} trains in a torchrun child process, whose weights this "
+                    "server does not hold, so it cannot save it now: use its checkpoints' "
+                    "LoRAs (checkpoint_loras), or Stop, which saves its LoRA",
+                    "run": run.summary(),
+                }
             ACTIONS[action](run)
             _touch(run)
             return 202, {"run": run.summary()}
@@ -289,9 +335,13 @@ def _set(flag: str, value: bool, **others: bool):
 
 # POST /kiln/runs/{id}/<action>: the flags each sets; the training thread reads them between steps. The
 # stop pressed last says what happens downstream.
-ACTIONS = {"stop": _set("stop_requested", True, stop_saves=False),
-           "stop_save": _set("stop_requested", True, stop_saves=True), "save": _set("save_requested", True),
-           "pause": _set("pause_requested", True), "resume": _set("pause_requested", False)}
+ACTIONS = {
+    "stop": _set("stop_requested", True, stop_saves=False),
+    "stop_save": _set("stop_requested", True, stop_saves=True),
+    "save": _set("save_requested", True),
+    "pause": _set("pause_requested", True),
+    "resume": _set("pause_requested", False),
+}
 
 REGISTRY = Registry()
 

@@ -16,6 +16,7 @@ every POST from another site is refused (`cross_site`), on top of ComfyUI's own 
 handlers take the door's call object (params, headers, json(), files()) and return (status, body),
 so tests drive them without a server.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,15 +50,18 @@ class Editor:
 
     def __init__(self, root, max_upload_bytes: int = uploads.MAX_UPLOAD_BYTES, captioners=None):
         self.root, self.max_upload_bytes = root, max_upload_bytes
-        self.captioner_choices = captioners      # () -> dict: Caption Images' choices (needs ComfyUI)
+        self.captioner_choices = captioners  # () -> dict: Caption Images' choices (needs ComfyUI)
 
     def table(self) -> list[tuple[str, str, object]]:
-        return [("GET", "/kiln/datasets", self.list), ("POST", "/kiln/datasets", self.create),
-                ("GET", "/kiln/datasets/{name}", self.show),
-                ("GET", "/kiln/datasets/{name}/verdicts", self.verdicts),
-                ("GET", "/kiln/captioners", self.captioners),
-                ("POST", "/kiln/datasets/{name}/upload", self.upload),
-                ("POST", "/kiln/datasets/{name}/{action}", self.edit)]
+        return [
+            ("GET", "/kiln/datasets", self.list),
+            ("POST", "/kiln/datasets", self.create),
+            ("GET", "/kiln/datasets/{name}", self.show),
+            ("GET", "/kiln/datasets/{name}/verdicts", self.verdicts),
+            ("GET", "/kiln/captioners", self.captioners),
+            ("POST", "/kiln/datasets/{name}/upload", self.upload),
+            ("POST", "/kiln/datasets/{name}/{action}", self.edit),
+        ]
 
     async def list(self, call) -> tuple[int, dict]:
         return await _answer(lambda: {"root": ROOT_LABEL, "datasets": editing.list_folders(self.root())})
@@ -65,10 +69,16 @@ class Editor:
     async def create(self, call) -> tuple[int, dict]:
         async def run():
             body = await _body(call)
-            meta = await asyncio.to_thread(editing.create, self.root(), body.get("name"), type=body.get("type", ""),
-                                           trigger_word=body.get("trigger_word", ""),
-                                           resolutions=body.get("resolutions"))
+            meta = await asyncio.to_thread(
+                editing.create,
+                self.root(),
+                body.get("name"),
+                type=body.get("type", ""),
+                trigger_word=body.get("trigger_word", ""),
+                resolutions=body.get("resolutions"),
+            )
             return 201, {"dataset": meta}
+
         return await _guarded(call, run)
 
     async def show(self, call) -> tuple[int, dict]:
@@ -91,30 +101,34 @@ class Editor:
                 try:
                     added.append(await uploads.receive(folder, filename, chunks, self.max_upload_bytes))
                 except EditError as err:
-                    async for _ in chunks:      # drain the refused part so the next one can be read
+                    async for _ in chunks:  # drain the refused part so the next one can be read
                         pass
                     refused.append({"file": filename, "status": err.status, "error": str(err)})
             if not added and not refused:
                 raise EditError(400, "no files in the upload; send images as multipart form parts")
             status = 200 if added else refused[0]["status"]
             return status, {"added": added, "refused": refused}
+
         return await _guarded(call, run)
 
     async def edit(self, call) -> tuple[int, dict]:
         async def run():
             action, name, body = call.params["action"], call.params["name"], await _body(call)
             if action == "caption":
-                result = await asyncio.to_thread(editing.set_caption, self.root(), name, body.get("path"),
-                                                 body.get("caption"))
+                result = await asyncio.to_thread(
+                    editing.set_caption, self.root(), name, body.get("path"), body.get("caption")
+                )
             elif action == "bulk":
                 extra = {k: body.get(k) for k in ("text", "find", "replace")}
-                result = await asyncio.to_thread(editing.bulk, self.root(), name, body.get("op"), body.get("paths"),
-                                                 **extra)
+                result = await asyncio.to_thread(
+                    editing.bulk, self.root(), name, body.get("op"), body.get("paths"), **extra
+                )
             elif action == "trash":
                 result = await asyncio.to_thread(editing.trash, self.root(), name, body.get("paths"))
             else:
                 raise EditError(404, f"no dataset action {action!r}; use caption, bulk, trash or upload")
             return 200, result
+
         return await _guarded(call, run)
 
 
@@ -152,5 +166,6 @@ def add_routes() -> None:
     from .caption_nodes import caption_choices
     from .comfy import bridge
 
-    bridge.add_json_routes("datasets", Editor(lambda: Path(bridge.folders()["input"]),
-                                              captioners=caption_choices).table())
+    bridge.add_json_routes(
+        "datasets", Editor(lambda: Path(bridge.folders()["input"]), captioners=caption_choices).table()
+    )

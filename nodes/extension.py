@@ -1,4 +1,5 @@
 """The extension ComfyUI loads (comfy_entrypoint in the pack's __init__.py): one registration list."""
+
 from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
@@ -15,8 +16,14 @@ from . import (
     train_nodes,
 )
 
-NODES: list[type[io.ComfyNode]] = [*dataset_nodes.NODES, *train_nodes.NODES, *option_nodes.NODES, *lora_nodes.NODES,
-                                   *lora_tool_nodes.NODES, *launch_nodes.NODES]
+NODES: list[type[io.ComfyNode]] = [
+    *dataset_nodes.NODES,
+    *train_nodes.NODES,
+    *option_nodes.NODES,
+    *lora_nodes.NODES,
+    *lora_tool_nodes.NODES,
+    *launch_nodes.NODES,
+]
 
 
 class KilnExtension(ComfyExtension):

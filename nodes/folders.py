@@ -9,6 +9,7 @@ A run is one folder (a stopped run resumes into it), so each is listed once, wit
 Read-only and names only (never a file-system path), like the dashboard's routes. The widgets stay
 text fields: a picked name is typed into them, and an absolute path still works.
 """
+
 from __future__ import annotations
 
 import json

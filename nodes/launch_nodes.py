@@ -8,6 +8,7 @@ each validation sample the child writes is shown on the node and the dashboard, 
 the IMAGE output. Stop (ComfyUI's or the dashboard's) asks every rank for a clean checkpoint, also while
 paused; the dashboard's Pause writes <run>/PAUSE (Resume removes it), on which the ranks agree; re-queueing
 resumes."""
+
 from __future__ import annotations
 
 import hashlib
@@ -31,13 +32,18 @@ from .comfy import bridge
 from .widgets import CATEGORY, OPTIONS, STEPS_TOOLTIP, parse_list, preset_input, widget
 
 WHERE = "Kiln Train LoRA (several GPUs)"
-FILES = {"model_file": ("diffusion_models", "model_path"), "vae_file": ("vae", "vae_path"),
-         "text_encoder_file": ("text_encoders", "text_encoder_path"), "training_adapter": ("loras", "training_adapter")}
+FILES = {
+    "model_file": ("diffusion_models", "model_path"),
+    "vae_file": ("vae", "vae_path"),
+    "text_encoder_file": ("text_encoders", "text_encoder_path"),
+    "training_adapter": ("loras", "training_adapter"),
+}
 
 
 def _file_input(name: str, folder: str, tooltip: str, optional: bool = False):
-    return io.Combo.Input(name, options=["none", *bridge.model_names(folder)], default="none", optional=optional,
-                          tooltip=tooltip)
+    return io.Combo.Input(
+        name, options=["none", *bridge.model_names(folder)], default="none", optional=optional, tooltip=tooltip
+    )
 
 
 def build_config(arch: str, files: dict, values: dict, preset: str, options: dict | None) -> config_layers.Resolved:
@@ -48,8 +54,10 @@ def build_config(arch: str, files: dict, values: dict, preset: str, options: dic
         if chosen not in (None, "none"):
             paths_of[key] = bridge.model_path(folder, chosen)
         elif arch != "demo" and name != "training_adapter":
-            raise ValueError(f"{WHERE}: arch {arch!r} trains ComfyUI's model from files; choose {name} "
-                             f"(a file in models/{folder}), or arch 'demo' to try it without one")
+            raise ValueError(
+                f"{WHERE}: arch {arch!r} trains ComfyUI's model from files; choose {name} "
+                f"(a file in models/{folder}), or arch 'demo' to try it without one"
+            )
     layers = [("options", options or {}), (WHERE, {**values, "arch": arch, **paths_of})]
     try:
         return config_layers.resolve(layers, preset=None if preset == "none" else preset)
@@ -66,16 +74,28 @@ def run_folder(config: dict, processes: int) -> Path:
     values = cfg_module.identity_values(config)
     blob = json.dumps([values, config["dataset_dir"], processes], sort_keys=True, default=str)
     name = config.get("run_name") or run_folders.default_name([Path(config["dataset_dir"]).name], config["arch"])
-    return run_folders.find_or_claim(Path(bridge.folders()["output"]) / "kiln", name,
-                                     hashlib.sha256(blob.encode()).hexdigest(), where,
-                                     legacy=config.get("run_name") or config["arch"])
+    return run_folders.find_or_claim(
+        Path(bridge.folders()["output"]) / "kiln",
+        name,
+        hashlib.sha256(blob.encode()).hexdigest(),
+        where,
+        legacy=config.get("run_name") or config["arch"],
+    )
 
 
 def report_of(fields: dict) -> Report:
     """A KILN_PROGRESS line as the loop's Report (what the dashboard records); no weights: they are the child's."""
-    return Report(step=fields["step"], total_steps=fields["total"], lr=fields["lr"], it_per_s=fields["it_per_s"],
-                  eta_s=fields["eta_s"], peak_memory_bytes=fields.get("peak_memory_bytes") or 0, loss=fields["loss"],
-                  loss_smooth=fields.get("loss_smooth"), skipped_steps=fields.get("skipped_steps", 0))
+    return Report(
+        step=fields["step"],
+        total_steps=fields["total"],
+        lr=fields["lr"],
+        it_per_s=fields["it_per_s"],
+        eta_s=fields["eta_s"],
+        peak_memory_bytes=fields.get("peak_memory_bytes") or 0,
+        loss=fields["loss"],
+        loss_smooth=fields.get("loss_smooth"),
+        skipped_steps=fields.get("skipped_steps", 0),
+    )
 
 
 def read_image(path: Path):
@@ -115,18 +135,23 @@ def follow(job: launch.Launch, cfg, run_dir: Path, resume: Path | None) -> tuple
         tracker.on_sample(fields["step"], image, fields.get("index", 0))
 
     try:
-        outcome = job.wait(on_progress=on_progress, on_sample=on_sample,
-                           should_stop=lambda: bridge.interrupt_requested() or tracker.should_stop(),
-                           should_pause=lambda: tracker.registry.pause_wanted(tracker.run),
-                           on_pause=lambda fields: tracker.on_pause(fields["paused"]))
+        outcome = job.wait(
+            on_progress=on_progress,
+            on_sample=on_sample,
+            should_stop=lambda: bridge.interrupt_requested() or tracker.should_stop(),
+            should_pause=lambda: tracker.registry.pause_wanted(tracker.run),
+            on_pause=lambda fields: tracker.on_pause(fields["paused"]),
+        )
         if outcome.stopped:
-            bar.update(outcome.step)   # raises ComfyUI's interruption when its Stop asked: the run has a checkpoint
+            bar.update(outcome.step)  # raises ComfyUI's interruption when its Stop asked: the run has a checkpoint
         if outcome.returncode != 0 or outcome.lora is None:
-            raise RuntimeError(f"{WHERE}: the torchrun run in {run_dir} ended with exit code {outcome.returncode} "
-                               f"and no LoRA; its last output:\n{outcome.tail}\nFix what it names, then queue again "
-                               "(a run with a checkpoint resumes)")
+            raise RuntimeError(
+                f"{WHERE}: the torchrun run in {run_dir} ended with exit code {outcome.returncode} "
+                f"and no LoRA; its last output:\n{outcome.tail}\nFix what it names, then queue again "
+                "(a run with a checkpoint resumes)"
+            )
     except BaseException as error:
-        job.stop()   # Stop pressed (Progress.update raised) or any error here: a clean checkpoint, then raise
+        job.stop()  # Stop pressed (Progress.update raised) or any error here: a clean checkpoint, then raise
         job.wait()
         tracker.finish(error=error)
         raise
@@ -141,15 +166,29 @@ def train(config: dict, run_dir: Path, processes: int, gpus: str) -> tuple[Path,
     lora_file = run_dir / f"{run_dir.name}.safetensors"
     if found and found[-1][0] >= config["steps"] and lora_file.is_file():
         return lora_file, f"already trained: {found[-1][1]}; loaded its LoRA instead of training again", False
-    job = launch.Launch(config, run_dir, processes=processes, gpus=gpus,
-                        comfyui_path=None if config["arch"] == "demo" else bridge.comfyui_root())
+    job = launch.Launch(
+        config,
+        run_dir,
+        processes=processes,
+        gpus=gpus,
+        comfyui_path=None if config["arch"] == "demo" else bridge.comfyui_root(),
+    )
     job.start(resume=bool(found))
     outcome, blocked = follow(job, job.config, run_dir, found[-1][1] if found else None)
     if outcome.stopped:
-        then = ("the nodes after this one were skipped (the run is not done)" if blocked else
-                "Stop & save: its LoRA as of that step goes on")
-        return outcome.lora, (f"stopped at step {outcome.step}/{config['steps']} from the dashboard, with a "
-                              f"checkpoint; {then}; queue again to resume"), blocked
+        then = (
+            "the nodes after this one were skipped (the run is not done)"
+            if blocked
+            else "Stop & save: its LoRA as of that step goes on"
+        )
+        return (
+            outcome.lora,
+            (
+                f"stopped at step {outcome.step}/{config['steps']} from the dashboard, with a "
+                f"checkpoint; {then}; queue again to resume"
+            ),
+            blocked,
+        )
     return outcome.lora, f"trained to step {outcome.step}/{config['steps']} on {processes} process(es)", False
 
 
@@ -227,17 +266,20 @@ class KilnTrainLoRATorchrun(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="KilnTrainLoRATorchrun", display_name="Kiln Train LoRA (several GPUs)",
-            category=f"{CATEGORY}/train", is_output_node=True,
+            node_id="KilnTrainLoRATorchrun",
+            display_name="Kiln Train LoRA (several GPUs)",
+            category=f"{CATEGORY}/train",
+            is_output_node=True,
             description="Train a LoRA from model files on several GPUs: the headless run under torchrun as a "
-                        "child process (one process per GPU). Stop saves a checkpoint on every rank; "
-                        "re-queueing resumes it. The run folder holds launch.toml, checkpoints and the LoRA.",
+            "child process (one process per GPU). Stop saves a checkpoint on every rank; "
+            "re-queueing resumes it. The run folder holds launch.toml, checkpoints and the LoRA.",
             inputs=[*launch_inputs(), *launch_extras()],
             outputs=[
                 io.LoraModel.Output(display_name="lora", tooltip="The trained LoRA (ComfyUI's LORA_MODEL)"),
                 io.String.Output(display_name="run_folder", tooltip="The run folder (Kiln Load Run reads it)"),
-                io.Image.Output(display_name="samples", tooltip="The newest step's validation samples, else the "
-                                "loss curve"),
+                io.Image.Output(
+                    display_name="samples", tooltip="The newest step's validation samples, else the loss curve"
+                ),
             ],
         )
 
@@ -246,28 +288,63 @@ class KilnTrainLoRATorchrun(io.ComfyNode):
         return live.fingerprint()  # after a dashboard Stop, queueing again resumes instead of reusing the cache
 
     @classmethod
-    def execute(cls, arch, model_file, vae_file, text_encoder_file, dataset_dir, resolutions, trigger_word, steps,
-                learning_rate, rank, alpha, preset, seed, processes, gpus, options=None, training_adapter="none",
-                sample_prompts="", sample_every=250):
+    def execute(
+        cls,
+        arch,
+        model_file,
+        vae_file,
+        text_encoder_file,
+        dataset_dir,
+        resolutions,
+        trigger_word,
+        steps,
+        learning_rate,
+        rank,
+        alpha,
+        preset,
+        seed,
+        processes,
+        gpus,
+        options=None,
+        training_adapter="none",
+        sample_prompts="",
+        sample_every=250,
+    ):
         if not dataset_dir.strip():
             raise ValueError(f"{WHERE}: dataset_dir is empty; name a folder of images with .txt captions")
-        values = {"dataset_dir": dataset_dir.strip(), "resolutions": parse_list(resolutions, int),
-                  "trigger_word": trigger_word, "steps": steps, "learning_rate": learning_rate, "rank": rank,
-                  "alpha": alpha, "seed": seed}
+        values = {
+            "dataset_dir": dataset_dir.strip(),
+            "resolutions": parse_list(resolutions, int),
+            "trigger_word": trigger_word,
+            "steps": steps,
+            "learning_rate": learning_rate,
+            "rank": rank,
+            "alpha": alpha,
+            "seed": seed,
+        }
         prompts = [line.strip() for line in (sample_prompts or "").splitlines() if line.strip()]
-        if prompts:   # output settings: not part of the run folder's hash
+        if prompts:  # output settings: not part of the run folder's hash
             values.update(sample_prompts=prompts, sample_every=sample_every)
-        files = {"model_file": model_file, "vae_file": vae_file, "text_encoder_file": text_encoder_file,
-                 "training_adapter": training_adapter}
+        files = {
+            "model_file": model_file,
+            "vae_file": vae_file,
+            "text_encoder_file": text_encoder_file,
+            "training_adapter": training_adapter,
+        }
         resolved = build_config(arch, files, values, preset, options)
         config = resolved.config.to_dict()
         run_dir = run_folder(config, processes)
         lora_file, summary, blocked = train(config, run_dir, processes, gpus)
         # As Train LoRA's: after a dashboard Stop nothing downstream saves (or loads) the unfinished run.
-        lora, folder = (bridge.blocked(), bridge.blocked()) if blocked else (bridge.load_lora_file(lora_file),
-                                                                             str(run_dir))
-        return io.NodeOutput(lora, folder, outputs_images(run_dir),
-                             ui=ui.PreviewText(f"{summary}\nrun folder: {run_dir}\n{resolved.report()}"))
+        lora, folder = (
+            (bridge.blocked(), bridge.blocked()) if blocked else (bridge.load_lora_file(lora_file), str(run_dir))
+        )
+        return io.NodeOutput(
+            lora,
+            folder,
+            outputs_images(run_dir),
+            ui=ui.PreviewText(f"{summary}\nrun folder: {run_dir}\n{resolved.report()}"),
+        )
 
 
 NODES = [KilnTrainLoRATorchrun]

@@ -9,6 +9,7 @@ and returns; `keeps_outputs` then tells Train LoRA whether to pass its outputs o
 `should_pause` (it waits between steps, the node still running, memory kept); `on_step` writes a Save now LoRA
 from the step's best weights, and so does `should_pause` while the loop waits.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,9 +27,9 @@ from ..trainer.samples.grid import SampleGrid
 from . import dashboard
 from .comfy import bridge
 
-SAMPLE_PX = 512               # longest side of a sample as the dashboard shows it
-SAMPLES_SUBFOLDER = "kiln"    # under ComfyUI's temp folder (emptied when ComfyUI starts)
-SAVED_SUBFOLDER = "kiln"      # Save now LoRAs go to models/loras/kiln/
+SAMPLE_PX = 512  # longest side of a sample as the dashboard shows it
+SAMPLES_SUBFOLDER = "kiln"  # under ComfyUI's temp folder (emptied when ComfyUI starts)
+SAVED_SUBFOLDER = "kiln"  # Save now LoRAs go to models/loras/kiln/
 
 
 def fingerprint() -> int:
@@ -45,38 +46,55 @@ def prior_history(checkpoint) -> tuple[list, list, list]:
         history = state.read_history(checkpoint)
         return history.loss, history.lr, history.holdout
     except (OSError, ValueError, KeyError, TypeError):
-        return [], [], []   # a run folder or an unreadable file: the curve starts at the resumed step
+        return [], [], []  # a run folder or an unreadable file: the curve starts at the resumed step
 
 
 class Tracker:
     """One Train LoRA execution on the dashboard."""
 
-    def __init__(self, cfg, run_dir: Path, data, resume=None, registry: dashboard.Registry = dashboard.REGISTRY,
-                 can_save: bool = True, prompts: Sequence[str] = ()):
+    def __init__(
+        self,
+        cfg,
+        run_dir: Path,
+        data,
+        resume=None,
+        registry: dashboard.Registry = dashboard.REGISTRY,
+        can_save: bool = True,
+        prompts: Sequence[str] = (),
+    ):
         """data None: a run in a child process (Train LoRA (several GPUs)), whose buckets this side does not
         know and whose weights it does not hold (can_save False: Save now is refused; Pause works through
         <run>/PAUSE). prompts: the grid's column headers, one per validation sample of a step."""
         node, prompt_id = bridge.executing_node()
         loss, lr, holdout = prior_history(resume)
         self.cfg, self.registry = cfg, registry
-        self.run_key = run_folders.run_key(run_dir)   # its kiln.run in the LoRA files it saves, as Save LoRA's
-        self.latest = None   # (step, weights()) of the newest step: what a Save now while paused writes
+        self.run_key = run_folders.run_key(run_dir)  # its kiln.run in the LoRA files it saves, as Save LoRA's
+        self.latest = None  # (step, weights()) of the newest step: what a Save now while paused writes
         # A child run (data None) writes its own samples and grid into the run folder: this side only shows them.
         self.grid = SampleGrid(run_dir, list(prompts)).load_existing() if data is not None else None
         buckets = {key: len(items) for key, items in data.buckets.items()} if data is not None else {}
         # The run folder is the run: a resumed execution of it continues the same dashboard entry.
-        self.run = registry.start(Path(run_dir).name, cfg.steps, folder=str(Path(run_dir).resolve()),
-                                  start_step=len(lr), node=node, prompt_id=prompt_id, arch=cfg.arch, buckets=buckets,
-                                  can_save=can_save)
+        self.run = registry.start(
+            Path(run_dir).name,
+            cfg.steps,
+            folder=str(Path(run_dir).resolve()),
+            start_step=len(lr),
+            node=node,
+            prompt_id=prompt_id,
+            arch=cfg.arch,
+            buckets=buckets,
+            can_save=can_save,
+        )
         registry.preload(self.run, loss, lr, holdout)
         bridge.send_event("kiln.run", self.run.summary())
 
     def on_step(self, report) -> None:
         bridge.send_event("kiln.progress", self.registry.record(self.run, report))
         cfg, step = self.cfg, report.step
-        at_checkpoint = cfg.checkpoint_loras and (step == cfg.steps or (cfg.checkpoint_every
-                                                                        and step % cfg.checkpoint_every == 0))
-        if report.weights is None:   # no weights on this side (a torchrun child's relay): a request stays pending
+        at_checkpoint = cfg.checkpoint_loras and (
+            step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+        )
+        if report.weights is None:  # no weights on this side (a torchrun child's relay): a request stays pending
             return
         self.latest = (step, report.weights)
         if self.registry.take_save(self.run) or at_checkpoint:
@@ -141,9 +159,14 @@ class Tracker:
         EMA is on) into models/loras/kiln/ (atomic write); its LoraLoader name."""
         name = f"{SAVED_SUBFOLDER}/{self.run.name}-step{step:06d}.safetensors"
         cfg = self.cfg
-        lora_format.save_lora(Path(bridge.folders()["loras"]) / name, weights, arch=cfg.arch, fmt=cfg.lora_format,
-                              dtype=cfg.save_dtype, metadata={**lora_metadata(cfg, get_arch(cfg.arch), step),
-                                                              run_folders.RUN_KEY: self.run_key})
+        lora_format.save_lora(
+            Path(bridge.folders()["loras"]) / name,
+            weights,
+            arch=cfg.arch,
+            fmt=cfg.lora_format,
+            dtype=cfg.save_dtype,
+            metadata={**lora_metadata(cfg, get_arch(cfg.arch), step), run_folders.RUN_KEY: self.run_key},
+        )
         bridge.refresh_loras()
         print(f"[Kiln] saved {name} (step {step})")
         return name
@@ -153,8 +176,11 @@ class Tracker:
             status = dashboard.INTERRUPTED if isinstance(error, bridge.Interrupted) else dashboard.FAILED
             message = "stopped by ComfyUI's stop button" if status == dashboard.INTERRUPTED else str(error)[:300]
         elif result.stopped:
-            then = ("its LoRA goes on to the nodes after Train LoRA" if self.keeps_outputs()
-                    else "the nodes after Train LoRA were skipped")
+            then = (
+                "its LoRA goes on to the nodes after Train LoRA"
+                if self.keeps_outputs()
+                else "the nodes after Train LoRA were skipped"
+            )
             status, message = dashboard.STOPPED, f"stopped at step {result.step} from the dashboard; {then}"
         else:
             status, message = dashboard.FINISHED, f"trained to step {result.step}"

@@ -20,6 +20,7 @@ fingerprint moved on, so a re-queue runs the node again too. After a restart the
 above apply. Dataset edits on disk reach the hash through Load Dataset's fingerprint.
 tests/nodes/test_node_faults.py and test_stop_and_save.py hold each case.
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,7 +51,7 @@ class KilnState:
     """KILN_STATE: a finished or stopped run, resumable from `checkpoint`."""
 
     run_dir: str
-    checkpoint: str                     # step-NNNNNN folder
+    checkpoint: str  # step-NNNNNN folder
     step: int
     arch: str
     config: dict
@@ -63,10 +64,16 @@ class KilnState:
         checkpoint = state_module.load_checkpoint(path)
         info = checkpoint.info
         has_ema = any(k.startswith("ema.") for k in checkpoint.tensors)
-        return cls(run_dir=str(checkpoint.path.parent), checkpoint=str(checkpoint.path), step=checkpoint.step,
-                   arch=info["arch"], config=info["config"], lora=state_module.checkpoint_lora(checkpoint),
-                   ema_lora=state_module.checkpoint_lora(checkpoint, ema=True) if has_ema else None,
-                   history=state_module.checkpoint_history(checkpoint))
+        return cls(
+            run_dir=str(checkpoint.path.parent),
+            checkpoint=str(checkpoint.path),
+            step=checkpoint.step,
+            arch=info["arch"],
+            config=info["config"],
+            lora=state_module.checkpoint_lora(checkpoint),
+            ema_lora=state_module.checkpoint_lora(checkpoint, ema=True) if has_ema else None,
+            history=state_module.checkpoint_history(checkpoint),
+        )
 
     def best_lora(self) -> dict[str, LoraWeights]:
         """What the run is for: the EMA weights when EMA was on, else the trained weights."""
@@ -79,10 +86,17 @@ def run_key(state: KilnState) -> str:
 
 
 def dataset_identity(dataset: Dataset) -> str:
-    parts = [[i.sha256, i.repeats] for i in dataset.report.items], dataset.captions, [
-        dataset.latent_identity, dataset.text_identity, sorted(dataset.failed_items),
-        [[e.item, e.bucket, e.resized, e.offset] for e in dataset.plan.entries]]
-    if dataset.preservation_class or dataset.regularisation is not None:   # DOP's class word, the reg set's content
+    parts = (
+        [[i.sha256, i.repeats] for i in dataset.report.items],
+        dataset.captions,
+        [
+            dataset.latent_identity,
+            dataset.text_identity,
+            sorted(dataset.failed_items),
+            [[e.item, e.bucket, e.resized, e.offset] for e in dataset.plan.entries],
+        ],
+    )
+    if dataset.preservation_class or dataset.regularisation is not None:  # DOP's class word, the reg set's content
         reg = dataset.regularisation
         parts = [*parts, dataset.preservation_class, dataset_identity(reg) if reg is not None else None]
     return hashlib.sha256(json.dumps(parts, default=list).encode()).hexdigest()
@@ -103,20 +117,30 @@ def run_folder(cfg: cfg_module.TrainConfig, dataset: Dataset, resume_from: str |
     a user tells runs apart by; the arch alone would name every run of a family alike), else the arch."""
     name = cfg.run_name or run_folders.default_name([Path(dataset.report.root).name], cfg.arch)
     identity = run_identity(cfg, dataset, resume_from)
-    return run_folders.find_or_claim(output_root, name, identity, "Kiln Training Options: run_name",
-                                     legacy=cfg.run_name or cfg.arch)
+    return run_folders.find_or_claim(
+        output_root, name, identity, "Kiln Training Options: run_name", legacy=cfg.run_name or cfg.arch
+    )
 
 
 @dataclass
 class Outcome:
     state: KilnState
-    samples: list                      # IMAGE tensors from validation
+    samples: list  # IMAGE tensors from validation
     message: str
-    blocked: bool = False              # stopped by the dashboard's Stop: the nodes downstream must not save it
+    blocked: bool = False  # stopped by the dashboard's Stop: the nodes downstream must not save it
 
 
-def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=None, resume_state: KilnState | None = None,
-            validation=None, output_root: Path, init: InitLora | None = None) -> Outcome:
+def execute(
+    cfg: cfg_module.TrainConfig,
+    model,
+    dataset: Dataset,
+    *,
+    adapter=None,
+    resume_state: KilnState | None = None,
+    validation=None,
+    output_root: Path,
+    init: InitLora | None = None,
+) -> Outcome:
     if cfg.run_name:  # before anything is loaded or written
         paths.check_name(cfg.run_name, "Kiln Training Options: run_name")
     resume_from = resume_state.checkpoint if resume_state is not None else None
@@ -125,22 +149,40 @@ def execute(cfg: cfg_module.TrainConfig, model, dataset: Dataset, *, adapter=Non
     newest = found[-1] if found else None
     if newest is not None and newest[0] >= cfg.steps:
         state = KilnState.from_checkpoint(newest[1])
-        return Outcome(state, [], f"already trained: {newest[1]} (step {newest[0]}); loaded it instead of "
-                                  "training again. Delete that folder or change a setting to train anew.")
+        return Outcome(
+            state,
+            [],
+            f"already trained: {newest[1]} (step {newest[0]}); loaded it instead of "
+            "training again. Delete that folder or change a setting to train anew.",
+        )
     resume = newest[1] if newest is not None else resume_from
     lines = [f"resuming from {resume}" if resume else "training from step 0", f"run folder: {run_dir}"]
     front = TrainNode(cfg, run_dir, resume, validation, lines)
     try:
-        result: RunResult = bridge.train(cfg, model, dataset, adapter=adapter, setup=front.setup,
-                                         run=functools.partial(train, run_dir=run_dir, init=init))
+        result: RunResult = bridge.train(
+            cfg,
+            model,
+            dataset,
+            adapter=adapter,
+            setup=front.setup,
+            run=functools.partial(train, run_dir=run_dir, init=init),
+        )
     except BaseException as error:
         if front.tracker is not None:
             front.tracker.finish(error=error)
         raise
     blocked = result.stopped and not front.tracker.keeps_outputs()
     front.tracker.finish(result)
-    state = KilnState(run_dir=str(run_dir), checkpoint=str(result.checkpoint), step=result.step, arch=cfg.arch,
-                      config=cfg.to_dict(), lora=result.lora, ema_lora=result.ema_lora, history=result.history)
+    state = KilnState(
+        run_dir=str(run_dir),
+        checkpoint=str(result.checkpoint),
+        step=result.step,
+        arch=cfg.arch,
+        config=cfg.to_dict(),
+        lora=result.lora,
+        ema_lora=result.ema_lora,
+        history=result.history,
+    )
     summary = summary_line(cfg, result, blocked)
     return Outcome(state, front.samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]), blocked)
 
@@ -198,17 +240,27 @@ def summary_line(cfg: cfg_module.TrainConfig, result: RunResult, blocked: bool) 
     losses = [v for v in result.history.loss if np.isfinite(v)]
     summary = f"trained to step {result.step}/{cfg.steps}; {result.trainable_parameters:,} LoRA parameters"
     if result.history.skipped:
-        summary += (f"; {len(result.history.skipped)} step(s) skipped for a NaN/inf loss (images: "
-                    f"{', '.join(sorted({n for e in result.history.skipped for n in e['items']}))})")
+        summary += (
+            f"; {len(result.history.skipped)} step(s) skipped for a NaN/inf loss (images: "
+            f"{', '.join(sorted({n for e in result.history.skipped for n in e['items']}))})"
+        )
     if result.stopped:
-        summary = (f"stopped at step {result.step} from the dashboard; " + (
-            "the nodes after Train LoRA (Save LoRA, ...) were skipped: the run is not done. Queue again to continue "
-            "(Stop & save passes the LoRA on instead)" if blocked else
-            f"Stop & save: its LoRA as of step {result.step} goes on to the nodes after Train LoRA. Queue again "
-            "to continue") + f". {summary}")
+        summary = (
+            f"stopped at step {result.step} from the dashboard; "
+            + (
+                "the nodes after Train LoRA (Save LoRA, ...) were skipped: the run is not done. Queue again to continue "
+                "(Stop & save passes the LoRA on instead)"
+                if blocked
+                else f"Stop & save: its LoRA as of step {result.step} goes on to the nodes after Train LoRA. Queue again "
+                "to continue"
+            )
+            + f". {summary}"
+        )
     if result.best is not None:
-        summary += (f"; held-out loss best {result.best.loss:.4f} at step {result.best.step}"
-                    f"{' (stopped early)' if result.early_stopped else ''}, its LoRA: {result.best_lora}")
+        summary += (
+            f"; held-out loss best {result.best.loss:.4f} at step {result.best.step}"
+            f"{' (stopped early)' if result.early_stopped else ''}, its LoRA: {result.best_lora}"
+        )
     if losses:
         tenth = max(1, len(losses) // 10)
         summary += f"; loss {np.mean(losses[:tenth]):.4f} → {np.mean(losses[-tenth:]):.4f}"
@@ -239,8 +291,10 @@ def resolve_run(text: str) -> Path:
         return path
     found = state_module.list_checkpoints(path)
     if not found:
-        raise ValueError(f"Kiln Load Run: {path} has no complete checkpoint (step-NNNNNN with run.json) yet; "
-                         f"runs with one under output/kiln/: {known_runs(root)}")
+        raise ValueError(
+            f"Kiln Load Run: {path} has no complete checkpoint (step-NNNNNN with run.json) yet; "
+            f"runs with one under output/kiln/: {known_runs(root)}"
+        )
     return found[-1][1]
 
 

@@ -1,4 +1,5 @@
 """Train LoRA and the nodes that feed it: Training Options, Validation Settings, Load Run."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,36 +22,61 @@ class KilnValidationSettings(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="KilnValidationSettings", display_name="Kiln Validation Settings", category=f"{CATEGORY}/train",
+            node_id="KilnValidationSettings",
+            display_name="Kiln Validation Settings",
+            category=f"{CATEGORY}/train",
             description="Sample images during training with ComfyUI's own sampler (EMA weights when EMA is on, "
-                        "the model without the training adapter). Samples stream as previews.",
+            "the model without the training adapter). Samples stream as previews.",
             inputs=[
                 io.Conditioning.Input("positive", tooltip="Prompt to sample (use the trigger word)"),
                 io.Conditioning.Input("negative", tooltip="Negative prompt (an empty CLIP Text Encode is fine)"),
                 io.Vae.Input("vae", tooltip="VAE to decode the samples"),
-                io.Int.Input("seed", default=0, min=0, max=2**32 - 1, control_after_generate=io.ControlAfterGenerate.fixed,
-                             tooltip="Sampling seed (fixed: compare steps)"),
+                io.Int.Input(
+                    "seed",
+                    default=0,
+                    min=0,
+                    max=2**32 - 1,
+                    control_after_generate=io.ControlAfterGenerate.fixed,
+                    tooltip="Sampling seed (fixed: compare steps)",
+                ),
                 io.Int.Input("steps", default=8, min=1, max=200, tooltip="Sampling steps (Turbo: 8)"),
-                io.Float.Input("cfg", default=1.0, min=0.0, max=30.0, step=0.1, tooltip="CFG scale (Turbo, Klein: 1.0)"),
-                io.Combo.Input("sampler_name", options=bridge.sampler_names(), default="euler",
-                               tooltip="ComfyUI sampler"),
-                io.Combo.Input("scheduler", options=bridge.scheduler_names(), default="simple",
-                               tooltip="ComfyUI scheduler"),
+                io.Float.Input(
+                    "cfg", default=1.0, min=0.0, max=30.0, step=0.1, tooltip="CFG scale (Turbo, Klein: 1.0)"
+                ),
+                io.Combo.Input(
+                    "sampler_name", options=bridge.sampler_names(), default="euler", tooltip="ComfyUI sampler"
+                ),
+                io.Combo.Input(
+                    "scheduler", options=bridge.scheduler_names(), default="simple", tooltip="ComfyUI scheduler"
+                ),
                 io.Int.Input("width", default=512, min=64, max=4096, step=16, tooltip="Sample width"),
                 io.Int.Input("height", default=512, min=64, max=4096, step=16, tooltip="Sample height"),
-                io.Int.Input("every", default=250, min=1, max=1_000_000, tooltip="Sample every N steps and at the "
-                             "end (in a chain, the smallest every of the chain)"),
-                VALIDATION.Input("validation", optional=True, tooltip="Another Kiln Validation Settings: its "
-                                 "prompts are sampled first, then this one (one column of the sample grid each)"),
+                io.Int.Input(
+                    "every",
+                    default=250,
+                    min=1,
+                    max=1_000_000,
+                    tooltip="Sample every N steps and at the end (in a chain, the smallest every of the chain)",
+                ),
+                VALIDATION.Input(
+                    "validation",
+                    optional=True,
+                    tooltip="Another Kiln Validation Settings: its "
+                    "prompts are sampled first, then this one (one column of the sample grid each)",
+                ),
             ],
-            outputs=[VALIDATION.Output(display_name="validation", tooltip="Plug into Kiln Train LoRA, or into "
-                                       "another Validation Settings to sample several prompts")],
-            hidden=[io.Hidden.prompt, io.Hidden.unique_id],   # the positive prompt's text heads its grid column
+            outputs=[
+                VALIDATION.Output(
+                    display_name="validation",
+                    tooltip="Plug into Kiln Train LoRA, or into another Validation Settings to sample several prompts",
+                )
+            ],
+            hidden=[io.Hidden.prompt, io.Hidden.unique_id],  # the positive prompt's text heads its grid column
         )
 
     @classmethod
     def execute(cls, validation=None, **values):
-        hidden = cls.hidden   # None when called outside a prompt (tests)
+        hidden = cls.hidden  # None when called outside a prompt (tests)
         text = validation_chain.header(getattr(hidden, "prompt", None), getattr(hidden, "unique_id", None))
         return io.NodeOutput(validation_chain.chain(validation, validation_chain.Validation(**values, prompt=text)))
 
@@ -59,17 +85,23 @@ class KilnValidationSettings(io.ComfyNode):
 MODEL_FAMILIES = [arch.name for arch in ARCHS.values() if arch.comfy is not None]
 
 
-def build_config(model, dataset, widgets: dict, preset: str, options: dict | None,
-                 adapter: bool) -> config_layers.Resolved:
+def build_config(
+    model, dataset, widgets: dict, preset: str, options: dict | None, adapter: bool
+) -> config_layers.Resolved:
     """preset < option nodes < this node's widgets < the dataset's own settings < the detected arch.
 
     Every value a connected option node sets wins over the preset, at its default or not: connect only the
     option nodes whose settings you mean to set (Kiln EMA & Held-out alone keeps the preset's loss weighting)."""
     arch = bridge.detect_arch(model, adapter=adapter)  # with a training adapter: Z-Image Turbo
     s = dataset.settings
-    data = dict(resolutions=list(s.resolutions), repeats=s.repeats, caption_dropout=s.caption_dropout,
-                trigger_word=s.captions.trigger_word, dataset_dir=dataset.report.root,
-                preservation_class=dataset.preservation_class)
+    data = dict(
+        resolutions=list(s.resolutions),
+        repeats=s.repeats,
+        caption_dropout=s.caption_dropout,
+        trigger_word=s.captions.trigger_word,
+        dataset_dir=dataset.report.root,
+        preservation_class=dataset.preservation_class,
+    )
     reg = dataset.regularisation
     if reg is not None:
         data.update(reg_dataset_dir=reg.report.root, reg_repeats=reg.settings.repeats)
@@ -84,19 +116,26 @@ def start_from(cfg, lora_model, file_name: str, resume):
     where = "Kiln Train LoRA"
     chosen = file_name not in (None, "none")
     if lora_model is not None and chosen:
-        raise ValueError(f"{where}: both init_lora and init_lora_file are set; connect one LoRA to start from "
-                         "(set init_lora_file to none, or disconnect init_lora)")
+        raise ValueError(
+            f"{where}: both init_lora and init_lora_file are set; connect one LoRA to start from "
+            "(set init_lora_file to none, or disconnect init_lora)"
+        )
     if resume is not None and (lora_model is not None or chosen):
-        raise ValueError(f"{where}: resume continues a run from its checkpoint, init_lora starts a new one from "
-                         "a LoRA; connect one of them")
+        raise ValueError(
+            f"{where}: resume continues a run from its checkpoint, init_lora starts a new one from "
+            "a LoRA; connect one of them"
+        )
     if resume is not None and resume.config.get("init_lora_sha256"):
         started = {key: resume.config[key] for key in ("rank", "alpha", "init_lora", "init_lora_sha256")}
         return cfg_module.replace(cfg, **started), None
     if lora_model is None and not chosen:
         return cfg, None
     try:
-        init = (init_module.from_file(bridge.lora_path(file_name), cfg.arch) if chosen else
-                init_module.from_tensors_named(bridge.lora_arrays(lora_model), "LORA_MODEL", cfg.arch))
+        init = (
+            init_module.from_file(bridge.lora_path(file_name), cfg.arch)
+            if chosen
+            else init_module.from_tensors_named(bridge.lora_arrays(lora_model), "LORA_MODEL", cfg.arch)
+        )
         return init_module.settle(cfg, init), init
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
@@ -186,16 +225,20 @@ class KilnTrainLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="KilnTrainLoRA", display_name="Kiln Train LoRA", category=f"{CATEGORY}/train",
+            node_id="KilnTrainLoRA",
+            display_name="Kiln Train LoRA",
+            category=f"{CATEGORY}/train",
             description="Train a LoRA on the model in place (side branches; the model is left as it was). "
-                        "Checkpoints go to output/kiln/<run>; re-queueing resumes a stopped run and reuses a "
-                        "finished one. The dashboard's Stop skips the nodes after this one (the run is not done); "
-                        "its Stop & save passes the LoRA as of that step on.",
+            "Checkpoints go to output/kiln/<run>; re-queueing resumes a stopped run and reuses a "
+            "finished one. The dashboard's Stop skips the nodes after this one (the run is not done); "
+            "its Stop & save passes the LoRA as of that step on.",
             is_output_node=True,
             inputs=[*train_inputs(), *train_sockets()],
             outputs=[
-                io.Model.Output(display_name="model", tooltip="The input model with the trained LoRA (EMA weights "
-                                "when EMA is on), ready for KSampler"),
+                io.Model.Output(
+                    display_name="model",
+                    tooltip="The input model with the trained LoRA (EMA weights when EMA is on), ready for KSampler",
+                ),
                 io.LoraModel.Output(display_name="lora", tooltip="The trained LoRA (ComfyUI's LORA_MODEL)"),
                 STATE.Output(display_name="state", tooltip="The resumable run (KILN_STATE)"),
                 io.LossMap.Output(display_name="loss_map", tooltip="Loss per step (ComfyUI's LOSS_MAP)"),
@@ -208,37 +251,82 @@ class KilnTrainLoRA(io.ComfyNode):
         return live.fingerprint()  # after a dashboard Stop, queueing again resumes instead of reusing the cache
 
     @classmethod
-    def execute(cls, model, dataset, steps, learning_rate, rank, alpha, optimizer, preset, backend, seed,
-                options=None, training_adapter="none", resume=None, validation=None, init_lora=None,
-                init_lora_file="none", reg_dataset=None):
-        widgets = dict(steps=steps, learning_rate=learning_rate, rank=rank, alpha=alpha, optimizer=optimizer,
-                       backend=backend, seed=seed)
-        adapter = None if training_adapter in (None, "none") else bridge.load_lora_file(
-            bridge.lora_path(training_adapter))
+    def execute(
+        cls,
+        model,
+        dataset,
+        steps,
+        learning_rate,
+        rank,
+        alpha,
+        optimizer,
+        preset,
+        backend,
+        seed,
+        options=None,
+        training_adapter="none",
+        resume=None,
+        validation=None,
+        init_lora=None,
+        init_lora_file="none",
+        reg_dataset=None,
+    ):
+        widgets = dict(
+            steps=steps,
+            learning_rate=learning_rate,
+            rank=rank,
+            alpha=alpha,
+            optimizer=optimizer,
+            backend=backend,
+            seed=seed,
+        )
+        adapter = (
+            None if training_adapter in (None, "none") else bridge.load_lora_file(bridge.lora_path(training_adapter))
+        )
         if adapter is not None:
             bridge.require_fit(model, adapter, f"Kiln Train LoRA: training_adapter {training_adapter!r}")
         dataset = dataset.with_regularisation(reg_dataset)
         resolved = build_config(model, dataset, widgets, preset, options, adapter is not None)
         cfg, init = start_from(resolved.config, init_lora, init_lora_file, resume)
         resolved = resolved.then(cfg, "init LoRA" if init is not None else "resumed run")
-        outcome = run.execute(cfg, model, dataset, adapter=adapter, resume_state=resume, validation=validation,
-                              output_root=Path(bridge.folders()["output"]) / "kiln", init=init)
+        outcome = run.execute(
+            cfg,
+            model,
+            dataset,
+            adapter=adapter,
+            resume_state=resume,
+            validation=validation,
+            output_root=Path(bridge.folders()["output"]) / "kiln",
+            init=init,
+        )
         state = outcome.state
         images = bridge.cat_images(outcome.samples) if outcome.samples else run.loss_image(state)
-        return io.NodeOutput(*trained_outputs(model, outcome), bridge.loss_map(state.history.loss), images,
-                             ui=ui.PreviewText(f"{outcome.message}\n{resolved.report()}"))
+        return io.NodeOutput(
+            *trained_outputs(model, outcome),
+            bridge.loss_map(state.history.loss),
+            images,
+            ui=ui.PreviewText(f"{outcome.message}\n{resolved.report()}"),
+        )
 
 
 class KilnLoadRun(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="KilnLoadRun", display_name="Kiln Load Run", category=f"{CATEGORY}/train",
+            node_id="KilnLoadRun",
+            display_name="Kiln Load Run",
+            category=f"{CATEGORY}/train",
             description="A run folder (or one step-NNNNNN checkpoint) as KILN_STATE: resume it in Train LoRA, "
-                        "or take its LoRA with Apply EMA.",
-            inputs=[io.String.Input("run_folder", default="", tooltip="A folder under output/kiln/ (name, "
-                                    "or an absolute path; the 'choose a run…' button lists them); its newest "
-                                    "complete checkpoint is used")],
+            "or take its LoRA with Apply EMA.",
+            inputs=[
+                io.String.Input(
+                    "run_folder",
+                    default="",
+                    tooltip="A folder under output/kiln/ (name, "
+                    "or an absolute path; the 'choose a run…' button lists them); its newest "
+                    "complete checkpoint is used",
+                )
+            ],
             outputs=[STATE.Output(display_name="state", tooltip="The run state (KILN_STATE)")],
         )
 

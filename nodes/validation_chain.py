@@ -8,6 +8,7 @@ or another encoder's prompt), through conditioning nodes in between (Flux Guidan
 and text primitives. Without one (a node run outside a prompt, an encoder fed by a node that computes the
 text), the column is headed by the Validation Settings node's title.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,12 +21,13 @@ FALLBACK_HEADER = "Validation Settings"
 TEXT_INPUTS = ("text", "prompt", "t5xxl", "text_g", "clip_l", "value", "string")
 # Inputs that carry a CONDITIONING through a node (FluxGuidance, ReferenceLatent, ConditioningCombine, ...).
 CONDITIONING_INPUTS = ("conditioning", "conditioning_to", "conditioning_1", "positive")
-MAX_HOPS = 8   # links followed at most (a malformed prompt could hold a cycle)
+MAX_HOPS = 8  # links followed at most (a malformed prompt could hold a cycle)
 
 
 @dataclass(frozen=True)
 class Validation(bridge.Sample):
     """One Validation Settings: the image to sample, how often, and the text heading its grid column."""
+
     every: int
     prompt: str = FALLBACK_HEADER
 
@@ -33,6 +35,7 @@ class Validation(bridge.Sample):
 @dataclass(frozen=True)
 class ValidationChain:
     """KILN_VALIDATION: every Validation Settings of a chain, in order; Train LoRA samples each."""
+
     samples: tuple[Validation, ...]
 
     @property

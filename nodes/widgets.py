@@ -5,6 +5,7 @@ A widget's bounds and choices come from `config.BOUNDS` and `config.CHOICES`,
 its default from `TrainConfig`, its tooltip from that field's help text
 (`config.HELP`), so the UI can never offer a value the trainer would refuse.
 """
+
 from __future__ import annotations
 
 import decimal
@@ -31,12 +32,18 @@ HAS_ADVANCED = "advanced" in inspect.signature(io.Boolean.Input.__init__).parame
 # The "auto" settings shipped in 0.1.0 as the widget types saved workflows hold for them (a boolean, a number):
 # the widget value that means auto, and the tooltip that says so.
 AUTO_WIDGETS = {
-    "compile_blocks": (True, "torch.compile each block (fuses norms, RoPE, gates; the first steps compile). On: "
-                             "where it pays (CUDA with Triton; a compile that fails there goes on uncompiled, with "
-                             "a log line); off: never."),
-    "checkpoint_budget": (-1.0, "With compiled blocks and checkpointing: share of each block's activation memory "
-                                "kept (0 = recompute the block, 1 = keep all; faster, more memory). -1 = auto: the "
-                                "largest share whose estimated peak leaves a margin of the GPU's free memory."),
+    "compile_blocks": (
+        True,
+        "torch.compile each block (fuses norms, RoPE, gates; the first steps compile). On: "
+        "where it pays (CUDA with Triton; a compile that fails there goes on uncompiled, with "
+        "a log line); off: never.",
+    ),
+    "checkpoint_budget": (
+        -1.0,
+        "With compiled blocks and checkpointing: share of each block's activation memory "
+        "kept (0 = recompute the block, 1 = keep all; faster, more memory). -1 = auto: the "
+        "largest share whose estimated peak leaves a margin of the GPU's free memory.",
+    ),
 }
 
 # "auto" settings added after 0.1.0 are combos of three words (no saved workflow holds another type for them):
@@ -71,8 +78,9 @@ def float_step(name: str, value: float, low: float | None, high: float | None) -
     return float(f"1e-{digits}")
 
 
-def widget(name: str, *, default=None, tooltip_text: str | None = None, optional: bool = False,
-           display_name: str | None = None):
+def widget(
+    name: str, *, default=None, tooltip_text: str | None = None, optional: bool = False, display_name: str | None = None
+):
     """The widget for TrainConfig field `name`: bounds, choices, default and tooltip from its declaration."""
     kind = cfg_module.KIND[name]  # an auto setting's type without "auto": what its widget holds
     value = getattr(_DEFAULTS, name) if default is None else default
@@ -94,12 +102,17 @@ def widget(name: str, *, default=None, tooltip_text: str | None = None, optional
     if kind == "int":
         # A seed that re-rolls after each queue would start a new run instead of resuming this one.
         fixed = dict(control_after_generate=io.ControlAfterGenerate.fixed) if name == "seed" else {}
-        return io.Int.Input(name, default=value, min=int(low) if low is not None else None,
-                            max=int(high) if high is not None else None, **fixed, **common)
+        return io.Int.Input(
+            name,
+            default=value,
+            min=int(low) if low is not None else None,
+            max=int(high) if high is not None else None,
+            **fixed,
+            **common,
+        )
     if kind == "float":
         # No `round`: the frontends round to the step's decimals whatever it says (round=False included).
-        return io.Float.Input(name, default=value, min=low, max=high, step=float_step(name, value, low, high),
-                              **common)
+        return io.Float.Input(name, default=value, min=low, max=high, step=float_step(name, value, low, high), **common)
     if kind in ("list[int]", "list[str]"):
         return io.String.Input(name, default=", ".join(str(v) for v in value), **common)
     return io.String.Input(name, default=value, **common)
@@ -116,7 +129,7 @@ def preset_input():
 
 
 def parse_list(text: str, kind=str) -> list:
-    """"512, 768,1024" → [512, 768, 1024]; blank → []."""
+    """ "512, 768,1024" → [512, 768, 1024]; blank → []."""
     items = [t.strip() for t in re.split(r"[,\n]", text or "") if t.strip()]
     try:
         return [kind(t) for t in items]

@@ -17,6 +17,7 @@ and the torch version) and reused while it is complete; a half-built one is neve
 the end). PyPI's torchvision/torchaudio wheels do not load against the CPU torch: tests/helpers/comfy_env.py
 works around that at run time, in the tests and in the server launcher.
 """
+
 from __future__ import annotations
 
 import ast
@@ -50,8 +51,9 @@ def version_of(tree: Path) -> str:
 
 def torch_version(python: str = sys.executable) -> str:
     """The torch version installed for `python`, without its local tag (2.13.0+cpu → 2.13.0)."""
-    done = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('torch'))"], capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise SystemExit(f"torch is not installed for {python}; ./scripts/test installs it first")
     return done.stdout.strip().split("+")[0]
@@ -83,17 +85,33 @@ def environment(tree: Path, version: str) -> Path:
     if (venv / ".ready").is_file() and python.is_file():
         return python
     if venv.exists():
-        shutil.rmtree(venv)             # a half-built one from an interrupted run
+        shutil.rmtree(venv)  # a half-built one from an interrupted run
     CACHE.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     see_packages_of_this_python(python)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
         constraints.write(f"torch=={torch}\n")
     try:
-        print(f"[comfyui] installing ComfyUI {version}'s requirements (torch held at {torch})",
-              file=sys.stderr, flush=True)
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                        "-r", str(tree / "requirements.txt"), "-c", constraints.name], check=True)
+        print(
+            f"[comfyui] installing ComfyUI {version}'s requirements (torch held at {torch})",
+            file=sys.stderr,
+            flush=True,
+        )
+        subprocess.run(
+            [
+                str(python),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "-r",
+                str(tree / "requirements.txt"),
+                "-c",
+                constraints.name,
+            ],
+            check=True,
+        )
     finally:
         os.unlink(constraints.name)
     held = torch_version(str(python))
@@ -110,8 +128,9 @@ def see_packages_of_this_python(python: Path) -> None:
     import site
 
     ours = [*site.getsitepackages(), site.getusersitepackages()]
-    done = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [str(python), "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True, text=True, check=True
+    )
     theirs = Path(done.stdout.strip())
     lines = [folder for folder in ours if Path(folder).is_dir() and Path(folder).resolve() != theirs.resolve()]
     (theirs / "kiln_outer_site_packages.pth").write_text("".join(f"{folder}\n" for folder in lines), encoding="utf-8")

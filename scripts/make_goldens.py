@@ -14,6 +14,7 @@ commit the files:
 
 To add a model: write `golden_<name>(tmp_dir) -> (tensors, metadata)` and add it to GOLDENS.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ MAX_BYTES = 200 * 1024
 
 
 # ---------------------------------------------------------------- ComfyUI
+
 
 def comfy():
     """Import ComfyUI from COMFYUI_PATH (CPU), as the tests do."""
@@ -69,9 +71,11 @@ def load_diffusion_model(tmp_dir: Path, name: str, weights: dict[str, np.ndarray
     dm = patcher.model.diffusion_model
     loaded = {k: v.float().cpu().numpy() for k, v in dm.state_dict().items()}
     if loaded.keys() != weights.keys():
-        raise RuntimeError(f"{name}: ComfyUI's model has other keys than tiny_weights: "
-                           f"only ComfyUI {sorted(loaded.keys() - weights.keys())[:5]}, "
-                           f"only ours {sorted(weights.keys() - loaded.keys())[:5]}")
+        raise RuntimeError(
+            f"{name}: ComfyUI's model has other keys than tiny_weights: "
+            f"only ComfyUI {sorted(loaded.keys() - weights.keys())[:5]}, "
+            f"only ours {sorted(weights.keys() - loaded.keys())[:5]}"
+        )
     for key, value in weights.items():
         if not np.array_equal(loaded[key], value):
             raise RuntimeError(f"{name}: ComfyUI loaded {key} with other values")
@@ -82,8 +86,11 @@ def run_dm(dm, **inputs):
     """The diffusion model's forward in ComfyUI's call convention, numpy in and out."""
     import torch
 
-    tensors = {k: [torch.from_numpy(a) for a in v] if isinstance(v, list) else torch.from_numpy(v)
-               for k, v in inputs.items() if v is not None}
+    tensors = {
+        k: [torch.from_numpy(a) for a in v] if isinstance(v, list) else torch.from_numpy(v)
+        for k, v in inputs.items()
+        if v is not None
+    }
     x, timestep = tensors.pop("x"), tensors.pop("timestep")
     with torch.inference_mode():
         out = dm(x, timestep, transformer_options={}, **tensors)
@@ -92,11 +99,18 @@ def run_dm(dm, **inputs):
 
 # ---------------------------------------------------------------- goldens
 
+
 def _flux2(tmp_dir: Path, *, dev: bool, seed: int = 0):
     """A tiny Flux2 (hidden 256, 2+2 blocks) on batch 2, latent 4×6, 8 context tokens."""
     name = "flux2_dev" if dev else "flux2_klein"
-    sizes = {"hidden": 256, "double": 2, "single": 2, "context_dim": tiny_weights.FLUX2_CONTEXT_DIM,
-             "in_channels": 128, "dev": dev}
+    sizes = {
+        "hidden": 256,
+        "double": 2,
+        "single": 2,
+        "context_dim": tiny_weights.FLUX2_CONTEXT_DIM,
+        "in_channels": 128,
+        "dev": dev,
+    }
     patcher, dm = load_diffusion_model(tmp_dir, name, tiny_weights.flux2_weights(seed, **sizes))
     detected = patcher.model.model_config.unet_config
     if detected.get("image_model") != "flux2" or detected.get("guidance_embed") != dev:
@@ -106,14 +120,16 @@ def _flux2(tmp_dir: Path, *, dev: bool, seed: int = 0):
     batch, height, width, tokens = 2, 4, 6, 8
     inputs = {
         "x": rng.standard_normal((batch, 128, height, width)).astype(np.float32),
-        "timestep": np.array([0.25, 0.8], np.float32),                    # sigma: ComfyUI's Flux timestep
+        "timestep": np.array([0.25, 0.8], np.float32),  # sigma: ComfyUI's Flux timestep
         "context": rng.standard_normal((batch, tokens, sizes["context_dim"])).astype(np.float32),
     }
     if dev:
         inputs["guidance"] = np.array([1.0, 3.5], np.float32)
     output = run_dm(dm, **inputs)
-    metadata = {"kiln.weights": json.dumps({"function": "flux2_weights", "seed": seed, "kwargs": sizes}),
-                "kiln.call": "dm(x, timestep, context=context, guidance=guidance) -> output"}
+    metadata = {
+        "kiln.weights": json.dumps({"function": "flux2_weights", "seed": seed, "kwargs": sizes}),
+        "kiln.call": "dm(x, timestep, context=context, guidance=guidance) -> output",
+    }
     return {**inputs, "output": output}, metadata
 
 
@@ -130,14 +146,19 @@ def golden_flux2_klein_edit(tmp_dir: Path):
     ref_latents, as ReferenceLatent feeds them): output_1 with the first, output_2 with both; the second
     is of another size than the target (3×5 for 4×6), so its own position grid shows."""
     tensors, metadata = _flux2(tmp_dir, dev=False)
-    _, dm = load_diffusion_model(tmp_dir, "flux2_klein_edit", tiny_weights.flux2_weights(0, **json.loads(
-        metadata["kiln.weights"])["kwargs"]))
+    _, dm = load_diffusion_model(
+        tmp_dir, "flux2_klein_edit", tiny_weights.flux2_weights(0, **json.loads(metadata["kiln.weights"])["kwargs"])
+    )
     if dm.params.default_ref_method != "index" or dm.params.ref_index_scale != 10.0:
-        raise RuntimeError(f"flux2: ComfyUI places references by {dm.params.default_ref_method!r} "
-                           f"x{dm.params.ref_index_scale}; the MLX port assumes 'index' x10")
+        raise RuntimeError(
+            f"flux2: ComfyUI places references by {dm.params.default_ref_method!r} "
+            f"x{dm.params.ref_index_scale}; the MLX port assumes 'index' x10"
+        )
     rng = np.random.default_rng(2000)
-    references = [rng.standard_normal((2, 128, 4, 6)).astype(np.float32),
-                  rng.standard_normal((2, 128, 3, 5)).astype(np.float32)]
+    references = [
+        rng.standard_normal((2, 128, 4, 6)).astype(np.float32),
+        rng.standard_normal((2, 128, 3, 5)).astype(np.float32),
+    ]
     inputs = {k: tensors[k] for k in ("x", "timestep", "context")}
     out = {**inputs, "reference_0": references[0], "reference_1": references[1]}
     for count in (1, 2):
@@ -157,13 +178,25 @@ def comfy_zimage(weights: dict[str, np.ndarray]):
     import torch
 
     dim, cap_feat_dim = weights["cap_embedder.1.weight"].shape
-    unet_config = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": dim,
-                   "cap_feat_dim": cap_feat_dim, "n_layers": len({k.split(".")[1] for k in weights
-                                                                  if k.startswith("layers.")}),
-                   "n_refiner_layers": len({k.split(".")[1] for k in weights if k.startswith("noise_refiner.")}),
-                   "qk_norm": True, "n_heads": dim // 128, "n_kv_heads": dim // 128, "axes_dims": [32, 48, 48],
-                   "axes_lens": [1536, 512, 512], "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0,
-                   "z_image_modulation": True, "time_scale": 1000.0, "pad_tokens_multiple": 32}
+    unet_config = {
+        "image_model": "lumina2",
+        "patch_size": 2,
+        "in_channels": 16,
+        "dim": dim,
+        "cap_feat_dim": cap_feat_dim,
+        "n_layers": len({k.split(".")[1] for k in weights if k.startswith("layers.")}),
+        "n_refiner_layers": len({k.split(".")[1] for k in weights if k.startswith("noise_refiner.")}),
+        "qk_norm": True,
+        "n_heads": dim // 128,
+        "n_kv_heads": dim // 128,
+        "axes_dims": [32, 48, 48],
+        "axes_lens": [1536, 512, 512],
+        "rope_theta": 256.0,
+        "ffn_dim_multiplier": 8.0 / 3.0,
+        "z_image_modulation": True,
+        "time_scale": 1000.0,
+        "pad_tokens_multiple": 32,
+    }
     sd = {k: torch.from_numpy(v.copy()) for k, v in weights.items()}
     with torch.inference_mode():
         model_config = comfy.supported_models.ZImage(dict(unet_config))
@@ -172,11 +205,14 @@ def comfy_zimage(weights: dict[str, np.ndarray]):
         model.load_model_weights(sd, "")  # not strict: checked below
     loaded = {k: v.float().cpu().numpy() for k, v in model.diffusion_model.state_dict().items()}
     if loaded.keys() != weights.keys() or any(not np.array_equal(loaded[k], v) for k, v in weights.items()):
-        raise RuntimeError(f"zimage: ComfyUI's NextDiT does not hold exactly zimage_weights(): only ComfyUI "
-                           f"{sorted(loaded.keys() - weights.keys())[:5]}, only ours "
-                           f"{sorted(weights.keys() - loaded.keys())[:5]}")
-    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
-                                            offload_device=mm.unet_offload_device())
+        raise RuntimeError(
+            f"zimage: ComfyUI's NextDiT does not hold exactly zimage_weights(): only ComfyUI "
+            f"{sorted(loaded.keys() - weights.keys())[:5]}, only ours "
+            f"{sorted(weights.keys() - loaded.keys())[:5]}"
+        )
+    return comfy.model_patcher.ModelPatcher(
+        model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device()
+    )
 
 
 def _zimage(*, batch: int, height: int, width: int, tokens: int, sigmas: list[float], seed: int = 0):
@@ -191,17 +227,21 @@ def _zimage(*, batch: int, height: int, width: int, tokens: int, sigmas: list[fl
     rng = np.random.default_rng([seed, tokens])
     inputs = {
         "x": rng.standard_normal((batch, 16, height, width)).astype(np.float32),
-        "timestep": np.asarray(sigmas, np.float32),                       # sigma (Z-Image multiplier 1.0)
+        "timestep": np.asarray(sigmas, np.float32),  # sigma (Z-Image multiplier 1.0)
         "context": rng.standard_normal((batch, tokens, sizes["cap_feat_dim"])).astype(np.float32),
     }
-    extras = archs.get_arch("zimage").model_extras(batch, [tokens] * batch)     # {"num_tokens": T}
+    extras = archs.get_arch("zimage").model_extras(batch, [tokens] * batch)  # {"num_tokens": T}
     with torch.inference_mode():
         output = bridge.make_forward(patcher, "zimage")(
-            bridge.diffusion_model(patcher), *(torch.from_numpy(inputs[k]) for k in ("x", "timestep", "context")),
-            extras)
-    metadata = {"kiln.weights": json.dumps({"function": "zimage_weights", "seed": seed, "kwargs": sizes}),
-                "kiln.call": "dm(x, timestep, context, num_tokens) -> output, via nodes/comfy/ make_forward",
-                "kiln.num_tokens": str(extras["num_tokens"])}
+            bridge.diffusion_model(patcher),
+            *(torch.from_numpy(inputs[k]) for k in ("x", "timestep", "context")),
+            extras,
+        )
+    metadata = {
+        "kiln.weights": json.dumps({"function": "zimage_weights", "seed": seed, "kwargs": sizes}),
+        "kiln.call": "dm(x, timestep, context, num_tokens) -> output, via nodes/comfy/ make_forward",
+        "kiln.num_tokens": str(extras["num_tokens"]),
+    }
     return {**inputs, "output": output.float().cpu().numpy()}, metadata
 
 
@@ -242,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
             size = target.stat().st_size
             if size > MAX_BYTES:
                 raise RuntimeError(f"{target}: {size} bytes, over the {MAX_BYTES}-byte budget; use smaller inputs")
-            print(f"{target.relative_to(ROOT)}: {size // 1024} KB, output max |{max(np.abs(v).max() for k, v in tensors.items() if k.startswith('output')):.3f}|")
+            print(
+                f"{target.relative_to(ROOT)}: {size // 1024} KB, output max |{max(np.abs(v).max() for k, v in tensors.items() if k.startswith('output')):.3f}|"
+            )
     return 0
 
 

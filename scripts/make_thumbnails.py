@@ -9,6 +9,7 @@ screenshot: at card size (256 px) a screenshot's text is unreadable, the groups 
 
     python scripts/make_thumbnails.py            # (re)draw every picture; needs only Pillow
 """
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,25 @@ from PIL import Image, ImageColor, ImageDraw, ImageFont
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "example_workflows"
-SIZE, MARGIN, HEADER, FOOTER = 512, 16, 72, 48   # square, as both frontends' cards show it
+SIZE, MARGIN, HEADER, FOOTER = 512, 16, 72, 48  # square, as both frontends' cards show it
 BACKGROUND, NODE, NODE_EDGE, TEXT, MUTED = "#161618", "#2c2c30", "#4a4a50", "#f2f2f2", "#9a9aa2"
-TITLE_H = 30                              # LiteGraph's node title bar, above `pos`
+TITLE_H = 30  # LiteGraph's node title bar, above `pos`
 # ComfyUI's default link colours by type (its dark palette); other types are grey.
-LINK_COLORS = {"MODEL": "#B39DDB", "CLIP": "#FFD500", "VAE": "#FF6E6E", "LATENT": "#FF9CF9", "IMAGE": "#64B5F6",
-               "CONDITIONING": "#FFA931", "MASK": "#81C784"}
-FONT_FILES = ("DejaVuSans-Bold.ttf", "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf",
-              "/Library/Fonts/Arial Bold.ttf", "C:/Windows/Fonts/arialbd.ttf")
+LINK_COLORS = {
+    "MODEL": "#B39DDB",
+    "CLIP": "#FFD500",
+    "VAE": "#FF6E6E",
+    "LATENT": "#FF9CF9",
+    "IMAGE": "#64B5F6",
+    "CONDITIONING": "#FFA931",
+    "MASK": "#81C784",
+}
+FONT_FILES = (
+    "DejaVuSans-Bold.ttf",
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf",
+    "/Library/Fonts/Arial Bold.ttf",
+    "C:/Windows/Fonts/arialbd.ttf",
+)
 
 
 def font(size: int) -> ImageFont.ImageFont:
@@ -35,7 +47,7 @@ def font(size: int) -> ImageFont.ImageFont:
             return ImageFont.truetype(name, size)
         except OSError:
             continue
-    return ImageFont.load_default(size)   # Pillow's own scalable font
+    return ImageFont.load_default(size)  # Pillow's own scalable font
 
 
 def node_rects(workflow: dict) -> dict[int, tuple[list[float], bool, str]]:
@@ -77,10 +89,10 @@ def draw_map(image: Image.Image, workflow: dict, box: tuple[int, int, int, int])
         draw.line(bezier(start, end), fill=LINK_COLORS.get(kind, "#888888"), width=2)
     for (x, y, w, h), folded, fill in rects.values():
         draw.rounded_rectangle([*at(x, y), *at(x + w, y + h)], radius=3 if folded else 4, fill=fill, outline=NODE_EDGE)
-        if not folded:   # the title bar
+        if not folded:  # the title bar
             draw.line([at(x, y + TITLE_H), at(x + w, y + TITLE_H)], fill=NODE_EDGE)
     label = font(13)
-    for group in workflow["groups"]:   # names last, over the nodes' tops: the group's title bar is that thin
+    for group in workflow["groups"]:  # names last, over the nodes' tops: the group's title bar is that thin
         x, y = at(*group["bounding"][:2])
         text, room = group["title"], group["bounding"][2] * scale - 8
         while len(text) > 1 and draw.textlength(text, font=label) > room:
@@ -97,7 +109,7 @@ def bezier(start, end, steps: int = 24) -> list[tuple[float, float]]:
     points = []
     for i in range(steps + 1):
         t = i / steps
-        a, b, c, d = (1 - t) ** 3, 3 * (1 - t) ** 2 * t, 3 * (1 - t) * t * t, t ** 3
+        a, b, c, d = (1 - t) ** 3, 3 * (1 - t) ** 2 * t, 3 * (1 - t) * t * t, t**3
         points.append((a * x0 + b * x1 + c * x2 + d * x3, a * y0 + b * y0 + c * y3 + d * y3))
     return points
 

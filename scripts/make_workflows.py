@@ -20,6 +20,7 @@ the nodes. Run it where ComfyUI is checked out and commit the JSON files:
 The helpers below (`validate`, `is_file_input`, `WIDGET_TYPES`) are also used by the server test to check
 the committed API files against a running ComfyUI's GET /object_info.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,59 +32,79 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))   # workflow_layout, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # workflow_layout, beside this file
 import workflow_layout as wl
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "example_workflows"
 TEST_WORKFLOWS = ROOT / "tests" / "nodes" / "workflows"
-TEST_NODES = ROOT / "tests" / "nodes" / "server_nodes"   # the test-only tiny text encoder node
+TEST_NODES = ROOT / "tests" / "nodes" / "server_nodes"  # the test-only tiny text encoder node
 
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 # Combo inputs that list files in a models folder: their options depend on the machine, so a file name
 # that is not installed here is still a valid value (ComfyUI reports it as "value not in list" at run time).
-FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name", "ckpt_name", "training_adapter", "adapter_file",
-               "image"}   # LoadImage: a file in ComfyUI's input/ folder
+FILE_INPUTS = {
+    "unet_name",
+    "clip_name",
+    "vae_name",
+    "lora_name",
+    "ckpt_name",
+    "training_adapter",
+    "adapter_file",
+    "image",
+}  # LoadImage: a file in ComfyUI's input/ folder
 FILE_SUFFIXES = (".safetensors", ".png", ".jpg", ".jpeg", ".webp")
-SEED_NAMES = ("seed", "noise_seed")   # the frontend's rule: these INTs get control_after_generate by default
+SEED_NAMES = ("seed", "noise_seed")  # the frontend's rule: these INTs get control_after_generate by default
 
 # Model files as ComfyUI's own workflow templates name them (image_z_image_turbo, image_flux2_klein_*).
-ZIMAGE = dict(unet="z_image_turbo_bf16.safetensors", clip="qwen_3_4b.safetensors", clip_type="lumina2",
-              vae="ae.safetensors", adapter="zimage_turbo_training_adapter_v2.safetensors")
-KLEIN = dict(unet="flux-2-klein-4b.safetensors", clip="qwen_3_4b.safetensors", clip_type="flux2",
-             vae="flux2-vae.safetensors")
+ZIMAGE = dict(
+    unet="z_image_turbo_bf16.safetensors",
+    clip="qwen_3_4b.safetensors",
+    clip_type="lumina2",
+    vae="ae.safetensors",
+    adapter="zimage_turbo_training_adapter_v2.safetensors",
+)
+KLEIN = dict(
+    unet="flux-2-klein-4b.safetensors", clip="qwen_3_4b.safetensors", clip_type="flux2", vae="flux2-vae.safetensors"
+)
 _HF = "https://huggingface.co"
 MODEL_URLS = {  # file → (models folder, download address), for the frontend's missing-models dialog
-    "z_image_turbo_bf16.safetensors":
-        ("diffusion_models", f"{_HF}/Comfy-Org/z_image_turbo/resolve/main/split_files/diffusion_models/"
-                             "z_image_turbo_bf16.safetensors"),
+    "z_image_turbo_bf16.safetensors": (
+        "diffusion_models",
+        f"{_HF}/Comfy-Org/z_image_turbo/resolve/main/split_files/diffusion_models/z_image_turbo_bf16.safetensors",
+    ),
     "ae.safetensors": ("vae", f"{_HF}/Comfy-Org/z_image_turbo/resolve/main/split_files/vae/ae.safetensors"),
-    "flux-2-klein-4b.safetensors":
-        ("diffusion_models", f"{_HF}/Comfy-Org/flux2-klein/resolve/main/split_files/diffusion_models/"
-                             "flux-2-klein-4b.safetensors"),
+    "flux-2-klein-4b.safetensors": (
+        "diffusion_models",
+        f"{_HF}/Comfy-Org/flux2-klein/resolve/main/split_files/diffusion_models/flux-2-klein-4b.safetensors",
+    ),
     "flux2-vae.safetensors": ("vae", f"{_HF}/Comfy-Org/flux2-dev/resolve/main/split_files/vae/flux2-vae.safetensors"),
-    "zimage_turbo_training_adapter_v2.safetensors":
-        ("loras", f"{_HF}/ostris/zimage_turbo_training_adapter/resolve/main/"
-                  "zimage_turbo_training_adapter_v2.safetensors"),
+    "zimage_turbo_training_adapter_v2.safetensors": (
+        "loras",
+        f"{_HF}/ostris/zimage_turbo_training_adapter/resolve/main/zimage_turbo_training_adapter_v2.safetensors",
+    ),
 }
 TEXT_ENCODER_URLS = {  # qwen_3_4b.safetensors is published in both repos; point each workflow at its own
     "lumina2": f"{_HF}/Comfy-Org/z_image_turbo/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors",
     "flux2": f"{_HF}/Comfy-Org/flux2-klein/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors",
 }
-PACK_ID, PACK_VERSION = "kiln-lora", "0.1.0"   # pyproject's [project] name/version: the registry id (cnr_id)
+PACK_ID, PACK_VERSION = "kiln-lora", "0.1.0"  # pyproject's [project] name/version: the registry id (cnr_id)
 # Each example's file name, which the template browser shows as its title (both frontends take a custom-node
 # template's title from its file name and offer no other field). Keys: the graphs' own names (ids, tests).
 # No ':' or '/' (Windows file names), no '_' (frontend 1.41 prints the name again with '_' and '-' as spaces).
-TEMPLATE_TITLES = {"zimage_turbo_character_lora": "Z-Image Turbo character LoRA",
-                   "flux2_klein_style_lora": "Flux.2 Klein style LoRA",
-                   "chained_training": "Two-stage chained training",
-                   "resume_from_run_folder": "Resume a run from its folder",
-                   "flux2_klein_edit_lora": "Flux.2 Klein edit LoRA"}
+TEMPLATE_TITLES = {
+    "zimage_turbo_character_lora": "Z-Image Turbo character LoRA",
+    "flux2_klein_style_lora": "Flux.2 Klein style LoRA",
+    "chained_training": "Two-stage chained training",
+    "resume_from_run_folder": "Resume a run from its folder",
+    "flux2_klein_edit_lora": "Flux.2 Klein edit LoRA",
+}
 # Rows the frontend draws beyond the node's own widgets: Kiln's folder picker button, LoadImage's upload one.
 EXTRA_WIDGET_ROWS = {"KilnLoadDataset": 1, "KilnLoadRun": 1, "LoadImage": 1}
 
 
 # ------------------------------------------------------------------ the node definitions (object_info)
+
 
 def node_info(cls, name: str, display_name: str | None = None) -> dict:
     """The GET /object_info entry of one node class: V3 nodes through ComfyUI's own conversion, V1 nodes
@@ -92,11 +113,17 @@ def node_info(cls, name: str, display_name: str | None = None) -> dict:
         return cls.GET_NODE_INFO_V1()
     inputs = cls.INPUT_TYPES()
     returns = tuple(cls.RETURN_TYPES)
-    return {"input": inputs, "input_order": {k: list(v) for k, v in inputs.items()}, "output": returns,
-            "output_name": tuple(getattr(cls, "RETURN_NAMES", None) or returns), "name": name,
-            "display_name": display_name or name, "category": getattr(cls, "CATEGORY", "sd"),
-            "output_node": bool(getattr(cls, "OUTPUT_NODE", False)),
-            "python_module": getattr(cls, "RELATIVE_PYTHON_MODULE", "nodes")}
+    return {
+        "input": inputs,
+        "input_order": {k: list(v) for k, v in inputs.items()},
+        "output": returns,
+        "output_name": tuple(getattr(cls, "RETURN_NAMES", None) or returns),
+        "name": name,
+        "display_name": display_name or name,
+        "category": getattr(cls, "CATEGORY", "sd"),
+        "output_node": bool(getattr(cls, "OUTPUT_NODE", False)),
+        "python_module": getattr(cls, "RELATIVE_PYTHON_MODULE", "nodes"),
+    }
 
 
 def load_object_info(comfy: str) -> dict:
@@ -105,13 +132,13 @@ def load_object_info(comfy: str) -> dict:
     import importlib.util
     import logging
 
-    for folder in (ROOT, ROOT / "tests"):        # the repository (trainer/) and tests/ (helpers.comfy_env)
+    for folder in (ROOT, ROOT / "tests"):  # the repository (trainer/) and tests/ (helpers.comfy_env)
         if str(folder) not in sys.path:
             sys.path.insert(0, str(folder))
     from helpers import comfy_env
 
     comfy_env.prepare(comfy)
-    logging.getLogger().setLevel(logging.ERROR)   # comfy_extras modules that need audio/GL libraries complain
+    logging.getLogger().setLevel(logging.ERROR)  # comfy_extras modules that need audio/GL libraries complain
     import nodes
 
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
@@ -127,10 +154,11 @@ def load_object_info(comfy: str) -> dict:
         classes[node.GET_SCHEMA().node_id] = node
     names = dict(getattr(nodes, "_".join(("NODE", "DISPLAY", "NAME", "MAPPINGS"))))
     info = {name: node_info(cls, name, names.get(name)) for name, cls in classes.items()}
-    return json.loads(json.dumps(info, default=list))   # tuples → lists, as the server sends it
+    return json.loads(json.dumps(info, default=list))  # tuples → lists, as the server sends it
 
 
 # ------------------------------------------------------------------ reading one node's definition
+
 
 def input_spec(info: dict, name: str) -> tuple[str, dict, bool]:
     """(type, options, optional) of an input; a V1 combo (a list of choices) has type COMBO."""
@@ -192,12 +220,13 @@ def default_value(kind: str, options: dict):
 
 # ------------------------------------------------------------------ defining a graph
 
-NOTE = "note"   # the About note's place in a layout
+NOTE = "note"  # the About note's place in a layout
 
 
 @dataclass
 class Folded:
     """A node shown collapsed (its title bar only): the plumbing a user rarely changes."""
+
     node: Node
 
     @property
@@ -230,9 +259,9 @@ class Graph:
     info: dict
     description: str = ""
     nodes: list[Node] = field(default_factory=list)
-    vae: Node | None = None       # the VAE the sampling chains decode with
-    layout: list[wl.Box] = field(default_factory=list)   # the groups on the canvas (workflow_layout.place)
-    folded: set[str] = field(default_factory=set)        # ids of the nodes shown collapsed
+    vae: Node | None = None  # the VAE the sampling chains decode with
+    layout: list[wl.Box] = field(default_factory=list)  # the groups on the canvas (workflow_layout.place)
+    folded: set[str] = field(default_factory=set)  # ids of the nodes shown collapsed
 
     @property
     def title(self) -> str:
@@ -274,12 +303,16 @@ class Graph:
         out = {}
         for node in self.nodes:
             title = node.title or self.info[node.class_type].get("display_name") or node.class_type
-            out[node.id] = {"inputs": copy.deepcopy(node.inputs), "class_type": node.class_type,
-                            "_meta": {"title": title}}
+            out[node.id] = {
+                "inputs": copy.deepcopy(node.inputs),
+                "class_type": node.class_type,
+                "_meta": {"title": title},
+            }
         return out
 
 
 # ------------------------------------------------------------------ the workflows
+
 
 def model_loaders(g: Graph, files: dict) -> list[Node]:
     unet = g.add("UNETLoader", unet_name=files["unet"], weight_dtype="default")
@@ -288,8 +321,9 @@ def model_loaders(g: Graph, files: dict) -> list[Node]:
     return [unet, clip, g.vae]
 
 
-def dataset_chain(g: Graph, clip: Node, vae: Node, folder: str, trigger: str, resolutions: str = "512, 768, 1024",
-                  **load) -> list[Node]:
+def dataset_chain(
+    g: Graph, clip: Node, vae: Node, folder: str, trigger: str, resolutions: str = "512, 768, 1024", **load
+) -> list[Node]:
     """Load Dataset → Encode Images → Encode Captions; the last one feeds Train LoRA."""
     data = g.add("KilnLoadDataset", folder=folder, trigger_word=trigger, resolutions=resolutions, **load)
     images = g.add("KilnEncodeImages", dataset=data.out("dataset"), vae=vae.out("VAE"))
@@ -308,18 +342,53 @@ def prompts(g: Graph, clip: Node, text: str, title: str = "Validation prompt") -
     return [positive, g.add("CLIPTextEncode", title="Negative (empty)", clip=clip.out("CLIP"), text="")]
 
 
-def sample_chain(g: Graph, model: list, positive: Node, negative: Node, latent: Node, *, steps: int, sampler: str,
-                 prefix: str, title: str | None = None, seed: int = 42) -> list[Node]:
+def sample_chain(
+    g: Graph,
+    model: list,
+    positive: Node,
+    negative: Node,
+    latent: Node,
+    *,
+    steps: int,
+    sampler: str,
+    prefix: str,
+    title: str | None = None,
+    seed: int = 42,
+) -> list[Node]:
     """KSampler → VAE Decode → Save Image (cfg 1: Turbo and Klein are distilled)."""
-    sampler_node = g.add("KSampler", title=title, model=model, seed=seed, steps=steps, cfg=1.0,
-                         sampler_name=sampler, scheduler="simple", positive=positive.out("CONDITIONING"),
-                         negative=negative.out("CONDITIONING"), latent_image=latent.out("LATENT"), denoise=1.0)
+    sampler_node = g.add(
+        "KSampler",
+        title=title,
+        model=model,
+        seed=seed,
+        steps=steps,
+        cfg=1.0,
+        sampler_name=sampler,
+        scheduler="simple",
+        positive=positive.out("CONDITIONING"),
+        negative=negative.out("CONDITIONING"),
+        latent_image=latent.out("LATENT"),
+        denoise=1.0,
+    )
     decode = g.add("VAEDecode", samples=sampler_node.out("LATENT"), vae=g.vae.out("VAE"))
     return [sampler_node, decode, g.add("SaveImage", images=decode.out("IMAGE"), filename_prefix=prefix)]
 
 
-def single_lora(g: Graph, files: dict, *, folder: str, trigger: str, prompt: str, preset: str, rank: int,
-                sampler: str, sample_steps: int, latent_type: str, name: str, adapter: str | None) -> Graph:
+def single_lora(
+    g: Graph,
+    files: dict,
+    *,
+    folder: str,
+    trigger: str,
+    prompt: str,
+    preset: str,
+    rank: int,
+    sampler: str,
+    sample_steps: int,
+    latent_type: str,
+    name: str,
+    adapter: str | None,
+) -> Graph:
     """Workflows 1 and 2: one Train LoRA with validation samples, then Save LoRA, a KSampler on the trained
     model and the loss graph."""
     loaders = model_loaders(g, files)
@@ -327,32 +396,66 @@ def single_lora(g: Graph, files: dict, *, folder: str, trigger: str, prompt: str
     data = dataset_chain(g, clip, vae, folder, trigger)
     options = options_for(g, preset, ema=True)
     positive, negative = prompts(g, clip, prompt)
-    validation = g.add("KilnValidationSettings", positive=positive.out("CONDITIONING"),
-                       negative=negative.out("CONDITIONING"), vae=vae.out("VAE"), seed=42, steps=sample_steps,
-                       cfg=1.0, sampler_name=sampler, scheduler="simple", width=1024, height=1024, every=250)
+    validation = g.add(
+        "KilnValidationSettings",
+        positive=positive.out("CONDITIONING"),
+        negative=negative.out("CONDITIONING"),
+        vae=vae.out("VAE"),
+        seed=42,
+        steps=sample_steps,
+        cfg=1.0,
+        sampler_name=sampler,
+        scheduler="simple",
+        width=1024,
+        height=1024,
+        every=250,
+    )
     extra = {"training_adapter": adapter} if adapter else {}
-    train = g.add("KilnTrainLoRA", model=unet.out("MODEL"), dataset=data[-1].out("dataset"), steps=2000,
-                  learning_rate=1e-4, rank=rank, alpha=float(rank), preset=preset, seed=42,
-                  options=options.out("options"), validation=validation.out("validation"), **extra)
-    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name=f"kiln/{name}",
-                 state=train.out("state"))  # no trigger word: Save LoRA takes the run's
+    train = g.add(
+        "KilnTrainLoRA",
+        model=unet.out("MODEL"),
+        dataset=data[-1].out("dataset"),
+        steps=2000,
+        learning_rate=1e-4,
+        rank=rank,
+        alpha=float(rank),
+        preset=preset,
+        seed=42,
+        options=options.out("options"),
+        validation=validation.out("validation"),
+        **extra,
+    )
+    save = g.add(
+        "KilnSaveLoRA", lora=train.out("lora"), name=f"kiln/{name}", state=train.out("state")
+    )  # no trigger word: Save LoRA takes the run's
     latent = g.add(latent_type, width=1024, height=1024, batch_size=1)
-    sampler_node, decode, image = sample_chain(g, train.out("model"), positive, negative, latent, steps=sample_steps,
-                                               sampler=sampler, prefix=f"kiln/{name}")
+    sampler_node, decode, image = sample_chain(
+        g, train.out("model"), positive, negative, latent, steps=sample_steps, sampler=sampler, prefix=f"kiln/{name}"
+    )
     loss = g.add("KilnLossGraph", state=train.out("state"))
     preview = g.add("PreviewImage", images=loss.out("image"))
-    g.layout = [g.box("1. Models", "models", 0, loaders),
-                g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
-                g.box("3. Train", "train", 2, [fold(options), train]),
-                g.box("4. Save", "save", 3, [save, fold(loss), preview]),
-                g.box("5. Test", "test", 0, [positive, fold(negative), fold(validation), fold(latent)],
-                      [fold(sampler_node), fold(decode), image]),
-                g.box(None, "", 3, [NOTE])]
+    g.layout = [
+        g.box("1. Models", "models", 0, loaders),
+        g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
+        g.box("3. Train", "train", 2, [fold(options), train]),
+        g.box("4. Save", "save", 3, [save, fold(loss), preview]),
+        g.box(
+            "5. Test",
+            "test",
+            0,
+            [positive, fold(negative), fold(validation), fold(latent)],
+            [fold(sampler_node), fold(decode), image],
+        ),
+        g.box(None, "", 3, [NOTE]),
+    ]
     return g
 
 
 def zimage_turbo_character_lora(info: dict) -> Graph:
-    g = Graph("zimage_turbo_character_lora", info, """\
+    g = Graph(
+        "zimage_turbo_character_lora",
+        info,
+        """\
 ## Z-Image Turbo character LoRA
 
 1. Put 15-40 photos of the person, each with a same-name `.txt` caption, in `ComfyUI/input/my_character/`
@@ -364,15 +467,29 @@ def zimage_turbo_character_lora(info: dict) -> Graph:
    queueing again resumes. The LoRA is written to `models/loras/kiln/my_character.safetensors`.
 
 Settings: the `character` preset fills what the nodes do not set; Training Options turns EMA on.
-""")
-    return single_lora(g, ZIMAGE, folder="my_character", trigger="ohwx person",
-                       prompt="a photo of ohwx person smiling in a sunlit cafe, natural window light",
-                       preset="character", rank=32, sampler="res_multistep", sample_steps=8,
-                       latent_type="EmptySD3LatentImage", name="my_character", adapter=ZIMAGE["adapter"])
+""",
+    )
+    return single_lora(
+        g,
+        ZIMAGE,
+        folder="my_character",
+        trigger="ohwx person",
+        prompt="a photo of ohwx person smiling in a sunlit cafe, natural window light",
+        preset="character",
+        rank=32,
+        sampler="res_multistep",
+        sample_steps=8,
+        latent_type="EmptySD3LatentImage",
+        name="my_character",
+        adapter=ZIMAGE["adapter"],
+    )
 
 
 def flux2_klein_style_lora(info: dict) -> Graph:
-    g = Graph("flux2_klein_style_lora", info, """\
+    g = Graph(
+        "flux2_klein_style_lora",
+        info,
+        """\
 ## Flux.2 Klein 4B style LoRA
 
 1. Put 20-50 images in the style, each with a `.txt` caption describing the content (not the style),
@@ -381,15 +498,29 @@ def flux2_klein_style_lora(info: dict) -> Graph:
    `text_encoders/qwen_3_4b.safetensors`, `vae/flux2-vae.safetensors`.
 3. Queue. The `style` preset favours low-noise timesteps (texture over composition); samples every 250
    steps. The LoRA is written to `models/loras/kiln/my_style.safetensors`.
-""")
-    return single_lora(g, KLEIN, folder="my_style", trigger="ohwx style",
-                       prompt="ohwx style, a lighthouse on a rocky coast at dusk", preset="style", rank=16,
-                       sampler="euler", sample_steps=4, latent_type="EmptyFlux2LatentImage", name="my_style",
-                       adapter=None)
+""",
+    )
+    return single_lora(
+        g,
+        KLEIN,
+        folder="my_style",
+        trigger="ohwx style",
+        prompt="ohwx style, a lighthouse on a rocky coast at dusk",
+        preset="style",
+        rank=16,
+        sampler="euler",
+        sample_steps=4,
+        latent_type="EmptyFlux2LatentImage",
+        name="my_style",
+        adapter=None,
+    )
 
 
 def chained_training(info: dict) -> Graph:
-    g = Graph("chained_training", info, """\
+    g = Graph(
+        "chained_training",
+        info,
+        """\
 ## Chained training: the LoRA after 500 and after 1000 steps
 
 Two Train LoRA nodes in one graph: the second continues the first's run (its `state` into `resume`)
@@ -398,39 +529,81 @@ loader's MODEL, never on a model that already has the LoRA applied.
 
 Images with `.txt` captions go in `ComfyUI/input/my_character/`; the Flux.2 Klein 4B model files as
 in ComfyUI's Klein template.
-""")
+""",
+    )
     loaders = model_loaders(g, KLEIN)
     unet, clip, vae = loaders
     data = dataset_chain(g, clip, vae, "my_character", "ohwx person")
     options = options_for(g, "character", ema=True)
-    positive, negative = prompts(g, clip, "a photo of ohwx person hiking in the mountains, golden hour",
-                                 title="Prompt")
+    positive, negative = prompts(g, clip, "a photo of ohwx person hiking in the mountains, golden hour", title="Prompt")
     latent = g.add("EmptyFlux2LatentImage", width=1024, height=1024, batch_size=1)
-    first = g.add("KilnTrainLoRA", title="Train LoRA: steps 1-500", model=unet.out("MODEL"),
-                  dataset=data[-1].out("dataset"), steps=500, preset="character", seed=42,
-                  options=options.out("options"))
-    sample_500 = sample_chain(g, first.out("model"), positive, negative, latent, steps=4, sampler="euler",
-                              prefix="kiln/chained_step500", title="KSampler: after 500 steps")
-    second = g.add("KilnTrainLoRA", title="Train LoRA: continue to 1000", model=unet.out("MODEL"),
-                   dataset=data[-1].out("dataset"), steps=1000, preset="character", seed=42,
-                   options=options.out("options"), resume=first.out("state"))
-    sample_1000 = sample_chain(g, second.out("model"), positive, negative, latent, steps=4, sampler="euler",
-                               prefix="kiln/chained_step1000", title="KSampler: after 1000 steps")
-    save = g.add("KilnSaveLoRA", lora=second.out("lora"), name="kiln/chained_1000",
-                 state=second.out("state"))
-    g.layout = [g.box("1. Models", "models", 0, loaders),
-                g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
-                g.box("3. Train 500, then 1000", "train", 2, [fold(options), first, fold(second)]),
-                g.box(None, "", 2, [NOTE]),
-                g.box("4. Save", "save", 3, [save]),
-                g.box("5. Test", "test", 0, [positive, fold(negative), fold(latent)],
-                      [fold(sample_500[0]), fold(sample_500[1]), fold(sample_1000[0]), fold(sample_1000[1])]),
-                g.box("Samples: 500 and 1000 steps", "test", 3, [sample_500[2], sample_1000[2]])]
+    first = g.add(
+        "KilnTrainLoRA",
+        title="Train LoRA: steps 1-500",
+        model=unet.out("MODEL"),
+        dataset=data[-1].out("dataset"),
+        steps=500,
+        preset="character",
+        seed=42,
+        options=options.out("options"),
+    )
+    sample_500 = sample_chain(
+        g,
+        first.out("model"),
+        positive,
+        negative,
+        latent,
+        steps=4,
+        sampler="euler",
+        prefix="kiln/chained_step500",
+        title="KSampler: after 500 steps",
+    )
+    second = g.add(
+        "KilnTrainLoRA",
+        title="Train LoRA: continue to 1000",
+        model=unet.out("MODEL"),
+        dataset=data[-1].out("dataset"),
+        steps=1000,
+        preset="character",
+        seed=42,
+        options=options.out("options"),
+        resume=first.out("state"),
+    )
+    sample_1000 = sample_chain(
+        g,
+        second.out("model"),
+        positive,
+        negative,
+        latent,
+        steps=4,
+        sampler="euler",
+        prefix="kiln/chained_step1000",
+        title="KSampler: after 1000 steps",
+    )
+    save = g.add("KilnSaveLoRA", lora=second.out("lora"), name="kiln/chained_1000", state=second.out("state"))
+    g.layout = [
+        g.box("1. Models", "models", 0, loaders),
+        g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
+        g.box("3. Train 500, then 1000", "train", 2, [fold(options), first, fold(second)]),
+        g.box(None, "", 2, [NOTE]),
+        g.box("4. Save", "save", 3, [save]),
+        g.box(
+            "5. Test",
+            "test",
+            0,
+            [positive, fold(negative), fold(latent)],
+            [fold(sample_500[0]), fold(sample_500[1]), fold(sample_1000[0]), fold(sample_1000[1])],
+        ),
+        g.box("Samples: 500 and 1000 steps", "test", 3, [sample_500[2], sample_1000[2]]),
+    ]
     return g
 
 
 def resume_from_run_folder(info: dict) -> Graph:
-    g = Graph("resume_from_run_folder", info, """\
+    g = Graph(
+        "resume_from_run_folder",
+        info,
+        """\
 ## Resume a run from its folder
 
 Kiln Load Run reads a run folder under `output/kiln/` at its newest checkpoint: set `run_folder` to
@@ -439,30 +612,49 @@ the name the Train LoRA node printed (e.g. `zimage_turbo-1a2b3c4d5e`) or an abso
 - **Train LoRA** with `resume` continues that run to 3000 steps (same dataset and settings as the
   run, here those of the Z-Image Turbo character workflow) and saves the result.
 - **Apply EMA** takes the run's EMA weights as they are now and saves them as a LoRA, no training.
-""")
+""",
+    )
     loaders = model_loaders(g, ZIMAGE)
     unet, clip, vae = loaders
     data = dataset_chain(g, clip, vae, "my_character", "ohwx person")
     options = options_for(g, "character", ema=True)
     run = g.add("KilnLoadRun", run_folder="zimage_turbo-1a2b3c4d5e")
-    train = g.add("KilnTrainLoRA", title="Train LoRA: resume to 3000", model=unet.out("MODEL"),
-                  dataset=data[-1].out("dataset"), steps=3000, preset="character", seed=42,
-                  options=options.out("options"), training_adapter=ZIMAGE["adapter"], resume=run.out("state"))
-    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_character_3000",
-                 state=train.out("state"))
+    train = g.add(
+        "KilnTrainLoRA",
+        title="Train LoRA: resume to 3000",
+        model=unet.out("MODEL"),
+        dataset=data[-1].out("dataset"),
+        steps=3000,
+        preset="character",
+        seed=42,
+        options=options.out("options"),
+        training_adapter=ZIMAGE["adapter"],
+        resume=run.out("state"),
+    )
+    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_character_3000", state=train.out("state"))
     ema = g.add("KilnApplyEMA", state=run.out("state"))
-    save_ema = g.add("KilnSaveLoRA", title="Save EMA LoRA", lora=ema.out("lora"), name="kiln/my_character_ema",
-                     state=run.out("state"))
-    g.layout = [g.box("1. Models", "models", 0, loaders),
-                g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
-                g.box("3. Train on from the run", "train", 2, [run, fold(options), train]),
-                g.box("4. Save", "save", 3, [save, ema, save_ema]),
-                g.box(None, "", 0, [NOTE])]
+    save_ema = g.add(
+        "KilnSaveLoRA",
+        title="Save EMA LoRA",
+        lora=ema.out("lora"),
+        name="kiln/my_character_ema",
+        state=run.out("state"),
+    )
+    g.layout = [
+        g.box("1. Models", "models", 0, loaders),
+        g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
+        g.box("3. Train on from the run", "train", 2, [run, fold(options), train]),
+        g.box("4. Save", "save", 3, [save, ema, save_ema]),
+        g.box(None, "", 0, [NOTE]),
+    ]
     return g
 
 
 def flux2_klein_edit_lora(info: dict) -> Graph:
-    g = Graph("flux2_klein_edit_lora", info, """\
+    g = Graph(
+        "flux2_klein_edit_lora",
+        info,
+        """\
 ## Flux.2 Klein 4B edit LoRA (control → target pairs)
 
 1. In `ComfyUI/input/my_edits/` put the targets (`photo.png`, each with a `.txt` instruction such as
@@ -474,7 +666,8 @@ def flux2_klein_edit_lora(info: dict) -> Graph:
 3. Put a test image in `ComfyUI/input/` and pick it in Load Image: it becomes the reference latent of the
    validation prompt (ReferenceLatent, as ComfyUI's Klein edit template does), so samples show the edit.
    Kiln feeds the control latents to the model exactly so while training (the same call, bitwise).
-""")
+""",
+    )
     loaders = model_loaders(g, KLEIN)
     unet, clip, vae = loaders
     data = dataset_chain(g, clip, vae, "my_edits", "", resolutions="512, 768, 1024")
@@ -483,32 +676,70 @@ def flux2_klein_edit_lora(info: dict) -> Graph:
     encoded = g.add("VAEEncode", pixels=image.out("IMAGE"), vae=vae.out("VAE"))
     positive, negative = prompts(g, clip, "make it a watercolour painting", title="Validation instruction")
     reference = g.add("ReferenceLatent", conditioning=positive.out("CONDITIONING"), latent=encoded.out("LATENT"))
-    validation = g.add("KilnValidationSettings", positive=reference.out("CONDITIONING"),
-                       negative=negative.out("CONDITIONING"), vae=vae.out("VAE"), seed=42, steps=4, cfg=1.0,
-                       sampler_name="euler", scheduler="simple", width=1024, height=1024, every=250)
-    train = g.add("KilnTrainLoRA", model=unet.out("MODEL"), dataset=data[-1].out("dataset"), steps=2000,
-                  learning_rate=1e-4, rank=16, alpha=16.0, preset="concept", seed=42,
-                  options=options.out("options"), validation=validation.out("validation"))
+    validation = g.add(
+        "KilnValidationSettings",
+        positive=reference.out("CONDITIONING"),
+        negative=negative.out("CONDITIONING"),
+        vae=vae.out("VAE"),
+        seed=42,
+        steps=4,
+        cfg=1.0,
+        sampler_name="euler",
+        scheduler="simple",
+        width=1024,
+        height=1024,
+        every=250,
+    )
+    train = g.add(
+        "KilnTrainLoRA",
+        model=unet.out("MODEL"),
+        dataset=data[-1].out("dataset"),
+        steps=2000,
+        learning_rate=1e-4,
+        rank=16,
+        alpha=16.0,
+        preset="concept",
+        seed=42,
+        options=options.out("options"),
+        validation=validation.out("validation"),
+    )
     save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_edits", state=train.out("state"))
-    sampler_node, decode, saved = sample_chain(g, train.out("model"), reference, negative, encoded, steps=4,
-                                               sampler="euler", prefix="kiln/my_edits")
-    g.layout = [g.box("1. Models", "models", 0, loaders),
-                g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
-                g.box("3. Train", "train", 2, [fold(options), train]),
-                g.box("4. Save", "save", 3, [save]),
-                g.box("5. Test: validation samples", "test", 0, [image, fold(encoded), fold(reference)],
-                      [positive, fold(negative), fold(validation)]),
-                g.box("6. Test the LoRA", "test", 3, [fold(sampler_node), fold(decode), saved]),
-                g.box(None, "", 2, [NOTE])]
+    sampler_node, decode, saved = sample_chain(
+        g, train.out("model"), reference, negative, encoded, steps=4, sampler="euler", prefix="kiln/my_edits"
+    )
+    g.layout = [
+        g.box("1. Models", "models", 0, loaders),
+        g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
+        g.box("3. Train", "train", 2, [fold(options), train]),
+        g.box("4. Save", "save", 3, [save]),
+        g.box(
+            "5. Test: validation samples",
+            "test",
+            0,
+            [image, fold(encoded), fold(reference)],
+            [positive, fold(negative), fold(validation)],
+        ),
+        g.box("6. Test the LoRA", "test", 3, [fold(sampler_node), fold(decode), saved]),
+        g.box(None, "", 2, [NOTE]),
+    ]
     return g
 
 
-EXAMPLE_GRAPHS = [zimage_turbo_character_lora, flux2_klein_style_lora, chained_training, resume_from_run_folder,
-                  flux2_klein_edit_lora]
+EXAMPLE_GRAPHS = [
+    zimage_turbo_character_lora,
+    flux2_klein_style_lora,
+    chained_training,
+    resume_from_run_folder,
+    flux2_klein_edit_lora,
+]
 
 # ---- tiny graphs for tests/nodes/test_server.py (files the test writes into a temporary ComfyUI base dir)
-TINY = dict(unet="kiln_tiny_flux2_klein.safetensors", vae="kiln_tiny_flux2_vae.safetensors",
-            dataset="kiln_tiny_dataset", lora="kiln_test/tiny_flux2")
+TINY = dict(
+    unet="kiln_tiny_flux2_klein.safetensors",
+    vae="kiln_tiny_flux2_vae.safetensors",
+    dataset="kiln_tiny_dataset",
+    lora="kiln_test/tiny_flux2",
+)
 
 
 def tiny_flux2_train(info: dict) -> Graph:
@@ -518,12 +749,37 @@ def tiny_flux2_train(info: dict) -> Graph:
     clip = g.add("KilnTestTinyCLIP", family="flux2_klein")
     vae = g.add("VAELoader", vae_name=TINY["vae"])
     data = dataset_chain(g, clip, vae, TINY["dataset"], "kiln", resolutions="64", caption_dropout=0.0)
-    options = g.add("KilnTrainingOptions", device="cpu", mixed_precision="no", gradient_checkpointing=False,
-                    checkpoint_every=0, log_every=1, ema=True, ema_decay=0.9, run_name="tiny")
-    train = g.add("KilnTrainLoRA", model=unet.out("MODEL"), dataset=data[-1].out("dataset"), steps=20,
-                  learning_rate=1e-3, rank=4, alpha=4.0, preset="none", seed=1, options=options.out("options"))
-    g.add("KilnSaveLoRA", lora=train.out("lora"), name=TINY["lora"], trigger_word="kiln", overwrite=True,
-          state=train.out("state"))
+    options = g.add(
+        "KilnTrainingOptions",
+        device="cpu",
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        checkpoint_every=0,
+        log_every=1,
+        ema=True,
+        ema_decay=0.9,
+        run_name="tiny",
+    )
+    train = g.add(
+        "KilnTrainLoRA",
+        model=unet.out("MODEL"),
+        dataset=data[-1].out("dataset"),
+        steps=20,
+        learning_rate=1e-3,
+        rank=4,
+        alpha=4.0,
+        preset="none",
+        seed=1,
+        options=options.out("options"),
+    )
+    g.add(
+        "KilnSaveLoRA",
+        lora=train.out("lora"),
+        name=TINY["lora"],
+        trigger_word="kiln",
+        overwrite=True,
+        state=train.out("state"),
+    )
     return g
 
 
@@ -533,8 +789,9 @@ def tiny_flux2_lora(info: dict) -> Graph:
     unet = g.add("UNETLoader", unet_name=TINY["unet"], weight_dtype="default")
     clip = g.add("KilnTestTinyCLIP", family="flux2_klein")
     g.vae = g.add("VAELoader", vae_name=TINY["vae"])
-    lora = g.add("LoraLoaderModelOnly", model=unet.out("MODEL"), lora_name=TINY["lora"] + ".safetensors",
-                 strength_model=1.0)
+    lora = g.add(
+        "LoraLoaderModelOnly", model=unet.out("MODEL"), lora_name=TINY["lora"] + ".safetensors", strength_model=1.0
+    )
     positive, negative = prompts(g, clip, "kiln, a photo")
     latent = g.add("EmptyFlux2LatentImage", width=64, height=64, batch_size=1)
     sample_chain(g, lora.out("MODEL"), positive, negative, latent, steps=2, sampler="euler", prefix="kiln_test/tiny")
@@ -545,6 +802,7 @@ TEST_GRAPHS = [tiny_flux2_train, tiny_flux2_lora]
 
 
 # ------------------------------------------------------------------ checking an API graph against object_info
+
 
 def validate(api: dict, info: dict, *, files_known: bool = False) -> list[str]:
     """Problems of an API-format graph against object_info: unknown node types or inputs, missing required
@@ -620,6 +878,7 @@ def _check_widget(name: str, kind: str, options: dict, value, files_known: bool)
 
 # ------------------------------------------------------------------ API → UI (litegraph) format
 
+
 def _topological(api: dict) -> list[str]:
     done, order = set(), []
 
@@ -657,7 +916,7 @@ def to_ui(graph: Graph) -> dict:
                 multiline += bool(kind == "STRING" and options.get("multiline"))
                 values.append(default_value(kind, options) if linked or value is None else value)
                 if has_control_widget(name, kind, options):
-                    values.append("fixed")       # seeds stay put: re-queueing a training resumes it
+                    values.append("fixed")  # seeds stay put: re-queueing a training resumes it
             else:
                 if optional:
                     slot["shape"] = 7
@@ -671,8 +930,10 @@ def to_ui(graph: Graph) -> dict:
                 output_links.setdefault((link[0], link[1]), []).append(link_id)
                 slot["link"] = link_id
             inputs.append(slot)
-        outputs = [{"localized_name": name, "name": name, "type": kind, "links": []}
-                   for name, kind in zip(definition["output_name"], definition["output"])]
+        outputs = [
+            {"localized_name": name, "name": name, "type": kind, "links": []}
+            for name, kind in zip(definition["output_name"], definition["output"])
+        ]
         properties = {"Node name for S&R": class_type}
         if class_type.startswith("Kiln") and class_type != "KilnTestTinyCLIP":
             properties.update({"cnr_id": PACK_ID, "ver": PACK_VERSION})
@@ -681,11 +942,21 @@ def to_ui(graph: Graph) -> dict:
         models = _models(node["inputs"])
         if models:
             properties["models"] = models
-        ui_node = {"id": int(nid), "type": class_type, "pos": [0, 0],
-                   "size": wl.node_size(class_type, len(sockets), len(outputs),
-                                        len(values) + EXTRA_WIDGET_ROWS.get(class_type, 0), multiline),
-                   "flags": {}, "order": order[nid], "mode": 0, "inputs": inputs, "outputs": outputs,
-                   "properties": properties, "widgets_values": values}
+        ui_node = {
+            "id": int(nid),
+            "type": class_type,
+            "pos": [0, 0],
+            "size": wl.node_size(
+                class_type, len(sockets), len(outputs), len(values) + EXTRA_WIDGET_ROWS.get(class_type, 0), multiline
+            ),
+            "flags": {},
+            "order": order[nid],
+            "mode": 0,
+            "inputs": inputs,
+            "outputs": outputs,
+            "properties": properties,
+            "widgets_values": values,
+        }
         if graph.nodes[int(nid) - 1].title:
             ui_node["title"] = graph.nodes[int(nid) - 1].title
         ui_nodes[nid] = ui_node
@@ -697,19 +968,39 @@ def to_ui(graph: Graph) -> dict:
     last_id = len(nodes)
     if graph.description:
         last_id += 1
-        ui_nodes[NOTE] = {"id": last_id, "type": "MarkdownNote", "pos": [0, 0],
-                          "size": wl.node_size("MarkdownNote", 0, 0, 1, 1),
-                          "flags": {}, "order": len(nodes), "mode": 0, "inputs": [], "outputs": [],
-                          "title": "About this workflow", "properties": {}, "widgets_values": [graph.description],
-                          "color": "#432", "bgcolor": "#653"}
+        ui_nodes[NOTE] = {
+            "id": last_id,
+            "type": "MarkdownNote",
+            "pos": [0, 0],
+            "size": wl.node_size("MarkdownNote", 0, 0, 1, 1),
+            "flags": {},
+            "order": len(nodes),
+            "mode": 0,
+            "inputs": [],
+            "outputs": [],
+            "title": "About this workflow",
+            "properties": {},
+            "widgets_values": [graph.description],
+            "color": "#432",
+            "bgcolor": "#653",
+        }
         nodes.append(ui_nodes[NOTE])
     try:
         groups = wl.place(ui_nodes, graph.layout, graph.folded)
     except ValueError as err:
         raise SystemExit(f"{graph.name}: {err}") from None
-    return {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"kiln-lora/example_workflows/{graph.name}")), "revision": 0,
-            "last_node_id": last_id, "last_link_id": len(links), "nodes": nodes, "links": links, "groups": groups,
-            "config": {}, "extra": {"ds": wl.view(ui_nodes, groups, graph.folded)}, "version": 0.4}
+    return {
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"kiln-lora/example_workflows/{graph.name}")),
+        "revision": 0,
+        "last_node_id": last_id,
+        "last_link_id": len(links),
+        "nodes": nodes,
+        "links": links,
+        "groups": groups,
+        "config": {},
+        "extra": {"ds": wl.view(ui_nodes, groups, graph.folded)},
+        "version": 0.4,
+    }
 
 
 def _models(inputs: dict) -> list[dict]:
@@ -727,6 +1018,7 @@ def _models(inputs: dict) -> list[dict]:
 
 
 # ------------------------------------------------------------------ main
+
 
 def render(info: dict) -> dict[Path, str]:
     files = {}
@@ -750,8 +1042,9 @@ def render(info: dict) -> dict[Path, str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH"),
-                        help="ComfyUI checkout (default: $COMFYUI_PATH)")
+    parser.add_argument(
+        "--comfyui", default=os.environ.get("COMFYUI_PATH"), help="ComfyUI checkout (default: $COMFYUI_PATH)"
+    )
     parser.add_argument("--check", action="store_true", help="only compare with the files on disk; exit 1 if stale")
     args = parser.parse_args(argv)
     if not args.comfyui:
@@ -759,9 +1052,12 @@ def main(argv=None) -> int:
     files = render(load_object_info(args.comfyui))
     stale = [p for p, text in files.items() if not p.is_file() or p.read_text(encoding="utf-8") != text]
     # a renamed example leaves its old files behind: the template browser would list them too
-    orphans = sorted({*EXAMPLES.glob("*.json"), *EXAMPLES.glob("api/*.json"), *EXAMPLES.glob("*.jpg")}
-                     - set(files) - {p.with_suffix(".jpg") for p in files if p.parent == EXAMPLES})
-    if args.check:   # the pictures' bytes depend on Pillow and the fonts: only their presence is checked
+    orphans = sorted(
+        {*EXAMPLES.glob("*.json"), *EXAMPLES.glob("api/*.json"), *EXAMPLES.glob("*.jpg")}
+        - set(files)
+        - {p.with_suffix(".jpg") for p in files if p.parent == EXAMPLES}
+    )
+    if args.check:  # the pictures' bytes depend on Pillow and the fonts: only their presence is checked
         stale += [p.with_suffix(".jpg") for p in files if p.parent == EXAMPLES and not p.with_suffix(".jpg").is_file()]
         for path in stale:
             print(f"stale: {path.relative_to(ROOT)}")

@@ -9,18 +9,19 @@ its nodes fit in about 1380×880 canvas units: the layout packs the groups in co
 the plumbing nodes (encoders, decoders, latents, the 54-widget Training Options), keeping expanded what a
 user sets: model files, the dataset, Train LoRA, the LoRA's name, the prompt, the result images.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-TITLE_H = 30                        # LiteGraph's node title bar, above a node's `pos`
-SLOT_H, WIDGET_H, MULTILINE_H = 20, 24, 54   # the frontends' computeSize: a socket row, a widget, a text box
-COL_W, GAP_X = 270, 40             # an expanded node's width (the frontends' default), between two columns
-GAP_Y, FOLDED_GAP = 24, 10          # below an expanded node of a group, below a folded one
+TITLE_H = 30  # LiteGraph's node title bar, above a node's `pos`
+SLOT_H, WIDGET_H, MULTILINE_H = 20, 24, 54  # the frontends' computeSize: a socket row, a widget, a text box
+COL_W, GAP_X = 270, 40  # an expanded node's width (the frontends' default), between two columns
+GAP_Y, FOLDED_GAP = 24, 10  # below an expanded node of a group, below a folded one
 GROUP_PAD, GROUP_HEAD, GROUP_GAP = 12, 46, 24  # group frame around its nodes; its title bar; between two groups
 FONT = 24
-VIEW = (1400, 900)                  # the window the layout is made for (README's screenshots, the browser test)
-NODES_H = 840                       # the nodes' height that still opens at 0.75 × 900 / (840 + 20) = 0.78
+VIEW = (1400, 900)  # the window the layout is made for (README's screenshots, the browser test)
+NODES_H = 840  # the nodes' height that still opens at 0.75 × 900 / (840 + 20) = 0.78
 NOTE_MIN_H = 120
 DASHBOARD_W, DASHBOARD_H = 400, 60  # Train LoRA's dashboard: its minimum width, its height when idle (one line)
 
@@ -36,6 +37,7 @@ class Box:
     """One group: its title, its colour (a COLORS key), the grid column it starts in, and its nodes as
     columns (left to right) of node ids (top to bottom); one grid column per node column. A Box without a
     title is placed the same way but framed by no group (the About note)."""
+
     title: str | None
     kind: str
     col: int
@@ -46,7 +48,7 @@ def node_size(class_type: str, sockets: int, outputs: int, widgets: int, multili
     """A node's size as the frontends compute it (LGraphNode.computeSize), for the width of a grid column;
     `widgets` counts the rows the frontend draws (a seed's control widget, a button an extension adds)."""
     if class_type == "MarkdownNote":
-        return [COL_W, NOTE_MIN_H]   # place() stretches it down to what its column has left
+        return [COL_W, NOTE_MIN_H]  # place() stretches it down to what its column has left
     if class_type in IMAGE_HEIGHTS:
         return [COL_W, IMAGE_HEIGHTS[class_type]]
     height = max(sockets, outputs, 1) * SLOT_H + widgets * WIDGET_H + multiline * (MULTILINE_H - WIDGET_H)
@@ -69,7 +71,7 @@ def place(nodes: dict[str, dict], boxes: list[Box], folded: set[str]) -> list[di
     placed = [nid for box in boxes for column in box.columns for nid in column]
     if sorted(placed) != sorted(nodes):
         raise ValueError(f"the layout must place every node once; placed {placed}, nodes {sorted(nodes)}")
-    widths: dict[int, int] = {}     # a grid column is as wide as its widest expanded node
+    widths: dict[int, int] = {}  # a grid column is as wide as its widest expanded node
     for box in boxes:
         for offset, column in enumerate(box.columns):
             for nid in column:
@@ -83,15 +85,31 @@ def place(nodes: dict[str, dict], boxes: list[Box], folded: set[str]) -> list[di
         top = max((skyline.get(c, 0) for c in span), default=0)
         bottom = top + (GROUP_HEAD if box.title else 0)
         for offset, column in enumerate(box.columns):
-            bottom = max(bottom, _stack(nodes, column, folded, lefts[box.col + offset], widths.get(box.col + offset),
-                                        top + (GROUP_HEAD if box.title else 0)))
+            bottom = max(
+                bottom,
+                _stack(
+                    nodes,
+                    column,
+                    folded,
+                    lefts[box.col + offset],
+                    widths.get(box.col + offset),
+                    top + (GROUP_HEAD if box.title else 0),
+                ),
+            )
         for c in span:
             skyline[c] = bottom + GROUP_PAD + GROUP_GAP
         if box.title:
             left, right = lefts[box.col] - GROUP_PAD, lefts[span[-1] + 1] - GAP_X + GROUP_PAD
-            groups.append({"id": len(groups) + 1, "title": box.title,
-                           "bounding": [left, top, right - left, bottom + GROUP_PAD - top],
-                           "color": COLORS[box.kind], "font_size": FONT, "flags": {}})
+            groups.append(
+                {
+                    "id": len(groups) + 1,
+                    "title": box.title,
+                    "bounding": [left, top, right - left, bottom + GROUP_PAD - top],
+                    "color": COLORS[box.kind],
+                    "font_size": FONT,
+                    "flags": {},
+                }
+            )
     return groups
 
 
@@ -126,6 +144,8 @@ def view(nodes: dict[str, dict], groups: list[dict], folded: set[str]) -> dict:
     area_left, area_top, area_right, area_bottom = 70, 100, VIEW[0] - 20, VIEW[1] - 20
     width, height = area_right - area_left, area_bottom - area_top
     scale = min(1.0, width / (right - left), height / (bottom - top))
-    offset = [(area_left + (width - (right - left) * scale) / 2) / scale - left,
-              (area_top + (height - (bottom - top) * scale) / 2) / scale - top]   # screen = (canvas + offset) × scale
+    offset = [
+        (area_left + (width - (right - left) * scale) / 2) / scale - left,
+        (area_top + (height - (bottom - top) * scale) / 2) / scale - top,
+    ]  # screen = (canvas + offset) × scale
     return {"scale": round(scale, 3), "offset": [round(offset[0], 1), round(offset[1], 1)]}

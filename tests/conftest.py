@@ -9,6 +9,7 @@ Shared code lives in the `helpers` package (tests/helpers/); test modules import
 loaded once here as `kiln_pack` (as ComfyUI loads a custom-node folder), so tests import its modules with static
 import statements, `from kiln_pack.nodes import run`, that a rename follows.
 """
+
 from __future__ import annotations
 
 import ast
@@ -54,14 +55,17 @@ def make_config():
 
 # ---------------------------------------------------------------- a tiny captioner
 
+
 @pytest.fixture(scope="session")
 def tiny_florence(tmp_path_factory) -> Path:
-    pytest.importorskip("transformers", reason="the transformers captioner's tests need transformers "
-                        "(pip install -e '.[test]')")
+    pytest.importorskip(
+        "transformers", reason="the transformers captioner's tests need transformers (pip install -e '.[test]')"
+    )
     return florence.write_tiny_florence(tmp_path_factory.mktemp("models") / "LLM" / "Florence-2-tiny")
 
 
 # ---------------------------------------------------------------- the library / ComfyUI split
+
 
 def pytest_configure(config):
     """In CI a test never skips for a missing optional package (MLX, diffusers, peft, tensorboard, wandb,
@@ -76,16 +80,23 @@ def pytest_configure(config):
         try:
             return skip_when_missing(modname, *args, **kwargs)
         except pytest.skip.Exception as skipped:
-            pytest.fail(f"CI: {modname} is missing here ({skipped}); ./scripts/test installs it (pip install -e "
-                        "'.[test]', and mlx[cpu] off Apple Silicon)", pytrace=False)
+            pytest.fail(
+                f"CI: {modname} is missing here ({skipped}); ./scripts/test installs it (pip install -e "
+                "'.[test]', and mlx[cpu] off Apple Silicon)",
+                pytrace=False,
+            )
 
     pytest.importorskip = importorskip
 
 
 def pytest_addoption(parser):
-    parser.addoption("--comfyui", choices=("with", "without", "only"), default="with",
-                     help="with: every test (ComfyUI tests skip without COMFYUI_PATH); without: only the tests that "
-                          "need no ComfyUI; only: only those that do (marked comfyui)")
+    parser.addoption(
+        "--comfyui",
+        choices=("with", "without", "only"),
+        default="with",
+        help="with: every test (ComfyUI tests skip without COMFYUI_PATH); without: only the tests that "
+        "need no ComfyUI; only: only those that do (marked comfyui)",
+    )
 
 
 def needs_comfyui(path: Path) -> bool:
@@ -93,9 +104,13 @@ def needs_comfyui(path: Path) -> bool:
     module imports ComfyUI at its top, which the library's environment lacks."""
     if path.suffix != ".py" or not path.name.startswith("test_"):
         return False
-    marks = [node.value for node in ast.parse(path.read_text(encoding="utf-8")).body if isinstance(node, ast.Assign)
-             and any(isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets)]
-    return bool(marks) and "mark.comfyui" in ast.unparse(marks[-1])   # the last assignment is the one pytest reads
+    marks = [
+        node.value
+        for node in ast.parse(path.read_text(encoding="utf-8")).body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets)
+    ]
+    return bool(marks) and "mark.comfyui" in ast.unparse(marks[-1])  # the last assignment is the one pytest reads
 
 
 def pytest_ignore_collect(collection_path: Path, config):

@@ -1,6 +1,7 @@
 """The shape of the code (docs/architecture.md): the import graph of trainer/ and nodes/, read with `ast` (imports
 inside functions included), has no circles; no module imports another module's private name; the pack root
 (headless.py, the pack's __init__) is reached from trainer/cli/ alone; the trainer never reaches nodes/."""
+
 from __future__ import annotations
 
 import ast
@@ -93,21 +94,34 @@ def test_no_import_circles():
 
 def test_no_private_names_cross_modules():
     known = modules()
-    crossing = [f"{name}:{line} imports {target}.{imported}"
-                for name, path in known.items() for target, imported, line in imports(name, path, known)
-                if imported and imported.startswith("_") and not imported.startswith("__") and target != name]
+    crossing = [
+        f"{name}:{line} imports {target}.{imported}"
+        for name, path in known.items()
+        for target, imported, line in imports(name, path, known)
+        if imported and imported.startswith("_") and not imported.startswith("__") and target != name
+    ]
     assert crossing == []
 
 
 def test_pack_root_reached_from_trainer_cli_only():
     edges = graph()
-    reaching = sorted(name for name, targets in edges.items() if targets & {"headless", ""}
-                      and not name.startswith("trainer.cli") and name not in ("", "headless"))
+    reaching = sorted(
+        name
+        for name, targets in edges.items()
+        if targets & {"headless", ""} and not name.startswith("trainer.cli") and name not in ("", "headless")
+    )
     assert reaching == []
 
 
 def test_trainer_never_imports_nodes():
     edges = graph()
-    assert sorted(f"{n} -> {t}" for n, targets in edges.items() if n.startswith("trainer")
-                  for t in targets if t.startswith("nodes") or t in ("", "headless")
-                  and not n.startswith("trainer.cli")) == []
+    assert (
+        sorted(
+            f"{n} -> {t}"
+            for n, targets in edges.items()
+            if n.startswith("trainer")
+            for t in targets
+            if t.startswith("nodes") or t in ("", "headless") and not n.startswith("trainer.cli")
+        )
+        == []
+    )

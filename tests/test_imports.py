@@ -1,4 +1,5 @@
 """The trainer never imports ComfyUI (DESIGN.md): importing every trainer module loads no comfy module."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,17 @@ def test_trainer_package_import_is_light():
 
 
 # ComfyUI's own modules; comfy_api (the node-definition API) is what nodes are written in, so it is allowed.
-COMFYUI_MODULES = ("comfy", "comfy_extras", "comfy_execution", "folder_paths", "server", "execution", "nodes",
-                   "latent_preview", "node_helpers")
+COMFYUI_MODULES = (
+    "comfy",
+    "comfy_extras",
+    "comfy_execution",
+    "folder_paths",
+    "server",
+    "execution",
+    "nodes",
+    "latent_preview",
+    "node_helpers",
+)
 DOOR = ROOT / "nodes" / "comfy"
 
 
@@ -47,14 +57,22 @@ def _comfyui_imports(path: Path) -> list[str]:
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-              and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "modules"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and isinstance(node.func.value, ast.Attribute)
+            and node.func.value.attr == "modules"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             names = [node.args[0].value]
         else:
             continue
-        found += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names
-                  if name.split(".")[0] in COMFYUI_MODULES]
+        found += [
+            f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names if name.split(".")[0] in COMFYUI_MODULES
+        ]
     return found
 
 

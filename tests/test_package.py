@@ -7,6 +7,7 @@ developer's checkout has them. The zip must hold what a ComfyUI user needs (the 
 trainer/, web/, the example workflows, the project files) and nothing of runs/, caches, tests or
 benchmarks; unpacked on its own, the trainer library imports and its command line answers.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "DO_NOT_TRACK": "1"}      # comfy-cli asks no consent question and sends nothing
+ENV = {**os.environ, "DO_NOT_TRACK": "1"}  # comfy-cli asks no consent question and sends nothing
 
 
 def comfy_cli() -> list[str]:
@@ -34,8 +35,12 @@ def comfy_cli() -> list[str]:
 
 
 def tracked_files() -> list[str]:
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, check=True).stdout.decode()
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     return sorted({name for name in listed.split("\0") if name and (REPO / name).is_file()})
 
 
@@ -46,15 +51,21 @@ def packed(tmp_path_factory) -> tuple[Path, set[str]]:
         (work / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, work / name)
     # What a developer's checkout holds besides its files: all of it is ignored and must stay out.
-    for junk in ("runs/demo/demo_lora.safetensors", "runs/comfyui/venv-0.33.0-x/bin/python",
-                 "example_workflows/.kiln_cache/latents.safetensors", "trainer/__pycache__/loop.cpython-311.pyc",
-                 "node_modules/playwright-core/package.json", "kiln.egg-info/PKG-INFO"):
+    for junk in (
+        "runs/demo/demo_lora.safetensors",
+        "runs/comfyui/venv-0.33.0-x/bin/python",
+        "example_workflows/.kiln_cache/latents.safetensors",
+        "trainer/__pycache__/loop.cpython-311.pyc",
+        "node_modules/playwright-core/package.json",
+        "kiln.egg-info/PKG-INFO",
+    ):
         (work / junk).parent.mkdir(parents=True, exist_ok=True)
         (work / junk).write_bytes(b"not for the registry")
     for command in (["init", "-q"], ["add", "-A"]):
         subprocess.run(["git", *command], cwd=work, check=True, capture_output=True)
-    done = subprocess.run([*comfy_cli(), "node", "pack"], cwd=work, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [*comfy_cli(), "node", "pack"], cwd=work, env=ENV, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0 and (work / "node.zip").is_file(), done.stdout + done.stderr
     with zipfile.ZipFile(work / "node.zip") as archive:
         names = set(archive.namelist())
@@ -65,10 +76,20 @@ def packed(tmp_path_factory) -> tuple[Path, set[str]]:
 
 def test_the_zip_holds_what_a_user_needs(packed):
     _, names = packed
-    needed = {"__init__.py", "headless.py", "pyproject.toml", "requirements.txt", "README.md", "LICENSE",
-              "scripts/demo"}
-    needed |= {name for name in tracked_files()
-               if name.startswith(("nodes/", "trainer/", "web/", "example_workflows/")) and not name.endswith(".pyc")}
+    needed = {
+        "__init__.py",
+        "headless.py",
+        "pyproject.toml",
+        "requirements.txt",
+        "README.md",
+        "LICENSE",
+        "scripts/demo",
+    }
+    needed |= {
+        name
+        for name in tracked_files()
+        if name.startswith(("nodes/", "trainer/", "web/", "example_workflows/")) and not name.endswith(".pyc")
+    }
     assert {"nodes/train_nodes.py", "trainer/run/loop.py", "web/kiln_dashboard.js"} <= needed
     assert any(name.startswith("example_workflows/api/") for name in needed)
     assert sorted(needed - names) == []
@@ -76,30 +97,49 @@ def test_the_zip_holds_what_a_user_needs(packed):
 
 def test_the_zip_holds_nothing_of_runs_caches_or_tests(packed):
     _, names = packed
-    unwanted = [name for name in names
-                if name.startswith(("runs/", "tests/", "bench/", ".ci/", "node_modules/", ".git/"))
-                or any(part in ("__pycache__", ".kiln_cache") or part.endswith(".egg-info")
-                       for part in Path(name).parts)
-                or name.endswith(".pyc") or name in ("scripts/test", "package.json")]
+    unwanted = [
+        name
+        for name in names
+        if name.startswith(("runs/", "tests/", "bench/", ".ci/", "node_modules/", ".git/"))
+        or any(part in ("__pycache__", ".kiln_cache") or part.endswith(".egg-info") for part in Path(name).parts)
+        or name.endswith(".pyc")
+        or name in ("scripts/test", "package.json")
+    ]
     assert unwanted == []
 
 
 def test_the_unpacked_zip_runs_on_its_own(packed):
     unpacked, _ = packed
-    done = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=unpacked, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "--help"],
+        cwd=unpacked,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert done.returncode == 0 and "check-dataset" in done.stdout, done.stderr[-2000:]
-    imported = subprocess.run([sys.executable, "-c", "import trainer.run.loop, trainer.data, trainer.lora.files, "
-                               "trainer.backends.torch_backend.backend; print('ok')"],
-                              cwd=unpacked, capture_output=True, text=True, timeout=120)
+    imported = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import trainer.run.loop, trainer.data, trainer.lora.files, "
+            "trainer.backends.torch_backend.backend; print('ok')",
+        ],
+        cwd=unpacked,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert imported.stdout.strip() == "ok", imported.stderr[-2000:]
 
 
 def test_comfy_node_validate_is_clean():
     """The registry's checks (ruff S102/S307/E702: exec, eval, `;`-joined statements). comfy-cli only warns
     (it runs ruff with --exit-zero), so the warning text is what fails here."""
-    done = subprocess.run([*comfy_cli(), "node", "validate"], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=300)
-    said = done.stdout + done.stderr                    # rich prints to stderr when it is not a terminal
+    done = subprocess.run(
+        [*comfy_cli(), "node", "validate"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
+    )
+    said = done.stdout + done.stderr  # rich prints to stderr when it is not a terminal
     assert done.returncode == 0, said
     assert "All validation checks passed" in said and "warning" not in said.lower(), said

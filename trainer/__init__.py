@@ -10,14 +10,21 @@ The public API, loaded on first use (`import trainer` stays light: no torch, no 
 The sub-packages name the concepts: config/, run/, objective/, lora/, data/, samples/, archs/, backends/,
 estimate/, cli/ (`python -m trainer`), demo/. docs/architecture.md is the map.
 """
+
 from __future__ import annotations
 
 import importlib
 
 __version__ = "0.1.0"
 
-_API = {"TrainConfig": "config", "from_dict": "config", "train": "run.loop", "load_lora": "lora.files",
-        "save_lora": "lora.files", "convert_file": "lora.files"}
+_API = {
+    "TrainConfig": "config",
+    "from_dict": "config",
+    "train": "run.loop",
+    "load_lora": "lora.files",
+    "save_lora": "lora.files",
+    "convert_file": "lora.files",
+}
 __all__ = [*_API, "__version__"]
 
 

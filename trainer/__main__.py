@@ -1,4 +1,5 @@
 """`python -m trainer ...`: the command line (trainer/cli/main.py)."""
+
 from .cli.main import main
 
 if __name__ == "__main__":

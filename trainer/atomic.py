@@ -9,6 +9,7 @@ process (SIGKILL, as a power cut or the OOM killer would) where `label` matches.
 Labels: "write:<path>" (the file's bytes are in its temp file, not yet renamed) and
 "checkpoint:<step>:<stage>" (trainer/run/state.py). tests/trainer/run/test_kill.py drives it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,7 +40,9 @@ def _size(count: int) -> str:
     """1,444 bytes; 52,428,800 bytes (50.0 MiB); 3,221,225,472 bytes (3.0 GiB)."""
     if count < 2**20:
         return f"{count:,} bytes"
-    return f"{count:,} bytes ({count / 2**30:.1f} GiB)" if count >= 2**30 else f"{count:,} bytes ({count / 2**20:.1f} MiB)"
+    return (
+        f"{count:,} bytes ({count / 2**30:.1f} GiB)" if count >= 2**30 else f"{count:,} bytes ({count / 2**20:.1f} MiB)"
+    )
 
 
 def require_free_space(folder: str | Path, needed: int, what: str, fix: str) -> None:
@@ -53,8 +56,10 @@ def require_free_space(folder: str | Path, needed: int, what: str, fix: str) -> 
     except OSError:
         return  # no figure to check against (some network mounts): the write itself will say
     if free < needed + SPARE_BYTES:
-        raise NotEnoughSpace(f"{folder}: {what} needs {_size(needed)} but the disk has {_size(free)} free "
-                             f"(and {SPARE_BYTES >> 20} MiB is kept spare); {fix}")
+        raise NotEnoughSpace(
+            f"{folder}: {what} needs {_size(needed)} but the disk has {_size(free)} free "
+            f"(and {SPARE_BYTES >> 20} MiB is kept spare); {fix}"
+        )
 
 
 def fsync_dir(folder: Path) -> None:

@@ -4,6 +4,7 @@ ComfyUI loads a custom-node pack under a module name that is the pack's file-sys
 exception by its module and class, so a user saw `/home/me/ComfyUI/custom_nodes/kiln.trainer.config.ConfigError`.
 Every Kiln exception class derives from KilnError, which names its subclasses `kiln.<Class>`.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -15,7 +16,7 @@ class KilnError(ValueError):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls.__module__ = "kiln"    # what ComfyUI's error dialog and a traceback print before the class name
+        cls.__module__ = "kiln"  # what ComfyUI's error dialog and a traceback print before the class name
 
 
 KilnError.__module__ = "kiln"

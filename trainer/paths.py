@@ -5,6 +5,7 @@ with `/` only where the caller allows them. Absolute paths, `..`, backslashes,
 drive letters and `~` are refused, and the joined path is resolved (links
 followed) and must stay inside its root, so nothing is written elsewhere.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,8 +35,9 @@ def check_name(name: str, what: str, *, subfolders: bool = False) -> str:
     if problem is None:
         return name
     allowed = "letters, digits, - _ . and spaces" + (", sub-folders with /" if subfolders else "")
-    raise ValueError(f"{what}: {name!r} {problem}; give a plain name ({allowed}), not a path that leads "
-                     "outside its folder")
+    raise ValueError(
+        f"{what}: {name!r} {problem}; give a plain name ({allowed}), not a path that leads outside its folder"
+    )
 
 
 def inside(root: str | Path, name: str, what: str, *, subfolders: bool = False, suffix: str = "") -> Path:
@@ -44,6 +46,5 @@ def inside(root: str | Path, name: str, what: str, *, subfolders: bool = False, 
     root = Path(root).resolve()
     path = (root / f"{name}{suffix}").resolve()
     if root not in path.parents:
-        raise ValueError(f"{what}: {name!r} leads to {path}, outside {root} (through a link?); "
-                         "choose another name")
+        raise ValueError(f"{what}: {name!r} leads to {path}, outside {root} (through a link?); choose another name")
     return path

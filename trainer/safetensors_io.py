@@ -7,6 +7,7 @@ key and the fix. Layout (https://github.com/huggingface/safetensors): 8-byte
 little-endian header length N, N bytes of UTF-8 JSON, then the tensor bytes;
 `data_offsets` count from the end of the header. Nothing here uses pickle.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,14 +26,28 @@ _DAMAGED = "the file is damaged or not a safetensors file; re-download or re-sav
 
 # Stored dtype → numpy dtype of the raw bytes (always little-endian).
 _RAW = {
-    "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2",
-    "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-    "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1",
-    "BOOL": "u1", "F8_E4M3": "u1", "F8_E5M2": "u1",
+    "F64": "<f8",
+    "F32": "<f4",
+    "F16": "<f2",
+    "BF16": "<u2",
+    "I64": "<i8",
+    "I32": "<i4",
+    "I16": "<i2",
+    "I8": "i1",
+    "U64": "<u8",
+    "U32": "<u4",
+    "U16": "<u2",
+    "U8": "u1",
+    "BOOL": "u1",
+    "F8_E4M3": "u1",
+    "F8_E5M2": "u1",
 }
 # numpy dtype → stored dtype, for write(dtype=None).
-_STORED = {np.dtype(raw).newbyteorder("<"): name for name, raw in _RAW.items()
-           if name not in ("BF16", "BOOL", "F8_E4M3", "F8_E5M2")}
+_STORED = {
+    np.dtype(raw).newbyteorder("<"): name
+    for name, raw in _RAW.items()
+    if name not in ("BF16", "BOOL", "F8_E4M3", "F8_E5M2")
+}
 _STORED[np.dtype(bool)] = "BOOL"
 _FLOAT_TARGETS = {"BF16", "F16", "F32"}
 
@@ -79,6 +94,7 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- writing
 
+
 def _encode(path, key: str, array, target: str | None) -> tuple[str, np.ndarray]:
     """One tensor → (stored dtype, little-endian contiguous array of its bytes)."""
     if not isinstance(key, str) or key == "__metadata__":
@@ -86,15 +102,18 @@ def _encode(path, key: str, array, target: str | None) -> tuple[str, np.ndarray]
     array = np.asarray(array)
     if target is not None and array.dtype.kind == "f":
         if target not in _FLOAT_TARGETS:
-            raise SafetensorsError(f"{path}: tensor {key!r}: cannot store as {target!r}; "
-                                   f"use one of {sorted(_FLOAT_TARGETS)}")
+            raise SafetensorsError(
+                f"{path}: tensor {key!r}: cannot store as {target!r}; use one of {sorted(_FLOAT_TARGETS)}"
+            )
         if target == "BF16":
             return "BF16", float32_to_bf16_bits(array.astype(np.float32))
         array = array.astype(_RAW[target])
     stored = _STORED.get(array.dtype.newbyteorder("<"))
     if stored is None:
-        raise SafetensorsError(f"{path}: tensor {key!r}: dtype {array.dtype} cannot be stored in safetensors; "
-                               "convert it to a float or integer dtype first")
+        raise SafetensorsError(
+            f"{path}: tensor {key!r}: dtype {array.dtype} cannot be stored in safetensors; "
+            "convert it to a float or integer dtype first"
+        )
     # np.require, not ascontiguousarray: the latter turns a 0-d alpha into shape [1].
     return stored, np.require(array, np.dtype(_RAW[stored]) if stored != "BOOL" else bool, ["C"])
 
@@ -104,15 +123,22 @@ def _header_bytes(entries: dict, metadata: Mapping[str, str] | None, path) -> by
     if metadata:
         for key, value in metadata.items():
             if not isinstance(key, str) or not isinstance(value, str):
-                raise SafetensorsError(f"{path}: metadata {key!r} is {type(value).__name__}; "
-                                       "safetensors metadata values must be str (json.dumps it)")
+                raise SafetensorsError(
+                    f"{path}: metadata {key!r} is {type(value).__name__}; "
+                    "safetensors metadata values must be str (json.dumps it)"
+                )
         header["__metadata__"] = dict(metadata)
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return raw + b" " * (-len(raw) % 8)  # the spec pads the header with spaces to 8 bytes
 
 
-def write(path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None, *,
-          dtype: str | Mapping[str, str] | None = None) -> None:
+def write(
+    path,
+    tensors: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    dtype: str | Mapping[str, str] | None = None,
+) -> None:
     """Write atomically, after checking the disk has room. `dtype` converts floating arrays ("BF16",
     "F16", "F32"); a mapping gives the stored dtype per key (keys not in it keep their own dtype)."""
     encoded = {}
@@ -127,9 +153,12 @@ def write(path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] |
         entries[key] = {"dtype": stored, "shape": list(data.shape), "data_offsets": [offset, offset + data.nbytes]}
         offset += data.nbytes
     header = _header_bytes(entries, metadata, path)
-    require_free_space(os.path.dirname(os.path.abspath(path)), 8 + len(header) + offset,
-                       f"writing {os.path.basename(path)}",
-                       "free space on that disk (old runs, caches), or write to a folder on a larger disk")
+    require_free_space(
+        os.path.dirname(os.path.abspath(path)),
+        8 + len(header) + offset,
+        f"writing {os.path.basename(path)}",
+        "free space on that disk (old runs, caches), or write to a folder on a larger disk",
+    )
     _write_chunks(path, [len(header).to_bytes(8, "little"), header] + [encoded[k][1] for k in order])
 
 
@@ -137,10 +166,12 @@ def _write_chunks(path, chunks) -> None:
     def write_all(handle) -> None:
         for chunk in chunks:
             handle.write(chunk.data if isinstance(chunk, np.ndarray) else chunk)
+
     atomic_write(path, write_all)
 
 
 # ---------------------------------------------------------------- reading
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -153,8 +184,10 @@ def _parse_header(path, f) -> tuple[dict[str, dict], dict[str, str], int, int]:
         raise SafetensorsError(f"{path}: only {size} bytes, shorter than the 8-byte header length; {_DAMAGED}")
     length = int.from_bytes(f.read(8), "little")
     if length > MAX_HEADER_BYTES or length > size - 8:
-        raise SafetensorsError(f"{path}: header length {length} bytes exceeds the file ({size} bytes) "
-                               f"or the {MAX_HEADER_BYTES}-byte limit; {_DAMAGED}")
+        raise SafetensorsError(
+            f"{path}: header length {length} bytes exceeds the file ({size} bytes) "
+            f"or the {MAX_HEADER_BYTES}-byte limit; {_DAMAGED}"
+        )
     try:
         header = json.loads(f.read(length).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:

@@ -1,4 +1,5 @@
 """ComfyUI's VAE and CLIP as the dataset's encoders, with stable identities for the latent caches."""
+
 from __future__ import annotations
 
 import hashlib
@@ -17,17 +18,28 @@ def vae_encoder(vae):
         if pixels.ndim != 4 or pixels.shape[-1] < 3:
             raise ValueError(f"expected images [B,H,W,3], got {list(pixels.shape)}")
         if isinstance(ratio, int) and (pixels.shape[1] % ratio or pixels.shape[2] % ratio):
-            raise ValueError(f"image {pixels.shape[2]}x{pixels.shape[1]} is not a multiple of the VAE's {ratio} px; "
-                             "ComfyUI would crop it, so the bucket plan would not match")
+            raise ValueError(
+                f"image {pixels.shape[2]}x{pixels.shape[1]} is not a multiple of the VAE's {ratio} px; "
+                "ComfyUI would crop it, so the bucket plan would not match"
+            )
         with torch.inference_mode():
             latents = vae.encode(torch.from_numpy(np.ascontiguousarray(pixels[..., :3])))
         if latents.ndim == 5 and latents.shape[2] == 1:  # a video VAE's one frame: cached as an image
             latents = latents[:, :, 0]
         return latents.float().cpu().numpy()
 
-    identity = _remembered(vae, lambda: _identity(
-        "vae", type(vae.first_stage_model).__name__, vae.latent_channels, ratio, vae.vae_dtype,
-        tensors=_weights(vae.patcher), patches=vae.patcher.patches))
+    identity = _remembered(
+        vae,
+        lambda: _identity(
+            "vae",
+            type(vae.first_stage_model).__name__,
+            vae.latent_channels,
+            ratio,
+            vae.vae_dtype,
+            tensors=_weights(vae.patcher),
+            patches=vae.patcher.patches,
+        ),
+    )
     return encode, identity
 
 
@@ -38,6 +50,7 @@ def text_encoder(clip):
     encoders, and attention_mask is unused by Flux2 (ComfyUI reads it only with
     attention_mask_img_shape) and all ones for one Z-Image prompt (so only num_tokens = T counts).
     """
+
     def encode(text: str) -> np.ndarray:
         with torch.inference_mode():
             conds = clip.encode_from_tokens_scheduled(clip.tokenize(text))
@@ -45,10 +58,18 @@ def text_encoder(clip):
             raise ValueError(f"this CLIP gives {len(conds)} scheduled conds (CLIP hooks); Kiln caches one per caption")
         return conds[0][0][0].float().cpu().numpy()
 
-    identity = _remembered(clip, lambda: _identity(
-        "clip", type(clip.cond_stage_model).__name__, type(clip.tokenizer).__name__,
-        clip.layer_idx, sorted(getattr(clip, "tokenizer_options", {}).items()),
-        tensors=_weights(clip.patcher), patches=clip.patcher.patches))
+    identity = _remembered(
+        clip,
+        lambda: _identity(
+            "clip",
+            type(clip.cond_stage_model).__name__,
+            type(clip.tokenizer).__name__,
+            clip.layer_idx,
+            sorted(getattr(clip, "tokenizer_options", {}).items()),
+            tensors=_weights(clip.patcher),
+            patches=clip.patcher.patches,
+        ),
+    )
     return encode, identity
 
 

@@ -1,5 +1,6 @@
 """Headless training's ComfyUI: started as a library (CPU when the config asks) and the model, VAE and
 text encoder loaded from .safetensors files with ComfyUI's own loaders."""
+
 from __future__ import annotations
 
 import sys
@@ -41,10 +42,13 @@ def load_models(cfg, encoders: bool = True):
     vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(_safetensors(cfg, "vae_path")))
     if not clip_type:
         known = sorted(a.name for a in ARCHS.values() if a.clip_type)
-        raise ValueError(f"arch {cfg.arch!r}: headless training knows the text encoders of {known}; "
-                         "train other models with the nodes")
-    clip = comfy.sd.load_clip(ckpt_paths=[_safetensors(cfg, "text_encoder_path")],
-                              clip_type=getattr(comfy.sd.CLIPType, clip_type))
+        raise ValueError(
+            f"arch {cfg.arch!r}: headless training knows the text encoders of {known}; "
+            "train other models with the nodes"
+        )
+    clip = comfy.sd.load_clip(
+        ckpt_paths=[_safetensors(cfg, "text_encoder_path")], clip_type=getattr(comfy.sd.CLIPType, clip_type)
+    )
     return model, vae, clip
 
 

@@ -1,6 +1,7 @@
 """LORA_MODEL in and out, and LoRAs applied through ComfyUI's own loader (what LoraLoader does),
 with every key checked: ComfyUI itself only logs a key that matches nothing or a patch whose shape
 does not fit, and applies nothing. Re-exported by bridge.py, the door's surface."""
+
 from __future__ import annotations
 
 import comfy.lora
@@ -14,13 +15,16 @@ from ...trainer.lora import files as lora_format
 from ...trainer.lora.files import LoraWeights
 
 
-def lora_model_from(weights: dict[str, LoraWeights], arch_name: str | None = None,
-                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def lora_model_from(
+    weights: dict[str, LoraWeights], arch_name: str | None = None, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Kiln LoRA → LORA_MODEL: `diffusion_model.<path>.lora_A.weight/.lora_B.weight/.alpha` tensors,
     which LoraModelLoader (comfy.sd.load_lora_for_models) and SaveLoRA (save_file) take as they are."""
     tensors = lora_format.to_tensors(weights, "comfy", arch_name)
-    return {k: torch.from_numpy(np.ascontiguousarray(v, np.float32)).to(torch.float32 if k.endswith("alpha") else dtype)
-            for k, v in tensors.items()}
+    return {
+        k: torch.from_numpy(np.ascontiguousarray(v, np.float32)).to(torch.float32 if k.endswith("alpha") else dtype)
+        for k, v in tensors.items()
+    }
 
 
 def lora_arrays(lora_model: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -68,8 +72,11 @@ def _patched(model, lora_model: dict[str, torch.Tensor], strength: float):
     patches = comfy.lora.load_lora(tracked, key_map)
     patched = model.clone()
     applied = set(patched.add_patches(patches, strength))
-    return patched, (sorted(set(tracked) - tracked.read) + sorted(str(k) for k in patches if k not in applied)
-                     + _misshapen(model, patches))
+    return patched, (
+        sorted(set(tracked) - tracked.read)
+        + sorted(str(k) for k in patches if k not in applied)
+        + _misshapen(model, patches)
+    )
 
 
 def _misshapen(model, patches) -> list[str]:
@@ -89,8 +96,12 @@ def _misshapen(model, patches) -> list[str]:
         if offset is not None:
             shape[offset[0]] = offset[2]
         up, down = weights[0], weights[1]
-        if (up.ndim < 2 or down.ndim < 2 or up.shape[1] != down.shape[0]
-                or up.shape[0] * down[0].numel() != int(np.prod(shape))):
+        if (
+            up.ndim < 2
+            or down.ndim < 2
+            or up.shape[1] != down.shape[0]
+            or up.shape[0] * down[0].numel() != int(np.prod(shape))
+        ):
             bad.append(f"{name}: up/B {list(up.shape)} x down/A {list(down.shape)} does not fit weight {shape}")
     return bad
 
@@ -104,9 +115,11 @@ def require_fit(model, lora_model: dict[str, torch.Tensor], what: str) -> None:
     """Raise, naming `what` (node, input and file), unless every key of the LoRA loads into this model."""
     problems = unmatched_lora_keys(model, lora_model)
     if problems:
-        raise ValueError(f"{what}: {len(problems)} of {len(lora_model)} keys match nothing in this "
-                         f"{type(model.model).__name__} model or do not fit its weights (e.g. {problems[:3]}); "
-                         "choose the file made for this model")
+        raise ValueError(
+            f"{what}: {len(problems)} of {len(lora_model)} keys match nothing in this "
+            f"{type(model.model).__name__} model or do not fit its weights (e.g. {problems[:3]}); "
+            "choose the file made for this model"
+        )
 
 
 def apply_lora(model, lora_model: dict[str, torch.Tensor], strength: float = 1.0, *, strict: bool = True):
@@ -114,17 +127,36 @@ def apply_lora(model, lora_model: dict[str, torch.Tensor], strength: float = 1.0
     LoraModelLoader do). strict: raise if any key would be dropped (ComfyUI itself only logs it)."""
     patched, unmatched = _patched(model, lora_model, strength)
     if strict and unmatched:
-        raise ValueError(f"{len(unmatched)} of {len(lora_model)} LoRA keys match nothing in this "
-                         f"{type(model.model).__name__} model or do not fit its weights (e.g. {unmatched[:3]}); "
-                         "is the LoRA for another model? Use one made for this model")
+        raise ValueError(
+            f"{len(unmatched)} of {len(lora_model)} LoRA keys match nothing in this "
+            f"{type(model.model).__name__} model or do not fit its weights (e.g. {unmatched[:3]}); "
+            "is the LoRA for another model? Use one made for this model"
+        )
     return patched
 
 
-_UP_SUFFIXES = (".lora_up.weight", ".lora_B.weight", "_lora.up.weight", ".lora.up.weight", ".lora_B",
-                ".lora_linear_layer.up.weight", ".lora_B.default.weight", ".diff", ".diff_b")
-_LINEAR_SUFFIXES = _UP_SUFFIXES + (".lora_down.weight", ".lora_A.weight", "_lora.down.weight", ".lora.down.weight",
-                                   ".lora_A", ".lora_linear_layer.down.weight", ".lora_A.default.weight",
-                                   ".lora_mid.weight", ".alpha")
+_UP_SUFFIXES = (
+    ".lora_up.weight",
+    ".lora_B.weight",
+    "_lora.up.weight",
+    ".lora.up.weight",
+    ".lora_B",
+    ".lora_linear_layer.up.weight",
+    ".lora_B.default.weight",
+    ".diff",
+    ".diff_b",
+)
+_LINEAR_SUFFIXES = _UP_SUFFIXES + (
+    ".lora_down.weight",
+    ".lora_A.weight",
+    "_lora.down.weight",
+    ".lora.down.weight",
+    ".lora_A",
+    ".lora_linear_layer.down.weight",
+    ".lora_A.default.weight",
+    ".lora_mid.weight",
+    ".alpha",
+)
 
 
 def negate_lora(lora_model: dict[str, torch.Tensor], strength: float = 1.0) -> dict[str, torch.Tensor]:
@@ -132,8 +164,10 @@ def negate_lora(lora_model: dict[str, torch.Tensor], strength: float = 1.0) -> d
     it at 1.0 removes the LoRA applied at +strength. Only plain LoRA/diff keys can be negated exactly."""
     other = sorted(k for k in lora_model if not k.endswith(_LINEAR_SUFFIXES))
     if other:
-        raise ValueError(f"cannot negate {other[:3]}: only plain LoRA (up/down, A/B) and diff keys scale linearly "
-                         "(LoHa/LoKr/DoRA do not); load it with ComfyUI's LoraLoader at the negative strength")
+        raise ValueError(
+            f"cannot negate {other[:3]}: only plain LoRA (up/down, A/B) and diff keys scale linearly "
+            "(LoHa/LoKr/DoRA do not); load it with ComfyUI's LoraLoader at the negative strength"
+        )
     return {k: v * -strength if k.endswith(_UP_SUFFIXES) else v.clone() for k, v in lora_model.items()}
 
 

@@ -7,6 +7,7 @@ Facts this relies on (read in ComfyUI 0.17 and 0.33):
   (Qwen-Image's Wan 2.1) gives one frame [B,C,1,h,w]: Kiln caches images [C,h,w] and puts the frame axis
   back where the latent format declares three latent dimensions.
 """
+
 from __future__ import annotations
 
 import comfy.model_base
@@ -18,6 +19,7 @@ import torch
 from ...trainer import archs
 
 # ---------------------------------------------------------------- what the model is
+
 
 def detect_arch(model, *, adapter: bool = False) -> str:
     """The trainer.archs name to train this MODEL as ('generic' when no family matches); with a training
@@ -51,6 +53,7 @@ def diffusion_model(model) -> torch.nn.Module:
 
 # ---------------------------------------------------------------- the training forward
 
+
 def make_forward(model, arch_name: str):
     """forward(dm, x_t, sigmas, context, extras) -> velocity, built from ComfyUI's own preparation.
 
@@ -64,8 +67,10 @@ def make_forward(model, arch_name: str):
     """
     sampling = model.get_model_object("model_sampling")
     if not isinstance(sampling, comfy.model_sampling.CONST):
-        raise ValueError(f"{type(model.model).__name__} predicts with {type(sampling).__name__}, not ComfyUI's "
-                         "flow-matching CONST convention; Kiln trains velocity (flow) models only")
+        raise ValueError(
+            f"{type(model.model).__name__} predicts with {type(sampling).__name__}, not ComfyUI's "
+            "flow-matching CONST convention; Kiln trains velocity (flow) models only"
+        )
     base, options = model.model, model.model_options.get("transformer_options", {})
     arch, frames = archs.get_arch(arch_name), _frame_axis(model)
 
@@ -79,8 +84,9 @@ def make_forward(model, arch_name: str):
         outputs, order = [], []
         for rows, tokens in groups:
             index = torch.tensor(rows, device=x_t.device)
-            part = {k: v[index] if torch.is_tensor(v) and v.ndim and len(v) == len(x_t) else v
-                    for k, v in extras.items()}
+            part = {
+                k: v[index] if torch.is_tensor(v) and v.ndim and len(v) == len(x_t) else v for k, v in extras.items()
+            }
             rows_context = context[index][:, tokens]
             outputs.append(_call(base, sampling, dm, options, x_t[index], sigmas[index], rows_context, part))
             order += rows
@@ -141,17 +147,20 @@ def _call(base, sampling, dm, options: dict, x, sigma, context, extras: dict):
     t = sampling.timestep(sigma).float()
     if ctx is not None:
         ctx = mm.cast_to_device(ctx, x.device, dtype)
-    conds = {k: [_convert(e, dtype, x.device) for e in v] if isinstance(v, list) else _convert(v, dtype, x.device)
-             for k, v in conds.items()}
+    conds = {
+        k: [_convert(e, dtype, x.device) for e in v] if isinstance(v, list) else _convert(v, dtype, x.device)
+        for k, v in conds.items()
+    }
     t = base.process_timestep(t, x=x, **conds)
     transformer_options = {**options, "sigmas": sigma}
     if _PREFETCH_FLAG:  # tells the blocks whether to prefetch dynamic-VRAM weights (False: Kiln trains loaded)
-        transformer_options["prefetch_dynamic_vbars"] = base.current_patcher is not None \
-            and base.current_patcher.is_dynamic()
+        transformer_options["prefetch_dynamic_vbars"] = (
+            base.current_patcher is not None and base.current_patcher.is_dynamic()
+        )
     return dm(xc, t, context=ctx, control=None, transformer_options=transformer_options, **conds)
 
 
-_CONSTANTS: dict = {}   # (device, dtype, shape, values) → the device copy of a small host cond
+_CONSTANTS: dict = {}  # (device, dtype, shape, values) → the device copy of a small host cond
 
 
 def _convert(extra, dtype, device):
@@ -159,12 +168,16 @@ def _convert(extra, dtype, device):
     numbers (Flux's guidance: torch.FloatTensor([g])): their device copy is made once and kept. ComfyUI
     copies them from pageable memory at every call, which waits for the GPU once a step and cannot be
     recorded in a CUDA graph (step_graphs); kept, a recorded step reads the same device tensor each replay."""
-    if not (torch.is_tensor(extra) and extra.device.type == "cpu" and extra.numel() <= 64
-            and torch.device(device).type != "cpu"):
+    if not (
+        torch.is_tensor(extra)
+        and extra.device.type == "cpu"
+        and extra.numel() <= 64
+        and torch.device(device).type != "cpu"
+    ):
         return comfy.model_base.convert_tensor(extra, dtype, device)
     key = (str(device), dtype, extra.dtype, tuple(extra.shape), tuple(extra.flatten().tolist()))
     if key not in _CONSTANTS:
-        if len(_CONSTANTS) >= 256:   # never evicted (a recorded graph may read one): past a bound, not kept
+        if len(_CONSTANTS) >= 256:  # never evicted (a recorded graph may read one): past a bound, not kept
             return comfy.model_base.convert_tensor(extra, dtype, device)
         _CONSTANTS[key] = comfy.model_base.convert_tensor(extra, dtype, device)
     return _CONSTANTS[key]
@@ -174,7 +187,6 @@ def _convert(extra, dtype, device):
 # does, 0.17 does not; the key is a constant of its code): _call mirrors the version it runs in, and
 # tests/nodes/comfy/test_bridge.py compares the options with what ComfyUI's sampler hands the model.
 _PREFETCH_FLAG = "prefetch_dynamic_vbars" in comfy.model_base.BaseModel._apply_model.__code__.co_consts
-
 
 
 def latents_in(model, latents, reverse: bool = False):

@@ -2,6 +2,7 @@
 to ComfyUI's: its SDPA entry point (whose kernel order would override Kiln's `attention` choice) and the
 fp8 matmuls of quantized checkpoints. Used by nodes/comfy/'s training_session and sample().
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,11 @@ _COMFYS_FULL_PRECISION = "_kiln_comfys_full_precision_mm"
 
 
 def _quantized_layers(model) -> list:
-    return [m for m in model.model.diffusion_model.modules()
-            if getattr(m, "layout_type", None) is not None and hasattr(m, "_full_precision_mm")]
+    return [
+        m
+        for m in model.model.diffusion_model.modules()
+        if getattr(m, "layout_type", None) is not None and hasattr(m, "_full_precision_mm")
+    ]
 
 
 @contextlib.contextmanager
@@ -63,8 +67,12 @@ def _training_sdpa(q, k, v, *args, **kwargs):
     """ComfyUI's SDPA call without its kernel order: grouped-query attention with a mask is expanded as
     ComfyUI expands it; everything else goes to torch as it comes."""
     attn_mask = args[0] if args else kwargs.get("attn_mask")
-    if kwargs.get("enable_gqa", False) and attn_mask is not None and q.shape[-3] != k.shape[-3] \
-            and hasattr(comfy.ops, "repeat_kv_for_gqa"):   # (0.17 passes enable_gqa to torch as it is)
+    if (
+        kwargs.get("enable_gqa", False)
+        and attn_mask is not None
+        and q.shape[-3] != k.shape[-3]
+        and hasattr(comfy.ops, "repeat_kv_for_gqa")
+    ):  # (0.17 passes enable_gqa to torch as it is)
         k, v = comfy.ops.repeat_kv_for_gqa(k, v, q.shape[-3], -3)
         kwargs["enable_gqa"] = False
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, *args, **kwargs)

@@ -6,6 +6,7 @@ which autograd cannot save, so a training session swaps them for normal copies (
 other models ComfyUI moves meanwhile (its evictions, a validation sample's loads) are mended back to
 inference tensors afterwards (mend_moved_weights).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,10 @@ def trainable(model):
         try:
             return model.get_non_dynamic_delegate()
         except RuntimeError as error:  # a patcher not made by a loader cannot be re-created
-            raise RuntimeError(f"this model runs with dynamic VRAM and ComfyUI cannot make a fully loaded copy "
-                               f"({error}); restart ComfyUI with --disable-dynamic-vram to train with Kiln") from error
+            raise RuntimeError(
+                f"this model runs with dynamic VRAM and ComfyUI cannot make a fully loaded copy "
+                f"({error}); restart ComfyUI with --disable-dynamic-vram to train with Kiln"
+            ) from error
     return model
 
 
@@ -47,21 +50,30 @@ def training_session(model, device=None, *, quantized_matmul: bool = False):
     tensors again after one in a prompt).
     """
     wanted = None if device in (None, "", "auto") else torch.device(device)
-    if wanted is not None and (wanted.type != model.load_device.type
-                               or wanted.index not in (None, model.load_device.index)):
-        raise ValueError(f"ComfyUI loads this model on {model.load_device}, not {device}; set device to auto, or "
-                         "start ComfyUI on the device you want (--cpu, --cuda-device N)")
+    if wanted is not None and (
+        wanted.type != model.load_device.type or wanted.index not in (None, model.load_device.index)
+    ):
+        raise ValueError(
+            f"ComfyUI loads this model on {model.load_device}, not {device}; set device to auto, or "
+            "start ComfyUI on the device you want (--cpu, --cuda-device N)"
+        )
     if model.is_dynamic():
-        raise RuntimeError("training_session needs bridge.trainable(model): this patcher uses dynamic VRAM, "
-                           "which never loads weights fully")
+        raise RuntimeError(
+            "training_session needs bridge.trainable(model): this patcher uses dynamic VRAM, "
+            "which never loads weights fully"
+        )
     previous, in_a_prompt = mm.in_training, torch.is_inference_mode_enabled()
-    with torch.inference_mode(False), torch.enable_grad(), _run_every_op(_deferring_run_every_op), \
-            comfy_paths.training(model, quantized_matmul=quantized_matmul):
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        _run_every_op(_deferring_run_every_op),
+        comfy_paths.training(model, quantized_matmul=quantized_matmul),
+    ):
         try:
             mm.in_training = True
             _SESSIONS.append(model)
             others = _prompt_models(model)
-            _load_fully(model)   # evicts the others, outside inference mode (it loads none of them)
+            _load_fully(model)  # evicts the others, outside inference mode (it loads none of them)
             mend_moved_weights(others)
             yield model.model.diffusion_model, model.load_device
         finally:
@@ -89,9 +101,9 @@ def sampling(reload_after=None):
             yield
     finally:
         mm.in_training = previous
-        moved += _prompt_models(training)   # the sampler's and the VAE's, which the reload may evict
+        moved += _prompt_models(training)  # the sampler's and the VAE's, which the reload may evict
         if training is not None:
-            reload_for_training(training)   # loads only the training model
+            reload_for_training(training)  # loads only the training model
         mend_moved_weights(moved)
 
 
@@ -109,13 +121,17 @@ def _load_fully(model, evict_others: bool = True) -> None:
             mm.load_models_gpu([model], memory_required=1e20 if evict_others else 0, force_full_load=True)
     except torch.OutOfMemoryError as error:
         size = model.model_size() / 2**30
-        raise RuntimeError(f"the model ({size:.1f} GiB) does not fit on {model.load_device} for training; use an "
-                           "fp8 or smaller model, close other GPU work, or train on a larger GPU") from error
+        raise RuntimeError(
+            f"the model ({size:.1f} GiB) does not fit on {model.load_device} for training; use an "
+            "fp8 or smaller model, close other GPU work, or train on a larger GPU"
+        ) from error
     dm = model.model.diffusion_model
     stray = sorted({str(p.device) for p in dm.parameters() if p.device != model.load_device})
     if getattr(model.model, "model_lowvram", False) or stray:
-        raise RuntimeError(f"ComfyUI loaded the model only partly onto {model.load_device} (weights on {stray}); "
-                           "training needs it whole: free VRAM, use a smaller/fp8 model, or run with --highvram")
+        raise RuntimeError(
+            f"ComfyUI loaded the model only partly onto {model.load_device} (weights on {stray}); "
+            "training needs it whole: free VRAM, use a smaller/fp8 model, or run with --highvram"
+        )
     with torch.inference_mode(False):
         _copied(dm, lambda tensor: tensor is not None and _inference(tensor))
 
@@ -140,7 +156,7 @@ def _prompt_models(training=None) -> list[torch.nn.Module]:
     """The modules of the models ComfyUI has loaded now, except the training model's (and its clones')."""
     modules = []
     for loaded in list(mm.current_loaded_models):
-        module = getattr(loaded.model, "model", None)   # LoadedModel.model: its patcher (a weak reference)
+        module = getattr(loaded.model, "model", None)  # LoadedModel.model: its patcher (a weak reference)
         if isinstance(module, torch.nn.Module) and (training is None or module is not training.model):
             modules.append(module)
     return modules
@@ -158,8 +174,10 @@ def mend_moved_weights(modules) -> int:
     normal weights there too, which ComfyUI's quantized Linear refuses ("Cannot set version_counter")."""
     unique = {id(module): module for module in modules}.values()
     with torch.inference_mode():
-        return sum(_copied(module, lambda t: type(t) in (torch.Tensor, torch.nn.Parameter) and _moved_out(t))
-                   for module in unique)
+        return sum(
+            _copied(module, lambda t: type(t) in (torch.Tensor, torch.nn.Parameter) and _moved_out(t))
+            for module in unique
+        )
 
 
 def _as_a_prompt_left_them(module) -> None:
@@ -181,8 +199,11 @@ def _copied(module, chosen) -> int:
             for name, tensor in store.items():
                 if chosen(tensor):
                     copy = tensor.clone()
-                    store[name] = torch.nn.Parameter(copy, tensor.requires_grad) \
-                        if isinstance(tensor, torch.nn.Parameter) else copy
+                    store[name] = (
+                        torch.nn.Parameter(copy, tensor.requires_grad)
+                        if isinstance(tensor, torch.nn.Parameter)
+                        else copy
+                    )
                     count += 1
     return count
 

@@ -3,6 +3,7 @@ training (headless.py): the patcher to train → its latent format on the cached
 training adapter merged → the backend's model (ComfyUI's module in a training session, or Kiln's
 MLX port of its weights) → the loop. The backend branch lives here and nowhere else; so does the
 validation sampling both front ends hand the loop (`validation`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,10 @@ def train(cfg, model, dataset, *, run: Callable, adapter=None, setup: Callable |
     arch = get_arch(cfg.arch)
     divisor = dataset.settings.divisor
     if divisor % arch.bucket_divisor:
-        raise ValueError(f"the dataset's buckets are multiples of {divisor} px, but {arch.name} needs multiples of "
-                         f"{arch.bucket_divisor}: load the dataset again with divisor {arch.bucket_divisor}")
+        raise ValueError(
+            f"the dataset's buckets are multiples of {divisor} px, but {arch.name} needs multiples of "
+            f"{arch.bucket_divisor}: load the dataset again with divisor {arch.bucket_divisor}"
+        )
     model = session.trainable(model)  # dynamic VRAM: ComfyUI's fully loadable delegate (outputs use the original)
     # Caches hold raw VAE latents; the model sees them in its latent format (Z-Image: shift and scale).
     data = MappedLatents(dataset.training_data(), lambda raw: comfy_model.latents_in(model, raw))
@@ -54,7 +57,7 @@ def mlx_model(model, cfg):
 
     dtype = "bfloat16" if cfg.mixed_precision == "bf16" else "float32"
     with session.training_session(model, "auto") as (module, _device):
-        weights = from_state_dict(module.state_dict(), dtype)   # tensor by tensor, straight to dtype
+        weights = from_state_dict(module.state_dict(), dtype)  # tensor by tensor, straight to dtype
     session.free_memory()
     return mlx_models.build(cfg.arch, weights, dtype, quantize=cfg.base_quantize)
 
@@ -84,18 +87,33 @@ def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
     through ComfyUI's loader. lora None (before training): the model as it is. on_sample(step, index,
     images) takes each IMAGE. Sampling leaves torch's random state as it was, so a run's LoRA dropout
     draws are the same with or without samples."""
+
     def validate(step: int, lora: Callable | None = None) -> list:
-        sampler_model = model if cfg.backend == "torch" or lora is None else comfy_lora.apply_lora(
-            model, comfy_lora.lora_model_from(lora(), cfg.arch), 1.0)
+        sampler_model = (
+            model
+            if cfg.backend == "torch" or lora is None
+            else comfy_lora.apply_lora(model, comfy_lora.lora_model_from(lora(), cfg.arch), 1.0)
+        )
         drawn = []
         for index, s in enumerate(samples):
             with torch.random.fork_rng(devices=_rng_devices()):
-                images = ui.sample(sampler_model, s.positive, s.negative, s.vae, seed=s.seed, steps=s.steps,
-                                   cfg=s.cfg, sampler_name=s.sampler_name, scheduler=s.scheduler, width=s.width,
-                                   height=s.height)
+                images = ui.sample(
+                    sampler_model,
+                    s.positive,
+                    s.negative,
+                    s.vae,
+                    seed=s.seed,
+                    steps=s.steps,
+                    cfg=s.cfg,
+                    sampler_name=s.sampler_name,
+                    scheduler=s.scheduler,
+                    width=s.width,
+                    height=s.height,
+                )
             on_sample(step, index, images)
             drawn += [image.float().cpu().numpy() for image in images]
-        return drawn     # [H,W,3] in 0..1 each: the loop's TensorBoard / W&B sinks log them
+        return drawn  # [H,W,3] in 0..1 each: the loop's TensorBoard / W&B sinks log them
+
     return validate
 
 
@@ -110,6 +128,18 @@ def prompt_samples(plan, clip, vae) -> list[Sample]:
     for text in [t for p in plan for t in (p.prompt, p.negative)]:
         if text not in conds:
             conds[text] = encoders.conditioning(clip, text)
-    return [Sample(positive=conds[p.prompt], negative=conds[p.negative], vae=vae, seed=p.seed, steps=p.steps,
-                   cfg=p.cfg, sampler_name=p.sampler_name, scheduler=p.scheduler, width=p.width, height=p.height)
-            for p in plan]
+    return [
+        Sample(
+            positive=conds[p.prompt],
+            negative=conds[p.negative],
+            vae=vae,
+            seed=p.seed,
+            steps=p.steps,
+            cfg=p.cfg,
+            sampler_name=p.sampler_name,
+            scheduler=p.scheduler,
+            width=p.width,
+            height=p.height,
+        )
+        for p in plan
+    ]

@@ -1,4 +1,5 @@
 """ComfyUI's sampler, progress bar, server events and folders, as the nodes and the dashboard use them."""
+
 from __future__ import annotations
 
 import sys
@@ -25,11 +26,24 @@ def loss_map(history_loss) -> dict:
     return {"loss": [float(v) for v in history_loss if np.isfinite(v)]}
 
 
-
 # ---------------------------------------------------------------- sampling, progress, folders
 
-def sample(model, positive, negative, vae, *, seed: int, steps: int, cfg: float, sampler_name: str,
-           scheduler: str, width: int, height: int, reload_after=None) -> torch.Tensor:
+
+def sample(
+    model,
+    positive,
+    negative,
+    vae,
+    *,
+    seed: int,
+    steps: int,
+    cfg: float,
+    sampler_name: str,
+    scheduler: str,
+    width: int,
+    height: int,
+    reload_after=None,
+) -> torch.Tensor:
     """One image through ComfyUI's own sampler (comfy.sample.sample) and vae.decode: IMAGE [1,H,W,3].
 
     Runs in session.sampling (no grad, in_training off, the stop button live; the training model
@@ -43,8 +57,20 @@ def sample(model, positive, negative, vae, *, seed: int, steps: int, cfg: float,
     latent = comfy.sample.fix_empty_latent_channels(model, latent)
     noise = comfy.sample.prepare_noise(latent, seed)
     with session.sampling(reload_after), comfy_paths.sampling(model):
-        samples = comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive, negative,
-                                      latent, denoise=1.0, disable_pbar=True, seed=seed)
+        samples = comfy.sample.sample(
+            model,
+            noise,
+            steps,
+            cfg,
+            sampler_name,
+            scheduler,
+            positive,
+            negative,
+            latent,
+            denoise=1.0,
+            disable_pbar=True,
+            seed=seed,
+        )
         images = vae.decode(samples)
     return images.reshape(-1, *images.shape[-3:])[..., :3]
 
@@ -73,8 +99,9 @@ def image_tensor(picture) -> torch.Tensor:
 def cat_images(images: list[torch.Tensor]) -> torch.Tensor:
     """IMAGE batches → one IMAGE batch; smaller images are padded (black) to the largest size."""
     height, width = max(i.shape[1] for i in images), max(i.shape[2] for i in images)
-    return torch.cat([torch.nn.functional.pad(i, (0, 0, 0, width - i.shape[2], 0, height - i.shape[1]))
-                      for i in images])
+    return torch.cat(
+        [torch.nn.functional.pad(i, (0, 0, 0, width - i.shape[2], 0, height - i.shape[1])) for i in images]
+    )
 
 
 class Progress:
@@ -88,8 +115,9 @@ class Progress:
         mm.throw_exception_if_processing_interrupted()  # raises Interrupted; the hook may be throttled
         picture = preview if preview is not None else preview_pil
         if torch.is_tensor(picture):
-            picture = Image.fromarray((picture.reshape(-1, *picture.shape[-3:])[0].clamp(0, 1) * 255)
-                                      .round().byte().cpu().numpy())
+            picture = Image.fromarray(
+                (picture.reshape(-1, *picture.shape[-3:])[0].clamp(0, 1) * 255).round().byte().cpu().numpy()
+            )
         shown = None if picture is None else ("JPEG", picture, args.preview_size)
         self.bar.update_absolute(step, self.bar.total, shown)
 
@@ -144,8 +172,12 @@ def send_event(name: str, data) -> bool:
 
 
 def folders() -> dict[str, str]:
-    return {"input": folder_paths.get_input_directory(), "output": folder_paths.get_output_directory(),
-            "temp": folder_paths.get_temp_directory(), "loras": folder_paths.get_folder_paths("loras")[0]}
+    return {
+        "input": folder_paths.get_input_directory(),
+        "output": folder_paths.get_output_directory(),
+        "temp": folder_paths.get_temp_directory(),
+        "loras": folder_paths.get_folder_paths("loras")[0],
+    }
 
 
 def lora_names() -> list[str]:
@@ -197,8 +229,12 @@ class _Call:
     as (file name, async iterator of byte chunks), streamed, never read whole into memory."""
 
     def __init__(self, request):
-        self.request, self.params, self.headers, self.method = (request, dict(request.match_info),
-                                                                request.headers, request.method)
+        self.request, self.params, self.headers, self.method = (
+            request,
+            dict(request.match_info),
+            request.headers,
+            request.method,
+        )
 
     async def json(self):
         return await self.request.json()
@@ -213,6 +249,7 @@ class _Call:
             async def chunks(part=part):
                 while chunk := await part.read_chunk(1 << 16):
                     yield chunk
+
             yield part.filename, chunks()
 
 
@@ -222,8 +259,11 @@ def add_json_routes(name: str, table) -> None:
 
     def register(routes) -> None:
         for method, path, handler in table:
+
             async def serve(request, handler=handler):
                 status, body = await handler(_Call(request))
                 return web.json_response(body, status=status)
+
             routes.route(method, path)(serve)
+
     add_routes(name, register)

@@ -5,6 +5,7 @@ it in place) plus every patch the patcher holds (LoRAs loaded onto it, model mer
 by ComfyUI's own comfy.lora.calculate_weight, with no rounding back to the weight's dtype (a rounded
 bf16 sum would put rounding noise into the difference). One key at a time, on `device`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
@@ -32,7 +33,7 @@ class EffectiveWeights(Mapping):
         return value
 
     def __iter__(self) -> Iterator[str]:
-        return (key[len(_PREFIX):] for key in self._patches)
+        return (key[len(_PREFIX) :] for key in self._patches)
 
     def __len__(self) -> int:
         return len(self._patches)

@@ -3,6 +3,7 @@ trainer, records appended to a JSON list. A smoke test of the harness, not a tim
 keys and that step times and losses are finite. Needs a ComfyUI checkout (COMFYUI_PATH); the harness runs
 in a subprocess (it sets ComfyUI up for itself and swaps the native node's ProgressBar while it runs).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,14 +17,37 @@ import pytest
 
 from helpers import comfy_env
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
-COMFY = comfy_env.require_comfy()   # skips (fails in CI) without COMFYUI_PATH
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
+COMFY = comfy_env.require_comfy()  # skips (fails in CI) without COMFYUI_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = ("date", "commit", "device", "torch", "arch", "resolution", "batch", "rank", "targets", "checkpointing",
-        "compile", "kiln_s_per_step", "kiln_p95", "native_s_per_step", "mfu", "peak_alloc_gb", "peak_reserved_gb",
-        "native_peak_alloc_gb", "native_peak_reserved_gb", "matmul_tflops", "model_tflop_per_step",
-        "speedup_vs_native", "native_mfu", "native_forward_rows", "kiln_forward_rows")
+KEYS = (
+    "date",
+    "commit",
+    "device",
+    "torch",
+    "arch",
+    "resolution",
+    "batch",
+    "rank",
+    "targets",
+    "checkpointing",
+    "compile",
+    "kiln_s_per_step",
+    "kiln_p95",
+    "native_s_per_step",
+    "mfu",
+    "peak_alloc_gb",
+    "peak_reserved_gb",
+    "native_peak_alloc_gb",
+    "native_peak_reserved_gb",
+    "matmul_tflops",
+    "model_tflop_per_step",
+    "speedup_vs_native",
+    "native_mfu",
+    "native_forward_rows",
+    "kiln_forward_rows",
+)
 
 
 def test_tiny_rows_run_and_record(tmp_path):
@@ -31,10 +55,21 @@ def test_tiny_rows_run_and_record(tmp_path):
     out = tmp_path / "results.json"
     out.write_text(json.dumps([{"earlier": "record"}]), encoding="utf-8")  # appended to, not replaced
     env = {**os.environ, "COMFYUI_PATH": path}
-    command = [sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--tiny", "--device", "cpu",
-               "--rows", "klein4b:64:1:on:default,zimage:64:2:on:all,klein4b:64:1:on:default:base=fp8q",
-               "--steps", "3", "--warmup", "1",
-               "--out", str(out)]
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "gpu_train.py"),
+        "--tiny",
+        "--device",
+        "cpu",
+        "--rows",
+        "klein4b:64:1:on:default,zimage:64:2:on:all,klein4b:64:1:on:default:base=fp8q",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -42,18 +77,34 @@ def test_tiny_rows_run_and_record(tmp_path):
     assert records[0] == {"earlier": "record"} and len(records) == 4
     printed = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert printed == records[1:]
-    for record, arch, batch, targets in zip(records[1:], ("klein4b", "zimage", "klein4b"), (1, 2, 1),
-                                            ("default", "all", "default"), strict=True):
+    for record, arch, batch, targets in zip(
+        records[1:], ("klein4b", "zimage", "klein4b"), (1, 2, 1), ("default", "all", "default"), strict=True
+    ):
         assert all(key in record for key in KEYS), sorted(set(KEYS) - set(record))
-        assert (record["arch"], record["batch"], record["targets"], record["checkpointing"]) == (arch, batch,
-                                                                                                 targets, True)
+        assert (record["arch"], record["batch"], record["targets"], record["checkpointing"]) == (
+            arch,
+            batch,
+            targets,
+            True,
+        )
         assert record["tiny"] and record["device"].startswith("cpu") and record["compile"] is False
         assert record["peak_alloc_gb"] is None and record["native_peak_reserved_gb"] is None  # CUDA-only
         assert record["kiln_error"] is None and record["native_error"] is None
         assert record["native_checkpoint_depth"] == 2  # per block, as Kiln checkpoints
-        for key in ("kiln_s_per_step", "kiln_p95", "native_s_per_step", "native_p95", "mfu", "native_mfu",
-                    "kiln_loss_first", "kiln_loss_last", "native_loss_first", "native_loss_last",
-                    "matmul_tflops", "model_tflop_per_step"):
+        for key in (
+            "kiln_s_per_step",
+            "kiln_p95",
+            "native_s_per_step",
+            "native_p95",
+            "mfu",
+            "native_mfu",
+            "kiln_loss_first",
+            "kiln_loss_last",
+            "native_loss_first",
+            "native_loss_last",
+            "matmul_tflops",
+            "model_tflop_per_step",
+        ):
             assert isinstance(record[key], float) and math.isfinite(record[key]) and record[key] > 0, key
         assert record["kiln_loss_finite"] and record["native_loss_finite"]
         assert record["kiln_steps_timed"] == record["native_steps_timed"] == 2
@@ -76,8 +127,25 @@ def test_tiny_rows_run_and_record(tmp_path):
     assert zimage["lora_modules"] > 30  # every Linear, not just the 5 default targets in each of the 6 blocks
 
 
-WALL_ARGS = ["--tiny", "--device", "cpu", "--arch", "zimage", "--steps", "3", "--every", "2", "--images", "1",
-             "--res", "64,96", "--sample-size", "64", "--sample-steps", "1"]
+WALL_ARGS = [
+    "--tiny",
+    "--device",
+    "cpu",
+    "--arch",
+    "zimage",
+    "--steps",
+    "3",
+    "--every",
+    "2",
+    "--images",
+    "1",
+    "--res",
+    "64,96",
+    "--sample-size",
+    "64",
+    "--sample-steps",
+    "1",
+]
 
 
 def test_tiny_whole_runs_of_kiln_and_native_record_their_phases(tmp_path):
@@ -87,9 +155,15 @@ def test_tiny_whole_runs_of_kiln_and_native_record_their_phases(tmp_path):
     out = tmp_path / "wall.json"
     env = {**os.environ, "COMFYUI_PATH": COMFY}
     for trainer in ("kiln", "native"):
-        done = subprocess.run([sys.executable, str(ROOT / "bench" / "wall.py"), *WALL_ARGS, "--trainer", trainer,
-                               "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                              check=False)
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "wall.py"), *WALL_ARGS, "--trainer", trainer, "--out", str(out)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     kiln, native = json.loads(out.read_text(encoding="utf-8"))
     for record, trainer in ((kiln, "kiln"), (native, "native")):
@@ -99,6 +173,6 @@ def test_tiny_whole_runs_of_kiln_and_native_record_their_phases(tmp_path):
         parts = record["steps_s"] + record["compile_warmup_s"] + (record["validation_s"] or 0) + record["saving_s"]
         assert 0 < parts <= record["wall_s"] + 0.2
     assert kiln["validation_s"] > 0 and kiln["validation_calls"] == 3 and kiln["kiln_settings"] == {}  # 0, 2, end
-    assert kiln["saving_calls"] >= 2                     # the checkpoint at step 2 and the LoRA
+    assert kiln["saving_calls"] >= 2  # the checkpoint at step 2 and the LoRA
     assert native["validation_s"] is None and native["checkpoints"] is None and native["saving_calls"] == 1
     assert native["native_buckets"] == 2 and native["native_checkpoint_depth"] == 2

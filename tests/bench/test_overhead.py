@@ -1,4 +1,5 @@
 """bench/overhead.py's loops train (2 steps each); nothing here is timed."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,5 @@
 """bench/step_profile.py's bookkeeping: kernel kinds by name and busy time as a union of intervals."""
+
 from __future__ import annotations
 
 import sys
@@ -28,7 +29,7 @@ def test_kernels_fall_into_their_kinds():
 def test_busy_time_counts_overlaps_once():
     assert step_profile._union_us([]) == 0
     assert step_profile._union_us([(0, 10), (5, 15), (20, 30)]) == 25
-    assert step_profile._union_us([(0, 100), (10, 20), (30, 40)]) == 100   # nested kernels on two streams
+    assert step_profile._union_us([(0, 100), (10, 20), (30, 40)]) == 100  # nested kernels on two streams
 
 
 def test_host_time_is_summed_per_step_and_its_largest_ops_named():
@@ -37,12 +38,12 @@ def test_host_time_is_summed_per_step_and_its_largest_ops_named():
     profiler = step_profile.StepProfiler(first=1, count=2, rank=4, device=torch.device("cpu"))
     a, b = torch.randn(64, 64), torch.randn(64, 4)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        for _ in range(2):   # two "steps", 3 matmuls each
+        for _ in range(2):  # two "steps", 3 matmuls each
             for _ in range(3):
                 a @ b
     profiler.profile, profiler.wall = profile, 0.01
     summary = profiler.summarise()
     top = {name: (ms, calls) for name, ms, calls in summary["host_top"]}
-    assert top["aten::mm"][1] == 3                    # calls per step, not over both
+    assert top["aten::mm"][1] == 3  # calls per step, not over both
     assert 0 < top["aten::mm"][0] <= summary["host_ms"]
-    assert summary["busy_ms"] == 0 and summary["kernels_per_step"] == 0   # no GPU kernels on a CPU
+    assert summary["busy_ms"] == 0 and summary["kernels_per_step"] == 0  # no GPU kernels on a CPU

@@ -1,5 +1,6 @@
 """What a diffusion model is called with, ComfyUI's sampler's calls beside Kiln's forward's (the bridge tests of
 tests/nodes/comfy/). Import after helpers.comfy_env.require_comfy(): it imports ComfyUI."""
+
 from __future__ import annotations
 
 import comfy.sample
@@ -18,8 +19,10 @@ class Calls:
     def __init__(self, module):
         self.calls = []
         self._pending = []
-        self.handles = [module.register_forward_pre_hook(self._pre, with_kwargs=True),
-                        module.register_forward_hook(self._post, with_kwargs=True)]
+        self.handles = [
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            module.register_forward_hook(self._post, with_kwargs=True),
+        ]
 
     def _pre(self, module, args, kwargs):
         self._pending.append((args, dict(kwargs)))
@@ -41,8 +44,9 @@ def comfy_sampling_calls(model, cond, latent_shape, steps=2, seed=0):
     latent = torch.zeros(latent_shape)
     noise = comfy.sample.prepare_noise(latent, seed)
     with Calls(bridge.diffusion_model(model)) as calls, torch.inference_mode():
-        comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", cond, cond, latent,
-                            seed=seed, disable_pbar=True)
+        comfy.sample.sample(
+            model, noise, steps, 1.0, "euler", "simple", cond, cond, latent, seed=seed, disable_pbar=True
+        )
     return calls
 
 
@@ -51,8 +55,10 @@ def our_call(model, arch_name, x, sigmas, embeddings, *, grad: bool = False):
     as the training step does (inside a training session: grad on, a weight trainable), else as inference."""
     arch = archs.get_arch(arch_name)
     context = torch.from_numpy(arch.collate_context(embeddings))
-    extras = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-              for k, v in arch.model_extras(len(embeddings), [e.shape[0] for e in embeddings]).items()}
+    extras = {
+        k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+        for k, v in arch.model_extras(len(embeddings), [e.shape[0] for e in embeddings]).items()
+    }
     forward = bridge.make_forward(model, arch_name)
     dm = bridge.diffusion_model(model)
     if not grad:
@@ -105,16 +111,36 @@ def random_lora(model, arch_name, seed=0, rank=4):
     """Nonzero LoRA weights on the arch's default targets."""
     rng = np.random.default_rng(seed)
     from kiln_pack.trainer.lora.targets import select_targets as from_targets
+
     layers = {n: m for n, m in bridge.diffusion_model(model).named_modules() if isinstance(m, torch.nn.Linear)}
     paths = from_targets(list(layers), list(archs.get_arch(arch_name).default_targets))
-    return {p: LoraWeights(A=rng.standard_normal((rank, layers[p].in_features)).astype(np.float32) * 0.1,
-                           B=rng.standard_normal((layers[p].out_features, rank)).astype(np.float32) * 0.1,
-                           alpha=float(rank)) for p in paths}
+    return {
+        p: LoraWeights(
+            A=rng.standard_normal((rank, layers[p].in_features)).astype(np.float32) * 0.1,
+            B=rng.standard_normal((layers[p].out_features, rank)).astype(np.float32) * 0.1,
+            alpha=float(rank),
+        )
+        for p in paths
+    }
 
 
 def small_config(arch_name, **overrides):
-    values = dict(arch=arch_name, device="cpu", mixed_precision="no", steps=3, batch_size=2, rank=4, alpha=4.0,
-                  learning_rate=1e-3, checkpoint_every=0, keep_checkpoints=1, log_every=1, resolutions=[64],
-                  caption_dropout=0.0, gradient_checkpointing=True, seed=3)
+    values = dict(
+        arch=arch_name,
+        device="cpu",
+        mixed_precision="no",
+        steps=3,
+        batch_size=2,
+        rank=4,
+        alpha=4.0,
+        learning_rate=1e-3,
+        checkpoint_every=0,
+        keep_checkpoints=1,
+        log_every=1,
+        resolutions=[64],
+        caption_dropout=0.0,
+        gradient_checkpointing=True,
+        seed=3,
+    )
     values.update(overrides)
     return config.from_dict(values)

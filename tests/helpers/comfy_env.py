@@ -8,6 +8,7 @@ run on the CPU, all before anything from ComfyUI is imported. Safe to call any n
 ./scripts/test prepares each tree of ../shared/comfyui (scripts/comfyui_tree.py) and runs these tests
 against each.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -17,8 +18,10 @@ import sys
 import types
 from pathlib import Path
 
-SKIP_REASON = ("needs ComfyUI: set COMFYUI_PATH to a ComfyUI 0.17+ checkout, or run ./scripts/test, which prepares "
-               "the trees in ../shared/comfyui")
+SKIP_REASON = (
+    "needs ComfyUI: set COMFYUI_PATH to a ComfyUI 0.17+ checkout, or run ./scripts/test, which prepares "
+    "the trees in ../shared/comfyui"
+)
 _prepared: str | None = None
 _torchvision_fragment = None  # kept alive: dropping the Library would deregister the schemas
 
@@ -46,6 +49,7 @@ def _torchvision_workaround() -> None:
         pass
     try:
         import torchvision  # noqa: F401  (a working CPU build imports fine)
+
         return
     except Exception:  # noqa: BLE001
         _forget("torchvision")
@@ -101,6 +105,7 @@ def _torchaudio_workaround() -> None:
         return
     try:
         import torchaudio  # noqa: F401
+
         return
     except (ImportError, OSError) as err:  # OSError: the .so did not load
         _forget("torchaudio")
@@ -161,8 +166,10 @@ def gpu() -> bool:
 
 def required() -> bool:
     """In CI (CI=true, as CI sets it) or with KILN_REQUIRE_COMFYUI=1 a missing ComfyUI is a failure."""
-    return any(os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
-               for name in ("CI", "KILN_REQUIRE_COMFYUI"))
+    return any(
+        os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+        for name in ("CI", "KILN_REQUIRE_COMFYUI")
+    )
 
 
 def require_comfy() -> str:
@@ -187,6 +194,7 @@ def version() -> str:
 
 def at_least(wanted: str) -> bool:
     """The ComfyUI in use is `wanted` (e.g. '0.25') or newer."""
+
     def parts(text: str) -> tuple[int, ...]:
         return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
 

@@ -13,6 +13,7 @@ against the CPU torch; ComfyUI imports both at start) and then runs main.py as `
 ComfyUI's folder. (comfy_env.prepare() itself cannot be used here: it imports comfy.cli_args before
 main.py enables argument parsing, and ComfyUI would then ignore --port and the rest.)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,7 +41,7 @@ def make_dataset(folder: Path, count: int = 4) -> None:
     rng = np.random.default_rng(0)
     folder.mkdir(parents=True)
     for i in range(count):
-        width, height = (64, 64) if i % 2 else (80, 64)   # two buckets
+        width, height = (64, 64) if i % 2 else (80, 64)  # two buckets
         Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
         (folder / f"img{i}.txt").write_text(f"{{trigger}}, a photo number {i}", encoding="utf-8")
 
@@ -61,9 +62,15 @@ def make_edit_dataset(folder: Path, reference: Path) -> None:
 
 
 # Tiny model files in a test server's models/ (scripts/make_workflows.py's TINY names the Flux2 ones).
-TINY_FILES = {"flux2_unet": "kiln_tiny_flux2_klein.safetensors", "flux2_vae": "kiln_tiny_flux2_vae.safetensors",
-              "flux_vae": "kiln_tiny_flux_vae.safetensors", "zimage_adapter": "kiln_tiny_zimage_adapter.safetensors",
-              "dataset": "kiln_tiny_dataset", "edit_dataset": "kiln_tiny_edits", "reference": "kiln_tiny_reference.png"}
+TINY_FILES = {
+    "flux2_unet": "kiln_tiny_flux2_klein.safetensors",
+    "flux2_vae": "kiln_tiny_flux2_vae.safetensors",
+    "flux_vae": "kiln_tiny_flux_vae.safetensors",
+    "zimage_adapter": "kiln_tiny_zimage_adapter.safetensors",
+    "dataset": "kiln_tiny_dataset",
+    "edit_dataset": "kiln_tiny_edits",
+    "reference": "kiln_tiny_reference.png",
+}
 
 
 def tiny_base(base: Path) -> Path:
@@ -73,8 +80,15 @@ def tiny_base(base: Path) -> Path:
     and a returning user's settings (no first-run tutorial over the canvas)."""
     from helpers import tiny_comfy as tc
 
-    for sub in ("custom_nodes", "models/diffusion_models", "models/vae", "models/loras", "input", "output",
-                "user/default"):
+    for sub in (
+        "custom_nodes",
+        "models/diffusion_models",
+        "models/vae",
+        "models/loras",
+        "input",
+        "output",
+        "user/default",
+    ):
         (base / sub).mkdir(parents=True, exist_ok=True)
     (base / "custom_nodes" / "kiln").symlink_to(HERE.parents[1], target_is_directory=True)
     test_nodes = HERE.parent / "nodes" / "server_nodes"
@@ -112,8 +126,9 @@ def drive(
     """A browser driver of tests/web/ (node, playwright-core, headless Chromium) run against a live test server:
     --url, --out and --chromium, then the driver's own arguments. driver_report() reads what it found."""
     command = [NODE, str(HERE.parent / "web" / driver), "--url", server.url, "--out", str(out), "--chromium", CHROMIUM]
-    return subprocess.run([*command, *args], cwd=HERE.parents[1], capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    return subprocess.run(
+        [*command, *args], cwd=HERE.parents[1], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def driver_report(done: subprocess.CompletedProcess) -> dict:
@@ -130,9 +145,15 @@ def require_browser(what: str) -> None:
     import pytest
 
     playwright = HERE.parents[1] / "node_modules" / "playwright-core" / "package.json"
-    missing = [name for name, present in (("node", NODE), ("chromium (apt-get install chromium, or set CHROMIUM)",
-                                                            CHROMIUM), ("playwright-core (npm install)",
-                                                                        playwright.is_file())) if not present]
+    missing = [
+        name
+        for name, present in (
+            ("node", NODE),
+            ("chromium (apt-get install chromium, or set CHROMIUM)", CHROMIUM),
+            ("playwright-core (npm install)", playwright.is_file()),
+        )
+        if not present
+    ]
     if missing and comfy_env.required():
         pytest.fail(f"{what} needs {', '.join(missing)} and CI must run it", pytrace=False)
     if missing:
@@ -148,7 +169,7 @@ def make_workflows():
     source = HERE.parents[1] / "scripts" / "make_workflows.py"
     spec = importlib.util.spec_from_file_location("kiln_make_workflows", source)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module      # dataclasses look their module up while the file runs
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
 
@@ -179,16 +200,36 @@ class ComfyServer:
     def start(self, timeout: float = 150.0) -> ComfyServer:
         from helpers import comfy_env  # tests/ is on sys.path in a test process (conftest)
 
-        device = [] if comfy_env.gpu() else ["--cpu"]   # KILN_COMFY_GPU=1: on the GPU, as a user's ComfyUI serves
-        args = [sys.executable, str(HERE / "comfy_server.py"), self.comfy,
-                *device, "--listen", "127.0.0.1", "--port", str(self.port), "--disable-auto-launch",
-                "--base-directory", str(self.base), "--database-url", "sqlite:///:memory:",
-                "--disable-api-nodes", *self.extra_args]
+        device = [] if comfy_env.gpu() else ["--cpu"]  # KILN_COMFY_GPU=1: on the GPU, as a user's ComfyUI serves
+        args = [
+            sys.executable,
+            str(HERE / "comfy_server.py"),
+            self.comfy,
+            *device,
+            "--listen",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-auto-launch",
+            "--base-directory",
+            str(self.base),
+            "--database-url",
+            "sqlite:///:memory:",
+            "--disable-api-nodes",
+            *self.extra_args,
+        ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("COMFYUI_PATH", None)
         self._log_file = open(self.log_path, "wb")  # noqa: SIM115  (open while the server runs; closed in stop())
-        self.process = subprocess.Popen(args, cwd=self.comfy, env=env, stdout=self._log_file,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.process = subprocess.Popen(
+            args,
+            cwd=self.comfy,
+            env=env,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -221,8 +262,9 @@ class ComfyServer:
 
     def _request(self, path: str, payload=None, timeout: float = 30):
         data = json.dumps(payload).encode() if payload is not None else None
-        request = urllib.request.Request(self.url + path, data=data,
-                                         headers={"Content-Type": "application/json"} if data else {})
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"} if data else {}
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.status, response.read()
@@ -279,10 +321,10 @@ class ComfyServer:
 
 def _launch(argv: list[str]) -> None:
     comfy, main_args = str(Path(argv[0]).resolve()), argv[1:]
-    sys.path.insert(0, str(HERE.parent))          # tests/, for helpers.comfy_env
+    sys.path.insert(0, str(HERE.parent))  # tests/, for helpers.comfy_env
     from helpers import comfy_env
 
-    if not comfy_env.gpu():   # for PyPI's CPU wheels; on a GPU ComfyUI must be first to import torch (its allocator)
+    if not comfy_env.gpu():  # for PyPI's CPU wheels; on a GPU ComfyUI must be first to import torch (its allocator)
         comfy_env.cpu_torch_workarounds()
     import runpy
 

@@ -1,4 +1,5 @@
 """Free ports for the several-process tests (gloo ranks on the CPU)."""
+
 from __future__ import annotations
 
 import socket

@@ -3,6 +3,7 @@ and it runs that same command (trainer.cli.main.main) with one change: ComfyUI c
 files, so headless.py's loaders give the tiny VAE and text encoder, while the diffusion model really is read
 from its file by ComfyUI's loader (as tests/test_headless.py does in one process). Each rank writes
 what it was asked to load to <run>/loaded-rank<N>.json."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), os.environ["COMFYUI_PATH"]]   # the repository, tests/ (helpers)
+sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), os.environ["COMFYUI_PATH"]]  # the repository, tests/ (helpers)
 
 
 def loaders(cfg, encoders: bool = True):
@@ -28,7 +29,7 @@ def loaders(cfg, encoders: bool = True):
 def main() -> int:
     from helpers import comfy_env
 
-    comfy_env.prepare(os.environ["COMFYUI_PATH"])   # as in the tests' own process: CPU torch beside PyPI's torchvision
+    comfy_env.prepare(os.environ["COMFYUI_PATH"])  # as in the tests' own process: CPU torch beside PyPI's torchvision
     from trainer.cli.main import _headless
     from trainer.cli.main import main as cli
 

@@ -1,5 +1,6 @@
 """Small LoRAs at realistic module paths of Flux2 and Z-Image (a toy hidden size): the library's file tests and
 ComfyUI's LoRA loader test read the same cases."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,9 +30,14 @@ CASES = [("flux2_klein", FLUX2_MODULES), ("zimage", ZIMAGE_MODULES)]
 
 def make_lora(modules, seed=0, alpha=8.0) -> dict[str, LoraWeights]:
     rng = np.random.default_rng(seed)
-    return {path: LoraWeights(rng.standard_normal((RANK, fan_in), dtype=np.float32),
-                              rng.standard_normal((out, RANK), dtype=np.float32), alpha + i)
-            for i, (path, (out, fan_in)) in enumerate(modules.items())}
+    return {
+        path: LoraWeights(
+            rng.standard_normal((RANK, fan_in), dtype=np.float32),
+            rng.standard_normal((out, RANK), dtype=np.float32),
+            alpha + i,
+        )
+        for i, (path, (out, fan_in)) in enumerate(modules.items())
+    }
 
 
 def delta(w: LoraWeights) -> np.ndarray:
@@ -39,5 +45,11 @@ def delta(w: LoraWeights) -> np.ndarray:
 
 
 def lora_metadata():
-    return lf.build_metadata(arch_name="flux2_klein", config={"rank": RANK, "lr": 1e-4}, steps=500,
-                             trigger_words=["ohwx person", "kiln"], title="My LoRA", notes="test run")
+    return lf.build_metadata(
+        arch_name="flux2_klein",
+        config={"rank": RANK, "lr": 1e-4},
+        steps=500,
+        trigger_words=["ohwx person", "kiln"],
+        title="My LoRA",
+        notes="test run",
+    )

@@ -5,6 +5,7 @@ shapes of the model's modules ({ComfyUI path: (out, in)}) and returns the file's
 the truth: the weight change each ComfyUI path gets when the pattern's own math is applied by hand
 (ΔW = alpha/rank·B@A for LoRA, kron for LoKr, Hadamard products for LoHa, the tensor for a diff).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,19 +18,37 @@ import numpy as np
 RANK = 4
 
 # The modules each family's fixtures train (a subset of the arch's targets, plus one outside them).
-FLUX2_PATHS = ["double_blocks.0.img_attn.qkv", "double_blocks.0.img_attn.proj", "double_blocks.1.txt_attn.qkv",
-               "double_blocks.1.img_mlp.0", "single_blocks.0.linear1", "single_blocks.1.linear2"]
-ZIMAGE_PATHS = ["layers.0.attention.qkv", "layers.0.attention.out", "layers.1.feed_forward.w1",
-                "layers.1.feed_forward.w3", "noise_refiner.0.attention.qkv"]
+FLUX2_PATHS = [
+    "double_blocks.0.img_attn.qkv",
+    "double_blocks.0.img_attn.proj",
+    "double_blocks.1.txt_attn.qkv",
+    "double_blocks.1.img_mlp.0",
+    "single_blocks.0.linear1",
+    "single_blocks.1.linear2",
+]
+ZIMAGE_PATHS = [
+    "layers.0.attention.qkv",
+    "layers.0.attention.out",
+    "layers.1.feed_forward.w1",
+    "layers.1.feed_forward.w3",
+    "noise_refiner.0.attention.qkv",
+]
 
 # ComfyUI path → diffusers names (the part names of a fused layer, in row order), per family:
 # comfy/utils.py flux_to_diffusers (Flux2 branch) and z_image_to_diffusers.
 _FLUX2_DIFFUSERS = [
-    (r"double_blocks\.(\d+)\.img_attn\.qkv", ["transformer_blocks.{}.attn.to_q", "transformer_blocks.{}.attn.to_k",
-                                              "transformer_blocks.{}.attn.to_v"]),
-    (r"double_blocks\.(\d+)\.txt_attn\.qkv", ["transformer_blocks.{}.attn.add_q_proj",
-                                              "transformer_blocks.{}.attn.add_k_proj",
-                                              "transformer_blocks.{}.attn.add_v_proj"]),
+    (
+        r"double_blocks\.(\d+)\.img_attn\.qkv",
+        ["transformer_blocks.{}.attn.to_q", "transformer_blocks.{}.attn.to_k", "transformer_blocks.{}.attn.to_v"],
+    ),
+    (
+        r"double_blocks\.(\d+)\.txt_attn\.qkv",
+        [
+            "transformer_blocks.{}.attn.add_q_proj",
+            "transformer_blocks.{}.attn.add_k_proj",
+            "transformer_blocks.{}.attn.add_v_proj",
+        ],
+    ),
     (r"double_blocks\.(\d+)\.img_attn\.proj", ["transformer_blocks.{}.attn.to_out.0"]),
     (r"double_blocks\.(\d+)\.img_mlp\.0", ["transformer_blocks.{}.ff.linear_in"]),
     (r"single_blocks\.(\d+)\.linear1", ["single_transformer_blocks.{}.attn.to_qkv_mlp_proj"]),
@@ -54,8 +73,8 @@ def diffusers_names(family: str, path: str) -> list[str]:
 class Fixture:
     tensors: dict[str, np.ndarray]
     metadata: dict[str, str]
-    delta: dict[str, np.ndarray]      # ComfyUI path → ΔW (out, in), float64
-    passthrough: int = 0              # tensors that stay LoKr/LoHa/diff
+    delta: dict[str, np.ndarray]  # ComfyUI path → ΔW (out, in), float64
+    passthrough: int = 0  # tensors that stay LoKr/LoHa/diff
 
 
 def _pair(rng, out: int, fan_in: int, rank: int = RANK) -> tuple[np.ndarray, np.ndarray]:
@@ -75,8 +94,9 @@ def _parts(family, path, shapes, rng, alpha):
     return [(name, *_pair(rng, out // len(names), fan_in), alpha) for name in names]
 
 
-def _split_lora(family, paths, shapes, rng, key: Callable[[str], str], down: str, up: str, *, alpha_key: bool,
-                alpha: float) -> Fixture:
+def _split_lora(
+    family, paths, shapes, rng, key: Callable[[str], str], down: str, up: str, *, alpha_key: bool, alpha: float
+) -> Fixture:
     """Diffusers-named modules, each part trained with its own A (SimpleTuner, diffusers, ai-toolkit Z-Image)."""
     tensors, delta = {}, {}
     for path in paths:
@@ -90,8 +110,9 @@ def _split_lora(family, paths, shapes, rng, key: Callable[[str], str], down: str
     return Fixture(tensors, {}, delta)
 
 
-def _whole_lora(paths, shapes, rng, key: Callable[[str], str], down: str, up: str, *, alpha: float | None,
-                fold_sqrt: bool = False) -> Fixture:
+def _whole_lora(
+    paths, shapes, rng, key: Callable[[str], str], down: str, up: str, *, alpha: float | None, fold_sqrt: bool = False
+) -> Fixture:
     tensors, delta = {}, {}
     for path in paths:
         A, B = _pair(rng, *shapes[path])
@@ -112,8 +133,13 @@ def musubi_module_name(flat: str) -> str:
     writes `img_attn_proj` / `img_attn_qkv`, for Z-Image `feed.forward.w1`, `attention.to.q`: names
     ComfyUI does not know (the form reported broken)."""
     name = flat.replace("_", ".")
-    for old, new in (("double.blocks.", "double_blocks."), ("single.blocks.", "single_blocks."),
-                     ("img.", "img_"), ("txt.", "txt_"), ("attn.", "attn_")):
+    for old, new in (
+        ("double.blocks.", "double_blocks."),
+        ("single.blocks.", "single_blocks."),
+        ("img.", "img_"),
+        ("txt.", "txt_"),
+        ("attn.", "attn_"),
+    ):
         name = name.replace(old, new)
     return name
 
@@ -131,8 +157,13 @@ def _loha(rng, out, fan_in, alpha):
     """LoHa: ΔW = (w1_a@w1_b) ⊙ (w2_a@w2_b) · alpha / rank (ComfyUI's loha.py, LyCORIS's)."""
     (w1b, w1a), (w2b, w2a) = _pair(rng, out, fan_in), _pair(rng, out, fan_in)
     delta = (w1a.astype(np.float64) @ w1b) * (w2a.astype(np.float64) @ w2b) * (alpha / RANK)
-    return {"hada_w1_a": w1a, "hada_w1_b": w1b, "hada_w2_a": w2a, "hada_w2_b": w2b,
-            "alpha": np.array(alpha, np.float32)}, delta
+    return {
+        "hada_w1_a": w1a,
+        "hada_w1_b": w1b,
+        "hada_w2_a": w2a,
+        "hada_w2_b": w2b,
+        "alpha": np.array(alpha, np.float32),
+    }, delta
 
 
 def _adapters(rng, items: list[tuple[str, str, tuple[int, int]]], make) -> Fixture:
@@ -147,16 +178,27 @@ def _adapters(rng, items: list[tuple[str, str, tuple[int, int]]], make) -> Fixtu
 
 # ---------------------------------------------------------------- the fixtures, per family
 
+
 def ai_toolkit(family, shapes, rng) -> Fixture:
     """ostris/ai-toolkit toolkit/network_mixins.py get_state_dict (peft_format: lora_A/lora_B, no alpha) then
     extensions_built_in/diffusion_models/{flux2/flux2_model.py, z_image/z_image.py}
     convert_lora_weights_before_save ('transformer.' → 'diffusion_model.'). Flux2 runs BFL's own module
     names (flux2/src/model.py), Z-Image diffusers' (to_q/to_k/to_v, to_out.0)."""
     if family == "flux2":
-        return _whole_lora(FLUX2_PATHS, shapes, rng, lambda p: f"diffusion_model.{p}", "lora_A.weight",
-                           "lora_B.weight", alpha=None)
-    return _split_lora(family, ZIMAGE_PATHS, shapes, rng, lambda n: f"diffusion_model.{n}", "lora_A.weight",
-                       "lora_B.weight", alpha_key=False, alpha=RANK)
+        return _whole_lora(
+            FLUX2_PATHS, shapes, rng, lambda p: f"diffusion_model.{p}", "lora_A.weight", "lora_B.weight", alpha=None
+        )
+    return _split_lora(
+        family,
+        ZIMAGE_PATHS,
+        shapes,
+        rng,
+        lambda n: f"diffusion_model.{n}",
+        "lora_A.weight",
+        "lora_B.weight",
+        alpha_key=False,
+        alpha=RANK,
+    )
 
 
 def ai_toolkit_lokr(family, shapes, rng) -> Fixture:
@@ -164,7 +206,9 @@ def ai_toolkit_lokr(family, shapes, rng) -> Fixture:
     toolkit/models/lokr.py's lokr_w1 / lokr_w2_a / lokr_w2_b, under 'diffusion_model.' as above."""
     paths = FLUX2_PATHS[1:3] if family == "flux2" else ZIMAGE_PATHS[:2]
     names = {p: [p] if family == "flux2" else diffusers_names(family, p) for p in paths}
-    items = [(f"diffusion_model.{n}", p, (shapes[p][0] // len(names[p]), shapes[p][1])) for p in paths for n in names[p]]
+    items = [
+        (f"diffusion_model.{n}", p, (shapes[p][0] // len(names[p]), shapes[p][1])) for p in paths for n in names[p]
+    ]
     return _adapters(rng, items, _lokr)
 
 
@@ -174,20 +218,43 @@ def musubi(family, shapes, rng) -> Fixture:
     BFL names (flux_2/flux2_models.py); Z-Image diffusers' (issue #770: lora_unet_layers_9_attention_to_q),
     refiners excluded."""
     if family == "flux2":
-        return _whole_lora(FLUX2_PATHS, shapes, rng, lambda p: "lora_unet_" + p.replace(".", "_"),
-                           "lora_down.weight", "lora_up.weight", alpha=2.0 * RANK)
+        return _whole_lora(
+            FLUX2_PATHS,
+            shapes,
+            rng,
+            lambda p: "lora_unet_" + p.replace(".", "_"),
+            "lora_down.weight",
+            "lora_up.weight",
+            alpha=2.0 * RANK,
+        )
     paths = [p for p in ZIMAGE_PATHS if "refiner" not in p]
-    return _split_lora(family, paths, shapes, rng, lambda n: "lora_unet_" + n.replace(".", "_"),
-                       "lora_down.weight", "lora_up.weight", alpha_key=True, alpha=0.5 * RANK)
+    return _split_lora(
+        family,
+        paths,
+        shapes,
+        rng,
+        lambda n: "lora_unet_" + n.replace(".", "_"),
+        "lora_down.weight",
+        "lora_up.weight",
+        alpha_key=True,
+        alpha=0.5 * RANK,
+    )
 
 
 def musubi_converted(family, shapes, rng) -> Fixture:
     """kohya-ss/musubi-tuner src/musubi_tuner/convert_lora.py convert_to_diffusers (`--target other`):
     'diffusion_model.' + musubi_module_name(...), lora_A/lora_B each scaled by sqrt(alpha/rank), no alpha."""
     if family == "flux2":
-        return _whole_lora(FLUX2_PATHS, shapes, rng,
-                           lambda p: "diffusion_model." + musubi_module_name(p.replace(".", "_")),
-                           "lora_A.weight", "lora_B.weight", alpha=2.0 * RANK, fold_sqrt=True)
+        return _whole_lora(
+            FLUX2_PATHS,
+            shapes,
+            rng,
+            lambda p: "diffusion_model." + musubi_module_name(p.replace(".", "_")),
+            "lora_A.weight",
+            "lora_B.weight",
+            alpha=2.0 * RANK,
+            fold_sqrt=True,
+        )
     tensors, delta = {}, {}
     for path in [p for p in ZIMAGE_PATHS if "refiner" not in p]:
         blocks = []
@@ -210,10 +277,11 @@ def musubi_zimage_comfy(family, shapes, rng) -> Fixture:
         A = np.concatenate([p[1] for p in parts])
         B = np.zeros((sum(p[2].shape[0] for p in parts), A.shape[0]), np.float32)
         for i, (_, _, part_B, _) in enumerate(parts):
-            B[i * part_B.shape[0]:(i + 1) * part_B.shape[0], i * RANK:(i + 1) * RANK] = part_B
+            B[i * part_B.shape[0] : (i + 1) * part_B.shape[0], i * RANK : (i + 1) * RANK] = part_B
         alpha = 2.0 * len(parts)  # per-part alpha 2 (scale 0.5), times the parts for the larger rank
-        tensors.update({f"{key}.lora_down.weight": A, f"{key}.lora_up.weight": B,
-                        f"{key}.alpha": np.array(alpha, np.float32)})
+        tensors.update(
+            {f"{key}.lora_down.weight": A, f"{key}.lora_up.weight": B, f"{key}.alpha": np.array(alpha, np.float32)}
+        )
         delta[path] = _delta(A, B, alpha / A.shape[0])
     return Fixture(tensors, {}, delta)
 
@@ -230,8 +298,17 @@ def simpletuner_comfyui(family, shapes, rng) -> Fixture:
     (`--lora_format comfyui`): diffusers names with 'transformer.' → 'diffusion_model.', lora_A/lora_B kept,
     an `.alpha` per module from the adapter's lora_alpha."""
     paths = FLUX2_PATHS if family == "flux2" else ZIMAGE_PATHS
-    return _split_lora(family, paths, shapes, rng, lambda n: f"diffusion_model.{n}", "lora_A.weight",
-                       "lora_B.weight", alpha_key=True, alpha=2.0 * RANK)
+    return _split_lora(
+        family,
+        paths,
+        shapes,
+        rng,
+        lambda n: f"diffusion_model.{n}",
+        "lora_A.weight",
+        "lora_B.weight",
+        alpha_key=True,
+        alpha=2.0 * RANK,
+    )
 
 
 def diffusers_peft(family, shapes, rng) -> Fixture:
@@ -239,15 +316,29 @@ def diffusers_peft(family, shapes, rng) -> Fixture:
     'transformer.<diffusers name>.lora_A.weight', no alpha keys; lora_alpha / alpha_pattern in the
     'lora_adapter_metadata' JSON with the 'transformer.' prefix (_pack_dict_with_prefix)."""
     paths = FLUX2_PATHS if family == "flux2" else ZIMAGE_PATHS
-    fixture = _split_lora(family, paths, shapes, rng, lambda n: f"transformer.{n}", "lora_A.weight",
-                          "lora_B.weight", alpha_key=True, alpha=2.0 * RANK)
+    fixture = _split_lora(
+        family,
+        paths,
+        shapes,
+        rng,
+        lambda n: f"transformer.{n}",
+        "lora_A.weight",
+        "lora_B.weight",
+        alpha_key=True,
+        alpha=2.0 * RANK,
+    )
     special = diffusers_names(family, paths[1])[0]  # one module with its own alpha (PEFT's alpha_pattern)
     for key in [k for k in fixture.tensors if k.endswith(".alpha")]:
         del fixture.tensors[key]
     fixture.delta[paths[1]] *= 0.5  # its alpha_pattern alpha is RANK, not 2·RANK
     fixture.metadata["lora_adapter_metadata"] = json.dumps(
-        {"transformer.r": RANK, "transformer.lora_alpha": 2.0 * RANK,
-         "transformer.alpha_pattern": {special: float(RANK)}, "transformer.rank_pattern": {}})
+        {
+            "transformer.r": RANK,
+            "transformer.lora_alpha": 2.0 * RANK,
+            "transformer.alpha_pattern": {special: float(RANK)},
+            "transformer.rank_pattern": {},
+        }
+    )
     return fixture
 
 
@@ -256,14 +347,19 @@ def comfyui_trainer(family, shapes, rng) -> Fixture:
     'diffusion_model.<path>'), LoraDiff's named_parameters lora_up.weight / lora_down.weight / alpha (1.0,
     alpha over rank scales it); BiasDiff's '.diff' for a 1-D weight. SaveLoRA writes the dict as it is."""
     paths = FLUX2_PATHS if family == "flux2" else ZIMAGE_PATHS
-    fixture = _whole_lora(paths, shapes, rng, lambda p: f"diffusion_model.{p}", "lora_down.weight",
-                          "lora_up.weight", alpha=1.0)
+    fixture = _whole_lora(
+        paths, shapes, rng, lambda p: f"diffusion_model.{p}", "lora_down.weight", "lora_up.weight", alpha=1.0
+    )
     extra = {"flux2": "img_in", "zimage": "layers.0.attention_norm1"}[family]  # outside Kiln's targets
     if extra in shapes and family == "flux2":
         A, B = _pair(rng, *shapes[extra])
-        fixture.tensors.update({f"diffusion_model.{extra}.lora_down.weight": A,
-                                f"diffusion_model.{extra}.lora_up.weight": B,
-                                f"diffusion_model.{extra}.alpha": np.array(1.0, np.float32)})
+        fixture.tensors.update(
+            {
+                f"diffusion_model.{extra}.lora_down.weight": A,
+                f"diffusion_model.{extra}.lora_up.weight": B,
+                f"diffusion_model.{extra}.alpha": np.array(1.0, np.float32),
+            }
+        )
         fixture.delta[extra] = _delta(A, B, 1.0 / RANK)
     elif extra in shapes:
         diff = rng.standard_normal(shapes[extra][:1]).astype(np.float32) * np.float32(0.1)
@@ -283,17 +379,23 @@ def simpletuner_lycoris(family, shapes, rng) -> Fixture:
 
 
 FIXTURES: dict[str, Callable[[str, dict, np.random.Generator], Fixture]] = {
-    "ai-toolkit": ai_toolkit, "ai-toolkit LoKr": ai_toolkit_lokr, "musubi-tuner": musubi,
-    "musubi-tuner convert_lora.py": musubi_converted, "musubi-tuner LoHa": musubi_loha,
-    "SimpleTuner comfyui": simpletuner_comfyui, "diffusers/PEFT": diffusers_peft,
-    "ComfyUI trainer": comfyui_trainer, "SimpleTuner LyCORIS LoKr": simpletuner_lycoris,
+    "ai-toolkit": ai_toolkit,
+    "ai-toolkit LoKr": ai_toolkit_lokr,
+    "musubi-tuner": musubi,
+    "musubi-tuner convert_lora.py": musubi_converted,
+    "musubi-tuner LoHa": musubi_loha,
+    "SimpleTuner comfyui": simpletuner_comfyui,
+    "diffusers/PEFT": diffusers_peft,
+    "ComfyUI trainer": comfyui_trainer,
+    "SimpleTuner LyCORIS LoKr": simpletuner_lycoris,
 }
 ZIMAGE_ONLY = {"musubi-tuner convert_z_image_lora_to_comfy.py": musubi_zimage_comfy}
 
 
 def cases() -> list[tuple[str, str]]:
-    return ([(family, name) for family in ("flux2", "zimage") for name in FIXTURES]
-            + [("zimage", name) for name in ZIMAGE_ONLY])
+    return [(family, name) for family in ("flux2", "zimage") for name in FIXTURES] + [
+        ("zimage", name) for name in ZIMAGE_ONLY
+    ]
 
 
 def build(family: str, name: str, shapes: dict[str, tuple[int, int]], seed: int = 0) -> Fixture:

@@ -1,5 +1,6 @@
 """The node tests' graph in a few calls: a captioned dataset → Load Dataset → Encode Images → Encode Captions, and
 Train LoRA with small settings (tests/nodes/). Import after helpers.comfy_env.require_comfy(): it imports the nodes."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,8 +35,9 @@ def encoded_dataset(comfy_dirs, vae, clip, name):
 
 
 def train(model, ds, steps=20, **kw):
-    args = dict(steps=steps, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw", preset="none",
-                backend="torch", seed=1)
+    args = dict(
+        steps=steps, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw", preset="none", backend="torch", seed=1
+    )
     options = dict(kw.pop("options", {}))
     options.setdefault("device", "auto" if comfy_env.gpu() else "cpu")
     options.setdefault("mixed_precision", "bf16" if comfy_env.gpu() else "no")

@@ -1,4 +1,5 @@
 """The bitwise-resume assertion: a run stopped and resumed ends where an uninterrupted run ends, bit for bit."""
+
 from __future__ import annotations
 
 from pathlib import Path

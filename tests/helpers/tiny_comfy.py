@@ -17,6 +17,7 @@ Models are loaded under torch.inference_mode(), as ComfyUI loads them inside a p
 weights are inference tensors exactly as the Train LoRA node will meet them.
 ComfyUI must be importable (tests/helpers/comfy_env.require_comfy() first).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,10 +28,10 @@ import torch
 from PIL import Image
 
 FLUX2_HIDDEN = 256
-FLUX2_TE_HIDDEN = 64                      # Klein context dim = 3 * hidden (layers 9, 18, 27 stacked)
+FLUX2_TE_HIDDEN = 64  # Klein context dim = 3 * hidden (layers 9, 18, 27 stacked)
 FLUX2_CONTEXT_DIM = 3 * FLUX2_TE_HIDDEN
 ZIMAGE_DIM = 256
-ZIMAGE_TE_HIDDEN = 64                     # Z-Image context dim = hidden (second-to-last layer)
+ZIMAGE_TE_HIDDEN = 64  # Z-Image context dim = hidden (second-to-last layer)
 
 
 def write_photos(folder: Path, count: int = 3) -> Path:
@@ -44,6 +45,7 @@ def write_photos(folder: Path, count: int = 3) -> Path:
 
 
 # ---------------------------------------------------------------- weights
+
 
 def random_state_dict(shapes: dict[str, torch.Size], seed: int) -> dict[str, torch.Tensor]:
     """Seeded weights that give well-scaled activations: matrices ~ N(0, 1/fan_in), norm scales
@@ -78,13 +80,34 @@ def _meta_shapes(build) -> dict[str, torch.Size]:
 
 # ---------------------------------------------------------------- diffusion models
 
+
 def flux2_config(dev: bool) -> dict:
     """What comfy/model_detection.py derives from a Flux2 file of this size."""
-    return dict(image_model="flux2", axes_dim=[32, 32, 32, 32], num_heads=FLUX2_HIDDEN // 128, mlp_ratio=3.0,
-                theta=2000, out_channels=128, global_modulation=True, mlp_silu_act=True, qkv_bias=False,
-                ops_bias=False, default_ref_method="index", ref_index_scale=10.0, txt_ids_dims=[3], patch_size=1,
-                in_channels=128, hidden_size=FLUX2_HIDDEN, context_in_dim=FLUX2_CONTEXT_DIM, vec_in_dim=None,
-                depth=2, depth_single_blocks=2, guidance_embed=dev, yak_mlp=False, txt_norm=False)
+    return dict(
+        image_model="flux2",
+        axes_dim=[32, 32, 32, 32],
+        num_heads=FLUX2_HIDDEN // 128,
+        mlp_ratio=3.0,
+        theta=2000,
+        out_channels=128,
+        global_modulation=True,
+        mlp_silu_act=True,
+        qkv_bias=False,
+        ops_bias=False,
+        default_ref_method="index",
+        ref_index_scale=10.0,
+        txt_ids_dims=[3],
+        patch_size=1,
+        in_channels=128,
+        hidden_size=FLUX2_HIDDEN,
+        context_in_dim=FLUX2_CONTEXT_DIM,
+        vec_in_dim=None,
+        depth=2,
+        depth_single_blocks=2,
+        guidance_embed=dev,
+        yak_mlp=False,
+        txt_norm=False,
+    )
 
 
 def write_flux2_file(path: Path, *, dev: bool = False, seed: int = 0, quantized: bool = False) -> Path:
@@ -116,18 +139,33 @@ def tiny_flux2(tmp_dir: Path, *, dev: bool = False, seed: int = 0):
     """ModelPatcher of a tiny Flux2 Klein (or Dev), loaded through ComfyUI's UNETLoader path."""
     import comfy.sd
 
-    path = write_flux2_file(Path(tmp_dir) / f"tiny_flux2_{'dev' if dev else 'klein'}_{seed}.safetensors",
-                            dev=dev, seed=seed)
+    path = write_flux2_file(
+        Path(tmp_dir) / f"tiny_flux2_{'dev' if dev else 'klein'}_{seed}.safetensors", dev=dev, seed=seed
+    )
     with torch.inference_mode():
         return comfy.sd.load_diffusion_model(str(path))
 
 
 def zimage_unet_config() -> dict:
     """comfy/model_detection.py's Z-Image config (dim 3840 there) at dim 256 (2 heads of 128)."""
-    return dict(image_model="lumina2", patch_size=2, in_channels=16, dim=ZIMAGE_DIM, cap_feat_dim=ZIMAGE_TE_HIDDEN,
-                n_layers=2, qk_norm=True, n_heads=ZIMAGE_DIM // 128, n_kv_heads=ZIMAGE_DIM // 128,
-                axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
-                z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32)
+    return dict(
+        image_model="lumina2",
+        patch_size=2,
+        in_channels=16,
+        dim=ZIMAGE_DIM,
+        cap_feat_dim=ZIMAGE_TE_HIDDEN,
+        n_layers=2,
+        qk_norm=True,
+        n_heads=ZIMAGE_DIM // 128,
+        n_kv_heads=ZIMAGE_DIM // 128,
+        axes_dims=[32, 48, 48],
+        axes_lens=[1536, 512, 512],
+        rope_theta=256.0,
+        ffn_dim_multiplier=8.0 / 3.0,
+        z_image_modulation=True,
+        time_scale=1000.0,
+        pad_tokens_multiple=32,
+    )
 
 
 def tiny_zimage(*, seed: int = 0):
@@ -152,8 +190,9 @@ def assembled(config_class, module_class, unet_config: dict, seed: int):
         model_config.set_inference_dtype(torch.float32, None)
         model = model_config.get_model(sd, "")
         model.load_model_weights(sd, "")
-        return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
-                                                offload_device=mm.unet_offload_device())
+        return comfy.model_patcher.ModelPatcher(
+            model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device()
+        )
 
 
 def write_zimage_adapter_file(path: Path, *, rank: int = 4, seed: int = 5) -> Path:
@@ -164,15 +203,18 @@ def write_zimage_adapter_file(path: Path, *, rank: int = 4, seed: int = 5) -> Pa
     from comfy.ldm.lumina.model import NextDiT
 
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in NextDiT(**zimage_unet_config(), operations=comfy.ops.disable_weight_init)
-                  .state_dict().items()}
+        shapes = {
+            k: v.shape
+            for k, v in NextDiT(**zimage_unet_config(), operations=comfy.ops.disable_weight_init).state_dict().items()
+        }
     generator, tensors, head = torch.Generator().manual_seed(seed), {}, ZIMAGE_DIM
     for layer in range(zimage_unet_config()["n_layers"]):
         prefix = f"layers.{layer}"
         parts = {f"attention.to_{n}": (head, head) for n in "qkv"}
         parts["attention.to_out.0"] = tuple(shapes[f"{prefix}.attention.out.weight"])
-        parts.update({f"feed_forward.{n}": tuple(shapes[f"{prefix}.feed_forward.{n}.weight"])
-                      for n in ("w1", "w2", "w3")})
+        parts.update(
+            {f"feed_forward.{n}": tuple(shapes[f"{prefix}.feed_forward.{n}.weight"]) for n in ("w1", "w2", "w3")}
+        )
         for name, (out_features, in_features) in parts.items():
             key = f"diffusion_model.{prefix}.{name}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.01
@@ -183,13 +225,24 @@ def write_zimage_adapter_file(path: Path, *, rank: int = 4, seed: int = 5) -> Pa
 
 # ---------------------------------------------------------------- VAEs
 
+
 def _vae_state_dict(*, flux2: bool, seed: int) -> dict[str, torch.Tensor]:
     from comfy.ldm.models.autoencoder import AutoencoderKL
 
     z_channels = 32 if flux2 else 16
-    ddconfig = {"double_z": True, "z_channels": z_channels, "resolution": 256, "in_channels": 3, "out_ch": 3,
-                "ch": 128, "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0,
-                "batch_norm_latent": flux2}
+    ddconfig = {
+        "double_z": True,
+        "z_channels": z_channels,
+        "resolution": 256,
+        "in_channels": 3,
+        "out_ch": 3,
+        "ch": 128,
+        "ch_mult": [1, 2, 4, 4],
+        "num_res_blocks": 2,
+        "attn_resolutions": [],
+        "dropout": 0.0,
+        "batch_norm_latent": flux2,
+    }
     shapes = _meta_shapes(lambda: AutoencoderKL(ddconfig=ddconfig, embed_dim=z_channels))
     return random_state_dict(shapes, seed)
 
@@ -208,10 +261,16 @@ def tiny_vae(*, flux2: bool, seed: int = 0):
 
 # ---------------------------------------------------------------- text encoders
 
+
 def _qwen3_config(layers: int) -> dict:
     # Qwen3_4BConfig fields; head_dim stays 128 (a class constant there).
-    return {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers,
-            "num_attention_heads": 1, "num_key_value_heads": 1}
+    return {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+    }
 
 
 def _tiny_clip(*, klein: bool, seed: int):
@@ -228,31 +287,53 @@ def _tiny_clip(*, klein: bool, seed: int):
 
     # The same SDClipModel arguments as ComfyUI's Qwen3_4BModel classes, with a tiny config.
     if klein:
+
         class TinyQwen3(sd1_clip.SDClipModel):
             def __init__(self, device="cpu", dtype=None, model_options=None):
-                super().__init__(device=device, layer=[9, 18, 27], layer_idx=None, textmodel_json_config=config,
-                                 dtype=dtype, special_tokens={"pad": 151643}, layer_norm_hidden_state=False,
-                                 model_class=llama.Qwen3_4B, enable_attention_masks=True,
-                                 return_attention_masks=True, model_options=model_options or {})
+                super().__init__(
+                    device=device,
+                    layer=[9, 18, 27],
+                    layer_idx=None,
+                    textmodel_json_config=config,
+                    dtype=dtype,
+                    special_tokens={"pad": 151643},
+                    layer_norm_hidden_state=False,
+                    model_class=llama.Qwen3_4B,
+                    enable_attention_masks=True,
+                    return_attention_masks=True,
+                    model_options=model_options or {},
+                )
 
         class TinyTE(flux_te.Flux2TEModel):
             def __init__(self, device="cpu", dtype=None, model_options=None):
-                super().__init__(device=device, dtype=dtype, name="qwen3_4b", clip_model=TinyQwen3,
-                                 model_options=model_options or {})
+                super().__init__(
+                    device=device, dtype=dtype, name="qwen3_4b", clip_model=TinyQwen3, model_options=model_options or {}
+                )
 
         tokenizer = flux_te.KleinTokenizer
     else:
+
         class TinyQwen3(sd1_clip.SDClipModel):
             def __init__(self, device="cpu", dtype=None, model_options=None):
-                super().__init__(device=device, layer="hidden", layer_idx=-2, textmodel_json_config=config,
-                                 dtype=dtype, special_tokens={"pad": 151643}, layer_norm_hidden_state=False,
-                                 model_class=llama.Qwen3_4B, enable_attention_masks=True,
-                                 return_attention_masks=True, model_options=model_options or {})
+                super().__init__(
+                    device=device,
+                    layer="hidden",
+                    layer_idx=-2,
+                    textmodel_json_config=config,
+                    dtype=dtype,
+                    special_tokens={"pad": 151643},
+                    layer_norm_hidden_state=False,
+                    model_class=llama.Qwen3_4B,
+                    enable_attention_masks=True,
+                    return_attention_masks=True,
+                    model_options=model_options or {},
+                )
 
         class TinyTE(sd1_clip.SD1ClipModel):
             def __init__(self, device="cpu", dtype=None, model_options=None):
-                super().__init__(device=device, dtype=dtype, name="qwen3_4b", clip_model=TinyQwen3,
-                                 model_options=model_options or {})
+                super().__init__(
+                    device=device, dtype=dtype, name="qwen3_4b", clip_model=TinyQwen3, model_options=model_options or {}
+                )
 
         tokenizer = zimage_te.ZImageTokenizer
 
@@ -280,6 +361,7 @@ def conditioning(clip, text: str):
 
 
 # ---------------------------------------------------------------- files for a ComfyUI server (test_server.py)
+
 
 def write_vae_file(path: Path, *, flux2: bool, seed: int = 0) -> Path:
     """The tiny VAE of tiny_vae() as a safetensors file that ComfyUI's VAELoader loads and detects (fp16 on

@@ -1,5 +1,6 @@
 """The tiny model, data and config the library tests train on (conftest.py's fixtures hand them out; a test
 module that needs them outside a fixture imports them from here: `from helpers.tiny_runs import tiny_data`)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +12,7 @@ from trainer.data import InMemoryData
 def tiny_model(seed: int = 0):
     from trainer.demo.tiny_dit import build_tiny_flux
 
-    return build_tiny_flux(seed, hidden=32, heads=2, double_blocks=1, single_blocks=1, in_channels=16,
-                           context_dim=32)
+    return build_tiny_flux(seed, hidden=32, heads=2, double_blocks=1, single_blocks=1, in_channels=16, context_dim=32)
 
 
 def tiny_data(count: int = 6, seed: int = 0, shapes=((4, 4), (4, 6))) -> InMemoryData:
@@ -20,14 +20,28 @@ def tiny_data(count: int = 6, seed: int = 0, shapes=((4, 4), (4, 6))) -> InMemor
     rng = np.random.default_rng(seed)
     latents = [rng.standard_normal((16, *shapes[i % len(shapes)])).astype(np.float32) for i in range(count)]
     contexts = [rng.standard_normal((8, 32)).astype(np.float32) for _ in range(count)]
-    return InMemoryData.from_arrays(latents, contexts, [f"img_{i}.png" for i in range(count)],
-                                    np.zeros((8, 32), np.float32))
+    return InMemoryData.from_arrays(
+        latents, contexts, [f"img_{i}.png" for i in range(count)], np.zeros((8, 32), np.float32)
+    )
 
 
 def tiny_config(**overrides) -> config_module.TrainConfig:
-    settings = {"arch": "demo", "device": "cpu", "mixed_precision": "no", "steps": 10, "batch_size": 2, "rank": 4,
-                "alpha": 4.0, "learning_rate": 1e-3, "checkpoint_every": 0, "keep_checkpoints": 3, "log_every": 1,
-                "resolutions": [64], "caption_dropout": 0.0, "gradient_checkpointing": False}
+    settings = {
+        "arch": "demo",
+        "device": "cpu",
+        "mixed_precision": "no",
+        "steps": 10,
+        "batch_size": 2,
+        "rank": 4,
+        "alpha": 4.0,
+        "learning_rate": 1e-3,
+        "checkpoint_every": 0,
+        "keep_checkpoints": 3,
+        "log_every": 1,
+        "resolutions": [64],
+        "caption_dropout": 0.0,
+        "gradient_checkpointing": False,
+    }
     settings.update(overrides)
     return config_module.from_dict(settings)
 
@@ -37,11 +51,16 @@ def companion_data(masks=True, controls=False, count=6, seed=0) -> InMemoryData:
     shapes = ((4, 4), (4, 6))
     latents = [rng.standard_normal((16, *shapes[i % 2])).astype(np.float32) for i in range(count)]
     contexts = [rng.standard_normal((8, 32)).astype(np.float32) for _ in range(count)]
-    data = InMemoryData.from_arrays(latents, contexts, [f"img_{i}.png" for i in range(count)],
-                                    np.zeros((8, 32), np.float32))
-    if masks:   # every other image masked, left half white
-        data.masks = [np.concatenate([np.ones((1, 4, l.shape[2] // 2)), np.zeros((1, 4, l.shape[2] // 2))], 2)
-                      .astype(np.float32) if i % 2 == 0 else None for i, l in enumerate(latents)]
+    data = InMemoryData.from_arrays(
+        latents, contexts, [f"img_{i}.png" for i in range(count)], np.zeros((8, 32), np.float32)
+    )
+    if masks:  # every other image masked, left half white
+        data.masks = [
+            np.concatenate([np.ones((1, 4, l.shape[2] // 2)), np.zeros((1, 4, l.shape[2] // 2))], 2).astype(np.float32)
+            if i % 2 == 0
+            else None
+            for i, l in enumerate(latents)
+        ]
     if controls:
         data.control_latents = [[rng.standard_normal(l.shape).astype(np.float32)] for l in latents]
     return data

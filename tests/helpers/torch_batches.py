@@ -1,4 +1,5 @@
 """Fixed batches and small nets for the PyTorch backend's tests (tests/trainer/backends/torch_backend/)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,16 +14,26 @@ from trainer.estimate.common import VARIANTS, linear_layers
 
 def fixed_batch(batch_size=2, seed=0, height=4, width=4) -> Batch:
     rng = np.random.default_rng(seed)
-    return Batch(latents=rng.standard_normal((batch_size, 16, height, width)).astype(np.float32),
-                 noise=rng.standard_normal((batch_size, 16, height, width)).astype(np.float32),
-                 sigmas=rng.uniform(0.2, 0.8, batch_size).astype(np.float32),
-                 weights=np.ones(batch_size, np.float32),
-                 context=rng.standard_normal((batch_size, 8, 32)).astype(np.float32))
+    return Batch(
+        latents=rng.standard_normal((batch_size, 16, height, width)).astype(np.float32),
+        noise=rng.standard_normal((batch_size, 16, height, width)).astype(np.float32),
+        sigmas=rng.uniform(0.2, 0.8, batch_size).astype(np.float32),
+        weights=np.ones(batch_size, np.float32),
+        context=rng.standard_normal((batch_size, 8, 32)).astype(np.float32),
+    )
 
 
 def split(batch: Batch) -> list[Batch]:
-    return [Batch(latents=batch.latents[i:i + 1], noise=batch.noise[i:i + 1], sigmas=batch.sigmas[i:i + 1],
-                  weights=batch.weights[i:i + 1], context=batch.context[i:i + 1]) for i in range(len(batch.sigmas))]
+    return [
+        Batch(
+            latents=batch.latents[i : i + 1],
+            noise=batch.noise[i : i + 1],
+            sigmas=batch.sigmas[i : i + 1],
+            weights=batch.weights[i : i + 1],
+            context=batch.context[i : i + 1],
+        )
+        for i in range(len(batch.sigmas))
+    ]
 
 
 class InPlaceBlock(torch.nn.Module):
@@ -33,7 +44,7 @@ class InPlaceBlock(torch.nn.Module):
         self.lin = torch.nn.Linear(8, 8)
 
     def forward(self, x, scale=None):
-        x += self.lin(x * 2.0) * scale   # autograd keeps x * 2, not x: only the checkpoint holds x
+        x += self.lin(x * 2.0) * scale  # autograd keeps x * 2, not x: only the checkpoint holds x
         return x
 
 
@@ -74,7 +85,7 @@ def gradients(make_model, make_config, **settings) -> torch.Tensor:
     backend.optimizer.zero_grad = lambda set_to_none=True: None
     with torch.no_grad():
         for p in backend.params.values():
-            p.add_(0.01)   # B off zero: every LoRA weight gets a gradient
+            p.add_(0.01)  # B off zero: every LoRA weight gets a gradient
     backend.step([fixed_batch()], 1e-3)
     grads = torch.cat([p.grad.flatten() for p in backend.params.values()])
     backend.teardown()
@@ -86,8 +97,10 @@ class HeaderModel(torch.nn.Module):
 
     def __init__(self, variant: str):
         super().__init__()
-        self.weights = {f"{name}.weight": torch.empty(out, inp, dtype=torch.bfloat16, device="meta")
-                        for name, (inp, out) in linear_layers(VARIANTS[variant]).items()}
+        self.weights = {
+            f"{name}.weight": torch.empty(out, inp, dtype=torch.bfloat16, device="meta")
+            for name, (inp, out) in linear_layers(VARIANTS[variant]).items()
+        }
 
     def state_dict(self, *args, **kwargs):
         return self.weights

@@ -1,4 +1,5 @@
 """Fixtures of the node pack's tests: ComfyUI's folders in a temporary folder, kernels for bitwise GPU runs."""
+
 import pytest
 
 

@@ -1,6 +1,7 @@
 """LoKr, LoHa and DoRA files in ComfyUI's own loader (comfy.sd.load_lora_for_models, what LoraLoader runs):
 every key loads, and the patched tiny Flux2 Klein gives the output Kiln's training forward gave with the
 same adapter, to fp32 tolerance (relative to the adapter's effect on the output)."""
+
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,7 @@ from helpers import comfy_env
 import pytest
 import torch
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.sd
@@ -44,12 +45,20 @@ def _output(dm, inputs):
 def _trained_adapter(dm, name: str):
     """Kiln's training forward with the adapter at random (as if trained) values, and its weights."""
     kind = name.split("_")[0]
-    lora_set = LoraSet(dm, archs.get_arch("flux2_klein").default_targets, rank=4, alpha=8.0, dropout=0.0, seed=0,
-                       adapter=kind, **KINDS[name])
+    lora_set = LoraSet(
+        dm,
+        archs.get_arch("flux2_klein").default_targets,
+        rank=4,
+        alpha=8.0,
+        dropout=0.0,
+        seed=0,
+        adapter=kind,
+        **KINDS[name],
+    )
     gen = torch.Generator().manual_seed(1)
     try:
         with torch.no_grad():
-            for pname, p in lora_set.named_parameters():   # dora_scale near the column norms
+            for pname, p in lora_set.named_parameters():  # dora_scale near the column norms
                 noise = torch.randn(p.shape, generator=gen) * 0.3
                 p.copy_(p * (1 + noise) if pname.endswith("dora_scale") else noise)
         out = _output(dm, _inputs(dm))
@@ -66,10 +75,11 @@ def test_comfyui_loader_gives_the_training_forward(klein, tmp_path, caplog, name
     assert next(dm.parameters()).dtype == torch.float32
     base = _output(dm, _inputs(dm))
     trained, weights = _trained_adapter(dm, name)
-    assert torch.equal(_output(dm, _inputs(dm)), base)   # the adapter came out again
+    assert torch.equal(_output(dm, _inputs(dm)), base)  # the adapter came out again
     path = tmp_path / "adapter.safetensors"
-    meta = lf.build_metadata(arch_name="flux2_klein", config={"adapter": name.split("_")[0]}, steps=1,
-                             trigger_words=[], title="t")
+    meta = lf.build_metadata(
+        arch_name="flux2_klein", config={"adapter": name.split("_")[0]}, steps=1, trigger_words=[], title="t"
+    )
     lf.save_lora(path, weights, arch="flux2_klein", fmt=fmt, dtype="fp32", metadata=meta)
     tensors = comfy.utils.load_torch_file(str(path), safe_load=True)
     with caplog.at_level(logging.WARNING):

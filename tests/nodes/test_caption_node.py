@@ -1,6 +1,7 @@
 """Kiln Caption Images in a real ComfyUI (COMFYUI_PATH): the comfyui_clip engine with ComfyUI's own
 Qwen2.5-VL tokenizer and a stand-in generate (a real VL model is too large to build in a test), a real
 text-only CLIP refused, the transformers engine on a tiny Florence-2 from models/LLM/, the stop button."""
+
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.model_management as mm  # noqa: E402
@@ -24,6 +25,7 @@ from helpers import tiny_comfy as tc  # noqa: E402
 from comfy.text_encoders.qwen_image import QwenImageTokenizer  # noqa: E402
 
 import kiln_pack.nodes.dataset_nodes as dn
+
 ANSWER = "A red square on a white background."
 
 
@@ -83,13 +85,13 @@ def test_comfyui_clip_engine_captions_with_the_image_in_the_tokens(comfy_input):
     assert len(clip.calls) == 2
     call = clip.calls[0]
     accepted = set(inspect.signature(comfy.sd.CLIP.generate).parameters) - {"self", "tokens"}
-    assert set(call) - {"tokens"} <= accepted             # only what this ComfyUI's generate takes
+    assert set(call) - {"tokens"} <= accepted  # only what this ComfyUI's generate takes
     assert ("presence_penalty" in call) == ("presence_penalty" in accepted)
     assert call["max_length"] == 64 and call["seed"] == 3 and call["do_sample"] is True
     images = [t[0]["data"] for t in call["tokens"]["qwen25_7b"][0] if isinstance(t[0], dict)]
-    assert len(images) == 1 and tuple(images[0].shape) == (1, 72, 80, 3)     # the image itself, [1,H,W,3]
+    assert len(images) == 1 and tuple(images[0].shape) == (1, 72, 80, 3)  # the image itself, [1,H,W,3]
     text = clip.decode([t[0] for t in call["tokens"]["qwen25_7b"][0] if not isinstance(t[0], dict)])
-    assert "one-sentence caption" in text                                    # the style's prompt
+    assert "one-sentence caption" in text  # the style's prompt
     again = run("vl_set", clip=VisionClip())
     assert "0 captions written" in again.result[1] and "3 image(s) already captioned" in again.result[1]
 
@@ -97,7 +99,7 @@ def test_comfyui_clip_engine_captions_with_the_image_in_the_tokens(comfy_input):
 def test_a_text_only_clip_is_refused_with_the_fix(comfy_input):
     dataset(comfy_input / "text_only")
     with pytest.raises(ValueError, match="cannot see images.*Load CLIP"):
-        run("text_only", clip=tc.tiny_zimage_clip())      # ComfyUI's real Z-Image text encoder (Qwen3), tiny
+        run("text_only", clip=tc.tiny_zimage_clip())  # ComfyUI's real Z-Image text encoder (Qwen3), tiny
     with pytest.raises(ValueError, match="needs a vision-language text encoder"):
         run("text_only")
     assert not list((comfy_input / "text_only").glob("*.txt"))
@@ -108,7 +110,7 @@ def test_the_stop_button_keeps_finished_captions_and_a_rerun_continues(comfy_inp
 
     def stop_after_second(count):
         if count == 2:
-            mm.interrupt_current_processing(True)       # the stop button, pressed while b.png is captioned
+            mm.interrupt_current_processing(True)  # the stop button, pressed while b.png is captioned
 
     try:
         with pytest.raises(mm.InterruptProcessingException):
@@ -145,8 +147,9 @@ def test_only_captions_the_selection_and_always_runs(comfy_input):
     assert "2 captions written" in result.result[1]
     assert sorted(p.name for p in folder.glob("*.txt")) == ["b.txt", "c.txt"]
     assert math.isnan(dn.KilnCaptionImages.fingerprint_inputs("selected_set", only="b.png"))
-    assert dn.KilnCaptionImages.fingerprint_inputs("selected_set", only="") == \
-        dn.KilnCaptionImages.fingerprint_inputs("selected_set")
+    assert dn.KilnCaptionImages.fingerprint_inputs("selected_set", only="") == dn.KilnCaptionImages.fingerprint_inputs(
+        "selected_set"
+    )
     with pytest.raises(ValueError, match="Kiln Caption Images: .*no image gone.png"):
         run("selected_set", clip=VisionClip(), only="gone.png")
     schema = dn.KilnCaptionImages.define_schema()

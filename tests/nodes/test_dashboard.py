@@ -3,6 +3,7 @@
 The module imports nothing from the pack or ComfyUI, so it is loaded from its file (importing the
 `nodes` package would import ComfyUI's comfy_api).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,12 +20,12 @@ import pytest
 SOURCE = Path(__file__).resolve().parents[2] / "nodes" / "dashboard.py"
 spec = importlib.util.spec_from_file_location("kiln_dashboard_under_test", SOURCE)
 dashboard = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = dashboard   # dataclasses look their module up while the file runs
+sys.modules[spec.name] = dashboard  # dataclasses look their module up while the file runs
 spec.loader.exec_module(dashboard)
 
 
 @dataclass
-class Report:                        # the fields of trainer.run.loop.Report the registry reads
+class Report:  # the fields of trainer.run.loop.Report the registry reads
     step: int
     total_steps: int = 10
     lr: float = 1e-3
@@ -44,23 +45,39 @@ def test_a_run_records_its_steps_and_answers_with_names_only():
     registry = dashboard.Registry()
     run = started(registry)
     payload = registry.record(run, Report(1, loss=0.9))
-    registry.record(run, Report(2, loss=None, loss_smooth=None))     # a step without a loss reading
+    registry.record(run, Report(2, loss=None, loss_smooth=None))  # a step without a loss reading
     registry.record(run, Report(3, loss=float("nan")))
     registry.add_sample(run, 3, {"filename": f"{run.id}-step000003.jpg", "subfolder": "kiln", "type": "temp"})
     registry.add_saved(run, 3, "kiln/tiny-0a1b2c3d4e-step000003.safetensors")
 
     assert payload["run_id"] == run.id and payload["node"] == "8" and payload["status"] == "running"
-    assert {"step", "total", "lr", "loss", "loss_smooth", "it_per_s", "eta_s", "peak_memory_bytes", "run",
-            "started"} <= set(payload)                                 # the fields the event always had
+    assert {
+        "step",
+        "total",
+        "lr",
+        "loss",
+        "loss_smooth",
+        "it_per_s",
+        "eta_s",
+        "peak_memory_bytes",
+        "run",
+        "started",
+    } <= set(payload)  # the fields the event always had
     status, detail = registry.answer("GET", run.id)
     assert status == 200 and detail["step"] == 3 and detail["total"] == 10
-    assert detail["history"] == {"step": [1, 3], "loss": [0.9, None], "lr_step": [1, 2, 3], "lr": [1e-3] * 3,
-                                 "holdout_step": [], "holdout": []}
+    assert detail["history"] == {
+        "step": [1, 3],
+        "loss": [0.9, None],
+        "lr_step": [1, 2, 3],
+        "lr": [1e-3] * 3,
+        "holdout_step": [],
+        "holdout": [],
+    }
     assert detail["figures"]["loss"] is None and detail["figures"]["it_per_s"] == 2.0
     assert detail["buckets"] == {"64x64": 2, "80x64": 2}
     assert detail["samples"][0]["image"]["type"] == "temp" and detail["saved"][0]["step"] == 3
-    text = json.dumps(detail, allow_nan=False)                          # NaN became null: valid JSON
-    assert "\"/" not in text                                             # no absolute file-system paths
+    text = json.dumps(detail, allow_nan=False)  # NaN became null: valid JSON
+    assert '"/' not in text  # no absolute file-system paths
 
     status, listing = registry.answer("GET")
     assert status == 200 and [r["id"] for r in listing["runs"]] == [run.id]
@@ -73,16 +90,16 @@ def test_stop_and_save_are_requests_the_training_thread_takes():
     assert not registry.stop_wanted(run) and not registry.take_save(run)
     assert registry.answer("POST", run.id, "save")[0] == 202
     revs = [registry.answer("GET", run.id)[1]["rev"]]
-    assert registry.take_save(run) and not registry.take_save(run)     # once per request
+    assert registry.take_save(run) and not registry.take_save(run)  # once per request
     revs.append(registry.answer("GET", run.id)[1]["rev"])
     revs.append(registry.add_saved(run, 2, "kiln/x-step000002.safetensors")["rev"])
-    assert revs[0] < revs[1] < revs[2]     # every change a newer revision: a page drops an older summary
+    assert revs[0] < revs[1] < revs[2]  # every change a newer revision: a page drops an older summary
     status, body = registry.answer("POST", run.id, "stop")
     assert status == 202 and body["run"]["stop_requested"] and registry.stop_wanted(run)
 
     assert registry.stops("8") == 0
     registry.finish(run, dashboard.STOPPED, "stopped at step 4 from the dashboard")
-    assert registry.stops("8") == 1 and registry.stops("9") == 0      # Train LoRA's fingerprint moves on
+    assert registry.stops("8") == 1 and registry.stops("9") == 0  # Train LoRA's fingerprint moves on
     status, body = registry.answer("POST", run.id, "stop")
     assert status == 409 and "queue the workflow again" in body["error"]
 
@@ -94,11 +111,11 @@ def test_stop_and_save_stops_and_lets_the_outputs_flow_the_stop_pressed_last_dec
     status, body = registry.answer("POST", run.id, "stop_save")
     assert status == 202 and body["run"]["stop_requested"] and body["run"]["stop_saves"]
     assert registry.stop_wanted(run) and registry.stop_saves(run)
-    assert registry.answer("POST", run.id, "stop")[0] == 202        # Stop after Stop & save: blocked again
+    assert registry.answer("POST", run.id, "stop")[0] == 202  # Stop after Stop & save: blocked again
     assert registry.stop_wanted(run) and not registry.stop_saves(run)
     registry.answer("POST", run.id, "stop_save")
     registry.finish(run, dashboard.STOPPED, "stopped at step 4 from the dashboard")
-    assert registry.stops("8") == 1                                  # re-queueing resumes it, as after Stop
+    assert registry.stops("8") == 1  # re-queueing resumes it, as after Stop
 
 
 def test_unknown_runs_and_actions_are_refused():
@@ -154,12 +171,12 @@ def test_a_stopped_run_queued_again_is_the_same_entry_with_its_history_joined():
     assert summary["rev"] > rev and summary["start_step"] == 3 and summary["step"] == 4
     assert summary["prompt_id"] == "p2" and summary["prompt_ids"] == ["p1", "p2"]
     assert summary["history"]["step"] == [1, 2, 3, 4] and summary["history"]["loss"] == [1.0, 0.5, 1 / 3, 0.2]
-    assert [s["step"] for s in summary["samples"]] == [2]         # step 4 is trained again: its sample goes
+    assert [s["step"] for s in summary["samples"]] == [2]  # step 4 is trained again: its sample goes
     registry.finish(again, dashboard.FINISHED)
     assert sorted(r["id"] for r in registry.answer("GET")[1]["runs"]) == sorted([first.id, other.id])
     assert started(registry, folder="/out/kiln/portrait").id == first.id
-    assert started(registry, folder="/out/kiln/portrait").id != first.id   # that one runs: a second entry
-    assert started(registry).id != started(registry).id              # no folder given: never joined
+    assert started(registry, folder="/out/kiln/portrait").id != first.id  # that one runs: a second entry
+    assert started(registry).id != started(registry).id  # no folder given: never joined
 
 
 def test_long_histories_are_thinned_evenly_keeping_both_ends():
@@ -209,7 +226,7 @@ def test_routes_on_aiohttp():
     assert listing["runs"][0]["id"] == run.id
     assert detail_status == 200 and detail["history"]["step"] == [1]
     assert stop_save_status == 202 and stop_status == 202 and registry.stop_wanted(run)
-    assert not registry.stop_saves(run)    # the stop pressed last
+    assert not registry.stop_saves(run)  # the stop pressed last
     assert missing_status == 404
 
 
@@ -219,13 +236,13 @@ def test_pause_and_resume_are_flags_the_training_thread_reads():
     assert not registry.pause_wanted(run) and not registry.answer("GET", run.id)[1]["pause_requested"]
     status, body = registry.answer("POST", run.id, "pause")
     assert status == 202 and body["run"]["pause_requested"] and registry.pause_wanted(run)
-    assert registry.answer("POST", run.id, "stop")[0] == 202                   # Stop works while paused
+    assert registry.answer("POST", run.id, "stop")[0] == 202  # Stop works while paused
     assert registry.pause_wanted(run) and registry.stop_wanted(run)
     status, body = registry.answer("POST", run.id, "resume")
     assert status == 202 and not body["run"]["pause_requested"] and not registry.pause_wanted(run)
     registry.answer("POST", run.id, "pause")
     registry.finish(run, dashboard.STOPPED)
-    assert not run.summary()["pause_requested"]                                  # an ended run is not paused
+    assert not run.summary()["pause_requested"]  # an ended run is not paused
     assert registry.answer("POST", run.id, "resume")[0] == 409
 
 
@@ -241,7 +258,7 @@ def test_a_torchrun_run_pauses_and_resumes_but_refuses_save_now_and_its_paused_s
     assert registry.answer("POST", run.id, "resume")[0] == 202 and not registry.pause_wanted(run)
     assert not registry.set_paused(run, False)["paused"]
     registry.set_paused(run, True)
-    assert not registry.finish(run, dashboard.STOPPED)["paused"]                 # an ended run is not paused
+    assert not registry.finish(run, dashboard.STOPPED)["paused"]  # an ended run is not paused
 
 
 def test_held_out_losses_and_the_grid_are_in_the_answers():
@@ -259,7 +276,7 @@ def test_held_out_losses_and_the_grid_are_in_the_answers():
     assert detail["history"]["holdout_step"] == [2, 5] and detail["history"]["holdout"] == [0.95, 0.8]
     assert detail["figures"]["holdout_loss"] == 0.8 and detail["grid"]["step"] == 5
     registry.record(run, HeldOut(6, holdout_loss=float("nan")))
-    assert registry.answer("GET", run.id)[1]["history"]["holdout"] == [0.95, 0.8]   # no point for NaN
+    assert registry.answer("GET", run.id)[1]["history"]["holdout"] == [0.95, 0.8]  # no point for NaN
 
 
 @dataclass

@@ -13,6 +13,7 @@ console errors may come from Kiln's files. The screenshot is kept as a CI artifa
 runs/test-reports/dashboard-<ComfyUI version>.png; KILN_DASHBOARD_SCREENSHOT=docs/dashboard.png copies it
 there too (for the README).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,14 +30,14 @@ REPO = HERE.parents[1]
 
 from helpers import comfy_env  # noqa: E402
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
-COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
+COMFY = comfy_env.require_comfy()  # skips the module without COMFYUI_PATH
 
 from helpers.comfy_server import drive, driver_report, require_browser, running, tiny_base  # noqa: E402
 
-require_browser("the dashboard e2e test")   # skips the module without node/Chromium/playwright (fails in CI)
+require_browser("the dashboard e2e test")  # skips the module without node/Chromium/playwright (fails in CI)
 
-TOTAL_STEPS = 1000        # far more than the test waits for: it stops the run
+TOTAL_STEPS = 1000  # far more than the test waits for: it stops the run
 MIN_POINTS = int(os.environ.get("KILN_E2E_MIN_POINTS", "4"))
 
 
@@ -45,14 +46,32 @@ def dashboard_workflow() -> dict:
     prompt = json.loads((HERE / "workflows" / "tiny_flux2_api.json").read_text(encoding="utf-8"))
     del prompt["9"]
     prompt["8"]["inputs"].update(steps=TOTAL_STEPS, validation=["12", 0])
-    prompt["7"]["inputs"].update(log_every=1, checkpoint_every=0, run_name="dash", lr_schedule="cosine_with_warmup",
-                                 warmup_steps=8)
+    prompt["7"]["inputs"].update(
+        log_every=1, checkpoint_every=0, run_name="dash", lr_schedule="cosine_with_warmup", warmup_steps=8
+    )
     for node_id, text in (("10", "kiln, a photo"), ("11", "")):
-        prompt[node_id] = {"class_type": "CLIPTextEncode", "inputs": {"text": text, "clip": ["2", 0]},
-                           "_meta": {"title": "Positive" if text else "Negative"}}
-    prompt["12"] = {"class_type": "KilnValidationSettings", "_meta": {"title": "Kiln Validation Settings"}, "inputs": {
-        "positive": ["10", 0], "negative": ["11", 0], "vae": ["3", 0], "seed": 0, "steps": 2, "cfg": 1.0,
-        "sampler_name": "euler", "scheduler": "simple", "width": 64, "height": 64, "every": 2}}
+        prompt[node_id] = {
+            "class_type": "CLIPTextEncode",
+            "inputs": {"text": text, "clip": ["2", 0]},
+            "_meta": {"title": "Positive" if text else "Negative"},
+        }
+    prompt["12"] = {
+        "class_type": "KilnValidationSettings",
+        "_meta": {"title": "Kiln Validation Settings"},
+        "inputs": {
+            "positive": ["10", 0],
+            "negative": ["11", 0],
+            "vae": ["3", 0],
+            "seed": 0,
+            "steps": 2,
+            "cfg": 1.0,
+            "sampler_name": "euler",
+            "scheduler": "simple",
+            "width": 64,
+            "height": 64,
+            "every": 2,
+        },
+    }
     return prompt
 
 
@@ -64,8 +83,11 @@ def server(tmp_path_factory):
 
 def kiln_errors(report: dict) -> list[str]:
     """Console errors, page errors and failed requests that come from Kiln's files or routes."""
-    found = [f"console: {e['text']} ({e['url']})" for e in report["console"]
-             if e["type"] == "error" and "kiln" in (e["text"] + e["url"]).lower()]
+    found = [
+        f"console: {e['text']} ({e['url']})"
+        for e in report["console"]
+        if e["type"] == "error" and "kiln" in (e["text"] + e["url"]).lower()
+    ]
     found += [f"page error: {e['text']}" for e in report["pageErrors"] if "kiln" in (e["text"] + e["stack"]).lower()]
     found += [f"request failed: {r['url']} {r['error']}" for r in report["failedRequests"] if "kiln" in r["url"]]
     return found
@@ -76,8 +98,17 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
     workflow.write_text(json.dumps(dashboard_workflow()), encoding="utf-8")
     shots = tmp_path / "browser"
     started = time.monotonic()
-    done = drive("e2e_dashboard.mjs", server, shots, "--workflow", str(workflow), "--min-points", str(MIN_POINTS),
-                 "--timeout-s", "420")
+    done = drive(
+        "e2e_dashboard.mjs",
+        server,
+        shots,
+        "--workflow",
+        str(workflow),
+        "--min-points",
+        str(MIN_POINTS),
+        "--timeout-s",
+        "420",
+    )
     report = driver_report(done)
     assert report["ok"], f"{report.get('error')}\n{done.stderr[-3000:]}\nserver:\n{server.log_tail(80)}"
     assert kiln_errors(report) == [], kiln_errors(report)
@@ -95,7 +126,7 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
         assert re.fullmatch(r"step \d+ / 1,000", view["steps"]), view["steps"]
         for key in ("loss", "smooth", "lr", "rate", "eta"):
             assert view["figures"][key] != "—", (key, view["figures"])
-        assert "64x64" in view["buckets"] and "64x48" in view["buckets"], view["buckets"]   # 80x64 → 64x48 at 64 px
+        assert "64x64" in view["buckets"] and "64x48" in view["buckets"], view["buckets"]  # 80x64 → 64x48 at 64 px
         assert view["sample"]["width"] > 0 and "/view?" in view["sample"]["src"], view["sample"]
         assert "type=temp" in view["sample"]["src"]
 
@@ -117,11 +148,11 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
 
     # Stop: the run says stopped, at a step short of the total, with a resumable checkpoint there.
     runs = server.get("/kiln/runs")["runs"]
-    assert str(server.base) not in json.dumps(runs)                     # names and ids, no paths
-    first = report["stopped"]["run"]                                     # as the server had it then
+    assert str(server.base) not in json.dumps(runs)  # names and ids, no paths
+    first = report["stopped"]["run"]  # as the server had it then
     assert first["id"] == report["stopped"]["node"]["run"]
     assert first["status"] == "stopped" and 0 < first["step"] < TOTAL_STEPS
-    assert "the nodes after Train LoRA were skipped" in first["message"]   # Stop: the run is not done
+    assert "the nodes after Train LoRA were skipped" in first["message"]  # Stop: the run is not done
     assert report["stopped"]["panel"]["status"] == "stopped"
     checkpoint = server.base / "output" / "kiln" / first["name"] / f"step-{first['step']:06d}"
     assert (checkpoint / "run.json").is_file(), sorted(p.name for p in checkpoint.parent.iterdir())
@@ -133,8 +164,8 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
     assert second["id"] == first["id"] and [r["id"] for r in runs if r["name"] == first["name"]] == [first["id"]]
     assert second["name"] == first["name"] and second["start_step"] == first["step"]
     assert second["status"] == "stopped" and second["step"] > first["step"]
-    assert "its LoRA goes on" in second["message"]                          # the node's Stop & save button
-    assert second["history"]["step"][:first["step"]] == list(range(1, first["step"] + 1))
+    assert "its LoRA goes on" in second["message"]  # the node's Stop & save button
+    assert second["history"]["step"][: first["step"]] == list(range(1, first["step"] + 1))
 
     screenshot = shots / "dashboard.png"
     assert screenshot.stat().st_size > 10_000

@@ -1,6 +1,7 @@
 """The dataset editor's routes (nodes/dataset_editor.py over trainer/data/folder/editing.py and uploads.py), driven
 through their handlers with a stand-in for the door's call object: no ComfyUI, no server. The real HTTP
 wiring and the browser are tested in tests/nodes/test_dataset_editor_e2e.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,9 +33,11 @@ class Call:
 
     async def files(self):
         for name, data in self._files:
+
             async def chunks(data=data):
                 for start in range(0, len(data), 1000):
-                    yield data[start:start + 1000]
+                    yield data[start : start + 1000]
+
             yield name, chunks()
 
 
@@ -70,8 +73,10 @@ def run(handler, call):
 
 
 def made(editor, name="faces", **fields):
-    status, body = run(editor.create, Call(body={"name": name, "type": "character", "trigger_word": "ohwx",
-                                                 "resolutions": [512, 768], **fields}))
+    status, body = run(
+        editor.create,
+        Call(body={"name": name, "type": "character", "trigger_word": "ohwx", "resolutions": [512, 768], **fields}),
+    )
     assert status == 201, body
     return body
 
@@ -105,27 +110,31 @@ def test_dataset_names_that_lead_out_or_hide_are_refused(editor, root, name):
 
 def test_upload_keeps_images_named_by_their_content(editor, root):
     made(editor)
-    status, body = upload(editor, "faces", ("a.png", png(seed=1)), ("../../b.png", png(seed=2)),
-                          ("c.png", png(seed=3, fmt="JPEG")))
+    status, body = upload(
+        editor, "faces", ("a.png", png(seed=1)), ("../../b.png", png(seed=2)), ("c.png", png(seed=3, fmt="JPEG"))
+    )
     assert status == 200 and body["refused"] == []
-    assert [a["path"] for a in body["added"]] == ["a.png", "b.png", "c.jpg"]      # a JPEG named .png → .jpg
+    assert [a["path"] for a in body["added"]] == ["a.png", "b.png", "c.jpg"]  # a JPEG named .png → .jpg
     assert sorted(os.listdir(root / "faces")) == ["a.png", "b.png", "c.jpg", "dataset.json"]
     status, body = upload(editor, "faces", ("a.png", png(seed=4)))
-    assert body["added"][0]["path"] == "a (2).png"                                 # never overwrites
+    assert body["added"][0]["path"] == "a (2).png"  # never overwrites
 
 
-@pytest.mark.parametrize("name,data,status,words", [
-    ("bomb.png", bomb(), 413, "too large"),
-    ("notes.png", b"hello, not an image" * 10, 415, "not an image"),
-    ("anim.png", b"GIF89a" + bytes(200), 415, "GIF"),
-    ("big.png", os.urandom(250_000), 413, "larger than"),
-    ("cut.png", png()[:-300], 422, "truncated"),
-])
+@pytest.mark.parametrize(
+    "name,data,status,words",
+    [
+        ("bomb.png", bomb(), 413, "too large"),
+        ("notes.png", b"hello, not an image" * 10, 415, "not an image"),
+        ("anim.png", b"GIF89a" + bytes(200), 415, "GIF"),
+        ("big.png", os.urandom(250_000), 413, "larger than"),
+        ("cut.png", png()[:-300], 422, "truncated"),
+    ],
+)
 def test_bad_uploads_are_refused_and_leave_nothing(editor, root, name, data, status, words):
     made(editor)
     got, body = upload(editor, "faces", (name, data))
     assert got == status and body["added"] == [] and words in body["refused"][0]["error"], body
-    assert sorted(os.listdir(root / "faces")) == ["dataset.json"]                   # no temp file left
+    assert sorted(os.listdir(root / "faces")) == ["dataset.json"]  # no temp file left
 
 
 def test_a_refused_file_does_not_stop_the_others(editor, root):
@@ -135,14 +144,18 @@ def test_a_refused_file_does_not_stop_the_others(editor, root):
 
 
 def test_cross_site_posts_are_refused(editor, root):
-    for headers in ({"Host": "127.0.0.1:8188", "Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"},
-                    {"Host": "127.0.0.1:8188", "Origin": "http://127.0.0.1:9999"},      # another port: same-site
-                    {"Host": "127.0.0.1:8188", "Sec-Fetch-Site": "same-site"},
-                    {"Host": "127.0.0.1:8188", "Origin": "null"}):
+    for headers in (
+        {"Host": "127.0.0.1:8188", "Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"},
+        {"Host": "127.0.0.1:8188", "Origin": "http://127.0.0.1:9999"},  # another port: same-site
+        {"Host": "127.0.0.1:8188", "Sec-Fetch-Site": "same-site"},
+        {"Host": "127.0.0.1:8188", "Origin": "null"},
+    ):
         assert run(editor.create, Call(body={"name": "evil"}, headers=headers))[0] == 403
         assert upload(editor, "faces", ("a.png", png()), headers=headers)[0] == 403
-        assert run(editor.edit, Call({"name": "faces", "action": "trash"}, {"paths": ["a.png"]}, headers=headers))[0] \
+        assert (
+            run(editor.edit, Call({"name": "faces", "action": "trash"}, {"paths": ["a.png"]}, headers=headers))[0]
             == 403
+        )
     assert list(root.iterdir()) == []
     assert run(editor.create, Call(body={"name": "ok"}, headers={"Host": "localhost:8188"}))[0] == 201  # curl
 
@@ -166,7 +179,7 @@ def test_gallery_shows_captions_and_each_files_problems(editor, root):
     assert images["a.png"]["caption"] == "a woman" and images["a.png"]["usable"]
     assert not images["tiny.png"]["usable"]
     assert [p["code"] for p in images["tiny.png"]["problems"]] == ["too_small"]
-    assert "below_resolution" in [p["code"] for p in images["a.png"]["problems"]]   # 96×80 under 512²
+    assert "below_resolution" in [p["code"] for p in images["a.png"]["problems"]]  # 96×80 under 512²
     assert [p["file"] for p in body["problems"]] == ["ghost.txt"]
     assert body["meta"]["trigger_word"] == "ohwx"
 
@@ -176,18 +189,25 @@ def test_edit_a_caption_and_bulk_edits(editor, root):
     upload(editor, "faces", ("a.png", png(seed=1)), ("b.png", png(seed=2)), ("c.png", png(seed=3)))
     status, body = edit(editor, "caption", {"path": "a.png", "caption": "  a woman smiling \n"})
     assert status == 200 and (root / "faces" / "a.txt").read_text(encoding="utf-8") == "a woman smiling\n"
-    (root / "faces" / "B.TXT").write_text("a man", encoding="utf-8")           # case-different caption file
+    (root / "faces" / "B.TXT").write_text("a man", encoding="utf-8")  # case-different caption file
     status, body = edit(editor, "bulk", {"op": "prefix", "text": "ohwx", "paths": ["a.png", "b.png", "c.png"]})
-    assert status == 200 and body["changed"] == {"a.png": "ohwx, a woman smiling", "b.png": "ohwx, a man",
-                                                 "c.png": "ohwx"}
+    assert status == 200 and body["changed"] == {
+        "a.png": "ohwx, a woman smiling",
+        "b.png": "ohwx, a man",
+        "c.png": "ohwx",
+    }
     assert (root / "faces" / "B.TXT").read_text(encoding="utf-8") == "ohwx, a man\n"
     assert edit(editor, "bulk", {"op": "prefix", "text": "ohwx", "paths": ["a.png"]})[1]["changed"] == {}  # not twice
     edit(editor, "bulk", {"op": "suffix", "text": "photo", "paths": ["a.png"]})
     edit(editor, "bulk", {"op": "replace", "find": "woman", "replace": "person", "paths": ["a.png"]})
     assert gallery(editor)[0]["a.png"]["caption"] == "ohwx, a person smiling, photo"
-    for bad in ({"op": "shout", "paths": ["a.png"]}, {"op": "prefix", "text": "", "paths": ["a.png"]},
-                {"op": "replace", "find": "", "replace": "x", "paths": ["a.png"]},
-                {"op": "prefix", "text": "x", "paths": []}, {"op": "prefix", "text": "x", "paths": ["../a.png"]}):
+    for bad in (
+        {"op": "shout", "paths": ["a.png"]},
+        {"op": "prefix", "text": "", "paths": ["a.png"]},
+        {"op": "replace", "find": "", "replace": "x", "paths": ["a.png"]},
+        {"op": "prefix", "text": "x", "paths": []},
+        {"op": "prefix", "text": "x", "paths": ["../a.png"]},
+    ):
         assert edit(editor, "bulk", bad)[0] == 400, bad
     assert edit(editor, "caption", {"path": "a.png", "caption": "bad\x00byte"})[0] == 400
     assert edit(editor, "caption", {"path": "zzz.png", "caption": "x"})[0] == 404
@@ -207,7 +227,7 @@ def test_paths_that_lead_out_are_refused(editor, root, tmp_path):
         assert status in (400, 404), (path, body)
         assert edit(editor, "trash", {"paths": [path]})[0] in (400, 404)
     assert (tmp_path / "secret.txt").read_text(encoding="utf-8") == "keep" and secret.is_file()
-    assert run(editor.show, Call({"name": "elsewhere"}))[0] == 400                 # a linked-in folder
+    assert run(editor.show, Call({"name": "elsewhere"}))[0] == 400  # a linked-in folder
     assert upload(editor, "elsewhere", ("a.png", png()))[0] == 400
     assert "elsewhere" not in [d["name"] for d in run(editor.list, Call())[1]["datasets"]]
 
@@ -222,7 +242,7 @@ def test_trash_moves_an_image_and_its_caption_out_of_training(editor, root):
     assert list(images) == ["b.png"] and listing["trash"] == 2
     assert (root / "faces" / ".trash" / "a.txt").read_text(encoding="utf-8") == "first\n"
     upload(editor, "faces", ("a.png", png(seed=1)))
-    assert edit(editor, "trash", {"paths": ["a.png"]})[1]["moved_to"] == [".trash/a (2).png"]   # never overwrites
+    assert edit(editor, "trash", {"paths": ["a.png"]})[1]["moved_to"] == [".trash/a (2).png"]  # never overwrites
 
 
 def test_a_body_that_is_not_json_is_refused(editor):
@@ -263,7 +283,7 @@ def test_verdicts_name_the_near_duplicate_pair_blur_and_buckets(editor, root):
     assert "copy of coffee.jpg" in found["cup_small.jpg"]["messages"][0]
     assert found["coffee.jpg"]["ok"] and "near-duplicate of cup_small.jpg" in found["coffee.jpg"]["line"]
     assert found["rocket_blurred.png"]["problems"] == ["blurry"]
-    assert (root / "faces" / ".kiln_cache" / "quality.json").is_file()        # a second look reads the cache
+    assert (root / "faces" / ".kiln_cache" / "quality.json").is_file()  # a second look reads the cache
     assert run(editor.verdicts, Call({"name": "nope"}))[0] == 404
 
 

@@ -10,6 +10,7 @@ In the Vue node mode (Nodes 2.0) both also hide inputs declared `advanced` until
 inputs"; the classic canvas shows them all. Checked on Training Options. Screenshots:
 runs/test-reports/float-widgets-<ComfyUI version>/<node>.png, KilnTrainingOptions-vue(-advanced).png.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,8 @@ REPO = HERE.parents[1]
 
 from helpers import comfy_env  # noqa: E402
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
-COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
+COMFY = comfy_env.require_comfy()  # skips the module without COMFYUI_PATH (fails in CI)
 
 from helpers.comfy_server import (  # noqa: E402
     drive,
@@ -59,8 +60,12 @@ def float_inputs(info: dict) -> dict[str, dict]:
 
 
 def advanced_inputs(info: dict) -> set[str]:
-    return {name for group in ("required", "optional") for name, spec in info["input"].get(group, {}).items()
-            if len(spec) > 1 and isinstance(spec[1], dict) and spec[1].get("advanced")}
+    return {
+        name
+        for group in ("required", "optional")
+        for name, spec in info["input"].get(group, {}).items()
+        if len(spec) > 1 and isinstance(spec[1], dict) and spec[1].get("advanced")
+    }
 
 
 def mw_widget_names(info: dict) -> list[str]:
@@ -90,19 +95,28 @@ def problems_of(node: str, name: str, spec: dict, seen: dict) -> list[str]:
     shown = seen["initial"]["shown"]
     expected = {
         "shown": f"{default:.{decimals_of(step)}f}",
-        "up": moved(default, step, spec), "down": moved(default, -step, spec),
-        "typedShown": default, "typedDefault": default,
+        "up": moved(default, step, spec),
+        "down": moved(default, -step, spec),
+        "typedShown": default,
+        "typedDefault": default,
     }
     # Each pair of clicks starts from the default; at a bound the outward click does nothing.
     expected["upBack"] = moved(expected["up"], -step, spec)
     expected["downBack"] = moved(expected["down"], step, spec)
-    found = {"shown": shown, "typedShown": seen["typedShown"]["value"], "typedDefault": seen["typedDefault"]["value"],
-             **{key: seen[key] for key in ("up", "upBack", "down", "downBack")}}
-    problems = [f"{node}.{name}: {key} {found[key]!r}, expected {want!r}" for key, want in expected.items()
-                if found[key] != want]
+    found = {
+        "shown": shown,
+        "typedShown": seen["typedShown"]["value"],
+        "typedDefault": seen["typedDefault"]["value"],
+        **{key: seen[key] for key in ("up", "upBack", "down", "downBack")},
+    }
+    problems = [
+        f"{node}.{name}: {key} {found[key]!r}, expected {want!r}"
+        for key, want in expected.items()
+        if found[key] != want
+    ]
     if seen["default"] != default or float(shown) != default:
         problems.append(f"{node}.{name}: the default {default!r} shows as {shown!r} (value {seen['default']!r})")
-    for key in ("typedShown", "typedDefault"):   # the prompt was given a value that differs: the typing counted
+    for key in ("typedShown", "typedDefault"):  # the prompt was given a value that differs: the typing counted
         if seen[f"{key}From"] == default:
             problems.append(f"{node}.{name}: the value was still the default before typing ({key})")
     return problems
@@ -110,26 +124,36 @@ def problems_of(node: str, name: str, spec: dict, seen: dict) -> list[str]:
 
 def test_every_kiln_float_widget_shows_keeps_and_steps_its_value(server, tmp_path):
     object_info = server.get("/object_info", timeout=60)
-    specs = {node: inputs for node, info in sorted(object_info.items())
-             if info.get("python_module") == "custom_nodes.kiln" and (inputs := float_inputs(info))}
+    specs = {
+        node: inputs
+        for node, info in sorted(object_info.items())
+        if info.get("python_module") == "custom_nodes.kiln" and (inputs := float_inputs(info))
+    }
     # The nodes the issue names are among them, with the widgets it found broken.
     assert {"adam_eps", "weight_decay", "adam_beta2", "ema_decay"} <= set(specs["KilnTrainingOptions"])
     assert {"KilnTrainLoRA", "KilnOptimizerOptions", "KilnEMAHoldoutOptions", "KilnLoadDataset"} <= set(specs)
-    wanted = {node: [{"name": name, "written": written(spec["default"])} for name, spec in inputs.items()]
-              for node, inputs in specs.items()}
+    wanted = {
+        node: [{"name": name, "written": written(spec["default"])} for name, spec in inputs.items()]
+        for node, inputs in specs.items()
+    }
     nodes_file = tmp_path / "nodes.json"
     nodes_file.write_text(json.dumps(wanted), encoding="utf-8")
     shots = tmp_path / "browser"
-    done = drive("float_widgets.mjs", server, shots, "--nodes", str(nodes_file), "--vue", "KilnTrainingOptions",
-                 timeout=1500)
+    done = drive(
+        "float_widgets.mjs", server, shots, "--nodes", str(nodes_file), "--vue", "KilnTrainingOptions", timeout=1500
+    )
     report = driver_report(done)
     artifacts = REPO / "runs" / "test-reports" / f"float-widgets-{comfy_env.version()}"
     artifacts.mkdir(parents=True, exist_ok=True)
     for shot in shots.glob("*.png"):
         shutil.copyfile(shot, artifacts / shot.name)
     assert report["ok"], f"{report.get('error')}\n{done.stderr[-3000:]}"
-    problems = [problem for node, inputs in specs.items() for name, spec in inputs.items()
-                for problem in problems_of(node, name, spec, report["nodes"][node][name])]
+    problems = [
+        problem
+        for node, inputs in specs.items()
+        for name, spec in inputs.items()
+        for problem in problems_of(node, name, spec, report["nodes"][node][name])
+    ]
     assert problems == [], "\n".join(problems)
     checked = sum(len(inputs) for inputs in specs.values())
     assert checked == sum(len(seen) for seen in report["nodes"].values()) and checked > 40

@@ -1,5 +1,6 @@
 """Kiln Train LoRA started from an existing LoRA (#19 item 4), in a real ComfyUI: a LORA_MODEL input or a
 file from models/loras; the output LoRA's metadata names where it started and loads in ComfyUI's loader."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from helpers import comfy_env
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 from helpers import tiny_comfy as tc
@@ -29,8 +30,10 @@ def flux2(comfy_dirs, tmp_path_factory):
 
 
 def near(trained: dict, start: dict, bound: float) -> bool:
-    return all(np.abs(trained[k].A - start[k].A).max() <= bound and np.abs(trained[k].B - start[k].B).max() <= bound
-               for k in start)
+    return all(
+        np.abs(trained[k].A - start[k].A).max() <= bound and np.abs(trained[k].B - start[k].B).max() <= bound
+        for k in start
+    )
 
 
 def test_train_lora_continues_a_lora_model_and_names_it(comfy_dirs, flux2):
@@ -58,10 +61,11 @@ def test_train_lora_starts_from_a_file_of_another_layout(comfy_dirs, flux2):
     first = train(model, ds, steps=2, options={"run_name": "init_source"})
     weights = bridge.lora_weights_from(first.result[1], "flux2_klein")
     for w in weights.values():
-        w.alpha = 2.0        # rank 4, alpha 2: the file's alpha, not the node's 4
+        w.alpha = 2.0  # rank 4, alpha 2: the file's alpha, not the node's 4
     name = "kiln/start_kohya.safetensors"
-    lora_format.save_lora(comfy_dirs / "loras" / name, weights, arch="flux2_klein", fmt="kohya", dtype="fp32",
-                          metadata={})
+    lora_format.save_lora(
+        comfy_dirs / "loras" / name, weights, arch="flux2_klein", fmt="kohya", dtype="fp32", metadata={}
+    )
     bridge.refresh_loras()
     result = train(model, ds, steps=1, init_lora_file=name, options={"run_name": "init_file"})
     state = result.result[2]

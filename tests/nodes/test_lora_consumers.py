@@ -10,6 +10,7 @@ diffusers. Each reader's output is compared with it relative to the LoRA's effec
 |out − truth| / |truth − base|: a LoRA applied at half strength scores 0.5, one not applied 1.0.
 Every (format, reader) pair either matches within 1e-4 or fails the way README's table says it does.
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,10 +25,11 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
-pytest.importorskip("diffusers", reason="needs diffusers (the `test` extra installs it): the real consumer of the "
-                    "diffusers export")
+pytest.importorskip(
+    "diffusers", reason="needs diffusers (the `test` extra installs it): the real consumer of the diffusers export"
+)
 pytest.importorskip("peft", reason="needs peft (the `test` extra installs it): diffusers loads LoRAs through it")
 
 import comfy.model_management as mm  # noqa: E402
@@ -49,7 +51,7 @@ from trainer.lora import files as lf  # noqa: E402
 from trainer.lora.files import LoraWeights  # noqa: E402
 from trainer.lora.targets import select_targets  # noqa: E402
 
-TOLERANCE = 1e-4                          # relative to the LoRA's effect on the model output
+TOLERANCE = 1e-4  # relative to the LoRA's effect on the model output
 FORMATS = list(lf.FORMATS)
 READERS = ["comfyui", "kiln", "diffusers.load_lora_weights", "diffusers.load_lora_adapter"]
 
@@ -75,15 +77,21 @@ FAILS: dict[tuple[str, str, str], str] = {
 # The smallest Z-Image whose ComfyUI and diffusers shapes agree: diffusers' t_embedder is 1024 wide
 # (ComfyUI's min(dim, 1024)) and its feed-forward int(8/3·dim) wide (ComfyUI's rounded up to 256), so
 # dim ≥ 1024, a multiple of 96 and of the 128-wide heads: 1152. One block per stack keeps it small.
-ZIMAGE_CONFIG = {**tiny_comfy.zimage_unet_config(), "dim": 1152, "n_heads": 9, "n_kv_heads": 9, "n_layers": 1,
-                 "n_refiner_layers": 1}
+ZIMAGE_CONFIG = {
+    **tiny_comfy.zimage_unet_config(),
+    "dim": 1152,
+    "n_heads": 9,
+    "n_kv_heads": 9,
+    "n_layers": 1,
+    "n_refiner_layers": 1,
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     arch: str
-    build_comfy: Callable[[Path], object]         # tmp dir → ModelPatcher
-    convert: Callable[[dict], dict]                # diffusers' single-file converter
+    build_comfy: Callable[[Path], object]  # tmp dir → ModelPatcher
+    convert: Callable[[dict], dict]  # diffusers' single-file converter
     build_diffusers: Callable[[], torch.nn.Module]
     pipeline: type
     comfy_forward: Callable[[torch.nn.Module], torch.Tensor]
@@ -106,8 +114,14 @@ def _flux2_diffusers_forward(model):
     x, context = _inputs(1, (1, 4, 128), (1, 8, tiny_comfy.FLUX2_CONTEXT_DIM))
     img_ids = torch.tensor([[0, h, w, 0] for h in range(2) for w in range(2)], dtype=torch.float32)
     txt_ids = torch.tensor([[0, 0, 0, t] for t in range(8)], dtype=torch.float32)
-    return model(hidden_states=x, encoder_hidden_states=context, timestep=torch.tensor([0.6]),
-                 img_ids=img_ids[None], txt_ids=txt_ids[None], return_dict=False)[0]
+    return model(
+        hidden_states=x,
+        encoder_hidden_states=context,
+        timestep=torch.tensor([0.6]),
+        img_ids=img_ids[None],
+        txt_ids=txt_ids[None],
+        return_dict=False,
+    )[0]
 
 
 def _zimage_comfy_forward(model):
@@ -122,29 +136,52 @@ def _zimage_diffusers_forward(model):
 
 FAMILIES = {
     "flux2_klein": Family(
-        "flux2_klein", lambda tmp: tiny_comfy.tiny_flux2(tmp),
+        "flux2_klein",
+        lambda tmp: tiny_comfy.tiny_flux2(tmp),
         single_file_utils.convert_flux2_transformer_checkpoint_to_diffusers,
-        lambda: Flux2Transformer2DModel(num_layers=2, num_single_layers=2, num_attention_heads=2,
-                                        joint_attention_dim=tiny_comfy.FLUX2_CONTEXT_DIM, guidance_embeds=False),
-        Flux2KleinPipeline, _flux2_comfy_forward, _flux2_diffusers_forward),
+        lambda: Flux2Transformer2DModel(
+            num_layers=2,
+            num_single_layers=2,
+            num_attention_heads=2,
+            joint_attention_dim=tiny_comfy.FLUX2_CONTEXT_DIM,
+            guidance_embeds=False,
+        ),
+        Flux2KleinPipeline,
+        _flux2_comfy_forward,
+        _flux2_diffusers_forward,
+    ),
     "zimage": Family(
-        "zimage", lambda tmp: tiny_comfy.assembled(comfy.supported_models.ZImage, NextDiT, ZIMAGE_CONFIG, 0),
+        "zimage",
+        lambda tmp: tiny_comfy.assembled(comfy.supported_models.ZImage, NextDiT, ZIMAGE_CONFIG, 0),
         single_file_utils.convert_z_image_transformer_checkpoint_to_diffusers,
         lambda: ZImageTransformer2DModel(
-            dim=ZIMAGE_CONFIG["dim"], n_layers=1, n_refiner_layers=1, n_heads=9, n_kv_heads=9,
-            cap_feat_dim=ZIMAGE_CONFIG["cap_feat_dim"], axes_dims=ZIMAGE_CONFIG["axes_dims"],
-            axes_lens=ZIMAGE_CONFIG["axes_lens"], rope_theta=ZIMAGE_CONFIG["rope_theta"]),
-        ZImagePipeline, _zimage_comfy_forward, _zimage_diffusers_forward),
+            dim=ZIMAGE_CONFIG["dim"],
+            n_layers=1,
+            n_refiner_layers=1,
+            n_heads=9,
+            n_kv_heads=9,
+            cap_feat_dim=ZIMAGE_CONFIG["cap_feat_dim"],
+            axes_dims=ZIMAGE_CONFIG["axes_dims"],
+            axes_lens=ZIMAGE_CONFIG["axes_lens"],
+            rope_theta=ZIMAGE_CONFIG["rope_theta"],
+        ),
+        ZImagePipeline,
+        _zimage_comfy_forward,
+        _zimage_diffusers_forward,
+    ),
 }
 
 
 # ---------------------------------------------------------------- helpers
 
+
 def _targets(arch: archs.Arch, model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """The Linears the arch trains by default, as Kiln picks them: ComfyUI path → (out, in)."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    return {path: (layers[path].out_features, layers[path].in_features)
-            for path in select_targets(list(layers), list(arch.default_targets))}
+    return {
+        path: (layers[path].out_features, layers[path].in_features)
+        for path in select_targets(list(layers), list(arch.default_targets))
+    }
 
 
 def _random_lora(modules: dict[str, tuple[int, int]], seed: int, scale: float) -> lf.Lora:
@@ -195,8 +232,7 @@ class Bench:
         folder.mkdir()
         metadata = lf.build_metadata(arch_name=self.family.arch, config={}, steps=1, trigger_words=[], title="t")
         files = {"comfy": folder / f"{self.family.arch}-comfy.safetensors"}
-        lf.save_lora(files["comfy"], self.lora, arch=self.family.arch, fmt="comfy", dtype=self.dtype,
-                     metadata=metadata)
+        lf.save_lora(files["comfy"], self.lora, arch=self.family.arch, fmt="comfy", dtype=self.dtype, metadata=metadata)
         for fmt in FORMATS:
             if fmt != "comfy":  # exported from the saved file, as `python -m trainer export` does
                 files[fmt] = folder / f"{self.family.arch}-{fmt}.safetensors"
@@ -205,6 +241,7 @@ class Bench:
 
     def comfy_output(self, weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """ComfyUI's diffusion model run with these weights in place of its own."""
+
         def call(*args, **kwargs):
             return torch.func.functional_call(self.comfy_model, weights, args, kwargs, strict=True)
 
@@ -249,9 +286,12 @@ class Bench:
         return _relative(self.diffusers_output(model), self.diffusers_truth, self.diffusers_base)
 
     def read(self, fmt: str, reader: str, caplog) -> float:
-        readers = {"comfyui": lambda: self.read_comfyui(fmt, caplog), "kiln": lambda: self.read_kiln(fmt),
-                   "diffusers.load_lora_weights": lambda: self.read_diffusers(fmt, "load_lora_weights"),
-                   "diffusers.load_lora_adapter": lambda: self.read_diffusers(fmt, "load_lora_adapter")}
+        readers = {
+            "comfyui": lambda: self.read_comfyui(fmt, caplog),
+            "kiln": lambda: self.read_kiln(fmt),
+            "diffusers.load_lora_weights": lambda: self.read_diffusers(fmt, "load_lora_weights"),
+            "diffusers.load_lora_adapter": lambda: self.read_diffusers(fmt, "load_lora_adapter"),
+        }
         return readers[reader]()
 
 
@@ -308,6 +348,10 @@ def test_any_scale_is_exact_in_fp32_files(tmp_path, caplog):
     """alpha/rank = 0.75 is no power of two: folded into B it is rounded once more in a bf16 file (about
     2e-3 of the effect, as diffusers' own kohya converter rounds it), and exact in an fp32 file."""
     bench = Bench(FAMILIES["flux2_klein"], tmp_path, scale=0.75, dtype="fp32")
-    for fmt, reader in [("diffusers", "kiln"), ("diffusers", "diffusers.load_lora_weights"),
-                        ("diffusers", "diffusers.load_lora_adapter"), ("kohya", "diffusers.load_lora_weights")]:
+    for fmt, reader in [
+        ("diffusers", "kiln"),
+        ("diffusers", "diffusers.load_lora_weights"),
+        ("diffusers", "diffusers.load_lora_adapter"),
+        ("kohya", "diffusers.load_lora_weights"),
+    ]:
         assert bench.read(fmt, reader, caplog) < TOLERANCE, (fmt, reader)

@@ -3,6 +3,7 @@ built at the shapes of a tiny Flux2 Klein and a tiny Z-Image, goes through `pyth
 convert_file, then comfy.utils.load_torch_file → model_lora_keys_unet → comfy.lora.load_lora →
 calculate_weight: no key left unloaded, and every weight moves by what the fixture's pattern means
 (ΔW by hand from the original tensors). The Kiln Convert LoRA node does the same from models/loras."""
+
 from __future__ import annotations
 
 import logging
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.lora  # noqa: E402
@@ -35,11 +36,15 @@ def models(tmp_path_factory):
         if family not in made:
             with torch.inference_mode():
                 patcher = FAMILIES[family](tmp_path_factory.mktemp(family))
-            weights = {k[len("diffusion_model."):-len(".weight")]: v for k, v in patcher.model.state_dict().items()
-                       if k.startswith("diffusion_model.") and k.endswith(".weight")}
+            weights = {
+                k[len("diffusion_model.") : -len(".weight")]: v
+                for k, v in patcher.model.state_dict().items()
+                if k.startswith("diffusion_model.") and k.endswith(".weight")
+            }
             shapes = {path: (tuple(w.shape) if w.ndim == 2 else (w.shape[0], 1)) for path, w in weights.items()}
             made[family] = patcher, shapes
         return made[family]
+
     return get
 
 
@@ -54,9 +59,12 @@ def _deltas(patcher, path, caplog) -> dict[str, torch.Tensor]:
         for target, adapter in patches.items():  # as ModelPatcher.add_patches stores them
             key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
             by_weight.setdefault(key, []).append((1.0, adapter, 1.0, offset, None))
-        deltas = {key[len("diffusion_model."):-len(".weight")]:
-                  comfy.lora.calculate_weight(entries, torch.zeros_like(state[key], dtype=torch.float32), key)
-                  for key, entries in by_weight.items()}
+        deltas = {
+            key[len("diffusion_model.") : -len(".weight")]: comfy.lora.calculate_weight(
+                entries, torch.zeros_like(state[key], dtype=torch.float32), key
+            )
+            for key, entries in by_weight.items()
+        }
     # ComfyUI only logs a key it did not load, or a patch whose shape does not fit (and skips it)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     return deltas
@@ -85,20 +93,24 @@ def test_convert_node_writes_under_models_loras_and_reports(models, tmp_path, ca
     import folder_paths
 
     import kiln_pack.nodes.lora_nodes as lora_nodes
+
     patcher, shapes = models("flux2")
     fixture = fx.build("flux2", "musubi-tuner", shapes)
     loras = tmp_path / "loras"
     (loras / "musubi").mkdir(parents=True)
     stray = "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight"
-    safetensors_io.write(loras / "musubi" / "lora.safetensors", {**fixture.tensors, stray: np.ones((4, 8), np.float32)},
-                         {})
-    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
-                        ([str(loras)], folder_paths.supported_pt_extensions))
+    safetensors_io.write(
+        loras / "musubi" / "lora.safetensors", {**fixture.tensors, stray: np.ones((4, 8), np.float32)}, {}
+    )
+    monkeypatch.setitem(
+        folder_paths.folder_names_and_paths, "loras", ([str(loras)], folder_paths.supported_pt_extensions)
+    )
     folder_paths.filename_list_cache.pop("loras", None)
     with pytest.raises(ValueError, match=f"fit no module.*{stray}"):
         lora_nodes.KilnConvertLoRA.execute("musubi/lora.safetensors", "", "auto", False, False)
     lora_model, path, report = lora_nodes.KilnConvertLoRA.execute(
-        "musubi/lora.safetensors", "", "auto", True, False).result
+        "musubi/lora.safetensors", "", "auto", True, False
+    ).result
     assert path == str(loras / "musubi" / "lora_comfy.safetensors") and stray in report
     assert "musubi/lora_comfy.safetensors" in folder_paths.get_filename_list("loras")
     got = _deltas(patcher, path, caplog)
@@ -106,5 +118,6 @@ def test_convert_node_writes_under_models_loras_and_reports(models, tmp_path, ca
     with caplog.at_level(logging.WARNING):  # what ComfyUI's LoraModelLoader runs on a LORA_MODEL
         patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora_model, 1.0, 0)
     assert "lora key not loaded" not in caplog.text
-    assert sorted(k[0] if isinstance(k, tuple) else k for k in patched.patches) == \
-        sorted(f"diffusion_model.{p}.weight" for p in fixture.delta)
+    assert sorted(k[0] if isinstance(k, tuple) else k for k in patched.patches) == sorted(
+        f"diffusion_model.{p}.weight" for p in fixture.delta
+    )

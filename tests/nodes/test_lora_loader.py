@@ -1,6 +1,7 @@
 """Kiln's LoRA files through ComfyUI's own LoRA loader (COMFYUI_PATH): comfy.utils.load_torch_file,
 model_lora_keys_unet, load_lora and calculate_weight on a stand-in model of ComfyUI's own class, for
 every format and family (the cases of tests/helpers/lora_cases.py)."""
+
 from __future__ import annotations
 
 from helpers import comfy_env
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.lora  # noqa: E402
@@ -43,9 +44,11 @@ def test_comfyui_loader_applies_every_key(tmp_path, arch_name, modules, fmt, cap
     """Our bf16 file through comfy.utils.load_torch_file, model_lora_keys_unet, load_lora and
     calculate_weight: every key is used and each weight moves by scale·B@A, alpha included, split
     diffusers parts landing on their fused rows."""
-    model = (_fake_model(comfy.model_base.Flux2, modules, {"depth": 2, "depth_single_blocks": 2, "hidden_size": HIDDEN})
-             if arch_name.startswith("flux2") else
-             _fake_model(comfy.model_base.Lumina2, modules, {"n_layers": 4, "dim": HIDDEN}))
+    model = (
+        _fake_model(comfy.model_base.Flux2, modules, {"depth": 2, "depth_single_blocks": 2, "hidden_size": HIDDEN})
+        if arch_name.startswith("flux2")
+        else _fake_model(comfy.model_base.Lumina2, modules, {"n_layers": 4, "dim": HIDDEN})
+    )
     path = tmp_path / "lora.safetensors"
     lf.save_lora(path, make_lora(modules), arch=arch_name, fmt=fmt, metadata=lora_metadata())
     lora, _ = lf.load_lora(path)  # the bf16-rounded weights ComfyUI will see

@@ -5,6 +5,7 @@ LoraModelLoader with every key matched; the weights ComfyUI then runs with (load
 the base weights equal the dense reference: the weighted sum of scale·B@A, its truncated SVD, or the
 difference between the two models.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +14,7 @@ from helpers import comfy_env
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.model_management as mm  # noqa: E402
@@ -51,8 +52,11 @@ def random_lora(model, modules, rank, alpha, seed):
     out = {}
     for name in modules:
         rows, cols = dm.get_submodule(name).weight.shape
-        out[name] = lora_format.LoraWeights((rng.standard_normal((rank, cols)) * 0.05).astype(np.float32),
-                                            (rng.standard_normal((rows, rank)) * 0.05).astype(np.float32), alpha)
+        out[name] = lora_format.LoraWeights(
+            (rng.standard_normal((rank, cols)) * 0.05).astype(np.float32),
+            (rng.standard_normal((rows, rank)) * 0.05).astype(np.float32),
+            alpha,
+        )
     return out
 
 
@@ -88,10 +92,11 @@ def test_merge_node_exact_and_to_a_rank(tmp_path, output_dir, family):
     modules = MODULES if family == "flux2" else ZIMAGE_MODULES
     base = weights_as_run(model)
     first = random_lora(model, modules, 4, 2.0, seed=1)
-    second = random_lora(model, modules[:1], 8, 8.0, seed=2)   # one module only: the others take the first's
+    second = random_lora(model, modules[:1], 8, 8.0, seed=2)  # one module only: the others take the first's
     loras = [bridge.lora_model_from(first), bridge.lora_model_from(second)]
-    reference = {n: sum(w * lora_tools.dense_delta(l, n) for l, w in ((first, 0.6), (second, -0.4)) if n in l)
-                 for n in modules}
+    reference = {
+        n: sum(w * lora_tools.dense_delta(l, n) for l, w in ((first, 0.6), (second, -0.4)) if n in l) for n in modules
+    }
 
     exact = tools.KilnMergeLoRAs.execute(loras[0], 0.6, 0, "fixed", 0.9, lora_2=loras[1], weight_2=-0.4)
     assert "energy kept 100.00%" in text(exact)
@@ -103,8 +108,9 @@ def test_merge_node_exact_and_to_a_rank(tmp_path, output_dir, family):
         U, s, Vt = np.linalg.svd(dense, full_matrices=False)
         truncated[name] = (U[:, :2] * s[:2]) @ Vt[:2]
     assert "lowest kept energy" in text(reduced)
-    assert_deltas(model, loaded_by_comfy(model, reduced.result[0], output_dir, f"merged2_{family}"), truncated, base,
-                  1e-4)
+    assert_deltas(
+        model, loaded_by_comfy(model, reduced.result[0], output_dir, f"merged2_{family}"), truncated, base, 1e-4
+    )
 
 
 def test_resize_node_full_rank_is_exact_and_dynamic_ranks_differ_per_module(tmp_path, output_dir):
@@ -153,8 +159,10 @@ def test_extract_node_from_two_model_files_reports_what_a_lora_cannot_hold(tmp_p
     assert "extract (rank 2): 1 modules" in report and "energy kept 100.00%" in report
     assert "1 other tensors differ" in report and "single_blocks.0.norm.key_norm.weight" in report
     weights = bridge.lora_weights_from(result.result[0])
-    np.testing.assert_allclose(lora_tools.dense_delta(weights, "single_blocks.0.linear2"), delta.double().numpy(),
-                               atol=1e-5 * float(delta.abs().max()))
+    np.testing.assert_allclose(
+        lora_tools.dense_delta(weights, "single_blocks.0.linear2"),
+        delta.double().numpy(),
+        atol=1e-5 * float(delta.abs().max()),
+    )
     with pytest.raises(ValueError, match="Kiln Extract LoRA: the two models have no differing"):
         tools.KilnExtractLoRA.execute(model, model, 2, "fixed", 0.9, 1.0, "auto")
-

@@ -10,6 +10,7 @@
 - run folders: named by run_name as typed, -2 for another identity under the same name, each re-queue
   finding its own folder, a folder of the old <name>-<hash> kind resumed in place.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,7 +19,7 @@ from helpers import comfy_env
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.model_management as mm  # noqa: E402
@@ -54,6 +55,7 @@ def forwards(monkeypatch):
             if len(calls) in hooks:
                 hooks[len(calls)]()
             return inner(*args)
+
         return forward
 
     monkeypatch.setattr(door_model, "make_forward", make_forward)
@@ -71,21 +73,21 @@ def test_stop_button_mid_step_ends_that_step_and_requeue_continues_exactly(flux,
     calls, hooks = forwards
     straight = train(model, ds, steps=8, options={"run_name": "stop_straight", **same_kernels}).result[2]
     calls.clear()
-    hooks[5] = lambda: mm.interrupt_current_processing(True)     # the stop button, during step 5's forward
+    hooks[5] = lambda: mm.interrupt_current_processing(True)  # the stop button, during step 5's forward
     try:
         with pytest.raises(bridge.Interrupted):
             train(model, ds, steps=8, options={"run_name": "stop_mid", **same_kernels})
     finally:
-        mm.interrupt_current_processing(False)                    # what ComfyUI does before the next prompt
+        mm.interrupt_current_processing(False)  # what ComfyUI does before the next prompt
         hooks.clear()
-    assert len(calls) == 5                                        # no forward after the stop: within one step
-    run_dir = Path(straight.run_dir).parent / "stop_mid"                # named as typed
-    assert state_module.load_checkpoint(run_dir).step == 5       # the step in flight was finished and saved
+    assert len(calls) == 5  # no forward after the stop: within one step
+    run_dir = Path(straight.run_dir).parent / "stop_mid"  # named as typed
+    assert state_module.load_checkpoint(run_dir).step == 5  # the step in flight was finished and saved
     assert not mm.in_training and not mm.processing_interrupted()
     calls.clear()
     resumed = train(model, ds, steps=8, options={"run_name": "stop_mid", **same_kernels})
     assert "resuming from" in resumed.ui.value and "step-000005" in resumed.ui.value
-    assert len(calls) == 3 and resumed.result[2].step == 8        # steps 6..8 only
+    assert len(calls) == 3 and resumed.result[2].step == 8  # steps 6..8 only
     weights_equal(straight, resumed.result[2])
 
 
@@ -108,7 +110,7 @@ def test_out_of_memory_in_a_step_frees_the_model_and_requeue_resumes(flux, forwa
     message = str(caught.value)
     assert "out of memory at step 4" in message and "step-000003" in message
     assert "resolutions" in message and "fp8" in message and "gradient_checkpointing" not in message  # it is on
-    assert freed                                                  # memory handed back after the error
+    assert freed  # memory handed back after the error
     assert all("forward" not in m.__dict__ for m in dm.modules())  # no LoRA branch left in ComfyUI's model
     assert set(dm.state_dict()) == keys and [p.requires_grad for p in dm.parameters()] == flags
     assert all(p.grad is None for p in dm.parameters())
@@ -128,10 +130,10 @@ def test_requeue_reuses_a_finished_run_and_retrains_only_on_a_change(flux, forwa
     assert len(calls) == 4
     calls.clear()
     same = train(model, ds, steps=4, options={"run_name": "cache"})
-    assert calls == [] and "already trained" in same.ui.value      # nothing trained, the result returned
+    assert calls == [] and "already trained" in same.ui.value  # nothing trained, the result returned
     assert same.result[2].checkpoint == first.result[2].checkpoint
     for key, tensor in first.result[1].items():
-        assert torch.equal(tensor, same.result[1][key])           # the same LORA_MODEL
+        assert torch.equal(tensor, same.result[1][key])  # the same LORA_MODEL
     changed = train(model, ds, steps=4, options={"run_name": "cache", "weight_decay": 0.05})
     assert len(calls) == 4 and "training from step 0" in changed.ui.value
     assert Path(changed.result[2].run_dir) != Path(first.result[2].run_dir)
@@ -148,21 +150,21 @@ def test_run_folders_are_named_as_typed_a_clash_gets_a_suffix_and_each_requeue_f
     root = Path(first.run_dir).parent
     assert Path(first.run_dir) == root / "my portrait"
     other = train(model, ds, steps=2, options={"run_name": "my portrait", "weight_decay": 0.05}).result[2]
-    assert Path(other.run_dir) == root / "my portrait-2"                    # another identity: a suffix
+    assert Path(other.run_dir) == root / "my portrait-2"  # another identity: a suffix
     assert run_folders.read_identity(first.run_dir) != run_folders.read_identity(other.run_dir)
     calls.clear()
     longer = train(model, ds, steps=3, options={"run_name": "my portrait", "weight_decay": 0.05})
     assert Path(longer.result[2].run_dir) == root / "my portrait-2" and "step-000002" in longer.ui.value
     again = train(model, ds, steps=2, options={"run_name": "my portrait"})
     assert "already trained" in again.ui.value and Path(again.result[2].run_dir) == root / "my portrait"
-    assert len(calls) == 1                                                  # step 3 of the second run only
+    assert len(calls) == 1  # step 3 of the second run only
     assert sorted(p.name for p in root.glob("my portrait*")) == ["my portrait", "my portrait-2"]
 
 
 def test_an_empty_run_name_names_the_run_after_its_dataset_folder(flux):
     model, ds = flux
     state = train(model, ds, steps=1, options={"run_name": ""}).result[2]
-    assert Path(state.run_dir).name == "ds_faults"                         # Load Dataset's folder
+    assert Path(state.run_dir).name == "ds_faults"  # Load Dataset's folder
 
 
 def test_a_run_folder_named_the_old_way_is_resumed_in_place(flux, forwards):
@@ -174,7 +176,7 @@ def test_a_run_folder_named_the_old_way_is_resumed_in_place(flux, forwards):
     identity = run_folders.read_identity(new_style)
     (new_style / run_folders.IDENTITY_FILE).unlink()
     legacy = new_style.with_name(f"old-{identity[:10]}")
-    new_style.rename(legacy)                                                # as the older Kiln left it
+    new_style.rename(legacy)  # as the older Kiln left it
     calls.clear()
     resumed = train(model, ds, steps=4, options={"run_name": "old"})
     assert Path(resumed.result[2].run_dir) == legacy and "step-000002" in resumed.ui.value

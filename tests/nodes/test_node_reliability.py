@@ -1,13 +1,14 @@
 """Reliability through the nodes (COMFYUI_PATH): names that would leave ComfyUI's folders are refused,
 and a training adapter or adapter file whose tensors do not fit the model is refused by name
 (ComfyUI's own loader would log the mismatch and leave the weight unpatched)."""
+
 from __future__ import annotations
 
 from helpers import comfy_env
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 from helpers import tiny_comfy as tc  # noqa: E402
@@ -17,6 +18,7 @@ import kiln_pack.nodes.run as run
 import kiln_pack.nodes.train_nodes as tn
 import kiln_pack.nodes.lora_nodes as ln
 import kiln_pack.trainer.safetensors_io as safetensors_io
+
 SafetensorsError = safetensors_io.SafetensorsError
 QKV = "diffusion_model.double_blocks.0.img_attn.qkv"
 
@@ -29,14 +31,21 @@ def model(tmp_path_factory):
 def _adapter(model, *, in_features_delta=0) -> dict[str, np.ndarray]:
     weight = bridge.diffusion_model(model).double_blocks[0].img_attn.qkv.weight
     out_features, in_features = weight.shape
-    return {f"{QKV}.lora_A.weight": np.full((4, in_features + in_features_delta), 0.01, np.float32),
-            f"{QKV}.lora_B.weight": np.full((out_features, 4), 0.01, np.float32)}
+    return {
+        f"{QKV}.lora_A.weight": np.full((4, in_features + in_features_delta), 0.01, np.float32),
+        f"{QKV}.lora_B.weight": np.full((out_features, 4), 0.01, np.float32),
+    }
 
 
 @pytest.mark.parametrize("name", ["../escape", "/tmp/abs", "kiln\\\\x", "a/../../b", "C:\\\\x", "~/x"])
 def test_save_lora_refuses_names_outside_the_loras_folder(comfy_dirs, model, name):
-    lora = bridge.lora_model_from({"double_blocks.0.img_attn.qkv": ln.lora_format.LoraWeights(
-        A=np.ones((2, 8), np.float32), B=np.zeros((8, 2), np.float32), alpha=2.0)})
+    lora = bridge.lora_model_from(
+        {
+            "double_blocks.0.img_attn.qkv": ln.lora_format.LoraWeights(
+                A=np.ones((2, 8), np.float32), B=np.zeros((8, 2), np.float32), alpha=2.0
+            )
+        }
+    )
     with pytest.raises(ValueError, match="Kiln Save LoRA: name") as error:
         ln.KilnSaveLoRA.execute(lora, name, "comfy", "bf16")
     assert "plain name" in str(error.value)
@@ -60,7 +69,7 @@ def test_load_run_says_a_folder_does_not_exist_and_lists_the_runs_that_do(comfy_
     kiln = comfy_dirs / "output" / "kiln"
     with pytest.raises(ValueError, match=r"nope does not exist; runs under output/kiln/: none yet"):
         run.resolve_run("nope")
-    (kiln / "empty").mkdir(parents=True)                      # a folder without a checkpoint is not a run
+    (kiln / "empty").mkdir(parents=True)  # a folder without a checkpoint is not a run
     (kiln / "done-1a2b" / "step-000010").mkdir(parents=True)
     for name in ("run.json", "state.safetensors"):  # what makes a checkpoint complete (state.list_checkpoints)
         (kiln / "done-1a2b" / "step-000010" / name).write_text("{}", encoding="utf-8")
@@ -77,10 +86,11 @@ def test_a_misshapen_training_adapter_is_refused_by_name(comfy_dirs, model):
     path = comfy_dirs / "loras" / "bad_adapter.safetensors"
     safetensors_io.write(path, _adapter(model, in_features_delta=3))
     loaded = bridge.load_lora_file(path)
-    assert bridge.unmatched_lora_keys(model, loaded)                      # ComfyUI alone would only log it
+    assert bridge.unmatched_lora_keys(model, loaded)  # ComfyUI alone would only log it
     with pytest.raises(ValueError, match="Kiln Train LoRA: training_adapter 'bad_adapter.safetensors'.*do not fit"):
-        tn.KilnTrainLoRA.execute(model, None, 2, 1e-3, 4, 4.0, "adamw", "none", "torch", 0,
-                                 training_adapter="bad_adapter.safetensors")
+        tn.KilnTrainLoRA.execute(
+            model, None, 2, 1e-3, 4, 4.0, "adamw", "none", "torch", 0, training_adapter="bad_adapter.safetensors"
+        )
     with pytest.raises(ValueError, match="Kiln Invert Adapter: adapter_file 'bad_adapter.safetensors'"):
         ln.KilnInvertAdapter.execute(model, "bad_adapter.safetensors", 1.0)
     good = comfy_dirs / "loras" / "good_adapter.safetensors"

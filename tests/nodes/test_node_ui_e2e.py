@@ -9,6 +9,7 @@ the same node ids staying idle and without reports, and the first tab's run and 
 switch and a page reload. Needs what test_dashboard_e2e.py needs (skips with the reason, fails in CI). The
 screenshots are kept under runs/test-reports/node-ui-<ComfyUI version>/.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,14 +23,14 @@ REPO = HERE.parents[1]
 
 from helpers import comfy_env  # noqa: E402
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
-COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
+COMFY = comfy_env.require_comfy()  # skips the module without COMFYUI_PATH
 
 from helpers.comfy_server import drive, driver_report, require_browser, running, tiny_base  # noqa: E402
 
-require_browser("the node UI e2e test")   # skips the module without node/Chromium/playwright (fails in CI)
+require_browser("the node UI e2e test")  # skips the module without node/Chromium/playwright (fails in CI)
 
-REPORTING = ("4", "8", "9")     # Load Dataset, Train LoRA, Save LoRA
+REPORTING = ("4", "8", "9")  # Load Dataset, Train LoRA, Save LoRA
 FRONTEND_ONLY = {"kiln_report", "kiln_dashboard"}
 
 
@@ -40,18 +41,38 @@ def node_ui_workflow() -> dict:
     prompt["7"]["inputs"].update(run_name="node_ui", checkpoint_every=0)
     prompt["9"]["inputs"].update(name="kiln_test/node_ui")
     for node_id, text in (("10", "kiln, a photo"), ("11", "")):
-        prompt[node_id] = {"class_type": "CLIPTextEncode", "inputs": {"text": text, "clip": ["2", 0]},
-                           "_meta": {"title": "Positive" if text else "Negative"}}
-    prompt["12"] = {"class_type": "KilnValidationSettings", "_meta": {"title": "Kiln Validation Settings"}, "inputs": {
-        "positive": ["10", 0], "negative": ["11", 0], "vae": ["3", 0], "seed": 0, "steps": 1, "cfg": 1.0,
-        "sampler_name": "euler", "scheduler": "simple", "width": 64, "height": 64, "every": 2}}
+        prompt[node_id] = {
+            "class_type": "CLIPTextEncode",
+            "inputs": {"text": text, "clip": ["2", 0]},
+            "_meta": {"title": "Positive" if text else "Negative"},
+        }
+    prompt["12"] = {
+        "class_type": "KilnValidationSettings",
+        "_meta": {"title": "Kiln Validation Settings"},
+        "inputs": {
+            "positive": ["10", 0],
+            "negative": ["11", 0],
+            "vae": ["3", 0],
+            "seed": 0,
+            "steps": 1,
+            "cfg": 1.0,
+            "sampler_name": "euler",
+            "scheduler": "simple",
+            "width": 64,
+            "height": 64,
+            "every": 2,
+        },
+    }
     return prompt
 
 
 def kiln_errors(report: dict) -> list[str]:
     """Console errors, page errors and failed requests that come from Kiln's files or routes."""
-    found = [f"console: {e['text']} ({e['url']})" for e in report["console"]
-             if e["type"] == "error" and "kiln" in (e["text"] + e["url"]).lower()]
+    found = [
+        f"console: {e['text']} ({e['url']})"
+        for e in report["console"]
+        if e["type"] == "error" and "kiln" in (e["text"] + e["url"]).lower()
+    ]
     found += [f"page error: {e['text']}" for e in report["pageErrors"] if "kiln" in (e["text"] + e["stack"]).lower()]
     return found
 
@@ -84,10 +105,10 @@ def test_each_node_draws_its_report(report):
     assert saved.startswith("saved ") and "kiln_test/node_ui.safetensors" in saved, saved
     for node_id in REPORTING:
         box = nodes[node_id]["report"]
-        assert box["tag"] == "TEXTAREA" and box["readOnly"] and box["height"] >= 20, box   # selectable, not editable
+        assert box["tag"] == "TEXTAREA" and box["readOnly"] and box["height"] >= 20, box  # selectable, not editable
         assert "mono" in box["font"].lower(), box["font"]
-        assert nodes[node_id]["widgets"].count("kiln_report") == 1, nodes[node_id]["widgets"]   # drawn once
-    assert all(report["idle"]["nodes"][node_id]["report"] is None for node_id in REPORTING)     # none before a run
+        assert nodes[node_id]["widgets"].count("kiln_report") == 1, nodes[node_id]["widgets"]  # drawn once
+    assert all(report["idle"]["nodes"][node_id]["report"] is None for node_id in REPORTING)  # none before a run
 
 
 def test_reports_and_dashboard_stay_out_of_the_workflow_and_the_prompt(report):
@@ -112,7 +133,7 @@ def test_dashboard_header_and_buttons_stay_in_view_with_a_grid(report):
     for stage in ("ran", "scrolled"):
         dashboard = report[stage]["dashboard"]
         assert dashboard["status"] == "finished" and dashboard["grid"]["width"] > 0, dashboard
-        assert dashboard["grid"]["height"] <= 80, dashboard["grid"]      # a thumbnail on the node
+        assert dashboard["grid"]["height"] <= 80, dashboard["grid"]  # a thumbnail on the node
         assert dashboard["bodyScrolls"] and dashboard["topInside"], dashboard
         for name, button in dashboard["buttons"].items():
             assert button == {"inside": True, "onTop": True}, (stage, name, button)

@@ -5,6 +5,7 @@ LoRA in each format → ComfyUI's own LoRA loader matches every key and the LoRA
 Also: the model is unchanged after training, re-queueing reuses a finished run, a stopped run
 resumes to the same weights, validation samples come out, the training adapter is never saved.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from helpers import comfy_env
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 from helpers import tiny_comfy as tc
@@ -46,26 +47,54 @@ def _output(model):
     fmt = model.get_model_object("latent_format")
     x = torch.randn(1, fmt.latent_channels, 4, 4).to(model.load_device)
     base = model.model
-    context = torch.randn(1, 8, base.diffusion_model.txt_in.in_features if hasattr(base.diffusion_model, "txt_in")
-                          else base.diffusion_model.cap_embedder[1].in_features)
+    context = torch.randn(
+        1,
+        8,
+        base.diffusion_model.txt_in.in_features
+        if hasattr(base.diffusion_model, "txt_in")
+        else base.diffusion_model.cap_embedder[1].in_features,
+    )
     extra = {"num_tokens": 8} if hasattr(base.diffusion_model, "cap_embedder") else {}
     with torch.no_grad():
-        return base.apply_model(x, torch.tensor([0.5], device=x.device), c_crossattn=context.to(x.device),
-                                **extra).clone().float().cpu()
+        return (
+            base.apply_model(x, torch.tensor([0.5], device=x.device), c_crossattn=context.to(x.device), **extra)
+            .clone()
+            .float()
+            .cpu()
+        )
 
 
 def test_every_node_is_registered():
     ids = {n.define_schema().node_id for n in pack.NODES}
-    assert ids == {"KilnCaptionImages", "KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions",
-                   "KilnTrainingOptions",
-                   "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
-                   "KilnInvertAdapter", "KilnLossGraph", "KilnMergeLoRAs", "KilnResizeLoRA", "KilnExtractLoRA",
-                   "KilnConvertLoRA", "KilnTrainLoRATorchrun", "KilnOptimizerOptions", "KilnNoiseLossOptions",
-                   "KilnEMAHoldoutOptions", "KilnAdapterOptions", "KilnSpeedMemoryOptions", "KilnSavingLoggingOptions"}
+    assert ids == {
+        "KilnCaptionImages",
+        "KilnLoadDataset",
+        "KilnEncodeImages",
+        "KilnEncodeCaptions",
+        "KilnTrainingOptions",
+        "KilnValidationSettings",
+        "KilnTrainLoRA",
+        "KilnLoadRun",
+        "KilnApplyEMA",
+        "KilnSaveLoRA",
+        "KilnInvertAdapter",
+        "KilnLossGraph",
+        "KilnMergeLoRAs",
+        "KilnResizeLoRA",
+        "KilnExtractLoRA",
+        "KilnConvertLoRA",
+        "KilnTrainLoRATorchrun",
+        "KilnOptimizerOptions",
+        "KilnNoiseLossOptions",
+        "KilnEMAHoldoutOptions",
+        "KilnAdapterOptions",
+        "KilnSpeedMemoryOptions",
+        "KilnSavingLoggingOptions",
+    }
     for node in pack.NODES:
         schema = node.define_schema()
         assert schema.category.startswith("Kiln")
-        for i in schema.inputs:     # a tooltip that only repeats the input's name (the old fallback) says nothing
+        for i in schema.inputs:  # a tooltip that only repeats the input's name (the old fallback) says nothing
             assert i.tooltip and i.tooltip.lower() not in (i.id, i.id.replace("_", " ")), f"{node.__name__}.{i.id}"
 
 
@@ -88,9 +117,9 @@ def test_load_dataset_shows_quality_and_a_verdict_per_image(comfy_dirs):
     folder = comfy_dirs / "input" / "quality_shown"
     make_dataset(folder, count=3)
     with Image.open(folder / "img0.png") as image:
-        image.save(folder / "img0_copy.jpg", quality=85)                        # a re-encoded copy
+        image.save(folder / "img0_copy.jpg", quality=85)  # a re-encoded copy
     with Image.open(folder / "img1.png") as image:
-        image.filter(ImageFilter.GaussianBlur(6)).save(folder / "soft.png")     # a blurred one
+        image.filter(ImageFilter.GaussianBlur(6)).save(folder / "soft.png")  # a blurred one
     loaded = dn.KilnLoadDataset.execute("quality_shown", "kiln", "", "", "64", 1, 0.0)
     text = "".join(loaded.ui.as_dict()["text"])
     near = [line for line in text.splitlines() if "[near_duplicate]" in line]
@@ -115,7 +144,7 @@ def test_train_save_and_load_through_comfy(comfy_dirs, tmp_path_factory, family)
     trained, lora, state, loss_map, images = result.result
     assert state.step == 20 and len(loss_map["loss"]) == 20 and images.ndim == 4
     after = {k: v.detach().cpu() for k, v in dm.state_dict().items()}
-    assert all(torch.equal(before[k], after[k]) for k in before)          # the model is as it was
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the model is as it was
 
     reference = _output(model)
     for fmt in ("comfy", "diffusers", "kohya"):
@@ -167,20 +196,35 @@ def test_validation_samples_and_adapter_never_saved(comfy_dirs):
     model, vae, clip = tc.tiny_zimage(), tc.tiny_vae(flux2=False), tc.tiny_zimage_clip()
     ds = encoded_dataset(comfy_dirs, vae, clip, "ds_val")
     # A "training adapter": a small LoRA on the same modules, saved as a file under loras/.
-    adapter_weights = {p: w for p, w in bridge.lora_weights_from(
-        out(train(model, ds, steps=2, options={"run_name": "adapter"}), 1)).items()}
+    adapter_weights = {
+        p: w
+        for p, w in bridge.lora_weights_from(out(train(model, ds, steps=2, options={"run_name": "adapter"}), 1)).items()
+    }
     for w in adapter_weights.values():
         w.B[:] = 0.01
     adapter = bridge.lora_model_from(adapter_weights, "zimage")
     safetensors_io.write(comfy_dirs / "loras" / "adapter.safetensors", {k: v.numpy() for k, v in adapter.items()})
     bridge.refresh_loras()
-    validation = out(tn.KilnValidationSettings.execute(
-        positive=tc.conditioning(clip, "kiln"), negative=tc.conditioning(clip, ""), vae=vae, seed=0, steps=2,
-        cfg=1.0, sampler_name="euler", scheduler="simple", width=32, height=32, every=3))
-    result = train(model, ds, steps=6, training_adapter="adapter.safetensors", validation=validation,
-                   options={"run_name": "val"})
+    validation = out(
+        tn.KilnValidationSettings.execute(
+            positive=tc.conditioning(clip, "kiln"),
+            negative=tc.conditioning(clip, ""),
+            vae=vae,
+            seed=0,
+            steps=2,
+            cfg=1.0,
+            sampler_name="euler",
+            scheduler="simple",
+            width=32,
+            height=32,
+            every=3,
+        )
+    )
+    result = train(
+        model, ds, steps=6, training_adapter="adapter.safetensors", validation=validation, options={"run_name": "val"}
+    )
     trained, lora, state, loss_map, images = result.result
-    assert state.arch == "zimage_turbo" and images.shape[0] == 2          # steps 3 and 6
+    assert state.arch == "zimage_turbo" and images.shape[0] == 2  # steps 3 and 6
     # The outputs hold the trained branches only: the LORA_MODEL is the run's own LoRA exactly, and
     # the MODEL carries one patch per key (the LoRA), none from the adapter.
     expected = bridge.lora_model_from(state.best_lora(), state.arch)
@@ -220,22 +264,30 @@ def test_a_value_set_on_a_connected_option_node_wins_over_the_preset(comfy_dirs,
     resolved = tn.build_config(model, ds, widgets, "character", ema_on, adapter=False)
     assert resolved.config.ema is True and resolved.config.loss_weighting == "bell"
     lines = resolved.lines()
-    assert {"ema = True (options)", "loss_weighting = bell (preset character)", "arch = flux2_klein (model)",
-            "steps = 50 (Train LoRA; preset character: 3000)", "trigger_word = kiln (dataset)",
-            "resolutions = [64] (dataset; preset character: [512, 768, 1024])"} <= set(lines), lines
+    assert {
+        "ema = True (options)",
+        "loss_weighting = bell (preset character)",
+        "arch = flux2_klein (model)",
+        "steps = 50 (Train LoRA; preset character: 3000)",
+        "trigger_word = kiln (dataset)",
+        "resolutions = [64] (dataset; preset character: [512, 768, 1024])",
+    } <= set(lines), lines
     plain = tn.build_config(model, ds, widgets, "none", everything, adapter=False).config
     assert plain.loss_weighting == "none" and plain.resolutions == [64]
 
 
 def test_option_nodes_chain_and_the_node_nearer_train_lora_wins():
     optimizer, noise = option_node("KilnOptimizerOptions"), option_node("KilnNoiseLossOptions")
-    first = out(tn.KilnTrainingOptions.execute(**{**widget_defaults(tn.KilnTrainingOptions), "loss_weighting": "bell",
-                                                  "weight_decay": 0.01}))
+    first = out(
+        tn.KilnTrainingOptions.execute(
+            **{**widget_defaults(tn.KilnTrainingOptions), "loss_weighting": "bell", "weight_decay": 0.01}
+        )
+    )
     second = out(optimizer.execute(options=first, **{**widget_defaults(optimizer), "weight_decay": 0.05}))
     assert second["weight_decay"] == 0.05 and second["loss_weighting"] == "bell" and second.keys() == first.keys()
     third = out(noise.execute(options=second, **{**widget_defaults(noise), "loss_weighting": "none"}))
     assert third["loss_weighting"] == "none" and third["weight_decay"] == 0.05
-    alone = out(noise.execute(**widget_defaults(noise)))            # unchained: its own group's settings only
+    alone = out(noise.execute(**widget_defaults(noise)))  # unchained: its own group's settings only
     assert list(alone) == list(on.group_fields("objective")) and alone["content_or_style"] == "balanced"
     adapter = option_node("KilnAdapterOptions")
     assert out(adapter.execute(**{**widget_defaults(adapter), "targets": "a.b, c"}))["targets"] == ["a.b", "c"]
@@ -257,7 +309,7 @@ def test_option_nodes_split_training_options_by_group_with_the_same_widgets():
         assert len(groups) == 1, (schema.node_id, groups)
         group = groups.pop()
         assert [w.id for w in widgets] == list(on.group_fields(group))
-        assert list(on.group_fields(group)[:len(on.SHIPPED_GROUP_ORDER[group])]) == list(on.SHIPPED_GROUP_ORDER[group])
+        assert list(on.group_fields(group)[: len(on.SHIPPED_GROUP_ORDER[group])]) == list(on.SHIPPED_GROUP_ORDER[group])
         assert all(w.as_dict() == full[w.id] for w in widgets)
         seen += [w.id for w in widgets]
     assert sorted(seen) == sorted(tn.OPTION_FIELDS) and len(seen) == len(set(seen))
@@ -269,13 +321,30 @@ def test_train_lora_reports_the_resolved_settings(comfy_dirs, tmp_path_factory):
     model = tc.tiny_flux2(tmp_path_factory.mktemp("rep"))
     ds = encoded_dataset(comfy_dirs, tc.tiny_vae(flux2=True), tc.tiny_klein_clip(), "ds_report")
     options = {"device": "cpu", "mixed_precision": "no", "checkpoint_every": 0, "ema": True, "run_name": "report"}
-    result = tn.KilnTrainLoRA.execute(model, ds, steps=2, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw",
-                                      preset="character", backend="torch", seed=1, options=options)
+    result = tn.KilnTrainLoRA.execute(
+        model,
+        ds,
+        steps=2,
+        learning_rate=1e-3,
+        rank=4,
+        alpha=4.0,
+        optimizer="adamw",
+        preset="character",
+        backend="torch",
+        seed=1,
+        options=options,
+    )
     text = "".join(result.ui.as_dict()["text"])
     assert "settings (defaults < preset character < options < Train LoRA < dataset < model; later wins):" in text
-    for line in ("loss_weighting = bell (preset character)", "ema = True (options)", "run_name = report (options)",
-                 "steps = 2 (Train LoRA; preset character: 3000)", "rank = 4 (Train LoRA; preset character: 32)",
-                 "mixed_precision = no (options; preset character: bf16)", "trigger_word = kiln (dataset)"):
+    for line in (
+        "loss_weighting = bell (preset character)",
+        "ema = True (options)",
+        "run_name = report (options)",
+        "steps = 2 (Train LoRA; preset character: 3000)",
+        "rank = 4 (Train LoRA; preset character: 32)",
+        "mixed_precision = no (options; preset character: bf16)",
+        "trigger_word = kiln (dataset)",
+    ):
         assert f"  {line}\n" in text + "\n", (line, text)
     assert result.result[2].config["loss_weighting"] == "bell"
 
@@ -291,7 +360,9 @@ def test_training_options_default_to_the_auto_levers_and_keep_saved_values():
     assert fresh["compile_blocks"] == "auto" and fresh["checkpoint_budget"] == "auto"
     saved = out(tn.KilnTrainingOptions.execute(**{**values, "compile_blocks": False, "checkpoint_budget": 0.0}))
     assert saved["compile_blocks"] is False and saved["checkpoint_budget"] == 0.0
-    assert tn.cfg_module.from_dict({k: v for k, v in fresh.items() if k in tn.cfg_module.FIELDS}).compile_blocks == "auto"
+    assert (
+        tn.cfg_module.from_dict({k: v for k, v in fresh.items() if k in tn.cfg_module.FIELDS}).compile_blocks == "auto"
+    )
 
 
 @pytest.mark.parametrize("name", ["fp8_compute", "step_graphs"])
@@ -336,9 +407,17 @@ def test_mlx_backend_matches_torch_through_the_node_and_saves_a_comfy_lora(comfy
     options = {"gradient_checkpointing": False, "device": "cpu", "mixed_precision": "no"}
     curves = {}
     for backend in ("torch", "mlx"):
-        kwargs = dict(steps=30, learning_rate=1e-3, rank=4, alpha=4.0, optimizer="adamw", preset="none",
-                      backend=backend, seed=1, options={**options, "run_name": f"parity_{backend}",
-                                                         "checkpoint_every": 0})
+        kwargs = dict(
+            steps=30,
+            learning_rate=1e-3,
+            rank=4,
+            alpha=4.0,
+            optimizer="adamw",
+            preset="none",
+            backend=backend,
+            seed=1,
+            options={**options, "run_name": f"parity_{backend}", "checkpoint_every": 0},
+        )
         trained, lora, state, loss_map, _ = tn.KilnTrainLoRA.execute(model, ds, **kwargs).result
         curves[backend] = np.array(state.history.loss)
         assert bridge.unmatched_lora_keys(model, lora) == []
@@ -353,8 +432,17 @@ def test_speed_levers_leave_the_run_identity_alone(comfy_dirs):
     ds = out(dn.KilnLoadDataset.execute(str(folder), "kiln", "", "", "64", 1, 0.0))
     base = tn.cfg_module.from_dict({"arch": "flux2_klein"})
     same = run.run_identity(base, ds, None)
-    for change in ({"compile_blocks": False}, {"checkpoint_budget": 0.3}, {"gradient_checkpointing": False},
-                   {"skip_checkpoint_blocks": 2}, {"attention": "math"}, {"fp8_compute": False}, {"fp8_compute": True},
-                   {"cuda_graphs": True}, {"step_graphs": False}, {"step_graphs": True}):
+    for change in (
+        {"compile_blocks": False},
+        {"checkpoint_budget": 0.3},
+        {"gradient_checkpointing": False},
+        {"skip_checkpoint_blocks": 2},
+        {"attention": "math"},
+        {"fp8_compute": False},
+        {"fp8_compute": True},
+        {"cuda_graphs": True},
+        {"step_graphs": False},
+        {"step_graphs": True},
+    ):
         assert run.run_identity(tn.cfg_module.replace(base, **change), ds, None) == same, change
     assert run.run_identity(tn.cfg_module.replace(base, rank=8), ds, None) != same

@@ -1,6 +1,7 @@
 """Preservation through the nodes in a real ComfyUI (COMFYUI_PATH), on a tiny Flux2: Encode Captions caches the
 class-word captions (preservation_class), Train LoRA takes a regularisation set on reg_dataset, and a run with
 both trains on torch and MLX alike and saves a LoRA ComfyUI's loader reads whole."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 from helpers import tiny_comfy as tc
@@ -20,8 +21,6 @@ import kiln_pack.nodes.comfy.bridge as bridge
 import kiln_pack.nodes.dataset_nodes as dn
 import kiln_pack.nodes.train_nodes as tn
 import kiln_pack.nodes.run as run
-
-
 
 
 def make_images(folder: Path, count: int, caption: str, seed: int) -> None:
@@ -50,15 +49,32 @@ def test_a_graph_trains_with_dop_and_a_regularisation_set(comfy_dirs, tmp_path_f
     subject = encoded("subject", "ohwx", 1, vae, clip, "person")
     assert "person, a photo number 0" in subject.texts() and subject.preservation_class == "person"
     people = encoded("people", "", 2, vae, clip)
-    options = {"device": "cpu", "mixed_precision": "no", "checkpoint_every": 0, "gradient_checkpointing": False,
-               "preservation_weight": 1.0, "reg_weight": 0.5}
+    options = {
+        "device": "cpu",
+        "mixed_precision": "no",
+        "checkpoint_every": 0,
+        "gradient_checkpointing": False,
+        "preservation_weight": 1.0,
+        "reg_weight": 0.5,
+    }
     curves = {}
     for backend in ("torch", "mlx"):
         if backend == "mlx" and importlib.util.find_spec("mlx") is None:
             continue
-        result = tn.KilnTrainLoRA.execute(model, subject, steps=6, learning_rate=1e-3, rank=4, alpha=4.0,
-                                          optimizer="adamw", preset="none", backend=backend, seed=1,
-                                          options={**options, "run_name": f"preserve_{backend}"}, reg_dataset=people)
+        result = tn.KilnTrainLoRA.execute(
+            model,
+            subject,
+            steps=6,
+            learning_rate=1e-3,
+            rank=4,
+            alpha=4.0,
+            optimizer="adamw",
+            preset="none",
+            backend=backend,
+            seed=1,
+            options={**options, "run_name": f"preserve_{backend}"},
+            reg_dataset=people,
+        )
         _, lora, state, _, _ = result.result
         assert state.step == 6 and all(np.isfinite(state.history.loss))
         assert state.config["preservation_class"] == "person" and state.config["preservation_weight"] == 1.0
@@ -71,6 +87,16 @@ def test_a_graph_trains_with_dop_and_a_regularisation_set(comfy_dirs, tmp_path_f
     assert run.dataset_identity(subject.with_regularisation(people)) != run.dataset_identity(subject)
     assert run.dataset_identity(subject) != run.dataset_identity(subject.with_preservation(""))
     with pytest.raises(ValueError, match="preservation_class.*Kiln Encode Captions"):
-        tn.KilnTrainLoRA.execute(model, subject.with_preservation(""), steps=2, learning_rate=1e-3, rank=4,
-                                 alpha=4.0, optimizer="adamw", preset="none", backend="torch", seed=1,
-                                 options={**options, "run_name": "no_class"})
+        tn.KilnTrainLoRA.execute(
+            model,
+            subject.with_preservation(""),
+            steps=2,
+            learning_rate=1e-3,
+            rank=4,
+            alpha=4.0,
+            optimizer="adamw",
+            preset="none",
+            backend="torch",
+            seed=1,
+            options={**options, "run_name": "no_class"},
+        )

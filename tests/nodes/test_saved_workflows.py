@@ -17,6 +17,7 @@ Against a real ComfyUI server with the pack:
 And the example workflows as templates in the frontend's template browser: their titles, pictures and
 groups, and the zoom each opens at (screenshots in runs/test-reports/templates-<ComfyUI version>/).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,8 @@ SAVED = HERE / "saved_workflows"
 
 from helpers import comfy_env  # noqa: E402
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
-COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH (fails in CI)
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
+COMFY = comfy_env.require_comfy()  # skips the module without COMFYUI_PATH (fails in CI)
 
 from helpers.comfy_server import (  # noqa: E402
     CHROMIUM,
@@ -51,7 +52,7 @@ import kiln_pack.trainer.config.layers as config_layers
 
 SHIPPED = json.loads((SAVED / "widget_order.json").read_text(encoding="utf-8"))
 WORKFLOWS = sorted(p for p in SAVED.glob("*.json") if p.name != "widget_order.json")
-AFTER_SHIPPING = {"flux2_klein_edit_lora"}   # examples added since the shipped ones: no saved copy to keep
+AFTER_SHIPPING = {"flux2_klein_edit_lora"}  # examples added since the shipped ones: no saved copy to keep
 EXAMPLES = REPO / "example_workflows"
 
 
@@ -84,15 +85,21 @@ def test_fixtures_cover_every_shipped_node_and_workflow():
     assert {f"{title}.json" for title in mw.TEMPLATE_TITLES.values()} == {p.name for p in EXAMPLES.glob("*.json")}
     assert len(SHIPPED) == 11 and len(SHIPPED["KilnTrainingOptions"]) == 35
     assert {node["type"] for path in WORKFLOWS for node in kiln_nodes(path)} >= {
-        "KilnLoadDataset", "KilnTrainLoRA", "KilnTrainingOptions", "KilnSaveLoRA", "KilnLoadRun"}
+        "KilnLoadDataset",
+        "KilnTrainLoRA",
+        "KilnTrainingOptions",
+        "KilnSaveLoRA",
+        "KilnLoadRun",
+    }
 
 
 def test_kiln_widgets_only_grow_at_the_end(object_info):
     for node_type, shipped in SHIPPED.items():
         now = mw.widget_slots(object_info[node_type])
-        assert now[:len(shipped)] == shipped, (
+        assert now[: len(shipped)] == shipped, (
             f"{node_type}: the widget order changed; saved workflows would load shifted values. Keep the shipped "
-            f"order and add new inputs after it.\nshipped: {shipped}\nnow:     {now}")
+            f"order and add new inputs after it.\nshipped: {shipped}\nnow:     {now}"
+        )
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
@@ -125,8 +132,9 @@ def test_saved_workflows_train_the_config_they_trained_before(path):
         assert len(sources) == 1 and nodes[sources[0]]["type"] == "KilnTrainingOptions", sources
         options = tn.option_values({name: value for name, value in saved_values(nodes[sources[0]]).items()})
         now = config_layers.resolve([("options", options), ("Train LoRA", widgets)], preset=values["preset"]).config
-        before = config.from_dict({**{k: v for k, v in options.items() if v != defaults[k]}, **widgets},
-                                  preset=values["preset"])
+        before = config.from_dict(
+            {**{k: v for k, v in options.items() if v != defaults[k]}, **widgets}, preset=values["preset"]
+        )
         assert values["preset"] != "none" and now == before, path.name
 
 
@@ -134,7 +142,7 @@ def test_the_frontend_loads_saved_workflows_with_the_same_values(server, tmp_pat
     require_browser("loading saved workflows in the frontend")
     report = run_browser(server, tmp_path, *map(str, WORKFLOWS))
     for path in WORKFLOWS:
-        loaded = {str(node["id"]): node["widgets"] for node in report["files"][path.name]}   # 1.49: string ids
+        loaded = {str(node["id"]): node["widgets"] for node in report["files"][path.name]}  # 1.49: string ids
         for node in kiln_nodes(path):
             widgets = loaded[str(node["id"])]
             names = [name for name, _ in widgets]
@@ -149,10 +157,26 @@ def test_the_frontend_loads_saved_workflows_with_the_same_values(server, tmp_pat
 
 # ---------------------------------------------------------------- the examples in the template browser
 
+
 def run_browser(server, out: Path, *args: str) -> dict:
-    done = subprocess.run([NODE, str(REPO / "tests" / "web" / "load_workflows.mjs"), "--url", server.url,
-                           "--out", str(out), "--chromium", CHROMIUM, *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [
+            NODE,
+            str(REPO / "tests" / "web" / "load_workflows.mjs"),
+            "--url",
+            server.url,
+            "--out",
+            str(out),
+            "--chromium",
+            CHROMIUM,
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     report = json.loads(lines[-1])
@@ -186,27 +210,44 @@ def test_the_template_browser_shows_each_example_with_its_title_picture_and_grou
         # 1.41 prints the file name again as the description, '-' and '_' as spaces; 1.49 prints none
         assert card["description"] in (None, title.replace("-", " "))
         assert picture["status"] == 200 and picture["type"] == "image/jpeg" and 5_000 < picture["bytes"] < 100_000
-        assert (card["picture"]["width"], card["picture"]["height"]) == (512, 512), card   # ours, decoded
+        assert (card["picture"]["width"], card["picture"]["height"]) == (512, 512), card  # ours, decoded
 
         workflow = json.loads((EXAMPLES / f"{title}.json").read_text(encoding="utf-8"))
         opened = report["opened"][title]
         assert opened["tab"] in (title, f"{title}.json")
-        assert [(g["title"], g["color"]) for g in opened["groups"]] == [(g["title"], g["color"])
-                                                                       for g in workflow["groups"]]
+        assert [(g["title"], g["color"]) for g in opened["groups"]] == [
+            (g["title"], g["color"]) for g in workflow["groups"]
+        ]
         assert {g["title"].split(" ")[1].rstrip(":") for g in workflow["groups"] if g["title"][0].isdigit()} >= {
-            "Models", "Dataset", "Train", "Save"}
+            "Models",
+            "Dataset",
+            "Train",
+            "Save",
+        }
         assert opened["canvas"] == [1400, 900] and opened["scale"] >= 0.75, (title, opened["scale"])
-    grown = {title: [(n["title"], n["plannedHeight"], n["height"]) for n in opened["nodes"]
-                     if n["type"] == "KilnTrainLoRA" and not n["collapsed"] and n["height"] > n["plannedHeight"] + 100]
-             for title, opened in report["opened"].items()}
+    grown = {
+        title: [
+            (n["title"], n["plannedHeight"], n["height"])
+            for n in opened["nodes"]
+            if n["type"] == "KilnTrainLoRA" and not n["collapsed"] and n["height"] > n["plannedHeight"] + 100
+        ]
+        for title, opened in report["opened"].items()
+    }
     # The layout leaves Train LoRA one line for its idle dashboard (issue 42: "idle is one line"); a dashboard
     # that reserved its old ~540 px would grow the node out of its group and over what is below it.
     assert not any(grown.values()), grown
     for title, opened in report["opened"].items():
         nodes, groups = opened["nodes"], opened["groups"]
-        clashes = [(a["title"], b["title"]) for i, a in enumerate(nodes) for b in nodes[i + 1:]
-                   if overlaps(a["rect"], b["rect"])]
+        clashes = [
+            (a["title"], b["title"])
+            for i, a in enumerate(nodes)
+            for b in nodes[i + 1 :]
+            if overlaps(a["rect"], b["rect"])
+        ]
         assert clashes == [], title
-        loose = [n["title"] for n in nodes if n["type"] != "MarkdownNote"
-                 and not any(inside(n["rect"], g["rect"]) for g in groups)]
+        loose = [
+            n["title"]
+            for n in nodes
+            if n["type"] != "MarkdownNote" and not any(inside(n["rect"], g["rect"]) for g in groups)
+        ]
         assert loose == [], title

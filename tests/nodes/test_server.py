@@ -22,6 +22,7 @@ files); an API prompt trains a LoRA (Load Dataset → Encode Images → Encode C
 steps → Save LoRA) and a second prompt loads it with ComfyUI's LoraLoaderModelOnly and samples with it,
 with no "lora key not loaded" in the log.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,19 +40,39 @@ REPO = HERE.parents[1]
 
 from helpers import comfy_env  # noqa: E402
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
-COMFY = comfy_env.require_comfy()   # skips the module without COMFYUI_PATH
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
+COMFY = comfy_env.require_comfy()  # skips the module without COMFYUI_PATH
 
 from helpers.comfy_server import TINY_FILES, make_workflows, running, tiny_base  # noqa: E402
 
 mw = make_workflows()
 WORKFLOWS = HERE / "workflows"
 EXAMPLES = sorted((REPO / "example_workflows" / "api").glob("*.json"))
-KILN_NODES = {"KilnCaptionImages", "KilnLoadDataset", "KilnEncodeImages", "KilnEncodeCaptions", "KilnTrainingOptions",
-              "KilnValidationSettings", "KilnTrainLoRA", "KilnLoadRun", "KilnApplyEMA", "KilnSaveLoRA",
-              "KilnInvertAdapter", "KilnLossGraph", "KilnMergeLoRAs", "KilnResizeLoRA", "KilnExtractLoRA",
-              "KilnConvertLoRA", "KilnTrainLoRATorchrun", "KilnOptimizerOptions", "KilnNoiseLossOptions",
-              "KilnEMAHoldoutOptions", "KilnAdapterOptions", "KilnSpeedMemoryOptions", "KilnSavingLoggingOptions"}
+KILN_NODES = {
+    "KilnCaptionImages",
+    "KilnLoadDataset",
+    "KilnEncodeImages",
+    "KilnEncodeCaptions",
+    "KilnTrainingOptions",
+    "KilnValidationSettings",
+    "KilnTrainLoRA",
+    "KilnLoadRun",
+    "KilnApplyEMA",
+    "KilnSaveLoRA",
+    "KilnInvertAdapter",
+    "KilnLossGraph",
+    "KilnMergeLoRAs",
+    "KilnResizeLoRA",
+    "KilnExtractLoRA",
+    "KilnConvertLoRA",
+    "KilnTrainLoRATorchrun",
+    "KilnOptimizerOptions",
+    "KilnNoiseLossOptions",
+    "KilnEMAHoldoutOptions",
+    "KilnAdapterOptions",
+    "KilnSpeedMemoryOptions",
+    "KilnSavingLoggingOptions",
+}
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +89,14 @@ def object_info(server):
 
 def test_pack_imports_without_failure(server):
     lines = server.log().splitlines()
-    failed = [line for line in lines if ("IMPORT FAILED" in line or "Cannot import" in line
-                                         or "comfy_entrypoint" in line) and "kiln" in line]
+    failed = [
+        line
+        for line in lines
+        if ("IMPORT FAILED" in line or "Cannot import" in line or "comfy_entrypoint" in line) and "kiln" in line
+    ]
     assert not failed, "\n".join(failed) + "\n" + server.log_tail()
     loaded = [line for line in lines if line.rstrip().endswith(("custom_nodes/kiln", "custom_nodes/kiln_test_nodes"))]
-    assert len(loaded) == 2, server.log_tail()      # ComfyUI's "Import times for custom nodes" lines
+    assert len(loaded) == 2, server.log_tail()  # ComfyUI's "Import times for custom nodes" lines
 
 
 def test_every_kiln_node_is_served_with_tooltips(object_info):
@@ -148,9 +172,10 @@ def _only_missing_files(node_errors: dict) -> list[str]:
             name = error.get("extra_info", {}).get("input_name")
             if error["type"] == "custom_validation_failed" and (entry["class_type"], name) in USER_DATA:
                 continue
-            missing = error["type"] == "value_not_in_list" or (   # LoadImage checks its file itself
-                entry["class_type"] == "LoadImage" and "Invalid image file" in error.get("message", "")
-                + error.get("details", ""))
+            missing = error["type"] == "value_not_in_list" or (  # LoadImage checks its file itself
+                entry["class_type"] == "LoadImage"
+                and "Invalid image file" in error.get("message", "") + error.get("details", "")
+            )
             if not (missing and mw.is_file_input(name or "")):
                 other.append(f"{node_id} {entry['class_type']}: {error['type']} {error['message']} {error['details']}")
     return other
@@ -158,7 +183,7 @@ def _only_missing_files(node_errors: dict) -> list[str]:
 
 def test_train_save_then_load_with_comfys_lora_loader(server):
     train = json.loads((WORKFLOWS / "tiny_flux2_api.json").read_text(encoding="utf-8"))
-    if comfy_env.gpu():   # the device checks: Kiln's defaults on the GPU
+    if comfy_env.gpu():  # the device checks: Kiln's defaults on the GPU
         for node in train.values():
             if node["class_type"] == "KilnTrainingOptions":
                 node["inputs"].update(device="auto", mixed_precision="bf16")
@@ -203,8 +228,10 @@ def test_example_workflow_passes_comfys_validation(server, path):
 
 def _refusals(answer: dict) -> dict[str, str]:
     """class_type → the details of its custom_validation_failed errors, from a refused POST /prompt."""
-    return {entry["class_type"]: " ".join(e["details"] for e in entry["errors"] if e["type"] == "custom_validation_failed")
-            for entry in answer.get("node_errors", {}).values()}
+    return {
+        entry["class_type"]: " ".join(e["details"] for e in entry["errors"] if e["type"] == "custom_validation_failed")
+        for entry in answer.get("node_errors", {}).values()
+    }
 
 
 def test_mistyped_names_are_refused_before_anything_loads(server):
@@ -223,17 +250,22 @@ def test_mistyped_names_are_refused_before_anything_loads(server):
     assert refused["KilnLoadDataset"].startswith("folder - Kiln Load Dataset:"), refused
     assert "name - Kiln Save LoRA: name: '../outside' has an empty, '.', '..'" in refused["KilnSaveLoRA"], refused
     assert "run_name - Kiln Training Options: run_name: 'a/b' has a path separator" in refused["KilnTrainingOptions"]
-    assert server.get("/history") == history_before          # nothing ran
+    assert server.get("/history") == history_before  # nothing ran
 
-    load_run = {"1": {"class_type": "KilnLoadRun", "inputs": {"run_folder": "no-such-run"}},
-                "2": {"class_type": "KilnApplyEMA", "inputs": {"state": ["1", 0]}},
-                "3": {"class_type": "KilnSaveLoRA", "inputs": {"lora": ["2", 0], "name": "x", "format": "comfy",
-                                                               "dtype": "bf16"}}}
+    load_run = {
+        "1": {"class_type": "KilnLoadRun", "inputs": {"run_folder": "no-such-run"}},
+        "2": {"class_type": "KilnApplyEMA", "inputs": {"state": ["1", 0]}},
+        "3": {
+            "class_type": "KilnSaveLoRA",
+            "inputs": {"lora": ["2", 0], "name": "x", "format": "comfy", "dtype": "bf16"},
+        },
+    }
     status, answer = server.post("/prompt", {"prompt": load_run, "client_id": "kiln-test"})
     assert status == 400 and "run_folder - Kiln Load Run:" in _refusals(answer)["KilnLoadRun"], answer
 
 
 # ---------------------------------------------------------------- the example workflows through comfy-cli
+
 
 def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
     """An example API workflow on the tiny models: Z-Image's UNETLoader becomes the test node that builds a
@@ -242,15 +274,17 @@ def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
     (with KILN_COMFY_GPU=1 on the GPU, with the workflow's own device and precision).
     Every Kiln node and every link stays as shipped."""
     api, zimage = json.loads(json.dumps(api)), any(n["inputs"].get("type") == "lumina2" for n in api.values())
-    edit = any(n["class_type"] == "LoadImage" for n in api.values())   # the edit workflow's reference image
+    edit = any(n["class_type"] == "LoadImage" for n in api.values())  # the edit workflow's reference image
     for node in api.values():
         kind, inputs = node["class_type"], node["inputs"]
         if kind == "UNETLoader":
-            node.update(class_type="KilnTestTinyZImage", inputs={"seed": 0}) if zimage else \
-                inputs.update(unet_name=TINY_FILES["flux2_unet"])
+            node.update(class_type="KilnTestTinyZImage", inputs={"seed": 0}) if zimage else inputs.update(
+                unet_name=TINY_FILES["flux2_unet"]
+            )
         elif kind == "CLIPLoader":
-            node.update(class_type="KilnTestTinyCLIP", inputs={"family": "zimage" if zimage else "flux2_klein",
-                                                                "seed": 0})
+            node.update(
+                class_type="KilnTestTinyCLIP", inputs={"family": "zimage" if zimage else "flux2_klein", "seed": 0}
+            )
         elif kind == "VAELoader":
             inputs.update(vae_name=TINY_FILES["flux_vae" if zimage else "flux2_vae"])
         elif kind == "KilnLoadDataset":
@@ -282,10 +316,20 @@ def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
 
 
 def comfy_run(server, workflow: Path) -> subprocess.CompletedProcess:
-    command = [shutil.which("comfy") or "comfy", "run", "--workflow", str(workflow), "--wait", "--host", "127.0.0.1",
-               "--port", str(server.port), "--timeout", "600"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "DO_NOT_TRACK": "1"})
+    command = [
+        shutil.which("comfy") or "comfy",
+        "run",
+        "--workflow",
+        str(workflow),
+        "--wait",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(server.port),
+        "--timeout",
+        "600",
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, "DO_NOT_TRACK": "1"})
 
 
 def test_example_workflows_run_through_comfy_cli(server, tmp_path):
@@ -297,17 +341,23 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
     from trainer.lora import files as lora_format
 
     loras, images = server.base / "models" / "loras" / "kiln_cli", server.base / "output" / "kiln_cli"
-    order = ["zimage_turbo_character_lora", "flux2_klein_style_lora", "chained_training", "flux2_klein_edit_lora",
-             "resume_from_run_folder"]   # the graphs' names; their files are named by their titles
+    order = [
+        "zimage_turbo_character_lora",
+        "flux2_klein_style_lora",
+        "chained_training",
+        "flux2_klein_edit_lora",
+        "resume_from_run_folder",
+    ]  # the graphs' names; their files are named by their titles
     assert sorted(order) == sorted(mw.TEMPLATE_TITLES)
-    kiln_runs = server.base / "output" / "kiln"   # runs of the module's earlier tests are not these workflows'
+    kiln_runs = server.base / "output" / "kiln"  # runs of the module's earlier tests are not these workflows'
     runs: set[Path] = {p for p in kiln_runs.iterdir() if p.is_dir()} if kiln_runs.is_dir() else set()
     made: dict[str, set[Path]] = {}
     for name in order:
-        api = json.loads((REPO / "example_workflows" / "api" / f"{mw.TEMPLATE_TITLES[name]}.json")
-                         .read_text(encoding="utf-8"))
+        api = json.loads(
+            (REPO / "example_workflows" / "api" / f"{mw.TEMPLATE_TITLES[name]}.json").read_text(encoding="utf-8")
+        )
         run_folder = None
-        if name == "resume_from_run_folder":   # the Z-Image Turbo run the character workflow left
+        if name == "resume_from_run_folder":  # the Z-Image Turbo run the character workflow left
             (character,) = made["zimage_turbo_character_lora"]
             run_folder = character.name
         workflow = tmp_path / f"{name}.json"
@@ -318,8 +368,9 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
         assert len(saved) == sum(n["class_type"] == "KilnSaveLoRA" for n in api.values()), (name, saved)
         for path in saved:
             weights, metadata = lora_format.load_lora(path)
-            assert weights and metadata["kiln.arch"] == ("flux2_klein" if "klein" in name or "chained" in name
-                                                         else "zimage_turbo"), (path.name, metadata["kiln.arch"])
+            assert weights and metadata["kiln.arch"] == (
+                "flux2_klein" if "klein" in name or "chained" in name else "zimage_turbo"
+            ), (path.name, metadata["kiln.arch"])
         wanted_images = sum(n["class_type"] == "SaveImage" for n in api.values())
         assert len(list(images.glob(f"{name}_*.png"))) == wanted_images, name
         new_runs = {p for p in (server.base / "output" / "kiln").iterdir() if p.is_dir()} - runs
@@ -329,8 +380,9 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
     # steps 9-12 after the character run's 8, with the loss history carried over.
     (resumed_dir,) = new_runs
     resumed = json.loads(sorted(resumed_dir.glob("step-*/run.json"))[-1].read_text(encoding="utf-8"))
-    first = json.loads(sorted((server.base / "output" / "kiln" / run_folder).glob("step-*/run.json"))[-1]
-                       .read_text(encoding="utf-8"))
-    assert (first["step"], resumed["step"]) == (8, 12)     # 2000 // 250, then 3000 // 250
+    first = json.loads(
+        sorted((server.base / "output" / "kiln" / run_folder).glob("step-*/run.json"))[-1].read_text(encoding="utf-8")
+    )
+    assert (first["step"], resumed["step"]) == (8, 12)  # 2000 // 250, then 3000 // 250
     assert resumed["history"]["loss"][:8] == first["history"]["loss"] and len(resumed["history"]["loss"]) == 12
     assert "lora key not loaded" not in server.log()

@@ -1,5 +1,6 @@
 """Kiln's exceptions as a user meets them (trainer/errors.py): named `kiln.<Class>`, not by the file path under
 which ComfyUI imports the pack, and "did you mean" hints in the messages."""
+
 from __future__ import annotations
 
 import ast
@@ -29,7 +30,7 @@ def exception_classes() -> list[tuple[str, str, list[str]]]:
 
 def test_every_trainer_exception_is_named_kiln_dot_class():
     classes = exception_classes()
-    assert len(classes) >= 6, classes          # ConfigError, TargetError, SafetensorsError, DatasetError, ...
+    assert len(classes) >= 6, classes  # ConfigError, TargetError, SafetensorsError, DatasetError, ...
     for module, name, _ in classes:
         klass = getattr(importlib.import_module(module), name)
         assert issubclass(klass, KilnError) and issubclass(klass, ValueError), (module, name)
@@ -49,7 +50,8 @@ def test_an_exception_keeps_its_message_and_is_caught_as_value_error():
 
 def test_did_you_mean_names_the_closest_candidates():
     assert did_you_mean("my_charcter", ["my_character", "my_style", "people"]) == "; did you mean 'my_character'?"
-    assert did_you_mean("styl", ["style", "styles", "stale", "people"]) == \
-        "; did you mean 'style', 'styles' or 'stale'?"
+    assert (
+        did_you_mean("styl", ["style", "styles", "stale", "people"]) == "; did you mean 'style', 'styles' or 'stale'?"
+    )
     assert did_you_mean("zzz", ["my_character"]) == ""
     assert did_you_mean("x", []) == ""

@@ -1,5 +1,6 @@
 """Paths: names that would leave their folder are refused; dataset link loops are named, never followed;
 the cache never writes or deletes outside itself."""
+
 from __future__ import annotations
 
 import os
@@ -17,10 +18,31 @@ EMPTY, ABSOLUTE, SEPARATOR = "is empty", "is an absolute path", "has a path sepa
 PART = "has an empty, '.', '..' or space-padded part"
 CHARACTERS = "has characters other than letters, digits, - _ . and spaces"
 # Each name, and the problem paths.check_name names for it
-ESCAPES = {"../x": PART, "a/../../x": PART, "/etc/passwd": ABSOLUTE, "/tmp/x": ABSOLUTE, "~/x": ABSOLUTE,
-           "\\\\server\\share\\x": ABSOLUTE, "C:\\x": ABSOLUTE, "c:x": ABSOLUTE, "a\\b": SEPARATOR, "": EMPTY,
-           "   ": EMPTY, ".": PART, "..": PART, "...": PART, "a//b": PART, "a/./b": PART, "x/": PART, " x": PART,
-           "x ": PART, "a\x00b": CHARACTERS, "a\nb": CHARACTERS, "a:b": ABSOLUTE, "a*b": CHARACTERS}
+ESCAPES = {
+    "../x": PART,
+    "a/../../x": PART,
+    "/etc/passwd": ABSOLUTE,
+    "/tmp/x": ABSOLUTE,
+    "~/x": ABSOLUTE,
+    "\\\\server\\share\\x": ABSOLUTE,
+    "C:\\x": ABSOLUTE,
+    "c:x": ABSOLUTE,
+    "a\\b": SEPARATOR,
+    "": EMPTY,
+    "   ": EMPTY,
+    ".": PART,
+    "..": PART,
+    "...": PART,
+    "a//b": PART,
+    "a/./b": PART,
+    "x/": PART,
+    " x": PART,
+    "x ": PART,
+    "a\x00b": CHARACTERS,
+    "a\nb": CHARACTERS,
+    "a:b": ABSOLUTE,
+    "a*b": CHARACTERS,
+}
 
 
 @pytest.mark.parametrize("name,problem", ESCAPES.items(), ids=[repr(name) for name in ESCAPES])
@@ -28,8 +50,10 @@ def test_names_that_could_leave_the_folder_are_refused(tmp_path, name, problem):
     """Refused by the name alone, before any path is built: the message names the problem and the fix."""
     with pytest.raises(ValueError) as error:
         paths.inside(tmp_path, name, "Kiln Save LoRA: name", subfolders=True, suffix=".safetensors")
-    assert str(error.value) == (f"Kiln Save LoRA: name: {name!r} {problem}; give a plain name (letters, digits, "
-                                "- _ . and spaces, sub-folders with /), not a path that leads outside its folder")
+    assert str(error.value) == (
+        f"Kiln Save LoRA: name: {name!r} {problem}; give a plain name (letters, digits, "
+        "- _ . and spaces, sub-folders with /), not a path that leads outside its folder"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -54,20 +78,24 @@ def test_a_link_inside_the_folder_that_points_out_is_refused(tmp_path):
         paths.inside(tmp_path / "loras", "out/mine", "Kiln Save LoRA: name", subfolders=True, suffix=".safetensors")
     # a plain name, so refused only once the link is followed: the message says where it led
     root = tmp_path.resolve()
-    assert str(error.value) == (f"Kiln Save LoRA: name: 'out/mine' leads to {root / 'elsewhere' / 'mine.safetensors'}, "
-                                f"outside {root / 'loras'} (through a link?); choose another name")
+    assert str(error.value) == (
+        f"Kiln Save LoRA: name: 'out/mine' leads to {root / 'elsewhere' / 'mine.safetensors'}, "
+        f"outside {root / 'loras'} (through a link?); choose another name"
+    )
     assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 @pytest.mark.parametrize("run_name", ["../escaped", "/tmp/kiln-escaped", "a/b"])
 def test_cli_train_refuses_a_run_name_that_leaves_output_dir(tmp_path, capsys, run_name):
     config = tmp_path / "run.toml"
-    config.write_text(f'arch = "demo"\ndevice = "cpu"\ndataset_dir = "{tmp_path / "data"}"\n'
-                      f'output_dir = "{tmp_path / "runs"}"\nrun_name = "{run_name}"\n')
+    config.write_text(
+        f'arch = "demo"\ndevice = "cpu"\ndataset_dir = "{tmp_path / "data"}"\n'
+        f'output_dir = "{tmp_path / "runs"}"\nrun_name = "{run_name}"\n'
+    )
     assert main(["train", str(config)]) == 2
     err = capsys.readouterr().err
     assert f"{config}: run_name: {run_name!r}" in err and "plain name" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.toml"]          # nothing written anywhere
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.toml"]  # nothing written anywhere
 
 
 def _png(path):
@@ -79,19 +107,23 @@ def _png(path):
 @pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symlinks")
 def test_dataset_link_loops_are_named_and_not_followed(tmp_path):
     _png(tmp_path / "a" / "one.png")
-    (tmp_path / "a" / "to_b").symlink_to(tmp_path / "b", target_is_directory=True)   # a → b → a
+    (tmp_path / "a" / "to_b").symlink_to(tmp_path / "b", target_is_directory=True)  # a → b → a
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "to_a").symlink_to(tmp_path / "a", target_is_directory=True)
     report = scan(tmp_path / "a", resolutions=[64])
     assert [item.path for item in report.items] == ["one.png"]
     assert {p.file: p.code for p in report.problems} == {"to_b/to_a": "symlink_loop"}
-    (tmp_path / "a" / "self.png").symlink_to(tmp_path / "a" / "self.png")           # a link to itself
-    (tmp_path / "a" / "ping").symlink_to(tmp_path / "a" / "pong")                   # two links in a ring
+    (tmp_path / "a" / "self.png").symlink_to(tmp_path / "a" / "self.png")  # a link to itself
+    (tmp_path / "a" / "ping").symlink_to(tmp_path / "a" / "pong")  # two links in a ring
     (tmp_path / "a" / "pong").symlink_to(tmp_path / "a" / "ping")
     report = scan(tmp_path / "a", resolutions=[64])
     assert [item.path for item in report.items] == ["one.png"]
     assert {p.file: p.code for p in report.problems} == {
-        "to_b/to_a": "symlink_loop", "self.png": "symlink_loop", "ping": "symlink_loop", "pong": "symlink_loop"}
+        "to_b/to_a": "symlink_loop",
+        "self.png": "symlink_loop",
+        "ping": "symlink_loop",
+        "pong": "symlink_loop",
+    }
     assert all(p.severity == "skipped" for p in report.problems if p.file in ("self.png", "ping"))
 
 

@@ -1,4 +1,5 @@
 """trainer/safetensors_io.py: round trips, interop with the safetensors package, hostile headers."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,18 @@ from safetensors.torch import load_file, save_file
 from trainer import safetensors_io as st
 from trainer.safetensors_io import SafetensorsError
 
-NATIVE_DTYPES = [np.float32, np.float16, np.float64, np.int64, np.int32, np.int16, np.int8,
-                 np.uint8, np.uint16, np.bool_]
+NATIVE_DTYPES = [
+    np.float32,
+    np.float16,
+    np.float64,
+    np.int64,
+    np.int32,
+    np.int16,
+    np.int8,
+    np.uint8,
+    np.uint16,
+    np.bool_,
+]
 
 
 def _sample(dtype, shape=(3, 5), seed=0) -> np.ndarray:
@@ -29,8 +40,24 @@ def _sample(dtype, shape=(3, 5), seed=0) -> np.ndarray:
 
 def _tricky_floats() -> np.ndarray:
     """Ties, subnormals, inf/NaN, overflow-to-inf and random values: where bf16 rounding differs."""
-    special = np.array([0.0, -0.0, 1.0, np.inf, -np.inf, np.nan, 1e-40, -1e-45, 3.4e38, -3.39e38,
-                        1.00390625, 1.01171875, 1.0 + 2 ** -8 + 2 ** -20], dtype=np.float32)
+    special = np.array(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            1e-40,
+            -1e-45,
+            3.4e38,
+            -3.39e38,
+            1.00390625,
+            1.01171875,
+            1.0 + 2**-8 + 2**-20,
+        ],
+        dtype=np.float32,
+    )
     ties = (np.arange(1, 200, dtype=np.uint32) << 16 | 0x8000).view(np.float32)  # exactly halfway
     rng = np.random.default_rng(1)
     return np.concatenate([special, ties, rng.standard_normal(500).astype(np.float32) * 10])
@@ -55,7 +82,7 @@ def test_header_is_padded_to_8_bytes(tmp_path):
     st.write(path, {"abc": np.ones(3, np.float16)}, {"k": "v"})
     raw = path.read_bytes()
     length = struct.unpack("<Q", raw[:8])[0]
-    assert length % 8 == 0 and raw[8 + length - 1:8 + length] in (b" ", b"}")
+    assert length % 8 == 0 and raw[8 + length - 1 : 8 + length] in (b" ", b"}")
 
 
 @pytest.mark.parametrize("target", ["BF16", "F16", "F32"])
@@ -127,6 +154,7 @@ def test_unstorable_dtype_names_key(tmp_path):
 
 # ---------------------------------------------------------------- hostile files
 
+
 def _file(tmp_path, header, data: bytes = b"", raw_header: bytes | None = None, length: int | None = None):
     body = raw_header if raw_header is not None else json.dumps(header).encode()
     return _raw_file(tmp_path, struct.pack("<Q", len(body) if length is None else length) + body + data)
@@ -161,9 +189,8 @@ BAD_HEADERS = {
     "no dtype": ({"w": {"shape": [2], "data_offsets": [0, 8]}}, "unknown dtype None"),
     "shape null": ({"w": _entry() | {"shape": None}}, "shape None"),
     "reversed offsets": ({"w": _entry(offsets=(8, 0))}, "outside"),
-    "shape overflow": ({"w": _entry(shape=(2 ** 40, 2 ** 40))}, "needs"),
-    "empty tensor inside another": ({"a": _entry(offsets=(0, 8)), "b": _entry(shape=(0,), offsets=(4, 4))},
-                                    "overlaps"),
+    "shape overflow": ({"w": _entry(shape=(2**40, 2**40))}, "needs"),
+    "empty tensor inside another": ({"a": _entry(offsets=(0, 8)), "b": _entry(shape=(0,), offsets=(4, 4))}, "overlaps"),
 }
 
 
@@ -177,13 +204,12 @@ def test_malformed_header(tmp_path, case):
         assert str(path) in str(error.value) and "re-download or re-save" in str(error.value)
 
 
-@pytest.mark.parametrize("case", ["short", "length past file", "absurd length", "not utf8", "not json",
-                                  "not object"])
+@pytest.mark.parametrize("case", ["short", "length past file", "absurd length", "not utf8", "not json", "not object"])
 def test_malformed_framing(tmp_path, case):
     path = {
         "short": lambda: _raw_file(tmp_path, b"\x01\x02\x03"),
         "length past file": lambda: _file(tmp_path, {}, length=1000),
-        "absurd length": lambda: _file(tmp_path, {}, length=2 ** 40),
+        "absurd length": lambda: _file(tmp_path, {}, length=2**40),
         "not utf8": lambda: _file(tmp_path, None, raw_header=b"{\xff\xfe}"),
         "not json": lambda: _file(tmp_path, None, raw_header=b"{not json"),
         "not object": lambda: _file(tmp_path, [1, 2]),
@@ -211,6 +237,7 @@ def test_named_key_in_error(tmp_path):
 
 
 # ---------------------------------------------------------------- atomic write
+
 
 def test_atomic_write_leaves_no_temp_files(tmp_path):
     path = tmp_path / "lora.safetensors"

@@ -1,5 +1,6 @@
 """Untrusted files: checkpoints, LoRAs and caches are read as safetensors or JSON only (never pickle),
 and a damaged or altered one gives an error that names the file, the key and the fix."""
+
 from __future__ import annotations
 
 import json
@@ -15,16 +16,21 @@ from trainer.run import state
 from trainer.run.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
-UNPICKLING = re.compile(r"\bimport (pickle|dill|joblib|shelve|cloudpickle)\b|\bfrom (pickle|dill|joblib) import|"
-                        r"\bpickle\.\w|\btorch\.load\(|allow_pickle\s*=\s*True|\b(np|numpy)\.load\(|"
-                        r"weights_only\s*=\s*False")
+UNPICKLING = re.compile(
+    r"\bimport (pickle|dill|joblib|shelve|cloudpickle)\b|\bfrom (pickle|dill|joblib) import|"
+    r"\bpickle\.\w|\btorch\.load\(|allow_pickle\s*=\s*True|\b(np|numpy)\.load\(|"
+    r"weights_only\s*=\s*False"
+)
 
 
 def test_no_unpickling_anywhere_in_the_pack():
     sources = [*ROOT.glob("trainer/**/*.py"), *ROOT.glob("nodes/**/*.py"), ROOT / "headless.py", ROOT / "__init__.py"]
-    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in sources
-             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-             if UNPICKLING.search(line)]
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in sources
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if UNPICKLING.search(line)
+    ]
     assert found == []
 
 
@@ -44,7 +50,7 @@ def _edit_state(folder: Path, change) -> None:
 
 def _edit_info(folder: Path, change) -> None:
     info = json.loads((folder / "run.json").read_text())
-    replaced = change(info)                    # dict edits work in place; a list replaces the whole
+    replaced = change(info)  # dict edits work in place; a list replaces the whole
     info = replaced if isinstance(replaced, list) else info
     (folder / "run.json").write_text(json.dumps(info))
 
@@ -56,21 +62,31 @@ def _moment(tensors):
     return next(k for k in tensors if k.startswith(f"optim.{QKV}.lora_A.exp_avg"))
 
 
-STATE_EDITS = {   # change → (key in the message, words in the message)
+STATE_EDITS = {  # change → (key in the message, words in the message)
     "A as float16": (lambda t: {f"lora.{QKV}.A": "F16"}, f"lora.{QKV}.A", "float32"),
     "A 3-D": (lambda t: t.update({f"lora.{QKV}.A": t[f"lora.{QKV}.A"][None]}), f"lora.{QKV}.A", "2-D"),
-    "alpha a vector": (lambda t: t.update({f"lora.{QKV}.alpha": np.ones(2, np.float32)}), f"lora.{QKV}.alpha",
-                       "scalar"),
-    "EMA wrong shape": (lambda t: t.update({f"ema.{QKV}.B": np.zeros((3, 3), np.float32)}), f"ema.{QKV}.B",
-                        "EMA copy"),
-    "EMA as int": (lambda t: t.update({f"ema.{QKV}.A": t[f"ema.{QKV}.A"].astype(np.int32)}),
-                   f"ema.{QKV}.A", "float32"),
-    "old-named EMA wrong shape": (lambda t: t.update({f"ema.{QKV}.lora_B": np.zeros((3, 3), np.float32)}),
-                                  f"ema.{QKV}.lora_B", "EMA copy"),
-    "moment wrong shape": (lambda t: t.update({_moment(t): np.zeros((1, 1), np.float32)}), "exp_avg",
-                           "optimizer moment"),
-    "RNG as float": (lambda t: t.update({"rng.torch_cpu": t["rng.torch_cpu"].astype(np.float32)}), "rng.torch_cpu",
-                     "integer"),
+    "alpha a vector": (
+        lambda t: t.update({f"lora.{QKV}.alpha": np.ones(2, np.float32)}),
+        f"lora.{QKV}.alpha",
+        "scalar",
+    ),
+    "EMA wrong shape": (lambda t: t.update({f"ema.{QKV}.B": np.zeros((3, 3), np.float32)}), f"ema.{QKV}.B", "EMA copy"),
+    "EMA as int": (lambda t: t.update({f"ema.{QKV}.A": t[f"ema.{QKV}.A"].astype(np.int32)}), f"ema.{QKV}.A", "float32"),
+    "old-named EMA wrong shape": (
+        lambda t: t.update({f"ema.{QKV}.lora_B": np.zeros((3, 3), np.float32)}),
+        f"ema.{QKV}.lora_B",
+        "EMA copy",
+    ),
+    "moment wrong shape": (
+        lambda t: t.update({_moment(t): np.zeros((1, 1), np.float32)}),
+        "exp_avg",
+        "optimizer moment",
+    ),
+    "RNG as float": (
+        lambda t: t.update({"rng.torch_cpu": t["rng.torch_cpu"].astype(np.float32)}),
+        "rng.torch_cpu",
+        "integer",
+    ),
 }
 
 
@@ -87,14 +103,15 @@ def test_altered_state_tensors_are_refused_with_file_and_key(run_copy, case):
 
 def test_a_checkpoint_whose_weights_do_not_fit_the_run_names_it(run_copy, make_model, make_data):
     run_dir, folder, cfg = run_copy
+
     def other_width(tensors):  # consistent in itself (LoRA, EMA, moments), but for a 7-wide layer
         for key in [k for k in tensors if f"{QKV}.A" in k or f"{QKV}.lora_A" in k]:
             if tensors[key].ndim == 2:
                 tensors[key] = np.zeros((4, 7), np.float32)
+
     _edit_state(folder, other_width)
     with pytest.raises(ValueError, match=rf"{re.escape(str(folder))}: cannot resume.*{QKV}.lora_A.*shape") as error:
-        train(cfg.__class__(**{**cfg.__dict__, "steps": 4}), make_model(), make_data(), run_dir=run_dir,
-              resume=run_dir)
+        train(cfg.__class__(**{**cfg.__dict__, "steps": 4}), make_model(), make_data(), run_dir=run_dir, resume=run_dir)
     assert "start a new run" in str(error.value)
 
 
@@ -124,14 +141,15 @@ def test_altered_run_json_is_refused_with_the_file(run_copy, case):
     assert str(folder / "run.json") in str(error.value) and words in str(error.value)
 
 
-@pytest.mark.parametrize("field,value", [("numpy_rng", {"bit_generator": "Nope"}), ("cursor", {"epoch": "x"}),
-                                         ("optimizer", {"names": ["x"]})])
+@pytest.mark.parametrize(
+    "field,value",
+    [("numpy_rng", {"bit_generator": "Nope"}), ("cursor", {"epoch": "x"}), ("optimizer", {"names": ["x"]})],
+)
 def test_damaged_resume_fields_are_named(run_copy, make_model, make_data, field, value):
     run_dir, folder, cfg = run_copy
     _edit_info(folder, lambda info: info.update({field: value}))
     with pytest.raises(ValueError, match=rf"{re.escape(str(folder))}: cannot resume this run"):
-        train(cfg.__class__(**{**cfg.__dict__, "steps": 4}), make_model(), make_data(), run_dir=run_dir,
-              resume=run_dir)
+        train(cfg.__class__(**{**cfg.__dict__, "steps": 4}), make_model(), make_data(), run_dir=run_dir, resume=run_dir)
 
 
 @pytest.mark.parametrize("cut", [4, 20, -1])
@@ -146,7 +164,14 @@ def test_a_truncated_state_file_is_named(run_copy, cut):
 
 def test_a_lora_file_with_integer_weights_is_refused(tmp_path):
     path = tmp_path / "odd.safetensors"
-    safetensors_io.write(path, {"diffusion_model.x.lora_A.weight": np.ones((4, 8), np.int32),
-                                "diffusion_model.x.lora_B.weight": np.ones((8, 4), np.float32)})
-    with pytest.raises(ValueError, match=r"odd\.safetensors: diffusion_model\.x: A is int32, not a number of the right kind"):
+    safetensors_io.write(
+        path,
+        {
+            "diffusion_model.x.lora_A.weight": np.ones((4, 8), np.int32),
+            "diffusion_model.x.lora_B.weight": np.ones((8, 4), np.float32),
+        },
+    )
+    with pytest.raises(
+        ValueError, match=r"odd\.safetensors: diffusion_model\.x: A is int32, not a number of the right kind"
+    ):
         lora_format.load_lora(path)

@@ -9,6 +9,7 @@ ComfyUI module paths map onto diffusers LoRA names. No `is_flux` flags live
 anywhere outside these files: adding a family is adding a file here (and one
 entry in FAMILIES below).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,9 @@ def get_arch(name: str) -> Arch:
     try:
         return ARCHS[name]
     except KeyError:
-        raise ValueError(f"unknown arch {name!r}; known: {', '.join(ARCHS)} "
-                         "(`python -m trainer train --help` says what each is)") from None
+        raise ValueError(
+            f"unknown arch {name!r}; known: {', '.join(ARCHS)} (`python -m trainer train --help` says what each is)"
+        ) from None
 
 
 def matching(classes: set[str], config_class: str, read: Callable[[str], Any]) -> list[str]:

@@ -1,5 +1,6 @@
 """The types every architecture file fills in: an Arch and the facts it holds (ComfyUI model, diffusers
 names, sampling defaults), and the per-row model extras two families share. Imports no family."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,8 +20,8 @@ class DiffusersRule:
     into `len(targets)` equal parts, or by `split_sizes` when given.
     """
 
-    comfy: str                      # e.g. r"double_blocks\.(\d+)\.img_attn\.qkv"
-    targets: tuple[str, ...]        # e.g. ("transformer_blocks.{0}.attn.to_q", ...)
+    comfy: str  # e.g. r"double_blocks\.(\d+)\.img_attn\.qkv"
+    targets: tuple[str, ...]  # e.g. ("transformer_blocks.{0}.attn.to_q", ...)
     split_sizes: tuple[int, ...] | None = None
 
 
@@ -29,13 +30,16 @@ class ComfyModel:
     """Which loaded ComfyUI models an arch trains. The bridge (nodes/comfy/) reads the facts off the
     MODEL and asks `matches`; names, not classes, so this file never imports ComfyUI."""
 
-    model_class: str                # a comfy.model_base class the model is an instance of, e.g. "Flux2"
-    config_class: str = ""          # the exact comfy.supported_models class ("" = any): ZImage, not ZImagePixelSpace
+    model_class: str  # a comfy.model_base class the model is an instance of, e.g. "Flux2"
+    config_class: str = ""  # the exact comfy.supported_models class ("" = any): ZImage, not ZImagePixelSpace
     attributes: tuple[tuple[str, Any], ...] = ()  # (dotted path under model.model, required value)
 
     def matches(self, classes: set[str], config_class: str, read: Callable[[str], Any]) -> bool:
-        return (self.model_class in classes and (not self.config_class or config_class == self.config_class)
-                and all(read(path) == value for path, value in self.attributes))
+        return (
+            self.model_class in classes
+            and (not self.config_class or config_class == self.config_class)
+            and all(read(path) == value for path, value in self.attributes)
+        )
 
 
 @dataclass(frozen=True)
@@ -45,27 +49,27 @@ class Sampling:
 
     steps: int = 20
     cfg: float = 1.0
-    sampler: str = "euler"          # a comfy.samplers.KSampler.SAMPLERS name
-    scheduler: str = "simple"       # a comfy.samplers.KSampler.SCHEDULERS name
+    sampler: str = "euler"  # a comfy.samplers.KSampler.SAMPLERS name
+    scheduler: str = "simple"  # a comfy.samplers.KSampler.SCHEDULERS name
 
 
 @dataclass(frozen=True)
 class Arch:
-    name: str                       # registry key, e.g. "flux2_klein"
-    family: str                     # "flux2", "zimage", "generic": shares key maps
-    latent_channels: int            # channels of x handed to the model
-    latent_downscale: int           # image pixels per latent cell (Flux2 16, Z-Image 8)
-    patch: int                      # latent cells per token side inside the model (Flux2 1, Z-Image 2)
-    bucket_divisor: int             # image sides are multiples of this (pixels)
+    name: str  # registry key, e.g. "flux2_klein"
+    family: str  # "flux2", "zimage", "generic": shares key maps
+    latent_channels: int  # channels of x handed to the model
+    latent_downscale: int  # image pixels per latent cell (Flux2 16, Z-Image 8)
+    patch: int  # latent cells per token side inside the model (Flux2 1, Z-Image 2)
+    bucket_divisor: int  # image sides are multiples of this (pixels)
     default_targets: tuple[str, ...]  # LoRA target patterns (see backends: exact, suffix, re:)
-    block_lists: tuple[str, ...]    # attribute names of the model's block ModuleLists
-    shift_mode: str                 # "none" | "static" | "resolution": timestep shift default
-    shift: float                    # static shift value (ignored unless shift_mode == "static")
+    block_lists: tuple[str, ...]  # attribute names of the model's block ModuleLists
+    shift_mode: str  # "none" | "static" | "resolution": timestep shift default
+    shift: float  # static shift value (ignored unless shift_mode == "static")
     # Batch → model inputs: `model(x_t, sigma, context, **extras)` where context = collate_context([T_i,D]
     # per row) and extras = model_extras(batch_size, [T_i]).
     model_extras: Callable[[int, list[int]], dict]
-    context_side: str = "right"     # where a caption's padding zeros go: "right", or "left" (Flux2)
-    context_tokens: int = 0         # every caption padded to at least this many tokens (Flux2: 512)
+    context_side: str = "right"  # where a caption's padding zeros go: "right", or "left" (Flux2)
+    context_tokens: int = 0  # every caption padded to at least this many tokens (Flux2: 512)
     # Rows whose padded caption lengths differ run as separate calls, each trimmed to its own tokens, as
     # ComfyUI runs each prompt alone (a model that masks no padding attends to it otherwise).
     split_by_caption_length: bool = False
@@ -84,14 +88,14 @@ class Arch:
     # with it (levers.KERNEL_MIN_RESOLUTION, bench/RESULTS.md).
     fp8_quantize_kernel: tuple[str, ...] = ()
     comfy: ComfyModel | None = None  # the ComfyUI model it is (None: detected only as the fallback, or never)
-    clip_type: str = ""             # comfy.sd.CLIPType name of its text encoder, for headless loading
+    clip_type: str = ""  # comfy.sd.CLIPType name of its text encoder, for headless loading
     modelspec: tuple[str, str] = ()  # (modelspec.architecture, modelspec.implementation) in LoRA metadata
-    module_marker: str = ""         # regex on ComfyUI module paths that says a LoRA is of this layout
-    mlx_model: str = ""             # module under trainer/backends/mlx_backend/models/ ("" = none)
+    module_marker: str = ""  # regex on ComfyUI module paths that says a LoRA is of this layout
+    mlx_model: str = ""  # module under trainer/backends/mlx_backend/models/ ("" = none)
     diffusers_prefix: str = "transformer."
     diffusers_rules: tuple[DiffusersRule, ...] = field(default_factory=tuple)
     description: str = ""
-    layout: Layout | None = None    # sizes, Linears and block model for the memory estimate (layout.py)
+    layout: Layout | None = None  # sizes, Linears and block model for the memory estimate (layout.py)
     sampling: Sampling = Sampling()  # validation-sample defaults (steps, cfg, sampler, scheduler)
     # Tokens a caption may have before the family's reference pipeline (diffusers) cuts it: its text
     # encoder's max_sequence_length less the chat template's own tokens. ComfyUI cuts nothing, but the
@@ -110,7 +114,7 @@ class Arch:
         out = np.zeros((len(contexts), tokens, contexts[0].shape[1]), dtype=np.float32)
         for row, c in enumerate(contexts):
             if self.context_side == "left":
-                out[row, tokens - c.shape[0]:] = c
+                out[row, tokens - c.shape[0] :] = c
             else:
                 out[row, : c.shape[0]] = c
         return out

@@ -8,6 +8,7 @@ the frame axis the latent format declares), patch 2 inside the model; timestep =
 output (model_base.QwenImage, ModelType.FLUX). ComfyUI's module names are diffusers' own, so the
 diffusers export renames nothing.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,15 +19,29 @@ from .layout import BlockGroup, HeaderSpec, Layout, ModelDims
 
 # The block Linears (diffusers and ComfyUI names alike). Targets leave out the modulation (img_mod,
 # txt_mod: 6·D outputs each, a third of a block's weights) as the Flux2 defaults do.
-ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+ATTENTION = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
 MLP = ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 MODULATION = ("img_mod.1", "txt_mod.1")
 DEFAULT_TARGETS = ATTENTION + MLP
 
 # Same names on both sides: one identity rule per block Linear and per top-level Linear.
-_TOP_LEVEL = ("img_in", "txt_in", "proj_out", "norm_out.linear",
-              "time_text_embed.timestep_embedder.linear_1", "time_text_embed.timestep_embedder.linear_2")
+_TOP_LEVEL = (
+    "img_in",
+    "txt_in",
+    "proj_out",
+    "norm_out.linear",
+    "time_text_embed.timestep_embedder.linear_1",
+    "time_text_embed.timestep_embedder.linear_2",
+)
 DIFFUSERS_RULES = tuple(
     DiffusersRule(r"transformer_blocks\.(\d+)\." + re.escape(name), ("transformer_blocks.{0}." + name,))
     for name in ATTENTION + MLP + MODULATION
@@ -37,24 +52,32 @@ DIFFUSERS_RULES = tuple(
 CAPTION_TOKENS = 512  # an upper bound: ComfyUI runs each caption at its own length, uncapped
 
 
-def model_dims(variant: str, hidden: int, blocks: int, context_dim: int,
-               context_tokens: int = CAPTION_TOKENS) -> ModelDims:
+def model_dims(
+    variant: str, hidden: int, blocks: int, context_dim: int, context_tokens: int = CAPTION_TOKENS
+) -> ModelDims:
     """model_detection.py's qwen_image branch (in_channels from img_in, transformer_blocks counted) with the
     class defaults: 24 heads of 128, joint_attention_dim 3584 (Qwen2.5-VL 7B), FeedForward mult 4."""
-    return ModelDims(variant, "qwen_image", hidden, hidden // 128, blocks, 0, 4 * hidden, context_dim,
-                     context_tokens)
+    return ModelDims(variant, "qwen_image", hidden, hidden // 128, blocks, 0, 4 * hidden, context_dim, context_tokens)
 
 
 def linear_layers(dims: ModelDims, io: int) -> dict[str, tuple[int, int]]:
     D, M = dims.hidden, dims.mlp_hidden
-    layers = {"time_text_embed.timestep_embedder.linear_1": (256, D),
-              "time_text_embed.timestep_embedder.linear_2": (D, D),
-              "img_in": (io, D), "txt_in": (dims.context_dim, D)}
+    layers = {
+        "time_text_embed.timestep_embedder.linear_1": (256, D),
+        "time_text_embed.timestep_embedder.linear_2": (D, D),
+        "img_in": (io, D),
+        "txt_in": (dims.context_dim, D),
+    }
     for i in range(dims.double_blocks):
         p = f"transformer_blocks.{i}"
         for stream in ("img", "txt"):  # modulation: Linear(dim, 6 dim) after a SiLU, from the timestep vector
-            layers.update({f"{p}.{stream}_mod.1": (D, 6 * D), f"{p}.{stream}_mlp.net.0.proj": (D, M),
-                           f"{p}.{stream}_mlp.net.2": (M, D)})
+            layers.update(
+                {
+                    f"{p}.{stream}_mod.1": (D, 6 * D),
+                    f"{p}.{stream}_mlp.net.0.proj": (D, M),
+                    f"{p}.{stream}_mlp.net.2": (M, D),
+                }
+            )
         for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out"):
             layers[f"{p}.attn.{name}"] = (D, D)
     layers.update({"norm_out.linear": (D, 2 * D), "proj_out": (D, io)})
@@ -85,31 +108,47 @@ def blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGr
 LAYOUT = Layout(
     name="Qwen-Image",
     variants=(model_dims("qwen-image", 3072, 60, 3584),),
-    linear_layers=linear_layers, extra_params=extra_params, blocks=blocks,
+    linear_layers=linear_layers,
+    extra_params=extra_params,
+    blocks=blocks,
     widest_output=lambda dims: dims.mlp_hidden,  # img_mlp.net.0.proj
     # model_detection.py keys on txt_norm, which Mage-Flow shares (told apart by its 2560-wide text): here
     # Linears only, and the text width from txt_in
-    header=HeaderSpec(markers=("transformer_blocks.0.img_mod.1.weight", "txt_in.weight"),
-                      sizes={"hidden": ("img_in.weight", 0), "context_dim": ("txt_in.weight", 1)},
-                      counts={"double_blocks": "transformer_blocks."}),
+    header=HeaderSpec(
+        markers=("transformer_blocks.0.img_mod.1.weight", "txt_in.weight"),
+        sizes={"hidden": ("img_in.weight", 0), "context_dim": ("txt_in.weight", 1)},
+        counts={"double_blocks": "transformer_blocks."},
+    ),
     text_note=" (512 caption tokens is an upper bound; ComfyUI does not cap them)",
     measured=False,
 )
 
 
-ARCHS = (Arch(
-    name="qwen_image", family="qwen_image", latent_channels=16, latent_downscale=8, patch=2, bucket_divisor=16,
-    default_targets=DEFAULT_TARGETS, block_lists=("transformer_blocks",),
-    # ComfyUI samples Qwen-Image with ModelSamplingFlux at shift 1.15 (supported_models.QwenImage), a
-    # static e^1.15 ≈ 3.16: training draws the timesteps the sampler visits.
-    shift_mode="static", shift=math.exp(1.15),
-    # Captions vary in length and ComfyUI runs each prompt alone, unpadded: rows of one length share a call.
-    model_extras=caption_lengths, split_by_caption_length=True,
-    comfy=ComfyModel("QwenImage", config_class="QwenImage"),  # not MageFlow, a QwenImage subclass
-    clip_type="QWEN_IMAGE", module_marker=r"^transformer_blocks\.\d+\.(img|txt)_mlp\.net\.",
-    modelspec=("Qwen-Image/lora", "https://github.com/QwenLM/Qwen-Image"),
-    diffusers_rules=DIFFUSERS_RULES, layout=LAYOUT,
-    caption_token_limit=1024,  # diffusers' QwenImagePipeline: 1024 tokens after its template's are dropped
-    sampling=Sampling(steps=20, cfg=2.5, sampler="euler", scheduler="simple"),  # ComfyUI's Qwen-Image template
-    description="Qwen-Image (20B MMDiT, Qwen2.5-VL text encoder); PyTorch backend",
-),)
+ARCHS = (
+    Arch(
+        name="qwen_image",
+        family="qwen_image",
+        latent_channels=16,
+        latent_downscale=8,
+        patch=2,
+        bucket_divisor=16,
+        default_targets=DEFAULT_TARGETS,
+        block_lists=("transformer_blocks",),
+        # ComfyUI samples Qwen-Image with ModelSamplingFlux at shift 1.15 (supported_models.QwenImage), a
+        # static e^1.15 ≈ 3.16: training draws the timesteps the sampler visits.
+        shift_mode="static",
+        shift=math.exp(1.15),
+        # Captions vary in length and ComfyUI runs each prompt alone, unpadded: rows of one length share a call.
+        model_extras=caption_lengths,
+        split_by_caption_length=True,
+        comfy=ComfyModel("QwenImage", config_class="QwenImage"),  # not MageFlow, a QwenImage subclass
+        clip_type="QWEN_IMAGE",
+        module_marker=r"^transformer_blocks\.\d+\.(img|txt)_mlp\.net\.",
+        modelspec=("Qwen-Image/lora", "https://github.com/QwenLM/Qwen-Image"),
+        diffusers_rules=DIFFUSERS_RULES,
+        layout=LAYOUT,
+        caption_token_limit=1024,  # diffusers' QwenImagePipeline: 1024 tokens after its template's are dropped
+        sampling=Sampling(steps=20, cfg=2.5, sampler="euler", scheduler="simple"),  # ComfyUI's Qwen-Image template
+        description="Qwen-Image (20B MMDiT, Qwen2.5-VL text encoder); PyTorch backend",
+    ),
+)

@@ -6,14 +6,18 @@ ComfyUI's flow velocity convention (denoised = x - sigma*v) holds unchanged.
 Turbo is distilled: its training adapter is merged at +1 for training, removed
 for validation samples, never saved.
 """
+
 from __future__ import annotations
 
 from .base import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths
 from .layout import BlockGroup, HeaderSpec, Layout, ModelDims, ceil_to
 
 DEFAULT_TARGETS = (
-    "attention.qkv", "attention.out",
-    "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+    "attention.qkv",
+    "attention.out",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
 )
 
 # ComfyUI path → diffusers ZImageTransformer2DModel names (comfy/utils.py z_image map).
@@ -21,9 +25,10 @@ DIFFUSERS_RULES = tuple(
     rule
     for group in ("layers", "noise_refiner", "context_refiner")
     for rule in (
-        DiffusersRule(group + r"\.(\d+)\.attention\.qkv",
-                      (group + ".{0}.attention.to_q", group + ".{0}.attention.to_k",
-                       group + ".{0}.attention.to_v")),
+        DiffusersRule(
+            group + r"\.(\d+)\.attention\.qkv",
+            (group + ".{0}.attention.to_q", group + ".{0}.attention.to_k", group + ".{0}.attention.to_v"),
+        ),
         DiffusersRule(group + r"\.(\d+)\.attention\.out", (group + ".{0}.attention.to_out.0",)),
         DiffusersRule(group + r"\.(\d+)\.feed_forward\.(w[123])", (group + ".{0}.feed_forward.{1}",)),
     )
@@ -34,12 +39,23 @@ DIFFUSERS_RULES = tuple(
 CAPTION_TOKENS = 512  # an upper bound: ComfyUI runs each caption at its own length
 
 
-def model_dims(variant: str, hidden: int, layers: int, refiners: int, context_dim: int,
-               context_tokens: int = CAPTION_TOKENS) -> ModelDims:
+def model_dims(
+    variant: str, hidden: int, layers: int, refiners: int, context_dim: int, context_tokens: int = CAPTION_TOKENS
+) -> ModelDims:
     """model_detection.py's `dim == 3840` branch (heads = dim/128, ffn multiplier 8/3, z_image_modulation)
     and lumina/model.py NextDiT's refiners; FeedForward: int(8/3 * dim) rounded up to a multiple of 256."""
-    return ModelDims(variant, "zimage", hidden, hidden // 128, 0, layers, ceil_to(int(8.0 / 3.0 * hidden), 256),
-                     context_dim, context_tokens, refiner_blocks=refiners)
+    return ModelDims(
+        variant,
+        "zimage",
+        hidden,
+        hidden // 128,
+        0,
+        layers,
+        ceil_to(int(8.0 / 3.0 * hidden), 256),
+        context_dim,
+        context_tokens,
+        refiner_blocks=refiners,
+    )
 
 
 def linear_layers(dims: ModelDims, io: int) -> dict[str, tuple[int, int]]:
@@ -48,19 +64,28 @@ def linear_layers(dims: ModelDims, io: int) -> dict[str, tuple[int, int]]:
     def blocks(group, count, modulated):
         for i in range(count):
             p = f"{group}.{i}"
-            yield from {f"{p}.attention.qkv": (D, 3 * D), f"{p}.attention.out": (D, D),
-                        f"{p}.feed_forward.w1": (D, F), f"{p}.feed_forward.w2": (F, D),
-                        f"{p}.feed_forward.w3": (D, F)}.items()
+            yield from {
+                f"{p}.attention.qkv": (D, 3 * D),
+                f"{p}.attention.out": (D, D),
+                f"{p}.feed_forward.w1": (D, F),
+                f"{p}.feed_forward.w2": (F, D),
+                f"{p}.feed_forward.w3": (D, F),
+            }.items()
             if modulated:  # z_image_modulation: from the 256-wide t embedding, no SiLU
                 yield f"{p}.adaLN_modulation.0", (256, 4 * D)
 
     # In ComfyUI's module order: the embedders sit between the refiners and the main layers.
-    return {"x_embedder": (io, D),
-            **dict(blocks("noise_refiner", dims.refiner_blocks, True)),
-            **dict(blocks("context_refiner", dims.refiner_blocks, False)),
-            "t_embedder.mlp.0": (256, 1024), "t_embedder.mlp.2": (1024, 256), "cap_embedder.1": (dims.context_dim, D),
-            **dict(blocks("layers", dims.single_blocks, True)),
-            "final_layer.linear": (D, io), "final_layer.adaLN_modulation.1": (256, D)}
+    return {
+        "x_embedder": (io, D),
+        **dict(blocks("noise_refiner", dims.refiner_blocks, True)),
+        **dict(blocks("context_refiner", dims.refiner_blocks, False)),
+        "t_embedder.mlp.0": (256, 1024),
+        "t_embedder.mlp.2": (1024, 256),
+        "cap_embedder.1": (dims.context_dim, D),
+        **dict(blocks("layers", dims.single_blocks, True)),
+        "final_layer.linear": (D, io),
+        "final_layer.adaLN_modulation.1": (256, D),
+    }
 
 
 def extra_params(dims: ModelDims, layers: dict[str, tuple[int, int]]) -> int:
@@ -81,32 +106,49 @@ def blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGr
     """
     D, M = dims.hidden, dims.mlp_hidden
     per_token = 15 * D + 4 * M
-    return [BlockGroup(per_token, 0, dims.refiner_blocks, image_tokens),
-            BlockGroup(per_token, 0, dims.refiner_blocks, text_tokens),
-            BlockGroup(per_token, 0, dims.single_blocks, image_tokens + text_tokens)]
+    return [
+        BlockGroup(per_token, 0, dims.refiner_blocks, image_tokens),
+        BlockGroup(per_token, 0, dims.refiner_blocks, text_tokens),
+        BlockGroup(per_token, 0, dims.single_blocks, image_tokens + text_tokens),
+    ]
 
 
 LAYOUT = Layout(
     name="Z-Image",
     variants=(model_dims("zimage", 3840, 30, 2, 2560),),  # Turbo and base share these dims
-    linear_layers=linear_layers, extra_params=extra_params, blocks=blocks,
+    linear_layers=linear_layers,
+    extra_params=extra_params,
+    blocks=blocks,
     widest_output=lambda dims: 3 * dims.hidden,  # attention.qkv
-    header=HeaderSpec(markers=("cap_embedder.1.weight", "noise_refiner.0.attention.qkv.weight"),
-                      sizes={"hidden": ("cap_embedder.1.weight", 0)}, counts={"single_blocks": "layers."}),
+    header=HeaderSpec(
+        markers=("cap_embedder.1.weight", "noise_refiner.0.attention.qkv.weight"),
+        sizes={"hidden": ("cap_embedder.1.weight", 0)},
+        counts={"single_blocks": "layers."},
+    ),
     token_multiple=32,  # pad_tokens_multiple
     text_note=" (512 caption tokens is an upper bound)",
 )
 
 _COMMON = dict(
-    family="zimage", latent_channels=16, latent_downscale=8, patch=2, bucket_divisor=16,
+    family="zimage",
+    latent_channels=16,
+    latent_downscale=8,
+    patch=2,
+    bucket_divisor=16,
     default_targets=DEFAULT_TARGETS,
     block_lists=("noise_refiner", "context_refiner", "layers"),
-    shift_mode="static", shift=3.0, diffusers_rules=DIFFUSERS_RULES, pure_blocks=True,
+    shift_mode="static",
+    shift=3.0,
+    diffusers_rules=DIFFUSERS_RULES,
+    pure_blocks=True,
     # Per-row caption lengths: ComfyUI runs each prompt alone (NextDiT ignores masks and attends to
     # its zero padding), so a forward splits rows of different lengths into separate calls.
-    model_extras=caption_lengths, split_by_caption_length=True,
+    model_extras=caption_lengths,
+    split_by_caption_length=True,
     # A Lumina2 model with the ZImage config (not ZImagePixelSpace); the Lumina2 text encoder slot.
-    comfy=ComfyModel("Lumina2", config_class="ZImage"), clip_type="LUMINA2", mlx_model="zimage",
+    comfy=ComfyModel("Lumina2", config_class="ZImage"),
+    clip_type="LUMINA2",
+    mlx_model="zimage",
     layout=LAYOUT,
     # Qwen3 4B at 512 tokens (diffusers' ZImagePipeline), 8 of them ComfyUI's chat template.
     caption_token_limit=CAPTION_TOKENS - 8,
@@ -114,12 +156,24 @@ _COMMON = dict(
 _IMPLEMENTATION = "https://github.com/Tongyi-MAI/Z-Image"
 
 # Turbo and base are one ComfyUI model: Turbo is what a model with a training adapter trains as.
-TURBO = Arch(name="zimage_turbo", training_adapter="merge", modelspec=("Z-Image-Turbo/lora", _IMPLEMENTATION),
-              # Turbo is distilled for 8 steps without CFG (ComfyUI's template, the example workflow).
-              sampling=Sampling(steps=8, cfg=1.0, sampler="res_multistep", scheduler="simple"),
-              description="Z-Image Turbo (distilled): training adapter merged for training", **_COMMON)
-ARCHS = (TURBO, Arch(name="zimage", modelspec=("Z-Image/lora", _IMPLEMENTATION),
-              module_marker=r"^(layers|noise_refiner|context_refiner)\.\d+\.(attention|feed_forward)",
-              # The undistilled base needs CFG and more steps.
-              sampling=Sampling(steps=30, cfg=4.0, sampler="res_multistep", scheduler="simple"),
-              description="Z-Image base", **_COMMON))
+TURBO = Arch(
+    name="zimage_turbo",
+    training_adapter="merge",
+    modelspec=("Z-Image-Turbo/lora", _IMPLEMENTATION),
+    # Turbo is distilled for 8 steps without CFG (ComfyUI's template, the example workflow).
+    sampling=Sampling(steps=8, cfg=1.0, sampler="res_multistep", scheduler="simple"),
+    description="Z-Image Turbo (distilled): training adapter merged for training",
+    **_COMMON,
+)
+ARCHS = (
+    TURBO,
+    Arch(
+        name="zimage",
+        modelspec=("Z-Image/lora", _IMPLEMENTATION),
+        module_marker=r"^(layers|noise_refiner|context_refiner)\.\d+\.(attention|feed_forward)",
+        # The undistilled base needs CFG and more steps.
+        sampling=Sampling(steps=30, cfg=4.0, sampler="res_multistep", scheduler="simple"),
+        description="Z-Image base",
+        **_COMMON,
+    ),
+)

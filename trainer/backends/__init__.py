@@ -1,4 +1,5 @@
 """Backends are imported lazily here and nowhere else (MLX is optional)."""
+
 from __future__ import annotations
 
 import importlib

@@ -4,6 +4,7 @@ Arrays cross this boundary as numpy (float32) keyed by ComfyUI module paths, so
 nothing outside a backend knows which one runs. Random draws (noise, sigmas,
 caption dropout) are made outside, in the loop, from one seeded generator.
 """
+
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
@@ -23,12 +24,12 @@ class Batch:
 
     latents: np.ndarray
     noise: np.ndarray
-    sigmas: np.ndarray            # [B] float32 in (0,1)
-    weights: np.ndarray           # [B] float32 loss weights
-    context: np.ndarray           # already arch-padded, caption dropout applied
+    sigmas: np.ndarray  # [B] float32 in (0,1)
+    weights: np.ndarray  # [B] float32 loss weights
+    context: np.ndarray  # already arch-padded, caption dropout applied
     extras: dict[str, Any] = field(default_factory=dict)  # arch model_extras (guidance, num_tokens)
-    items: list[str] = field(default_factory=list)        # the global batch's image names (every rank), for messages
-    preservation: Any = None      # trainer.objective.preservation.Preservation: DOP's class-word rows, None when off
+    items: list[str] = field(default_factory=list)  # the global batch's image names (every rank), for messages
+    preservation: Any = None  # trainer.objective.preservation.Preservation: DOP's class-word rows, None when off
     mask: np.ndarray | None = None  # [B,1,H,W] float32 per-cell loss weights (masked training), None: all 1
 
 
@@ -38,7 +39,7 @@ class StepStats:
 
     loss: Any
     grad_norm: Any
-    finite: Any = True            # device bool: False when the loss or a gradient was NaN/inf (step skipped)
+    finite: Any = True  # device bool: False when the loss or a gradient was NaN/inf (step skipped)
 
 
 # A LoRA parameter is named '<module path>.lora_A' / '.lora_B' (PEFT's words) inside a backend; tensors that
@@ -50,7 +51,7 @@ def saved_name(parameter: str) -> str:
     """'<path>.lora_A' → '<path>.A' (and B); other names as they are."""
     for ours, saved in _SAVED_SUFFIX.items():
         if parameter.endswith(ours):
-            return parameter[:-len(ours)] + saved
+            return parameter[: -len(ours)] + saved
     return parameter
 
 
@@ -58,7 +59,7 @@ def parameter_name(saved: str) -> str:
     """'<path>.A' → '<path>.lora_A' (and B): saved_name undone."""
     for ours, suffix in _SAVED_SUFFIX.items():
         if saved.endswith(suffix):
-            return saved[:-len(suffix)] + ours
+            return saved[: -len(suffix)] + ours
     return saved
 
 

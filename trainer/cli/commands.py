@@ -1,4 +1,5 @@
 """The small commands: check-dataset, caption, export, cache, inspect (the LoRA tools: lora_commands.py)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,7 @@ def cmd_check_dataset(args) -> int:
     from ..data.folder.report import format_report
     from ..data.folder.review import review
 
-    found = review(args.dir, resolutions=args.resolutions, arch=args.arch or "", deep=args.deep,
-                   quality=args.quality)
+    found = review(args.dir, resolutions=args.resolutions, arch=args.arch or "", deep=args.deep, quality=args.quality)
     report, buckets, verdicts = found.report, found.buckets, found.verdicts
     if args.json:
         extra = {**({"buckets": buckets} if buckets else {}), **({"verdicts": verdicts} if verdicts else {})}
@@ -26,14 +26,21 @@ def cmd_caption(args) -> int:
     from ..data.captioning.models import resolve_model, transformers_captioner
 
     model = resolve_model(args.model, [])
-    job = CaptionJob(style=args.style, prompt=args.prompt or "", trigger_word=args.trigger or "",
-                     overwrite=args.overwrite, deep=args.deep, engine=f"transformers:{model.resolve()}")
+    job = CaptionJob(
+        style=args.style,
+        prompt=args.prompt or "",
+        trigger_word=args.trigger or "",
+        overwrite=args.overwrite,
+        deep=args.deep,
+        engine=f"transformers:{model.resolve()}",
+    )
     todo, report = plan(args.dir, job)
-    if todo:   # the model is loaded only when there is something to caption
+    if todo:  # the model is loaded only when there is something to caption
         from tqdm import tqdm
 
-        engine = transformers_captioner(model, style=job.style, max_tokens=args.max_tokens, seed=args.seed,
-                                        device=args.device)
+        engine = transformers_captioner(
+            model, style=job.style, max_tokens=args.max_tokens, seed=args.seed, device=args.device
+        )
         if getattr(engine, "note", ""):
             print(f"note: {engine.note}")
         with tqdm(total=len(todo), unit="image", dynamic_ncols=True) as bar:
@@ -73,10 +80,12 @@ def cmd_inspect(args) -> int:
         print(json.dumps(info, indent=2, default=str))
     else:
         from ..lora.report import format_description
+
         print(format_description(info))
     return 0
 
 
 def _arch(name: str):
     from ..archs import get_arch
+
     return get_arch(name)

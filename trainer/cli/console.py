@@ -1,5 +1,6 @@
 """The console front end of a run: a progress bar, Ctrl-C as a clean stop, and the files a finished
 run leaves (LoRA, loss curve) with a summary. Used by `python -m trainer` and headless.py."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from ..run.callbacks import Callbacks
 # scraping tqdm.
 PROGRESS_ENV, PROGRESS_TAG, DONE_TAG = "KILN_PROGRESS_JSON", "KILN_PROGRESS", "KILN_DONE"
 SAMPLE_TAG = "KILN_SAMPLE"
-PAUSED_TAG = "KILN_PAUSED"   # {"paused": bool, "step": n}: every rank waits (or goes on) after step n
+PAUSED_TAG = "KILN_PAUSED"  # {"paused": bool, "step": n}: every rank waits (or goes on) after step n
 # A file of this name in the run folder asks the run to stop after a step with a checkpoint (trainer/cli/launch.py
 # writes it; `touch <run>/stop.request` does the same by hand). The run removes it when it has stopped.
 STOP_FILE = "stop.request"
@@ -46,8 +47,10 @@ class StopOnSignal:
             return
         self.requested, self.first = True, time.monotonic()
         if self.speak:
-            print("\nstopping after this step; a resumable checkpoint will be saved (Ctrl-C again to abort)",
-                  file=sys.stderr)
+            print(
+                "\nstopping after this step; a resumable checkpoint will be saved (Ctrl-C again to abort)",
+                file=sys.stderr,
+            )
 
     def __call__(self) -> bool:
         return self.requested
@@ -67,8 +70,10 @@ class StopFile:
         if not self.seen and self.path.exists():
             self.seen = True
             if self.speak:
-                print(f"\nstop requested ({self.path}): stopping after a step with a resumable checkpoint",
-                      file=sys.stderr)
+                print(
+                    f"\nstop requested ({self.path}): stopping after a step with a resumable checkpoint",
+                    file=sys.stderr,
+                )
         return self.seen
 
     def consume(self) -> None:
@@ -82,8 +87,17 @@ class Console(Callbacks):
     as a clean stop, <run>/PAUSE as a pause; validation is `validation`'s (headless.py's samples), if any.
     Under torchrun every rank has one; rank 0 alone (`speak`) shows and says anything."""
 
-    def __init__(self, cfg, run_dir: Path, start: int, world: int, speak: bool, stop_after: int | None = None,
-                 validation: Callbacks | None = None, should_pause=None):
+    def __init__(
+        self,
+        cfg,
+        run_dir: Path,
+        start: int,
+        world: int,
+        speak: bool,
+        stop_after: int | None = None,
+        validation: Callbacks | None = None,
+        should_pause=None,
+    ):
         from tqdm import tqdm
 
         from ..run.pause import file_flag
@@ -102,10 +116,20 @@ class Console(Callbacks):
         if report.loss is not None:
             bar.set_postfix(loss=f"{report.loss:.4f}", smooth=f"{report.loss_smooth:.4f}", lr=f"{report.lr:.2e}")
         if self.speak:
-            emit(PROGRESS_TAG, {"step": report.step, "total": report.total_steps, "loss": report.loss,
-                                "loss_smooth": report.loss_smooth, "lr": report.lr, "it_per_s": report.it_per_s,
-                                "eta_s": report.eta_s, "peak_memory_bytes": report.peak_memory_bytes,
-                                "skipped_steps": report.skipped_steps})
+            emit(
+                PROGRESS_TAG,
+                {
+                    "step": report.step,
+                    "total": report.total_steps,
+                    "loss": report.loss,
+                    "loss_smooth": report.loss_smooth,
+                    "lr": report.lr,
+                    "it_per_s": report.it_per_s,
+                    "eta_s": report.eta_s,
+                    "peak_memory_bytes": report.peak_memory_bytes,
+                    "skipped_steps": report.skipped_steps,
+                },
+            )
 
     def validate(self, step: int, lora):
         return self.validation.validate(step, lora)
@@ -122,8 +146,13 @@ class Console(Callbacks):
 
         if not self.speak:
             return
-        print(f"\npaused after step {self.bar.n}: delete {self.run_dir / PAUSE_FILE} to resume (Ctrl-C stops)"
-              if paused else "pause over", file=sys.stderr, flush=True)
+        print(
+            f"\npaused after step {self.bar.n}: delete {self.run_dir / PAUSE_FILE} to resume (Ctrl-C stops)"
+            if paused
+            else "pause over",
+            file=sys.stderr,
+            flush=True,
+        )
         emit(PAUSED_TAG, {"paused": paused, "step": self.bar.n})
 
     def close(self) -> None:
@@ -139,24 +168,35 @@ def start_step(run_dir: Path, resume) -> int:
     return found[-1][0] if found else 0
 
 
-def run_loop(cfg, model, data, *, run_dir: Path, resume, stop_after: int | None = None, forward=None,
-             validation: Callbacks | None = None, should_pause=None):
+def run_loop(
+    cfg,
+    model,
+    data,
+    *,
+    run_dir: Path,
+    resume,
+    stop_after: int | None = None,
+    forward=None,
+    validation: Callbacks | None = None,
+    should_pause=None,
+):
     """loop.train with the Console front end; `resume` true continues the run's newest checkpoint. The demo,
     `train` and headless.py (through nodes/comfy, with its validation samples as `validation`) run this."""
     from ..run import distributed
     from ..run.loop import train
 
-    group = distributed.start(cfg.device, cfg.backend)   # idempotent: under torchrun, rank 0 speaks for the run
+    group = distributed.start(cfg.device, cfg.backend)  # idempotent: under torchrun, rank 0 speaks for the run
     main = group.is_main
-    if main:   # from the first step, `touch <run>/PAUSE` and `<run>/stop.request` have a folder to go in
+    if main:  # from the first step, `touch <run>/PAUSE` and `<run>/stop.request` have a folder to go in
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     start = start_step(run_dir, resume)
     for problem in getattr(data, "skipped", []) if main else []:
         print(f"skipped {problem.line()}", file=sys.stderr)
     console = Console(cfg, run_dir, start, group.world, main, stop_after, validation, should_pause)
     try:
-        result = train(cfg, model, data, run_dir=run_dir, resume=run_dir if start else None, forward=forward,
-                       callbacks=console)
+        result = train(
+            cfg, model, data, run_dir=run_dir, resume=run_dir if start else None, forward=forward, callbacks=console
+        )
         if main:
             console.stop_file.consume()
         return result
@@ -178,23 +218,33 @@ def finish(cfg, result, run_dir: Path, name: str) -> None:
 
     lora = result.ema_lora if result.ema_lora is not None else result.lora
     lora_path = run_dir / f"{name}.safetensors"
-    save_lora(lora_path, lora, arch=get_arch(cfg.arch), fmt=cfg.lora_format, dtype=cfg.save_dtype,
-              metadata=lora_metadata(cfg, get_arch(cfg.arch), result.step))
+    save_lora(
+        lora_path,
+        lora,
+        arch=get_arch(cfg.arch),
+        fmt=cfg.lora_format,
+        dtype=cfg.save_dtype,
+        metadata=lora_metadata(cfg, get_arch(cfg.arch), result.step),
+    )
     curve = save_loss_curve(run_dir / "loss.png", result.history.loss, result.history.lr, title=f"{name}: loss")
     losses = [v for v in result.history.loss if v == v and abs(v) != float("inf")]
-    print(f"{'stopped' if result.stopped else 'finished'} at step {result.step}/{cfg.steps}; "
-          f"trainable parameters {result.trainable_parameters:,}")
+    print(
+        f"{'stopped' if result.stopped else 'finished'} at step {result.step}/{cfg.steps}; "
+        f"trainable parameters {result.trainable_parameters:,}"
+    )
     for entry in result.history.skipped:
         print(f"skipped step {entry['step']} (NaN/inf loss or gradient): {', '.join(entry['items'])}")
     if losses:
-        head, tail = losses[: max(1, len(losses) // 10)], losses[-max(1, len(losses) // 10):]
+        head, tail = losses[: max(1, len(losses) // 10)], losses[-max(1, len(losses) // 10) :]
         print(f"loss: first 10% mean {sum(head) / len(head):.4f} -> last 10% mean {sum(tail) / len(tail):.4f}")
     print(f"LoRA ({'EMA' if result.ema_lora is not None else 'raw'} weights): {lora_path}")
     print(f"loss curve: {curve}")
     if result.best is not None:
         early = "stopped early (early_stop_patience); " if result.early_stopped else ""
-        print(f"held-out loss: {early}best {result.best.loss:.4f} at step {result.best.step}, its LoRA: "
-              f"{result.best_lora}")
+        print(
+            f"held-out loss: {early}best {result.best.loss:.4f} at step {result.best.step}, its LoRA: "
+            f"{result.best_lora}"
+        )
     samples = sorted((run_dir / SAMPLES_DIR).glob("step-*.png"))
     if samples:
         print(f"samples ({len(samples)}, newest {samples[-1].name}): {run_dir / SAMPLES_DIR}")
@@ -202,6 +252,14 @@ def finish(cfg, result, run_dir: Path, name: str) -> None:
 
     newest = result.checkpoint or next((path for _, path in list_checkpoints(run_dir)[-1:]), None)
     print(f"checkpoint (resume with --resume): {newest}")
-    emit(DONE_TAG, {"lora": str(lora_path), "checkpoint": str(newest) if newest else None, "step": result.step,
-                    "total": cfg.steps, "stopped": bool(result.stopped),
-                    "best_lora": str(result.best_lora) if result.best_lora else None})
+    emit(
+        DONE_TAG,
+        {
+            "lora": str(lora_path),
+            "checkpoint": str(newest) if newest else None,
+            "step": result.step,
+            "total": cfg.steps,
+            "stopped": bool(result.stopped),
+            "best_lora": str(result.best_lora) if result.best_lora else None,
+        },
+    )

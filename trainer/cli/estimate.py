@@ -1,4 +1,5 @@
 """`python -m trainer estimate CONFIG`: the memory a config needs, per resolution, with the notes that explain it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +16,7 @@ def _variant(cfg, args) -> tuple[object, list[str]]:
         notes += several_sizes_note(args.variant, variants)
     elif cfg.model_path and Path(cfg.model_path).is_file():
         from ..safetensors_io import read_header
+
         header, _ = read_header(cfg.model_path)
         variants = [variant_from_header({k: v["shape"] for k, v in header.items()})]
     else:  # the config's arch is enough
@@ -41,18 +43,30 @@ def cmd_estimate(args) -> int:
     backend = args.backend or cfg.backend
     estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if backend == "mlx" and cfg.base_quantize != "none" else "bf16")
-    references = reference_count(cfg.dataset_dir)   # edit datasets' control folders (both backends train them)
+    references = reference_count(cfg.dataset_dir)  # edit datasets' control folders (both backends train them)
+
     def estimated(resolution: int, budget: float):
-        return estimate(variant, resolution=resolution, batch_size=cfg.batch_size, rank=cfg.rank,
-                        targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
-                        gradient_checkpointing=cfg.gradient_checkpointing, base_dtype=base,
-                        mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
-                        preservation=cfg.preservation_weight > 0,
-                        **({"checkpoint_budget": budget} if budget else {}),  # torch only
-                        **({"fp8_compute": True} if cfg.fp8_compute is True else {}),   # auto: no copies
-                        **({"reference_images": references} if references else {}),
-                        **({"adapter": cfg.adapter, "lokr_factor": cfg.lokr_factor, "lokr_full_w2": cfg.lokr_full_w2}
-                           if cfg.adapter != "lora" else {}))
+        return estimate(
+            variant,
+            resolution=resolution,
+            batch_size=cfg.batch_size,
+            rank=cfg.rank,
+            targets=tuple(cfg.targets) or None,
+            optimizer=cfg.optimizer,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            base_dtype=base,
+            mixed_precision=cfg.mixed_precision,
+            skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
+            preservation=cfg.preservation_weight > 0,
+            **({"checkpoint_budget": budget} if budget else {}),  # torch only
+            **({"fp8_compute": True} if cfg.fp8_compute is True else {}),  # auto: no copies
+            **({"reference_images": references} if references else {}),
+            **(
+                {"adapter": cfg.adapter, "lokr_factor": cfg.lokr_factor, "lokr_full_w2": cfg.lokr_full_w2}
+                if cfg.adapter != "lora"
+                else {}
+            ),
+        )
 
     budget = cfg.checkpoint_budget
     if budget == "auto":
@@ -73,8 +87,10 @@ def _step_graphs_note(estimated, cfg, backend: str, budget: float) -> None:
     step = estimated(recorded, budget)
     pool = GRAPH_POOL_FACTOR * (step.total - step.weights) / 2**30
     when = "" if cfg.step_graphs is True else ", where it fits beside the largest step (auto; else they stay off)"
-    print(f"note: step_graphs on a CUDA GPU: steps of up to {recorded}x{recorded} px replay as CUDA graphs from a "
-          f"memory pool of ~{pool:.1f} GiB more{when}")
+    print(
+        f"note: step_graphs on a CUDA GPU: steps of up to {recorded}x{recorded} px replay as CUDA graphs from a "
+        f"memory pool of ~{pool:.1f} GiB more{when}"
+    )
 
 
 def _auto_budget(estimated, cfg, backend: str, memory_gb: float | None) -> float:
@@ -84,14 +100,19 @@ def _auto_budget(estimated, cfg, backend: str, memory_gb: float | None) -> float
     if backend != "torch" or not cfg.gradient_checkpointing or cfg.compile_blocks is False:
         return 0.0
     if not memory_gb:
-        print("note: checkpoint_budget auto: a run keeps the largest share of activations that fits the GPU's free "
-              "memory; estimated here at 0 (plain checkpointing). Give --memory-gb to see what a GPU would get.")
+        print(
+            "note: checkpoint_budget auto: a run keeps the largest share of activations that fits the GPU's free "
+            "memory; estimated here at 0 (plain checkpointing). Give --memory-gb to see what a GPU would get."
+        )
         return 0.0
     largest = max(cfg.resolutions)
     total = int(memory_gb * 2**30)
     weights = estimated(largest, 0.0).weights
-    budget = largest_budget(lambda b: (lambda e: e.total - e.weights)(estimated(largest, b)),
-                            total - weights - auto_margin(total))
-    print(f"note: checkpoint_budget auto → {budget:g} on a {memory_gb:g} GiB GPU (its largest share that leaves "
-          f"{auto_margin(total) / 2**30:.1f} GiB free at {largest} px)")
+    budget = largest_budget(
+        lambda b: (lambda e: e.total - e.weights)(estimated(largest, b)), total - weights - auto_margin(total)
+    )
+    print(
+        f"note: checkpoint_budget auto → {budget:g} on a {memory_gb:g} GiB GPU (its largest share that leaves "
+        f"{auto_margin(total) / 2**30:.1f} GiB free at {largest} px)"
+    )
     return budget

@@ -15,6 +15,7 @@ when they go on; a stop while paused still ends the run with a checkpoint. `stop
 kills them ~30 s later, torchrun's own window): the fallback where the file cannot be written. Nothing here imports ComfyUI; the child
 never runs ComfyUI's main (for ComfyUI archs it loads model files through headless.py, COMFYUI_PATH).
 """
+
 from __future__ import annotations
 
 import json
@@ -42,20 +43,21 @@ from .console import (
     STOP_FILE,
 )
 
-PACK_ROOT = Path(__file__).resolve().parents[2]   # trainer/cli/launch.py → the pack root
+PACK_ROOT = Path(__file__).resolve().parents[2]  # trainer/cli/launch.py → the pack root
 CONFIG_NAME = "launch.toml"
-STOP_WAIT_S = 120.0   # after stop(): how long the ranks may take to finish their step and save
+STOP_WAIT_S = 120.0  # after stop(): how long the ranks may take to finish their step and save
 
 
 @dataclass
 class Outcome:
     """How a launched run ended: its LoRA and newest checkpoint (None when it wrote none)."""
+
     returncode: int
     lora: Path | None
     checkpoint: Path | None
     step: int
     stopped: bool
-    tail: str        # the last lines of the run's output, for an error message
+    tail: str  # the last lines of the run's output, for an error message
 
 
 def parse_line(line: str) -> tuple[str, dict] | None:
@@ -66,7 +68,7 @@ def parse_line(line: str) -> tuple[str, dict] | None:
         at = line.find(tag + " {")
         if at >= 0:
             try:
-                return kind, json.loads(line[at + len(tag) + 1:])
+                return kind, json.loads(line[at + len(tag) + 1 :])
             except json.JSONDecodeError:
                 return None
     return None
@@ -85,8 +87,19 @@ def gpu_list(text: str) -> list[int]:
 
 def command(config_path: Path, processes: int, resume: bool = False) -> list[str]:
     """torchrun (torch.distributed.run, its module) on one machine, a free port chosen by --standalone."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-            "-m", "trainer", "train", str(config_path), *(["--resume"] if resume else [])]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+        "-m",
+        "trainer",
+        "train",
+        str(config_path),
+        *(["--resume"] if resume else []),
+    ]
 
 
 def environment(gpus: list[int], comfyui_path: str | None = None) -> dict[str, str]:
@@ -105,17 +118,20 @@ def environment(gpus: list[int], comfyui_path: str | None = None) -> dict[str, s
 class Launch:
     """One torchrun run: `start()`, then `wait(on_progress, should_stop)`, or `stop()` from anywhere."""
 
-    def __init__(self, config: dict, run_dir: str | Path, *, processes: int, gpus: str = "",
-                 comfyui_path: str | None = None):
+    def __init__(
+        self, config: dict, run_dir: str | Path, *, processes: int, gpus: str = "", comfyui_path: str | None = None
+    ):
         if processes < 1:
             raise ValueError(f"processes {processes}: start at least one process (one per GPU)")
         self.gpus = gpu_list(gpus)
         if self.gpus and len(self.gpus) < processes:
-            raise ValueError(f"gpus {gpus!r} names {len(self.gpus)} GPU(s) for {processes} processes: "
-                             "name one GPU per process, or fewer processes")
+            raise ValueError(
+                f"gpus {gpus!r} names {len(self.gpus)} GPU(s) for {processes} processes: "
+                "name one GPU per process, or fewer processes"
+            )
         self.run_dir, self.processes, self.comfyui_path = Path(run_dir), processes, comfyui_path
         values = {**config, "output_dir": str(self.run_dir.parent), "run_name": self.run_dir.name}
-        self.config = config_module.from_dict(values)   # validated here, before anything starts
+        self.config = config_module.from_dict(values)  # validated here, before anything starts
         self.events: queue.Queue = queue.Queue()
         self.tail: deque[str] = deque(maxlen=60)
         self.done: dict | None = None
@@ -126,12 +142,19 @@ class Launch:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / CONFIG_NAME
         config_file.save(self.config, config_path)
-        (self.run_dir / STOP_FILE).unlink(missing_ok=True)   # an earlier stop's request must not stop this run
+        (self.run_dir / STOP_FILE).unlink(missing_ok=True)  # an earlier stop's request must not stop this run
         (self.run_dir / PAUSE_FILE).unlink(missing_ok=True)  # nor an earlier pause hold it
         self.process = subprocess.Popen(
-            command(config_path, self.processes, resume), cwd=PACK_ROOT, env=environment(self.gpus, self.comfyui_path),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
-            start_new_session=True)   # its own process group: ComfyUI's Ctrl-C is not the run's
+            command(config_path, self.processes, resume),
+            cwd=PACK_ROOT,
+            env=environment(self.gpus, self.comfyui_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )  # its own process group: ComfyUI's Ctrl-C is not the run's
         threading.Thread(target=self._read, name="kiln-launch-reader", daemon=True).start()
         return self
 
@@ -174,14 +197,19 @@ class Launch:
             path.unlink(missing_ok=True)
         self.pausing = wanted
 
-    def wait(self, on_progress: Callable[[dict], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, poll_s: float = 0.25,
-             on_sample: Callable[[dict], None] | None = None, should_pause: Callable[[], bool] | None = None,
-             on_pause: Callable[[dict], None] | None = None) -> Outcome:
+    def wait(
+        self,
+        on_progress: Callable[[dict], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        poll_s: float = 0.25,
+        on_sample: Callable[[dict], None] | None = None,
+        should_pause: Callable[[], bool] | None = None,
+        on_pause: Callable[[dict], None] | None = None,
+    ) -> Outcome:
         """Runs `on_progress` for each step line, `on_sample` for each sample line and `on_pause` for each
         paused line, and polls `should_stop` and `should_pause` (the PAUSE file follows it), in the calling
         thread; the outcome. The PAUSE file is removed when the run has ended."""
-        while not (self.closed and self.events.empty()):   # a second wait() returns too
+        while not (self.closed and self.events.empty()):  # a second wait() returns too
             try:
                 kind, fields = self.events.get(timeout=poll_s)
             except queue.Empty:
@@ -203,7 +231,7 @@ class Launch:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             code = self.process.wait()
-        self.pause(False)   # a resumed run must not start paused
+        self.pause(False)  # a resumed run must not start paused
         return self.outcome(code)
 
     def outcome(self, code: int) -> Outcome:
@@ -213,6 +241,11 @@ class Launch:
         newest = found[-1] if found else None
         done = self.done or {}
         lora = Path(done["lora"]) if done.get("lora") else None
-        return Outcome(code, lora if lora is not None and lora.is_file() else None,
-                       newest[1] if newest else None, newest[0] if newest else 0,
-                       bool(done.get("stopped", self.stopping)), "\n".join(self.tail))
+        return Outcome(
+            code,
+            lora if lora is not None and lora.is_file() else None,
+            newest[1] if newest else None,
+            newest[0] if newest else 0,
+            bool(done.get("stopped", self.stopping)),
+            "\n".join(self.tail),
+        )

@@ -1,6 +1,7 @@
 """Command line: python -m trainer {demo, train, check-dataset, caption, cache, estimate, export, convert,
 inspect, merge, resize, extract}. Run with --help. The parser is parser.py; the commands live in train.py,
 estimate.py, commands.py and lora_commands.py."""
+
 from __future__ import annotations
 
 import sys

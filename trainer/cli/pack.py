@@ -1,4 +1,5 @@
 """The pack root (headless.py, beside nodes/) reached from the command line: the one door from trainer/ to it."""
+
 from __future__ import annotations
 
 import sys
@@ -13,9 +14,11 @@ def headless():
 
     path = os.environ.get("COMFYUI_PATH", "").strip()
     if not path and importlib.util.find_spec("comfy") is None:
-        raise SystemExit("this architecture trains ComfyUI's own model code, and ComfyUI is not importable here: "
-                         "set COMFYUI_PATH to a ComfyUI checkout (0.17 or newer) and run again, "
-                         "or use arch 'demo' to try the trainer without it")
+        raise SystemExit(
+            "this architecture trains ComfyUI's own model code, and ComfyUI is not importable here: "
+            "set COMFYUI_PATH to a ComfyUI checkout (0.17 or newer) and run again, "
+            "or use arch 'demo' to try the trainer without it"
+        )
     if path and path not in sys.path:
         sys.path.insert(0, path)
     return import_pack("headless")
@@ -31,9 +34,10 @@ def import_pack(name: str = ""):
     import importlib.util
 
     if PACK not in sys.modules:
-        root = Path(__file__).resolve().parents[2]   # trainer/cli/main.py → the pack root
-        spec = importlib.util.spec_from_file_location(PACK, root / "__init__.py",
-                                                      submodule_search_locations=[str(root)])
+        root = Path(__file__).resolve().parents[2]  # trainer/cli/main.py → the pack root
+        spec = importlib.util.spec_from_file_location(
+            PACK, root / "__init__.py", submodule_search_locations=[str(root)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[PACK] = module
         spec.loader.exec_module(module)

@@ -1,4 +1,5 @@
 """A TrainConfig from plain values: defaults, then a preset, then the values, each checked (checks.py)."""
+
 from __future__ import annotations
 
 import difflib
@@ -23,8 +24,10 @@ def from_dict(values: dict[str, Any], *, preset: str | None = None) -> TrainConf
         merged.update(PRESETS[preset])
     unknown = [key for key in values if key not in FIELDS]
     if unknown:
-        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, FIELDS, 1)) else repr(k)
-                 for k in unknown]
+        hints = [
+            f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, FIELDS, 1)) else repr(k)
+            for k in unknown
+        ]
         raise ConfigError(f"unknown config key(s): {', '.join(hints)}")
     merged.update(values)
     cfg = TrainConfig(**{key: check_value(key, value) for key, value in merged.items()})

@@ -3,6 +3,7 @@
 They read the tables fields.py derives from the declarations; build.py calls them, so the import graph has one
 direction.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -17,8 +18,15 @@ from .declaration import AUTO, ConfigError
 from .fields import AUTO_FIELDS, BOUNDS, CHOICES, KIND, TrainConfig
 from .prompts import PROMPT_FLAGS, PROMPT_KEYS
 
-_KINDS = {"str": str, "int": int, "float": float, "bool": bool, "list[str]": list, "list[int]": list,
-          "list[str | dict]": list}
+_KINDS = {
+    "str": str,
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "list[str]": list,
+    "list[int]": list,
+    "list[str | dict]": list,
+}
 _FLAG = re.compile(r"(?:^|\s)--(\S+)")
 
 
@@ -36,8 +44,10 @@ def _check_type(key: str, value: Any) -> Any:
     expected, shown = _KINDS[kind], f'{kind} or "{AUTO}"' if key in AUTO_FIELDS else kind
     if kind == "list[str | dict]":
         if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list of prompts (strings or tables), got {type(value).__name__} "
-                              f"({value!r}); e.g. {key} = [\"a photo of ohwx\"]")
+            raise ConfigError(
+                f"{key} must be a list of prompts (strings or tables), got {type(value).__name__} "
+                f'({value!r}); e.g. {key} = ["a photo of ohwx"]'
+            )
         return [_check_prompt(f"{key}[{number}]", entry) for number, entry in enumerate(value)]
     if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -76,7 +86,7 @@ def _check_text(key: str, value: Any) -> None:
     if isinstance(value, str) and not value.isascii():
         try:
             value.encode("utf-8")
-        except UnicodeEncodeError as err:   # a lone surrogate, e.g. "\ud800" in a JSON file
+        except UnicodeEncodeError as err:  # a lone surrogate, e.g. "\ud800" in a JSON file
             raise ConfigError(f"{key} holds an invalid character ({value[err.start]!r}); retype that text") from None
 
 
@@ -86,22 +96,31 @@ def parse_prompt(entry: str | dict, where: str = "sample prompt") -> dict[str, A
     if isinstance(entry, dict):
         unknown = [k for k in entry if k not in PROMPT_KEYS]
         if unknown:
-            hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(str(k), PROMPT_KEYS, 1))
-                     else repr(k) for k in unknown]
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(hints)}; a prompt table takes "
-                              f"{', '.join(PROMPT_KEYS)}")
+            hints = [
+                f"{k!r} (did you mean {m[0]!r}?)"
+                if (m := difflib.get_close_matches(str(k), PROMPT_KEYS, 1))
+                else repr(k)
+                for k in unknown
+            ]
+            raise ConfigError(
+                f"{where}: unknown key(s) {', '.join(hints)}; a prompt table takes {', '.join(PROMPT_KEYS)}"
+            )
         if "prompt" not in entry:
-            raise ConfigError(f"{where}: a prompt table needs prompt = \"...\" (the text to sample)")
+            raise ConfigError(f'{where}: a prompt table needs prompt = "..." (the text to sample)')
         return dict(entry)
     if not isinstance(entry, str):
-        raise ConfigError(f"{where} must be a string or a table {{prompt = \"...\", seed = 7, ...}}, "
-                          f"got {type(entry).__name__} ({entry!r})")
+        raise ConfigError(
+            f'{where} must be a string or a table {{prompt = "...", seed = 7, ...}}, '
+            f"got {type(entry).__name__} ({entry!r})"
+        )
     parts = _FLAG.split(entry)
     values: dict[str, Any] = {"prompt": parts[0]}
     for flag, text in zip(parts[1::2], parts[2::2]):
         if flag not in PROMPT_FLAGS:
-            raise ConfigError(f"{where}: unknown flag --{flag}; a prompt string takes --n (negative), --w, --h, "
-                              "--seed, --cfg, --steps (or a table: {prompt = \"...\", seed = 7})")
+            raise ConfigError(
+                f"{where}: unknown flag --{flag}; a prompt string takes --n (negative), --w, --h, "
+                '--seed, --cfg, --steps (or a table: {prompt = "...", seed = 7})'
+            )
         key, text = PROMPT_FLAGS[flag], text.strip()
         kind = KIND[PROMPT_KEYS[key]]
         if kind == "str":
@@ -110,8 +129,9 @@ def parse_prompt(entry: str | dict, where: str = "sample prompt") -> dict[str, A
         try:
             values[key] = int(text) if kind == "int" else float(text)
         except ValueError:
-            raise ConfigError(f"{where}: --{flag} needs a {'whole ' if kind == 'int' else ''}number, "
-                              f"got {text!r}") from None
+            raise ConfigError(
+                f"{where}: --{flag} needs a {'whole ' if kind == 'int' else ''}number, got {text!r}"
+            ) from None
     return values
 
 
@@ -160,28 +180,41 @@ def _schedule_problems(cfg: TrainConfig) -> list[str]:
 def _backend_problems(cfg: TrainConfig) -> list[str]:
     problems = []
     if cfg.backend == "mlx" and not ARCHS[cfg.arch].mlx_model:
-        problems.append(f"arch {cfg.arch!r} has no MLX port (it trains ComfyUI's own PyTorch model); "
-                        "use backend 'torch'")
+        problems.append(
+            f"arch {cfg.arch!r} has no MLX port (it trains ComfyUI's own PyTorch model); use backend 'torch'"
+        )
     if cfg.backend == "mlx" and cfg.optimizer in ("adamw8bit", "prodigy"):
         problems.append(f"optimizer {cfg.optimizer!r} is PyTorch-only; use adamw or adafactor with backend 'mlx'")
     if cfg.backend == "mlx" and cfg.attention != "auto":
-        problems.append(f"attention {cfg.attention!r} picks a PyTorch kernel; MLX has one (mx.fast.scaled_dot_product_attention): "
-                        "set attention to auto")
-    if cfg.checkpoint_budget != AUTO and cfg.checkpoint_budget > 0 and not (
-            cfg.backend == "torch" and cfg.compile_blocks is not False and cfg.gradient_checkpointing):
-        problems.append(f"checkpoint_budget {cfg.checkpoint_budget:g} needs backend 'torch' with compile_blocks and "
-                        f"gradient_checkpointing on; set it to 0 (or auto) or use skip_checkpoint_blocks")
+        problems.append(
+            f"attention {cfg.attention!r} picks a PyTorch kernel; MLX has one (mx.fast.scaled_dot_product_attention): "
+            "set attention to auto"
+        )
+    if (
+        cfg.checkpoint_budget != AUTO
+        and cfg.checkpoint_budget > 0
+        and not (cfg.backend == "torch" and cfg.compile_blocks is not False and cfg.gradient_checkpointing)
+    ):
+        problems.append(
+            f"checkpoint_budget {cfg.checkpoint_budget:g} needs backend 'torch' with compile_blocks and "
+            f"gradient_checkpointing on; set it to 0 (or auto) or use skip_checkpoint_blocks"
+        )
     if cfg.backend == "mlx" and cfg.compile_blocks is True:
         problems.append("compile_blocks is for backend 'torch' (MLX compiles its whole step already); turn it off")
     if cfg.fp8_compute is True and (cfg.backend != "torch" or cfg.mixed_precision != "bf16"):
-        problems.append("fp8_compute needs backend 'torch' with mixed_precision 'bf16' (its matmuls return bf16); "
-                        "turn it off")
+        problems.append(
+            "fp8_compute needs backend 'torch' with mixed_precision 'bf16' (its matmuls return bf16); turn it off"
+        )
     if cfg.cuda_graphs and (cfg.backend != "torch" or cfg.compile_blocks is False):
-        problems.append("cuda_graphs replays compiled blocks: it needs backend 'torch' with compile_blocks on (or "
-                        "auto); turn cuda_graphs off")
+        problems.append(
+            "cuda_graphs replays compiled blocks: it needs backend 'torch' with compile_blocks on (or "
+            "auto); turn cuda_graphs off"
+        )
     if cfg.backend == "torch" and cfg.base_quantize != "none":
-        problems.append(f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; with PyTorch load the model "
-                        "with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base")
+        problems.append(
+            f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; with PyTorch load the model "
+            "with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base"
+        )
     return problems
 
 
@@ -200,47 +233,61 @@ def _resolution_problems(cfg: TrainConfig) -> list[str]:
 def _sample_problems(cfg: TrainConfig) -> list[str]:
     arch, problems = ARCHS[cfg.arch], []
     if cfg.sample_prompts and not arch.clip_type:
-        problems.append(f"sample_prompts: arch {cfg.arch!r} has no ComfyUI text encoder to sample with (headless "
-                        f"samples need one of {[a.name for a in ARCHS.values() if a.clip_type]}); "
-                        "leave sample_prompts empty")
+        problems.append(
+            f"sample_prompts: arch {cfg.arch!r} has no ComfyUI text encoder to sample with (headless "
+            f"samples need one of {[a.name for a in ARCHS.values() if a.clip_type]}); "
+            "leave sample_prompts empty"
+        )
     sizes = [("sample_width", cfg.sample_width), ("sample_height", cfg.sample_height)]
     for number, entry in enumerate(cfg.sample_prompts):
         values = parse_prompt(entry)
         sizes += [(f"sample_prompts[{number}]: {key}", values[key]) for key in ("width", "height") if key in values]
     for where, size in sizes:
         if size % arch.bucket_divisor:
-            problems.append(f"{where} {size} must be a multiple of {arch.bucket_divisor} for {cfg.arch} "
-                            f"(e.g. {size - size % arch.bucket_divisor or arch.bucket_divisor})")
+            problems.append(
+                f"{where} {size} must be a multiple of {arch.bucket_divisor} for {cfg.arch} "
+                f"(e.g. {size - size % arch.bucket_divisor or arch.bucket_divisor})"
+            )
     for key in ("sample_sampler", "sample_scheduler"):
         if not re.fullmatch(r"[A-Za-z0-9_]+", getattr(cfg, key)):
-            problems.append(f"{key} must be a ComfyUI {key[7:]} name (e.g. euler, simple) or auto, "
-                            f"got {getattr(cfg, key)!r}")
+            problems.append(
+                f"{key} must be a ComfyUI {key[7:]} name (e.g. euler, simple) or auto, got {getattr(cfg, key)!r}"
+            )
     return problems
 
 
 def _preservation_problems(cfg: TrainConfig) -> list[str]:
     if cfg.preservation_weight > 0 and not cfg.preservation_class.strip():
-        return [("preservation_weight > 0 needs preservation_class, the class word that replaces the trigger "
-                 "word (e.g. person; in a graph, on Kiln Encode Captions); or set preservation_weight to 0")]
+        return [
+            (
+                "preservation_weight > 0 needs preservation_class, the class word that replaces the trigger "
+                "word (e.g. person; in a graph, on Kiln Encode Captions); or set preservation_weight to 0"
+            )
+        ]
     return []
 
 
 def _holdout_problems(cfg: TrainConfig) -> list[str]:
     problems = []
     if cfg.holdout >= 1 and cfg.holdout != int(cfg.holdout):
-        problems.append(f"holdout {cfg.holdout:g} must be a whole number of images (1, 2, ...) or a share below 1 "
-                        f"(e.g. {cfg.holdout / 100:g})")
+        problems.append(
+            f"holdout {cfg.holdout:g} must be a whole number of images (1, 2, ...) or a share below 1 "
+            f"(e.g. {cfg.holdout / 100:g})"
+        )
     if cfg.early_stop_patience and not cfg.holdout:
-        problems.append(f"early_stop_patience {cfg.early_stop_patience} stops on the held-out loss: set holdout "
-                        "(e.g. 0.1) or set early_stop_patience to 0")
+        problems.append(
+            f"early_stop_patience {cfg.early_stop_patience} stops on the held-out loss: set holdout "
+            "(e.g. 0.1) or set early_stop_patience to 0"
+        )
     return problems
 
 
 def _target_problems(cfg: TrainConfig) -> list[str]:
     problems = []
     if cfg.init_lora_sha256 and not re.fullmatch(r"[0-9a-f]{64}", cfg.init_lora_sha256):
-        problems.append(f"init_lora_sha256 must be 64 lower-case hex digits (a sha256) or empty, "
-                        f"got {cfg.init_lora_sha256!r}")
+        problems.append(
+            f"init_lora_sha256 must be 64 lower-case hex digits (a sha256) or empty, got {cfg.init_lora_sha256!r}"
+        )
     for pattern in cfg.targets:
         if not pattern.strip():
             problems.append("targets contains an empty pattern")
@@ -258,5 +305,12 @@ def _check_regex(pattern: str, problems: list[str]) -> None:
 
 # check_combinations runs these in order; the problems they find join into one message in this order.
 _COMBINATION_CHECKS: tuple[Callable[[TrainConfig], list[str]], ...] = (
-    _schedule_problems, _backend_problems, _resolution_problems, _sample_problems, _preservation_problems,
-    adapters.check_config, _holdout_problems, _target_problems)
+    _schedule_problems,
+    _backend_problems,
+    _resolution_problems,
+    _sample_problems,
+    _preservation_problems,
+    adapters.check_config,
+    _holdout_problems,
+    _target_problems,
+)

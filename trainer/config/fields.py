@@ -94,4 +94,3 @@ NOT_IN_GRAPH = _TABLES.on_node("none")
 def identity_values(values: dict[str, Any]) -> dict[str, Any]:
     """A config's values that make a run's identity (its folder hash): every field not declared identity=False."""
     return {key: value for key, value in values.items() if key not in NOT_IDENTITY}
-

@@ -3,6 +3,7 @@
 TOML is written without a dependency (the values a TrainConfig holds are scalars, lists and sample-prompt
 tables); reading uses the standard library's tomllib (tomli on Python 3.10).
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ Defaults < preset < each layer in the order given, a later layer winning; in a g
 train node's widgets < the dataset < the model. The preset fills only what no layer sets, so a value set on a
 connected option node wins over it, default or not.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -20,9 +21,9 @@ _DEFAULTS = TrainConfig().to_dict()
 @dataclass(frozen=True)
 class Resolved:
     config: TrainConfig
-    sources: dict[str, str] = field(default_factory=dict)   # setting → the layer its value came from
+    sources: dict[str, str] = field(default_factory=dict)  # setting → the layer its value came from
     preset: str | None = None
-    layers: tuple[str, ...] = ()                              # the layers' names, first (weakest) first
+    layers: tuple[str, ...] = ()  # the layers' names, first (weakest) first
 
     def then(self, config: TrainConfig, source: str) -> Resolved:
         """This resolution after `config` replaced some of its values (an init LoRA's rank): those from `source`."""

@@ -1,4 +1,5 @@
 """Training data as the loop sees it: cached latents and text embeddings, grouped in buckets."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,13 +15,13 @@ class DatasetError(KilnError):
 
 
 class TrainingData(Protocol):
-    buckets: dict[str, list[int]]      # bucket key ("WxH") -> item indices (repeats included)
+    buckets: dict[str, list[int]]  # bucket key ("WxH") -> item indices (repeats included)
 
-    def latent(self, index: int) -> np.ndarray: ...      # [C,H,W] float32
-    def variants(self, index: int) -> int: ...           # caption variants (shuffled tags) cached for the item
+    def latent(self, index: int) -> np.ndarray: ...  # [C,H,W] float32
+    def variants(self, index: int) -> int: ...  # caption variants (shuffled tags) cached for the item
     def context(self, index: int, variant: int = 0) -> np.ndarray: ...  # [T,D] float32
-    def empty_context(self) -> np.ndarray: ...           # [T,D]: the empty caption, for caption dropout
-    def name(self, index: int) -> str: ...               # the image's file name, for messages
+    def empty_context(self) -> np.ndarray: ...  # [T,D]: the empty caption, for caption dropout
+    def name(self, index: int) -> str: ...  # the image's file name, for messages
     def mask(self, index: int) -> np.ndarray | None: ...  # [1,H,W] loss mask in 0..1, None: unmasked
     def controls(self, index: int) -> list[np.ndarray]: ...  # edit items: raw control latents [C,h,w]
 
@@ -34,7 +35,7 @@ class InMemoryData:
     names: list[str]
     empty: np.ndarray
     buckets: dict[str, list[int]]
-    masks: list[np.ndarray | None] | None = None         # per item [1,H,W], for masked training
+    masks: list[np.ndarray | None] | None = None  # per item [1,H,W], for masked training
     control_latents: list[list[np.ndarray]] | None = None  # per item, for edit training
 
     @classmethod

@@ -7,6 +7,7 @@ Z-Image). The image is resized to cover the bucket and cropped to it, at the
 centre or at a seeded random offset fixed per image (a fixed offset keeps the
 latent cache valid; a new crop every epoch would need a new VAE pass).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,11 +22,11 @@ CROPS = ("center", "random")
 class Entry:
     """One (image, resolution) the model trains on: resize to `resized`, crop `bucket` at `offset`."""
 
-    item: int                       # index into ScanReport.items
+    item: int  # index into ScanReport.items
     resolution: int
-    bucket: tuple[int, int]         # (width, height) in pixels
-    resized: tuple[int, int]        # (width, height) the image is resized to before the crop
-    offset: tuple[int, int]         # (x, y) of the crop in the resized image
+    bucket: tuple[int, int]  # (width, height) in pixels
+    resized: tuple[int, int]  # (width, height) the image is resized to before the crop
+    offset: tuple[int, int]  # (x, y) of the crop in the resized image
 
     @property
     def key(self) -> str:
@@ -35,8 +36,10 @@ class Entry:
 def bucket_size(width: int, height: int, resolution: int, divisor: int) -> tuple[int, int]:
     """Aspect kept, area ≤ resolution², never upscaled, sides floored to the divisor (at least one divisor)."""
     scale = min(1.0, resolution / math.sqrt(width * height))
-    return (max(divisor, int(width * scale) // divisor * divisor),
-            max(divisor, int(height * scale) // divisor * divisor))
+    return (
+        max(divisor, int(width * scale) // divisor * divisor),
+        max(divisor, int(height * scale) // divisor * divisor),
+    )
 
 
 def cover(width: int, height: int, bucket: tuple[int, int]) -> tuple[int, int]:
@@ -45,8 +48,9 @@ def cover(width: int, height: int, bucket: tuple[int, int]) -> tuple[int, int]:
     return max(bucket[0], round(width * scale)), max(bucket[1], round(height * scale))
 
 
-def crop_offset(resized: tuple[int, int], bucket: tuple[int, int], mode: str,
-                rng: np.random.Generator | None = None) -> tuple[int, int]:
+def crop_offset(
+    resized: tuple[int, int], bucket: tuple[int, int], mode: str, rng: np.random.Generator | None = None
+) -> tuple[int, int]:
     spare_x, spare_y = resized[0] - bucket[0], resized[1] - bucket[1]
     if mode == "center":
         return spare_x // 2, spare_y // 2
@@ -60,8 +64,8 @@ def crop_offset(resized: tuple[int, int], bucket: tuple[int, int], mode: str,
 @dataclass
 class BucketPlan:
     entries: list[Entry]
-    smallest_side: int = 0           # an image below this cannot be bucketed (the divisor)
-    crop: str = "center"             # how each entry's offset was chosen (CROPS)
+    smallest_side: int = 0  # an image below this cannot be bucketed (the divisor)
+    crop: str = "center"  # how each entry's offset was chosen (CROPS)
 
     def buckets(self, repeats: list[int] | None = None) -> dict[str, list[int]]:
         """Bucket key → entry indices, each repeated `repeats[entry.item]` times (the sampler's input)."""
@@ -83,9 +87,14 @@ class BucketPlan:
         groups: dict[int, dict[str, list[Entry]]] = {}
         for entry in self.entries:
             groups.setdefault(entry.resolution, {}).setdefault(entry.key, []).append(entry)
-        return {res: dict(sorted(groups[res].items(), key=lambda kv: (-len(kv[1]), -kv[1][0].bucket[0]
-                                                                       * kv[1][0].bucket[1], kv[0])))
-                for res in sorted(groups)}
+        return {
+            res: dict(
+                sorted(
+                    groups[res].items(), key=lambda kv: (-len(kv[1]), -kv[1][0].bucket[0] * kv[1][0].bucket[1], kv[0])
+                )
+            )
+            for res in sorted(groups)
+        }
 
     def format_report(self) -> str:
         lines = [f"{len(self.entries)} training entries in {len(self.report())} buckets"]
@@ -103,23 +112,46 @@ class BucketPlan:
         for res in sorted(resolutions):
             buckets = groups.get(res, {})
             placed = {entry.item for entries in buckets.values() for entry in entries}
-            out.append({"resolution": res, "divisor": self.smallest_side, "crop": self.crop, "images": len(placed),
-                        "buckets": [{"bucket": key, "size": list(entries[0].bucket),
-                                     "images": [_placement(entry, paths, sizes) for entry in entries]}
-                                    for key, entries in buckets.items()],
-                        "smaller": [paths[item] for item in range(len(paths)) if item not in placed]})
+            out.append(
+                {
+                    "resolution": res,
+                    "divisor": self.smallest_side,
+                    "crop": self.crop,
+                    "images": len(placed),
+                    "buckets": [
+                        {
+                            "bucket": key,
+                            "size": list(entries[0].bucket),
+                            "images": [_placement(entry, paths, sizes) for entry in entries],
+                        }
+                        for key, entries in buckets.items()
+                    ],
+                    "smaller": [paths[item] for item in range(len(paths)) if item not in placed],
+                }
+            )
         return out
 
 
 def _placement(entry: Entry, paths: list[str], sizes: list[tuple[int, int]]) -> dict:
     """One image in its bucket: original size, resized size, crop offset and the pixels cropped off (x, y)."""
-    return {"path": paths[entry.item], "size": list(sizes[entry.item]), "resized": list(entry.resized),
-            "offset": list(entry.offset),
-            "cropped": [entry.resized[0] - entry.bucket[0], entry.resized[1] - entry.bucket[1]]}
+    return {
+        "path": paths[entry.item],
+        "size": list(sizes[entry.item]),
+        "resized": list(entry.resized),
+        "offset": list(entry.offset),
+        "cropped": [entry.resized[0] - entry.bucket[0], entry.resized[1] - entry.bucket[1]],
+    }
 
 
-def plan_buckets(sizes: list[tuple[int, int]], resolutions: list[int], divisor: int, *,
-                 crop: str = "center", seed: int = 0, hashes: list[str] | None = None) -> BucketPlan:
+def plan_buckets(
+    sizes: list[tuple[int, int]],
+    resolutions: list[int],
+    divisor: int,
+    *,
+    crop: str = "center",
+    seed: int = 0,
+    hashes: list[str] | None = None,
+) -> BucketPlan:
     """One entry per image and resolution; a resolution that gives an image the same bucket as a
     smaller one (a small image is never upscaled) adds no second entry."""
     if crop not in CROPS:

@@ -13,6 +13,7 @@ the least recently used entries first.
     <cache>/text/ab/abcdef….safetensors      {"context": [T,D]} in bf16 (text encoders run in bf16,
                                              and Flux2 Klein's 512×7680 rows are 15 MB each in fp32)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,8 +63,10 @@ class Cache:
         if kind not in KINDS:
             raise ValueError(f"cache kind must be one of {KINDS}, got {kind!r}")
         if not isinstance(key, str) or not KEY.fullmatch(key):
-            raise ValueError(f"{self.root}: cache key {key!r} is not a hex digest; make keys with latent_key or "
-                             "text_key (a key is never a path)")
+            raise ValueError(
+                f"{self.root}: cache key {key!r} is not a hex digest; make keys with latent_key or "
+                "text_key (a key is never a path)"
+            )
         return self.root / kind / key[:2] / f"{key}.safetensors"
 
     def get(self, kind: str, key: str) -> dict[str, np.ndarray] | None:
@@ -84,18 +87,33 @@ class Cache:
     def has(self, kind: str, key: str) -> bool:
         return self.path(kind, key).is_file()
 
-    def put(self, kind: str, key: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
-            dtype: str = "F32") -> Path:
+    def put(
+        self,
+        kind: str,
+        key: str,
+        tensors: dict[str, np.ndarray],
+        metadata: dict[str, str] | None = None,
+        dtype: str = "F32",
+    ) -> Path:
         path = self.path(kind, key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        safetensors_io.write(path, {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
-                             metadata=metadata or {}, dtype=dtype)
+        safetensors_io.write(
+            path,
+            {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+            metadata=metadata or {},
+            dtype=dtype,
+        )
         return path
 
     def files(self) -> list[Path]:
         """Cache entries; a linked fan-out folder is not followed, so pruning never deletes outside the cache."""
-        return sorted(p for kind in KINDS if (self.root / kind).is_dir()
-                      for p in (self.root / kind).glob("*/*.safetensors") if not p.parent.is_symlink())
+        return sorted(
+            p
+            for kind in KINDS
+            if (self.root / kind).is_dir()
+            for p in (self.root / kind).glob("*/*.safetensors")
+            if not p.parent.is_symlink()
+        )
 
     def usage(self) -> Usage:
         sizes = [p.stat().st_size for p in self.files()]

@@ -1,5 +1,6 @@
 """The training data a Dataset's caches give the loop: latents and embeddings read on demand, held in an LRU
 under a memory budget."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -18,8 +19,9 @@ class CachedData:
         entries, items = dataset.plan.entries, dataset.report.items
         usable = set(dataset.usable_entries())
         repeats = [item.repeats * dataset.settings.repeats for item in items]
-        self.buckets = {key: [n for n in indices if n in usable]
-                        for key, indices in dataset.plan.buckets(repeats).items()}
+        self.buckets = {
+            key: [n for n in indices if n in usable] for key, indices in dataset.plan.buckets(repeats).items()
+        }
         self.buckets = {k: v for k, v in self.buckets.items() if v}
         self.entries, self.items = entries, items
         self.skipped = dataset.skipped
@@ -32,8 +34,10 @@ class CachedData:
             return self._memory[key]
         tensors = self.cache.get(kind, key)
         if tensors is None:
-            raise DatasetError(f"the {what} for {name!r} is missing from the cache {self.cache.root} "
-                               "(deleted while training?): run the encode nodes again")
+            raise DatasetError(
+                f"the {what} for {name!r} is missing from the cache {self.cache.root} "
+                "(deleted while training?): run the encode nodes again"
+            )
         self._memory[key] = tensors
         self._held += sum(array.nbytes for array in tensors.values())
         while self._held > self._budget and len(self._memory) > 1:

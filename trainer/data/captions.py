@@ -11,6 +11,7 @@ Text embeddings are cached, so shuffling makes `variants` fixed shuffles per
 caption (variant 0 is the unshuffled caption), each encoded once; the loop
 picks one per draw from its seeded generator.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,8 +29,8 @@ class CaptionSettings:
     suffix: str = ""
     default_caption: str = ""
     shuffle_tags: bool = False
-    keep_tags: int = 0           # leading tags that shuffling leaves in place
-    variants: int = 4            # shuffled variants per caption when shuffle_tags is on
+    keep_tags: int = 0  # leading tags that shuffling leaves in place
+    variants: int = 4  # shuffled variants per caption when shuffle_tags is on
 
 
 def source_text(raw: str | None, settings: CaptionSettings) -> str:

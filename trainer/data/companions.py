@@ -15,6 +15,7 @@ A companion is resized and cropped exactly as its image is (the entry's resize a
 another size covers the same bucket, centred), then a mask is area-averaged to the latent grid and a control
 VAE-encoded; both are stored in the image's latent cache entry, whose key carries their file hashes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +32,7 @@ from .folder.images import IMAGE_EXTENSIONS, ImageProblem, load_mask, load_rgb, 
 from .folder.report import Item, Problem
 
 MASK_SUFFIX = ".mask"
-CONTROL_FOLDER = re.compile(r"^control(?:_([2-9]|[1-9]\d))?$")   # control, control_2, ... control_99
+CONTROL_FOLDER = re.compile(r"^control(?:_([2-9]|[1-9]\d))?$")  # control, control_2, ... control_99
 
 
 def is_mask(rel: str) -> bool:
@@ -51,8 +52,11 @@ def control_slot(rel: str) -> int | None:
 def reference_count(root: str | Path) -> int:
     """Control folders at a dataset's root: the reference images each target trains with (0: no edit set)."""
     root = Path(root) if root else None
-    return sum(1 for p in root.iterdir() if p.is_dir() and CONTROL_FOLDER.match(p.name)) \
-        if root is not None and root.is_dir() else 0
+    return (
+        sum(1 for p in root.iterdir() if p.is_dir() and CONTROL_FOLDER.match(p.name))
+        if root is not None and root.is_dir()
+        else 0
+    )
 
 
 def is_companion(rel: str) -> bool:
@@ -66,7 +70,7 @@ def _stem(rel: str) -> str:
 def attach(root: Path, items: list[Item], files: list[str]) -> tuple[list[Item], list[Problem]]:
     """Items with their masks and controls attached, and the problems found (a bad mask, a missing
     control: that image is skipped, never trained without what it was given)."""
-    masks = {_stem(rel)[:-len(MASK_SUFFIX)]: rel for rel in files if is_mask(rel) and control_slot(rel) is None}
+    masks = {_stem(rel)[: -len(MASK_SUFFIX)]: rel for rel in files if is_mask(rel) and control_slot(rel) is None}
     slots: dict[int, dict[str, str]] = {}
     for rel in files:
         if (slot := control_slot(rel)) is not None and Path(rel).suffix.lower() in IMAGE_EXTENSIONS:
@@ -81,9 +85,16 @@ def attach(root: Path, items: list[Item], files: list[str]) -> tuple[list[Item],
             rel = slots[slot].get(stem)
             if rel is None:
                 folder = "control" if slot == 0 else f"control_{slot + 1}"
-                item_problems.append(Problem("control_missing", item.path, f"no control image {folder}/{stem}.*",
-                                             f"add the image this target is edited from as {folder}/{stem}.png, "
-                                             "or move the target out of this edit dataset", "skipped"))
+                item_problems.append(
+                    Problem(
+                        "control_missing",
+                        item.path,
+                        f"no control image {folder}/{stem}.*",
+                        f"add the image this target is edited from as {folder}/{stem}.png, "
+                        "or move the target out of this edit dataset",
+                        "skipped",
+                    )
+                )
             else:
                 controls.append(rel)
         used |= {mask, *controls}
@@ -92,13 +103,27 @@ def attach(root: Path, items: list[Item], files: list[str]) -> tuple[list[Item],
             continue
         problems += item_problems
         hashes = [hashlib.sha256((root / rel).read_bytes()).hexdigest() for rel in [mask or "", *controls] if rel]
-        kept.append(replace(item, mask_file=mask, controls=tuple(controls),
-                            companions_sha256=hashlib.sha256("\n".join([mask or "", *controls, *hashes])
-                                                             .encode()).hexdigest() if hashes else ""))
+        kept.append(
+            replace(
+                item,
+                mask_file=mask,
+                controls=tuple(controls),
+                companions_sha256=hashlib.sha256("\n".join([mask or "", *controls, *hashes]).encode()).hexdigest()
+                if hashes
+                else "",
+            )
+        )
     for rel in sorted(set(masks.values()) | {r for s in slots.values() for r in s.values()}):
         if rel not in used:
-            problems.append(Problem("companion_orphan", rel, "a mask or control image with no training image of "
-                                    "the same name", "rename it to match its image, or delete it", "warning"))
+            problems.append(
+                Problem(
+                    "companion_orphan",
+                    rel,
+                    "a mask or control image with no training image of the same name",
+                    "rename it to match its image, or delete it",
+                    "warning",
+                )
+            )
     return kept, problems
 
 
@@ -108,19 +133,36 @@ def _check_mask(root: Path, item: Item, mask: str) -> list[Problem]:
         info = probe(root / mask)
         values = load_mask(root / mask)
     except ImageProblem as err:
-        return [Problem("mask_unreadable", mask, f"the mask of {item.path} cannot be read: {err.message}",
-                        err.fix, "skipped")]
+        return [
+            Problem(
+                "mask_unreadable", mask, f"the mask of {item.path} cannot be read: {err.message}", err.fix, "skipped"
+            )
+        ]
     if (info.width, info.height) != (item.width, item.height):
-        return [Problem("mask_size", mask, f"{info.width}×{info.height} px, but its image {item.path} is "
-                        f"{item.width}×{item.height}", f"export the mask at {item.width}×{item.height} (the "
-                        "image's size, upright) or delete it", "skipped")]
+        return [
+            Problem(
+                "mask_size",
+                mask,
+                f"{info.width}×{info.height} px, but its image {item.path} is {item.width}×{item.height}",
+                f"export the mask at {item.width}×{item.height} (the image's size, upright) or delete it",
+                "skipped",
+            )
+        ]
     if values is not None and float(values.max()) == 0.0:
-        return [Problem("mask_empty", mask, f"all black: {item.path} trains only at unmasked_weight",
-                        "paint the part that should train white, or delete the mask", "warning")]
+        return [
+            Problem(
+                "mask_empty",
+                mask,
+                f"all black: {item.path} trains only at unmasked_weight",
+                "paint the part that should train white, or delete the mask",
+                "warning",
+            )
+        ]
     return []
 
 
 # --- at encode time ------------------------------------------------------------------------------
+
 
 def crop_mask(mask: np.ndarray, entry: Entry) -> np.ndarray:
     """The mask resized (Lanczos, as the image) and cropped at the entry's offset → float32 [H,W] in 0..1."""
@@ -175,7 +217,7 @@ class Sample:
         return out
 
 
-@lru_cache(maxsize=16)   # one image's mask and controls serve every resolution it trains at
+@lru_cache(maxsize=16)  # one image's mask and controls serve every resolution it trains at
 def _decoded(path: Path, kind: str, content: str):
     """content: a hash of the files' bytes, so an edited file is never served from this cache."""
     return Image.fromarray(load_rgb(path)) if kind == "rgb" else load_mask(path, alpha=kind == "alpha")
@@ -191,7 +233,9 @@ def entry_sample(root: Path, item: Item, image: Image.Image, entry: Entry, crop)
     if item.mask_file:
         mask = _named(item.mask_file, lambda: _decoded(root / item.mask_file, "file", item.companions_sha256))
     else:
-        alpha = _decoded(root / item.path, "alpha", item.sha256) if companions_key(item).endswith("alpha-mask") else None
+        alpha = (
+            _decoded(root / item.path, "alpha", item.sha256) if companions_key(item).endswith("alpha-mask") else None
+        )
         mask = None if alpha is None or float(alpha.min()) >= 1.0 else alpha
     return Sample(crop(image, entry), tuple(controls), None if mask is None else crop_mask(mask, entry))
 

@@ -9,6 +9,7 @@ string, so this layer never imports ComfyUI:
     encode_images(pixels [B,H,W,3] float32 in 0..1) -> latents [B,C,h,w]
     encode_text(caption: str) -> embedding [T,D]
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,33 +38,52 @@ CACHE_FOLDER = ".kiln_cache"
 class DataSettings:
     resolutions: tuple[int, ...] = ()  # empty: dataset.json's, else 512
     divisor: int = 16
-    crop: str = "center"               # "center" | "random" (seeded, fixed per image)
-    repeats: int = 0                   # times every image is seen per epoch (× kohya folder repeats); 0: dataset.json's, else 1
+    crop: str = "center"  # "center" | "random" (seeded, fixed per image)
+    repeats: int = 0  # times every image is seen per epoch (× kohya folder repeats); 0: dataset.json's, else 1
     captions: CaptionSettings = field(default_factory=CaptionSettings)
     seed: int = 0
-    deep: bool = False                 # decode every image while scanning
-    caption_dropout: float = 0.05      # carried to training (the Load Dataset node sets it)
-    quality: bool = False              # also look for near-duplicates, blur and long captions (quality.py)
+    deep: bool = False  # decode every image while scanning
+    caption_dropout: float = 0.05  # carried to training (the Load Dataset node sets it)
+    quality: bool = False  # also look for near-duplicates, blur and long captions (quality.py)
 
     @classmethod
     def from_config(cls, cfg, divisor: int) -> "DataSettings":
         """A TrainConfig's data fields."""
         captions = CaptionSettings(
-            trigger_word=cfg.trigger_word, prefix=cfg.caption_prefix, suffix=cfg.caption_suffix,
-            default_caption=cfg.default_caption, shuffle_tags=cfg.shuffle_tags, keep_tags=cfg.keep_tags,
-            variants=cfg.caption_variants)
-        return cls(resolutions=tuple(cfg.resolutions), divisor=divisor, crop=cfg.crop, repeats=cfg.repeats,
-                   captions=captions, seed=cfg.seed, caption_dropout=cfg.caption_dropout)
+            trigger_word=cfg.trigger_word,
+            prefix=cfg.caption_prefix,
+            suffix=cfg.caption_suffix,
+            default_caption=cfg.default_caption,
+            shuffle_tags=cfg.shuffle_tags,
+            keep_tags=cfg.keep_tags,
+            variants=cfg.caption_variants,
+        )
+        return cls(
+            resolutions=tuple(cfg.resolutions),
+            divisor=divisor,
+            crop=cfg.crop,
+            repeats=cfg.repeats,
+            captions=captions,
+            seed=cfg.seed,
+            caption_dropout=cfg.caption_dropout,
+        )
 
     def with_meta(self, meta: DatasetMeta) -> "DataSettings":
         """dataset.json fills the caption texts left empty here (the node or config wins)."""
         c = self.captions
         captions = dataclasses.replace(
-            c, trigger_word=c.trigger_word or meta.trigger_word, prefix=c.prefix or meta.caption_prefix,
-            suffix=c.suffix or meta.caption_suffix, default_caption=c.default_caption or meta.default_caption)
-        return dataclasses.replace(self, captions=captions,
-                                   resolutions=self.resolutions or tuple(meta.resolutions or (512,)),
-                                   repeats=self.repeats or meta.repeats or 1)
+            c,
+            trigger_word=c.trigger_word or meta.trigger_word,
+            prefix=c.prefix or meta.caption_prefix,
+            suffix=c.suffix or meta.caption_suffix,
+            default_caption=c.default_caption or meta.default_caption,
+        )
+        return dataclasses.replace(
+            self,
+            captions=captions,
+            resolutions=self.resolutions or tuple(meta.resolutions or (512,)),
+            repeats=self.repeats or meta.repeats or 1,
+        )
 
 
 @dataclass(frozen=True)
@@ -71,19 +91,25 @@ class Dataset:
     report: ScanReport
     settings: DataSettings
     plan: BucketPlan
-    captions: tuple[tuple[str, ...], ...]   # per item: the caption variants to encode
+    captions: tuple[tuple[str, ...], ...]  # per item: the caption variants to encode
     cache_dir: Path
     latent_identity: str | None = None
     text_identity: str | None = None
     failed_items: frozenset[int] = frozenset()  # items whose image failed to decode at encode time
     encode_problems: tuple[Problem, ...] = ()
-    preservation_class: str = ""                # DOP: class word for the trigger word (with_preservation)
-    regularisation: Dataset | None = None     # regularisation images trained beside (with_regularisation)
+    preservation_class: str = ""  # DOP: class word for the trigger word (with_preservation)
+    regularisation: Dataset | None = None  # regularisation images trained beside (with_regularisation)
 
     # --- building -------------------------------------------------------------------
     @classmethod
-    def load(cls, root: str | Path, settings: DataSettings = DataSettings(), *,
-             cache_dir: str | Path | None = None, min_side: int = 64) -> "Dataset":
+    def load(
+        cls,
+        root: str | Path,
+        settings: DataSettings = DataSettings(),
+        *,
+        cache_dir: str | Path | None = None,
+        min_side: int = 64,
+    ) -> "Dataset":
         from .folder.scan import scan
 
         report = scan(root, deep=settings.deep, resolutions=settings.resolutions or (512,), min_side=min_side)
@@ -91,15 +117,20 @@ class Dataset:
             raise DatasetError(describe_failure(report))
         items, settings = report.items, settings.with_meta(report.meta)
         plan = plan_for(items, settings)
-        captions = tuple(tuple(caption_variants(i.caption, settings.captions, seed=settings.seed, key=i.sha256))
-                         for i in items)
+        captions = tuple(
+            tuple(caption_variants(i.caption, settings.captions, seed=settings.seed, key=i.sha256)) for i in items
+        )
         cache = Path(cache_dir) if cache_dir else Path(report.root) / CACHE_FOLDER
         if settings.quality:
             from ..archs import ARCHS
             from .folder.quality import CACHE_FILE, assess, token_limits
 
-            assess(report, [variants[0] for variants in captions], token_limits(ARCHS.values()),
-                   cache_file=cache / CACHE_FILE)
+            assess(
+                report,
+                [variants[0] for variants in captions],
+                token_limits(ARCHS.values()),
+                cache_file=cache / CACHE_FILE,
+            )
         return cls(report, settings, plan, captions, cache)
 
     @property
@@ -111,8 +142,9 @@ class Dataset:
 
     def entry_key(self, entry: Entry) -> str:
         item = self.report.items[entry.item]
-        return latent_key(item.sha256, entry.bucket, entry.resized, entry.offset, self.latent_identity or "",
-                          companions_key(item))
+        return latent_key(
+            item.sha256, entry.bucket, entry.resized, entry.offset, self.latent_identity or "", companions_key(item)
+        )
 
     def texts(self) -> list[str]:
         """Every distinct text to encode, the empty caption (for caption dropout) first, then the class-word
@@ -125,30 +157,35 @@ class Dataset:
         if not self.preservation_class:
             return ()
         trigger = self.settings.captions.trigger_word
-        return tuple(tuple(class_caption(c, trigger, self.preservation_class) for c in variants)
-                     for variants in self.captions)
+        return tuple(
+            tuple(class_caption(c, trigger, self.preservation_class) for c in variants) for variants in self.captions
+        )
 
     def with_preservation(self, class_word: str, where: str = "preservation_class") -> Dataset:
         """The dataset whose captions are also encoded with the trigger word replaced by `class_word` (DOP)."""
         class_word = class_word.strip()
         if class_word and not self.settings.captions.trigger_word.strip():
-            raise DatasetError(f"{where} {class_word!r}: the dataset {self.report.root} has no trigger word to "
-                               "replace; set trigger_word (Load Dataset, the config or dataset.json), or leave "
-                               f"{where} empty")
+            raise DatasetError(
+                f"{where} {class_word!r}: the dataset {self.report.root} has no trigger word to "
+                "replace; set trigger_word (Load Dataset, the config or dataset.json), or leave "
+                f"{where} empty"
+            )
         return dataclasses.replace(self, preservation_class=class_word)
 
     def with_regularisation(self, reg: Dataset | None) -> Dataset:
         """The dataset that trains with `reg`'s images beside its own (prior preservation; regularised.py)."""
         return dataclasses.replace(self, regularisation=reg)
 
-    def encode_images(self, encode: ImageEncoder, identity: str, *, batch_size: int = 4,
-                      progress: Progress | None = None) -> "Dataset":
+    def encode_images(
+        self, encode: ImageEncoder, identity: str, *, batch_size: int = 4, progress: Progress | None = None
+    ) -> "Dataset":
         """Cache a latent per entry; images that fail to decode are skipped and named, not fatal."""
         ds = dataclasses.replace(self, latent_identity=identity)
         failed, problems = encode_latents(ds, encode, batch_size=batch_size, progress=progress)
         if len(failed) == len(self.report.items):
-            raise DatasetError(f"{self.report.root}: no image could be decoded:\n"
-                               + "\n".join(p.line() for p in problems))
+            raise DatasetError(
+                f"{self.report.root}: no image could be decoded:\n" + "\n".join(p.line() for p in problems)
+            )
         return dataclasses.replace(ds, failed_items=frozenset(failed), encode_problems=tuple(problems))
 
     def encode_captions(self, encode: TextEncoder, identity: str, *, progress: Progress | None = None) -> "Dataset":
@@ -160,8 +197,10 @@ class Dataset:
             if not cache.has("text", key):
                 embedding = np.asarray(encode(text), dtype=np.float32)
                 if embedding.ndim != 2 or (width is not None and embedding.shape[1] != width):
-                    raise DatasetError(f"the text encoder returned shape {embedding.shape} for {text!r}; "
-                                       "expected [tokens, dim] with one dim for every caption")
+                    raise DatasetError(
+                        f"the text encoder returned shape {embedding.shape} for {text!r}; "
+                        "expected [tokens, dim] with one dim for every caption"
+                    )
                 width = embedding.shape[1]
                 cache.put("text", key, {"context": embedding}, {"text": text}, dtype="BF16")
             if progress is not None:
@@ -175,7 +214,7 @@ class Dataset:
             out |= {cache.path("latents", self.entry_key(self.plan.entries[n])) for n in self.usable_entries()}
         if self.text_identity is not None:
             out |= {cache.path("text", text_key(t, self.text_identity)) for t in self.texts()}
-        if self.regularisation is not None:   # a shared cache folder keeps the regularisation set's entries too
+        if self.regularisation is not None:  # a shared cache folder keeps the regularisation set's entries too
             out |= self.regularisation.cache_paths()
         return out
 
@@ -185,8 +224,11 @@ class Dataset:
 
     # --- training ----------------------------------------------------------------
     def training_data(self, memory_budget: int = 2 << 30) -> CachedData:
-        missing = [name for name, ident in (("Encode Images", self.latent_identity),
-                                            ("Encode Captions", self.text_identity)) if ident is None]
+        missing = [
+            name
+            for name, ident in (("Encode Images", self.latent_identity), ("Encode Captions", self.text_identity))
+            if ident is None
+        ]
         if missing:
             raise DatasetError(f"{self.report.root}: run {' and '.join(missing)} on this dataset before training")
         if self.regularisation is None:
@@ -209,17 +251,25 @@ class Dataset:
 
     def summary(self) -> str:
         report = self.report
-        lines = [f"{report.root}: {len(report.items) - len(self.failed_items)} usable images, "
-                 f"{len(self.skipped)} skipped, {len(report.warnings)} warnings",
-                 self.plan.format_report()]
+        lines = [
+            f"{report.root}: {len(report.items) - len(self.failed_items)} usable images, "
+            f"{len(self.skipped)} skipped, {len(report.warnings)} warnings",
+            self.plan.format_report(),
+        ]
         lines += [f"  skipped {p.line()}" for p in self.skipped]
         return "\n".join(lines)
 
 
 def plan_for(items: list[Item], settings: DataSettings) -> BucketPlan:
     """The bucket plan of the usable items at settings' resolutions (training and check-dataset share it)."""
-    return plan_buckets([(i.width, i.height) for i in items], list(settings.resolutions), settings.divisor,
-                        crop=settings.crop, seed=settings.seed, hashes=[i.sha256 for i in items])
+    return plan_buckets(
+        [(i.width, i.height) for i in items],
+        list(settings.resolutions),
+        settings.divisor,
+        crop=settings.crop,
+        seed=settings.seed,
+        hashes=[i.sha256 for i in items],
+    )
 
 
 def describe_plan(plan: BucketPlan, items: list[Item], resolutions) -> list[dict]:
@@ -249,6 +299,9 @@ def folder_fingerprint(root: str | Path) -> str:
                 stat = os.stat(os.path.join(folder, name))
             except OSError:
                 continue
-            digest.update(f"{os.path.relpath(os.path.join(folder, name), root)}\0{stat.st_size}\0"
-                          f"{stat.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+            digest.update(
+                f"{os.path.relpath(os.path.join(folder, name), root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode(
+                    "utf-8", "surrogateescape"
+                )
+            )
     return digest.hexdigest()

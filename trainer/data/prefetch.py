@@ -3,6 +3,7 @@
 Decoding a photo and resizing it to each of its buckets is Pillow's C code, which releases the GIL, so
 threads run it in parallel while the caller keeps the encoder calls and the cache writes in the plan's
 order: the latents, the cache and the problems named are a one-thread run's (bench/RESULTS.md)."""
+
 from __future__ import annotations
 
 import os
@@ -39,6 +40,6 @@ def in_order(jobs: Iterable[Job], work: Callable[[Job], Result], threads: int | 
                     yield ahead.popleft().result()
             while ahead:
                 yield ahead.popleft().result()
-        finally:   # a consumer that stops early (an error, a closed generator): drop what has not started
+        finally:  # a consumer that stops early (an error, a closed generator): drop what has not started
             for future in ahead:
                 future.cancel()

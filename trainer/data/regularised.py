@@ -9,13 +9,14 @@ its datasets in one loader): a batch is then all one kind, so its loss figure sa
 regularisation batch never pays for differential output preservation's extra forward, and with batch
 size 1 the two rules are the same anyway. Their loss is weighted by reg_weight (loop: preservation.py).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 from . import DatasetError, TrainingData
 
-PREFIX = "reg/"   # bucket keys and image names of the regularisation set
+PREFIX = "reg/"  # bucket keys and image names of the regularisation set
 
 
 class RegularisedData:
@@ -24,8 +25,10 @@ class RegularisedData:
     def __init__(self, main: TrainingData, reg: TrainingData):
         self.main, self.reg = main, reg
         self.offset = 1 + max((i for indices in main.buckets.values() for i in indices), default=-1)
-        self.buckets = {**main.buckets,
-                        **{PREFIX + key: [i + self.offset for i in indices] for key, indices in reg.buckets.items()}}
+        self.buckets = {
+            **main.buckets,
+            **{PREFIX + key: [i + self.offset for i in indices] for key, indices in reg.buckets.items()},
+        }
         self.skipped = [*getattr(main, "skipped", []), *getattr(reg, "skipped", [])]
 
     @classmethod
@@ -33,11 +36,15 @@ class RegularisedData:
         """A Dataset's cached data with its regularisation Dataset's; both encoded by the same VAE and text
         encoder (the model sees one latent format and one embedding width)."""
         reg = dataset.regularisation
-        for what, ours, theirs in (("Encode Images (VAE)", dataset.latent_identity, reg.latent_identity),
-                                   ("Encode Captions (text encoder)", dataset.text_identity, reg.text_identity)):
+        for what, ours, theirs in (
+            ("Encode Images (VAE)", dataset.latent_identity, reg.latent_identity),
+            ("Encode Captions (text encoder)", dataset.text_identity, reg.text_identity),
+        ):
             if theirs is not None and ours != theirs:
-                raise DatasetError(f"regularisation dataset {reg.report.root}: encoded by another {what} than the "
-                                   f"training dataset {dataset.report.root}; encode both with the model's own")
+                raise DatasetError(
+                    f"regularisation dataset {reg.report.root}: encoded by another {what} than the "
+                    f"training dataset {dataset.report.root}; encode both with the model's own"
+                )
         return cls(main, reg.training_data(memory_budget))
 
     def _source(self, index: int) -> tuple[TrainingData, int]:
@@ -88,6 +95,10 @@ def regularisation_settings(cfg, settings):
 
     from .captions import CaptionSettings
 
-    captions = CaptionSettings(default_caption=cfg.preservation_class, shuffle_tags=cfg.shuffle_tags,
-                               keep_tags=cfg.keep_tags, variants=cfg.caption_variants)
+    captions = CaptionSettings(
+        default_caption=cfg.preservation_class,
+        shuffle_tags=cfg.shuffle_tags,
+        keep_tags=cfg.keep_tags,
+        variants=cfg.caption_variants,
+    )
     return dataclasses.replace(settings, repeats=cfg.reg_repeats, captions=captions)

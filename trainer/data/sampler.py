@@ -6,6 +6,7 @@ kept, never mixed with another bucket), then shuffle the batches. The cursor is
 (epoch, position), so a resumed run draws exactly the batch it would have drawn
 next. Every image is drawn once per epoch (times its repeats) whatever the sizes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -49,7 +50,7 @@ class BucketSampler:
         batches = []
         for key, indices in self.buckets.items():
             order, size = rng.permutation(indices).tolist(), self.batch_sizes[key]
-            batches += [order[i:i + size] for i in range(0, len(order), size)]
+            batches += [order[i : i + size] for i in range(0, len(order), size)]
         return [batches[i] for i in rng.permutation(len(batches))]
 
     def next(self) -> list[int]:

@@ -4,6 +4,7 @@ A generated image set (coloured shapes with captions, written as a normal
 dataset folder), fixed stand-ins for the VAE and the text encoder, the tiny
 Flux2-shaped DiT, and the same loop, state and LoRA files as a real run.
 """
+
 from __future__ import annotations
 
 import io
@@ -22,10 +23,26 @@ LATENT_CHANNELS, DOWNSCALE, CONTEXT_TOKENS, CONTEXT_DIM = 16, 8, 8, 32
 
 # After quick_test, sized for a CPU: 200 steps, rank 16, two buckets, EMA on.
 DEMO_SETTINGS = dict(
-    arch="demo", device="cpu", mixed_precision="no", steps=200, batch_size=2, rank=16, alpha=16.0,
-    learning_rate=1e-3, lr_schedule="cosine_with_warmup", warmup_steps=20, min_lr_ratio=0.1,
-    caption_dropout=0.05, ema=True, ema_decay=0.95, checkpoint_every=50, keep_checkpoints=2,
-    log_every=10, resolutions=[128], trigger_word="kiln_shape", run_name="demo",
+    arch="demo",
+    device="cpu",
+    mixed_precision="no",
+    steps=200,
+    batch_size=2,
+    rank=16,
+    alpha=16.0,
+    learning_rate=1e-3,
+    lr_schedule="cosine_with_warmup",
+    warmup_steps=20,
+    min_lr_ratio=0.1,
+    caption_dropout=0.05,
+    ema=True,
+    ema_decay=0.95,
+    checkpoint_every=50,
+    keep_checkpoints=2,
+    log_every=10,
+    resolutions=[128],
+    trigger_word="kiln_shape",
+    run_name="demo",
 )
 
 SHAPES = ("circle", "square", "triangle")
@@ -92,7 +109,7 @@ def encode_pixels(pixels: np.ndarray) -> np.ndarray:
     pixels = np.asarray(pixels, dtype=np.float32) * 2.0 - 1.0
     batch, height, width = pixels.shape[0], pixels.shape[1] // DOWNSCALE, pixels.shape[2] // DOWNSCALE
     patches = pixels.reshape(batch, height, DOWNSCALE, width, DOWNSCALE, 3).transpose(0, 1, 3, 2, 4, 5)
-    patches = patches.reshape(batch, height, width, -1)                                    # [B,h,w,192]
+    patches = patches.reshape(batch, height, width, -1)  # [B,h,w,192]
     return (patches @ _projection().T).transpose(0, 3, 1, 2) / 4.0
 
 
@@ -114,8 +131,9 @@ def model_for(cfg: config_module.TrainConfig):
             from ..backends.mlx_backend.models.tiny import demo_model
         except ModuleNotFoundError as err:
             if err.name and err.name.split(".")[0] == "mlx":
-                raise RuntimeError("backend 'mlx' needs MLX: pip install 'kiln-lora[mlx]' (Apple Silicon), "
-                                   "or 'mlx[cpu]' on Linux") from err
+                raise RuntimeError(
+                    "backend 'mlx' needs MLX: pip install 'kiln-lora[mlx]' (Apple Silicon), or 'mlx[cpu]' on Linux"
+                ) from err
             raise
         # MLX has no autocast: bf16 mixed precision means a bf16 model (LoRA weights stay fp32).
         from ..backends.mlx_backend.models import quantize_base
@@ -137,7 +155,8 @@ def build_data(cfg: config_module.TrainConfig, folder: Path, cache_dir: Path | N
     from ..objective.preservation import encoded_datasets
 
     settings = DataSettings.from_config(cfg, get_arch(cfg.arch).bucket_divisor)
-    dataset = encoded_datasets(cfg, settings, folder, (encode_pixels, VAE_IDENTITY), (encode_text, TEXT_IDENTITY),
-                               cache_dir)
+    dataset = encoded_datasets(
+        cfg, settings, folder, (encode_pixels, VAE_IDENTITY), (encode_text, TEXT_IDENTITY), cache_dir
+    )
     dataset.prune_cache(cfg.cache_max_gb)
     return dataset.training_data()

@@ -7,6 +7,7 @@ time_in.{in,out}_layer, final_layer.{linear,adaLN_modulation.1};
 model(x [B,C,H,W], timestep [B], context [B,T,D]) -> velocity [B,C,H,W].
 It is our own small model (sin-cos positions instead of RoPE), not ComfyUI's.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,7 +82,7 @@ class DoubleBlock(nn.Module):
         txt_qkv = self.txt_attn.qkv(F.layer_norm(txt, txt.shape[-1:]) * (1 + txt_mod[1]) + txt_mod[0])
         q, k, v = torch.cat([txt_qkv, img_qkv], dim=1).chunk(3, dim=-1)
         joint = attention(q, k, v, self.heads)
-        txt_out, img_out = joint[:, : txt.shape[1]], joint[:, txt.shape[1]:]
+        txt_out, img_out = joint[:, : txt.shape[1]], joint[:, txt.shape[1] :]
         img = img + img_mod[2] * self.img_attn.proj(img_out)
         img = img + img_mod[5] * self.img_mlp(F.layer_norm(img, img.shape[-1:]) * (1 + img_mod[4]) + img_mod[3])
         txt = txt + txt_mod[2] * self.txt_attn.proj(txt_out)
@@ -102,7 +103,8 @@ class SingleBlock(nn.Module):
     def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         shift, scale, gate = self.modulation(vec)
         qkv, hidden = self.linear1(F.layer_norm(x, x.shape[-1:]) * (1 + scale) + shift).split(
-            [3 * self.hidden, self.inner], dim=-1)
+            [3 * self.hidden, self.inner], dim=-1
+        )
         attn = attention(*qkv.chunk(3, dim=-1), self.heads)
         return x + gate * self.linear2(torch.cat([attn, F.gelu(hidden, approximate="tanh")], dim=-1))
 
@@ -128,8 +130,16 @@ class FinalLayer(nn.Module):
 
 
 class TinyFlux(nn.Module):
-    def __init__(self, in_channels: int = 16, context_dim: int = 32, hidden: int = 96, heads: int = 4,
-                 double_blocks: int = 2, single_blocks: int = 2, mlp_ratio: float = 2.0):
+    def __init__(
+        self,
+        in_channels: int = 16,
+        context_dim: int = 32,
+        hidden: int = 96,
+        heads: int = 4,
+        double_blocks: int = 2,
+        single_blocks: int = 2,
+        mlp_ratio: float = 2.0,
+    ):
         super().__init__()
         self.in_channels = in_channels
         self.img_in = nn.Linear(in_channels, hidden)
@@ -141,16 +151,16 @@ class TinyFlux(nn.Module):
 
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, **unused) -> torch.Tensor:
         batch, channels, height, width = x.shape
-        img = self.img_in(x.flatten(2).transpose(1, 2))                 # [B,H·W,h]
+        img = self.img_in(x.flatten(2).transpose(1, 2))  # [B,H·W,h]
         img = img + positions_2d(height, width, img.shape[-1], x.device).to(img.dtype)
-        txt = self.txt_in(context)                                       # [B,T,h]
+        txt = self.txt_in(context)  # [B,T,h]
         vec = self.time_in(timestep_embedding(timestep).to(img.dtype))  # [B,h]
         for block in self.double_blocks:
             img, txt = block(img, txt, vec)
         joint = torch.cat([txt, img], dim=1)
         for block in self.single_blocks:
             joint = block(joint, vec)
-        out = self.final_layer(joint[:, txt.shape[1]:], vec)            # [B,H·W,C]
+        out = self.final_layer(joint[:, txt.shape[1] :], vec)  # [B,H·W,C]
         return out.transpose(1, 2).reshape(batch, channels, height, width)
 
 

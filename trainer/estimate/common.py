@@ -6,6 +6,7 @@ latent layout (latent_channels, latent_downscale, patch), the default LoRA targe
 family name. The backend estimators sit in ESTIMATORS and are imported on first use, so neither
 estimate module imports the other.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -28,9 +29,9 @@ from .variants import (  # noqa: F401 (the model side, importable from here as b
     variant_from_header,
 )
 
-GIB = 2 ** 30
+GIB = 2**30
 BASE_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
-ACTIVATION_BYTES = {"bf16": 2, "no": 4}   # mixed_precision, as in TrainConfig
+ACTIVATION_BYTES = {"bf16": 2, "no": 4}  # mixed_precision, as in TrainConfig
 
 
 def _per_param(nbytes: int):
@@ -46,23 +47,36 @@ OPTIMIZER_STATE = {
 }
 
 
-def adapter_costs(kind: str, shapes, rank: int, optimizer: str, *, lokr_factor: int = -1, lokr_full_w2: bool = False,
-                  tokens: int = 0, act: int = 2, blocks: int = 1, checkpointing: bool = True) -> tuple[int, int, int, str]:
+def adapter_costs(
+    kind: str,
+    shapes,
+    rank: int,
+    optimizer: str,
+    *,
+    lokr_factor: int = -1,
+    lokr_full_w2: bool = False,
+    tokens: int = 0,
+    act: int = 2,
+    blocks: int = 1,
+    checkpointing: bool = True,
+) -> tuple[int, int, int, str]:
     """(trainable params, optimizer bytes, extra step bytes, note) of adapter lokr/loha/dora (trainer/lora/adapters.py).
     Extra: LoHa builds its ΔW [out, in] per layer (two fp32 products kept for backward, ΔW, its bf16 cast: 14 B
     a weight entry); DoRA keeps its scaled input [tokens, in] per layer. Checkpointing keeps one block's worth
     (taken as the targeted layers' share of one block, an approximation)."""
     per_layer = [adapters.tensor_shapes(kind, i, o, rank, lokr_factor, lokr_full_w2) for i, o in shapes]
     params = sum(r * c for layer in per_layer for r, c in layer)
-    if optimizer == "adafactor":   # factored second moment of each 2-D tensor: rows + columns
+    if optimizer == "adafactor":  # factored second moment of each 2-D tensor: rows + columns
         optimizer_bytes = 4 * sum(r + c for layer in per_layer for r, c in layer)
     else:
         optimizer_bytes = {"adamw": 8, "adamw8bit": 2, "prodigy": 16}[optimizer] * params
     extra = {"loha": sum(14 * i * o for i, o in shapes), "dora": sum(act * tokens * i for i, _ in shapes)}.get(kind, 0)
     if checkpointing:
         extra = extra // max(blocks, 1)
-    note = {"loha": "loha builds each layer's ΔW [out, in] in the step (counted in the workspace)",
-            "dora": "dora keeps each layer's scaled input (counted in the workspace)"}.get(kind, f"adapter {kind}")
+    note = {
+        "loha": "loha builds each layer's ΔW [out, in] in the step (counted in the workspace)",
+        "dora": "dora keeps each layer's scaled input (counted in the workspace)",
+    }.get(kind, f"adapter {kind}")
     return params, optimizer_bytes, extra, note
 
 
@@ -72,16 +86,27 @@ def trainable_costs(settings: dict, dims: ModelDims, shapes, tokens: int, act: i
     kind, rank, optimizer = settings["adapter"], settings["rank"], settings["optimizer"]
     if kind == "lora":
         return sum(rank * (i + o) for i, o in shapes), OPTIMIZER_STATE[optimizer](shapes, rank), 0, None
-    return adapter_costs(kind, shapes, rank, optimizer, lokr_factor=settings["lokr_factor"],
-                         lokr_full_w2=settings["lokr_full_w2"], tokens=tokens, act=act,
-                         blocks=dims.double_blocks + dims.single_blocks,
-                         checkpointing=settings["gradient_checkpointing"])
+    return adapter_costs(
+        kind,
+        shapes,
+        rank,
+        optimizer,
+        lokr_factor=settings["lokr_factor"],
+        lokr_full_w2=settings["lokr_full_w2"],
+        tokens=tokens,
+        act=act,
+        blocks=dims.double_blocks + dims.single_blocks,
+        checkpointing=settings["gradient_checkpointing"],
+    )
 
 
 def check_settings(dims: ModelDims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision) -> int:
     """Validate the settings; returns the pixels per token side."""
-    for name, value, table in (("optimizer", optimizer, OPTIMIZER_STATE), ("base_dtype", base_dtype, BASE_DTYPE_BYTES),
-                               ("mixed_precision", mixed_precision, ACTIVATION_BYTES)):
+    for name, value, table in (
+        ("optimizer", optimizer, OPTIMIZER_STATE),
+        ("base_dtype", base_dtype, BASE_DTYPE_BYTES),
+        ("mixed_precision", mixed_precision, ACTIVATION_BYTES),
+    ):
         if value not in table:
             raise ValueError(f"{name} must be one of {list(table)}, got {value!r}")
     arch = arch_of(dims)
@@ -100,8 +125,11 @@ def image_token_count(dims: ModelDims, resolution: int, side: int) -> int:
 
 def block_bytes(dims: ModelDims, image_tokens: int, text_tokens: int, act: int) -> list[tuple[int, int, int]]:
     """(bytes kept per token inside one block, blocks, tokens each sees) per block group, empty ones left out."""
-    return [(group.kept * act + group.kept_fp32 * 4, group.count, group.tokens)
-            for group in layout_of(dims).blocks(dims, image_tokens, text_tokens) if group.count]
+    return [
+        (group.kept * act + group.kept_fp32 * 4, group.count, group.tokens)
+        for group in layout_of(dims).blocks(dims, image_tokens, text_tokens)
+        if group.count
+    ]
 
 
 def widest_output(dims: ModelDims) -> int:
@@ -131,24 +159,46 @@ class Estimate:
     workspace: int
     total: int
     lora_params: int
-    tokens: int               # sequence tokens per step: batch x (image + text)
+    tokens: int  # sequence tokens per step: batch x (image + text)
     notes: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict)  # the estimate() arguments, for what-if advice
 
     @classmethod
-    def summed(cls, *, weights: int, lora_params: int, optimizer: int, activations: int, workspace: int, tokens: int,
-               notes: list[str], settings: dict) -> Estimate:
+    def summed(
+        cls,
+        *,
+        weights: int,
+        lora_params: int,
+        optimizer: int,
+        activations: int,
+        workspace: int,
+        tokens: int,
+        notes: list[str],
+        settings: dict,
+    ) -> Estimate:
         """The parts and their total; the LoRA and its gradients are fp32, 4 B a parameter each."""
         total = weights + 8 * lora_params + optimizer + activations + workspace
-        return cls(weights=weights, lora=4 * lora_params, gradients=4 * lora_params, optimizer=optimizer,
-                   activations=activations, workspace=workspace, total=total, lora_params=lora_params,
-                   tokens=tokens, notes=notes, settings=settings)
+        return cls(
+            weights=weights,
+            lora=4 * lora_params,
+            gradients=4 * lora_params,
+            optimizer=optimizer,
+            activations=activations,
+            workspace=workspace,
+            total=total,
+            lora_params=lora_params,
+            tokens=tokens,
+            notes=notes,
+            settings=settings,
+        )
 
 
 # preservation_weight > 0 (trainer/objective/preservation.py): what differential output preservation costs a step.
-PRESERVATION_NOTE = ("differential output preservation: the forward with grad runs twice the batch (the rows and "
-                     "their class-word rows; counted above), and one more forward without grad a step (one block's "
-                     "activations at a time): 2.3-2.4x a plain step's time on an H100")
+PRESERVATION_NOTE = (
+    "differential output preservation: the forward with grad runs twice the batch (the rows and "
+    "their class-word rows; counted above), and one more forward without grad a step (one block's "
+    "activations at a time): 2.3-2.4x a plain step's time on an H100"
+)
 
 
 def preservation_rows(batch_size: int, preservation: bool) -> int:
@@ -159,12 +209,20 @@ def preservation_rows(batch_size: int, preservation: bool) -> int:
 def ordered_advice(settings: dict, backend_steps: list[tuple[str, dict, bool]]) -> list[tuple[str, dict]]:
     """Changes that lower memory, cheapest in quality first: checkpointing (every block), the backend's
     own steps, then lower resolutions; only those that change something."""
-    steps = [("checkpoint_budget 0 (each block keeps only its input)", {"checkpoint_budget": 0.0},
-              settings["gradient_checkpointing"] and settings.get("checkpoint_budget", 0) > 0),
-             ("skip_checkpoint_blocks 0 (every block recomputed)", {"skip_checkpoint_blocks": 0},
-              settings["gradient_checkpointing"] and settings.get("skip_checkpoint_blocks", 0) > 0),
-             ("gradient checkpointing on", {"gradient_checkpointing": True}, not settings["gradient_checkpointing"]),
-             *backend_steps]
+    steps = [
+        (
+            "checkpoint_budget 0 (each block keeps only its input)",
+            {"checkpoint_budget": 0.0},
+            settings["gradient_checkpointing"] and settings.get("checkpoint_budget", 0) > 0,
+        ),
+        (
+            "skip_checkpoint_blocks 0 (every block recomputed)",
+            {"skip_checkpoint_blocks": 0},
+            settings["gradient_checkpointing"] and settings.get("skip_checkpoint_blocks", 0) > 0,
+        ),
+        ("gradient checkpointing on", {"gradient_checkpointing": True}, not settings["gradient_checkpointing"]),
+        *backend_steps,
+    ]
     steps += [(f"resolution {res}", {"resolution": res}, res < settings["resolution"]) for res in (768, 512)]
     return [(label, change) for label, change, useful in steps if useful]
 
@@ -195,15 +253,31 @@ def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> 
     """A readable table; with device memory (GiB as nvidia-smi shows; for MLX the Mac's RAM in GB):
     fits or not, and what to change."""
     s = est.settings
-    title = (f"Memory estimate: {get_dims(s['variant']).variant}, {s['resolution']} px, batch {s['batch_size']}, "
-             f"rank {s['rank']}, {s['optimizer']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
-             + "".join(f" ({key.replace('_', ' ')} {s[key]:g})" for key in ("skip_checkpoint_blocks", "checkpoint_budget")
-                       if s['gradient_checkpointing'] and s.get(key)) + ", "
-             f"base {s['base_dtype']}, mixed precision {s['mixed_precision']}"
-             + (", backend mlx" if s.get("backend") == "mlx" else "")) if s else "Memory estimate"
-    rows = [("weights", est.weights), ("LoRA (fp32)", est.lora), ("gradients", est.gradients),
-            ("optimizer state", est.optimizer), ("activations", est.activations),
-            ("workspace", est.workspace), ("total", est.total)]
+    title = (
+        (
+            f"Memory estimate: {get_dims(s['variant']).variant}, {s['resolution']} px, batch {s['batch_size']}, "
+            f"rank {s['rank']}, {s['optimizer']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
+            + "".join(
+                f" ({key.replace('_', ' ')} {s[key]:g})"
+                for key in ("skip_checkpoint_blocks", "checkpoint_budget")
+                if s["gradient_checkpointing"] and s.get(key)
+            )
+            + ", "
+            f"base {s['base_dtype']}, mixed precision {s['mixed_precision']}"
+            + (", backend mlx" if s.get("backend") == "mlx" else "")
+        )
+        if s
+        else "Memory estimate"
+    )
+    rows = [
+        ("weights", est.weights),
+        ("LoRA (fp32)", est.lora),
+        ("gradients", est.gradients),
+        ("optimizer state", est.optimizer),
+        ("activations", est.activations),
+        ("workspace", est.workspace),
+        ("total", est.total),
+    ]
     lines = [title] + [f"  {name:<16}{size / GIB:8.2f} GiB" for name, size in rows]
     lines.append(f"  LoRA params {est.lora_params / 1e6:.1f} M, {est.tokens} tokens per step")
     lines += [f"  note: {note}" for note in est.notes]

@@ -47,6 +47,7 @@ Checked on an H200 (torch 2.11, ComfyUI 0.17 models with random weights, Kiln's 
 step): totals within -7%..+9% of peak reserved memory plus context for Klein 4B/9B and Z-Image at
 512 and 1024 px, checkpointing on and off (low end: Z-Image without checkpointing, allocator slack).
 """
+
 from __future__ import annotations
 
 from ..archs.layout import ModelDims
@@ -72,12 +73,13 @@ from .common import (
     widest_output,
 )
 
-CUDA_CONTEXT_BYTES = GIB       # context (~0.25 GiB on an H200, more beside a desktop) + slack
-BUDGET_KEPT = 0.6   # share of checkpointing's savings a compiled block keeps per unit of checkpoint_budget
+CUDA_CONTEXT_BYTES = GIB  # context (~0.25 GiB on an H200, more beside a desktop) + slack
+BUDGET_KEPT = 0.6  # share of checkpointing's savings a compiled block keeps per unit of checkpoint_budget
 
 
-def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int, checkpointing: bool,
-                 skip: int = 0) -> int:
+def _activations(
+    dims: ModelDims, image_tokens: int, text_tokens: int, act: int, checkpointing: bool, skip: int = 0
+) -> int:
     D = dims.hidden
     groups = block_bytes(dims, image_tokens, text_tokens, act)
     head = 2 * D * act * image_tokens  # final layer: norm input and modulated output
@@ -88,12 +90,26 @@ def _activations(dims: ModelDims, image_tokens: int, text_tokens: int, act: int,
     return boundaries + kept + max(per_token * t for per_token, _, t in groups) + head
 
 
-def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, rank: int = 32,
-             targets: tuple[str, ...] | None = None, optimizer: str = "adamw",
-             gradient_checkpointing: bool = True, base_dtype: str = "bf16", mixed_precision: str = "bf16",
-             skip_checkpoint_blocks: int = 0, checkpoint_budget: float = 0.0, preservation: bool = False,
-             fp8_compute: bool = False, reference_images: int = 0, adapter: str = "lora",
-             lokr_factor: int = -1, lokr_full_w2: bool = False) -> Estimate:
+def estimate(
+    variant: str | ModelDims,
+    *,
+    resolution: int,
+    batch_size: int = 1,
+    rank: int = 32,
+    targets: tuple[str, ...] | None = None,
+    optimizer: str = "adamw",
+    gradient_checkpointing: bool = True,
+    base_dtype: str = "bf16",
+    mixed_precision: str = "bf16",
+    skip_checkpoint_blocks: int = 0,
+    checkpoint_budget: float = 0.0,
+    preservation: bool = False,
+    fp8_compute: bool = False,
+    reference_images: int = 0,
+    adapter: str = "lora",
+    lokr_factor: int = -1,
+    lokr_full_w2: bool = False,
+) -> Estimate:
     """Bytes one training step needs at square `resolution` (the largest bucket). `preservation`: DOP on.
     reference_images: edit training's control images per sample, each cropped to the target's bucket, so
     each adds the target's image tokens to the joint sequence (their loss is not computed, their
@@ -102,24 +118,32 @@ def estimate(variant: str | ModelDims, *, resolution: int, batch_size: int = 1, 
     dims = get_dims(variant)
     side = check_settings(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
     rows = preservation_rows(batch_size, preservation)
-    image_tokens = image_token_count(dims, resolution, side) * (1 + reference_images)   # target + references
+    image_tokens = image_token_count(dims, resolution, side) * (1 + reference_images)  # target + references
     text_tokens, act = dims.context_tokens, ACTIVATION_BYTES[mixed_precision]
     tokens = rows * (image_tokens + text_tokens)
     shapes = lora_shapes(dims, targets)
     lora_params, optimizer_bytes, adapter_workspace, adapter_note = trainable_costs(settings, dims, shapes, tokens, act)
-    activations = rows * _activations(dims, image_tokens, text_tokens, act, gradient_checkpointing,
-                                      skip_checkpoint_blocks)
+    activations = rows * _activations(
+        dims, image_tokens, text_tokens, act, gradient_checkpointing, skip_checkpoint_blocks
+    )
     if gradient_checkpointing and checkpoint_budget > 0:
-        activations += _budget_kept(rows * _activations(dims, image_tokens, text_tokens, act, False), activations,
-                                    checkpoint_budget)
+        activations += _budget_kept(
+            rows * _activations(dims, image_tokens, text_tokens, act, False), activations, checkpoint_budget
+        )
     notes = _notes(dims, image_tokens, text_tokens, reference_images, preservation)
     notes += [adapter_note] if adapter_note else []
     if optimizer == "prodigy":
         notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
-    return Estimate.summed(weights=_weights(dims, base_dtype, fp8_compute), lora_params=lora_params,
-                           optimizer=optimizer_bytes, activations=activations,
-                           workspace=_workspace(dims, tokens, act, base_dtype) + adapter_workspace, tokens=tokens,
-                           notes=notes, settings=settings)
+    return Estimate.summed(
+        weights=_weights(dims, base_dtype, fp8_compute),
+        lora_params=lora_params,
+        optimizer=optimizer_bytes,
+        activations=activations,
+        workspace=_workspace(dims, tokens, act, base_dtype) + adapter_workspace,
+        tokens=tokens,
+        notes=notes,
+        settings=settings,
+    )
 
 
 def _weights(dims: ModelDims, base_dtype: str, fp8_compute: bool) -> int:
@@ -152,12 +176,15 @@ def _notes(
     dims: ModelDims, image_tokens: int, text_tokens: int, reference_images: int, preservation: bool
 ) -> list[str]:
     layout = layout_of(dims)
-    notes = [f"{image_tokens} image + {text_tokens} text tokens per sample" + layout.text_note
-             + (f" ({reference_images} reference image{'s' * (reference_images > 1)} included)"
-                if reference_images else ""),
-             "diffusion model only: text encoder and VAE cached or offloaded",
-             "an estimate: measured peaks on an H200 fell within -7%..+9% of it" if layout.measured else
-             f"an estimate: the {layout.name} block model is derived, not yet checked against a GPU's peak"]
+    notes = [
+        f"{image_tokens} image + {text_tokens} text tokens per sample"
+        + layout.text_note
+        + (f" ({reference_images} reference image{'s' * (reference_images > 1)} included)" if reference_images else ""),
+        "diffusion model only: text encoder and VAE cached or offloaded",
+        "an estimate: measured peaks on an H200 fell within -7%..+9% of it"
+        if layout.measured
+        else f"an estimate: the {layout.name} block model is derived, not yet checked against a GPU's peak",
+    ]
     return notes + [PRESERVATION_NOTE] if preservation else notes
 
 
@@ -202,11 +229,19 @@ def graph_resolution(resolutions, batch_size: int) -> int | None:
 
 def advice(settings: dict) -> list[tuple[str, dict]]:
     """Changes that lower GPU memory, cheapest in quality first."""
-    return ordered_advice(settings, [
-        ("optimizer adamw8bit (bitsandbytes)", {"optimizer": "adamw8bit"}, settings["optimizer"] in ("adamw", "prodigy")),
-        ("base weights fp8", {"base_dtype": "fp8"}, settings["base_dtype"] != "fp8"),
-        ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
-        ("fp8_compute off (its fp8 weight copies)", {"fp8_compute": False}, settings.get("fp8_compute", False))])
+    return ordered_advice(
+        settings,
+        [
+            (
+                "optimizer adamw8bit (bitsandbytes)",
+                {"optimizer": "adamw8bit"},
+                settings["optimizer"] in ("adamw", "prodigy"),
+            ),
+            ("base weights fp8", {"base_dtype": "fp8"}, settings["base_dtype"] != "fp8"),
+            ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
+            ("fp8_compute off (its fp8 weight copies)", {"fp8_compute": False}, settings.get("fp8_compute", False)),
+        ],
+    )
 
 
 # estimate_common.backend_rules("torch"): a GPU's memory is all usable, in GiB as nvidia-smi shows it.

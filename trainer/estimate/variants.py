@@ -44,24 +44,29 @@ def resolve_variant(name: str) -> list[str]:
     if name in ARCHS and arch_variants(name):
         return arch_variants(name)
     archs = [arch for arch in ARCHS if arch_variants(arch)]
-    raise ValueError(f"unknown --variant {name!r}; give a model size ({', '.join(VARIANTS)}) "
-                     f"or an arch ({', '.join(archs)})")
+    raise ValueError(
+        f"unknown --variant {name!r}; give a model size ({', '.join(VARIANTS)}) or an arch ({', '.join(archs)})"
+    )
 
 
 def several_sizes_note(name: str, variants: list[str]) -> list[str]:
     """The note an estimate of the smallest of several variants carries; none for one variant."""
     if len(variants) < 2:
         return []
-    return [f"{name} comes in {', '.join(variants)}; estimated the smallest, {variants[0]}; "
-            f"pick another with --variant {' or --variant '.join(variants[1:])}"]
+    return [
+        f"{name} comes in {', '.join(variants)}; estimated the smallest, {variants[0]}; "
+        f"pick another with --variant {' or --variant '.join(variants[1:])}"
+    ]
 
 
 def arch_of(dims: ModelDims) -> Arch:
     """The arch `dims` names; it must carry a Layout."""
     arch = get_arch(dims.arch)
     if arch.layout is None:
-        raise ValueError(f"{dims.variant}: arch {dims.arch!r} has no Layout (trainer/archs/layout.py), so there is "
-                         f"no memory estimate for it; known variants: {list(VARIANTS)}")
+        raise ValueError(
+            f"{dims.variant}: arch {dims.arch!r} has no Layout (trainer/archs/layout.py), so there is "
+            f"no memory estimate for it; known variants: {list(VARIANTS)}"
+        )
     return arch
 
 
@@ -72,7 +77,7 @@ def layout_of(dims: ModelDims) -> Layout:
 def linear_layers(dims: ModelDims) -> Shapes:
     """Every Linear of the diffusion model: ComfyUI module path -> (in, out), in model order."""
     arch = arch_of(dims)
-    return arch.layout.linear_layers(dims, arch.latent_channels * arch.patch ** 2)
+    return arch.layout.linear_layers(dims, arch.latent_channels * arch.patch**2)
 
 
 def param_count(dims: ModelDims) -> int:
@@ -89,14 +94,16 @@ def variant_from_header(shapes: dict[str, list[int]]) -> str:
     keys = {}
     for key, shape in shapes.items():
         if isinstance(shape, (list, tuple)):
-            keys[next((key[len(p):] for p in _PREFIXES if key.startswith(p)), key)] = list(shape)
+            keys[next((key[len(p) :] for p in _PREFIXES if key.startswith(p)), key)] = list(shape)
     layouts = list({id(layout_of(dims)): layout_of(dims) for dims in VARIANTS.values()}.values())
     layout = next((layout for layout in layouts if all(k in keys for k in layout.header.markers)), None)
     if layout is None:
         names = " or ".join(layout.name for layout in layouts)
         markers = " or ".join(layout.header.markers[0].removesuffix(".weight") for layout in layouts)
-        raise ValueError(f"not a {names} diffusion model (no {markers} weight among {len(keys)} tensors, "
-                         f"e.g. {sorted(keys)[:5]}); known variants: {list(VARIANTS)}")
+        raise ValueError(
+            f"not a {names} diffusion model (no {markers} weight among {len(keys)} tensors, "
+            f"e.g. {sorted(keys)[:5]}); known variants: {list(VARIANTS)}"
+        )
     spec = layout.header
     found = {name: keys[key][axis] for name, (key, axis) in spec.sizes.items()}
     found.update({name: _count(keys, prefix) for name, prefix in spec.counts.items()})
@@ -107,7 +114,7 @@ def variant_from_header(shapes: dict[str, list[int]]) -> str:
 
 
 def _count(keys, prefix: str) -> int:
-    indices = {int(k[len(prefix):].split(".")[0]) for k in keys if k.startswith(prefix)}
+    indices = {int(k[len(prefix) :].split(".")[0]) for k in keys if k.startswith(prefix)}
     return max(indices) + 1 if indices else 0
 
 

@@ -1,5 +1,6 @@
 """Kiln's LoKr, LoHa and DoRA files (trainer/lora/adapters.py): written under ComfyUI's adapter names with comfy
 paths or kohya's flat `lora_unet_` names (LyCORIS's), read back, described. lora_format.py reads and writes through here; lora_report.py describes them."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -17,11 +18,15 @@ def to_tensors(lora: Lora, fmt: str) -> dict[str, np.ndarray]:
     if len(kinds) != 1:
         raise ValueError(f"LoRA to save mixes adapter kinds {sorted(kinds)}; a file holds one kind")
     if fmt == "diffusers":
-        raise ValueError(f"format 'diffusers' has no {kinds.pop()} layout (diffusers loads LoRA pairs only); "
-                         "save as comfy or kohya")
+        raise ValueError(
+            f"format 'diffusers' has no {kinds.pop()} layout (diffusers loads LoRA pairs only); save as comfy or kohya"
+        )
     prefix = {"comfy": COMFY_PREFIX, "kohya": KOHYA_PREFIX}[fmt]
-    return {k: v for path, w in lora.items()
-            for k, v in adapters.file_tensors(prefix + (path if fmt == "comfy" else path.replace(".", "_")), w).items()}
+    return {
+        k: v
+        for path, w in lora.items()
+        for k, v in adapters.file_tensors(prefix + (path if fmt == "comfy" else path.replace(".", "_")), w).items()
+    }
 
 
 def read(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], source: str) -> tuple[Lora, str] | None:

@@ -11,6 +11,7 @@ DoRA's magnitude is per input column (dora_scale [1, in]): for a [out, 1] dora_s
 by the norm of the *base* weight, not of W + ΔW, so a row-wise DoRA would load differently than it
 trained. In a checkpoint and in EMA the tensors keep these role names (LoRA's A/B as before).
 """
+
 from __future__ import annotations
 
 import zlib
@@ -24,8 +25,12 @@ EPS = float(np.finfo(np.float32).eps)  # ComfyUI's weight_decompose adds finfo(f
 # kind → (role in a checkpoint → key suffix in a file); the first role present tells the kind.
 _SUFFIXES = {
     "lokr": {"lokr_w1": ".lokr_w1", "lokr_w2": ".lokr_w2", "lokr_w2_a": ".lokr_w2_a", "lokr_w2_b": ".lokr_w2_b"},
-    "loha": {"hada_w1_a": ".hada_w1_a", "hada_w1_b": ".hada_w1_b", "hada_w2_a": ".hada_w2_a",
-             "hada_w2_b": ".hada_w2_b"},
+    "loha": {
+        "hada_w1_a": ".hada_w1_a",
+        "hada_w1_b": ".hada_w1_b",
+        "hada_w2_a": ".hada_w2_a",
+        "hada_w2_b": ".hada_w2_b",
+    },
     "dora": {"A": ".lora_A.weight", "B": ".lora_B.weight", "dora_scale": ".dora_scale"},
 }
 _MARKERS = {"lokr_w1": "lokr", "hada_w1_a": "loha", "dora_scale": "dora"}
@@ -35,15 +40,18 @@ FILE_SUFFIXES = tuple(sorted({s for suffixes in _SUFFIXES.values() for s in suff
 
 @dataclass
 class AdapterWeights:
-    kind: str                        # "lokr" | "loha" | "dora"
-    tensors: dict[str, np.ndarray]   # role → float32 array, roles as in _SUFFIXES[kind]
+    kind: str  # "lokr" | "loha" | "dora"
+    tensors: dict[str, np.ndarray]  # role → float32 array, roles as in _SUFFIXES[kind]
     alpha: float
 
     @property
     def rank(self) -> int:
         t = self.tensors
-        return {"lokr": lambda: t["lokr_w2_b"].shape[0] if "lokr_w2_b" in t else 0,
-                "loha": lambda: t["hada_w1_b"].shape[0], "dora": lambda: t["A"].shape[0]}[self.kind]()
+        return {
+            "lokr": lambda: t["lokr_w2_b"].shape[0] if "lokr_w2_b" in t else 0,
+            "loha": lambda: t["hada_w1_b"].shape[0],
+            "dora": lambda: t["A"].shape[0],
+        }[self.kind]()
 
     @property
     def scale(self) -> float:
@@ -80,8 +88,9 @@ def _uniform(seed: int, key: str, rows: int, cols: int) -> np.ndarray:
 
 
 def _normal(seed: int, key: str, rows: int, cols: int, std: float) -> np.ndarray:
-    return (np.random.default_rng([seed, zlib.crc32(key.encode())]).standard_normal((rows, cols)) * std
-            ).astype(np.float32)
+    return (np.random.default_rng([seed, zlib.crc32(key.encode())]).standard_normal((rows, cols)) * std).astype(
+        np.float32
+    )
 
 
 def lokr_shapes(in_features: int, out_features: int, factor: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -89,23 +98,38 @@ def lokr_shapes(in_features: int, out_features: int, factor: int) -> tuple[tuple
     return factorization(out_features, factor), factorization(in_features, factor)
 
 
-def init_tensors(kind: str, seed: int, path: str, in_features: int, out_features: int, *, rank: int,
-                 lokr_factor: int = -1, lokr_full_w2: bool = False) -> dict[str, np.ndarray]:
+def init_tensors(
+    kind: str,
+    seed: int,
+    path: str,
+    in_features: int,
+    out_features: int,
+    *,
+    rank: int,
+    lokr_factor: int = -1,
+    lokr_full_w2: bool = False,
+) -> dict[str, np.ndarray]:
     """The starting tensors (ΔW = 0; DoRA's dora_scale comes from the base weight, see magnitude())."""
-    if kind == "lokr":   # LyCORIS: w1 Kaiming, w2 (or w2_b) zero
+    if kind == "lokr":  # LyCORIS: w1 Kaiming, w2 (or w2_b) zero
         (out_m, out_n), (in_m, in_n) = lokr_shapes(in_features, out_features, lokr_factor)
         tensors = {"lokr_w1": _uniform(seed, f"{path}.lokr_w1", out_m, in_m)}
         if lokr_full_w2:
             return {**tensors, "lokr_w2": np.zeros((out_n, in_n), np.float32)}
-        return {**tensors, "lokr_w2_a": _uniform(seed, f"{path}.lokr_w2_a", out_n, rank),
-                "lokr_w2_b": np.zeros((rank, in_n), np.float32)}
-    if kind == "loha":   # LyCORIS: w1_a N(0, 0.1), w1_b and w2_b N(0, 1), w2_a zero
-        return {"hada_w1_a": _normal(seed, f"{path}.hada_w1_a", out_features, rank, 0.1),
-                "hada_w1_b": _normal(seed, f"{path}.hada_w1_b", rank, in_features, 1.0),
-                "hada_w2_a": np.zeros((out_features, rank), np.float32),
-                "hada_w2_b": _normal(seed, f"{path}.hada_w2_b", rank, in_features, 1.0)}
-    if kind == "dora":   # LoRA's init; dora_scale is set from the base weight by the backend
+        return {
+            **tensors,
+            "lokr_w2_a": _uniform(seed, f"{path}.lokr_w2_a", out_n, rank),
+            "lokr_w2_b": np.zeros((rank, in_n), np.float32),
+        }
+    if kind == "loha":  # LyCORIS: w1_a N(0, 0.1), w1_b and w2_b N(0, 1), w2_a zero
+        return {
+            "hada_w1_a": _normal(seed, f"{path}.hada_w1_a", out_features, rank, 0.1),
+            "hada_w1_b": _normal(seed, f"{path}.hada_w1_b", rank, in_features, 1.0),
+            "hada_w2_a": np.zeros((out_features, rank), np.float32),
+            "hada_w2_b": _normal(seed, f"{path}.hada_w2_b", rank, in_features, 1.0),
+        }
+    if kind == "dora":  # LoRA's init; dora_scale is set from the base weight by the backend
         from .targets import init_lora_A
+
         return {"A": init_lora_A(seed, path, rank, in_features), "B": np.zeros((out_features, rank), np.float32)}
     raise ValueError(f"adapter {kind!r} has no init here; choose one of {list(ADAPTER_KINDS)}")
 
@@ -129,8 +153,9 @@ def adapted_weight(weights: AdapterWeights, base: np.ndarray) -> np.ndarray:
     return merged * (t["dora_scale"] / (np.sqrt((merged * merged).sum(0, keepdims=True)) + EPS))
 
 
-def tensor_shapes(kind: str, in_features: int, out_features: int, rank: int, lokr_factor: int = -1,
-                  lokr_full_w2: bool = False) -> list[tuple[int, int]]:
+def tensor_shapes(
+    kind: str, in_features: int, out_features: int, rank: int, lokr_factor: int = -1, lokr_full_w2: bool = False
+) -> list[tuple[int, int]]:
     """The trainable tensors one targeted Linear gets (estimate's count; LoRA's A and B included)."""
     if kind == "lokr":
         (out_m, out_n), (in_m, in_n) = lokr_shapes(in_features, out_features, lokr_factor)
@@ -140,6 +165,7 @@ def tensor_shapes(kind: str, in_features: int, out_features: int, rank: int, lok
 
 
 # ---------------------------------------------------------------- files
+
 
 def file_tensors(name: str, weights: AdapterWeights) -> dict[str, np.ndarray]:
     """One module's keys under `name` (e.g. 'diffusion_model.<path>'), as ComfyUI's adapters read them."""
@@ -157,12 +183,15 @@ def from_file_tensors(tensors, prefix: str, source: str) -> dict[str, AdapterWei
     """Keys '<prefix><name><suffix>' → {name: AdapterWeights}; the kind from the roles present."""
     found: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
-        match = next(((role, s) for kind in _SUFFIXES for role, s in _SUFFIXES[kind].items() if key.endswith(s)),
-                     None) or (("alpha", ".alpha") if key.endswith(".alpha") else None)
+        match = next(
+            ((role, s) for kind in _SUFFIXES for role, s in _SUFFIXES[kind].items() if key.endswith(s)), None
+        ) or (("alpha", ".alpha") if key.endswith(".alpha") else None)
         if match is None or not key.startswith(prefix):
-            raise ValueError(f"{source}: key {key!r} is not a LoKr/LoHa/DoRA weight under {prefix!r}; a Kiln "
-                             "adapter file holds one adapter kind and nothing else; re-save it with Kiln")
-        found.setdefault(key[len(prefix):-len(match[1])], {})[match[0]] = np.asarray(value, np.float32)
+            raise ValueError(
+                f"{source}: key {key!r} is not a LoKr/LoHa/DoRA weight under {prefix!r}; a Kiln "
+                "adapter file holds one adapter kind and nothing else; re-save it with Kiln"
+            )
+        found.setdefault(key[len(prefix) : -len(match[1])], {})[match[0]] = np.asarray(value, np.float32)
     return {name: from_roles(roles, source=f"{source}: {prefix}{name}") for name, roles in found.items()}
 
 
@@ -174,12 +203,17 @@ def from_roles(roles: dict[str, np.ndarray], *, source: str) -> AdapterWeights:
     if len(kinds) != 1:
         raise ValueError(f"{source}: tensors {sorted(roles)} are not one LoKr, LoHa or DoRA module; re-save it")
     kind = kinds.pop()
-    need = {"lokr": [("lokr_w1",), ("lokr_w2",) if "lokr_w2" in roles else ("lokr_w2_a", "lokr_w2_b")],
-            "loha": [tuple(_SUFFIXES["loha"])], "dora": [tuple(_SUFFIXES["dora"])]}[kind]
+    need = {
+        "lokr": [("lokr_w1",), ("lokr_w2",) if "lokr_w2" in roles else ("lokr_w2_a", "lokr_w2_b")],
+        "loha": [tuple(_SUFFIXES["loha"])],
+        "dora": [tuple(_SUFFIXES["dora"])],
+    }[kind]
     wanted = {role for group in need for role in group}
     if set(roles) != wanted or any(np.asarray(roles[r]).ndim != 2 for r in wanted):
-        raise ValueError(f"{source}: a {kind} module needs the 2-D tensors {sorted(wanted)}, has "
-                         f"{ {r: list(np.shape(v)) for r, v in roles.items()} }; the file is incomplete, re-save it")
+        raise ValueError(
+            f"{source}: a {kind} module needs the 2-D tensors {sorted(wanted)}, has "
+            f"{ {r: list(np.shape(v)) for r, v in roles.items()} }; the file is incomplete, re-save it"
+        )
     weights = AdapterWeights(kind, {r: np.asarray(roles[r], np.float32) for r in sorted(wanted)}, 0.0)
     weights.alpha = float(np.asarray(alpha).reshape(-1)[0]) if alpha is not None else float(max(weights.rank, 1))
     return weights
@@ -189,21 +223,27 @@ def require_lora(lora, what: str, source: str = "this LoRA") -> None:
     """Refuse LoKr/LoHa/DoRA where only LoRA pairs make sense (merge, resize, extract, init_lora)."""
     kinds = sorted({w.kind for w in lora.values() if isinstance(w, AdapterWeights)})
     if kinds:
-        raise ValueError(f"{source} is a {'/'.join(k.upper() for k in kinds)} adapter; {what} works on plain "
-                         "LoRA pairs only (train with adapter = \"lora\" for that, or use the file as it is)")
+        raise ValueError(
+            f"{source} is a {'/'.join(k.upper() for k in kinds)} adapter; {what} works on plain "
+            'LoRA pairs only (train with adapter = "lora" for that, or use the file as it is)'
+        )
 
 
 def check_config(cfg) -> list[str]:
     """Problems with the adapter settings of a TrainConfig (one of config_checks.py's combination checks)."""
     problems = []
     if cfg.adapter == "dora" and cfg.backend == "mlx" and cfg.base_quantize != "none":
-        problems.append("adapter 'dora' reads the base weight, which base_quantize stores quantized; set "
-                        "base_quantize to none or use adapter lokr/loha")
+        problems.append(
+            "adapter 'dora' reads the base weight, which base_quantize stores quantized; set "
+            "base_quantize to none or use adapter lokr/loha"
+        )
     if cfg.adapter != "lora" and cfg.lora_dropout > 0:
         problems.append(f"lora_dropout applies to adapter 'lora' only; set it to 0 for adapter {cfg.adapter!r}")
     if cfg.adapter != "lora" and cfg.init_lora:
-        problems.append(f"init_lora starts a LoRA from a LoRA file; it cannot start adapter {cfg.adapter!r}: "
-                        "clear init_lora or set adapter to lora")
+        problems.append(
+            f"init_lora starts a LoRA from a LoRA file; it cannot start adapter {cfg.adapter!r}: "
+            "clear init_lora or set adapter to lora"
+        )
     if cfg.adapter != "lora" and cfg.lora_format == "diffusers":
         problems.append(f"lora_format 'diffusers' has no {cfg.adapter} layout; use comfy or kohya")
     if cfg.lokr_factor == 0:

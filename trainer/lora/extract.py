@@ -9,6 +9,7 @@ Large matrices go through torch.svd_lowrank (randomized: q = cap + 16 directions
 unless svd="full"; the energy report is measured on the final factors against ΔW either way, so it is
 exact whatever SVD produced them.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,7 @@ from .files import Lora, LoraWeights
 from .tools import ModuleReport, RankRule, Report
 
 SVD_MODES = ("auto", "full", "lowrank")
-FULL_SVD_UP_TO = 1024      # auto: matrices whose smaller side is at most this get the exact SVD
+FULL_SVD_UP_TO = 1024  # auto: matrices whose smaller side is at most this get the exact SVD
 OVERSAMPLE, POWER_ITERATIONS = 16, 4
 
 
@@ -61,8 +62,9 @@ def _residual(torch, delta, B, A, energy: float) -> float:
     return max(0.0, energy - 2 * inner + own)
 
 
-def extract_module(delta, rule: RankRule, *, name: str = "module", clamp_quantile: float | None = None,
-                   svd: str = "auto") -> tuple[LoraWeights, ModuleReport, bool]:
+def extract_module(
+    delta, rule: RankRule, *, name: str = "module", clamp_quantile: float | None = None, svd: str = "auto"
+) -> tuple[LoraWeights, ModuleReport, bool]:
     """One [out, in] float32 torch difference → (its LoRA, its report, whether randomized SVD made it)."""
     torch = _torch()
     U, S, Vt, randomized = _factors(torch, delta, rule, svd)
@@ -89,9 +91,17 @@ def _check(rule: RankRule, clamp_quantile, min_diff: float, svd: str) -> None:
         raise ValueError(f"min_diff must be ≥ 0 (a relative change ‖ΔW‖/‖W‖), got {min_diff}")
 
 
-def extract(base: Mapping, tuned: Mapping, rule: RankRule, *, clamp_quantile: float | None = None,
-            min_diff: float = 0.0, svd: str = "auto", device=None,
-            progress: Callable[[int, int], None] | None = None) -> tuple[Lora, Report]:
+def extract(
+    base: Mapping,
+    tuned: Mapping,
+    rule: RankRule,
+    *,
+    clamp_quantile: float | None = None,
+    min_diff: float = 0.0,
+    svd: str = "auto",
+    device=None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Lora, Report]:
     """The LoRA of tuned − base. base/tuned: state dicts ({key: torch tensor or numpy array}, read one key
     at a time, so lazy mappings keep one pair in memory). min_diff: matrices whose relative change
     ‖ΔW‖/‖W‖ is at most this are left out (0: only equal ones)."""
@@ -99,14 +109,20 @@ def extract(base: Mapping, tuned: Mapping, rule: RankRule, *, clamp_quantile: fl
     torch = _torch()
     device = torch.device(device or "cpu")
     common = sorted(set(base) & set(tuned))
-    lora, report = {}, Report(f"extract ({rule.describe()}"
-                              + (f", clamp {clamp_quantile:g}" if clamp_quantile is not None else "") + ")")
+    lora, report = (
+        {},
+        Report(
+            f"extract ({rule.describe()}" + (f", clamp {clamp_quantile:g}" if clamp_quantile is not None else "") + ")"
+        ),
+    )
     equal, small, randomized, other = 0, [], 0, []
     for index, key in enumerate(common):
         before, after = _as_float(torch, base[key], device), _as_float(torch, tuned[key], device)
         if before.shape != after.shape:
-            raise ValueError(f"{key}: base is {list(before.shape)} but tuned is {list(after.shape)}; the two models "
-                             "are not the same architecture (extract needs a base and its fine-tune)")
+            raise ValueError(
+                f"{key}: base is {list(before.shape)} but tuned is {list(after.shape)}; the two models "
+                "are not the same architecture (extract needs a base and its fine-tune)"
+            )
         if torch.equal(before, after):
             equal += key.endswith(".weight") and before.ndim == 2
         elif key.endswith(".weight") and before.ndim == 2:
@@ -116,8 +132,9 @@ def extract(base: Mapping, tuned: Mapping, rule: RankRule, *, clamp_quantile: fl
                 small.append(key)
             else:
                 name = key.removesuffix(".weight")
-                lora[name], module, lowrank = extract_module(delta, rule, name=name, clamp_quantile=clamp_quantile,
-                                                             svd=svd)
+                lora[name], module, lowrank = extract_module(
+                    delta, rule, name=name, clamp_quantile=clamp_quantile, svd=svd
+                )
                 report.modules.append(module)
                 randomized += lowrank
         else:
@@ -126,23 +143,32 @@ def extract(base: Mapping, tuned: Mapping, rule: RankRule, *, clamp_quantile: fl
             progress(index + 1, len(common))
     report.notes += _notes(base, tuned, equal, small, min_diff, randomized, other)
     if not lora:
-        raise ValueError("the two models have no differing weight matrix" + (f" above min_diff {min_diff:g}"
-                         if small else "") + "; is tuned really a fine-tune of base (and not the same model)?")
+        raise ValueError(
+            "the two models have no differing weight matrix"
+            + (f" above min_diff {min_diff:g}" if small else "")
+            + "; is tuned really a fine-tune of base (and not the same model)?"
+        )
     return lora, report
 
 
 def _notes(base, tuned, equal, small, min_diff, randomized, other) -> list[str]:
     notes = [f"{equal} weight matrices are equal in both models and need no LoRA"]
     if small:
-        notes.append(f"{len(small)} matrices changed by at most min_diff {min_diff:g} (relative) and are left out, "
-                     f"e.g. {small[0]}")
+        notes.append(
+            f"{len(small)} matrices changed by at most min_diff {min_diff:g} (relative) and are left out, "
+            f"e.g. {small[0]}"
+        )
     if randomized:
-        notes.append(f"{randomized} modules by randomized SVD (torch.svd_lowrank, {POWER_ITERATIONS} power iterations;"
-                     " energy measured exactly); svd full gives the exact truncation, slower")
+        notes.append(
+            f"{randomized} modules by randomized SVD (torch.svd_lowrank, {POWER_ITERATIONS} power iterations;"
+            " energy measured exactly); svd full gives the exact truncation, slower"
+        )
     if other:
         shown = ", ".join(f"{key} ({100 * change:.2g}%)" for key, change in sorted(other, key=lambda o: -o[1])[:5])
-        notes.append(f"{len(other)} other tensors differ (biases, norm scales, embeddings…) and a LoRA cannot hold "
-                     f"them; the LoRA leaves them as in the base: {shown}{' …' if len(other) > 5 else ''}")
+        notes.append(
+            f"{len(other)} other tensors differ (biases, norm scales, embeddings…) and a LoRA cannot hold "
+            f"them; the LoRA leaves them as in the base: {shown}{' …' if len(other) > 5 else ''}"
+        )
     for side, mine, theirs in (("base", base, tuned), ("tuned", tuned, base)):
         only = sorted(set(mine) - set(theirs))
         if only:
@@ -157,7 +183,7 @@ def _as_float(torch, value, device):
 
 # ---------------------------------------------------------------- model files
 
-_PREFIXES = ("model.diffusion_model.", "diffusion_model.")   # a full checkpoint's, a diffusion model's own
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # a full checkpoint's, a diffusion model's own
 _QUANT_AUX = (".weight_scale", ".scale_weight", ".comfy_quant", ".input_scale", ".scale_input", ".weight_scale_2")
 
 
@@ -176,8 +202,11 @@ class ModelFile(Mapping):
         names = list(self._file.keys())
         self._names = set(names)
         prefix = next((p for p in _PREFIXES if any(n.startswith(p) for n in names)), "")
-        self._keys = {n[len(prefix):]: n for n in names if n.startswith(prefix) and not n.endswith(_QUANT_AUX)
-                      and n != "scaled_fp8"}
+        self._keys = {
+            n[len(prefix) :]: n
+            for n in names
+            if n.startswith(prefix) and not n.endswith(_QUANT_AUX) and n != "scaled_fp8"
+        }
         if not self._keys:
             raise ValueError(f"{self.path}: no model weights found; give a diffusion-model .safetensors file")
 
@@ -187,8 +216,10 @@ class ModelFile(Mapping):
         if tensor.dtype.is_floating_point and tensor.element_size() == 1:
             tensor = tensor.float() * self._scale(stored)
         elif not tensor.dtype.is_floating_point and stored.endswith(".weight"):
-            raise ValueError(f"{self.path}: {stored} is stored as {tensor.dtype} (a packed quantized format); "
-                             "extract from the bf16/fp16/fp32 (or float8) files of both models")
+            raise ValueError(
+                f"{self.path}: {stored} is stored as {tensor.dtype} (a packed quantized format); "
+                "extract from the bf16/fp16/fp32 (or float8) files of both models"
+            )
         return tensor
 
     def _scale(self, stored: str):
@@ -197,8 +228,10 @@ class ModelFile(Mapping):
             if layer + suffix in self._names:
                 scale = self._file.get_tensor(layer + suffix).float()
                 if scale.numel() != 1:
-                    raise ValueError(f"{self.path}: {layer}{suffix} is a block scale {list(scale.shape)}; Kiln "
-                                     "decodes per-tensor float8 only: extract from the bf16 files")
+                    raise ValueError(
+                        f"{self.path}: {layer}{suffix} is a block scale {list(scale.shape)}; Kiln "
+                        "decodes per-tensor float8 only: extract from the bf16 files"
+                    )
                 return scale.reshape(())
         return 1.0
 

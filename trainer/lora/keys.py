@@ -9,6 +9,7 @@ In memory a LoRA is {ComfyUI module path: LoraWeights}, the path without
 ComfyUI scales every pair by alpha / rank, and by 1 when `.alpha` is absent; so do Kiln and diffusers.
 Files are lora_format.py's; other trainers' layouts lora_sources.py's; Kiln's LoKr/LoHa/DoRA adapter_files.py's.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ from ..archs import ARCHS, Arch, DiffusersRule, get_arch
 class LoraWeights:
     A: np.ndarray  # [rank, in] float32 (lora_A / lora_down)
     B: np.ndarray  # [out, rank] float32 (lora_B / lora_up)
-    alpha: float   # scale = alpha / rank
+    alpha: float  # scale = alpha / rank
 
     @property
     def rank(self) -> int:
@@ -38,12 +39,18 @@ class LoraWeights:
 
 
 Lora = dict[str, LoraWeights]
-ROLES = {".lora_A.weight": "A", ".lora_down.weight": "A",
-          ".lora_B.weight": "B", ".lora_up.weight": "B", ".alpha": "alpha"}
+ROLES = {
+    ".lora_A.weight": "A",
+    ".lora_down.weight": "A",
+    ".lora_B.weight": "B",
+    ".lora_up.weight": "B",
+    ".alpha": "alpha",
+}
 DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 
 
 # ---------------------------------------------------------------- shared key handling
+
 
 def checked_weights(source: str, name: str, parts: dict[str, np.ndarray]) -> LoraWeights:
     """Validated LoraWeights from one module's A, B and optional alpha."""
@@ -53,14 +60,20 @@ def checked_weights(source: str, name: str, parts: dict[str, np.ndarray]) -> Lor
     A, B = parts["A"], parts["B"]
     for role, array, kinds in (("A", A, "f"), ("B", B, "f"), ("alpha", parts.get("alpha", 1.0), "fiu")):
         if np.asarray(array).dtype.kind not in kinds:
-            raise ValueError(f"{source}: {name}: {role} is {np.asarray(array).dtype}, not a number of the "
-                             "right kind; the file is damaged or not a LoRA, re-export it")
+            raise ValueError(
+                f"{source}: {name}: {role} is {np.asarray(array).dtype}, not a number of the "
+                "right kind; the file is damaged or not a LoRA, re-export it"
+            )
     if A.ndim != 2 or B.ndim != 2:
-        raise ValueError(f"{source}: {name}: A {list(A.shape)} and B {list(B.shape)} must both be 2-D; "
-                         "only Linear LoRAs are supported (not conv/LoCon/LoKr)")
+        raise ValueError(
+            f"{source}: {name}: A {list(A.shape)} and B {list(B.shape)} must both be 2-D; "
+            "only Linear LoRAs are supported (not conv/LoCon/LoKr)"
+        )
     if B.shape[1] != A.shape[0] or A.shape[0] == 0:
-        raise ValueError(f"{source}: {name}: A has rank {A.shape[0]} but B has {B.shape[1]} columns; "
-                         "the pair does not belong together, re-export the file")
+        raise ValueError(
+            f"{source}: {name}: A has rank {A.shape[0]} but B has {B.shape[1]} columns; "
+            "the pair does not belong together, re-export the file"
+        )
     alpha = parts.get("alpha", np.array(float(A.shape[0])))  # ComfyUI: no alpha → scale 1
     if alpha.size != 1:
         raise ValueError(f"{source}: {name}.alpha has shape {list(alpha.shape)}; it must be a scalar")
@@ -73,12 +86,15 @@ def split_keys(tensors: Mapping[str, np.ndarray], prefix: str, source: str) -> L
     for key, value in tensors.items():
         suffix = next((s for s in ROLES if key.endswith(s)), None)
         if not key.startswith(prefix) or suffix is None:
-            raise ValueError(f"{source}: key {key!r} is not a LoRA weight or alpha under {prefix!r}; Kiln reads "
-                             "plain diffusion-model LoRAs (lora_A/lora_B or lora_down/lora_up), nothing else")
-        name, role = key[len(prefix):-len(suffix)], ROLES[suffix]
+            raise ValueError(
+                f"{source}: key {key!r} is not a LoRA weight or alpha under {prefix!r}; Kiln reads "
+                "plain diffusion-model LoRAs (lora_A/lora_B or lora_down/lora_up), nothing else"
+            )
+        name, role = key[len(prefix) : -len(suffix)], ROLES[suffix]
         if role in modules.setdefault(name, {}):
-            raise ValueError(f"{source}: {prefix}{name} has both lora_A and lora_down (or lora_B and "
-                             "lora_up) keys; keep one naming")
+            raise ValueError(
+                f"{source}: {prefix}{name} has both lora_A and lora_down (or lora_B and lora_up) keys; keep one naming"
+            )
         modules[name][role] = np.asarray(value)
     return {name: checked_weights(source, prefix + name, parts) for name, parts in modules.items()}
 
@@ -106,17 +122,23 @@ def _comfy_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
 
 
 def _kohya_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:  # '.' → '_' as model_lora_keys_unet
-    return {k: v for path, w in lora.items()
-            for k, v in _pair(KOHYA_PREFIX + path.replace(".", "_"), w, "lora_down", "lora_up").items()}
+    return {
+        k: v
+        for path, w in lora.items()
+        for k, v in _pair(KOHYA_PREFIX + path.replace(".", "_"), w, "lora_down", "lora_up").items()
+    }
 
 
 # ---------------------------------------------------------------- diffusers
 
+
 def _require_rules(arch: Arch | None, source: str) -> Arch:
     if arch is None or not arch.diffusers_rules:
         name = "no arch" if arch is None else f"arch {arch.name!r} (family {arch.family!r})"
-        raise ValueError(f"{source}: diffusers export needs an arch with diffusers names, got {name}; "
-                         "pass arch= (e.g. 'flux2_klein', 'zimage') or use the comfy or kohya format")
+        raise ValueError(
+            f"{source}: diffusers export needs an arch with diffusers names, got {name}; "
+            "pass arch= (e.g. 'flux2_klein', 'zimage') or use the comfy or kohya format"
+        )
     return arch
 
 
@@ -133,8 +155,10 @@ def _row_sizes(rule: DiffusersRule, rows: int, where: str) -> list[int]:
     parts = len(rule.targets)
     sizes = list(rule.split_sizes) if rule.split_sizes else [rows // parts] * parts
     if sum(sizes) != rows:
-        raise ValueError(f"{where}: B has {rows} rows, not divisible into the {parts} diffusers parts "
-                         f"{[t.split('.')[-1] for t in rule.targets]} (sizes {sizes}); export it as comfy")
+        raise ValueError(
+            f"{where}: B has {rows} rows, not divisible into the {parts} diffusers parts "
+            f"{[t.split('.')[-1] for t in rule.targets]} (sizes {sizes}); export it as comfy"
+        )
     return sizes
 
 
@@ -144,8 +168,10 @@ def _diffusers_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
     for path, w in lora.items():
         found = diffusers_targets(arch, path)
         if found is None:
-            raise ValueError(f"{path}: no diffusers name for this module in arch {arch.name!r}; "
-                             "export as comfy or kohya, or leave it out of the targets")
+            raise ValueError(
+                f"{path}: no diffusers name for this module in arch {arch.name!r}; "
+                "export as comfy or kohya, or leave it out of the targets"
+            )
         rule, names = found
         # Scale folded into B, no .alpha keys: diffusers' load_lora_weights refuses (Flux2) or mis-converts
         # (Z-Image) `.alpha` keys and load_lora_adapter ignores them; scale 1 is what every reader assumes
@@ -153,8 +179,9 @@ def _diffusers_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
         w = _folded(w)
         # Every part gets the same A (so the same scale) and its exact rows of B.
         for name, part in zip(names, np.split(w.B, np.cumsum(_row_sizes(rule, w.B.shape[0], path))[:-1])):
-            out.update(_pair(arch.diffusers_prefix + name, LoraWeights(w.A, part, w.alpha), "lora_A", "lora_B",
-                             alpha=False))
+            out.update(
+                _pair(arch.diffusers_prefix + name, LoraWeights(w.A, part, w.alpha), "lora_A", "lora_B", alpha=False)
+            )
     return out
 
 
@@ -168,8 +195,10 @@ def fuse(rule: DiffusersRule, parts: dict[int, LoraWeights], where: str) -> Lora
     """Split parts back into the fused layer: shared A and alpha (our export) → concat B."""
     ordered = [parts.get(i) for i in range(len(rule.targets))]
     first = next(p for p in ordered if p is not None)
-    if all(p is not None and p.alpha == first.alpha and p.A.shape == first.A.shape
-           and np.array_equal(p.A, first.A) for p in ordered):
+    if all(
+        p is not None and p.alpha == first.alpha and p.A.shape == first.A.shape and np.array_equal(p.A, first.A)
+        for p in ordered
+    ):
         return LoraWeights(first.A, np.concatenate([p.B for p in ordered]), first.alpha)
     return _block_diagonal(rule, ordered, where)
 
@@ -182,14 +211,16 @@ def _block_diagonal(rule: DiffusersRule, ordered: list[LoraWeights | None], wher
     rows = list(rule.split_sizes) if rule.split_sizes else [max(p.B.shape[0] for p in present)] * len(ordered)
     bad = [t for p, n, t in zip(ordered, rows, rule.targets) if p is not None and p.B.shape[0] != n]
     if bad or len({p.A.shape[1] for p in present}) != 1:
-        raise ValueError(f"{where}: diffusers parts {bad or list(rule.targets)} do not fit one fused layer "
-                         f"(rows {[p and p.B.shape[0] for p in ordered]}, expected {rows}, and equal inputs)")
+        raise ValueError(
+            f"{where}: diffusers parts {bad or list(rule.targets)} do not fit one fused layer "
+            f"(rows {[p and p.B.shape[0] for p in ordered]}, expected {rows}, and equal inputs)"
+        )
     rank = sum(p.rank for p in present)
     B = np.zeros((sum(rows), rank), np.float32)
     row = col = 0
     for part, part_rows in zip(ordered, rows):
         if part is not None:
-            B[row:row + part_rows, col:col + part.rank] = part.B * np.float32(part.scale)
+            B[row : row + part_rows, col : col + part.rank] = part.B * np.float32(part.scale)
             col += part.rank
         row += part_rows
     return LoraWeights(np.concatenate([p.A for p in present]), B, float(rank))
@@ -197,10 +228,12 @@ def _block_diagonal(rule: DiffusersRule, ordered: list[LoraWeights | None], wher
 
 # ---------------------------------------------------------------- registry and files
 
+
 class LoraFormat(NamedTuple):
     """A layout Kiln writes; reading any trainer's layout is lora_sources.py's."""
+
     to_tensors: Callable[[Lora, Arch | None], dict[str, np.ndarray]]
-    key_prefix: str                     # how a file of this format is recognised
+    key_prefix: str  # how a file of this format is recognised
 
 
 FORMATS: dict[str, LoraFormat] = {
@@ -226,16 +259,19 @@ def module_paths(metadata: Mapping[str, str], source: str) -> list[str] | None:
     except json.JSONDecodeError:
         paths = None
     if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-        raise ValueError(f"{source}: metadata 'kiln.module_paths' is not a JSON list of module paths; "
-                         "pass module_names instead")
+        raise ValueError(
+            f"{source}: metadata 'kiln.module_paths' is not a JSON list of module paths; pass module_names instead"
+        )
     return paths
 
 
 def detect_format(keys, source: str = "tensors") -> str:
     found = {name for key in keys for name, f in FORMATS.items() if key.startswith(f.key_prefix)}
     if not found:
-        raise ValueError(f"{source}: no LoRA keys (none start with {', '.join(f.key_prefix for f in FORMATS.values())}"
-                         "); is this a LoRA for the diffusion model?")
+        raise ValueError(
+            f"{source}: no LoRA keys (none start with {', '.join(f.key_prefix for f in FORMATS.values())}"
+            "); is this a LoRA for the diffusion model?"
+        )
     if len(found) > 1:
         raise ValueError(f"{source}: keys of several formats {sorted(found)} in one file; Kiln reads one")
     return found.pop()

@@ -18,6 +18,7 @@ ComfyUI's `diff` patches are not (A, B) pairs: they pass through as tensors rena
 loader maps (`diffusion_model.<path>.lokr_w1`, or `transformer.<diffusers name>...` for a part of a fused
 layer, which ComfyUI applies to its slice), exact and without an SVD.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,8 +40,8 @@ from . import keys as lf
 
 class KeyForm(NamedTuple):
     prefix: str
-    flat: bool       # the module name has '.' written as '_'
-    writers: str     # who writes it, for the report
+    flat: bool  # the module name has '.' written as '_'
+    writers: str  # who writes it, for the report
 
 
 KEY_FORMS: dict[str, KeyForm] = {  # longest prefix first where one starts another
@@ -54,13 +55,30 @@ KEY_FORMS: dict[str, KeyForm] = {  # longest prefix first where one starts anoth
 
 # Key ending → (kind, role). Kinds other than "lora" pass through renamed (ComfyUI's weight_adapter reads them).
 SUFFIXES: dict[str, tuple[str, str]] = {
-    **{s: ("lora", "A") for s in (".lora_A.weight", ".lora_down.weight", ".lora.down.weight",
-                                  ".lora_A.default.weight", ".lora_linear_layer.down.weight")},
-    **{s: ("lora", "B") for s in (".lora_B.weight", ".lora_up.weight", ".lora.up.weight",
-                                  ".lora_B.default.weight", ".lora_linear_layer.up.weight")},
+    **{
+        s: ("lora", "A")
+        for s in (
+            ".lora_A.weight",
+            ".lora_down.weight",
+            ".lora.down.weight",
+            ".lora_A.default.weight",
+            ".lora_linear_layer.down.weight",
+        )
+    },
+    **{
+        s: ("lora", "B")
+        for s in (
+            ".lora_B.weight",
+            ".lora_up.weight",
+            ".lora.up.weight",
+            ".lora_B.default.weight",
+            ".lora_linear_layer.up.weight",
+        )
+    },
     **{f".lokr_{r}": ("lokr", f"lokr_{r}") for r in ("w1", "w2", "w1_a", "w1_b", "w2_a", "w2_b", "t2")},
     **{f".hada_{r}": ("loha", f"hada_{r}") for r in ("w1_a", "w1_b", "w2_a", "w2_b", "t1", "t2")},
-    ".diff": ("diff", "diff"), ".diff_b": ("diff", "diff_b"),
+    ".diff": ("diff", "diff"),
+    ".diff_b": ("diff", "diff_b"),
     ".alpha": ("", "alpha"),  # belongs to whichever kind the module has
 }
 
@@ -68,10 +86,11 @@ SUFFIXES: dict[str, tuple[str, str]] = {
 @dataclass
 class Converted:
     """A file read: the LoRA pairs, tensors passed through under ComfyUI names, and what happened."""
+
     lora: lf.Lora
     passthrough: dict[str, np.ndarray] = field(default_factory=dict)
-    unplaced: list[str] = field(default_factory=list)     # keys no rule could place: never dropped silently
-    notes: list[str] = field(default_factory=list)        # how the file was read, one line each
+    unplaced: list[str] = field(default_factory=list)  # keys no rule could place: never dropped silently
+    notes: list[str] = field(default_factory=list)  # how the file was read, one line each
     arch: Arch | None = None
 
     def report(self) -> str:
@@ -82,6 +101,7 @@ class Converted:
 
 
 # ---------------------------------------------------------------- module names → ComfyUI paths
+
 
 def _groups(rule: DiffusersRule) -> list[str]:
     return re.findall(r"\((?!\?)[^()]*\)", rule.comfy)
@@ -119,10 +139,10 @@ def _name_patterns(rules: tuple[DiffusersRule, ...], loose: bool) -> list[tuple[
 
 
 class Place(NamedTuple):
-    path: str                 # ComfyUI module path
+    path: str  # ComfyUI module path
     rule: DiffusersRule | None
-    part: int | None          # index into rule.targets when the name is one part of a fused layer
-    name: str                 # the diffusers name of that part ('' for a whole module)
+    part: int | None  # index into rule.targets when the name is one part of a fused layer
+    name: str  # the diffusers name of that part ('' for a whole module)
 
 
 def _from_match(arch: Arch, match: re.Match, rule: DiffusersRule, part: int | None) -> Place | None:
@@ -138,8 +158,9 @@ def _from_match(arch: Arch, match: re.Match, rule: DiffusersRule, part: int | No
     return Place(path, rule, part, forward[1][part])
 
 
-def place(arch: Arch | None, name: str, module_names: frozenset[str] | None, *, flat: bool,
-          verbatim: bool) -> Place | None:
+def place(
+    arch: Arch | None, name: str, module_names: frozenset[str] | None, *, flat: bool, verbatim: bool
+) -> Place | None:
     """A module name from a file → where it goes; None when nothing places it, or several things do
     (never a guess). With the model's module names, only a path among them counts."""
     if module_names is not None and name in module_names:
@@ -147,8 +168,11 @@ def place(arch: Arch | None, name: str, module_names: frozenset[str] | None, *, 
     for loose in (False, True):
         if arch is None or (flat and not loose):
             continue
-        found = {p for pattern, rule, part in _name_patterns(arch.diffusers_rules, loose)
-                 if (m := pattern.fullmatch(name)) and (p := _from_match(arch, m, rule, part)) is not None}
+        found = {
+            p
+            for pattern, rule, part in _name_patterns(arch.diffusers_rules, loose)
+            if (m := pattern.fullmatch(name)) and (p := _from_match(arch, m, rule, part)) is not None
+        }
         if len(found) == 1:
             found_place = found.pop()
             return found_place if module_names is None or found_place.path in module_names else None
@@ -161,6 +185,7 @@ def place(arch: Arch | None, name: str, module_names: frozenset[str] | None, *, 
 
 
 # ---------------------------------------------------------------- alpha of files that write none
+
 
 def _peft_alpha(metadata: Mapping[str, str], name: str, rank: int) -> tuple[float, str] | None:
     """diffusers' `lora_adapter_metadata` (PEFT LoraConfig with a 'transformer.' prefix): alpha for one module."""
@@ -180,10 +205,11 @@ def _peft_alpha(metadata: Mapping[str, str], name: str, rank: int) -> tuple[floa
 
 # ---------------------------------------------------------------- reading
 
+
 class _Module(NamedTuple):
     form: KeyForm | None
-    name: str                                   # the module name inside its key form
-    keys: dict[str, str]                        # role → key in the file
+    name: str  # the module name inside its key form
+    keys: dict[str, str]  # role → key in the file
     kinds: set[str]
 
 
@@ -197,12 +223,13 @@ def _modules(tensors: Mapping[str, np.ndarray], source: str) -> tuple[dict[str, 
         if suffix is None:
             strays.append(key)
             continue
-        module, (kind, role) = key[:-len(suffix)], SUFFIXES[suffix]
+        module, (kind, role) = key[: -len(suffix)], SUFFIXES[suffix]
         form = next((f for f in KEY_FORMS.values() if module.startswith(f.prefix)), None)
-        entry = modules.setdefault(module, _Module(form, module[len(form.prefix):] if form else module, {}, set()))
+        entry = modules.setdefault(module, _Module(form, module[len(form.prefix) :] if form else module, {}, set()))
         if role in entry.keys:
-            raise ValueError(f"{source}: {module} has two '{role}' tensors ({entry.keys[role]} and {key}); "
-                             "keep one naming")
+            raise ValueError(
+                f"{source}: {module} has two '{role}' tensors ({entry.keys[role]} and {key}); keep one naming"
+            )
         entry.keys[role] = key
         if kind:
             entry.kinds.add(kind)
@@ -213,15 +240,30 @@ def _choose_arch(arch: Arch | None, modules: dict[str, _Module]) -> Arch | None:
     """The given arch, else the one whose rules place the most names (its family's marked arch on a tie)."""
     if arch is not None:
         return arch
-    scored = [(sum(place(a, m.name, None, flat=bool(m.form and m.form.flat), verbatim=False) is not None
-                   for m in modules.values()), bool(a.module_marker), a)
-              for a in ARCHS.values() if a.diffusers_rules]
+    scored = [
+        (
+            sum(
+                place(a, m.name, None, flat=bool(m.form and m.form.flat), verbatim=False) is not None
+                for m in modules.values()
+            ),
+            bool(a.module_marker),
+            a,
+        )
+        for a in ARCHS.values()
+        if a.diffusers_rules
+    ]
     best = max(scored, key=lambda s: (s[0], s[1]), default=(0, False, None))
     return best[2] if best[0] else None
 
 
-def read(tensors: Mapping[str, np.ndarray], *, arch: Arch | None, module_names=None,
-         metadata: Mapping[str, str] | None = None, source: str = "tensors") -> Converted:
+def read(
+    tensors: Mapping[str, np.ndarray],
+    *,
+    arch: Arch | None,
+    module_names=None,
+    metadata: Mapping[str, str] | None = None,
+    source: str = "tensors",
+) -> Converted:
     """Every key of a LoRA file placed: LoRA pairs into the in-memory form, other adapters renamed,
     the rest listed in `unplaced`."""
     modules, unplaced = _modules(tensors, source)
@@ -231,9 +273,17 @@ def read(tensors: Mapping[str, np.ndarray], *, arch: Arch | None, module_names=N
     parts: dict[str, tuple[DiffusersRule, dict[int, lf.LoraWeights]]] = {}
     writers = set()
     for module, entry in modules.items():
-        where = None if len(entry.kinds) != 1 else place(
-            arch, entry.name, names, flat=bool(entry.form and entry.form.flat),
-            verbatim=entry.form is not None and entry.form.prefix == lf.COMFY_PREFIX)
+        where = (
+            None
+            if len(entry.kinds) != 1
+            else place(
+                arch,
+                entry.name,
+                names,
+                flat=bool(entry.form and entry.form.flat),
+                verbatim=entry.form is not None and entry.form.prefix == lf.COMFY_PREFIX,
+            )
+        )
         if where is None:
             unplaced.extend(entry.keys.values())
             continue
@@ -254,8 +304,11 @@ def read(tensors: Mapping[str, np.ndarray], *, arch: Arch | None, module_names=N
             raise ValueError(f"{source}: {path} is in the file both whole and as diffusers parts; keep one")
         converted.lora[path] = lf.fuse(rule, found, f"{source}: {path}")
     converted.unplaced = sorted(unplaced)
-    converted.notes.insert(0, f"{source}: keys as {', '.join(sorted(writers)) or 'no known trainer'} write them; "
-                              f"arch {arch.name if arch else 'unknown'}")
+    converted.notes.insert(
+        0,
+        f"{source}: keys as {', '.join(sorted(writers)) or 'no known trainer'} write them; "
+        f"arch {arch.name if arch else 'unknown'}",
+    )
     return converted
 
 
@@ -270,12 +323,16 @@ def _with_alpha(roles: dict[str, np.ndarray], metadata, name: str, notes: list[s
     return {**roles, "alpha": np.array(found[0], np.float32)}
 
 
-def _renamed(arch: Arch | None, where: Place, roles: dict[str, np.ndarray], source: str,
-             module: str) -> dict[str, np.ndarray]:
+def _renamed(
+    arch: Arch | None, where: Place, roles: dict[str, np.ndarray], source: str, module: str
+) -> dict[str, np.ndarray]:
     """LoKr/LoHa/diff tensors under the name ComfyUI maps: the ComfyUI path, or for one part of a fused
     layer its diffusers name (ComfyUI's key map applies it to that slice of the fused weight)."""
-    base = (lf.COMFY_PREFIX + where.path if where.part is None
-            else (arch.diffusers_prefix if arch else lf.DIFFUSERS_PREFIX) + where.name)
+    base = (
+        lf.COMFY_PREFIX + where.path
+        if where.part is None
+        else (arch.diffusers_prefix if arch else lf.DIFFUSERS_PREFIX) + where.name
+    )
     out = {}
     for role, value in roles.items():
         if value.dtype.kind not in "fiu":
@@ -285,6 +342,7 @@ def _renamed(arch: Arch | None, where: Place, roles: dict[str, np.ndarray], sour
 
 
 # ---------------------------------------------------------------- files
+
 
 def file_identity(path) -> dict[str, str]:
     """{'name', 'sha256'} of a file: what a converted LoRA or a run started from it records."""
@@ -298,9 +356,16 @@ def file_identity(path) -> dict[str, str]:
 def read_file(path, *, arch: Arch | str | None = None) -> tuple[Converted, dict[str, str]]:
     """A LoRA file of any trainer read (arch and kohya module names from its metadata when it has them)."""
     tensors, metadata = safetensors_io.read(path)
-    converted = read(tensors, arch=lf.arch_of(arch, metadata), module_names=lf.module_paths(metadata, str(path)),
-                     metadata=metadata, source=str(path))
+    converted = read(
+        tensors,
+        arch=lf.arch_of(arch, metadata),
+        module_names=lf.module_paths(metadata, str(path)),
+        metadata=metadata,
+        source=str(path),
+    )
     if not converted.lora and not converted.passthrough:
-        raise ValueError(f"{path}: no LoRA, LoKr or LoHa weights Kiln can place (keys such as "
-                         f"{', '.join(converted.unplaced[:5]) or 'none'}); is this a LoRA for the diffusion model?")
+        raise ValueError(
+            f"{path}: no LoRA, LoKr or LoHa weights Kiln can place (keys such as "
+            f"{', '.join(converted.unplaced[:5]) or 'none'}); is this a LoRA for the diffusion model?"
+        )
     return converted, metadata

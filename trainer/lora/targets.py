@@ -5,6 +5,7 @@ boundary ("img_attn.qkv" matches every block's), regex ("re:layers\\.[0-9]+\\.at
 full match). A pattern that matches nothing is an error: a typo must never
 silently train less.
 """
+
 from __future__ import annotations
 
 import re
@@ -35,7 +36,8 @@ def select_targets(candidates: list[str], patterns: list[str] | tuple[str, ...])
         raise TargetError(
             f"target pattern(s) {unmatched or list(patterns)} match no Linear layer; "
             f"the model has {len(candidates)} Linear layers, e.g. {_sample(candidates)}. "
-            "Use an exact name, a dotted suffix such as 'attn.qkv', or 're:<regex>'")
+            "Use an exact name, a dotted suffix such as 'attn.qkv', or 're:<regex>'"
+        )
     return selected
 
 

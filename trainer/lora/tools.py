@@ -10,6 +10,7 @@ squared Frobenius norm; a module keeps Σ kept σ² / Σ σ² of its delta.
 Rank rules as kohya's resize_lora.py names them (new_rank, sv_ratio, sv_fro, sv_cumulative), without its
 cap at full rank − 1.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,6 +23,7 @@ from .adapters import require_lora
 from .files import Lora, LoraWeights
 
 # ---------------------------------------------------------------- rank rules
+
 
 def _by_ratio(singular: np.ndarray, target: float, total: float) -> int:
     """Directions whose σ is within `target`× of the largest (kohya's sv_ratio)."""
@@ -49,9 +51,10 @@ DYNAMIC: dict[str, tuple[Callable[[np.ndarray, float, float], int], Callable[[fl
 @dataclass(frozen=True)
 class RankRule:
     """How many directions each module keeps: a fixed rank, or a dynamic method with rank as its cap."""
-    rank: int | None = None        # fixed rank; with a method, the most any module keeps (None: no cap)
-    method: str | None = None      # one of DYNAMIC
-    value: float | None = None     # the method's target
+
+    rank: int | None = None  # fixed rank; with a method, the most any module keeps (None: no cap)
+    method: str | None = None  # one of DYNAMIC
+    value: float | None = None  # the method's target
 
     def __post_init__(self):
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
@@ -84,13 +87,14 @@ class RankRule:
 
 # ---------------------------------------------------------------- the report
 
+
 @dataclass
 class ModuleReport:
     name: str
-    rank_in: int       # the delta's rank before (merge: Σ ranks; extract: min(out, in))
-    rank: int          # kept
-    energy: float      # ‖ΔW‖² of the exact delta
-    residual: float    # ‖ΔW − new B@A·scale‖²
+    rank_in: int  # the delta's rank before (merge: Σ ranks; extract: min(out, in))
+    rank: int  # kept
+    energy: float  # ‖ΔW‖² of the exact delta
+    residual: float  # ‖ΔW − new B@A·scale‖²
 
     @property
     def kept(self) -> float:
@@ -114,9 +118,16 @@ class Report:
         return 1.0 - sum(m.residual for m in self.modules) / energy if energy > 0 else 1.0
 
     def to_dict(self) -> dict:
-        return {"operation": self.operation, "kept": self.kept, "energy": self.energy, "notes": list(self.notes),
-                "modules": [{"name": m.name, "rank_in": m.rank_in, "rank": m.rank, "energy": m.energy,
-                             "kept": m.kept} for m in self.modules]}
+        return {
+            "operation": self.operation,
+            "kept": self.kept,
+            "energy": self.energy,
+            "notes": list(self.notes),
+            "modules": [
+                {"name": m.name, "rank_in": m.rank_in, "rank": m.rank, "energy": m.energy, "kept": m.kept}
+                for m in self.modules
+            ],
+        }
 
 
 def format_report(report: Report, worst: int = 8) -> str:
@@ -125,10 +136,12 @@ def format_report(report: Report, worst: int = 8) -> str:
     if not modules:
         return "\n".join([f"{report.operation}: no modules", *report.notes])
     ranks_in, ranks = sorted({m.rank_in for m in modules}), [m.rank for m in modules]
-    span = (lambda values: f"{min(values)}" if min(values) == max(values) else f"{min(values)}–{max(values)}")
-    summary = (f"{report.operation}: {len(modules)} modules, rank {span(ranks_in)} → {span(ranks)} "
-               f"(mean {np.mean(ranks):.1f}, {sum(ranks)} in all); energy kept {100 * report.kept:.2f}% overall "
-               f"(relative Frobenius error {math.sqrt(max(0.0, 1 - report.kept)):.4f})")
+    span = lambda values: f"{min(values)}" if min(values) == max(values) else f"{min(values)}–{max(values)}"
+    summary = (
+        f"{report.operation}: {len(modules)} modules, rank {span(ranks_in)} → {span(ranks)} "
+        f"(mean {np.mean(ranks):.1f}, {sum(ranks)} in all); energy kept {100 * report.kept:.2f}% overall "
+        f"(relative Frobenius error {math.sqrt(max(0.0, 1 - report.kept)):.4f})"
+    )
     lines = [summary]
     lossy = sorted((m for m in modules if m.kept < 1 - 1e-6), key=lambda m: m.kept)[:worst]
     if lossy:
@@ -138,6 +151,7 @@ def format_report(report: Report, worst: int = 8) -> str:
 
 
 # ---------------------------------------------------------------- the math
+
 
 def _product_svd(B: np.ndarray, A: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """SVD of B@A ([out, r] @ [r, in]) through the r×r core, in float64: U [out, k], σ [k], Vᵀ [k, in]."""
@@ -150,8 +164,9 @@ def _product_svd(B: np.ndarray, A: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 def _split(U: np.ndarray, singular: np.ndarray, Vt: np.ndarray, keep: int) -> LoraWeights:
     """The first `keep` directions as a LoRA with scale 1, √σ on each side."""
     root = np.sqrt(singular[:keep])
-    return LoraWeights((root[:, None] * Vt[:keep]).astype(np.float32), (U[:, :keep] * root).astype(np.float32),
-                       float(keep))
+    return LoraWeights(
+        (root[:, None] * Vt[:keep]).astype(np.float32), (U[:, :keep] * root).astype(np.float32), float(keep)
+    )
 
 
 def _energy(B: np.ndarray, A: np.ndarray) -> float:
@@ -165,16 +180,19 @@ def _truncated(name: str, B: np.ndarray, A: np.ndarray, rule: RankRule) -> tuple
     U, singular, Vt = _product_svd(B, A)
     keep = rule.pick(singular)
     energy = float(np.sum(singular**2))
-    return _split(U, singular, Vt, keep), ModuleReport(name, A.shape[0], keep, energy,
-                                                       float(np.sum(singular[keep:] ** 2)))
+    return _split(U, singular, Vt, keep), ModuleReport(
+        name, A.shape[0], keep, energy, float(np.sum(singular[keep:] ** 2))
+    )
 
 
 def _capped_note(report: Report, rule: RankRule) -> None:
     if rule.method is None:
         short = [m for m in report.modules if m.rank < rule.rank]
         if short:
-            report.notes.append(f"{len(short)} modules have fewer than {rule.rank} directions (e.g. {short[0].name}, "
-                                f"rank {short[0].rank}); they keep all they have")
+            report.notes.append(
+                f"{len(short)} modules have fewer than {rule.rank} directions (e.g. {short[0].name}, "
+                f"rank {short[0].rank}); they keep all they have"
+            )
 
 
 def resize(lora: Lora, rule: RankRule, *, operation: str = "resize") -> tuple[Lora, Report]:
@@ -190,8 +208,13 @@ def resize(lora: Lora, rule: RankRule, *, operation: str = "resize") -> tuple[Lo
     return out, report
 
 
-def merge(loras: Sequence[Lora], weights: Sequence[float] | None = None, rule: RankRule | None = None, *,
-          sources: Sequence[str] | None = None) -> tuple[Lora, Report]:
+def merge(
+    loras: Sequence[Lora],
+    weights: Sequence[float] | None = None,
+    rule: RankRule | None = None,
+    *,
+    sources: Sequence[str] | None = None,
+) -> tuple[Lora, Report]:
     """Σ weight·B@A·scale per module. No rule: exact (A stacked, weighted scaled Bs side by side, rank = Σ
     ranks, alpha = rank); with a rule, that exact sum reduced by SVD. A module in only some inputs takes
     theirs; a module whose shapes differ between inputs is an error (LoRAs of different models)."""
@@ -200,8 +223,10 @@ def merge(loras: Sequence[Lora], weights: Sequence[float] | None = None, rule: R
     for lora, source in zip(loras, sources):
         require_lora(lora, "merge", source)
     if not loras or len(weights) != len(loras) or len(sources) != len(loras):
-        raise ValueError(f"merge needs one weight and one name per LoRA, got {len(loras)} LoRAs, {len(weights)} "
-                         f"weights and {len(sources)} names")
+        raise ValueError(
+            f"merge needs one weight and one name per LoRA, got {len(loras)} LoRAs, {len(weights)} "
+            f"weights and {len(sources)} names"
+        )
     if not all(math.isfinite(w) for w in weights):
         raise ValueError(f"merge weights must be finite numbers, got {weights}")
     used = [(lora, w, source) for lora, w, source in zip(loras, weights, sources) if w != 0]
@@ -217,19 +242,24 @@ def merge(loras: Sequence[Lora], weights: Sequence[float] | None = None, rule: R
             if (part[0].B.shape[0], part[0].A.shape[1]) != (first[0].B.shape[0], first[0].A.shape[1]):
                 raise ValueError(
                     f"{name}: {part[2]} changes a [{part[0].B.shape[0]}, {part[0].A.shape[1]}] weight but {first[2]} "
-                    f"a [{first[0].B.shape[0]}, {first[0].A.shape[1]}] one; merge only LoRAs made for one model")
+                    f"a [{first[0].B.shape[0]}, {first[0].A.shape[1]}] one; merge only LoRAs made for one model"
+                )
         A = np.concatenate([p.A for p, _, _ in parts])
         B = np.concatenate([p.B * np.float32(w * p.scale) for p, w, _ in parts], axis=1)
         merged[name] = LoraWeights(A, B, float(A.shape[0]))
     label = "merge of " + " + ".join(f"{w:g}×{s}" for _, w, s in used)
     if rule is None:
-        report = Report(f"{label} (exact)", [ModuleReport(n, w.rank, w.rank, _energy(w.B, w.A), 0.0)
-                                             for n, w in merged.items()])
+        report = Report(
+            f"{label} (exact)", [ModuleReport(n, w.rank, w.rank, _energy(w.B, w.A), 0.0) for n, w in merged.items()]
+        )
     else:
         merged, report = resize(merged, rule, operation=label)
     if partial:
-        report.notes.append(f"{len(partial)} modules are in only some inputs and take theirs alone: "
-                            + "; ".join(partial[:4]) + (" …" if len(partial) > 4 else ""))
+        report.notes.append(
+            f"{len(partial)} modules are in only some inputs and take theirs alone: "
+            + "; ".join(partial[:4])
+            + (" …" if len(partial) > 4 else "")
+        )
     skipped = [s for _, w, s in zip(loras, weights, sources) if w == 0]
     if skipped:
         report.notes.append(f"weight 0, left out: {', '.join(skipped)}")

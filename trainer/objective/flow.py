@@ -5,6 +5,7 @@ model predicts v = ε - x0, so denoised = x_t - σ·v. All randomness is drawn h
 numpy, from one seeded np.random.Generator, so the torch and MLX backends see
 identical noise, sigmas and caption-dropout decisions. No torch or mlx import.
 """
+
 from __future__ import annotations
 
 import math
@@ -137,8 +138,7 @@ def shift_sigmas(sigmas: np.ndarray, shift: float) -> np.ndarray:
     return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
 
 
-def sample_sigmas(rng: np.random.Generator, n: int, settings: ObjectiveSettings,
-                  image_tokens: int) -> np.ndarray:
+def sample_sigmas(rng: np.random.Generator, n: int, settings: ObjectiveSettings, image_tokens: int) -> np.ndarray:
     """n sigmas in (0,1), float32 [n], from exactly one rng.random(n)."""
     u = rng.random(n)  # float64 [n]
     biased = _BIASES[settings.content_or_style](u)
@@ -164,8 +164,13 @@ class Draws:
     drop_caption: np.ndarray  # bool [B], True → use the cached empty-caption embedding
 
 
-def draw(rng: np.random.Generator, latent_shape: tuple, settings: ObjectiveSettings,
-         caption_dropout: float, image_tokens: int | None = None) -> Draws:
+def draw(
+    rng: np.random.Generator,
+    latent_shape: tuple,
+    settings: ObjectiveSettings,
+    caption_dropout: float,
+    image_tokens: int | None = None,
+) -> Draws:
     """Draw one step's randomness in a fixed order: sigmas, noise, caption dropout.
 
     image_tokens defaults to H·W of the latent (Flux2: one token per latent cell); pass
@@ -183,8 +188,9 @@ def draw(rng: np.random.Generator, latent_shape: tuple, settings: ObjectiveSetti
     sigmas = sample_sigmas(rng, batch, settings, tokens)
     noise = rng.standard_normal(tuple(latent_shape), dtype=np.float32)
     drop_caption = rng.random(batch) < caption_dropout
-    return Draws(noise=noise, sigmas=sigmas,
-                 weights=loss_weights(sigmas, settings.loss_weighting), drop_caption=drop_caption)
+    return Draws(
+        noise=noise, sigmas=sigmas, weights=loss_weights(sigmas, settings.loss_weighting), drop_caption=drop_caption
+    )
 
 
 def interpolate(x0, noise, sigmas):

@@ -14,6 +14,7 @@ The backend runs v_0 as one forward without grad and both v_θ terms as one forw
 Prior preservation with regularisation images (data/regularised.py): their batches' loss weights are
 multiplied by reg_weight. Nothing here draws random numbers, so a run's draws and resume are unchanged.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,16 +30,16 @@ from ..config import ConfigError, TrainConfig
 class Preservation:
     """A micro-batch's DOP inputs (Batch.preservation). Shapes: B rows, T/T' tokens, D width."""
 
-    context: np.ndarray          # [B,T,D] the class-word captions, collated: the base model's forward
-    extras: dict                 # arch model_extras for those rows
-    joint_context: np.ndarray    # [2B,T',D] the rows' captions, then their class-word captions
+    context: np.ndarray  # [B,T,D] the class-word captions, collated: the base model's forward
+    extras: dict  # arch model_extras for those rows
+    joint_context: np.ndarray  # [2B,T',D] the rows' captions, then their class-word captions
     joint_extras: dict
-    weights: np.ndarray          # [B] float32: preservation_weight per row (0 on regularisation rows)
+    weights: np.ndarray  # [B] float32: preservation_weight per row (0 on regularisation rows)
 
 
 @dataclass(frozen=True)
 class Settings:
-    weight: float = 0.0          # preservation_weight; 0: no DOP
+    weight: float = 0.0  # preservation_weight; 0: no DOP
     reg_weight: float = 1.0
 
 
@@ -50,25 +51,40 @@ def settings(cfg: TrainConfig, data) -> Settings:
     a regularisation set when the config names one)."""
     has_reg = hasattr(data, "is_regularisation")
     if cfg.reg_dataset_dir and not has_reg:
-        raise ConfigError(f"reg_dataset_dir {cfg.reg_dataset_dir!r}: the training data has no regularisation set; "
-                          "connect the encoded regularisation dataset to Train LoRA's reg_dataset input (headless: "
-                          "the folder is loaded for you)")
+        raise ConfigError(
+            f"reg_dataset_dir {cfg.reg_dataset_dir!r}: the training data has no regularisation set; "
+            "connect the encoded regularisation dataset to Train LoRA's reg_dataset input (headless: "
+            "the folder is loaded for you)"
+        )
     if has_reg and not cfg.reg_dataset_dir:
-        raise ConfigError("the training data has a regularisation set but reg_dataset_dir is empty; set it to the "
-                          "regularisation folder (the run's record and its resume check need it)")
+        raise ConfigError(
+            "the training data has a regularisation set but reg_dataset_dir is empty; set it to the "
+            "regularisation folder (the run's record and its resume check need it)"
+        )
     if cfg.preservation_weight > 0:
-        first = next(i for indices in data.buckets.values() for i in indices
-                     if not (has_reg and data.is_regularisation(i)))
+        first = next(
+            i for indices in data.buckets.values() for i in indices if not (has_reg and data.is_regularisation(i))
+        )
         read = getattr(data, "preservation_context", None)
         if read is None or read(first) is None:
-            raise ConfigError(f"preservation_weight {cfg.preservation_weight:g} needs the class-word captions "
-                              f"({cfg.preservation_class!r}) encoded: set preservation_class on Kiln Encode "
-                              "Captions (headless: in the config), or set preservation_weight to 0")
+            raise ConfigError(
+                f"preservation_weight {cfg.preservation_weight:g} needs the class-word captions "
+                f"({cfg.preservation_class!r}) encoded: set preservation_class on Kiln Encode "
+                "Captions (headless: in the config), or set preservation_weight to 0"
+            )
     return Settings(weight=cfg.preservation_weight, reg_weight=cfg.reg_weight)
 
 
-def complete(batch, data, indices: list[int], variants: list[int], contexts: list[np.ndarray], scale: float,
-             arch: Arch, chosen: Settings):
+def complete(
+    batch,
+    data,
+    indices: list[int],
+    variants: list[int],
+    contexts: list[np.ndarray],
+    scale: float,
+    arch: Arch,
+    chosen: Settings,
+):
     """A Batch with the regularisation weight on its rows and, with DOP on, its Preservation inputs.
     `indices`, `variants` and `contexts` (caption dropout applied) are this rank's rows; `scale` their loss
     scale under torchrun (1 alone)."""
@@ -78,19 +94,29 @@ def complete(batch, data, indices: list[int], variants: list[int], contexts: lis
         batch.weights = (batch.weights * np.where(reg, chosen.reg_weight, 1.0)).astype(np.float32)
     if chosen.weight <= 0 or all(reg):
         return batch
-    kept = [contexts[row] if reg[row] else data.preservation_context(i, v)
-            for row, (i, v) in enumerate(zip(indices, variants))]
+    kept = [
+        contexts[row] if reg[row] else data.preservation_context(i, v)
+        for row, (i, v) in enumerate(zip(indices, variants))
+    ]
     rows, lengths = len(indices), [c.shape[0] for c in kept]
     batch.preservation = Preservation(
-        context=arch.collate_context(kept), extras=arch.model_extras(rows, lengths),
+        context=arch.collate_context(kept),
+        extras=arch.model_extras(rows, lengths),
         joint_context=arch.collate_context(list(contexts) + kept),
         joint_extras=arch.model_extras(2 * rows, [c.shape[0] for c in contexts] + lengths),
-        weights=(np.where(reg, 0.0, chosen.weight) * scale).astype(np.float32))
+        weights=(np.where(reg, 0.0, chosen.weight) * scale).astype(np.float32),
+    )
     return batch
 
 
-def encoded_datasets(cfg: TrainConfig, settings, folder: str | Path, image_encoder: tuple, text_encoder: tuple,
-                     cache_dir: str | Path | None = None):
+def encoded_datasets(
+    cfg: TrainConfig,
+    settings,
+    folder: str | Path,
+    image_encoder: tuple,
+    text_encoder: tuple,
+    cache_dir: str | Path | None = None,
+):
     """A headless run's Dataset (`train`, the demo) with latents and captions cached: DOP's class-word captions
     too (when on), and the regularisation folder beside it (when given), with its own repeats and captions.
     Each encoder is (function, identity), as Dataset.encode_images / encode_captions take them."""

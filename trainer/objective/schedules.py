@@ -4,6 +4,7 @@ A schedule maps progress p ∈ [0,1] through the post-warmup steps (p = 1 on the
 step) to a factor between min_lr_ratio and 1. Linear warmup, when asked for, comes
 first and ends at base_lr; it is shared by every schedule except plain "cosine".
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,7 @@ SCHEDULES: dict[str, Callable[[float, float], float]] = {
 }
 
 
-def _check(step: int, base_lr: float, schedule: str, total_steps: int,
-           warmup_steps: int, min_lr_ratio: float) -> None:
+def _check(step: int, base_lr: float, schedule: str, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> None:
     """Raise a ValueError that names the bad argument and the fix."""
     if schedule not in SCHEDULES:
         raise ValueError(f"lr schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
@@ -45,20 +45,23 @@ def _check(step: int, base_lr: float, schedule: str, total_steps: int,
     if not 0 <= step < total_steps:
         raise ValueError(f"step must be 0..{total_steps - 1} (total_steps={total_steps}), got {step}")
     if not 0 <= warmup_steps < total_steps:
-        raise ValueError(f"warmup_steps must be 0..{total_steps - 1} "
-                         f"(fewer than total_steps={total_steps}), got {warmup_steps}")
+        raise ValueError(
+            f"warmup_steps must be 0..{total_steps - 1} (fewer than total_steps={total_steps}), got {warmup_steps}"
+        )
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"min_lr_ratio must be in 0..1, got {min_lr_ratio}")
     if schedule == "cosine" and warmup_steps > 0:
-        raise ValueError(f"lr schedule 'cosine' has no warmup, but warmup_steps={warmup_steps}; "
-                         "pick 'cosine_with_warmup' or set warmup_steps to 0")
+        raise ValueError(
+            f"lr schedule 'cosine' has no warmup, but warmup_steps={warmup_steps}; "
+            "pick 'cosine_with_warmup' or set warmup_steps to 0"
+        )
     if schedule == "cosine_with_warmup" and warmup_steps == 0:
-        raise ValueError("lr schedule 'cosine_with_warmup' needs warmup_steps > 0; "
-                         "set warmup_steps or pick 'cosine'")
+        raise ValueError("lr schedule 'cosine_with_warmup' needs warmup_steps > 0; set warmup_steps or pick 'cosine'")
 
 
-def lr_at(step: int, *, base_lr: float, schedule: str, total_steps: int,
-          warmup_steps: int = 0, min_lr_ratio: float = 0.0) -> float:
+def lr_at(
+    step: int, *, base_lr: float, schedule: str, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0
+) -> float:
     """Learning rate for 0-based optimizer step `step` of `total_steps`."""
     _check(step, base_lr, schedule, total_steps, warmup_steps, min_lr_ratio)
     if step < warmup_steps:

@@ -6,6 +6,7 @@ The loop calls, in this order after each step: on_step(report), validate(step, l
 then should_pause() / should_stop() between steps (trainer/run/pause.py), with on_pause(True/False) around a
 wait. An error raised by any of them (ComfyUI's stop button) leaves a resumable checkpoint of that step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -15,8 +16,8 @@ from typing import Any
 class Callbacks:
     """Subclass and override; the defaults do nothing, never validate, never stop and never pause."""
 
-    validate_every: int = 0        # validate every N steps and at the last step; 0: never (validate_first aside)
-    validate_first: bool = False   # validate before the first step of a new run too (logged as step 0)
+    validate_every: int = 0  # validate every N steps and at the last step; 0: never (validate_first aside)
+    validate_first: bool = False  # validate before the first step of a new run too (logged as step 0)
 
     def on_step(self, report) -> None:
         """After each step: a trainer.run.steplog.Report (loss figures only on steps where the loss was read)."""
@@ -61,7 +62,7 @@ def from_functions(**functions: Any) -> Callbacks:
     callbacks = Callbacks()
     for name, value in functions.items():
         if value is not None:
-            setattr(callbacks, name, value)   # an instance attribute shadows the no-op method
+            setattr(callbacks, name, value)  # an instance attribute shadows the no-op method
     if functions.get("validate") is None:
         callbacks.validate_every, callbacks.validate_first = 0, False
     return callbacks

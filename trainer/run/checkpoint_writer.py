@@ -2,6 +2,7 @@
 place, so a crash at any moment leaves either no folder or a complete one; one being deleted is renamed out of
 sight first, and the hidden leftovers of a killed writer (.tmp-step-*, .old-step-*) are removed by the next save.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ _LORA_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 _HEADER_BYTES_PER_TENSOR = 256  # a safetensors header entry: name, dtype, shape, offsets
 
 
-def _checkpoint_bytes(lora: dict[str, LoraWeights], tensors: dict[str, np.ndarray], run_json: str,
-                      save_dtype: str) -> int:
+def _checkpoint_bytes(
+    lora: dict[str, LoraWeights], tensors: dict[str, np.ndarray], run_json: str, save_dtype: str
+) -> int:
     """About what a checkpoint takes on disk: lora.safetensors + state.safetensors + run.json."""
     itemsize = _LORA_ITEMSIZE.get(save_dtype, 4)
     lora_bytes = sum(sum(a.size for a in state.module_roles(w).values()) * itemsize + 4 for w in lora.values())
@@ -42,9 +44,21 @@ def _checkpoint_bytes(lora: dict[str, LoraWeights], tensors: dict[str, np.ndarra
     return lora_bytes + state_bytes + headers + len(run_json.encode("utf-8"))
 
 
-def save_checkpoint(run_dir: str | Path, step: int, *, backend, arch, config: dict, numpy_rng: np.random.Generator,
-                    cursor: dict, history: History, keep: int, lora_metadata: dict[str, str],
-                    save_dtype: str = "bf16", rank_rng: list[dict[str, np.ndarray]] = ()) -> Path:
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    backend,
+    arch,
+    config: dict,
+    numpy_rng: np.random.Generator,
+    cursor: dict,
+    history: History,
+    keep: int,
+    lora_metadata: dict[str, str],
+    save_dtype: str = "bf16",
+    rank_rng: list[dict[str, np.ndarray]] = (),
+) -> Path:
     """Write <run>/step-NNNNNN atomically; prune to the newest `keep`: the oldest first, so `keep` checkpoints
     never need room for keep+1, but the newest complete one stays until the new one is complete.
     `rank_rng`: the RNG states of ranks 1..N-1 of a torchrun run (rank 0 is `backend`), saved as
@@ -57,17 +71,32 @@ def save_checkpoint(run_dir: str | Path, step: int, *, backend, arch, config: di
     optimizer_tensors, optimizer_meta = backend.optimizer_state()
     tensors = _state_tensors(backend, lora, optimizer_tensors, rank_rng)
     info = {
-        "format": RUN_FORMAT, "step": step, "arch": arch.name, "backend": backend.name, "config": config,
+        "format": RUN_FORMAT,
+        "step": step,
+        "arch": arch.name,
+        "backend": backend.name,
+        "config": config,
         "world_size": 1 + len(rank_rng),
-        "numpy_rng": numpy_rng.bit_generator.state, "cursor": cursor, "optimizer": optimizer_meta,
-        "history": {"loss": history.loss, "lr": history.lr, "grad_norm": history.grad_norm,
-                    "skipped": history.skipped, "holdout": history.holdout},
+        "numpy_rng": numpy_rng.bit_generator.state,
+        "cursor": cursor,
+        "optimizer": optimizer_meta,
+        "history": {
+            "loss": history.loss,
+            "lr": history.lr,
+            "grad_norm": history.grad_norm,
+            "skipped": history.skipped,
+            "holdout": history.holdout,
+        },
     }
     run_json = json.dumps(info, indent=1)
     final = step_dir(run_dir, step)
-    require_free_space(run_dir, _checkpoint_bytes(lora, tensors, run_json, save_dtype), f"checkpoint {final.name}",
-                       f"free space on that disk, lower keep_checkpoints (now {keep}), or set output_dir to a "
-                       "folder on a larger disk; then resume")
+    require_free_space(
+        run_dir,
+        _checkpoint_bytes(lora, tensors, run_json, save_dtype),
+        f"checkpoint {final.name}",
+        f"free space on that disk, lower keep_checkpoints (now {keep}), or set output_dir to a "
+        "folder on a larger disk; then resume",
+    )
     temp = run_dir / f".tmp-{final.name}-{os.getpid()}"
     _write_folder(temp, lora, tensors, run_json, arch=arch, save_dtype=save_dtype, lora_metadata=lora_metadata)
     fault_point(f"checkpoint:{step}:complete")
@@ -77,8 +106,9 @@ def save_checkpoint(run_dir: str | Path, step: int, *, backend, arch, config: di
     return final
 
 
-def _state_tensors(backend, lora: dict[str, LoraWeights], optimizer_tensors: dict[str, np.ndarray],
-                   rank_rng) -> dict[str, np.ndarray]:
+def _state_tensors(
+    backend, lora: dict[str, LoraWeights], optimizer_tensors: dict[str, np.ndarray], rank_rng
+) -> dict[str, np.ndarray]:
     """state.safetensors: exact LoRA, EMA shadow, optimizer moments, every rank's RNG states."""
     tensors = _lora_tensors(lora, "lora.")
     tensors.update({f"ema.{k}": v for k, v in backend.ema_state().items()})
@@ -89,14 +119,23 @@ def _state_tensors(backend, lora: dict[str, LoraWeights], optimizer_tensors: dic
     return tensors
 
 
-def _write_folder(temp: Path, lora, tensors: dict[str, np.ndarray], run_json: str, *, arch, save_dtype: str,
-                  lora_metadata: dict[str, str]) -> None:
+def _write_folder(
+    temp: Path,
+    lora,
+    tensors: dict[str, np.ndarray],
+    run_json: str,
+    *,
+    arch,
+    save_dtype: str,
+    lora_metadata: dict[str, str],
+) -> None:
     """The checkpoint's three files into a fresh hidden folder, run.json last, synced to disk."""
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
     try:
-        lora_format.save_lora(temp / "lora.safetensors", lora, arch=arch, fmt="comfy",
-                              dtype=save_dtype, metadata=lora_metadata)
+        lora_format.save_lora(
+            temp / "lora.safetensors", lora, arch=arch, fmt="comfy", dtype=save_dtype, metadata=lora_metadata
+        )
         safetensors_io.write(temp / "state.safetensors", tensors, {"kiln.format": RUN_FORMAT})
         atomic_write_text(temp / "run.json", run_json)
         fsync_dir(temp)

@@ -11,6 +11,7 @@ every helper here is then a no-op and the run is the plain one, bit for bit.
 Host-side agreement (stop and pause votes, RNG states for a checkpoint, barriers) goes through a gloo group, so it
 never waits for the GPU; gradients go through the default group (NCCL on CUDA, gloo on the CPU).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -66,6 +67,7 @@ def _initialized():
     if _torchrun_world() <= 1 and "torch" not in sys.modules:
         return None
     import torch.distributed as dist
+
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
@@ -82,19 +84,22 @@ def start(device: str = "auto", backend: str = "torch") -> Group:
     on CUDA GPUs, one per rank (LOCAL_RANK), gloo on the CPU. Without torchrun (or with one process) nothing
     starts. Idempotent; the group is ended at exit."""
     global _host_group
-    world = max(_torchrun_world(), current().world)   # torchrun's, or a group started by the caller (tests)
+    world = max(_torchrun_world(), current().world)  # torchrun's, or a group started by the caller (tests)
     if world <= 1:
         return SINGLE
     if backend != "torch":
-        raise ValueError(f"backend {backend!r} trains in one process: torchrun's {world} processes need the torch "
-                         "backend (CUDA GPUs, or the CPU). Run `python -m trainer train CONFIG` without torchrun, "
-                         "or set backend = \"torch\"")
+        raise ValueError(
+            f"backend {backend!r} trains in one process: torchrun's {world} processes need the torch "
+            "backend (CUDA GPUs, or the CPU). Run `python -m trainer train CONFIG` without torchrun, "
+            'or set backend = "torch"'
+        )
     import torch
     import torch.distributed as dist
 
     if device == "mps":
-        raise ValueError(f"device 'mps' runs one process; torchrun's {world} processes need device 'cuda' "
-                         "(one GPU each) or 'cpu'")
+        raise ValueError(
+            f"device 'mps' runs one process; torchrun's {world} processes need device 'cuda' (one GPU each) or 'cpu'"
+        )
     on_gpu = device in ("auto", "cuda") and torch.cuda.is_available()
     if device == "cuda" and not on_gpu:
         raise ValueError("device is 'cuda' but this machine has no CUDA GPU; set device to 'cpu' for CPU ranks")
@@ -127,6 +132,7 @@ def _host():
 def barrier() -> None:
     if current().world > 1:
         import torch.distributed as dist
+
         dist.barrier(group=_host())
 
 
@@ -143,7 +149,7 @@ class StopVote:
 
     def __init__(self):
         self.pending = None
-        self.paused = False     # the agreed pause of the last answer
+        self.paused = False  # the agreed pause of the last answer
 
     def __call__(self, flag: bool, pause: bool = False) -> bool:
         if current().world == 1:
@@ -286,8 +292,9 @@ def data_parallel(call: Callable, branches: list) -> Callable:
         return call
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(_lora_forward_module()(call, list(branches)), device_ids=None,
-                                   find_unused_parameters=False)
+    return DistributedDataParallel(
+        _lora_forward_module()(call, list(branches)), device_ids=None, find_unused_parameters=False
+    )
 
 
 def accumulating(call: Callable, final: bool):

@@ -1,5 +1,6 @@
 """Faults a run survives or stops on cleanly: non-finite steps and out of memory, with messages that say the fix,
 and the guards the loop puts around a step, its UI callback and validation, so an error leaves a resumable run."""
+
 from __future__ import annotations
 
 import traceback
@@ -10,7 +11,7 @@ from typing import Any
 
 from ..config import AUTO, TrainConfig
 
-MAX_NON_FINITE_IN_A_ROW = 3   # skipped steps in a row before the run stops (one bad batch is survivable)
+MAX_NON_FINITE_IN_A_ROW = 3  # skipped steps in a row before the run stops (one bad batch is survivable)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -33,7 +34,8 @@ def is_out_of_memory(error: BaseException) -> bool:
         return True
     text = str(error).lower()
     return isinstance(error, RuntimeError) and any(
-        mark in text for mark in ("out of memory", "insufficient memory", "metal::malloc"))
+        mark in text for mark in ("out of memory", "insufficient memory", "metal::malloc")
+    )
 
 
 def _batches(entries: list[dict]) -> str:
@@ -42,12 +44,14 @@ def _batches(entries: list[dict]) -> str:
 
 def non_finite_message(cfg: TrainConfig, streak: list[dict], checkpoint: Path) -> str:
     steps = [e["step"] for e in streak]
-    return (f"steps {steps[0]}–{steps[-1]}: {len(steps)} steps in a row gave a NaN/inf loss or gradient and were "
-            f"skipped (weights, optimizer and EMA untouched). Batches: {_batches(streak)}. The run stopped with a "
-            f"resumable checkpoint: {checkpoint}. Fix: lower learning_rate (now {cfg.learning_rate:g})"
-            + (", set max_grad_norm to 1.0 (now 0: no clipping)" if cfg.max_grad_norm <= 0 else "")
-            + ", check those images and captions (delete the latent cache to re-encode them), or train in "
-              "mixed_precision 'bf16' or 'no' rather than on fp16 weights; then queue again (it resumes).")
+    return (
+        f"steps {steps[0]}–{steps[-1]}: {len(steps)} steps in a row gave a NaN/inf loss or gradient and were "
+        f"skipped (weights, optimizer and EMA untouched). Batches: {_batches(streak)}. The run stopped with a "
+        f"resumable checkpoint: {checkpoint}. Fix: lower learning_rate (now {cfg.learning_rate:g})"
+        + (", set max_grad_norm to 1.0 (now 0: no clipping)" if cfg.max_grad_norm <= 0 else "")
+        + ", check those images and captions (delete the latent cache to re-encode them), or train in "
+        "mixed_precision 'bf16' or 'no' rather than on fp16 weights; then queue again (it resumes)."
+    )
 
 
 def _speed_settings_holding_memory(cfg: TrainConfig) -> list[str]:
@@ -57,8 +61,9 @@ def _speed_settings_holding_memory(cfg: TrainConfig) -> list[str]:
     if cfg.checkpoint_budget != AUTO and cfg.checkpoint_budget > 0:
         fixes.append(f"lower checkpoint_budget (now {cfg.checkpoint_budget:g}; 0 keeps the least, auto what fits)")
     if cfg.skip_checkpoint_blocks > 0 and cfg.gradient_checkpointing:
-        fixes.append(f"set skip_checkpoint_blocks to 0 (now {cfg.skip_checkpoint_blocks}: those blocks keep their "
-                     "activations)")
+        fixes.append(
+            f"set skip_checkpoint_blocks to 0 (now {cfg.skip_checkpoint_blocks}: those blocks keep their activations)"
+        )
     if cfg.fp8_compute is True:
         fixes.append("set fp8_compute to auto or off (on a bf16 base it keeps fp8 copies of the block weights)")
     if cfg.step_graphs is True:
@@ -68,8 +73,9 @@ def _speed_settings_holding_memory(cfg: TrainConfig) -> list[str]:
     return fixes
 
 
-def out_of_memory_message(cfg: TrainConfig, error: BaseException, step: int, items: list[str],
-                          checkpoint: Path | None) -> str:
+def out_of_memory_message(
+    cfg: TrainConfig, error: BaseException, step: int, items: list[str], checkpoint: Path | None
+) -> str:
     fixes = [*_speed_settings_holding_memory(cfg), f"lower resolutions (now {cfg.resolutions})"]
     if cfg.batch_size > 1:
         fixes.append(f"lower batch_size (now {cfg.batch_size}; grad_accum keeps the effective batch)")
@@ -84,11 +90,16 @@ def out_of_memory_message(cfg: TrainConfig, error: BaseException, step: int, ite
         fixes.append("load the base with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base")
     fixes.append("close other GPU work; `python -m trainer estimate` predicts the memory a config needs")
     first = first_line(error, 300) or type(error).__name__
-    saved = (f"Saved a resumable checkpoint at step {step}, the last good step: {checkpoint}." if checkpoint
-             else f"There was nothing new to save at step {step}: no step had finished since the start, or this is one of "
-                  "several ranks (torchrun), which never save alone; the newest checkpoint resumes the run.")
-    return (f"out of memory at step {step + 1} (batch: {', '.join(items) or '(unnamed)'}): {first}. {saved} "
-            f"To fit: {'; '.join(fixes)}. Then queue again: an unchanged run resumes, a changed setting starts anew.")
+    saved = (
+        f"Saved a resumable checkpoint at step {step}, the last good step: {checkpoint}."
+        if checkpoint
+        else f"There was nothing new to save at step {step}: no step had finished since the start, or this is one of "
+        "several ranks (torchrun), which never save alone; the newest checkpoint resumes the run."
+    )
+    return (
+        f"out of memory at step {step + 1} (batch: {', '.join(items) or '(unnamed)'}): {first}. {saved} "
+        f"To fit: {'; '.join(fixes)}. Then queue again: an unchanged run resumes, a changed setting starts anew."
+    )
 
 
 class Draws:
@@ -107,8 +118,9 @@ class Draws:
 
 
 @contextmanager
-def out_of_memory_rewinds(cfg: TrainConfig, step: int, items: list[str], draws: Draws,
-                          save: Callable[[int], Path] | None) -> Iterator[None]:
+def out_of_memory_rewinds(
+    cfg: TrainConfig, step: int, items: list[str], draws: Draws, save: Callable[[int], Path] | None
+) -> Iterator[None]:
     """Around backend.step: out of memory becomes OutOfMemory, with the run left resumable at `step`.
 
     The failed step changed no weights, optimizer or EMA, so its draws go back and `step`, the last
@@ -147,7 +159,8 @@ def validation_out_of_memory(step: int) -> Iterator[None]:
         traceback.clear_frames(error.__traceback__)
         raise OutOfMemory(
             f"out of memory while sampling validation images at step {step}; the step is saved "
-            f"(resumable). In Kiln Validation Settings lower width/height, or raise every") from error
+            f"(resumable). In Kiln Validation Settings lower width/height, or raise every"
+        ) from error
 
 
 @contextmanager

@@ -6,6 +6,7 @@ run among <name>, <name>-2, ... by reading that file, never by parsing a name. A
 when it holds anything but an identity file: a new run then takes the next free suffix. Folders that
 Kiln named <name>-<first 10 hex digits of the identity> before are still found (`legacy`).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ from ..paths import check_name, inside
 
 IDENTITY_FILE = "identity.json"
 IDENTITY_FORMAT = "kiln-run-identity/1"
-RUN_KEY = "kiln.run"   # the LoRA metadata key naming the run that wrote a file (Save LoRA, Save now, checkpoints)
-LEGACY_HASH = 10               # hex digits of the identity in a folder name before identity files
+RUN_KEY = "kiln.run"  # the LoRA metadata key naming the run that wrote a file (Save LoRA, Save now, checkpoints)
+LEGACY_HASH = 10  # hex digits of the identity in a folder name before identity files
 _SUFFIX = re.compile(r"^-([1-9]\d{0,5})$")
 
 
@@ -68,7 +69,7 @@ def _numbered(root: Path, name: str) -> list[Path]:
         folded = child.name.casefold()
         if folded == key:
             found.append((1, child))
-        elif folded.startswith(key) and (match := _SUFFIX.match(folded[len(key):])):
+        elif folded.startswith(key) and (match := _SUFFIX.match(folded[len(key) :])):
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
 

@@ -12,6 +12,7 @@ Early stopping reads only the history ([step, loss] per evaluation): the best st
 since it, are recomputed from it, so a resumed run stops where an uninterrupted one would. The best
 step's LoRA is written to <run>/best/lora.safetensors (atomic; keep_checkpoints never prunes it).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,8 @@ from ..archs import Arch
 from ..atomic import atomic_write_text
 from ..config import TrainConfig
 
-_SPLIT_STREAM = 0x4D1D   # which images are held out: its own stream of the run seed
-_DRAW_STREAM = 0x4D1E    # the held-out images' noise: one generator per image
+_SPLIT_STREAM = 0x4D1D  # which images are held out: its own stream of the run seed
+_DRAW_STREAM = 0x4D1E  # the held-out images' noise: one generator per image
 BEST_DIR = "best"
 
 
@@ -45,8 +46,10 @@ def split(buckets: dict[str, list[int]], holdout: float, seed: int) -> tuple[dic
     if count == 0:
         return buckets, []
     if count >= len(images):
-        raise ValueError(f"holdout {holdout:g} keeps {count} of the dataset's {len(images)} image(s) out of "
-                         "training, leaving none to train on; lower holdout or add images")
+        raise ValueError(
+            f"holdout {holdout:g} keeps {count} of the dataset's {len(images)} image(s) out of "
+            "training, leaving none to train on; lower holdout or add images"
+        )
     chosen = np.random.default_rng([seed, _SPLIT_STREAM]).choice(len(images), count, replace=False)
     held = sorted(images[i] for i in chosen.tolist())
     gone = set(held)
@@ -77,22 +80,33 @@ def batches(data, held: list[int], cfg: TrainConfig, arch: Arch) -> list:
 
     out = []
     for index in held:
-        latent = data.latent(index).astype(np.float32, copy=False)              # [C,H,W]
+        latent = data.latent(index).astype(np.float32, copy=False)  # [C,H,W]
         noise = np.random.default_rng([cfg.seed, _DRAW_STREAM, index]).standard_normal(
-            (cfg.holdout_sigmas, *latent.shape), dtype=np.float32)              # [K,C,H,W]
+            (cfg.holdout_sigmas, *latent.shape), dtype=np.float32
+        )  # [K,C,H,W]
         levels, context = sigmas(cfg.holdout_sigmas), data.context(index, 0)
         # The image's loss mask and reference latents (edit datasets), as its training batches carry them.
-        mask = mask_weights([data.mask(index)], (1, *latent.shape), cfg.unmasked_weight)     # [1,1,H,W] or None
-        references = reference_extras([data.controls(index)], arch, [data.name(index)])      # {key: [[1,C,h,w]]}
+        mask = mask_weights([data.mask(index)], (1, *latent.shape), cfg.unmasked_weight)  # [1,1,H,W] or None
+        references = reference_extras([data.controls(index)], arch, [data.name(index)])  # {key: [[1,C,h,w]]}
         for start in range(0, cfg.holdout_sigmas, cfg.batch_size):
             rows = slice(start, min(start + cfg.batch_size, cfg.holdout_sigmas))
             count = rows.stop - rows.start
-            extras = {**arch.model_extras(count, [context.shape[0]] * count),
-                      **{key: [np.repeat(a, count, axis=0) for a in slots] for key, slots in references.items()}}
-            out.append(Batch(latents=np.repeat(latent[None], count, axis=0), noise=noise[rows], sigmas=levels[rows],
-                             weights=np.ones(count, np.float32), context=arch.collate_context([context] * count),
-                             extras=extras, items=[data.name(index)],
-                             mask=None if mask is None else np.repeat(mask, count, axis=0)))
+            extras = {
+                **arch.model_extras(count, [context.shape[0]] * count),
+                **{key: [np.repeat(a, count, axis=0) for a in slots] for key, slots in references.items()},
+            }
+            out.append(
+                Batch(
+                    latents=np.repeat(latent[None], count, axis=0),
+                    noise=noise[rows],
+                    sigmas=levels[rows],
+                    weights=np.ones(count, np.float32),
+                    context=arch.collate_context([context] * count),
+                    extras=extras,
+                    items=[data.name(index)],
+                    mask=None if mask is None else np.repeat(mask, count, axis=0),
+                )
+            )
     return out
 
 
@@ -136,15 +150,22 @@ def best_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / BEST_DIR
 
 
-def keep_best(run_dir: str | Path, step: int, loss: float, lora: dict, *, cfg: TrainConfig, arch: Arch,
-              metadata: dict[str, str]) -> Path:
+def keep_best(
+    run_dir: str | Path, step: int, loss: float, lora: dict, *, cfg: TrainConfig, arch: Arch, metadata: dict[str, str]
+) -> Path:
     """<run>/best/lora.safetensors (the user's format and dtype) and best.json {step, loss}, each atomic."""
     from ..lora.files import save_lora
 
     folder = best_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    save_lora(folder / "lora.safetensors", lora, arch=arch, fmt=cfg.lora_format, dtype=cfg.save_dtype,
-              metadata={**metadata, "kiln.holdout_loss": repr(loss)})
+    save_lora(
+        folder / "lora.safetensors",
+        lora,
+        arch=arch,
+        fmt=cfg.lora_format,
+        dtype=cfg.save_dtype,
+        metadata={**metadata, "kiln.holdout_loss": repr(loss)},
+    )
     atomic_write_text(folder / "best.json", json.dumps({"step": step, "holdout_loss": loss}))
     return folder / "lora.safetensors"
 
@@ -165,8 +186,9 @@ class Judge:
     """The loop's held-out evaluations: when they are due, the history and loggers they feed, the best
     LoRA they keep (rank 0 writes it) and the early stop they call. Inert when nothing is held out."""
 
-    def __init__(self, cfg: TrainConfig, arch: Arch, data, held: list[int], *, run_dir: Path, history, sinks,
-                 main: bool = True):
+    def __init__(
+        self, cfg: TrainConfig, arch: Arch, data, held: list[int], *, run_dir: Path, history, sinks, main: bool = True
+    ):
         self.cfg, self.arch, self.run_dir, self.main = cfg, arch, run_dir, main
         self.history, self.sinks = history, sinks
         self.batches = batches(data, held, cfg, arch) if held else []
@@ -183,8 +205,15 @@ class Judge:
         if self.main and found is not None and found.step == step and found.since == 0:
             from ..lora.files import lora_metadata
 
-            self.best_lora = keep_best(self.run_dir, step, loss, weights(), cfg=self.cfg, arch=self.arch,
-                                       metadata=lora_metadata(self.cfg, self.arch, step))
+            self.best_lora = keep_best(
+                self.run_dir,
+                step,
+                loss,
+                weights(),
+                cfg=self.cfg,
+                arch=self.arch,
+                metadata=lora_metadata(self.cfg, self.arch, step),
+            )
         return loss
 
     def stop(self) -> bool:
@@ -197,10 +226,14 @@ class Judge:
             return False
         found = self.best()
         if self.main:
-            print(f"{self.run_dir}: this run stopped early at step {start} (early_stop_patience "
-                  f"{self.cfg.early_stop_patience}: no held-out improvement since step {found.step}, loss "
-                  f"{found.loss:.4f}): it ends at once, nothing more to train; its best LoRA is in "
-                  f"{best_dir(self.run_dir)}", file=sys.stderr, flush=True)
+            print(
+                f"{self.run_dir}: this run stopped early at step {start} (early_stop_patience "
+                f"{self.cfg.early_stop_patience}: no held-out improvement since step {found.step}, loss "
+                f"{found.loss:.4f}): it ends at once, nothing more to train; its best LoRA is in "
+                f"{best_dir(self.run_dir)}",
+                file=sys.stderr,
+                flush=True,
+            )
         return True
 
     def best(self) -> Best | None:
@@ -212,6 +245,8 @@ def estimate_notes(cfg: TrainConfig) -> list[str]:
     if not cfg.holdout:
         return []
     passes = -(-cfg.holdout_sigmas // cfg.batch_size)
-    note = (f"held-out loss (holdout {cfg.holdout:g}): forward passes without gradients of at most batch_size rows, "
-            f"within a step's memory (counted); {passes} pass(es) per held-out image every {cfg.holdout_every} steps")
+    note = (
+        f"held-out loss (holdout {cfg.holdout:g}): forward passes without gradients of at most batch_size rows, "
+        f"within a step's memory (counted); {passes} pass(es) per held-out image every {cfg.holdout_every} steps"
+    )
     return [note]

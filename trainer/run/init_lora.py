@@ -16,6 +16,7 @@ times the rank, so mixed ranks are common and refusing them would refuse most di
 Modules the run targets but the file lacks start as a new LoRA's (B zero); modules in the file that the
 run does not target stop the run, named (the fix: add them to targets).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,6 +39,7 @@ log = logging.getLogger("kiln")
 @dataclass(frozen=True)
 class InitLora:
     """A LoRA to start from: its weights (Kiln's in-memory form), a name to show, and its sha256."""
+
     lora: Lora
     name: str
     sha256: str
@@ -49,8 +51,10 @@ def from_file(path, arch: str | None = None) -> InitLora:
 
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ValueError(f"init_lora: {path} is not a file; give the path of a .safetensors LoRA to start "
-                         "from, or leave init_lora empty to start a new LoRA")
+        raise ValueError(
+            f"init_lora: {path} is not a file; give the path of a .safetensors LoRA to start "
+            "from, or leave init_lora empty to start a new LoRA"
+        )
     lora, _ = load_lora(path, arch=arch)
     require_lora(lora, "init_lora", str(path))
     return InitLora(lora, str(path), file_identity(path)["sha256"])
@@ -84,9 +88,11 @@ def settle(cfg: TrainConfig, init: InitLora) -> TrainConfig:
     """The config with the file's rank and alpha and the init's name and sha256 (a no-op when it has them);
     a config that names another sha256 (a run started from another file) stops with both named."""
     if cfg.init_lora_sha256 and cfg.init_lora_sha256 != init.sha256:
-        raise ValueError(f"init_lora {init.name}: its sha256 is {init.sha256[:12]}…, but the config says "
-                         f"init_lora_sha256 {cfg.init_lora_sha256[:12]}… (the file changed since the run "
-                         "started?); start a new run (clear init_lora_sha256) or give back the original file")
+        raise ValueError(
+            f"init_lora {init.name}: its sha256 is {init.sha256[:12]}…, but the config says "
+            f"init_lora_sha256 {cfg.init_lora_sha256[:12]}… (the file changed since the run "
+            "started?); start a new run (clear init_lora_sha256) or give back the original file"
+        )
     rank, alpha = rank_and_alpha(init.lora)
     if (cfg.rank, cfg.alpha, cfg.init_lora, cfg.init_lora_sha256) == (rank, alpha, init.name, init.sha256):
         return cfg
@@ -95,16 +101,25 @@ def settle(cfg: TrainConfig, init: InitLora) -> TrainConfig:
     except config_module.ConfigError as error:
         raise config_module.ConfigError(f"init_lora {init.name}: {error} (rank and alpha come from the file)") from None
     if (cfg.rank, cfg.alpha) != (rank, alpha):
-        log.info("[Kiln] init_lora %s: rank %d, alpha %g from the file (the config said rank %d, alpha %g)%s",
-                 init.name, rank, alpha, cfg.rank, cfg.alpha, _fitting_note(init.lora, rank, alpha))
+        log.info(
+            "[Kiln] init_lora %s: rank %d, alpha %g from the file (the config said rank %d, alpha %g)%s",
+            init.name,
+            rank,
+            alpha,
+            cfg.rank,
+            cfg.alpha,
+            _fitting_note(init.lora, rank, alpha),
+        )
     return settled
 
 
 def _fitting_note(lora: Lora, rank: int, alpha: float) -> str:
     padded = sum(w.rank < rank for w in lora.values())
     folded = sum(w.scale != alpha / rank for w in lora.values())
-    notes = [f"{padded} module(s) of a smaller rank padded to {rank} (the product unchanged)" if padded else "",
-             f"{folded} module(s) with another alpha/rank have it multiplied into B" if folded else ""]
+    notes = [
+        f"{padded} module(s) of a smaller rank padded to {rank} (the product unchanged)" if padded else "",
+        f"{folded} module(s) with another alpha/rank have it multiplied into B" if folded else "",
+    ]
     return "".join(f"; {note}" for note in notes if note)
 
 
@@ -122,17 +137,21 @@ def start_weights(fresh: Lora, init: InitLora) -> Lora:
     every module of the init LoRA put in (padded and scaled to fit; module docstring)."""
     untargeted = sorted(set(init.lora) - set(fresh))
     if untargeted:
-        raise ValueError(f"init_lora {init.name}: {len(untargeted)} of its module(s) are not among this run's "
-                         f"targets: {', '.join(untargeted[:6])}{', …' if len(untargeted) > 6 else ''}; add them to "
-                         "targets (Kiln Training Options, or `targets` in the config), e.g. "
-                         f"{sorted({_suffix_pattern(path) for path in untargeted})}, or start from a LoRA of these targets")
+        raise ValueError(
+            f"init_lora {init.name}: {len(untargeted)} of its module(s) are not among this run's "
+            f"targets: {', '.join(untargeted[:6])}{', …' if len(untargeted) > 6 else ''}; add them to "
+            "targets (Kiln Training Options, or `targets` in the config), e.g. "
+            f"{sorted({_suffix_pattern(path) for path in untargeted})}, or start from a LoRA of these targets"
+        )
     weights = dict(fresh)
     for path, file_weights in init.lora.items():
         start = fresh[path]
         if file_weights.A.shape[1] != start.A.shape[1] or file_weights.B.shape[0] != start.B.shape[0]:
-            raise ValueError(f"init_lora {init.name}: {path} is {file_weights.B.shape[0]}x{file_weights.A.shape[1]} "
-                             f"in the file but {start.B.shape[0]}x{start.A.shape[1]} in this model; the LoRA is "
-                             "for another model (family or size)")
+            raise ValueError(
+                f"init_lora {init.name}: {path} is {file_weights.B.shape[0]}x{file_weights.A.shape[1]} "
+                f"in the file but {start.B.shape[0]}x{start.A.shape[1]} in this model; the LoRA is "
+                "for another model (family or size)"
+            )
         rank, ratio = file_weights.rank, file_weights.scale / start.scale
         A = start.A.copy()
         A[:rank] = file_weights.A
@@ -147,7 +166,7 @@ def _suffix_pattern(path: str) -> str:
     'img_mlp.0'), which config.targets matches as a suffix in every block."""
     parts = path.split(".")
     number = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
-    return ".".join(parts[number + 1:]) if number is not None else path
+    return ".".join(parts[number + 1 :]) if number is not None else path
 
 
 def load_into(backend, init: InitLora, ema: bool) -> None:
@@ -156,4 +175,3 @@ def load_into(backend, init: InitLora, ema: bool) -> None:
     backend.load_lora_state(weights)
     if ema:
         backend.load_ema_state({f"{path}.{role}": getattr(w, role) for path, w in weights.items() for role in "AB"})
-

@@ -9,6 +9,7 @@ Everything random is drawn here, from one numpy generator seeded by cfg.seed
 (noise, sigmas, caption dropout) plus the sampler's own seeded plan, so both
 backends see the same draws and a resumed run continues bit for bit.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,9 +47,9 @@ class RunResult:
     stopped: bool = False
     trainable_parameters: int = 0
     skipped_items: list[str] = field(default_factory=list)
-    best: holdout.Best | None = None     # the best held-out evaluation (holdout > 0)
-    best_lora: Path | None = None        # <run>/best/lora.safetensors: that step's LoRA
-    early_stopped: bool = False          # ended by early_stop_patience
+    best: holdout.Best | None = None  # the best held-out evaluation (holdout > 0)
+    best_lora: Path | None = None  # <run>/best/lora.safetensors: that step's LoRA
+    early_stopped: bool = False  # ended by early_stop_patience
 
 
 def objective_settings(cfg: TrainConfig, arch: Arch) -> objective.ObjectiveSettings:
@@ -56,14 +57,27 @@ def objective_settings(cfg: TrainConfig, arch: Arch) -> objective.ObjectiveSetti
     shift_mode = arch.shift_mode if cfg.shift_mode == "auto" else cfg.shift_mode
     shift = arch.shift if cfg.shift_mode == "auto" else cfg.shift
     return objective.ObjectiveSettings(
-        sampling=cfg.timestep_sampling, logit_mean=cfg.logit_mean, logit_std=cfg.logit_std,
-        content_or_style=cfg.content_or_style, shift_mode=shift_mode, shift=shift,
-        loss_weighting=cfg.loss_weighting, unmasked_weight=cfg.unmasked_weight)
+        sampling=cfg.timestep_sampling,
+        logit_mean=cfg.logit_mean,
+        logit_std=cfg.logit_std,
+        content_or_style=cfg.content_or_style,
+        shift_mode=shift_mode,
+        shift=shift,
+        loss_weighting=cfg.loss_weighting,
+        unmasked_weight=cfg.unmasked_weight,
+    )
 
 
-def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator,
-                settings: objective.ObjectiveSettings, arch: Arch, caption_dropout: float,
-                group: distributed.Group = distributed.SINGLE, preserve: preservation.Settings = preservation.OFF):
+def build_batch(
+    data: TrainingData,
+    indices: list[int],
+    rng: np.random.Generator,
+    settings: objective.ObjectiveSettings,
+    arch: Arch,
+    caption_dropout: float,
+    group: distributed.Group = distributed.SINGLE,
+    preserve: preservation.Settings = preservation.OFF,
+):
     """Stack one bucket's items and draw its noise, sigmas and caption dropout.
 
     `indices` is the global batch; under torchrun every rank draws the randomness of all of it (the
@@ -73,23 +87,33 @@ def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator
     rows, scale = group.rows(len(indices))
     mine = [indices[row] for row in rows]
     latents = np.stack([data.latent(i) for i in mine]).astype(np.float32, copy=False)  # [b,C,H,W]
-    shape = (len(indices), *latents.shape[1:])                                          # the global [B,C,H,W]
+    shape = (len(indices), *latents.shape[1:])  # the global [B,C,H,W]
     tokens_img = (shape[2] // arch.patch) * (shape[3] // arch.patch)  # what the model attends over
     draws = objective.draw(rng, shape, settings, caption_dropout, image_tokens=tokens_img)
     # Shuffled-tag variants are drawn only where an item has several, so other runs' draws are unchanged.
     variants = [int(rng.integers(n)) if n > 1 else 0 for n in (data.variants(i) for i in indices)]
     noise, sigmas, weights = draws.noise, draws.sigmas, draws.weights
-    if len(rows) != len(indices):   # one of several ranks: its rows, scaled (distributed.Group.rows)
+    if len(rows) != len(indices):  # one of several ranks: its rows, scaled (distributed.Group.rows)
         noise, sigmas, weights = noise[rows], sigmas[rows], (weights[rows] * scale).astype(np.float32)
-    contexts = [data.empty_context() if draws.drop_caption[row] else data.context(indices[row], variants[row])
-                for row in rows]
+    contexts = [
+        data.empty_context() if draws.drop_caption[row] else data.context(indices[row], variants[row]) for row in rows
+    ]
     lengths = [c.shape[0] for c in contexts]
     names = [data.name(i) for i in indices]
-    extras = {**arch.model_extras(len(rows), lengths),
-              **companion_batch.reference_extras([data.controls(i) for i in mine], arch, names)}
-    batch = Batch(latents=latents, noise=noise, sigmas=sigmas, weights=weights,
-                  context=arch.collate_context(contexts), extras=extras, items=names,
-                  mask=companion_batch.mask_weights([data.mask(i) for i in mine], shape, settings.unmasked_weight))
+    extras = {
+        **arch.model_extras(len(rows), lengths),
+        **companion_batch.reference_extras([data.controls(i) for i in mine], arch, names),
+    }
+    batch = Batch(
+        latents=latents,
+        noise=noise,
+        sigmas=sigmas,
+        weights=weights,
+        context=arch.collate_context(contexts),
+        extras=extras,
+        items=names,
+        mask=companion_batch.mask_weights([data.mask(i) for i in mine], shape, settings.unmasked_weight),
+    )
     # Regularisation rows' loss weight; DOP's class-word captions (trainer/objective/preservation.py). No draws.
     return preservation.complete(batch, data, mine, [variants[row] for row in rows], contexts, scale, arch, preserve)
 
@@ -97,6 +121,7 @@ def build_batch(data: TrainingData, indices: list[int], rng: np.random.Generator
 def batch_sizes(cfg: TrainConfig, data: TrainingData, arch: Arch) -> dict[str, int]:
     """Images per batch of each bucket (cfg.batch_by), from its tokens per image: image tokens (one
     latent of the bucket) plus the caption's padded minimum."""
+
     def tokens(indices: list[int]) -> int:
         _, height, width = data.latent(indices[0]).shape
         return (height // arch.patch) * (width // arch.patch) + arch.context_tokens
@@ -105,9 +130,14 @@ def batch_sizes(cfg: TrainConfig, data: TrainingData, arch: Arch) -> dict[str, i
     return BATCHING[cfg.batch_by](per_image, cfg.batch_size)
 
 
-def resumed(resume: str | Path | None, backend, rng: np.random.Generator,
-            sampler: BucketSampler, group: distributed.Group = distributed.SINGLE,
-            init_sha256: str = "") -> tuple[state.History, int]:
+def resumed(
+    resume: str | Path | None,
+    backend,
+    rng: np.random.Generator,
+    sampler: BucketSampler,
+    group: distributed.Group = distributed.SINGLE,
+    init_sha256: str = "",
+) -> tuple[state.History, int]:
     """(history, first step): a new run's, or the checkpoint's at `resume` with all its state put back.
     A run started from another init LoRA (or from none, or from one) than the config's is refused."""
     if resume is None:
@@ -116,11 +146,14 @@ def resumed(resume: str | Path | None, backend, rng: np.random.Generator,
     started = checkpoint.info.get("config", {}).get("init_lora_sha256", "")
     if started != init_sha256:
         said = [f"init LoRA sha256 {sha[:12]}…" if sha else "a new LoRA" for sha in (started, init_sha256)]
-        raise ValueError(f"{checkpoint.path}: this run started from {said[0]}, but the config gives "
-                         f"{said[1]} (init_lora); resume with the run's own init_lora file, or start a "
-                         "new run (another run_name)")
-    history = state.restore(checkpoint, backend=backend, numpy_rng=rng, sampler=sampler,
-                            rank=group.rank, world=group.world)
+        raise ValueError(
+            f"{checkpoint.path}: this run started from {said[0]}, but the config gives "
+            f"{said[1]} (init_lora); resume with the run's own init_lora file, or start a "
+            "new run (another run_name)"
+        )
+    history = state.restore(
+        checkpoint, backend=backend, numpy_rng=rng, sampler=sampler, rank=group.rank, world=group.world
+    )
     return history, checkpoint.step
 
 
@@ -145,29 +178,43 @@ class Setup:
     rng: np.random.Generator
     settings: objective.ObjectiveSettings
     data: TrainingData
-    held: Any                            # the held-out images (trainer/run/holdout.py)
+    held: Any  # the held-out images (trainer/run/holdout.py)
     sampler: BucketSampler
     preserve: preservation.Settings
     init: init_lora.InitLora | None
 
     def judge(self, history: state.History, sinks: logging_sinks.Sinks) -> holdout.Judge:
-        return holdout.Judge(self.cfg, self.arch, self.data, self.held, run_dir=self.run_dir, history=history,
-                             sinks=sinks, main=self.group.is_main)
+        return holdout.Judge(
+            self.cfg,
+            self.arch,
+            self.data,
+            self.held,
+            run_dir=self.run_dir,
+            history=history,
+            sinks=sinks,
+            main=self.group.is_main,
+        )
 
 
-def set_up(cfg: TrainConfig, model: Any, data: TrainingData, run_dir: Path, forward: Callable | None,
-           init: init_lora.InitLora | None) -> Setup:
+def set_up(
+    cfg: TrainConfig,
+    model: Any,
+    data: TrainingData,
+    run_dir: Path,
+    forward: Callable | None,
+    init: init_lora.InitLora | None,
+) -> Setup:
     """Everything before the loop, in the order that keeps a run's draws the same; the backend set up last."""
-    cfg, init = init_lora.prepare(cfg, init)   # before anything reads rank or alpha, or saves the config
+    cfg, init = init_lora.prepare(cfg, init)  # before anything reads rank or alpha, or saves the config
     arch, backend = get_arch(cfg.arch), get_backend(cfg.backend)
-    group = distributed.start(cfg.device, cfg.backend)   # one process, or this rank of torchrun's
+    group = distributed.start(cfg.device, cfg.backend)  # one process, or this rank of torchrun's
     rng = np.random.default_rng(cfg.seed)
     settings = objective_settings(cfg, arch)
-    data, held = holdout.prepare(cfg, data)   # held-out images leave the buckets training sees
+    data, held = holdout.prepare(cfg, data)  # held-out images leave the buckets training sees
     # One seeded sampler of global batches: under torchrun each rank trains on its rows of each.
     global_sizes = {key: size * group.world for key, size in batch_sizes(cfg, data, arch).items()}
     sampler = BucketSampler(data.buckets, global_sizes, cfg.seed)
-    preserve = preservation.settings(cfg, data)   # DOP and regularisation images, checked against the data
+    preserve = preservation.settings(cfg, data)  # DOP and regularisation images, checked against the data
     companion_batch.check(cfg, data, arch)
     backend.setup(model, cfg, arch, forward)
     return Setup(cfg, arch, backend, group, run_dir, rng, settings, data, held, sampler, preserve, init)
@@ -176,11 +223,21 @@ def set_up(cfg: TrainConfig, model: Any, data: TrainingData, run_dir: Path, forw
 def one_step(run: Setup, step: int, guard: faults.Guard) -> tuple[float, list[str], Any]:
     """Draw the step's micro-batches and train on them: (learning rate, image names, the backend's StepStats)."""
     cfg = run.cfg
-    lr = lr_at(step, base_lr=cfg.learning_rate, schedule=cfg.lr_schedule, total_steps=cfg.steps,
-               warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
+    lr = lr_at(
+        step,
+        base_lr=cfg.learning_rate,
+        schedule=cfg.lr_schedule,
+        total_steps=cfg.steps,
+        warmup_steps=cfg.warmup_steps,
+        min_lr_ratio=cfg.min_lr_ratio,
+    )
     draws = faults.Draws(run.rng, run.sampler, run.backend)  # an out-of-memory step puts its draws back
-    micro_batches = [build_batch(run.data, run.sampler.next(), run.rng, run.settings, run.arch, cfg.caption_dropout,
-                                 run.group, run.preserve) for _ in range(cfg.grad_accum)]
+    micro_batches = [
+        build_batch(
+            run.data, run.sampler.next(), run.rng, run.settings, run.arch, cfg.caption_dropout, run.group, run.preserve
+        )
+        for _ in range(cfg.grad_accum)
+    ]
     names = [name for batch in micro_batches for name in batch.items]
     with guard.training(step, names, draws):
         return lr, names, run.backend.step(micro_batches, lr)
@@ -196,9 +253,19 @@ def save_run(step: int, *, run: Setup, log: StepLog) -> Path:
     path = state.step_dir(run.run_dir, step)
     if distributed.current().is_main:
         path = checkpoint_writer.save_checkpoint(
-            run.run_dir, step, backend=backend, arch=arch, config=cfg.to_dict(), numpy_rng=run.rng,
-            cursor=run.sampler.state(), history=log.history, keep=cfg.keep_checkpoints,
-            lora_metadata=lora_metadata(cfg, arch, step), save_dtype=cfg.save_dtype, rank_rng=rng_states[1:])
+            run.run_dir,
+            step,
+            backend=backend,
+            arch=arch,
+            config=cfg.to_dict(),
+            numpy_rng=run.rng,
+            cursor=run.sampler.state(),
+            history=log.history,
+            keep=cfg.keep_checkpoints,
+            lora_metadata=lora_metadata(cfg, arch, step),
+            save_dtype=cfg.save_dtype,
+            rank_rng=rng_states[1:],
+        )
     distributed.barrier()
     return path
 
@@ -244,16 +311,34 @@ def result(run: Setup, log: StepLog, vote: distributed.StopVote, end: Ending, ju
     log.flush()
     backend, history = run.backend, log.history
     ema_lora = best_lora(backend, True) if run.cfg.ema else None
-    return RunResult(run_dir=run.run_dir, step=len(history.lr), history=history, lora=backend.lora_state(),
-                     ema_lora=ema_lora, checkpoint=end.checkpoint, stopped=end.stopped,
-                     trainable_parameters=backend.trainable_parameter_count(),
-                     skipped_items=[p.line() for p in getattr(run.data, "skipped", [])],
-                     best=judge.best(), best_lora=judge.best_lora, early_stopped=end.early_stopped)
+    return RunResult(
+        run_dir=run.run_dir,
+        step=len(history.lr),
+        history=history,
+        lora=backend.lora_state(),
+        ema_lora=ema_lora,
+        checkpoint=end.checkpoint,
+        stopped=end.stopped,
+        trainable_parameters=backend.trainable_parameter_count(),
+        skipped_items=[p.line() for p in getattr(run.data, "skipped", [])],
+        best=judge.best(),
+        best_lora=judge.best_lora,
+        early_stopped=end.early_stopped,
+    )
 
 
-def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Path, forward: Callable | None = None,
-          resume: str | Path | None = None, init: init_lora.InitLora | None = None,
-          callbacks: Callbacks | None = None, **functions: Any) -> RunResult:
+def train(
+    cfg: TrainConfig,
+    model: Any,
+    data: TrainingData,
+    *,
+    run_dir: str | Path,
+    forward: Callable | None = None,
+    resume: str | Path | None = None,
+    init: init_lora.InitLora | None = None,
+    callbacks: Callbacks | None = None,
+    **functions: Any,
+) -> RunResult:
     """Train a LoRA on `model` in place (restored as it was on return, also after an error), from `init` or
     cfg.init_lora (trainer/run/init_lora.py), or on from the checkpoint at `resume`. `callbacks`: the front end
     (trainer/run/callbacks.py); loose functions (on_step=, should_stop=, validate=, ...) still build one."""
@@ -262,31 +347,31 @@ def train(cfg: TrainConfig, model: Any, data: TrainingData, *, run_dir: str | Pa
     cfg, backend, group, sinks = run.cfg, run.backend, run.group, logging_sinks.Sinks([])
     try:
         history, start = resumed(resume, backend, run.rng, run.sampler, group, cfg.init_lora_sha256)
-        if run.init is not None and resume is None:   # every rank reads the same weights
+        if run.init is not None and resume is None:  # every rank reads the same weights
             init_lora.load_into(backend, run.init, cfg.ema)
         sinks = logging_sinks.open_sinks(cfg, run.run_dir, start, group.is_main)
         log = StepLog(backend, history, start, cfg.steps, sinks)
         judge, save = run.judge(history, sinks), functools.partial(save_run, run=run, log=log)
         guard, vote = faults.Guard(cfg, save, group.world, start), distributed.StopVote()
         weights = functools.partial(best_lora, backend, cfg.ema)
-        end = Ending.at_start(judge, run.run_dir, start)   # a resumed run that had stopped early ends at once
-        if start == 0:   # the start, logged as step 0 (validate_first)
+        end = Ending.at_start(judge, run.run_dir, start)  # a resumed run that had stopped early ends at once
+        if start == 0:  # the start, logged as step 0 (validate_first)
             validate_if_due(0, front, run, sinks)
         for step in range(start, start if end.early_stopped else cfg.steps):
             lr, names, stats = one_step(run, step, guard)
             done = step + 1
-            fault_point(f"rank{group.rank}:step:{done}")   # tests kill one rank here (KILN_FAULT); else nothing
+            fault_point(f"rank{group.rank}:step:{done}")  # tests kill one rank here (KILN_FAULT); else nothing
             log.add(done, names, stats, lr)
             backend.update_ema()
             logged = log.flush_due(done, cfg.log_every)
             guard.non_finite(log.streak, done)
-            holdout_loss = judge.maybe(done, backend, weights)   # the held-out evaluation, when due
-            with guard.front_end(done):   # an error in the front end's calls saves this step first
+            holdout_loss = judge.maybe(done, backend, weights)  # the held-out evaluation, when due
+            with guard.front_end(done):  # an error in the front end's calls saves this step first
                 front.on_step(log.report(done, lr, logged, weights, holdout_loss))
                 validate_if_due(done, front, run, sinks)
                 waited, stop = pause.between_steps(vote, front.should_pause, front.should_stop, front.on_pause)
-            log.started += waited   # paused: not counted in speed or ETA
-            if stop or judge.stop():   # every rank stops (or pauses) after the same step, holds the same history
+            log.started += waited  # paused: not counted in speed or ETA
+            if stop or judge.stop():  # every rank stops (or pauses) after the same step, holds the same history
                 end = Ending(save(done), stopped=stop, early_stopped=not stop)
                 break
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):

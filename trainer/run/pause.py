@@ -9,6 +9,7 @@ stop is (distributed.StopVote, one step late): every rank pauses after the same 
 together in short synchronous votes (each within a poll, never near the host group's timeout) and resume,
 or stop, after the same round.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,12 +18,16 @@ from pathlib import Path
 
 from . import distributed
 
-POLL_S = 0.1            # how often a paused loop asks again
-PAUSE_FILE = "PAUSE"    # headless: while <run>/PAUSE exists the run waits (touch it to pause, delete it to resume)
+POLL_S = 0.1  # how often a paused loop asks again
+PAUSE_FILE = "PAUSE"  # headless: while <run>/PAUSE exists the run waits (touch it to pause, delete it to resume)
 
 
-def wait(should_pause: Callable[[], bool] | None, should_stop: Callable[[], bool] | None = None,
-         poll_s: float = POLL_S, on_pause: Callable[[bool], None] | None = None) -> float:
+def wait(
+    should_pause: Callable[[], bool] | None,
+    should_stop: Callable[[], bool] | None = None,
+    poll_s: float = POLL_S,
+    on_pause: Callable[[bool], None] | None = None,
+) -> float:
     """Block while should_pause() and no stop is wanted; the seconds waited (0 when not paused).
     on_pause(True) is called when a wait begins, on_pause(False) when it ends."""
     if should_pause is None or not should_pause():
@@ -43,9 +48,13 @@ def _asked(flag: Callable[[], bool] | None) -> bool:
     return flag is not None and bool(flag())
 
 
-def between_steps(vote: distributed.StopVote, should_pause: Callable[[], bool] | None,
-                  should_stop: Callable[[], bool] | None, on_pause: Callable[[bool], None] | None = None,
-                  poll_s: float = POLL_S) -> tuple[float, bool]:
+def between_steps(
+    vote: distributed.StopVote,
+    should_pause: Callable[[], bool] | None,
+    should_stop: Callable[[], bool] | None,
+    on_pause: Callable[[bool], None] | None = None,
+    poll_s: float = POLL_S,
+) -> tuple[float, bool]:
     """(seconds paused, whether to stop now) at a step boundary, as every rank agrees. One process: wait()
     while should_pause(), then the stop flag (the plain run, bit for bit)."""
     if distributed.current().world == 1:
@@ -57,8 +66,9 @@ def between_steps(vote: distributed.StopVote, should_pause: Callable[[], bool] |
     return _wait_together(vote, should_pause, should_stop, poll_s, on_pause)
 
 
-def _wait_together(vote: distributed.StopVote, should_pause, should_stop, poll_s: float,
-                   on_pause) -> tuple[float, bool]:
+def _wait_together(
+    vote: distributed.StopVote, should_pause, should_stop, poll_s: float, on_pause
+) -> tuple[float, bool]:
     """Every rank paused after the same step: rounds of agreed (stop, pause) until no rank asks to pause or
     one asks to stop; every rank gets the same answers, so they leave after the same round."""
     began = time.perf_counter()

@@ -1,5 +1,6 @@
 """Loss curve as a PNG with Pillow alone (no matplotlib): raw loss, smoothed loss and learning rate against
 step, with a legend, axis labels and labelled ticks; curve_layout says where each of them goes."""
+
 from __future__ import annotations
 
 import io
@@ -59,12 +60,12 @@ def _nice_range(low: float, high: float) -> tuple[float, float]:
 class CurveLayout:
     """Where loss_curve draws things, in pixels: what a test (or a caller placing its own labels) reads."""
 
-    box: tuple[int, int, int, int]                   # plot area: left, top, right, bottom
-    loss_range: tuple[float, float] = (0.0, 1.0)     # the left axis, bottom to top
-    lr_range: tuple[float, float] = (0.0, 1.0)       # the right axis, bottom to top
-    x_ticks: list[tuple[int, int]] = field(default_factory=list)      # (step, x)
+    box: tuple[int, int, int, int]  # plot area: left, top, right, bottom
+    loss_range: tuple[float, float] = (0.0, 1.0)  # the left axis, bottom to top
+    lr_range: tuple[float, float] = (0.0, 1.0)  # the right axis, bottom to top
+    x_ticks: list[tuple[int, int]] = field(default_factory=list)  # (step, x)
     loss_ticks: list[tuple[float, int]] = field(default_factory=list)  # (loss, y)
-    lr_ticks: list[tuple[float, int]] = field(default_factory=list)    # (learning rate, y)
+    lr_ticks: list[tuple[float, int]] = field(default_factory=list)  # (learning rate, y)
     legend: list[tuple[str, tuple, tuple[int, int, int, int]]] = field(default_factory=list)  # label, colour, swatch
     axis_labels: dict[str, tuple[int, int]] = field(default_factory=dict)  # text -> where it starts
 
@@ -130,7 +131,9 @@ def loss_curve(losses: list[float], lrs: list[float] | None = None, *, size=(800
         draw.text((right + 6, y - 5), f"{value:.2g}", fill=LEARNING_RATE)
     draw.rectangle([left, top, right, bottom], outline=FRAME)
     for series, colour, line in ((losses, RAW, 1), (smoothed(losses), SMOOTHED, 2)):
-        points = [(layout.x(i, len(losses)), layout.y(v, *layout.loss_range)) for i, v in enumerate(series) if _finite(v)]
+        points = [
+            (layout.x(i, len(losses)), layout.y(v, *layout.loss_range)) for i, v in enumerate(series) if _finite(v)
+        ]
         if len(points) > 1:
             draw.line(points, fill=colour, width=line)
     if layout.lr_ticks:

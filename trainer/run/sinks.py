@@ -10,6 +10,7 @@ resumed run writes to the same place with the same steps: TensorBoard drops
 the events past the resumed step (purge_step), W&B resumes the run id
 kept in the run folder.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,10 @@ class Sink(Protocol):
 
 
 def _missing(package: str, setting: str) -> ImportError:
-    return ImportError(f"{setting} is set but the {package!r} package is not installed: `pip install {package}` "
-                       f"in the Python that runs Kiln, or turn {setting} off")
+    return ImportError(
+        f"{setting} is set but the {package!r} package is not installed: `pip install {package}` "
+        f"in the Python that runs Kiln, or turn {setting} off"
+    )
 
 
 class TensorBoardSink:
@@ -53,8 +56,9 @@ class TensorBoardSink:
 
     def log_images(self, step, name, images):
         for index, image in enumerate(images):
-            self.writer.add_image(f"{name}/{index}", np.clip(np.asarray(image, np.float32), 0, 1), step,
-                                  dataformats="HWC")
+            self.writer.add_image(
+                f"{name}/{index}", np.clip(np.asarray(image, np.float32), 0, 1), step, dataformats="HWC"
+            )
 
     def log_config(self, config):
         import json
@@ -75,8 +79,9 @@ class WandbSink:
             raise _missing("wandb", "wandb_project") from err
         self.wandb = wandb
         (run_dir / WANDB_DIR).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=project, dir=str(run_dir), mode=mode, id=run_id(run_dir), resume="allow",
-                              name=run_dir.name)
+        self.run = wandb.init(
+            project=project, dir=str(run_dir), mode=mode, id=run_id(run_dir), resume="allow", name=run_dir.name
+        )
 
     def log_scalars(self, step, values):
         self.run.log(dict(values), step=step)

@@ -8,6 +8,7 @@ Layout (DESIGN.md):
   <run>/step-000500/run.json            config, step, numpy RNG, data cursor, loss history; written last
 No pickle: run.json and every tensor are checked on load, and errors name the file and the key.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,15 +34,15 @@ class History:
     loss: list[float] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
-    skipped: list[dict] = field(default_factory=list)   # {"step", "items"}: NaN/inf steps left out of training
-    holdout: list[list] = field(default_factory=list)   # [step, loss] per held-out evaluation (trainer/run/holdout.py)
+    skipped: list[dict] = field(default_factory=list)  # {"step", "items"}: NaN/inf steps left out of training
+    holdout: list[list] = field(default_factory=list)  # [step, loss] per held-out evaluation (trainer/run/holdout.py)
 
 
 @dataclass
 class Checkpoint:
     path: Path
     step: int
-    info: dict[str, Any]          # run.json
+    info: dict[str, Any]  # run.json
     tensors: dict[str, np.ndarray]  # state.safetensors
 
 
@@ -88,7 +89,7 @@ def _by_module(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, dict[st
     for key, array in tensors.items():
         suffix = next((s for s in _ROLE_SUFFIXES if key.endswith(s)), None)
         if key.startswith(prefix) and suffix:
-            modules.setdefault(key[len(prefix):-len(suffix)], {})[suffix[1:]] = array
+            modules.setdefault(key[len(prefix) : -len(suffix)], {})[suffix[1:]] = array
     return modules
 
 
@@ -99,14 +100,24 @@ def _weights_of(path: str, roles: dict[str, np.ndarray], alpha: float):
 
 
 def _lora_from(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, LoraWeights]:
-    return {path: _weights_of(path, roles, float(tensors[f"{prefix}{path}.alpha"]))
-            for path, roles in sorted(_by_module(tensors, prefix).items())}
+    return {
+        path: _weights_of(path, roles, float(tensors[f"{prefix}{path}.alpha"]))
+        for path, roles in sorted(_by_module(tensors, prefix).items())
+    }
 
 
 _RESUME_FIX = "resume from an earlier checkpoint (delete this step folder), or start a new run"
 # run.json key → the JSON type it must have.
-_RUN_KEYS = {"step": int, "arch": str, "backend": str, "config": dict, "numpy_rng": dict, "cursor": dict,
-             "optimizer": dict, "history": dict}
+_RUN_KEYS = {
+    "step": int,
+    "arch": str,
+    "backend": str,
+    "config": dict,
+    "numpy_rng": dict,
+    "cursor": dict,
+    "optimizer": dict,
+    "history": dict,
+}
 _MOMENTS = ("exp_avg", "exp_avg_sq", "m", "v")  # optimizer entries shaped like their parameter
 
 
@@ -125,20 +136,25 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise ValueError(f"{info_path}: unreadable run state ({err}); {_RESUME_FIX}") from err
     if not isinstance(info, dict) or info.get("format") != RUN_FORMAT:
         found = info.get("format") if isinstance(info, dict) else type(info).__name__
-        raise ValueError(f"{info_path}: not a Kiln run state (format {found!r}, expected {RUN_FORMAT!r}); "
-                         f"{_RESUME_FIX}")
+        raise ValueError(
+            f"{info_path}: not a Kiln run state (format {found!r}, expected {RUN_FORMAT!r}); {_RESUME_FIX}"
+        )
     for key, kind in _RUN_KEYS.items():
         value = info.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise ValueError(f"{info_path}: {key!r} is {type(value).__name__}, not {kind.__name__}; "
-                             f"the file was altered or damaged; {_RESUME_FIX}")
+            raise ValueError(
+                f"{info_path}: {key!r} is {type(value).__name__}, not {kind.__name__}; "
+                f"the file was altered or damaged; {_RESUME_FIX}"
+            )
     history = info["history"]
     if not all(isinstance(history.get(k), list) for k in ("loss", "lr", "grad_norm")):
         raise ValueError(f"{info_path}: 'history' needs loss, lr and grad_norm lists; {_RESUME_FIX}")
     folder_step = STEP_DIR.match(path.name)
     if folder_step and int(folder_step.group(1)) != info["step"]:
-        raise ValueError(f"{info_path}: says step {info['step']} but its folder is {path.name}; "
-                         f"rename the folder to step-{info['step']:06d} or {_RESUME_FIX}")
+        raise ValueError(
+            f"{info_path}: says step {info['step']} but its folder is {path.name}; "
+            f"rename the folder to step-{info['step']:06d} or {_RESUME_FIX}"
+        )
     tensors, _ = safetensors_io.read(path / "state.safetensors")
     _check_tensors(path / "state.safetensors", tensors)
     return Checkpoint(path=path, step=info["step"], info=info, tensors=_current_names(tensors))
@@ -147,19 +163,24 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 def _current_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Checkpoints written before the EMA shadow took the trained LoRA's naming hold it as
     'ema.<path>.lora_A' / '.lora_B': read those as 'ema.<path>.A' / '.B', so old runs still resume."""
+
     def current(key: str) -> str:
         old = key.startswith("ema.") and key.endswith((".lora_A", ".lora_B"))
-        return f"{key[:-len('.lora_A')]}.{key[-1]}" if old else key
+        return f"{key[: -len('.lora_A')]}.{key[-1]}" if old else key
+
     return {current(key): array for key, array in tensors.items()}
 
 
 def _check_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     """Dtypes and shapes as save_checkpoint writes them: float32 LoRA (2-D A and B, scalar alpha),
     EMA and optimizer moments shaped like their parameter, integer RNG states."""
+
     def bad(key: str, problem: str) -> ValueError:
         array = tensors[key]
-        return ValueError(f"{path}: tensor {key!r} is {array.dtype} {list(array.shape)}: {problem}; "
-                          f"the file was altered or damaged; {_RESUME_FIX}")
+        return ValueError(
+            f"{path}: tensor {key!r} is {array.dtype} {list(array.shape)}: {problem}; "
+            f"the file was altered or damaged; {_RESUME_FIX}"
+        )
 
     shapes = {}  # '<module path>.A' (EMA's name) and '<module path>.lora_A' (optimizer's, old EMA's) → shape
     for key, array in tensors.items():
@@ -177,7 +198,9 @@ def _check_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
         section, _, rest = key.partition(".")
         if section == "ema":
             if array.dtype != np.float32 or shapes.get(rest, array.shape) != array.shape:
-                raise bad(key, f"the EMA copy must be float32 {list(shapes.get(rest, array.shape))}, as its LoRA weight")
+                raise bad(
+                    key, f"the EMA copy must be float32 {list(shapes.get(rest, array.shape))}, as its LoRA weight"
+                )
         elif section == "optim":
             name, _, entry = rest.rpartition(".")
             if entry in _MOMENTS and name in shapes and (array.dtype.kind != "f" or array.shape != shapes[name]):
@@ -193,16 +216,26 @@ def checkpoint_lora(checkpoint: Checkpoint, *, ema: bool = False) -> dict[str, L
         return lora
     shadow = {k[4:]: v for k, v in checkpoint.tensors.items() if k.startswith("ema.")}
     if not shadow:
-        raise ValueError(f"{checkpoint.path}: this run trained without EMA; set ema on in Training Options "
-                         "(or use the LoRA as trained)")
-    return {path: _weights_of(path, roles, w.alpha)
-            for path, w in lora.items() for roles in [{role: shadow[f"{path}.{role}"] for role in module_roles(w)}]}
+        raise ValueError(
+            f"{checkpoint.path}: this run trained without EMA; set ema on in Training Options "
+            "(or use the LoRA as trained)"
+        )
+    return {
+        path: _weights_of(path, roles, w.alpha)
+        for path, w in lora.items()
+        for roles in [{role: shadow[f"{path}.{role}"] for role in module_roles(w)}]
+    }
 
 
 def checkpoint_history(checkpoint: Checkpoint) -> History:
     saved = checkpoint.info["history"]
-    return History(loss=list(saved["loss"]), lr=list(saved["lr"]), grad_norm=list(saved["grad_norm"]),
-                   skipped=list(saved.get("skipped", [])), holdout=[list(p) for p in saved.get("holdout", [])])
+    return History(
+        loss=list(saved["loss"]),
+        lr=list(saved["lr"]),
+        grad_norm=list(saved["grad_norm"]),
+        skipped=list(saved.get("skipped", [])),
+        holdout=[list(p) for p in saved.get("holdout", [])],
+    )
 
 
 def read_history(checkpoint_dir: str | Path) -> History:
@@ -212,20 +245,23 @@ def read_history(checkpoint_dir: str | Path) -> History:
     return checkpoint_history(Checkpoint(path=Path(checkpoint_dir), step=info["step"], info=info, tensors={}))
 
 
-def restore(checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, sampler, rank: int = 0,
-            world: int = 1) -> History:
+def restore(
+    checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, sampler, rank: int = 0, world: int = 1
+) -> History:
     """Put every piece of state back: weights, EMA, optimizer, RNGs (rank `rank`'s of a torchrun run of
     `world` ranks), cursor. Returns the history."""
     tensors = checkpoint.tensors
     _check_world(checkpoint, world)
     saved_by = checkpoint.info.get("backend", backend.name)
     if saved_by != backend.name:
-        raise ValueError(f"{checkpoint.path}: this checkpoint was written by the {saved_by} backend and cannot "
-                         f"resume with {backend.name} (optimizer state differs); set backend = \"{saved_by}\", "
-                         "or start a new run from its lora.safetensors")
+        raise ValueError(
+            f"{checkpoint.path}: this checkpoint was written by the {saved_by} backend and cannot "
+            f'resume with {backend.name} (optimizer state differs); set backend = "{saved_by}", '
+            "or start a new run from its lora.safetensors"
+        )
 
     def section(prefix: str) -> dict[str, np.ndarray]:
-        return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
     try:
         backend.load_lora_state(_lora_from(tensors, "lora."))
@@ -235,8 +271,10 @@ def restore(checkpoint: Checkpoint, *, backend, numpy_rng: np.random.Generator, 
         numpy_rng.bit_generator.state = checkpoint.info["numpy_rng"]
         sampler.load_state(checkpoint.info["cursor"])
     except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as err:
-        raise ValueError(f"{checkpoint.path}: cannot resume this run from it: {err!s}; resume with the settings "
-                         "it was trained with (rank, targets, optimizer, dataset), or start a new run") from err
+        raise ValueError(
+            f"{checkpoint.path}: cannot resume this run from it: {err!s}; resume with the settings "
+            "it was trained with (rank, targets, optimizer, dataset), or start a new run"
+        ) from err
     return checkpoint_history(checkpoint)
 
 
@@ -246,9 +284,16 @@ def _check_world(checkpoint: Checkpoint, world: int) -> None:
     saved = checkpoint.info.get("world_size", 1)
     if saved == world:
         return
+
     def launch(n: int) -> str:
-        return "python -m trainer train CONFIG --resume" if n == 1 else \
-            f"torchrun --nproc_per_node {n} -m trainer train CONFIG --resume"
-    raise ValueError(f"{checkpoint.path}: this run trained on {saved} process(es) and is resumed on {world}; a run "
-                     f"resumes exactly only on as many ({launch(saved)}), or start a new run (another run_name) on {world}; "
-                     "batch_size is per process, so the global batch is batch_size × processes")
+        return (
+            "python -m trainer train CONFIG --resume"
+            if n == 1
+            else f"torchrun --nproc_per_node {n} -m trainer train CONFIG --resume"
+        )
+
+    raise ValueError(
+        f"{checkpoint.path}: this run trained on {saved} process(es) and is resumed on {world}; a run "
+        f"resumes exactly only on as many ({launch(saved)}), or start a new run (another run_name) on {world}; "
+        "batch_size is per process, so the global batch is batch_size × processes"
+    )

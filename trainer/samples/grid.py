@@ -5,6 +5,7 @@ one look shows how each prompt changed as training went on. Cells are thumbnails
 kept); the labels are drawn with Pillow's built-in font (nothing downloaded). A resumed run starts its
 grid from the sample files already in the folder (`step-NNNNNN-pK.png`, trainer/samples/plan.py).
 """
+
 from __future__ import annotations
 
 import io
@@ -17,10 +18,10 @@ from ..atomic import atomic_write_bytes
 from .plan import SAMPLES_DIR
 
 GRID_NAME = "grid.png"
-CELL_PX = 256           # a cell's longest side
-MAX_ROWS = 32           # the newest sampling steps shown; older rows drop off (their files stay)
-HEADER_PX = 36          # the prompts' row
-LABEL_PX = 96           # the steps' column
+CELL_PX = 256  # a cell's longest side
+MAX_ROWS = 32  # the newest sampling steps shown; older rows drop off (their files stay)
+HEADER_PX = 36  # the prompts' row
+LABEL_PX = 96  # the steps' column
 GAP_PX = 4
 BACKGROUND, INK = (24, 24, 24), (230, 230, 230)
 _SAMPLE_FILE = re.compile(r"^step-(\d{6,})-p(\d+)\.png$")
@@ -58,7 +59,7 @@ class SampleGrid:
     def __init__(self, run_dir: str | Path, prompts: list[str]):
         self.folder = Path(run_dir) / SAMPLES_DIR
         self.prompts = list(prompts)
-        self.cells: dict[int, dict[int, object]] = {}   # step → prompt index → thumbnail
+        self.cells: dict[int, dict[int, object]] = {}  # step → prompt index → thumbnail
 
     @property
     def path(self) -> Path:
@@ -94,11 +95,17 @@ class SampleGrid:
             draw.text((4, 4), f"newest {len(steps)} of {len(self.cells)}", fill=INK, font=font)
         for column, prompt in enumerate(self.prompts):
             left = LABEL_PX + column * (CELL_PX + GAP_PX)
-            draw.text((left + 2, HEADER_PX // 2 - 6), _fit(draw, f"{column + 1}. {prompt}", CELL_PX - 4, font),
-                      fill=INK, font=font)
+            draw.text(
+                (left + 2, HEADER_PX // 2 - 6),
+                _fit(draw, f"{column + 1}. {prompt}", CELL_PX - 4, font),
+                fill=INK,
+                font=font,
+            )
         top = HEADER_PX
         for step, height in zip(steps, heights):
-            draw.text((4, top + height // 2 - 6), f"step {step}" + (" (base)" if step == 0 else ""), fill=INK, font=font)
+            draw.text(
+                (4, top + height // 2 - 6), f"step {step}" + (" (base)" if step == 0 else ""), fill=INK, font=font
+            )
             for column, cell in self.cells[step].items():
                 left = LABEL_PX + column * (CELL_PX + GAP_PX)
                 grid.paste(cell, (left + (CELL_PX - cell.width) // 2, top + (height - cell.height) // 2))

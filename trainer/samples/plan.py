@@ -1,6 +1,7 @@
 """Validation samples of a headless run: which images (the config's prompts with their settings
 resolved), and where they go (`<run>/samples/step-NNNNNN-pK.png`, PNG text chunks saying how each
 was made). What draws them is the front end's (ComfyUI's sampler, through nodes/comfy/)."""
+
 from __future__ import annotations
 
 import io
@@ -42,13 +43,20 @@ def sample_plan(cfg: TrainConfig) -> list[SamplePrompt]:
     for index, entry in enumerate(cfg.sample_prompts):
         own = parse_prompt(entry)
         seed = own.get("seed", (cfg.sample_seed + index * cfg.sample_walk_seed) % 2**32)
-        plan.append(SamplePrompt(
-            index=index, prompt=own["prompt"].strip(), negative=own.get("negative", cfg.sample_negative),
-            seed=seed, steps=own.get("steps", cfg.sample_steps) or family.steps,
-            cfg=float(own.get("cfg", cfg.sample_cfg) or family.cfg),
-            sampler_name=family.sampler if cfg.sample_sampler == "auto" else cfg.sample_sampler,
-            scheduler=family.scheduler if cfg.sample_scheduler == "auto" else cfg.sample_scheduler,
-            width=own.get("width", cfg.sample_width), height=own.get("height", cfg.sample_height)))
+        plan.append(
+            SamplePrompt(
+                index=index,
+                prompt=own["prompt"].strip(),
+                negative=own.get("negative", cfg.sample_negative),
+                seed=seed,
+                steps=own.get("steps", cfg.sample_steps) or family.steps,
+                cfg=float(own.get("cfg", cfg.sample_cfg) or family.cfg),
+                sampler_name=family.sampler if cfg.sample_sampler == "auto" else cfg.sample_sampler,
+                scheduler=family.scheduler if cfg.sample_scheduler == "auto" else cfg.sample_scheduler,
+                width=own.get("width", cfg.sample_width),
+                height=own.get("height", cfg.sample_height),
+            )
+        )
     return plan
 
 
@@ -67,9 +75,12 @@ def save_sample(path: str | Path, image: np.ndarray, prompt: SamplePrompt, *, st
     pixels = np.clip(255.0 * np.asarray(image, dtype=np.float32), 0, 255).astype(np.uint8)
     info = PngInfo()
     negative = f"\nNegative prompt: {prompt.negative}" if prompt.negative else ""
-    info.add_text("parameters", f"{prompt.prompt}{negative}\nSteps: {prompt.steps}, Sampler: {prompt.sampler_name} "
-                                f"{prompt.scheduler}, CFG scale: {prompt.cfg:g}, Seed: {prompt.seed}, "
-                                f"Size: {prompt.width}x{prompt.height}, Kiln step: {step}")
+    info.add_text(
+        "parameters",
+        f"{prompt.prompt}{negative}\nSteps: {prompt.steps}, Sampler: {prompt.sampler_name} "
+        f"{prompt.scheduler}, CFG scale: {prompt.cfg:g}, Seed: {prompt.seed}, "
+        f"Size: {prompt.width}x{prompt.height}, Kiln step: {step}",
+    )
     info.add_text("kiln.sample", json.dumps({"step": step, "arch": arch, **asdict(prompt)}, ensure_ascii=False))
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG", pnginfo=info, compress_level=4)  # SaveImage's level
@@ -82,5 +93,7 @@ def describe(cfg: TrainConfig, run_dir: str | Path) -> str:
     plan = sample_plan(cfg)
     when = f"every {cfg.sample_every} steps and at the end" if cfg.sample_every else "at the end"
     first = " (and before the first step)" if cfg.sample_first else ""
-    return (f"samples: {len(plan)} prompt(s) {when}{first}, {plan[0].steps} steps cfg {plan[0].cfg:g} "
-            f"{plan[0].sampler_name}/{plan[0].scheduler} → {Path(run_dir) / SAMPLES_DIR}")
+    return (
+        f"samples: {len(plan)} prompt(s) {when}{first}, {plan[0].steps} steps cfg {plan[0].cfg:g} "
+        f"{plan[0].sampler_name}/{plan[0].scheduler} → {Path(run_dir) / SAMPLES_DIR}"
+    )

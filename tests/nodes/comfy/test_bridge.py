@@ -8,6 +8,7 @@ ComfyUI's own LoRA loader with every key matched and equals our LoRA side branch
 adapter merge is undone by loading the plain model; validation sampling; VAE/CLIP encoders;
 progress, interrupts, LOSS_MAP, folders.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,7 @@ from helpers import comfy_env
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
 
 import comfy.model_management as mm  # noqa: E402
@@ -35,6 +36,7 @@ from helpers.bridge_calls import comfy_sampling_calls, embedding, our_call, rand
 
 
 # ---------------------------------------------------------------- fixtures (built once)
+
 
 @pytest.fixture(scope="module")
 def klein(tmp_path_factory):
@@ -73,18 +75,20 @@ def flux_vae():
 
 # ---------------------------------------------------------------- helpers
 
+
 def model_output(model, arch_name, x, sigma, emb):
     return our_call(model, arch_name, x, sigma, [emb])[0]
 
 
 # ---------------------------------------------------------------- detection
 
+
 def test_detect_arch(klein, dev, zimage):
     assert bridge.detect_arch(klein) == "flux2_klein"
     assert bridge.detect_arch(dev) == "flux2_dev"
     assert bridge.detect_arch(zimage) == "zimage"
     assert bridge.detect_arch(zimage, adapter=True) == "zimage_turbo"  # Turbo: the model with an adapter
-    assert bridge.detect_arch(klein, adapter=True) == "flux2_klein"     # no Flux2 arch merges one
+    assert bridge.detect_arch(klein, adapter=True) == "flux2_klein"  # no Flux2 arch merges one
     assert bridge.matching_archs(zimage) == ["zimage_turbo", "zimage"]
     assert bridge.matching_archs(klein) == ["flux2_klein"] and bridge.matching_archs(dev) == ["flux2_dev"]
     for name in ("flux2_klein", "flux2_dev", "zimage", "zimage_turbo", "qwen_image", "generic"):
@@ -93,6 +97,7 @@ def test_detect_arch(klein, dev, zimage):
 
 
 # ---------------------------------------------------------------- the forward is ComfyUI's own call
+
 
 @pytest.mark.parametrize("which", ["klein", "dev"])
 def test_flux2_forward_equals_comfy_sampling(which, klein, dev, klein_clip):
@@ -115,8 +120,10 @@ def test_zimage_forward_equals_comfy_sampling_per_caption(zimage, zimage_clip):
     texts = ["a cat", "a small watercolour painting of a lighthouse on a cliff at dawn"]
     embs = [embedding(zimage_clip, t) for t in texts]
     assert embs[0].shape[0] != embs[1].shape[0]
-    theirs = [comfy_sampling_calls(zimage, tc.conditioning(zimage_clip, t), (1, 16, 4, 4), seed=i)
-              for i, t in enumerate(texts)]
+    theirs = [
+        comfy_sampling_calls(zimage, tc.conditioning(zimage_clip, t), (1, 16, 4, 4), seed=i)
+        for i, t in enumerate(texts)
+    ]
     # One caption: bitwise the call ComfyUI makes (num_tokens = caption length, no mask).
     for run, emb in zip(theirs, embs, strict=True):
         args, kwargs, output = run[0]
@@ -148,21 +155,25 @@ def test_timestep_and_velocity_convention(klein, zimage):
 
 # ---------------------------------------------------------------- training in a session
 
+
 def training_data(model, vae, clip, texts, size):
     encode_image, _ = bridge.vae_encoder(vae)
     encode_text, _ = bridge.text_encoder(clip)
     rng = np.random.default_rng(0)
     pixels = rng.random((len(texts), size, size, 3), dtype=np.float32)
     latents = bridge.latents_in(model, encode_image(pixels))
-    return data_module.InMemoryData.from_arrays(list(latents), [encode_text(t) for t in texts],
-                                                [f"img{i}.png" for i in range(len(texts))], encode_text(""))
+    return data_module.InMemoryData.from_arrays(
+        list(latents), [encode_text(t) for t in texts], [f"img{i}.png" for i in range(len(texts))], encode_text("")
+    )
 
 
 @pytest.mark.parametrize("which", ["klein", "zimage"])
-def test_training_steps_leave_model_unchanged(which, tmp_path, klein, zimage, klein_clip, zimage_clip,
-                                              flux2_vae, flux_vae):
-    model, arch_name, vae, clip = ((klein, "flux2_klein", flux2_vae, klein_clip) if which == "klein"
-                                   else (zimage, "zimage", flux_vae, zimage_clip))
+def test_training_steps_leave_model_unchanged(
+    which, tmp_path, klein, zimage, klein_clip, zimage_clip, flux2_vae, flux_vae
+):
+    model, arch_name, vae, clip = (
+        (klein, "flux2_klein", flux2_vae, klein_clip) if which == "klein" else (zimage, "zimage", flux_vae, zimage_clip)
+    )
     texts = ["a cat", "a long caption about a dog running on a beach at sunset", "moss"]
     data = training_data(model, vae, clip, texts, 32)
     probe_x = torch.from_numpy(data.latent(0)[None])
@@ -174,8 +185,13 @@ def test_training_steps_leave_model_unchanged(which, tmp_path, klein, zimage, kl
         assert mm.in_training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         assert device == model.load_device and dm is bridge.diffusion_model(model)
         assert not any(p.is_inference() for p in dm.parameters())
-        result = loop.train(small_config(arch_name, steps=2), dm, data, run_dir=tmp_path / "run",
-                            forward=bridge.make_forward(model, arch_name))
+        result = loop.train(
+            small_config(arch_name, steps=2),
+            dm,
+            data,
+            run_dir=tmp_path / "run",
+            forward=bridge.make_forward(model, arch_name),
+        )
     assert (mm.in_training, torch.is_grad_enabled()) == (in_training, grad)
     assert len(result.history.loss) == 2 and all(np.isfinite(result.history.loss))
     assert all(0 < loss < 50 for loss in result.history.loss)
@@ -205,11 +221,16 @@ def test_trains_on_a_comfy_quantized_fp8_base(checkpointing, tmp_path, klein, kl
     with bridge.training_session(model) as (dm, _):
         # Kiln dequantizes for training (ComfyUI's fp8 training path was 1.25-2.1x slower on an H100)
         assert qkv._full_precision_mm is True
-        result = loop.train(small_config("flux2_klein", steps=2, gradient_checkpointing=checkpointing), dm, data,
-                            run_dir=tmp_path / "run", forward=bridge.make_forward(model, "flux2_klein"))
+        result = loop.train(
+            small_config("flux2_klein", steps=2, gradient_checkpointing=checkpointing),
+            dm,
+            data,
+            run_dir=tmp_path / "run",
+            forward=bridge.make_forward(model, "flux2_klein"),
+        )
     assert qkv._full_precision_mm == comfys
     assert all(np.isfinite(result.history.loss)) and any(np.abs(w.B).max() > 0 for w in result.lora.values())
-    assert set(result.lora) == set(random_lora(klein, "flux2_klein"))     # the same targets as a bf16/fp32 file
+    assert set(result.lora) == set(random_lora(klein, "flux2_klein"))  # the same targets as a bf16/fp32 file
     assert torch.equal(probe(), before)
     assert bridge.unmatched_lora_keys(model, bridge.lora_model_from(result.lora, "flux2_klein")) == []
 
@@ -226,19 +247,25 @@ def test_a_quantized_base_loads_again_in_a_later_prompt(tmp_path, klein_clip, fl
         model = comfy.sd.load_diffusion_model(str(path))
     data = training_data(model, flux2_vae, klein_clip, ["a cat", "a dog"], 32)
     probe_x = torch.from_numpy(data.latent(0)[None])
-    with torch.inference_mode(), bridge.training_session(model) as (dm, _):   # the Train node, in a prompt
+    with torch.inference_mode(), bridge.training_session(model) as (dm, _):  # the Train node, in a prompt
         assert not any(p.is_inference() for p in dm.parameters())
-        loop.train(small_config("flux2_klein", steps=1), dm, data, run_dir=tmp_path / "run",
-                   forward=bridge.make_forward(model, "flux2_klein"))
+        loop.train(
+            small_config("flux2_klein", steps=1),
+            dm,
+            data,
+            run_dir=tmp_path / "run",
+            forward=bridge.make_forward(model, "flux2_klein"),
+        )
     assert all(p.is_inference() for p in bridge.diffusion_model(model).parameters())
     before = model_output(model, "flux2_klein", probe_x, torch.tensor([0.6]), data.context(0))
-    with torch.inference_mode():                                               # a later prompt
+    with torch.inference_mode():  # a later prompt
         mm.unload_all_models()
         mm.load_models_gpu([model], force_full_load=True)
     assert torch.equal(model_output(model, "flux2_klein", probe_x, torch.tensor([0.6]), data.context(0)), before)
 
 
 # ---------------------------------------------------------------- LoRAs through ComfyUI's loader
+
 
 def test_lora_model_loads_through_comfy_and_matches_side_branches(klein, klein_clip):
     weights = random_lora(klein, "flux2_klein")
@@ -279,8 +306,9 @@ def test_apply_lora_reports_unmatched_keys(klein):
     lora_model["diffusion_model.no_such_block.lora_B.weight"] = torch.zeros(8, 4)
     with pytest.raises(ValueError, match="2 of .* LoRA keys match nothing"):
         bridge.apply_lora(klein, lora_model, 1.0)
-    assert bridge.unmatched_lora_keys(klein, lora_model) == [f"diffusion_model.no_such_block.lora_{ab}.weight"
-                                                             for ab in "AB"]
+    assert bridge.unmatched_lora_keys(klein, lora_model) == [
+        f"diffusion_model.no_such_block.lora_{ab}.weight" for ab in "AB"
+    ]
     assert bridge.apply_lora(klein, lora_model, 1.0, strict=False) is not klein
 
 
@@ -333,6 +361,7 @@ def test_training_adapter_merge_then_plain_model(zimage, zimage_clip):
 
 # ---------------------------------------------------------------- sampling, encoders, plumbing
 
+
 def test_sample_returns_image_with_lora_installed(klein, klein_clip, flux2_vae):
     cond = tc.conditioning(klein_clip, "a cat")
     backend = TorchBackend()
@@ -340,8 +369,19 @@ def test_sample_returns_image_with_lora_installed(klein, klein_clip, flux2_vae):
         backend.setup(dm, small_config("flux2_klein"), archs.get_arch("flux2_klein"))
         try:
             backend.load_lora_state(random_lora(klein, "flux2_klein", rank=4))
-            image = bridge.sample(klein, cond, cond, flux2_vae, seed=1, steps=2, cfg=1.0, sampler_name="euler",
-                                  scheduler="simple", width=48, height=32)  # reloads the session's model after
+            image = bridge.sample(
+                klein,
+                cond,
+                cond,
+                flux2_vae,
+                seed=1,
+                steps=2,
+                cfg=1.0,
+                sampler_name="euler",
+                scheduler="simple",
+                width=48,
+                height=32,
+            )  # reloads the session's model after
             assert mm.in_training  # restored after sampling
             assert not any(p.is_inference() for p in dm.parameters())
         finally:
@@ -357,8 +397,9 @@ def _prompt_model():
 
     with torch.inference_mode():
         module = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.GroupNorm(2, 8))
-        patcher = comfy.model_patcher.ModelPatcher(module, load_device=torch.device("cpu"),
-                                                   offload_device=torch.device("cpu"))
+        patcher = comfy.model_patcher.ModelPatcher(
+            module, load_device=torch.device("cpu"), offload_device=torch.device("cpu")
+        )
         mm.load_models_gpu([patcher])
     return patcher, module
 
@@ -373,7 +414,7 @@ def _usable_in_a_prompt(module) -> bool:
     with torch.inference_mode():
         try:
             for p in module.parameters():
-                torch.mm(p.reshape(p.shape[0], -1), p.reshape(p.shape[0], -1).t())   # reads the version, as a view does
+                torch.mm(p.reshape(p.shape[0], -1), p.reshape(p.shape[0], -1).t())  # reads the version, as a view does
             return all(p.is_inference() for p in module.parameters())
         except RuntimeError:
             return False
@@ -388,24 +429,35 @@ def test_a_session_mends_the_prompt_models_comfy_moved(klein, klein_clip, flux2_
     patcher, module = _prompt_model()
     values = [p.detach().clone() for p in module.parameters()]
     _moved_outside_inference_mode(module)
-    assert not _usable_in_a_prompt(module)                 # the trap (below) as a session leaves it, unmended
+    assert not _usable_in_a_prompt(module)  # the trap (below) as a session leaves it, unmended
     cond = tc.conditioning(klein_clip, "a cat")
     backend = TorchBackend()
     with bridge.training_session(klein) as (dm, _):
-        assert _usable_in_a_prompt(module)                 # mended after the session's load
+        assert _usable_in_a_prompt(module)  # mended after the session's load
         assert not any(bridge_session._inference(p) for p in dm.parameters())
         backend.setup(dm, small_config("flux2_klein"), archs.get_arch("flux2_klein"))
         try:
-            mm.load_models_gpu([patcher])                  # still one of ComfyUI's loaded models
+            mm.load_models_gpu([patcher])  # still one of ComfyUI's loaded models
             _moved_outside_inference_mode(module)
-            bridge.sample(klein, cond, cond, flux2_vae, seed=1, steps=1, cfg=1.0, sampler_name="euler",
-                          scheduler="simple", width=32, height=32)
-            assert _usable_in_a_prompt(module)             # mended after the validation sample
-            assert not any(bridge_session._inference(p) for p in dm.parameters())   # the training model untouched
+            bridge.sample(
+                klein,
+                cond,
+                cond,
+                flux2_vae,
+                seed=1,
+                steps=1,
+                cfg=1.0,
+                sampler_name="euler",
+                scheduler="simple",
+                width=32,
+                height=32,
+            )
+            assert _usable_in_a_prompt(module)  # mended after the validation sample
+            assert not any(bridge_session._inference(p) for p in dm.parameters())  # the training model untouched
         finally:
             backend.teardown()
     assert all(torch.equal(p, v) for p, v in zip(module.parameters(), values))
-    assert all(p.requires_grad for p in module.parameters())   # as the module made them
+    assert all(p.requires_grad for p in module.parameters())  # as the module made them
 
 
 def test_a_prompts_weights_moved_outside_inference_mode_lose_their_version():
@@ -435,8 +487,11 @@ def fused_rope_calls():
     import comfy.quant_ops
 
     kitchen = getattr(comfy.quant_ops, "ck", None)
-    targets = [(kitchen, name) for name in ("apply_rope", "apply_rope1", "rms_rope", "rms_rope1")
-               if kitchen is not None and hasattr(kitchen, name)]
+    targets = [
+        (kitchen, name)
+        for name in ("apply_rope", "apply_rope1", "rms_rope", "rms_rope1")
+        if kitchen is not None and hasattr(kitchen, name)
+    ]
     targets += [(flux_math, name) for name in ("q_apply_rope", "q_apply_rope1") if hasattr(flux_math, name)]
     calls, originals = [], []
     for owner, name in targets:
@@ -456,23 +511,39 @@ def fused_rope_calls():
 
 
 @pytest.mark.parametrize("which", ["klein", "zimage"])
-def test_validation_and_training_take_comfys_own_paths(which, klein, zimage, klein_clip, zimage_clip, flux2_vae,
-                                                       flux_vae):
+def test_validation_and_training_take_comfys_own_paths(
+    which, klein, zimage, klein_clip, zimage_clip, flux2_vae, flux_vae
+):
     """Validation samples inside a run are bitwise what ComfyUI's sampler draws outside it (the same fused
     kernels, in_training off); the training forward takes the path ComfyUI's own trainer takes
     (in_training on: no fused kernel, autograd-safe) and agrees with the sampler's model output."""
-    model, arch_name, vae, clip, shape = ((klein, "flux2_klein", flux2_vae, klein_clip, (1, 128, 2, 3))
-                                          if which == "klein" else
-                                          (zimage, "zimage", flux_vae, zimage_clip, (1, 16, 4, 6)))
+    model, arch_name, vae, clip, shape = (
+        (klein, "flux2_klein", flux2_vae, klein_clip, (1, 128, 2, 3))
+        if which == "klein"
+        else (zimage, "zimage", flux_vae, zimage_clip, (1, 16, 4, 6))
+    )
     cond, emb = tc.conditioning(clip, "a cat on a roof"), embedding(clip, "a cat on a roof")
     settings = dict(seed=1, steps=2, cfg=1.0, sampler_name="euler", scheduler="simple", width=48, height=32)
-    with fused_rope_calls() as sampler_kernels, torch.inference_mode():    # ComfyUI's KSampler + VAE Decode
+    with fused_rope_calls() as sampler_kernels, torch.inference_mode():  # ComfyUI's KSampler + VAE Decode
         fmt = model.get_model_object("latent_format")
         down = getattr(fmt, "spacial_downscale_ratio", 8)
-        latent = comfy.sample.fix_empty_latent_channels(model, torch.zeros([1, fmt.latent_channels, 32 // down,
-                                                                            48 // down]))
-        samples = comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 1), 2, 1.0, "euler", "simple",
-                                      cond, cond, latent, denoise=1.0, disable_pbar=True, seed=1)
+        latent = comfy.sample.fix_empty_latent_channels(
+            model, torch.zeros([1, fmt.latent_channels, 32 // down, 48 // down])
+        )
+        samples = comfy.sample.sample(
+            model,
+            comfy.sample.prepare_noise(latent, 1),
+            2,
+            1.0,
+            "euler",
+            "simple",
+            cond,
+            cond,
+            latent,
+            denoise=1.0,
+            disable_pbar=True,
+            seed=1,
+        )
         reference = vae.decode(samples)
     theirs = comfy_sampling_calls(model, cond, shape)[0]
     with bridge.training_session(model) as (dm, _):
@@ -498,6 +569,7 @@ def test_a_session_calls_sdpa_without_comfys_kernel_order(klein, klein_clip, flu
     import comfy.ops
 
     import kiln_pack.nodes.comfy.paths as comfy_paths
+
     seen = []
 
     def comfys(q, k, v, *args, **kwargs):
@@ -507,22 +579,40 @@ def test_a_session_calls_sdpa_without_comfys_kernel_order(klein, klein_clip, flu
     monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", comfys)
     monkeypatch.setattr(comfy_paths, "_COMFY_SDPA", comfys)
     sampled = []
-    monkeypatch.setattr(comfy.sample, "sample", lambda *a, **k: (sampled.append(comfy.ops.scaled_dot_product_attention),
-                                                                torch.zeros(1, 128, 2, 3))[1])
+    monkeypatch.setattr(
+        comfy.sample,
+        "sample",
+        lambda *a, **k: (sampled.append(comfy.ops.scaled_dot_product_attention), torch.zeros(1, 128, 2, 3))[1],
+    )
     with bridge.training_session(klein):
         assert comfy.ops.scaled_dot_product_attention is comfy_paths._training_sdpa
         cond = tc.conditioning(klein_clip, "a cat")
-        bridge.sample(klein, cond, cond, flux2_vae, seed=0, steps=1, cfg=1.0, sampler_name="euler",
-                      scheduler="simple", width=48, height=32)
+        bridge.sample(
+            klein,
+            cond,
+            cond,
+            flux2_vae,
+            seed=0,
+            steps=1,
+            cfg=1.0,
+            sampler_name="euler",
+            scheduler="simple",
+            width=48,
+            height=32,
+        )
         assert sampled == [comfys] and comfy.ops.scaled_dot_product_attention is comfy_paths._training_sdpa
     assert comfy.ops.scaled_dot_product_attention is comfys
     q, k, v = (torch.randn(1, 4, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     assert torch.equal(comfy_paths._training_sdpa(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v))
-    if hasattr(comfy.ops, "repeat_kv_for_gqa"):   # grouped-query attention with a mask, expanded as ComfyUI does
+    if hasattr(comfy.ops, "repeat_kv_for_gqa"):  # grouped-query attention with a mask, expanded as ComfyUI does
         mask = torch.zeros(1, 1, 16, 16)
         got = comfy_paths._training_sdpa(q, k[:, :2], v[:, :2], attn_mask=mask, enable_gqa=True)
-        torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(
-            q, k[:, :2].repeat_interleave(2, 1), v[:, :2].repeat_interleave(2, 1), attn_mask=mask))
+        torch.testing.assert_close(
+            got,
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k[:, :2].repeat_interleave(2, 1), v[:, :2].repeat_interleave(2, 1), attn_mask=mask
+            ),
+        )
 
 
 def test_vae_encoder(flux2_vae, flux_vae, zimage, klein):
@@ -604,17 +694,18 @@ def test_small_host_conds_go_to_the_gpu_once(monkeypatch):
     copy per call would wait for the GPU). "meta" stands for the GPU here. Large or CPU-bound conds, and the
     257th distinct value, are converted as ComfyUI does."""
     import kiln_pack.nodes.comfy.model as model
+
     monkeypatch.setattr(model, "_CONSTANTS", {})
     first = model._convert(torch.FloatTensor([1.0]), torch.bfloat16, "meta")
     assert first.device.type == "meta" and first.dtype == torch.bfloat16
     assert model._convert(torch.FloatTensor([1.0]), torch.bfloat16, "meta") is first
-    assert model._convert(torch.FloatTensor([3.5]), torch.bfloat16, "meta") is not first     # its own value
-    assert model._convert(torch.FloatTensor([1.0]), torch.float16, "meta") is not first      # its own dtype
+    assert model._convert(torch.FloatTensor([3.5]), torch.bfloat16, "meta") is not first  # its own value
+    assert model._convert(torch.FloatTensor([1.0]), torch.float16, "meta") is not first  # its own dtype
     big = torch.zeros(65)
     assert model._convert(big, torch.bfloat16, "meta") is not model._convert(big, torch.bfloat16, "meta")
     kept = len(model._CONSTANTS)
     assert model._convert(torch.FloatTensor([7.0]), torch.float32, "cpu").tolist() == [7.0]
-    assert len(model._CONSTANTS) == kept                                  # training on the CPU: nothing kept
+    assert len(model._CONSTANTS) == kept  # training on the CPU: nothing kept
     for value in range(300):
         model._convert(torch.FloatTensor([float(value)]), torch.float32, "meta")
     assert len(model._CONSTANTS) == 256
@@ -624,7 +715,9 @@ def test_folders_and_lora_listing(tmp_path):
     import folder_paths
 
     found = bridge.folders()
-    assert set(found) == {"input", "output", "temp", "loras"} and found["loras"] in folder_paths.get_folder_paths("loras")
+    assert set(found) == {"input", "output", "temp", "loras"} and found["loras"] in folder_paths.get_folder_paths(
+        "loras"
+    )
     assert found["temp"] == folder_paths.get_temp_directory()
     folder_paths.add_model_folder_path("loras", str(tmp_path), is_default=True)
     assert bridge.folders()["loras"] == str(tmp_path)
@@ -659,7 +752,7 @@ def test_training_adapter_is_merged_in_fp32_even_where_comfy_would_use_fp16(zima
     """On CUDA ComfyUI sums W + ΔW in fp16; a session loads the adapter clone with fp32 sums instead."""
     adapter = bridge.lora_model_from(random_lora(zimage, "zimage", seed=6), "zimage")
     key = next(k for k in adapter if k.endswith(".lora_B.weight"))
-    path = key[len("diffusion_model."):-len(".lora_B.weight")]
+    path = key[len("diffusion_model.") : -len(".lora_B.weight")]
     dm = bridge.diffusion_model(zimage)
     mm.load_models_gpu([zimage], force_full_load=True)
     weight = dict(dm.named_parameters())[path + ".weight"].detach().float().clone()

@@ -4,13 +4,14 @@ torch.compile runs with the "aot_eager" backend (the graphs inductor would compi
 what is checked is dynamo's side: how many graphs a run with two bucket shapes compiles, and that the
 compiled run trains what the eager run trains. Skipped without COMFYUI_PATH.
 """
+
 from __future__ import annotations
 
 from helpers import comfy_env
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
 import comfy.model_management as mm  # noqa: E402
@@ -30,21 +31,42 @@ def _two_bucket_data(model, vae, clip):
     encode_image, _ = bridge.vae_encoder(vae)
     encode_text, _ = bridge.text_encoder(clip)
     rng = np.random.default_rng(0)
-    latents = [latent for size in (32, 96)
-               for latent in bridge.latents_in(model, encode_image(rng.random((2, size, size, 3), dtype=np.float32)))]
+    latents = [
+        latent
+        for size in (32, 96)
+        for latent in bridge.latents_in(model, encode_image(rng.random((2, size, size, 3), dtype=np.float32)))
+    ]
     texts = ["a cat", "moss on a stone", "a dog", "a red kite over a hill"]
-    return data_module.InMemoryData.from_arrays(latents, [encode_text(t) for t in texts],
-                                                [f"img{i}.png" for i in range(4)], encode_text(""))
+    return data_module.InMemoryData.from_arrays(
+        latents, [encode_text(t) for t in texts], [f"img{i}.png" for i in range(4)], encode_text("")
+    )
 
 
 def _train(model, data, tmp_path, *, compile: bool):
     """Six steps of batch 1 (seed 1: a 32 px image first); each step's latent width and the compiled graphs
     counted after its forward."""
     device = "auto" if comfy_env.gpu() else "cpu"
-    cfg = config.from_dict(dict(arch="zimage", device=device, mixed_precision="no", steps=6, batch_size=1, rank=4,
-                                alpha=4.0, learning_rate=1e-3, checkpoint_every=0, keep_checkpoints=1, log_every=1,
-                                resolutions=[64], caption_dropout=0.0, gradient_checkpointing=True, seed=1,
-                                compile_blocks=compile, checkpoint_budget=1.0 if compile else 0.0))
+    cfg = config.from_dict(
+        dict(
+            arch="zimage",
+            device=device,
+            mixed_precision="no",
+            steps=6,
+            batch_size=1,
+            rank=4,
+            alpha=4.0,
+            learning_rate=1e-3,
+            checkpoint_every=0,
+            keep_checkpoints=1,
+            log_every=1,
+            resolutions=[64],
+            caption_dropout=0.0,
+            gradient_checkpointing=True,
+            seed=1,
+            compile_blocks=compile,
+            checkpoint_budget=1.0 if compile else 0.0,
+        )
+    )
     forward, seen = bridge.make_forward(model, "zimage"), []
 
     def counted(module, x_t, *rest):
@@ -71,14 +93,15 @@ def test_comfy_zimage_compiles_once_for_two_buckets_and_trains_as_eager(mark, tm
     monkeypatch.setattr(checkpointing, "MARK_TOKEN_DIMS", mark)
     # ComfyUI's CPU attention (sub-quadratic) asks psutil for the free memory, which dynamo cannot trace
     # (a graph break per block); on a GPU the blocks run SDPA and never ask.
-    monkeypatch.setattr(mm, "get_free_memory",
-                        lambda dev=None, torch_free_too=False: (8 << 30, 8 << 30) if torch_free_too else 8 << 30)
+    monkeypatch.setattr(
+        mm, "get_free_memory", lambda dev=None, torch_free_too=False: (8 << 30, 8 << 30) if torch_free_too else 8 << 30
+    )
     model = tc.tiny_zimage()
     data = _two_bucket_data(model, tc.tiny_vae(flux2=False), tc.tiny_zimage_clip())
     losses, seen = _train(model, data, tmp_path, compile=True)
-    assert counters["graph_break"] == {}                                 # whole blocks, no pieces
+    assert counters["graph_break"] == {}  # whole blocks, no pieces
     widths = [width for width, _ in seen]
-    assert widths[0] == 4 and 12 in widths                               # 32 px first, then 96 px
+    assert widths[0] == 4 and 12 in widths  # 32 px first, then 96 px
     first, last = seen[0][1], seen[-1][1]
     if mark:
         # 2 block kinds × the first block of a list (its input without grad) and the others; the noise

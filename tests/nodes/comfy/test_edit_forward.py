@@ -1,13 +1,14 @@
 """Edit training on a tiny Flux2 Klein against a real ComfyUI (COMFYUI_PATH): the training forward with
 control latents hands the diffusion model bitwise what ComfyUI's sampler hands it for a prompt with a
 ReferenceLatent, and returns the same output; a few loop steps train on an encoded edit dataset."""
+
 from __future__ import annotations
 
 from helpers import comfy_env
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
 
 import node_helpers
@@ -48,9 +49,9 @@ def same_kwargs(ours: dict, theirs: dict) -> None:
 @pytest.mark.parametrize("references", [1, 2])
 def test_edit_forward_equals_comfy_sampling_with_reference_latents(klein, klein_clip, references):
     text = "make the fox blue"
-    refs = [reference_latent(n, (1, 128, 2, 2 + n)) for n in range(references)]   # raw VAE latents
+    refs = [reference_latent(n, (1, 128, 2, 2 + n)) for n in range(references)]  # raw VAE latents
     cond = tc.conditioning(klein_clip, text)
-    for ref in refs:   # what the ReferenceLatent node does
+    for ref in refs:  # what the ReferenceLatent node does
         cond = node_helpers.conditioning_set_values(cond, {"reference_latents": [ref]}, append=True)
     theirs = comfy_sampling_calls(klein, cond, (1, 128, 2, 3), steps=2)
     arch = archs.get_arch("flux2_klein")
@@ -62,12 +63,12 @@ def test_edit_forward_equals_comfy_sampling_with_reference_latents(klein, klein_
         ours_extras = {k: [torch.from_numpy(a) for a in v] for k, v in extras.items()}
         with Calls(dm) as calls, torch.inference_mode():
             ours = forward(dm, args[0], args[1], context, ours_extras)
-        (a_args, a_kwargs, _), = calls
+        ((a_args, a_kwargs, _),) = calls
         assert all(torch.equal(x, y) for x, y in zip(a_args, args, strict=True))
         same_kwargs(a_kwargs, kwargs)
         assert len(a_kwargs["ref_latents"]) == references
-        assert torch.equal(ours, output) and ours.shape == args[0].shape   # the target's tokens only
-    with torch.inference_mode():   # the references matter
+        assert torch.equal(ours, output) and ours.shape == args[0].shape  # the target's tokens only
+    with torch.inference_mode():  # the references matter
         plain = forward(dm, theirs[0][0][0], theirs[0][0][1], context, {})
     assert not torch.equal(plain, theirs[0][2])
 
@@ -76,6 +77,7 @@ def edit_dataset(root, klein_clip, references=1):
     """Two 64 px targets, each with its controls (control/, control_2/, ...: the colours inverted, then
     rolled), encoded by the tiny Flux2 VAE and the tiny Klein text encoder."""
     import kiln_pack.trainer.data.dataset as dataset_module
+
     root.mkdir(parents=True)
     for n in range(2):
         rgb = np.random.default_rng(n).integers(0, 255, (64, 64, 3), dtype=np.uint8)
@@ -95,19 +97,34 @@ def test_a_few_steps_train_on_an_encoded_edit_dataset(klein, klein_clip, tmp_pat
     import kiln_pack.trainer.config as config
     import kiln_pack.nodes.comfy.training as training
     import kiln_pack.trainer.run.loop as loop
+
     ds = edit_dataset(tmp_path / "edit", klein_clip)
     data = ds.training_data()
     assert len(data.controls(0)) == 1 and data.controls(0)[0].shape == data.latent(0).shape
-    cfg = config.from_dict({"arch": "flux2_klein", "device": "cpu", "mixed_precision": "no", "steps": 2,
-                            "batch_size": 2, "rank": 2, "alpha": 2.0, "checkpoint_every": 0, "log_every": 1,
-                            "caption_dropout": 0.0, "gradient_checkpointing": False, "compile_blocks": False,
-                            "resolutions": [64]})
+    cfg = config.from_dict(
+        {
+            "arch": "flux2_klein",
+            "device": "cpu",
+            "mixed_precision": "no",
+            "steps": 2,
+            "batch_size": 2,
+            "rank": 2,
+            "alpha": 2.0,
+            "checkpoint_every": 0,
+            "log_every": 1,
+            "caption_dropout": 0.0,
+            "gradient_checkpointing": False,
+            "compile_blocks": False,
+            "resolutions": [64],
+        }
+    )
     calls = []
 
     def run(cfg, module, data, forward=None, **hooks):
         def counted(dm, x, sigmas, context, extras):
             calls.append(len(extras.get("reference_latents", [])))
             return forward(dm, x, sigmas, context, extras)
+
         return loop.train(cfg, module, data, run_dir=tmp_path / "run", forward=counted)
 
     result = training.train(cfg, klein, ds, run=run)
@@ -120,19 +137,37 @@ def test_mlx_trains_an_edit_dataset_as_torch_does(klein, klein_clip, tmp_path, m
     (losses within 1e-3 relative, as the plain MLX parity test through the node)."""
     pytest.importorskip("mlx.core")
     import kiln_pack.trainer.backends.mlx_backend.backend as mlx_backend
+
     # eager: the compiled step (tests/trainer/backends/mlx_backend/test_edit.py checks it equals this) builds g++ kernels on CPU
     monkeypatch.setattr(mlx_backend.MlxBackend, "compile_step", False)
     import kiln_pack.trainer.config as config
     import kiln_pack.nodes.comfy.training as training
     import kiln_pack.trainer.run.loop as loop
+
     ds = edit_dataset(tmp_path / "edit", klein_clip, references=2)
     assert len(ds.training_data().controls(0)) == 2
     results = {}
     for backend in ("torch", "mlx"):
-        cfg = config.from_dict({"arch": "flux2_klein", "backend": backend, "device": "cpu", "mixed_precision": "no",
-                                "steps": 4, "batch_size": 2, "rank": 4, "alpha": 4.0, "learning_rate": 1e-3,
-                                "seed": 1, "checkpoint_every": 0, "log_every": 1, "caption_dropout": 0.0,
-                                "gradient_checkpointing": False, "compile_blocks": False, "resolutions": [64]})
+        cfg = config.from_dict(
+            {
+                "arch": "flux2_klein",
+                "backend": backend,
+                "device": "cpu",
+                "mixed_precision": "no",
+                "steps": 4,
+                "batch_size": 2,
+                "rank": 4,
+                "alpha": 4.0,
+                "learning_rate": 1e-3,
+                "seed": 1,
+                "checkpoint_every": 0,
+                "log_every": 1,
+                "caption_dropout": 0.0,
+                "gradient_checkpointing": False,
+                "compile_blocks": False,
+                "resolutions": [64],
+            }
+        )
 
         def run(cfg, module, data, forward=None, **hooks):
             return loop.train(cfg, module, data, run_dir=tmp_path / cfg.backend, forward=forward)

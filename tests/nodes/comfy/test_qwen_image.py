@@ -11,13 +11,14 @@ families have, on a tiny model built with ComfyUI's own classes.
   - the diffusers export renames nothing (ComfyUI's names are diffusers' own) and round-trips;
   - the estimate knows the full-size model.
 """
+
 from __future__ import annotations
 
 from helpers import comfy_env
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.comfyui   # --comfyui only|without selects on it
+pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
 
 import comfy.model_management as mm  # noqa: E402
@@ -37,8 +38,16 @@ CONTEXT_DIM = 48  # Qwen2.5-VL 7B gives 3584; tiny here
 
 def unet_config() -> dict:
     """A tiny QwenImageTransformer2DModel: 2 blocks, 2 heads of 32 (RoPE axes 8+12+12 = head dim)."""
-    return dict(image_model="qwen_image", num_layers=2, num_attention_heads=2, attention_head_dim=32,
-                joint_attention_dim=CONTEXT_DIM, in_channels=64, out_channels=16, axes_dims_rope=(8, 12, 12))
+    return dict(
+        image_model="qwen_image",
+        num_layers=2,
+        num_attention_heads=2,
+        attention_head_dim=32,
+        joint_attention_dim=CONTEXT_DIM,
+        in_channels=64,
+        out_channels=16,
+        axes_dims_rope=(8, 12, 12),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +107,19 @@ def test_image_latents_pass_the_video_latent_format_as_one_frame(qwen):
 def test_training_steps_learn_and_leave_model_unchanged(qwen, tmp_path):
     rng = np.random.default_rng(0)
     latents = [bridge.latents_in(qwen, rng.standard_normal((16, 4, 4)).astype(np.float32)) for _ in range(3)]
-    data = data_module.InMemoryData.from_arrays(latents, [caption(n, n) for n in (4, 9, 4)],
-                                                [f"img{i}.png" for i in range(3)], caption(1, 99))
+    data = data_module.InMemoryData.from_arrays(
+        latents, [caption(n, n) for n in (4, 9, 4)], [f"img{i}.png" for i in range(3)], caption(1, 99)
+    )
     probe_x, probe_sigma = torch.from_numpy(latents[0][None]), torch.tensor([0.6])
     before = our_call(qwen, "qwen_image", probe_x, probe_sigma, [caption(4, 4)])[0]
     with bridge.training_session(qwen) as (dm, _device):
-        result = loop.train(small_config("qwen_image", steps=2), dm, data, run_dir=tmp_path / "run",
-                            forward=bridge.make_forward(qwen, "qwen_image"))
+        result = loop.train(
+            small_config("qwen_image", steps=2),
+            dm,
+            data,
+            run_dir=tmp_path / "run",
+            forward=bridge.make_forward(qwen, "qwen_image"),
+        )
     assert len(result.history.loss) == 2 and all(0 < loss < 50 for loss in result.history.loss)
     assert sorted(result.lora) == sorted(random_lora(qwen, "qwen_image"))  # the arch's default targets
     assert any(np.abs(w.B).max() > 0 for w in result.lora.values())
@@ -115,8 +130,13 @@ def test_training_steps_learn_and_leave_model_unchanged(qwen, tmp_path):
 def test_every_format_loads_through_comfy_with_no_unmatched_key(qwen, tmp_path, fmt):
     lora = random_lora(qwen, "qwen_image")
     path = tmp_path / f"qwen_{fmt}.safetensors"
-    lf.save_lora(path, lora, arch="qwen_image", fmt=fmt, metadata=lf.build_metadata(
-        arch_name="qwen_image", config={}, steps=1, trigger_words=[], title="qwen"))
+    lf.save_lora(
+        path,
+        lora,
+        arch="qwen_image",
+        fmt=fmt,
+        metadata=lf.build_metadata(arch_name="qwen_image", config={}, steps=1, trigger_words=[], title="qwen"),
+    )
     tensors = bridge.load_lora_file(path)
     assert bridge.unmatched_lora_keys(qwen, tensors) == []
     x, sigma, emb = torch.randn(1, 16, 4, 4), torch.tensor([0.5]), caption(6, 6)
@@ -128,8 +148,9 @@ def test_every_format_loads_through_comfy_with_no_unmatched_key(qwen, tmp_path, 
     # ComfyUI's merged weights act as Kiln's side branches with the file's (bf16-rounded) weights.
     backend, saved = TorchBackend(), lf.load_lora(path)[0]
     with bridge.training_session(qwen) as (dm, _):
-        backend.setup(dm, small_config("qwen_image"), archs.get_arch("qwen_image"),
-                      bridge.make_forward(qwen, "qwen_image"))
+        backend.setup(
+            dm, small_config("qwen_image"), archs.get_arch("qwen_image"), bridge.make_forward(qwen, "qwen_image")
+        )
         try:
             backend.load_lora_state(saved)
             with torch.no_grad():
@@ -144,7 +165,8 @@ def test_diffusers_names_are_comfys_own_and_round_trip(qwen):
     lora = random_lora(qwen, "qwen_image")
     tensors = lf.to_tensors(lora, "diffusers", "qwen_image")
     assert sorted(k for k in tensors if k.endswith(".lora_A.weight")) == sorted(
-        f"transformer.{path}.lora_A.weight" for path in lora)
+        f"transformer.{path}.lora_A.weight" for path in lora
+    )
     back, found = lf.from_tensors(tensors, arch="qwen_image")
     assert found == "diffusers"
     assert sorted(back) == sorted(lora)

@@ -11,6 +11,7 @@ its file, which the test writes.)
 The server test links this folder into the temporary ComfyUI's custom_nodes/; scripts/make_workflows.py
 reads its definition to write tests/nodes/workflows/*.json. V3 API, like the pack (DESIGN.md).
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from comfy_api.latest import ComfyExtension, io
 
-_TESTS = str(Path(__file__).resolve().parents[2])   # tests/, for helpers (resolve: this folder is symlinked)
+_TESTS = str(Path(__file__).resolve().parents[2])  # tests/, for helpers (resolve: this folder is symlinked)
 
 
 class KilnTestTinyCLIP(io.ComfyNode):
@@ -27,13 +28,25 @@ class KilnTestTinyCLIP(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="KilnTestTinyCLIP", display_name="Kiln Test Tiny CLIP", category="Kiln/testing",
+            node_id="KilnTestTinyCLIP",
+            display_name="Kiln Test Tiny CLIP",
+            category="Kiln/testing",
             description="Test only: ComfyUI's Flux.2 Klein or Z-Image text encoder at a tiny size (random weights).",
-            inputs=[io.Combo.Input("family", options=["flux2_klein", "zimage"],
-                                   tooltip="Which ComfyUI text encoder to build tiny"),
-                    io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
-                                 tooltip="Seed of the random weights")],
-            outputs=[io.Clip.Output()])
+            inputs=[
+                io.Combo.Input(
+                    "family", options=["flux2_klein", "zimage"], tooltip="Which ComfyUI text encoder to build tiny"
+                ),
+                io.Int.Input(
+                    "seed",
+                    default=0,
+                    min=0,
+                    max=2**31 - 1,
+                    control_after_generate=False,
+                    tooltip="Seed of the random weights",
+                ),
+            ],
+            outputs=[io.Clip.Output()],
+        )
 
     @classmethod
     def execute(cls, family: str, seed: int = 0):
@@ -41,7 +54,9 @@ class KilnTestTinyCLIP(io.ComfyNode):
             sys.path.insert(0, _TESTS)
         from helpers import tiny_comfy
 
-        clip = tiny_comfy.tiny_klein_clip(seed=seed) if family == "flux2_klein" else tiny_comfy.tiny_zimage_clip(seed=seed)
+        clip = (
+            tiny_comfy.tiny_klein_clip(seed=seed) if family == "flux2_klein" else tiny_comfy.tiny_zimage_clip(seed=seed)
+        )
         return io.NodeOutput(clip)
 
 
@@ -52,11 +67,22 @@ class KilnTestTinyZImage(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="KilnTestTinyZImage", display_name="Kiln Test Tiny Z-Image", category="Kiln/testing",
+            node_id="KilnTestTinyZImage",
+            display_name="Kiln Test Tiny Z-Image",
+            category="Kiln/testing",
             description="Test only: ComfyUI's Z-Image (NextDiT) at a tiny size (random weights).",
-            inputs=[io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
-                                 tooltip="Seed of the random weights")],
-            outputs=[io.Model.Output()])
+            inputs=[
+                io.Int.Input(
+                    "seed",
+                    default=0,
+                    min=0,
+                    max=2**31 - 1,
+                    control_after_generate=False,
+                    tooltip="Seed of the random weights",
+                )
+            ],
+            outputs=[io.Model.Output()],
+        )
 
     @classmethod
     def execute(cls, seed: int = 0):

@@ -1,4 +1,5 @@
 """`python -m trainer` as a user runs it: demo, resume, inspect, export, estimate, train, --help."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def cli(*args, cwd=ROOT, env=None):
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,7 @@ def test_demo_writes_lora_run_folder_and_curve(demo_run):
     assert (demo_run / "step-000012" / "run.json").is_file()
     assert len(list((demo_run / "dataset").glob("*.png"))) == 12
     info = json.loads((demo_run / "step-000012" / "run.json").read_text())
-    assert len(info["history"]["loss"]) == 12        # the resumed run kept the first six losses
+    assert len(info["history"]["loss"]) == 12  # the resumed run kept the first six losses
 
 
 def test_inspect_and_export(demo_run, tmp_path):
@@ -57,11 +64,23 @@ def test_inspect_and_export(demo_run, tmp_path):
 def _small_lora(path, fmt="comfy"):
     from trainer.lora import files as lf
 
-    lora = {name: lf.LoraWeights(np.ones((4, 8), np.float32), np.zeros((8, 4), np.float32), 4.0)
-            for name in ("double_blocks.0.img_attn.qkv", "double_blocks.0.img_attn.proj",
-                         "double_blocks.10.txt_mlp.0", "double_blocks.2.img_attn.qkv", "img_in")}
-    metadata = lf.build_metadata(arch_name="flux2_klein", config={"rank": 4, "learning_rate": 3e-4, "steps": 1000},
-                                 steps=1000, trigger_words=["ohwx"], title="mine")
+    lora = {
+        name: lf.LoraWeights(np.ones((4, 8), np.float32), np.zeros((8, 4), np.float32), 4.0)
+        for name in (
+            "double_blocks.0.img_attn.qkv",
+            "double_blocks.0.img_attn.proj",
+            "double_blocks.10.txt_mlp.0",
+            "double_blocks.2.img_attn.qkv",
+            "img_in",
+        )
+    }
+    metadata = lf.build_metadata(
+        arch_name="flux2_klein",
+        config={"rank": 4, "learning_rate": 3e-4, "steps": 1000},
+        steps=1000,
+        trigger_words=["ohwx"],
+        title="mine",
+    )
     lf.save_lora(path, lora, arch="flux2_klein", fmt=fmt, metadata=metadata)
     return path
 
@@ -87,12 +106,16 @@ def test_inspect_prints_metadata_settings_and_modules_by_block(tmp_path, fmt):
     lines = result.stdout.splitlines()
     assert "  arch           flux2_klein" in lines and "  steps          1000" in lines
     assert "  trigger words  ohwx" in lines and "  modelspec.title = mine" in lines
-    assert "  rank = 4" in lines and "  learning_rate = 0.0003" in lines and "  steps = 1000" not in lines  # the default
-    blocks = lines[lines.index("modules by block:") + 1:-1]
-    assert blocks == ["  double_blocks.0: img_attn.proj r4 α4 bf16, img_attn.qkv r4 α4 bf16",
-                      "  double_blocks.2: img_attn.qkv r4 α4 bf16",
-                      "  double_blocks.10: txt_mlp.0 r4 α4 bf16",
-                      "  other: img_in r4 α4 bf16"]
+    assert (
+        "  rank = 4" in lines and "  learning_rate = 0.0003" in lines and "  steps = 1000" not in lines
+    )  # the default
+    blocks = lines[lines.index("modules by block:") + 1 : -1]
+    assert blocks == [
+        "  double_blocks.0: img_attn.proj r4 α4 bf16, img_attn.qkv r4 α4 bf16",
+        "  double_blocks.2: img_attn.qkv r4 α4 bf16",
+        "  double_blocks.10: txt_mlp.0 r4 α4 bf16",
+        "  other: img_in r4 α4 bf16",
+    ]
     assert lines[-1] == "totals: 5 modules, 320 parameters, ranks 4, alphas 4, dtypes BF16, F32"
 
 
@@ -129,17 +152,20 @@ def test_estimate_shows_what_the_auto_budget_picks_on_a_gpu(tmp_path):
 def test_estimate_names_the_step_graphs_pool(tmp_path):
     """step_graphs (auto on a CUDA GPU where it fits): the pool of the recorded small steps is named beside the
     table, twice the 768 px step's need here; not where every bucket is large, not on MLX, not when off."""
+
     def run(text, *args):
         config = tmp_path / "run.toml"
         config.write_text(f'arch = "flux2_klein"\n{text}\n')
         result = cli("estimate", config, "--variant", "flux2-klein-4b", *args)
         assert result.returncode == 0, result.stderr
         return result.stdout
+
     mixed = run("resolutions = [512, 768, 1024]")
     assert "note: step_graphs on a CUDA GPU: steps of up to 800x800 px replay as CUDA graphs" in mixed
     assert "where it fits beside the largest step (auto" in mixed
     pool = float(mixed.split("memory pool of ~")[1].split(" GiB")[0])
     from trainer.estimate.torch_step import GRAPH_POOL_FACTOR, estimate
+
     at_800 = estimate("flux2-klein-4b", resolution=800)
     assert pool == pytest.approx(GRAPH_POOL_FACTOR * (at_800.total - at_800.weights) / 2**30, abs=0.06)
     assert "where it fits" not in run("resolutions = [512]\nstep_graphs = true")
@@ -161,8 +187,9 @@ def test_estimate_counts_an_edit_datasets_references_on_both_backends(tmp_path, 
     for folder in ("control", "control_2"):
         (tmp_path / "edit" / folder).mkdir(parents=True)
     config = tmp_path / "edit.toml"
-    config.write_text(f'arch = "flux2_klein"\nbackend = "{backend}"\ndataset_dir = "{tmp_path / "edit"}"\n'
-                      'resolutions = [512]\n')
+    config.write_text(
+        f'arch = "flux2_klein"\nbackend = "{backend}"\ndataset_dir = "{tmp_path / "edit"}"\nresolutions = [512]\n'
+    )
     result = cli("estimate", config, "--variant", "flux2-klein-4b")
     assert result.returncode == 0, result.stderr
     assert "3072 image + 512 text tokens per sample" in result.stdout
@@ -195,8 +222,10 @@ def test_estimate_of_a_family_with_several_sizes_says_which(tmp_path):
         result = cli("estimate", config, *args)
         assert result.returncode == 0, result.stderr
         assert "Memory estimate: flux2-klein-4b, 512 px" in result.stdout
-        assert ("note: flux2_klein comes in flux2-klein-4b, flux2-klein-9b; estimated the smallest, "
-                "flux2-klein-4b; pick another with --variant flux2-klein-9b") in result.stdout
+        assert (
+            "note: flux2_klein comes in flux2-klein-4b, flux2-klein-9b; estimated the smallest, "
+            "flux2-klein-4b; pick another with --variant flux2-klein-9b"
+        ) in result.stdout
 
 
 def test_estimate_unknown_variant_lists_both_vocabularies(tmp_path):
@@ -210,18 +239,22 @@ def test_estimate_unknown_variant_lists_both_vocabularies(tmp_path):
 
 def test_train_demo_arch_from_a_config(tmp_path, demo_run):
     config = tmp_path / "run.toml"
-    config.write_text(f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 3\nrank = 4\nalpha = 4.0\n'
-                      f'dataset_dir = "{demo_run / "dataset"}"\noutput_dir = "{tmp_path / "runs"}"\n'
-                      f'run_name = "mine"\nresolutions = [128]\ncheckpoint_every = 0\n')
+    config.write_text(
+        f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 3\nrank = 4\nalpha = 4.0\n'
+        f'dataset_dir = "{demo_run / "dataset"}"\noutput_dir = "{tmp_path / "runs"}"\n'
+        f'run_name = "mine"\nresolutions = [128]\ncheckpoint_every = 0\n'
+    )
     result = cli("train", config)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "runs" / "mine" / "mine.safetensors").is_file()
     assert (tmp_path / "runs" / "mine" / "step-000003").is_dir()
 
 
-NO_COMFYUI = ("this architecture trains ComfyUI's own model code, and ComfyUI is not importable here: set "
-              "COMFYUI_PATH to a ComfyUI checkout (0.17 or newer) and run again, or use arch 'demo' to try the "
-              "trainer without it")
+NO_COMFYUI = (
+    "this architecture trains ComfyUI's own model code, and ComfyUI is not importable here: set "
+    "COMFYUI_PATH to a ComfyUI checkout (0.17 or newer) and run again, or use arch 'demo' to try the "
+    "trainer without it"
+)
 
 
 def test_train_comfy_arch_without_comfyui_says_what_to_do(tmp_path):
@@ -241,14 +274,17 @@ def test_bad_config_is_a_clear_error(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("command,options", [
-    ("demo", ["--output", "--resume", "--steps", "--stop-after"]),
-    ("train", ["config", "--resume"]),
-    ("estimate", ["--variant", "--backend", "--base-dtype", "--memory-gb"]),
-    ("export", ["--format", "--output", "--arch"]),
-    ("export", ["--overwrite"]),
-    ("inspect", ["lora", "--json"]),
-])
+@pytest.mark.parametrize(
+    "command,options",
+    [
+        ("demo", ["--output", "--resume", "--steps", "--stop-after"]),
+        ("train", ["config", "--resume"]),
+        ("estimate", ["--variant", "--backend", "--base-dtype", "--memory-gb"]),
+        ("export", ["--format", "--output", "--arch"]),
+        ("export", ["--overwrite"]),
+        ("inspect", ["lora", "--json"]),
+    ],
+)
 def test_help_documents_every_option(command, options):
     result = cli(command, "--help")
     assert result.returncode == 0
@@ -263,9 +299,11 @@ def test_train_names_skipped_files_in_the_log(tmp_path, demo_run):
     shutil.copytree(demo_run / "dataset", dataset, ignore=shutil.ignore_patterns(".kiln_cache"))
     (dataset / "empty.png").write_bytes(b"")
     config = tmp_path / "run.toml"
-    config.write_text(f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 2\nrank = 4\nalpha = 4.0\n'
-                      f'dataset_dir = "{dataset}"\noutput_dir = "{tmp_path / "runs"}"\nrun_name = "x"\n'
-                      f'resolutions = [128]\ncheckpoint_every = 0\n')
+    config.write_text(
+        f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 2\nrank = 4\nalpha = 4.0\n'
+        f'dataset_dir = "{dataset}"\noutput_dir = "{tmp_path / "runs"}"\nrun_name = "x"\n'
+        f"resolutions = [128]\ncheckpoint_every = 0\n"
+    )
     result = cli("train", config)
     assert result.returncode == 0, result.stderr
     assert "zero_byte" in result.stderr and "empty.png" in result.stderr

@@ -1,5 +1,6 @@
 """trainer/cli/launch.py (#22): a torchrun run of two gloo ranks on the CPU as a child process, its progress
 read from rank 0's KILN_PROGRESS lines, Stop as a clean checkpoint on every rank, then resumed."""
+
 from __future__ import annotations
 
 import sys
@@ -11,16 +12,29 @@ from trainer.cli import launch
 from trainer.lora.files import load_lora
 from trainer.run import state
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or sys.platform == "win32",
-                                reason="needs torch.distributed with gloo (Linux, macOS)")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or sys.platform == "win32",
+    reason="needs torch.distributed with gloo (Linux, macOS)",
+)
 
 
-STEPS = 60   # Stop is asked at step 3: the ranks are still training when torchrun forwards it
+STEPS = 60  # Stop is asked at step 3: the ranks are still training when torchrun forwards it
 
 
 def demo_config(dataset, steps: int) -> dict:
-    return {"arch": "demo", "device": "cpu", "mixed_precision": "no", "steps": steps, "batch_size": 1, "rank": 4,
-            "alpha": 4.0, "resolutions": [64], "checkpoint_every": 20, "log_every": 1, "dataset_dir": str(dataset)}
+    return {
+        "arch": "demo",
+        "device": "cpu",
+        "mixed_precision": "no",
+        "steps": steps,
+        "batch_size": 1,
+        "rank": 4,
+        "alpha": 4.0,
+        "resolutions": [64],
+        "checkpoint_every": 20,
+        "log_every": 1,
+        "dataset_dir": str(dataset),
+    }
 
 
 def test_parse_line_reads_only_the_tagged_lines():
@@ -29,8 +43,10 @@ def test_parse_line_reads_only_the_tagged_lines():
     assert launch.parse_line(" 30%|###   | 3/10 [00:01<00:02]") is None
     assert launch.parse_line("KILN_PROGRESS {broken") is None
     assert launch.parse_line(' 10%|#  | 1/10 KILN_PROGRESS {"step": 1}') == ("progress", {"step": 1})
-    assert launch.parse_line('KILN_SAMPLE {"step": 2, "index": 0, "path": "/r/samples/step-000002-p0.png"}') == \
-        ("sample", {"step": 2, "index": 0, "path": "/r/samples/step-000002-p0.png"})
+    assert launch.parse_line('KILN_SAMPLE {"step": 2, "index": 0, "path": "/r/samples/step-000002-p0.png"}') == (
+        "sample",
+        {"step": 2, "index": 0, "path": "/r/samples/step-000002-p0.png"},
+    )
     assert launch.parse_line('KILN_PAUSED {"paused": true, "step": 4}') == ("paused", {"paused": True, "step": 4})
 
 

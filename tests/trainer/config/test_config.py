@@ -1,4 +1,5 @@
 """TrainConfig: presets, file round trips and every error path."""
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ def test_presets_are_valid_and_applied(name):
     cfg = from_dict({}, preset=name)
     for key, value in PRESETS[name].items():
         assert getattr(cfg, key) == value
-    assert from_dict({"preset": name, "rank": 4}).rank == 4      # the user's keys win over the preset
+    assert from_dict({"preset": name, "rank": 4}).rank == 4  # the user's keys win over the preset
 
 
 def test_preset_values_follow_ai_toolkit():
@@ -55,17 +56,20 @@ def test_unknown_key_suggests_the_close_one():
         from_dict({"learning_rte": 1e-4})
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("rank", "32", "rank must be int, got str"),
-    ("rank", 32.0, "rank must be int, got float"),
-    ("rank", True, "rank must be int, got a boolean"),
-    ("ema", 1, "ema must be bool, got int"),
-    ("learning_rate", "1e-4", "learning_rate must be float, got str"),
-    ("learning_rate", float("nan"), "learning_rate must be a finite number"),
-    ("targets", "attn.qkv", "targets must be list\\[str\\], got str"),
-    ("targets", ["attn.qkv", 3], "element 3 is int"),
-    ("resolutions", [512, "768"], "element '768' is str"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("rank", "32", "rank must be int, got str"),
+        ("rank", 32.0, "rank must be int, got float"),
+        ("rank", True, "rank must be int, got a boolean"),
+        ("ema", 1, "ema must be bool, got int"),
+        ("learning_rate", "1e-4", "learning_rate must be float, got str"),
+        ("learning_rate", float("nan"), "learning_rate must be a finite number"),
+        ("targets", "attn.qkv", "targets must be list\\[str\\], got str"),
+        ("targets", ["attn.qkv", 3], "element 3 is int"),
+        ("resolutions", [512, "768"], "element '768' is str"),
+    ],
+)
 def test_wrong_types(key, value, message):
     with pytest.raises(ConfigError, match=message):
         from_dict({key: value})
@@ -94,20 +98,23 @@ def test_every_choice_is_enforced(key):
         from_dict({key: "no-such-choice"})
 
 
-@pytest.mark.parametrize("values,message", [
-    ({"steps": 10, "warmup_steps": 10}, "warmup_steps \\(10\\) must be below steps"),
-    ({"lr_schedule": "cosine", "warmup_steps": 5}, "use 'cosine_with_warmup'"),
-    ({"lr_schedule": "cosine_with_warmup"}, "needs warmup_steps > 0"),
-    ({"optimizer": "prodigy"}, "set learning_rate to 1.0"),
-    ({"backend": "mlx", "arch": "generic", "targets": ["x"]}, "use backend 'torch'"),
-    ({"backend": "mlx", "optimizer": "adamw8bit"}, "PyTorch-only"),
-    ({"base_quantize": "int4"}, "for backend .mlx."),
-    ({"arch": "generic"}, "has no default targets"),
-    ({"resolutions": [512, 512]}, "without repeats"),
-    ({"resolutions": [520]}, "multiples of 16"),
-    ({"targets": ["  "]}, "empty pattern"),
-    ({"targets": ["re:(unclosed"]}, "not a valid regular expression"),
-])
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"steps": 10, "warmup_steps": 10}, "warmup_steps \\(10\\) must be below steps"),
+        ({"lr_schedule": "cosine", "warmup_steps": 5}, "use 'cosine_with_warmup'"),
+        ({"lr_schedule": "cosine_with_warmup"}, "needs warmup_steps > 0"),
+        ({"optimizer": "prodigy"}, "set learning_rate to 1.0"),
+        ({"backend": "mlx", "arch": "generic", "targets": ["x"]}, "use backend 'torch'"),
+        ({"backend": "mlx", "optimizer": "adamw8bit"}, "PyTorch-only"),
+        ({"base_quantize": "int4"}, "for backend .mlx."),
+        ({"arch": "generic"}, "has no default targets"),
+        ({"resolutions": [512, 512]}, "without repeats"),
+        ({"resolutions": [520]}, "multiples of 16"),
+        ({"targets": ["  "]}, "empty pattern"),
+        ({"targets": ["re:(unclosed"]}, "not a valid regular expression"),
+    ],
+)
 def test_incompatible_combinations(values, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(values)
@@ -115,8 +122,17 @@ def test_incompatible_combinations(values, message):
 
 @pytest.mark.parametrize("suffix", [".toml", ".json"])
 def test_save_load_round_trip(tmp_path, suffix):
-    cfg = from_dict({"rank": 8, "targets": ["attn.qkv", 're:layers\\.\\d+\\.x'], "trigger_word": 'a "quoted" ñame',
-                     "resolutions": [512, 768], "learning_rate": 1e-5 * 3, "ema": True}, preset="style")
+    cfg = from_dict(
+        {
+            "rank": 8,
+            "targets": ["attn.qkv", "re:layers\\.\\d+\\.x"],
+            "trigger_word": 'a "quoted" ñame',
+            "resolutions": [512, 768],
+            "learning_rate": 1e-5 * 3,
+            "ema": True,
+        },
+        preset="style",
+    )
     path = tmp_path / f"run{suffix}"
     config_file.save(cfg, path)
     assert config_file.load(path) == cfg
@@ -151,26 +167,36 @@ def test_every_setting_has_help_text(name):
     """The nodes show HELP as each TrainConfig widget's tooltip (Training Options shows all but a few)."""
     text = HELP[name].strip()
     assert text and text.lower() not in (name, name.replace("_", " ")), (
-        f"{name}: no help text beyond its name; write it beside the default: {name} = setting(default, \"...\")")
+        f'{name}: no help text beyond its name; write it beside the default: {name} = setting(default, "...")'
+    )
 
 
 def test_help_text_is_there_without_the_source(tmp_path):
     """An install of bytecode only (a zip, a compiled wheel): the help comes from the fields, not from reading
     config.py, which inspect.getsource cannot do there."""
-    package = Path(config.__file__).parents[1]   # trainer/ (config is a package)
+    package = Path(config.__file__).parents[1]  # trainer/ (config is a package)
     bundle = tmp_path / "trainer.zip"
     with zipfile.ZipFile(bundle, "w") as archive:
         for source in package.rglob("*.py"):
             name = source.relative_to(package.parent)
-            compiled = tmp_path / "pyc" / name.with_suffix(".pyc")       # named for a .py that is not there
+            compiled = tmp_path / "pyc" / name.with_suffix(".pyc")  # named for a .py that is not there
             py_compile.compile(str(source), cfile=str(compiled), dfile=str(bundle / name), doraise=True)
             archive.write(compiled, name.with_suffix(".pyc").as_posix())
-    probe = ("import inspect, json\nfrom trainer import config\n"
-             "try:\n    inspect.getsource(config.TrainConfig)\nexcept OSError:\n    source = False\n"
-             "else:\n    source = True\n"
-             "print(json.dumps({'file': config.__file__, 'source': source, 'help': config.HELP}))")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(bundle)},
-                            capture_output=True, text=True, timeout=120, check=False)
+    probe = (
+        "import inspect, json\nfrom trainer import config\n"
+        "try:\n    inspect.getsource(config.TrainConfig)\nexcept OSError:\n    source = False\n"
+        "else:\n    source = True\n"
+        "print(json.dumps({'file': config.__file__, 'source': source, 'help': config.HELP}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(bundle)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout)
     assert seen["file"].startswith(str(bundle)) and not seen["source"], f"config.py was readable: {seen['file']}"

@@ -1,5 +1,6 @@
 """A config resolved from layers (defaults < preset < layers in order) and the report of where each setting came
 from (Train LoRA's text); the group, advanced flag and step each setting declares."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,10 @@ from trainer.config import layers as config_layers
 
 
 def test_later_layers_win_and_every_layer_wins_over_the_preset():
-    resolved = config_layers.resolve([("options", {"loss_weighting": "none", "ema": True, "rank": 4}),
-                                      ("Train LoRA", {"rank": 8, "steps": 50})], preset="character")
+    resolved = config_layers.resolve(
+        [("options", {"loss_weighting": "none", "ema": True, "rank": 4}), ("Train LoRA", {"rank": 8, "steps": 50})],
+        preset="character",
+    )
     cfg = resolved.config
     # A value set on a layer wins over the preset even when it is the default (none): no hidden comparison.
     assert cfg.loss_weighting == "none" and cfg.ema is True and cfg.rank == 8 and cfg.steps == 50
@@ -27,31 +30,36 @@ def test_a_layer_that_leaves_a_setting_out_keeps_the_preset():
 
 
 def test_report_lists_what_differs_from_the_defaults_and_what_overrides_the_preset():
-    resolved = config_layers.resolve([("options", {"loss_weighting": "none", "ema": True}),
-                                      ("Train LoRA", {"steps": 50}), ("dataset", {"resolutions": [64]})],
-                                     preset="character")
+    resolved = config_layers.resolve(
+        [
+            ("options", {"loss_weighting": "none", "ema": True}),
+            ("Train LoRA", {"steps": 50}),
+            ("dataset", {"resolutions": [64]}),
+        ],
+        preset="character",
+    )
     lines = resolved.lines()
-    assert "loss_weighting = none (options; preset character: bell)" in lines   # at its default, yet listed
+    assert "loss_weighting = none (options; preset character: bell)" in lines  # at its default, yet listed
     assert "ema = True (options)" in lines
     assert "steps = 50 (Train LoRA; preset character: 3000)" in lines
     assert "resolutions = [64] (dataset; preset character: [512, 768, 1024])" in lines
-    assert "checkpoint_every = 250 (preset character)" not in lines            # the default: not listed
-    assert "weight_decay = 0.0001 (preset character)" not in lines             # the preset's value is the default
+    assert "checkpoint_every = 250 (preset character)" not in lines  # the default: not listed
+    assert "weight_decay = 0.0001 (preset character)" not in lines  # the preset's value is the default
     assert "rank = 32 (preset character)" not in lines
     report = resolved.report()
-    assert report.splitlines()[0] == ("settings (defaults < preset character < options < Train LoRA < dataset; "
-                                      "later wins):")
+    assert report.splitlines()[0] == (
+        "settings (defaults < preset character < options < Train LoRA < dataset; later wins):"
+    )
     assert all(line.startswith("  ") for line in report.splitlines()[1:])
 
 
 def test_report_names_a_later_change_and_says_when_all_are_defaults():
     resolved = config_layers.resolve([("options", {})])
-    assert resolved.report().splitlines() == ["settings (defaults < options; later wins):",
-                                              "  all at their defaults"]
+    assert resolved.report().splitlines() == ["settings (defaults < options; later wins):", "  all at their defaults"]
     moved = resolved.then(config.replace(resolved.config, rank=4, alpha=4.0), "init LoRA")
     assert moved.lines() == ["rank = 4 (init LoRA)", "alpha = 4.0 (init LoRA)"]
     assert "< options < init LoRA;" in moved.report()
-    assert resolved.then(resolved.config, "init LoRA").layers == ("options",)   # nothing moved, no layer named
+    assert resolved.then(resolved.config, "init LoRA").layers == ("options",)  # nothing moved, no layer named
 
 
 def test_report_shows_text_and_numbers_as_typed():

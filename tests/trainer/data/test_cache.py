@@ -1,4 +1,5 @@
 """The on-disk cache: keys change with their inputs; torn files are recomputed; pruning is LRU."""
+
 import os
 import time
 
@@ -10,10 +11,12 @@ from trainer.data.cache import Cache, latent_key, text_key
 def test_keys_follow_every_input():
     base = latent_key("aa", (512, 512), (600, 512), (44, 0), "vae1")
     assert base == latent_key("aa", (512, 512), (600, 512), (44, 0), "vae1")
-    for other in (latent_key("ab", (512, 512), (600, 512), (44, 0), "vae1"),
-                  latent_key("aa", (512, 496), (600, 512), (44, 0), "vae1"),
-                  latent_key("aa", (512, 512), (600, 512), (43, 0), "vae1"),
-                  latent_key("aa", (512, 512), (600, 512), (44, 0), "vae2")):
+    for other in (
+        latent_key("ab", (512, 512), (600, 512), (44, 0), "vae1"),
+        latent_key("aa", (512, 496), (600, 512), (44, 0), "vae1"),
+        latent_key("aa", (512, 512), (600, 512), (43, 0), "vae1"),
+        latent_key("aa", (512, 512), (600, 512), (44, 0), "vae2"),
+    ):
         assert other != base
     assert text_key("a cat", "te1") != text_key("a cat ", "te1") != text_key("a cat", "te2")
 

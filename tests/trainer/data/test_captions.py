@@ -1,4 +1,5 @@
 """Trigger word, prefix, suffix and seeded tag shuffling."""
+
 import numpy as np
 
 from trainer.data.captions import CaptionSettings, caption_variants, shuffle_tags
@@ -21,7 +22,7 @@ def test_missing_and_empty_caption_fall_back():
     assert one(None, trigger_word="ohwx") == "ohwx"
     assert one("", default_caption="a photo of {trigger}", trigger_word="sks") == "a photo of sks"
     assert one(None) == ""
-    assert one("{trigger} walking") == "walking"                 # no trigger word: placeholder dropped
+    assert one("{trigger} walking") == "walking"  # no trigger word: placeholder dropped
 
 
 def test_prefix_suffix():

@@ -1,5 +1,6 @@
 """Masks and control images follow their image: scan → crop/bucket → latent cache → TrainingData,
 and check-dataset names a bad mask or a missing control."""
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -44,18 +45,18 @@ def expected_mask(mask_image, entry):
     source = Image.fromarray(np.asarray(mask_image, np.float32) / 255, "F")
     full = np.asarray(source.resize(entry.resized, Image.Resampling.LANCZOS), np.float32)
     x, y = entry.offset
-    crop = np.clip(full[y:y + entry.bucket[1], x:x + entry.bucket[0]], 0, 1)
+    crop = np.clip(full[y : y + entry.bucket[1], x : x + entry.bucket[0]], 0, 1)
     return crop.reshape(crop.shape[0] // 8, 8, crop.shape[1] // 8, 8).mean(axis=(1, 3))
 
 
 def test_mask_file_is_cropped_like_its_image_and_cached_on_the_latent_grid(tmp_path):
     root = tmp_path / "ds"
     root.mkdir()
-    gradient_image((256, 128)).save(root / "wide.png")          # 2:1, trains at 176×80 (area ≤ 128²) → crop
+    gradient_image((256, 128)).save(root / "wide.png")  # 2:1, trains at 176×80 (area ≤ 128²) → crop
     left_half_white((256, 128)).save(root / "wide.mask.png")
     (root / "wide.txt").write_text("a wide thing")
     ds = encode(root)
-    assert [item.path for item in ds.report.items] == ["wide.png"]   # the mask is no training image
+    assert [item.path for item in ds.report.items] == ["wide.png"]  # the mask is no training image
     assert ds.report.items[0].mask_file == "wide.mask.png"
     data = ds.training_data()
     (index,) = [i for indices in data.buckets.values() for i in indices]
@@ -68,7 +69,7 @@ def test_mask_file_is_cropped_like_its_image_and_cached_on_the_latent_grid(tmp_p
 def test_random_crop_moves_the_mask_with_the_image(tmp_path):
     root = tmp_path / "ds"
     root.mkdir()
-    top_half = left_half_white((128, 400)).transpose(Image.Transpose.ROTATE_270)   # 400×128, left half white
+    top_half = left_half_white((128, 400)).transpose(Image.Transpose.ROTATE_270)  # 400×128, left half white
     gradient_image((400, 128)).save(root / "long.png")
     top_half.save(root / "long.mask.png")
     offsets = set()
@@ -79,12 +80,14 @@ def test_random_crop_moves_the_mask_with_the_image(tmp_path):
         entry = ds.plan.entries[index]
         offsets.add(entry.offset)
         np.testing.assert_allclose(data.mask(index)[0], expected_mask(top_half, entry), atol=1e-5)
-    assert len(offsets) > 1   # the crops differ, and each mask followed its image's
+    assert len(offsets) > 1  # the crops differ, and each mask followed its image's
+
+
 def test_alpha_is_the_mask_when_no_mask_file_exists_and_a_file_wins(tmp_path):
     root = tmp_path / "ds"
     root.mkdir()
     rgba = np.zeros((128, 128, 4), np.uint8)
-    rgba[..., :3], rgba[:64, :, 3] = 200, 255                 # top half opaque
+    rgba[..., :3], rgba[:64, :, 3] = 200, 255  # top half opaque
     Image.fromarray(rgba, "RGBA").save(root / "cut.png")
     rgba[..., 0] = 100
     Image.fromarray(rgba, "RGBA").save(root / "both.png")
@@ -94,7 +97,7 @@ def test_alpha_is_the_mask_when_no_mask_file_exists_and_a_file_wins(tmp_path):
     data = ds.training_data()
     masks = {data.name(i): data.mask(i) for indices in data.buckets.values() for i in indices}
     assert masks["plain.png"] is None
-    np.testing.assert_allclose(masks["cut.png"][0].mean(axis=1), [1] * 8 + [0] * 8, atol=1e-6)   # rows
+    np.testing.assert_allclose(masks["cut.png"][0].mean(axis=1), [1] * 8 + [0] * 8, atol=1e-6)  # rows
     np.testing.assert_allclose(masks["both.png"][0].mean(axis=0), [1] * 8 + [0] * 8, atol=1e-6)  # columns
 
 
@@ -132,6 +135,7 @@ def test_check_dataset_names_bad_masks_with_a_fix(tmp_path):
 
 # ---------------------------------------------------------------- edit datasets (control/ folders)
 
+
 def edit_folder(tmp_path, second=False):
     root = tmp_path / "ds"
     for tint, name in enumerate(("a", "b")):
@@ -148,13 +152,15 @@ def edit_folder(tmp_path, second=False):
 def test_control_latents_are_cached_with_their_target(tmp_path):
     root = edit_folder(tmp_path, second=True)
     ds = encode(root)
-    assert [i.controls for i in ds.report.items] == [("control/a.jpg", "control_2/a.png"),
-                                                     ("control/b.jpg", "control_2/b.png")]
+    assert [i.controls for i in ds.report.items] == [
+        ("control/a.jpg", "control_2/a.png"),
+        ("control/b.jpg", "control_2/b.png"),
+    ]
     data = ds.training_data()
     controls = data.controls(0)
     assert len(controls) == 2 and controls[0].shape == data.latent(0).shape == controls[1].shape
-    np.testing.assert_allclose(controls[0][:, 0, 0], np.array([0, 0, 200]) / 255, atol=0.02)   # blue
-    np.testing.assert_allclose(controls[1][:, 0, 0], np.array([200, 0, 0]) / 255, atol=0.02)   # red, covered
+    np.testing.assert_allclose(controls[0][:, 0, 0], np.array([0, 0, 200]) / 255, atol=0.02)  # blue
+    np.testing.assert_allclose(controls[1][:, 0, 0], np.array([200, 0, 0]) / 255, atol=0.02)  # red, covered
     assert data.mask(0) is None
 
 

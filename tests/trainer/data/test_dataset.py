@@ -1,4 +1,5 @@
 """Folder → Dataset → cached latents and embeddings → TrainingData, through stand-in encoders."""
+
 import json
 
 import numpy as np
@@ -55,21 +56,26 @@ def test_end_to_end_and_cache_reuse(folder):
     ds, vae, text = encoded(folder)
     data = ds.training_data()
     captions = {item.path: c for item, c in zip(ds.report.items, ds.captions)}
-    assert captions == {"a.png": ("kiln, a red square",), "b.jpg": ("kiln on a table",),
-                        "3_extra/c.png": ("a photo of kiln",)}
+    assert captions == {
+        "a.png": ("kiln, a red square",),
+        "b.jpg": ("kiln on a table",),
+        "3_extra/c.png": ("a photo of kiln",),
+    }
     assert "256x256" in data.buckets and "128x128" in data.buckets
     counts = {k: len(v) for k, v in data.buckets.items()}
-    assert sum(counts.values()) == 2 * (1 + 1 + 3)                 # 2 resolutions; c.png repeats 3 (kohya folder)
+    assert sum(counts.values()) == 2 * (1 + 1 + 3)  # 2 resolutions; c.png repeats 3 (kohya folder)
     for key, indices in data.buckets.items():
         width, height = map(int, key.split("x"))
         assert data.latent(indices[0]).shape == (3, height // 8, width // 8)
     assert data.empty_context().shape == (1, 4) and data.context(0).shape[1] == 4
-    assert {data.name(i) for v in data.buckets.values() for i in v} == set(captions) and vae.calls >= 1 and text.calls == 4   # "", and three captions
+    assert (
+        {data.name(i) for v in data.buckets.values() for i in v} == set(captions) and vae.calls >= 1 and text.calls == 4
+    )  # "", and three captions
     again, vae2, text2 = encoded(folder)
-    assert vae2.calls == 0 and text2.calls == 0                    # everything came from the cache
+    assert vae2.calls == 0 and text2.calls == 0  # everything came from the cache
     np.testing.assert_array_equal(again.training_data().latent(0), data.latent(0))
     batch = BucketSampler(data.buckets, 2, 0).next()
-    assert len({data.latent(i).shape for i in batch}) == 1         # one bucket per batch
+    assert len({data.latent(i).shape for i in batch}) == 1  # one bucket per batch
 
 
 def test_changes_invalidate_only_what_changed(folder):
@@ -79,16 +85,16 @@ def test_changes_invalidate_only_what_changed(folder):
     assert vae.calls == 0 and text.calls == 1
     make(folder, "a.png", (256, 256), None, colour=(0, 0, 0))
     _, vae, text = encoded(folder)
-    assert vae.calls == 2 and text.calls == 0                      # two resolutions of the changed image
+    assert vae.calls == 2 and text.calls == 0  # two resolutions of the changed image
     ds = Dataset.load(folder, DataSettings(resolutions=(128, 256)))
     fresh = Counting("vae")
     ds.encode_images(fresh, "vae-2")
-    assert fresh.calls > 0                                         # another VAE: nothing reused
+    assert fresh.calls > 0  # another VAE: nothing reused
 
 
 def test_decode_failure_at_encode_time_is_skipped_and_named(folder):
     ds = Dataset.load(folder, DataSettings(resolutions=(128,)))
-    (folder / "b.jpg").write_bytes((folder / "b.jpg").read_bytes()[:200])   # broken after the scan
+    (folder / "b.jpg").write_bytes((folder / "b.jpg").read_bytes()[:200])  # broken after the scan
     ds = ds.encode_images(Counting("vae"), "vae-1").encode_captions(Counting("text"), "te-1")
     assert [p.file for p in ds.skipped] == ["b.jpg"]
     data = ds.training_data()

@@ -1,5 +1,6 @@
 """Encode Images decodes on threads a few images ahead: results in order, memory bounded, errors where they
 happened, and a dataset's encoder calls and problems those of a one-thread run."""
+
 import threading
 import time
 
@@ -18,7 +19,7 @@ def test_results_come_in_the_jobs_order_and_no_more_than_threads_are_ahead():
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
-        time.sleep(0.002 * (job % 3))          # later jobs may finish first
+        time.sleep(0.002 * (job % 3))  # later jobs may finish first
         with lock:
             running[0] -= 1
         return job * job
@@ -26,7 +27,7 @@ def test_results_come_in_the_jobs_order_and_no_more_than_threads_are_ahead():
     taken = []
     for result in prefetch.in_order(range(40), work, threads=3):
         taken.append(result)
-        time.sleep(0.001)                      # a slow consumer: work must not pile up beyond 3
+        time.sleep(0.001)  # a slow consumer: work must not pile up beyond 3
     assert taken == [j * j for j in range(40)] and 1 < most[0] <= 3
     assert list(prefetch.in_order(range(5), lambda j: -j, threads=1)) == [0, -1, -2, -3, -4]
 
@@ -45,7 +46,7 @@ def test_an_error_is_raised_where_its_result_would_be_and_the_rest_is_dropped():
     with pytest.raises(ValueError, match="job 2"):
         for result in prefetch.in_order(range(100), work, threads=2):
             seen.append(result)
-    assert seen == [0, 1] and len(started) < 10   # jobs past the bound were never submitted
+    assert seen == [0, 1] and len(started) < 10  # jobs past the bound were never submitted
 
 
 def test_workers_follow_the_cores_up_to_the_cap(monkeypatch):
@@ -80,7 +81,7 @@ def test_encode_images_gives_the_encoder_what_one_thread_gives(tmp_path, monkeyp
 
         monkeypatch.setattr(prefetch, "workers", lambda: n)
         ds = Dataset.load(root, settings)
-        (root / "3.png").write_bytes((root / "3.png").read_bytes()[:100])   # broken after the scan
+        (root / "3.png").write_bytes((root / "3.png").read_bytes()[:100])  # broken after the scan
         ds = ds.encode_images(vae, "vae-1", batch_size=2)
         return calls, [(p.file, p.code) for p in ds.encode_problems], ds.failed_items
 

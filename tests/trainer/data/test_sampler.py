@@ -1,4 +1,5 @@
 """The seeded bucket sampler: one bucket per batch, short last batches, an exact cursor."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ def test_each_epoch_covers_every_item_once_one_bucket_per_batch():
     batches = [sampler.next() for _ in range(len(sampler.epoch_plan(0)))]
     assert sorted(i for b in batches for i in b) == list(range(9))
     assert all(len({bucket_of(i) for i in batch}) == 1 for batch in batches)
-    assert sorted(len(b) for b in batches) == [1, 1, 1, 2, 2, 2]   # short last batches kept, never mixed
+    assert sorted(len(b) for b in batches) == [1, 1, 1, 2, 2, 2]  # short last batches kept, never mixed
 
 
 def test_epochs_differ_and_seeds_differ():
@@ -50,7 +51,7 @@ def test_batch_by_tokens_gives_small_buckets_as_many_tokens_never_more():
     tokens = {"1024x1024": 4096 + 512, "512x512": 1024 + 512, "768x512": 1536 + 512, "1024x768": 3072 + 512}
     assert BATCHING["images"](tokens, 2) == dict.fromkeys(tokens, 2)
     sizes = BATCHING["tokens"](tokens, 1)
-    assert sizes == {"1024x1024": 1, "512x512": 3, "768x512": 2, "1024x768": 1}   # 4608 // 1536, // 2048, // 3584
+    assert sizes == {"1024x1024": 1, "512x512": 3, "768x512": 2, "1024x768": 1}  # 4608 // 1536, // 2048, // 3584
     for key, size in BATCHING["tokens"](tokens, 3).items():
         assert size * tokens[key] <= 3 * tokens["1024x1024"] < (size + 1) * tokens[key] or size == 3
 
@@ -60,7 +61,7 @@ def test_per_bucket_batch_sizes_still_show_every_item_once_an_epoch_and_resume_e
     sampler = BucketSampler(BUCKETS, sizes, seed=5)
     batches = [sampler.next() for _ in range(len(sampler.epoch_plan(0)))]
     assert sorted(i for b in batches for i in b) == list(range(9))
-    assert sorted(len(b) for b in batches) == [1] * 7 + [2]   # 5 × 1; 3 as 2 + 1; the lone 48x64
+    assert sorted(len(b) for b in batches) == [1] * 7 + [2]  # 5 × 1; 3 as 2 + 1; the lone 48x64
     assert all(len(b) <= sizes[bucket_of(b[0])] and len({bucket_of(i) for i in b}) == 1 for b in batches)
     expected = [sampler.next() for _ in range(15)]
     restored = BucketSampler(BUCKETS, sizes, seed=5)

@@ -1,4 +1,5 @@
 """trainer/estimate/mlx_step.py: the MLX memory model for Macs (quantized bases, unfused attention, working sets)."""
+
 import pytest
 
 from trainer.estimate.common import GIB, format_estimate
@@ -12,8 +13,10 @@ from trainer.estimate.torch_step import estimate
 
 
 def test_quantized_bases_shrink_the_weights():
-    sizes = {base: estimate_mlx("flux2-klein-9b", resolution=512, base_dtype=base).weights
-             for base in ("fp32", "bf16", "int8", "int4")}
+    sizes = {
+        base: estimate_mlx("flux2-klein-9b", resolution=512, base_dtype=base).weights
+        for base in ("fp32", "bf16", "int8", "int4")
+    }
     assert sizes["fp32"] == 2 * sizes["bf16"]
     # block Linears are ~97 % of Klein 9B: int8 a little over half of bf16, int4 a little over a quarter
     assert 0.5 < sizes["int8"] / sizes["bf16"] < 0.56
@@ -22,8 +25,7 @@ def test_quantized_bases_shrink_the_weights():
 
 def test_unfused_attention_makes_activations_quadratic_without_checkpointing():
     """Each block keeps heads x L^2 softmax probabilities: 4x the tokens is ~16x the attention bytes."""
-    small, large = (estimate_mlx("zimage", resolution=r, gradient_checkpointing=False).activations
-                    for r in (512, 1024))
+    small, large = (estimate_mlx("zimage", resolution=r, gradient_checkpointing=False).activations for r in (512, 1024))
     tokens = (1024 + 512, 4096 + 512)
     assert large / small > (tokens[1] / tokens[0]) ** 1.5
     per_block = ATTENTION_KEPT * 30 * tokens[1] ** 2
@@ -36,19 +38,18 @@ def test_mlx_differs_from_cuda_where_it_should():
     cuda = estimate("flux2-klein-4b", resolution=1024)
     mlx = estimate_mlx("flux2-klein-4b", resolution=1024)
     assert mlx.weights == cuda.weights and mlx.lora == cuda.lora and mlx.optimizer == cuda.optimizer
-    assert mlx.activations > cuda.activations     # unfused attention vs flash attention
-    assert mlx.workspace < cuda.workspace         # no CUDA context
+    assert mlx.activations > cuda.activations  # unfused attention vs flash attention
+    assert mlx.workspace < cuda.workspace  # no CUDA context
 
 
-@pytest.mark.parametrize("setting,match", [({"base_dtype": "fp8"}, "decoded"),
-                                           ({"optimizer": "adamw8bit"}, "one of")])
+@pytest.mark.parametrize("setting,match", [({"base_dtype": "fp8"}, "decoded"), ({"optimizer": "adamw8bit"}, "one of")])
 def test_torch_only_settings_are_refused(setting, match):
     with pytest.raises(ValueError, match=match):
         estimate_mlx("zimage", resolution=512, **setting)
 
 
 def test_mac_working_sets():
-    assert working_set_gib(32) == pytest.approx(21.33, abs=0.01)   # 2/3 below 48 GB
+    assert working_set_gib(32) == pytest.approx(21.33, abs=0.01)  # 2/3 below 48 GB
     assert working_set_gib(64) == 48 and working_set_gib(128) == 96
     assert mlx_budget_gib(64) == pytest.approx(0.95 * 48)
 

@@ -1,4 +1,5 @@
 """trainer/estimate/torch_step.py and estimate_common.py: full-size dims, parameter counts, header detection, the memory model."""
+
 import subprocess
 import sys
 
@@ -19,14 +20,24 @@ from trainer.estimate.torch_step import estimate
 # Published sizes. Klein 4B's "4B" rounds 3.88B up: its bf16 checkpoint is ~7.75 GB, and
 # ComfyUI's own module holds 3,875,544,576 parameters (3.1% under 4.0B), hence 3.5% there.
 # Qwen-Image's model card says "a 20B MMDiT"; its module holds 20.43B (2.2 % over).
-PUBLISHED = {"flux2-klein-4b": (4.0e9, 0.035), "flux2-klein-9b": (9.0e9, 0.03),
-             "flux2-dev": (32.0e9, 0.03), "zimage": (6.15e9, 0.03), "qwen-image": (20.0e9, 0.03)}
+PUBLISHED = {
+    "flux2-klein-4b": (4.0e9, 0.035),
+    "flux2-klein-9b": (9.0e9, 0.03),
+    "flux2-dev": (32.0e9, 0.03),
+    "zimage": (6.15e9, 0.03),
+    "qwen-image": (20.0e9, 0.03),
+}
 
 # Exact counts of ComfyUI 0.17's Flux / NextDiT / QwenImageTransformer2DModel modules built on the
 # meta device from the config model_detection.py sets for each checkpoint (checked when this file
 # was written; Qwen-Image's also on 0.33, the same).
-COMFYUI_COUNTS = {"flux2-klein-4b": 3_875_544_576, "flux2-klein-9b": 9_078_581_248,
-                  "flux2-dev": 32_223_281_152, "zimage": 6_154_908_736, "qwen-image": 20_430_401_088}
+COMFYUI_COUNTS = {
+    "flux2-klein-4b": 3_875_544_576,
+    "flux2-klein-9b": 9_078_581_248,
+    "flux2-dev": 32_223_281_152,
+    "zimage": 6_154_908_736,
+    "qwen-image": 20_430_401_088,
+}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -43,7 +54,7 @@ def test_param_count_matches_comfyui_module(variant):
 def test_linear_shapes_follow_comfyui():
     klein = linear_layers(VARIANTS["flux2-klein-4b"])
     assert klein["double_blocks.0.img_attn.qkv"] == (3072, 9216)
-    assert klein["double_blocks.4.txt_mlp.0"] == (3072, 2 * 9216)        # gated: gate | up
+    assert klein["double_blocks.4.txt_mlp.0"] == (3072, 2 * 9216)  # gated: gate | up
     assert klein["single_blocks.19.linear1"] == (3072, 3 * 3072 + 2 * 9216)
     assert klein["single_blocks.0.linear2"] == (3072 + 9216, 3072)
     assert klein["txt_in"] == (7680, 3072) and "guidance_in.in_layer" not in klein
@@ -52,7 +63,7 @@ def test_linear_shapes_follow_comfyui():
     zimage = linear_layers(VARIANTS["zimage"])
     assert zimage["layers.29.feed_forward.w1"] == (3840, 10240)
     assert zimage["noise_refiner.1.adaLN_modulation.0"] == (256, 4 * 3840)
-    assert "context_refiner.0.adaLN_modulation.0" not in zimage   # context refiner is unmodulated
+    assert "context_refiner.0.adaLN_modulation.0" not in zimage  # context refiner is unmodulated
     assert zimage["cap_embedder.1"] == (2560, 3840)
 
 
@@ -123,8 +134,9 @@ def test_lora_params_follow_targets():
 
 
 def test_optimizer_and_dtype_bytes():
-    adamw, adam8, prodigy, adafactor = (estimate("flux2-klein-9b", resolution=512, optimizer=o)
-                                        for o in ("adamw", "adamw8bit", "prodigy", "adafactor"))
+    adamw, adam8, prodigy, adafactor = (
+        estimate("flux2-klein-9b", resolution=512, optimizer=o) for o in ("adamw", "adamw8bit", "prodigy", "adafactor")
+    )
     assert adamw.optimizer == 8 * adamw.lora_params == 4 * adam8.optimizer
     assert prodigy.optimizer == 2 * adamw.optimizer
     assert 0 < adafactor.optimizer < adamw.optimizer / 20  # factored: rows + cols per matrix
@@ -168,9 +180,9 @@ def test_every_counted_variant_is_estimated():
 def test_qwen_image_layout_follows_comfyui():
     """The layout alone, against ComfyUI's module: runs before (and after) its arch is registered."""
     dims = qwen_image.LAYOUT.variants[0]
-    layers = qwen_image.linear_layers(dims, 16 * 2 ** 2)  # Wan 2.1 latents: 16 channels, patch 2
+    layers = qwen_image.linear_layers(dims, 16 * 2**2)  # Wan 2.1 latents: 16 channels, patch 2
     assert layers["transformer_blocks.59.img_mod.1"] == (3072, 6 * 3072)
-    assert layers["transformer_blocks.0.txt_mlp.net.0.proj"] == (3072, 4 * 3072)   # GELU, no gate
+    assert layers["transformer_blocks.0.txt_mlp.net.0.proj"] == (3072, 4 * 3072)  # GELU, no gate
     assert layers["transformer_blocks.7.attn.add_k_proj"] == (3072, 3072)
     assert layers["txt_in"] == (3584, 3072) and layers["proj_out"] == (3072, 64)
     assert len(layers) == 60 * 14 + 6
@@ -190,9 +202,11 @@ def test_an_arch_without_layout_names_the_fix():
 
 
 def test_the_two_estimates_share_a_module_and_import_neither_other():
-    code = ("import sys, trainer.estimate.mlx_step; assert 'trainer.estimate.torch_step' not in sys.modules; "
-            "del sys.modules['trainer.estimate.mlx_step']; import trainer.estimate.torch_step; "
-            "assert 'trainer.estimate.mlx_step' not in sys.modules")
+    code = (
+        "import sys, trainer.estimate.mlx_step; assert 'trainer.estimate.torch_step' not in sys.modules; "
+        "del sys.modules['trainer.estimate.mlx_step']; import trainer.estimate.torch_step; "
+        "assert 'trainer.estimate.mlx_step' not in sys.modules"
+    )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -201,7 +215,11 @@ def test_arch_names_and_variant_names_are_one_vocabulary():
 
     assert resolve_variant("flux2_klein") == ["flux2-klein-4b", "flux2-klein-9b"]  # smallest first
     assert [resolve_variant(a) for a in ("zimage_turbo", "zimage", "flux2_dev", "qwen_image")] == [
-        ["zimage"], ["zimage"], ["flux2-dev"], ["qwen-image"]]
+        ["zimage"],
+        ["zimage"],
+        ["flux2-dev"],
+        ["qwen-image"],
+    ]
     assert all(resolve_variant(v) == [v] for v in VARIANTS)
     assert arch_variants("demo") == []
     with pytest.raises(ValueError, match="unknown --variant 'demo'.*qwen-image.*zimage_turbo"):

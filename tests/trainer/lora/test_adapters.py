@@ -1,4 +1,5 @@
 """LoKr, LoHa, DoRA (trainer/lora/adapters.py, torch_backend/adapters.py): closed forms, gradients, files, resume."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -39,14 +40,23 @@ def _randomised(lora_set: LoraSet, seed: int) -> None:
     """Every trainable tensor random (the init has ΔW = 0, which checks nothing)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in lora_set.named_parameters():   # dora_scale stays near the column norms, positive
+        for name, p in lora_set.named_parameters():  # dora_scale stays near the column norms, positive
             p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + (p if name.endswith("dora_scale") else 0))
 
 
 def _injected(name: str, rank=2, alpha=3.0, factor=-1):
     net = Net().double().float()
-    lora_set = LoraSet(net, ["proj"], rank=rank, alpha=alpha, dropout=0.0, seed=1, adapter=_kind(name),
-                       lokr_factor=factor, **KINDS[name])
+    lora_set = LoraSet(
+        net,
+        ["proj"],
+        rank=rank,
+        alpha=alpha,
+        dropout=0.0,
+        seed=1,
+        adapter=_kind(name),
+        lokr_factor=factor,
+        **KINDS[name],
+    )
     _randomised(lora_set, 7)
     return net, lora_set
 
@@ -56,7 +66,7 @@ def test_factorization_follows_lycoris():
     assert factorization(3072, 4) == (4, 768)
     assert factorization(3072, -1) == (48, 64)
     assert factorization(9216, 16) == (16, 576)
-    assert factorization(7, 4) == (1, 7)          # a prime: w1 is 1 wide
+    assert factorization(7, 4) == (1, 7)  # a prime: w1 is 1 wide
 
 
 @pytest.mark.parametrize("name", list(KINDS))
@@ -82,8 +92,15 @@ def test_forward_is_the_closed_form(name):
 
 
 def test_lokr_delta_is_a_kronecker_product():
-    weights = AdapterWeights("lokr", {"lokr_w1": np.ones((2, 3), np.float32), "lokr_w2_a": np.eye(4, 2, dtype=np.float32),
-                                      "lokr_w2_b": np.arange(8, dtype=np.float32).reshape(2, 4)}, alpha=1.0)
+    weights = AdapterWeights(
+        "lokr",
+        {
+            "lokr_w1": np.ones((2, 3), np.float32),
+            "lokr_w2_a": np.eye(4, 2, dtype=np.float32),
+            "lokr_w2_b": np.arange(8, dtype=np.float32).reshape(2, 4),
+        },
+        alpha=1.0,
+    )
     delta = adapters.adapted_weight(weights, np.zeros((8, 12)))
     assert np.array_equal(delta, 0.5 * np.kron(np.ones((2, 3)), np.eye(4, 2) @ np.arange(8).reshape(2, 4)))
 
@@ -129,8 +146,9 @@ def test_file_round_trip(tmp_path, name, fmt):
     _, lora_set = _injected(name)
     lora = {"double_blocks.0.img_attn.qkv": lora_set.branches()["proj"].weights()}
     path = tmp_path / "a.safetensors"
-    meta = lora_format.build_metadata(arch_name="demo", config={"adapter": _kind(name)}, steps=1, trigger_words=[],
-                                      title="t")
+    meta = lora_format.build_metadata(
+        arch_name="demo", config={"adapter": _kind(name)}, steps=1, trigger_words=[], title="t"
+    )
     lora_format.save_lora(path, lora, arch="demo", fmt=fmt, dtype="fp32", metadata=meta)
     back, metadata = lora_format.load_lora(path)
     assert metadata["kiln.adapter"] == _kind(name)
@@ -160,13 +178,16 @@ def test_diffusers_and_lora_tools_refuse_adapters(tmp_path):
         adapters.require_lora(lora, "merging")
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"adapter": "dora", "backend": "mlx", "base_quantize": "int8"}, "adapter 'dora' reads the base weight"),
-    ({"adapter": "lokr", "lora_dropout": 0.1}, "lora_dropout applies to adapter 'lora' only"),
-    ({"adapter": "loha", "init_lora": "x.safetensors"}, "cannot start adapter 'loha'"),
-    ({"adapter": "dora", "lora_format": "diffusers"}, "no dora layout"),
-    ({"adapter": "lokr", "lokr_factor": 0}, "lokr_factor must be -1"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"adapter": "dora", "backend": "mlx", "base_quantize": "int8"}, "adapter 'dora' reads the base weight"),
+        ({"adapter": "lokr", "lora_dropout": 0.1}, "lora_dropout applies to adapter 'lora' only"),
+        ({"adapter": "loha", "init_lora": "x.safetensors"}, "cannot start adapter 'loha'"),
+        ({"adapter": "dora", "lora_format": "diffusers"}, "no dora layout"),
+        ({"adapter": "lokr", "lokr_factor": 0}, "lokr_factor must be -1"),
+    ],
+)
 def test_config_refuses(settings, message):
     with pytest.raises(config.ConfigError, match=message):
         config.from_dict({"arch": "demo", **settings})
@@ -179,20 +200,30 @@ def test_resume_is_bitwise_and_ema_covers_every_tensor(tmp_path, make_model, mak
     def run(folder, stop_at=None, resume=False):
         progress = []
         stop = (lambda: len(progress) >= stop_at) if stop_at else None
-        return train(cfg, make_model(), make_data(), run_dir=tmp_path / folder, resume=tmp_path / folder if resume
-                     else None, on_step=progress.append, should_stop=stop)
+        return train(
+            cfg,
+            make_model(),
+            make_data(),
+            run_dir=tmp_path / folder,
+            resume=tmp_path / folder if resume else None,
+            on_step=progress.append,
+            should_stop=stop,
+        )
 
     straight = run("straight")
     run("stopped", stop_at=3)
     resumed = run("stopped", resume=True)
     a = assert_bitwise_resume(straight, resumed)
-    trained = {k[len("lora."):] for k in a if k.startswith("lora.") and not k.endswith(".alpha")}
-    assert trained == {k[len("ema."):] for k in a if k.startswith("ema.")}   # EMA shadows every tensor
+    trained = {k[len("lora.") :] for k in a if k.startswith("lora.") and not k.endswith(".alpha")}
+    assert trained == {k[len("ema.") :] for k in a if k.startswith("ema.")}  # EMA shadows every tensor
     assert all(w.kind == name for w in straight.lora.values())
     shadow = state.checkpoint_lora(state.load_checkpoint(straight.checkpoint), ema=True)
     assert all(w.kind == name for w in shadow.values())
-    moved = [not np.array_equal(w.tensors[r], s.tensors[r]) for w, s in zip(straight.lora.values(), shadow.values())
-             for r in w.tensors]
+    moved = [
+        not np.array_equal(w.tensors[r], s.tensors[r])
+        for w, s in zip(straight.lora.values(), shadow.values())
+        for r in w.tensors
+    ]
     assert any(moved)
     file_lora, metadata = lora_format.load_lora(straight.checkpoint / "lora.safetensors")
     assert metadata["kiln.adapter"] == name and set(file_lora) == set(straight.lora)
@@ -204,15 +235,20 @@ def test_estimate_counts_each_kind():
 
     shapes = lora_shapes(get_dims("flux2-klein-4b"), None)
     base = estimate("flux2-klein-4b", resolution=512, rank=16)
-    got = {kind: estimate("flux2-klein-4b", resolution=512, rank=16, adapter=kind, lokr_factor=8)
-           for kind in ("lokr", "loha", "dora")}
+    got = {
+        kind: estimate("flux2-klein-4b", resolution=512, rank=16, adapter=kind, lokr_factor=8)
+        for kind in ("lokr", "loha", "dora")
+    }
     assert base.lora_params == sum(16 * (i + o) for i, o in shapes)
     assert got["dora"].lora_params == base.lora_params + sum(i for i, _ in shapes)
     assert got["loha"].lora_params == 2 * base.lora_params
-    lokr = sum(adapters.factorization(o, 8)[0] * adapters.factorization(i, 8)[0]
-               + 16 * (adapters.factorization(o, 8)[1] + adapters.factorization(i, 8)[1]) for i, o in shapes)
+    lokr = sum(
+        adapters.factorization(o, 8)[0] * adapters.factorization(i, 8)[0]
+        + 16 * (adapters.factorization(o, 8)[1] + adapters.factorization(i, 8)[1])
+        for i, o in shapes
+    )
     assert got["lokr"].lora_params == lokr
-    assert got["dora"].optimizer == 8 * got["dora"].lora_params        # adamw: two fp32 moments
+    assert got["dora"].optimizer == 8 * got["dora"].lora_params  # adamw: two fp32 moments
     assert got["loha"].workspace > base.workspace and got["dora"].workspace > base.workspace
     assert got["lokr"].workspace == base.workspace
 
@@ -241,11 +277,11 @@ def test_mlx_matches_torch(tmp_path, make_model, make_data, make_config, monkeyp
 
     monkeypatch.setattr(MlxBackend, "compile_step", False)
     results = {}
-    for backend, model in (("torch", make_model()), ("mlx", demo_model(0, hidden=32, heads=2, double_blocks=1,
-                                                                        single_blocks=1, in_channels=16,
-                                                                        context_dim=32))):
-        cfg = make_config(backend=backend, steps=8, log_every=4, adapter=name, lokr_factor=4, ema=True,
-                          ema_decay=0.9)
+    for backend, model in (
+        ("torch", make_model()),
+        ("mlx", demo_model(0, hidden=32, heads=2, double_blocks=1, single_blocks=1, in_channels=16, context_dim=32)),
+    ):
+        cfg = make_config(backend=backend, steps=8, log_every=4, adapter=name, lokr_factor=4, ema=True, ema_decay=0.9)
         results[backend] = train(cfg, model, make_data(), run_dir=tmp_path / backend)
     ref, ours = results["torch"], results["mlx"]
     np.testing.assert_allclose(ours.history.loss, ref.history.loss, rtol=1e-3)
@@ -253,10 +289,17 @@ def test_mlx_matches_torch(tmp_path, make_model, make_data, make_config, monkeyp
         assert ours.lora[path].kind == name
         for role, array in weights.tensors.items():
             np.testing.assert_allclose(ours.lora[path].tensors[role], array, atol=1e-5, err_msg=f"{path}.{role}")
-            np.testing.assert_allclose(ours.ema_lora[path].tensors[role], ref.ema_lora[path].tensors[role],
-                                       atol=1e-5, err_msg=f"EMA {path}.{role}")
-    moved = [not np.allclose(w.tensors[r], s.tensors[r]) for w, s in zip(ref.lora.values(), ref.ema_lora.values())
-             for r in w.tensors]
+            np.testing.assert_allclose(
+                ours.ema_lora[path].tensors[role],
+                ref.ema_lora[path].tensors[role],
+                atol=1e-5,
+                err_msg=f"EMA {path}.{role}",
+            )
+    moved = [
+        not np.allclose(w.tensors[r], s.tensors[r])
+        for w, s in zip(ref.lora.values(), ref.ema_lora.values())
+        for r in w.tensors
+    ]
     assert any(moved)
 
 

@@ -1,4 +1,5 @@
 """trainer/lora/files.py: key layouts, diffusers split/fuse, files, metadata."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ from trainer.lora import report as lora_report
 from trainer.lora.files import LoraWeights
 
 from helpers.lora_cases import CASES, FLUX2_MODULES, HIDDEN, RANK, ZIMAGE_MODULES, delta, lora_metadata, make_lora
+
 
 def assert_same(a: dict, b: dict):
     assert sorted(a) == sorted(b)
@@ -55,11 +57,13 @@ def test_key_names():
     assert sorted(lf.to_tensors(w, "comfy", "flux2_klein")) == [
         "diffusion_model.double_blocks.0.img_attn.qkv.alpha",
         "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight",
-        "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight"]
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight",
+    ]
     assert sorted(lf.to_tensors(w, "kohya", "flux2_klein")) == [
         "lora_unet_double_blocks_0_img_attn_qkv.alpha",
         "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight",
-        "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"]
+        "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight",
+    ]
     assert lf.to_tensors(w, "comfy", None)["diffusion_model.double_blocks.0.img_attn.qkv.alpha"].shape == ()
 
 
@@ -69,8 +73,9 @@ def test_diffusers_split_is_exact_shares_A_and_folds_the_scale():
     qkv = lora["double_blocks.0.img_attn.qkv"]
     for i, part in enumerate(["to_q", "to_k", "to_v"]):
         base = f"transformer.transformer_blocks.0.attn.{part}"
-        assert np.array_equal(tensors[base + ".lora_B.weight"],
-                              qkv.B[i * HIDDEN:(i + 1) * HIDDEN] * np.float32(qkv.scale))
+        assert np.array_equal(
+            tensors[base + ".lora_B.weight"], qkv.B[i * HIDDEN : (i + 1) * HIDDEN] * np.float32(qkv.scale)
+        )
         assert np.array_equal(tensors[base + ".lora_A.weight"], qkv.A)
     txt = [f"transformer.transformer_blocks.0.attn.add_{p}_proj.lora_B.weight" for p in "qkv"]
     txt_qkv = lora["double_blocks.0.txt_attn.qkv"]
@@ -97,13 +102,18 @@ def test_folding_the_scale_into_bf16():
             assert np.array_equal(delta(folded), delta(w)), alpha
         else:
             error = np.abs(delta(folded) - delta(w)).max() / np.abs(delta(w)).max()
-            assert 0 < error < 2 ** -8, error
+            assert 0 < error < 2**-8, error
 
 
 def test_zimage_diffusers_names():
     keys = lf.to_tensors(make_lora(ZIMAGE_MODULES), "diffusers", "zimage")
-    for name in ["layers.3.attention.to_q", "layers.3.attention.to_v", "layers.3.attention.to_out.0",
-                 "layers.3.feed_forward.w2", "noise_refiner.0.feed_forward.w1"]:
+    for name in [
+        "layers.3.attention.to_q",
+        "layers.3.attention.to_v",
+        "layers.3.attention.to_out.0",
+        "layers.3.feed_forward.w2",
+        "noise_refiner.0.feed_forward.w1",
+    ]:
         assert f"transformer.{name}.lora_B.weight" in keys
 
 
@@ -137,16 +147,21 @@ def test_fusion_fills_missing_parts_with_zero_rows():
     fused = lf.from_tensors(tensors, arch="zimage")[0]["layers.3.attention.qkv"]
     got = delta(fused)
     assert np.allclose(got[:HIDDEN], delta(parts[0]), atol=1e-6)
-    assert not got[HIDDEN:2 * HIDDEN].any()
-    assert np.allclose(got[2 * HIDDEN:], delta(parts[2]), atol=1e-6)
+    assert not got[HIDDEN : 2 * HIDDEN].any()
+    assert np.allclose(got[2 * HIDDEN :], delta(parts[2]), atol=1e-6)
 
 
 def test_split_sizes_and_rules_without_groups():
     """Unequal splits (split_sizes) and paths without a block index also map both ways."""
     base = get_arch("flux2_klein")
-    arch = dataclasses.replace(base, diffusers_rules=base.diffusers_rules + (
-        DiffusersRule(r"img_in", ("x_embedder",)),
-        DiffusersRule(r"double_blocks\.(\d+)\.img_mod\.lin", ("m.{0}.a", "m.{0}.b"), split_sizes=(16, 48))))
+    arch = dataclasses.replace(
+        base,
+        diffusers_rules=base.diffusers_rules
+        + (
+            DiffusersRule(r"img_in", ("x_embedder",)),
+            DiffusersRule(r"double_blocks\.(\d+)\.img_mod\.lin", ("m.{0}.a", "m.{0}.b"), split_sizes=(16, 48)),
+        ),
+    )
     lora = make_lora({"img_in": (HIDDEN, 128), "double_blocks.2.img_mod.lin": (64, HIDDEN)})
     tensors = lf.to_tensors(lora, "diffusers", arch)
     assert tensors["transformer.m.2.b.lora_B.weight"].shape == (48, RANK)
@@ -182,26 +197,48 @@ def test_kohya_names_are_placed_by_the_arch_or_the_module_names():
 def test_comfy_accepts_down_up_and_missing_alpha():
     rng = np.random.default_rng(0)
     A, B = rng.standard_normal((RANK, 8), dtype=np.float32), rng.standard_normal((16, RANK), dtype=np.float32)
-    lora, _ = lf.from_tensors({"diffusion_model.img_in.lora_down.weight": A,
-                               "diffusion_model.img_in.lora_up.weight": B})
+    lora, _ = lf.from_tensors(
+        {"diffusion_model.img_in.lora_down.weight": A, "diffusion_model.img_in.lora_up.weight": B}
+    )
     assert lora["img_in"].alpha == RANK and lora["img_in"].scale == 1.0  # ComfyUI: no alpha → scale 1
 
 
-@pytest.mark.parametrize("tensors,message", [
-    ({}, "no LoRA keys"),
-    ({"model.weight": np.ones((2, 2))}, "no LoRA keys"),
-    ({"diffusion_model.x.lora_A.weight": np.ones((4, 8)), "diffusion_model.x.lora_B.weight": np.ones((8, 3))},
-     "rank 4 but B has 3 columns"),
-    ({"diffusion_model.x.lora_A.weight": np.ones((4, 8, 1, 1)), "diffusion_model.x.lora_B.weight": np.ones((8, 4))},
-     "2-D"),
-    ({"diffusion_model.x.lora_A.weight": np.ones((4, 8))}, "no lora_B/lora_up"),
-    ({"diffusion_model.x.lora_A.weight": np.ones((4, 8)), "diffusion_model.x.lora_B.weight": np.ones((8, 4)),
-      "diffusion_model.x.dora_scale": np.ones(8)}, "dora_scale"),
-    ({"diffusion_model.double_blocks.0.img_attn.proj.lora_A.weight": np.ones((4, 8)),
-      "diffusion_model.double_blocks.0.img_attn.proj.lora_B.weight": np.ones((8, 4)),
-      "lora_unet_double_blocks_0_img_attn_proj.lora_down.weight": np.ones((4, 8)),
-      "lora_unet_double_blocks_0_img_attn_proj.lora_up.weight": np.ones((8, 4))}, "two modules.*name"),
-])
+@pytest.mark.parametrize(
+    "tensors,message",
+    [
+        ({}, "no LoRA keys"),
+        ({"model.weight": np.ones((2, 2))}, "no LoRA keys"),
+        (
+            {"diffusion_model.x.lora_A.weight": np.ones((4, 8)), "diffusion_model.x.lora_B.weight": np.ones((8, 3))},
+            "rank 4 but B has 3 columns",
+        ),
+        (
+            {
+                "diffusion_model.x.lora_A.weight": np.ones((4, 8, 1, 1)),
+                "diffusion_model.x.lora_B.weight": np.ones((8, 4)),
+            },
+            "2-D",
+        ),
+        ({"diffusion_model.x.lora_A.weight": np.ones((4, 8))}, "no lora_B/lora_up"),
+        (
+            {
+                "diffusion_model.x.lora_A.weight": np.ones((4, 8)),
+                "diffusion_model.x.lora_B.weight": np.ones((8, 4)),
+                "diffusion_model.x.dora_scale": np.ones(8),
+            },
+            "dora_scale",
+        ),
+        (
+            {
+                "diffusion_model.double_blocks.0.img_attn.proj.lora_A.weight": np.ones((4, 8)),
+                "diffusion_model.double_blocks.0.img_attn.proj.lora_B.weight": np.ones((8, 4)),
+                "lora_unet_double_blocks_0_img_attn_proj.lora_down.weight": np.ones((4, 8)),
+                "lora_unet_double_blocks_0_img_attn_proj.lora_up.weight": np.ones((8, 4)),
+            },
+            "two modules.*name",
+        ),
+    ],
+)
 def test_bad_tensors(tensors, message):
     with pytest.raises(ValueError, match=message) as error:
         lf.from_tensors(tensors, source="bad.safetensors")
@@ -209,6 +246,7 @@ def test_bad_tensors(tensors, message):
 
 
 # ---------------------------------------------------------------- files
+
 
 def _bf16(x: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).float().numpy()
@@ -268,8 +306,11 @@ def test_describe_lists_each_module_with_dotted_paths(tmp_path):
     rows = {row["name"]: row for row in info["module_table"]}
     assert sorted(rows) == sorted(ZIMAGE_MODULES)  # kohya's '_' names back as module paths (kiln.module_paths)
     assert {row["dtype"] for row in rows.values()} == {"BF16"} and {row["rank"] for row in rows.values()} == {RANK}
-    assert info["parameters"] == sum(row["parameters"] for row in rows.values()) == sum(
-        RANK * (i + o) for i, o in ZIMAGE_MODULES.values())
+    assert (
+        info["parameters"]
+        == sum(row["parameters"] for row in rows.values())
+        == sum(RANK * (i + o) for i, o in ZIMAGE_MODULES.values())
+    )
 
 
 def test_export_between_formats(tmp_path):

@@ -1,6 +1,7 @@
 """trainer/lora/sources.py: other trainers' LoRA files (tests/helpers/lora_fixtures.py) → Kiln's in-memory LoRA →
 a comfy file; `python -m trainer convert`. ComfyUI's own loader reads the results in
 tests/nodes/test_lora_convert.py."""
+
 from __future__ import annotations
 
 import json
@@ -17,13 +18,23 @@ from trainer.lora import sources as ls
 
 HIDDEN = 64
 SHAPES = {
-    "flux2": {"double_blocks.0.img_attn.qkv": (3 * HIDDEN, HIDDEN), "double_blocks.0.img_attn.proj": (HIDDEN, HIDDEN),
-              "double_blocks.1.txt_attn.qkv": (3 * HIDDEN, HIDDEN), "double_blocks.1.img_mlp.0": (6 * HIDDEN, HIDDEN),
-              "single_blocks.0.linear1": (9 * HIDDEN, HIDDEN), "single_blocks.1.linear2": (HIDDEN, 4 * HIDDEN),
-              "img_in": (HIDDEN, 128)},
-    "zimage": {"layers.0.attention.qkv": (3 * HIDDEN, HIDDEN), "layers.0.attention.out": (HIDDEN, HIDDEN),
-               "layers.1.feed_forward.w1": (2 * HIDDEN, HIDDEN), "layers.1.feed_forward.w3": (2 * HIDDEN, HIDDEN),
-               "noise_refiner.0.attention.qkv": (3 * HIDDEN, HIDDEN), "layers.0.attention_norm1": (HIDDEN, 1)},
+    "flux2": {
+        "double_blocks.0.img_attn.qkv": (3 * HIDDEN, HIDDEN),
+        "double_blocks.0.img_attn.proj": (HIDDEN, HIDDEN),
+        "double_blocks.1.txt_attn.qkv": (3 * HIDDEN, HIDDEN),
+        "double_blocks.1.img_mlp.0": (6 * HIDDEN, HIDDEN),
+        "single_blocks.0.linear1": (9 * HIDDEN, HIDDEN),
+        "single_blocks.1.linear2": (HIDDEN, 4 * HIDDEN),
+        "img_in": (HIDDEN, 128),
+    },
+    "zimage": {
+        "layers.0.attention.qkv": (3 * HIDDEN, HIDDEN),
+        "layers.0.attention.out": (HIDDEN, HIDDEN),
+        "layers.1.feed_forward.w1": (2 * HIDDEN, HIDDEN),
+        "layers.1.feed_forward.w3": (2 * HIDDEN, HIDDEN),
+        "noise_refiner.0.attention.qkv": (3 * HIDDEN, HIDDEN),
+        "layers.0.attention_norm1": (HIDDEN, 1),
+    },
 }
 ARCH = {"flux2": "flux2_klein", "zimage": "zimage"}
 
@@ -62,7 +73,7 @@ def _parts(family, path):
 
 
 def path_in(module_key: str, path: str, family: str) -> bool:
-    return module_key == f"diffusion_model.{path}" or module_key[len("transformer."):] in _parts(family, path)
+    return module_key == f"diffusion_model.{path}" or module_key[len("transformer.") :] in _parts(family, path)
 
 
 @pytest.mark.parametrize("family,name", [c for c in fx.cases() if fx.build(*c, SHAPES[c[0]]).passthrough == 0])
@@ -101,9 +112,11 @@ def test_convert_writes_a_comfy_file_and_records_the_source(tmp_path):
 
 def test_unplaced_keys_stop_the_conversion_or_are_listed(tmp_path, capsys):
     fixture = fx.build("flux2", "musubi-tuner", SHAPES["flux2"])
-    stray = {"lora_unet_txt_in_extra.lora_down.weight": np.ones((4, 8), np.float32),
-             "lora_te1_text_model_encoder.lora_up.weight": np.ones((8, 4), np.float32),
-             "diffusion_model.double_blocks.0.img_attn.qkv.dora_scale": np.ones(8, np.float32)}
+    stray = {
+        "lora_unet_txt_in_extra.lora_down.weight": np.ones((4, 8), np.float32),
+        "lora_te1_text_model_encoder.lora_up.weight": np.ones((8, 4), np.float32),
+        "diffusion_model.double_blocks.0.img_attn.qkv.dora_scale": np.ones(8, np.float32),
+    }
     src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
     safetensors_io.write(src, {**fixture.tensors, **stray}, {})
     assert main(["convert", str(src), str(dst)]) == 2
@@ -118,7 +131,9 @@ def test_unplaced_keys_stop_the_conversion_or_are_listed(tmp_path, capsys):
 
 def test_ambiguous_and_foreign_names_are_not_guessed():
     arch = lf.get_arch("flux2_klein")
-    assert ls.place(arch, "double_blocks_0_img_attn_qkv", None, flat=True, verbatim=False).path == \
-        "double_blocks.0.img_attn.qkv"
+    assert (
+        ls.place(arch, "double_blocks_0_img_attn_qkv", None, flat=True, verbatim=False).path
+        == "double_blocks.0.img_attn.qkv"
+    )
     assert ls.place(arch, "double_blocks_0_img_mod_lin", None, flat=True, verbatim=False) is None
     assert ls.place(arch, "layers.0.attention.to_q", None, flat=False, verbatim=False) is None  # Z-Image's

@@ -1,6 +1,7 @@
 """LoRA tools (trainer/lora/tools.py, lora_extract.py, `python -m trainer merge|resize|extract`) against a
 dense reference: the weighted sum of scale·B@A, its truncated SVD (numpy, float64), the true difference
 of two models. Small random matrices; nothing downloaded."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,11 @@ from trainer.lora.tools import RankRule, dense_delta, merge, resize
 
 
 def lora_weights(rng, out_features, in_features, rank, alpha) -> LoraWeights:
-    return LoraWeights(rng.standard_normal((rank, in_features)).astype(np.float32),
-                       rng.standard_normal((out_features, rank)).astype(np.float32), alpha)
+    return LoraWeights(
+        rng.standard_normal((rank, in_features)).astype(np.float32),
+        rng.standard_normal((out_features, rank)).astype(np.float32),
+        alpha,
+    )
 
 
 def relative(a, b) -> float:
@@ -44,13 +48,14 @@ def reference(loras, weights, name) -> np.ndarray:
 
 # ---------------------------------------------------------------- merge
 
+
 def test_exact_merge_is_the_weighted_sum_to_1e6(two_loras):
     weights = [0.7, -1.3]
     merged, report = merge(two_loras, weights)
     assert set(merged) == {"blocks.0.qkv", "blocks.0.proj", "blocks.1.mlp"}
     for name, w in merged.items():
         assert relative(dense_delta(merged, name), reference(two_loras, weights, name)) < 1e-6, name
-        assert w.alpha == w.rank                       # scales folded into B: scale 1
+        assert w.alpha == w.rank  # scales folded into B: scale 1
     assert merged["blocks.0.qkv"].rank == 12 and report.kept == 1.0
     assert any("only some inputs" in note and "blocks.1.mlp" in note for note in report.notes)
 
@@ -80,6 +85,7 @@ def test_merge_refuses_loras_of_different_models_and_all_zero_weights(two_loras)
 
 # ---------------------------------------------------------------- resize
 
+
 def test_resize_to_full_rank_is_exact_and_to_a_lower_rank_is_eckart_young(two_loras):
     lora = two_loras[1]
     full, report = resize(lora, RankRule(64))
@@ -108,16 +114,19 @@ def constructed(singular=SINGULAR, out_features=40, in_features=30) -> dict[str,
 
 # Closed forms on σ = 10, 5, 2, 1, 0.5, 0.1 (Σσ² = 130.26, Σσ = 18.6):
 #   sv_ratio t keeps σ > 10/t;  sv_fro t keeps the fewest with Σσ² ≥ t²·130.26;  sv_cumulative t: Σσ ≥ t·18.6
-@pytest.mark.parametrize("method, value, cap, expected", [
-    ("sv_ratio", 4.0, None, 2),          # σ > 2.5: 10, 5
-    ("sv_ratio", 6.0, None, 3),          # σ > 1.67: 10, 5, 2
-    ("sv_ratio", 1000.0, None, 6),
-    ("sv_fro", 0.9, None, 2),            # 125/130.26 = 0.960 ≥ 0.81 (100/130.26 = 0.768 is not)
-    ("sv_fro", 0.99, None, 3),           # 129/130.26 = 0.990 ≥ 0.9801
-    ("sv_cumulative", 0.8, None, 2),     # 15/18.6 = 0.806
-    ("sv_cumulative", 0.9, None, 3),     # 17/18.6 = 0.914
-    ("sv_cumulative", 0.99, 2, 2),       # 18.5/18.6 needs 5; the cap says 2
-])
+@pytest.mark.parametrize(
+    "method, value, cap, expected",
+    [
+        ("sv_ratio", 4.0, None, 2),  # σ > 2.5: 10, 5
+        ("sv_ratio", 6.0, None, 3),  # σ > 1.67: 10, 5, 2
+        ("sv_ratio", 1000.0, None, 6),
+        ("sv_fro", 0.9, None, 2),  # 125/130.26 = 0.960 ≥ 0.81 (100/130.26 = 0.768 is not)
+        ("sv_fro", 0.99, None, 3),  # 129/130.26 = 0.990 ≥ 0.9801
+        ("sv_cumulative", 0.8, None, 2),  # 15/18.6 = 0.806
+        ("sv_cumulative", 0.9, None, 3),  # 17/18.6 = 0.914
+        ("sv_cumulative", 0.99, 2, 2),  # 18.5/18.6 needs 5; the cap says 2
+    ],
+)
 def test_dynamic_rank_picks_what_the_criterion_says(method, value, cap, expected):
     lora = constructed()
     resized, report = resize(lora, RankRule(cap, method, value))
@@ -127,10 +136,16 @@ def test_dynamic_rank_picks_what_the_criterion_says(method, value, cap, expected
     np.testing.assert_allclose(kept_singular, SINGULAR[:expected], rtol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({}, "give a rank"), ({"rank": 0}, "rank must"), ({"method": "sv_fro", "value": 1.5}, "out of range"),
-    ({"method": "sv_ratio", "value": 0.5}, "out of range"), ({"method": "svd_knee", "value": 1}, "unknown rank method"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "give a rank"),
+        ({"rank": 0}, "rank must"),
+        ({"method": "sv_fro", "value": 1.5}, "out of range"),
+        ({"method": "sv_ratio", "value": 0.5}, "out of range"),
+        ({"method": "svd_knee", "value": 1}, "unknown rank method"),
+    ],
+)
 def test_rank_rules_refuse_what_they_cannot_do(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RankRule(**kwargs)
@@ -138,15 +153,24 @@ def test_rank_rules_refuse_what_they_cannot_do(kwargs, message):
 
 # ---------------------------------------------------------------- extract
 
+
 def models(seed=0, rank=3):
     """(base, tuned, true deltas): two Linear weights changed by known rank-`rank` deltas, one unchanged (and
     requiring grad, as a model's parameters may), a norm scale changed, a key only in tuned."""
     generator = torch.Generator().manual_seed(seed)
-    base = {"a.weight": torch.randn(48, 32, generator=generator), "b.weight": torch.randn(32, 64, generator=generator),
-            "c.weight": torch.randn(16, 16, generator=generator).requires_grad_(), "norm.scale": torch.ones(32),
-            "a.bias": torch.zeros(48)}
-    deltas = {name: torch.randn(base[f"{name}.weight"].shape[0], rank, generator=generator)
-              @ torch.randn(rank, base[f"{name}.weight"].shape[1], generator=generator) * 0.05 for name in "ab"}
+    base = {
+        "a.weight": torch.randn(48, 32, generator=generator),
+        "b.weight": torch.randn(32, 64, generator=generator),
+        "c.weight": torch.randn(16, 16, generator=generator).requires_grad_(),
+        "norm.scale": torch.ones(32),
+        "a.bias": torch.zeros(48),
+    }
+    deltas = {
+        name: torch.randn(base[f"{name}.weight"].shape[0], rank, generator=generator)
+        @ torch.randn(rank, base[f"{name}.weight"].shape[1], generator=generator)
+        * 0.05
+        for name in "ab"
+    }
     tuned = {k: v.clone() for k, v in base.items()}
     for name, delta in deltas.items():
         tuned[f"{name}.weight"] += delta
@@ -165,7 +189,7 @@ def test_extract_recovers_a_known_low_rank_difference(svd):
     assert report.kept == pytest.approx(1.0, abs=1e-9)
     notes = " | ".join(report.notes)
     assert "1 weight matrices are equal" in notes
-    assert "1 other tensors differ" in notes and "norm.scale (2%)" in notes   # reported, not dropped unsaid
+    assert "1 other tensors differ" in notes and "norm.scale (2%)" in notes  # reported, not dropped unsaid
     assert "only in tuned" in notes and "extra.weight" in notes
 
 
@@ -177,7 +201,9 @@ def test_extract_truncates_like_eckart_young_and_reports_a_clamp_honestly():
     assert next(m for m in report.modules if m.name == "a").kept == pytest.approx(kept, abs=1e-5)
     clamped, report = extract(base, tuned, RankRule(2), clamp_quantile=0.5)
     for module in report.modules:
-        actual = 1 - np.sum((deltas[module.name] - dense_delta(clamped, module.name)) ** 2) / np.sum(deltas[module.name] ** 2)
+        actual = 1 - np.sum((deltas[module.name] - dense_delta(clamped, module.name)) ** 2) / np.sum(
+            deltas[module.name] ** 2
+        )
         assert module.kept == pytest.approx(actual, abs=1e-5) and module.kept < kept
 
 
@@ -189,7 +215,7 @@ def test_extract_checks_its_inputs():
         extract(base, base, RankRule(2))
     with pytest.raises(ValueError, match="needs a rank"):
         extract(base, tuned, RankRule(None, "sv_fro", 0.9))
-    with pytest.raises(ValueError, match="above min_diff 1"):   # both changed by about 9% of their norm
+    with pytest.raises(ValueError, match="above min_diff 1"):  # both changed by about 9% of their norm
         extract(base, tuned, RankRule(2), min_diff=1.0)
     assert set(extract(base, tuned, RankRule(2), min_diff=0.01)[0]) == {"a", "b"}
 
@@ -199,9 +225,14 @@ def test_model_files_read_lazily_with_prefixes_and_scaled_float8(tmp_path):
 
     weight = torch.randn(8, 4)
     scale = weight.abs().max() / 448
-    safetensors.torch.save_file({"model.diffusion_model.x.weight": (weight / scale).to(torch.float8_e4m3fn),
-                                 "model.diffusion_model.x.weight_scale": scale.reshape(()),
-                                 "first_stage_model.y.weight": torch.ones(2)}, tmp_path / "ckpt.safetensors")
+    safetensors.torch.save_file(
+        {
+            "model.diffusion_model.x.weight": (weight / scale).to(torch.float8_e4m3fn),
+            "model.diffusion_model.x.weight_scale": scale.reshape(()),
+            "first_stage_model.y.weight": torch.ones(2),
+        },
+        tmp_path / "ckpt.safetensors",
+    )
     model = ModelFile(tmp_path / "ckpt.safetensors")
     assert list(model) == ["x.weight"]
     torch.testing.assert_close(model["x.weight"], weight, rtol=0.07, atol=scale.item())
@@ -209,26 +240,56 @@ def test_model_files_read_lazily_with_prefixes_and_scaled_float8(tmp_path):
 
 # ---------------------------------------------------------------- the command line
 
+
 def test_cli_merge_resize_extract_write_files_that_match_the_reference(tmp_path, two_loras, capsys):
-    save_lora(tmp_path / "a.safetensors", two_loras[0], arch=None, dtype="fp32",
-              metadata={"kiln.trigger_words": json.dumps(["ohwx"])})
+    save_lora(
+        tmp_path / "a.safetensors",
+        two_loras[0],
+        arch=None,
+        dtype="fp32",
+        metadata={"kiln.trigger_words": json.dumps(["ohwx"])},
+    )
     save_lora(tmp_path / "b.safetensors", two_loras[1], arch=None, dtype="fp32", metadata={})
     merged_path = tmp_path / "merged.safetensors"
-    assert cli.main(["merge", str(merged_path), f"{tmp_path / 'a.safetensors'}:0.5",
-                     str(tmp_path / "b.safetensors"), "--dtype", "fp32"]) == 0
+    assert (
+        cli.main(
+            [
+                "merge",
+                str(merged_path),
+                f"{tmp_path / 'a.safetensors'}:0.5",
+                str(tmp_path / "b.safetensors"),
+                "--dtype",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     assert "energy kept 100.00%" in capsys.readouterr().out
     merged, metadata = load_lora(merged_path)
     for name in merged:
         assert relative(dense_delta(merged, name), reference(two_loras, [0.5, 1.0], name)) < 1e-6
     assert json.loads(metadata["kiln.trigger_words"]) == ["ohwx"]
     assert json.loads(metadata["kiln.lora_tool"])["inputs"][0] == {"file": "a.safetensors", "weight": 0.5}
-    assert cli.main(["merge", str(merged_path), str(tmp_path / "a.safetensors")]) == 2   # exists: refused
+    assert cli.main(["merge", str(merged_path), str(tmp_path / "a.safetensors")]) == 2  # exists: refused
     assert "--overwrite" in capsys.readouterr().err
 
-    assert cli.main(["resize", str(merged_path), str(tmp_path / "small.safetensors"), "--sv-fro", "0.9",
-                     "--rank", "4", "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "resize",
+                str(merged_path),
+                str(tmp_path / "small.safetensors"),
+                "--sv-fro",
+                "0.9",
+                "--rank",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
-    report = json.loads(printed[:printed.rindex("}") + 1])
+    report = json.loads(printed[: printed.rindex("}") + 1])
     assert all(m["rank"] <= 4 for m in report["modules"]) and 0 < report["kept"] < 1
 
     import safetensors.torch
@@ -237,8 +298,23 @@ def test_cli_merge_resize_extract_write_files_that_match_the_reference(tmp_path,
     for name, state in (("base", base), ("tuned", tuned)):
         safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / f"{name}.safetensors")
     out = tmp_path / "extracted.safetensors"
-    assert cli.main(["extract", str(tmp_path / "base.safetensors"), str(tmp_path / "tuned.safetensors"), str(out),
-                     "--rank", "3", "--dtype", "fp32", "--device", "cpu"]) == 0
+    assert (
+        cli.main(
+            [
+                "extract",
+                str(tmp_path / "base.safetensors"),
+                str(tmp_path / "tuned.safetensors"),
+                str(out),
+                "--rank",
+                "3",
+                "--dtype",
+                "fp32",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert "norm.scale" in capsys.readouterr().out
     extracted, _ = load_lora(out)
     for name, delta in deltas.items():

@@ -1,4 +1,5 @@
 """trainer/objective/flow.py: each sampler against its formula, shifts, weights, draws, algebra."""
+
 import ast
 import math
 from statistics import NormalDist
@@ -23,10 +24,10 @@ def _sample(n=512, tokens=4096, **settings):
 
 def test_objective_imports_no_torch_or_mlx():
     tree = ast.parse(open(obj.__file__, encoding="utf-8").read())
-    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-             for alias in node.names}
-    roots |= {node.module.split(".")[0] for node in ast.walk(tree)
-              if isinstance(node, ast.ImportFrom) and node.module}
+    roots = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert not roots & {"torch", "mlx"}, roots
 
 
@@ -105,8 +106,12 @@ def test_sigmas_never_reach_zero_or_one():
     class Extremes:
         def random(self, n):
             return np.array([0.0, 1.0 - 2**-53])  # the extremes rng.random can return
-    for settings in (ObjectiveSettings(), ObjectiveSettings(sampling="logit_normal", logit_std=5.0),
-                     ObjectiveSettings(content_or_style="content")):
+
+    for settings in (
+        ObjectiveSettings(),
+        ObjectiveSettings(sampling="logit_normal", logit_std=5.0),
+        ObjectiveSettings(content_or_style="content"),
+    ):
         sigmas = obj.sample_sigmas(Extremes(), 2, settings, 4096)
         assert np.all(sigmas > 0) and np.all(sigmas < 1)
 
@@ -192,23 +197,42 @@ def test_interpolate_and_velocity_algebra_torch():
     torch.testing.assert_close(x_t - sigmas.view(-1, 1, 1, 1) * v, x0, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("sampling", "sigmoid"), ("content_or_style", "both"), ("shift_mode", "auto"),
-    ("loss_weighting", "weighted"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("sampling", "sigmoid"),
+        ("content_or_style", "both"),
+        ("shift_mode", "auto"),
+        ("loss_weighting", "weighted"),
+    ],
+)
 def test_bad_choice_names_field_value_and_options(field, value):
     with pytest.raises(ValueError) as err:
         ObjectiveSettings(**{field: value})
     message = str(err.value)
     assert field in message and repr(value) in message
-    assert all(option in message for option in getattr(obj, {
-        "sampling": "SAMPLINGS", "content_or_style": "CONTENT_OR_STYLE",
-        "shift_mode": "SHIFT_MODES", "loss_weighting": "LOSS_WEIGHTINGS"}[field]))
+    assert all(
+        option in message
+        for option in getattr(
+            obj,
+            {
+                "sampling": "SAMPLINGS",
+                "content_or_style": "CONTENT_OR_STYLE",
+                "shift_mode": "SHIFT_MODES",
+                "loss_weighting": "LOSS_WEIGHTINGS",
+            }[field],
+        )
+    )
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(logit_std=0.0), "logit_std"), (dict(shift=-1.0), "shift"), (dict(logit_mean=math.nan), "logit_mean"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(logit_std=0.0), "logit_std"),
+        (dict(shift=-1.0), "shift"),
+        (dict(logit_mean=math.nan), "logit_mean"),
+    ],
+)
 def test_bad_numbers_rejected(kwargs, name):
     with pytest.raises(ValueError, match=name):
         ObjectiveSettings(**kwargs)

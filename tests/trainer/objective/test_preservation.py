@@ -1,4 +1,5 @@
 """Preservation (trainer/objective/preservation.py): differential output preservation and regularisation images."""
+
 from __future__ import annotations
 
 import copy
@@ -51,8 +52,9 @@ def reg_set(repeats: int = 2):
     rng = np.random.default_rng(11)
     latents = [rng.standard_normal((16, 4, 4)).astype(np.float32) for _ in range(3)]
     contexts = [rng.standard_normal((8, 32)).astype(np.float32) for _ in range(3)]
-    return InMemoryData.from_arrays(latents, contexts, [f"person_{i}.png" for i in range(3)],
-                                    np.zeros((8, 32), np.float32), repeats=repeats)
+    return InMemoryData.from_arrays(
+        latents, contexts, [f"person_{i}.png" for i in range(3)], np.zeros((8, 32), np.float32), repeats=repeats
+    )
 
 
 def both_data():
@@ -64,13 +66,20 @@ def dop_batch(rows: int = 2, seed: int = 0, weight: float = 1.0) -> Batch:
     arch = get_arch("demo")
     contexts = [rng.standard_normal((8, 32)).astype(np.float32) for _ in range(rows)]
     kept = [rng.standard_normal((8, 32)).astype(np.float32) for _ in range(rows)]
-    batch = Batch(latents=rng.standard_normal((rows, 16, 4, 4)).astype(np.float32),
-                  noise=rng.standard_normal((rows, 16, 4, 4)).astype(np.float32),
-                  sigmas=rng.uniform(0.2, 0.8, rows).astype(np.float32),
-                  weights=rng.uniform(0.5, 1.5, rows).astype(np.float32), context=arch.collate_context(contexts))
-    batch.preservation = Preservation(context=arch.collate_context(kept), extras={},
-                                      joint_context=arch.collate_context(contexts + kept), joint_extras={},
-                                      weights=np.full(rows, weight, np.float32))
+    batch = Batch(
+        latents=rng.standard_normal((rows, 16, 4, 4)).astype(np.float32),
+        noise=rng.standard_normal((rows, 16, 4, 4)).astype(np.float32),
+        sigmas=rng.uniform(0.2, 0.8, rows).astype(np.float32),
+        weights=rng.uniform(0.5, 1.5, rows).astype(np.float32),
+        context=arch.collate_context(contexts),
+    )
+    batch.preservation = Preservation(
+        context=arch.collate_context(kept),
+        extras={},
+        joint_context=arch.collate_context(contexts + kept),
+        joint_extras={},
+        weights=np.full(rows, weight, np.float32),
+    )
     return batch
 
 
@@ -93,9 +102,10 @@ def predict(model, x_t, sigmas, context):
 
 # --------------------------------------------------------------------------- DOP: the objective
 
+
 def test_the_target_is_the_base_model_with_the_lora_off(make_model, make_config):
     """The loss is mean(w·|v_θ(c)−v|²) + mean(p·|v_θ(c')−v_0(c')|²), v_0 from a model that never had a LoRA."""
-    backend, reference = backend_with_lora(make_model, make_config), make_model()   # same seed: same base
+    backend, reference = backend_with_lora(make_model, make_config), make_model()  # same seed: same base
     batch, rows = dop_batch(), 2
     x0, noise, sigmas = (torch.from_numpy(a) for a in (batch.latents, batch.noise, batch.sigmas))
     x_t = (1 - sigmas.view(-1, 1, 1, 1)) * x0 + sigmas.view(-1, 1, 1, 1) * noise
@@ -103,8 +113,8 @@ def test_the_target_is_the_base_model_with_the_lora_off(make_model, make_config)
     base = predict(reference, x_t, sigmas, batch.preservation.context)
     with backend.lora.disabled():
         off = predict(backend.model, x_t, sigmas, batch.preservation.context)
-    assert torch.equal(off, base)                                        # LoRA off = the base model, bitwise
-    assert (with_lora - base).abs().max() > 1e-3                         # the LoRA does change the prediction
+    assert torch.equal(off, base)  # LoRA off = the base model, bitwise
+    assert (with_lora - base).abs().max() > 1e-3  # the LoRA does change the prediction
     assert torch.equal(predict(backend.model, x_t, sigmas, batch.preservation.context), with_lora)  # back on
     trained = (predict(backend.model, x_t, sigmas, batch.context) - (noise - x0)).square().flatten(1).mean(1)
     kept = (with_lora - base).square().flatten(1).mean(1)
@@ -132,7 +142,7 @@ def test_the_dop_term_and_its_gradient_are_zero_at_step_zero(make_model, make_co
 def test_the_dop_gradient_matches_finite_differences(make_model, make_config):
     backend = backend_with_lora(make_model, make_config)
     batch = dop_batch(weight=3.0)
-    batch.weights[:] = 0.0                         # the DOP term alone
+    batch.weights[:] = 0.0  # the DOP term alone
     backend._micro_loss(batch).backward()
     checked = 0
     for name, param in backend.params.items():
@@ -155,16 +165,21 @@ def test_the_dop_gradient_matches_finite_differences(make_model, make_config):
 
 def test_dop_weight_zero_is_bitwise_the_plain_run(tmp_path, make_model, make_config):
     plain = train(make_config(), make_model(), tiny_data(), run_dir=tmp_path / "plain")
-    off = train(make_config(preservation_class="person", preservation_weight=0.0), make_model(), dop_data(),
-                run_dir=tmp_path / "off")
+    off = train(
+        make_config(preservation_class="person", preservation_weight=0.0),
+        make_model(),
+        dop_data(),
+        run_dir=tmp_path / "off",
+    )
     on = train(make_config(**DOP), make_model(), dop_data(), run_dir=tmp_path / "on")
     assert plain.history.loss == off.history.loss
     for path, weights in plain.lora.items():
         assert np.array_equal(weights.A, off.lora[path].A) and np.array_equal(weights.B, off.lora[path].B)
-    assert any(not np.array_equal(w.B, on.lora[p].B) for p, w in plain.lora.items())   # DOP does train otherwise
+    assert any(not np.array_equal(w.B, on.lora[p].B) for p, w in plain.lora.items())  # DOP does train otherwise
 
 
 # --------------------------------------------------------------------------- regularisation images
+
 
 def test_reg_images_are_drawn_as_configured():
     """Each epoch: every training image (× repeats) and every regularisation image (× reg repeats) once,
@@ -180,8 +195,12 @@ def test_reg_images_are_drawn_as_configured():
     assert sorted(data.buckets) == ["4x4", "6x4", "reg/4x4"] and data.name(6) == "reg/person_0.png"
     arch, cfg = get_arch("demo"), config.from_dict({"arch": "demo"})
     reg_batch = next(batch for batch in plan if data.is_regularisation(batch[0]))
-    plain, weighted = (build_batch(data, reg_batch, np.random.default_rng(0), objective_settings(cfg, arch), arch,
-                                   0.0, preserve=chosen) for chosen in (OFF, Settings(reg_weight=0.25)))
+    plain, weighted = (
+        build_batch(
+            data, reg_batch, np.random.default_rng(0), objective_settings(cfg, arch), arch, 0.0, preserve=chosen
+        )
+        for chosen in (OFF, Settings(reg_weight=0.25))
+    )
     np.testing.assert_array_equal(weighted.weights, plain.weights * np.float32(0.25))
     np.testing.assert_array_equal(weighted.latents, plain.latents)
     np.testing.assert_array_equal(weighted.latents[0], reg.latent(reg_batch[0] - 6))
@@ -195,19 +214,37 @@ def test_dop_rows_carry_their_class_captions_and_reg_batches_skip_dop(make_confi
     batch = build_batch(data, [0, 2], np.random.default_rng(0), settings, arch, 0.0, preserve=chosen)
     kept = batch.preservation
     np.testing.assert_array_equal(kept.context, arch.collate_context([data.main.class_contexts[i] for i in (0, 2)]))
-    np.testing.assert_array_equal(kept.joint_context[:2], batch.context)     # the rows as trained, then class rows
+    np.testing.assert_array_equal(kept.joint_context[:2], batch.context)  # the rows as trained, then class rows
     np.testing.assert_array_equal(kept.joint_context[2:], kept.context)
     np.testing.assert_array_equal(kept.weights, [2.0, 2.0])
-    assert build_batch(data, [6, 7], np.random.default_rng(0), settings, arch, 0.0, preserve=chosen).preservation is None
+    assert (
+        build_batch(data, [6, 7], np.random.default_rng(0), settings, arch, 0.0, preserve=chosen).preservation is None
+    )
 
 
 def test_a_run_with_dop_and_reg_images_resumes_bitwise(tmp_path, make_model, make_config):
-    cfg = make_config(steps=10, checkpoint_every=4, caption_dropout=0.3, lora_dropout=0.1, ema=True, grad_accum=2,
-                      log_every=5, gradient_checkpointing=True, **DOP, **REG)
+    cfg = make_config(
+        steps=10,
+        checkpoint_every=4,
+        caption_dropout=0.3,
+        lora_dropout=0.1,
+        ema=True,
+        grad_accum=2,
+        log_every=5,
+        gradient_checkpointing=True,
+        **DOP,
+        **REG,
+    )
     straight = train(cfg, make_model(), both_data(), run_dir=tmp_path / "straight")
     progress = []
-    first = train(cfg, make_model(), both_data(), run_dir=tmp_path / "stopped", on_step=progress.append,
-                  should_stop=lambda: len(progress) >= 5)
+    first = train(
+        cfg,
+        make_model(),
+        both_data(),
+        run_dir=tmp_path / "stopped",
+        on_step=progress.append,
+        should_stop=lambda: len(progress) >= 5,
+    )
     assert first.stopped and first.step == 5
     resumed = train(cfg, make_model(), both_data(), run_dir=tmp_path / "stopped", resume=tmp_path / "stopped")
     assert_bitwise_resume(straight, resumed)
@@ -215,6 +252,7 @@ def test_a_run_with_dop_and_reg_images_resumes_bitwise(tmp_path, make_model, mak
 
 
 # --------------------------------------------------------------------------- refusals
+
 
 def test_settings_that_cannot_work_are_refused(tmp_path, make_model, make_config):
     with pytest.raises(ConfigError, match="preservation_class"):
@@ -229,12 +267,17 @@ def test_settings_that_cannot_work_are_refused(tmp_path, make_model, make_config
 
 # --------------------------------------------------------------------------- the cached class-word captions
 
+
 def test_class_captions_are_encoded_and_cached(tmp_path):
-    assert class_caption("ohwx, a man beside ohwx2 and ohwx", "ohwx", "person") == "person, a man beside ohwx2 and person"
+    assert (
+        class_caption("ohwx, a man beside ohwx2 and ohwx", "ohwx", "person") == "person, a man beside ohwx2 and person"
+    )
     root = tmp_path / "ds"
     root.mkdir()
-    for name, caption, colour in (("a.png", "a man at a desk", (200, 30, 30)),
-                                  ("b.png", "{trigger} in the rain", (30, 30, 200))):
+    for name, caption, colour in (
+        ("a.png", "a man at a desk", (200, 30, 30)),
+        ("b.png", "{trigger} in the rain", (30, 30, 200)),
+    ):
         Image.new("RGB", (64, 64), colour).save(root / name)
         (root / name).with_suffix(".txt").write_text(caption)
     settings = DataSettings(resolutions=(64,), captions=CaptionSettings(trigger_word="ohwx"))
@@ -242,8 +285,13 @@ def test_class_captions_are_encoded_and_cached(tmp_path):
     with pytest.raises(DatasetError, match="no trigger word"):
         Dataset.load(root, DataSettings(resolutions=(64,))).with_preservation("person")
     dataset = dataset.with_preservation("person")
-    assert set(dataset.texts()) == {"", "ohwx, a man at a desk", "ohwx in the rain", "person, a man at a desk",
-                                    "person in the rain"}
+    assert set(dataset.texts()) == {
+        "",
+        "ohwx, a man at a desk",
+        "ohwx in the rain",
+        "person, a man at a desk",
+        "person in the rain",
+    }
     seen = []
 
     def encode_text(text):
@@ -251,17 +299,19 @@ def test_class_captions_are_encoded_and_cached(tmp_path):
         return np.full((3, 4), len(text), np.float32)
 
     encoded = dataset.encode_images(lambda px: px[:, ::8, ::8].transpose(0, 3, 1, 2), "vae").encode_captions(
-        encode_text, "te")
+        encode_text, "te"
+    )
     data = encoded.training_data()
     for index in range(len(data.entries)):
         expected = class_caption(data.caption(index), "ohwx", "person")
         assert data.preservation_context(index)[0, 0] == len(expected)
     again = copy.copy(seen)
-    dataset.encode_captions(encode_text, "te")        # cached: nothing encoded again
+    dataset.encode_captions(encode_text, "te")  # cached: nothing encoded again
     assert seen == again and len(seen) == 5
 
 
 # --------------------------------------------------------------------------- MLX
+
 
 def test_mlx_trains_dop_and_reg_images_as_torch_does(tmp_path, make_model, make_config, monkeypatch):
     """A few steps of the real loop with DOP and regularisation images: MLX (eager step) against torch."""
@@ -269,18 +319,24 @@ def test_mlx_trains_dop_and_reg_images_as_torch_does(tmp_path, make_model, make_
     from trainer.backends.mlx_backend.backend import MlxBackend
     from trainer.backends.mlx_backend.models.tiny import demo_model
 
-    monkeypatch.setattr(MlxBackend, "compile_step", False)   # no g++ kernel builds on CPU (test_mlx_backend.py)
+    monkeypatch.setattr(MlxBackend, "compile_step", False)  # no g++ kernel builds on CPU (test_mlx_backend.py)
     results = {}
-    for name, model in (("torch", make_model()), ("mlx", demo_model(0, hidden=32, heads=2, double_blocks=1,
-                                                                     single_blocks=1, in_channels=16, context_dim=32))):
+    for name, model in (
+        ("torch", make_model()),
+        ("mlx", demo_model(0, hidden=32, heads=2, double_blocks=1, single_blocks=1, in_channels=16, context_dim=32)),
+    ):
         cfg = make_config(backend=name, steps=8, max_grad_norm=0.01, **DOP, **REG)
         results[name] = train(cfg, model, both_data(), run_dir=tmp_path / name)
     ref, ours = results["torch"], results["mlx"]
     np.testing.assert_allclose(ours.history.loss, ref.history.loss, rtol=1e-3)
     for path, weights in ref.lora.items():
         np.testing.assert_allclose(ours.lora[path].B, weights.B, atol=1e-5)
-    plain = train(make_config(backend="torch", steps=8, max_grad_norm=0.01, **REG), make_model(), both_data(),
-                  run_dir=tmp_path / "plain")
+    plain = train(
+        make_config(backend="torch", steps=8, max_grad_norm=0.01, **REG),
+        make_model(),
+        both_data(),
+        run_dir=tmp_path / "plain",
+    )
     # DOP was on in both: it moves the weights by far more than the backends differ
     apart = max(np.abs(ours.lora[p].B - w.B).max() for p, w in ref.lora.items())
     moved = max(np.abs(plain.lora[p].B - w.B).max() for p, w in ref.lora.items())
@@ -306,8 +362,9 @@ def test_the_headless_data_path_caches_class_captions_and_the_reg_folder(tmp_pat
 
     make_images(tmp_path / "main", count=4)
     make_images(tmp_path / "reg", count=3, seed=1)
-    cfg = make_config(trigger_word="ohwx", resolutions=[128], steps=2, reg_dataset_dir=str(tmp_path / "reg"),
-                      reg_repeats=2, **DOP)
+    cfg = make_config(
+        trigger_word="ohwx", resolutions=[128], steps=2, reg_dataset_dir=str(tmp_path / "reg"), reg_repeats=2, **DOP
+    )
     data = build_data(cfg, tmp_path / "main", tmp_path / "cache")
     assert isinstance(data, RegularisedData)
     reg = [i for indices in data.buckets.values() for i in indices if data.is_regularisation(i)]
@@ -327,7 +384,7 @@ def test_compiled_blocks_do_not_recompile_for_the_lora_off_forward(make_model, m
 
     from trainer.backends.torch_backend import checkpointing
 
-    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")   # same graphs, no C++ build
+    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")  # same graphs, no C++ build
     lora = backend_with_lora(make_model, make_config).lora_state()
 
     def graphs_and_grads(batches, compiled=True):

@@ -1,4 +1,5 @@
 """trainer/objective/schedules.py: each schedule at warmup start/end, midpoint and last step; errors."""
+
 import math
 
 import pytest
@@ -9,8 +10,7 @@ BASE = 1e-4
 
 
 def lr(step, schedule, total=101, warmup=0, min_ratio=0.0):
-    return lr_at(step, base_lr=BASE, schedule=schedule, total_steps=total,
-                 warmup_steps=warmup, min_lr_ratio=min_ratio)
+    return lr_at(step, base_lr=BASE, schedule=schedule, total_steps=total, warmup_steps=warmup, min_lr_ratio=min_ratio)
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine_with_warmup"])
@@ -78,10 +78,16 @@ def test_unknown_schedule_lists_choices():
     assert all(name in str(err.value) for name in SCHEDULES)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(step=-1), "step"), (dict(step=101), "step"), (dict(total=0), "total_steps"),
-    (dict(warmup=101), "warmup_steps"), (dict(min_ratio=1.5), "min_lr_ratio"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(step=-1), "step"),
+        (dict(step=101), "step"),
+        (dict(total=0), "total_steps"),
+        (dict(warmup=101), "warmup_steps"),
+        (dict(min_ratio=1.5), "min_lr_ratio"),
+    ],
+)
 def test_out_of_range_arguments(kwargs, name):
     args = dict(step=0, schedule="linear") | kwargs
     with pytest.raises(ValueError, match=name):

@@ -6,6 +6,7 @@ What is held: two ranks with batch b train the LoRA one process with batch 2b tr
 rank 0 alone writes, every rank ends with the same weights, optimizer and EMA, a 2-rank run resumes
 bitwise on 2 ranks and is refused on 1, and a killed rank ends the run with a resumable checkpoint.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,10 @@ from helpers.distributed import free_port
 from helpers.resume import assert_bitwise_resume
 
 ROOT = Path(__file__).resolve().parents[3]
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or sys.platform == "win32",
-                                reason="needs torch.distributed with gloo and fork (Linux, macOS)")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or sys.platform == "win32",
+    reason="needs torch.distributed with gloo and fork (Linux, macOS)",
+)
 
 
 # ---------------------------------------------------------------- shares of a global batch
@@ -43,21 +46,23 @@ def test_shares_cover_the_global_batch_once_and_scale_to_its_mean(count, world):
     # mean over the ranks of (mean over a share of scale·x) = mean over the global batch of x
     x = np.arange(1.0, count + 1.0)
     assert np.isclose(np.mean([np.mean(x[rows] * scale) for rows, scale in shares]), x.mean())
-    assert all(rows == [0] for rows, scale in shares if scale == 0)   # an empty share trains row 0 at weight 0
+    assert all(rows == [0] for rows, scale in shares if scale == 0)  # an empty share trains row 0 at weight 0
 
 
 def test_each_rank_builds_its_rows_of_the_one_global_batch(make_data, make_config):
     data, arch = make_data(count=8, shapes=((4, 4),)), get_arch("demo")
     settings = objective_settings(make_config(), arch)
     whole = build_batch(data, [0, 1, 2, 3, 4], np.random.default_rng(3), settings, arch, 0.5)
-    parts = [build_batch(data, [0, 1, 2, 3, 4], np.random.default_rng(3), settings, arch, 0.5,
-                         distributed.Group(rank, 2)) for rank in range(2)]
+    parts = [
+        build_batch(data, [0, 1, 2, 3, 4], np.random.default_rng(3), settings, arch, 0.5, distributed.Group(rank, 2))
+        for rank in range(2)
+    ]
     for field in ("latents", "noise", "sigmas", "context"):
         assert np.array_equal(np.concatenate([getattr(p, field) for p in parts]), getattr(whole, field)), field
     # rows 0-1 and 2-4: weights scaled by share·world/count, so DDP's mean of the ranks' means is the batch mean
     assert np.allclose(parts[0].weights, whole.weights[:2] * 2 * 2 / 5)
     assert np.allclose(parts[1].weights, whole.weights[2:] * 3 * 2 / 5)
-    assert parts[0].items == parts[1].items == whole.items   # every rank names the whole batch
+    assert parts[0].items == parts[1].items == whole.items  # every rank names the whole batch
 
 
 def test_torchrun_with_mlx_or_mps_is_refused(monkeypatch):
@@ -96,8 +101,15 @@ def _rank(rank: int, world: int, port: int, out: str, settings: dict, runs: list
             progress: list = []
             stop_at = stop_at.get(rank) if isinstance(stop_at, dict) else stop_at
             stop = functools.partial(_reached, progress, stop_at) if stop_at else None
-            result = train(cfg, tiny_model(), tiny_data(), run_dir=run_dir, resume=run_dir if resume else None,
-                           on_step=progress.append, should_stop=stop)
+            result = train(
+                cfg,
+                tiny_model(),
+                tiny_data(),
+                run_dir=run_dir,
+                resume=run_dir if resume else None,
+                on_step=progress.append,
+                should_stop=stop,
+            )
             ended[f"ended.{number}"] = np.asarray([result.step, result.stopped], np.int64)
         tensors = {f"written.{i}": np.asarray([c["epoch"], c["position"]]) for i, c in enumerate(writes)}
         tensors.update(ended)
@@ -122,20 +134,32 @@ def _ema_and_moments(result) -> dict[str, np.ndarray]:
 
 def two_ranks(tmp_path, settings: dict, runs: list, tiny: tuple) -> list[dict[str, np.ndarray]]:
     """Two forked ranks (fork: the arguments are not pickled, and no interpreter starts); their end states."""
-    torch.multiprocessing.start_processes(_rank, args=(2, free_port(), str(tmp_path), settings, runs, tiny),
-                                          nprocs=2, start_method="fork")
+    torch.multiprocessing.start_processes(
+        _rank, args=(2, free_port(), str(tmp_path), settings, runs, tiny), nprocs=2, start_method="fork"
+    )
     return [safetensors_io.read(tmp_path / f"rank{r}.safetensors")[0] for r in range(2)]
 
 
 # grad_accum 2 (no_sync on the first micro-batch), checkpointing, EMA, caption dropout, two buckets of
 # 3 items: a global batch of 4 is cut into 3-item batches, shared 1 + 2 (unequal shares, scaled).
-EQUAL = {"steps": 4, "batch_size": 2, "grad_accum": 2, "ema": True, "ema_decay": 0.9, "caption_dropout": 0.3,
-         "gradient_checkpointing": True, "checkpoint_every": 2, "log_every": 1, "max_grad_norm": 0.5}
+EQUAL = {
+    "steps": 4,
+    "batch_size": 2,
+    "grad_accum": 2,
+    "ema": True,
+    "ema_decay": 0.9,
+    "caption_dropout": 0.3,
+    "gradient_checkpointing": True,
+    "checkpoint_every": 2,
+    "log_every": 1,
+    "max_grad_norm": 0.5,
+}
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(tmp_path, make_model, make_data,
-                                                                          make_config, monkeypatch, compiled):
+def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(
+    tmp_path, make_model, make_data, make_config, monkeypatch, compiled
+):
     """Compiled: blocks under torch.compile ("aot_eager": the same graphs, no C++ build), whose backward gives
     DDP's hooks ordinary leaf gradients; one bucket of 8 there, so each process compiles one shape."""
     from trainer.backends.torch_backend import checkpointing
@@ -149,8 +173,9 @@ def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(tmp_path
     for key, value in one.items():
         np.testing.assert_allclose(ranks[0][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
     # Every rank ends with the same LoRA, EMA and optimizer state (all-reduced gradients, same updates).
-    assert set(ranks[0]) - {k for k in ranks[0] if k.startswith("written.")} == \
-        set(ranks[1]) - {k for k in ranks[1] if k.startswith("written.")}
+    assert set(ranks[0]) - {k for k in ranks[0] if k.startswith("written.")} == set(ranks[1]) - {
+        k for k in ranks[1] if k.startswith("written.")
+    }
     for key in ranks[0]:
         if not key.startswith(("written.", "ended.")):
             assert np.array_equal(ranks[0][key], ranks[1][key]), key
@@ -162,7 +187,7 @@ def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(tmp_path
     assert [s for s, _ in state.list_checkpoints(tmp_path / "two")] == steps
 
 
-RESUME = {**EQUAL, "steps": 6, "lora_dropout": 0.2}   # LoRA dropout: each rank's own torch RNG stream
+RESUME = {**EQUAL, "steps": 6, "lora_dropout": 0.2}  # LoRA dropout: each rank's own torch RNG stream
 
 
 def test_two_ranks_resume_bitwise_on_two_and_are_refused_on_one(tmp_path, make_model, make_data, make_config):
@@ -171,16 +196,17 @@ def test_two_ranks_resume_bitwise_on_two_and_are_refused_on_one(tmp_path, make_m
     tiny = (make_model, make_data, make_config)
     straight = two_ranks(tmp_path / "a", RESUME, [("run", False, None)], tiny)
     resumed = two_ranks(tmp_path / "b", RESUME, [("run", False, {0: 2}), ("run", True, None)], tiny)
-    assert [list(r["ended.0"]) for r in resumed] == [[3, 1], [3, 1]]   # both stopped after step 3
+    assert [list(r["ended.0"]) for r in resumed] == [[3, 1], [3, 1]]  # both stopped after step 3
     assert [list(r["ended.1"]) for r in resumed] == [[6, 0], [6, 0]]
     # step 3's checkpoint is the stop's (checkpoint_every 2 writes 2, 4, 6), and the resume started from it
     assert [s for s, _ in state.list_checkpoints(tmp_path / "b" / "run")] == [3, 4, 6]
     last = [state.list_checkpoints(tmp_path / run / "run")[-1][1] for run in ("a", "b")]
     assert_bitwise_resume(*last, holds=("rng.rank1.",))
     assert np.array_equal(straight[0]["loss"], resumed[0]["loss"])
-    with pytest.raises(ValueError, match=r"trained on 2 process\(es\) and is resumed on 1.*torchrun --nproc_per_node 2"):
-        train(make_config(**RESUME), make_model(), make_data(), run_dir=tmp_path / "c",
-              resume=tmp_path / "b" / "run")
+    with pytest.raises(
+        ValueError, match=r"trained on 2 process\(es\) and is resumed on 1.*torchrun --nproc_per_node 2"
+    ):
+        train(make_config(**RESUME), make_model(), make_data(), run_dir=tmp_path / "c", resume=tmp_path / "b" / "run")
 
 
 # ---------------------------------------------------------------- the real command: torchrun
@@ -192,8 +218,20 @@ def torchrun(config: Path, *, resume: bool = False, fault: str | None = None) ->
     env.pop("KILN_FAULT", None)
     if fault:
         env["KILN_FAULT"] = fault
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-            "-m", "trainer", "train", str(config), *(["--resume"] if resume else [])]
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "trainer",
+        "train",
+        str(config),
+        *(["--resume"] if resume else []),
+    ]
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -202,12 +240,14 @@ def test_torchrun_a_killed_rank_ends_the_run_and_it_resumes_where_it_stopped(tmp
 
     make_dataset(tmp_path / "shapes")
     config = tmp_path / "run.toml"
-    config.write_text(f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 5\nbatch_size = 1\n'
-                      f'rank = 4\nalpha = 4.0\nresolutions = [64]\ncheckpoint_every = 2\nlog_every = 1\n'
-                      f'lora_dropout = 0.1\ncaption_dropout = 0.2\nema = true\n'
-                      f'dataset_dir = "{tmp_path / "shapes"}"\noutput_dir = "{tmp_path / "runs"}"\nrun_name = "r"\n')
+    config.write_text(
+        f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 5\nbatch_size = 1\n'
+        f"rank = 4\nalpha = 4.0\nresolutions = [64]\ncheckpoint_every = 2\nlog_every = 1\n"
+        f"lora_dropout = 0.1\ncaption_dropout = 0.2\nema = true\n"
+        f'dataset_dir = "{tmp_path / "shapes"}"\noutput_dir = "{tmp_path / "runs"}"\nrun_name = "r"\n'
+    )
     run_dir = tmp_path / "runs" / "r"
-    killed = torchrun(config, fault="rank1:step:3")   # rank 1 SIGKILLed after its 3rd step
+    killed = torchrun(config, fault="rank1:step:3")  # rank 1 SIGKILLed after its 3rd step
     assert killed.returncode != 0, killed.stdout + killed.stderr
     assert [s for s, _ in state.list_checkpoints(run_dir)] == [2], killed.stderr[-3000:]
     assert not (run_dir / "r.safetensors").exists()
@@ -219,8 +259,9 @@ def test_torchrun_a_killed_rank_ends_the_run_and_it_resumes_where_it_stopped(tmp
     assert checkpoint.info["world_size"] == 2 and len(checkpoint.info["history"]["loss"]) == 5
     # The same command never stopped (two forked ranks, as torchrun starts them) ends bitwise equal.
     config.write_text(config.read_text().replace('run_name = "r"', 'run_name = "straight"'))
-    torch.multiprocessing.start_processes(_command_rank, args=(2, free_port(), str(config)), nprocs=2,
-                                          start_method="fork")
+    torch.multiprocessing.start_processes(
+        _command_rank, args=(2, free_port(), str(config)), nprocs=2, start_method="fork"
+    )
     straight = state.load_checkpoint(tmp_path / "runs" / "straight")
     assert straight.step == 5 and set(straight.tensors) == set(checkpoint.tensors)
     for key, value in straight.tensors.items():
@@ -232,8 +273,9 @@ def _command_rank(rank: int, world: int, port: int, config: str) -> None:
     from trainer.cli.main import main
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     try:
         assert main(["train", config]) == 0
     finally:

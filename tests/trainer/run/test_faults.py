@@ -1,6 +1,7 @@
 """Faults injected into real runs: NaN/inf steps are skipped untouched and named, three in a row stop
 with a resumable checkpoint, out of memory saves the last good step and names the fix. Both backends
 (MLX where mlx[cpu] is installed)."""
+
 from __future__ import annotations
 
 import weakref
@@ -19,8 +20,15 @@ from trainer.run.loop import train
 
 from helpers.resume import assert_bitwise_resume
 
-BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.skipif(
-    not __import__("importlib").util.find_spec("mlx"), reason="mlx not installed (pip install 'mlx[cpu]')"))]
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "mlx",
+        marks=pytest.mark.skipif(
+            not __import__("importlib").util.find_spec("mlx"), reason="mlx not installed (pip install 'mlx[cpu]')"
+        ),
+    ),
+]
 
 
 def model_for(backend: str, make_model):
@@ -36,6 +44,7 @@ def eager_mlx(monkeypatch):
     """MLX steps run eagerly (the same function, no g++ kernel builds on mlx[cpu]) unless a test says otherwise."""
     if __import__("importlib").util.find_spec("mlx"):
         from trainer.backends.mlx_backend.backend import MlxBackend
+
         monkeypatch.setattr(MlxBackend, "compile_step", False)
 
 
@@ -62,9 +71,14 @@ def batch(poison: str | None = None, seed: int = 0) -> Batch:
         latents[1, 0, 0, 0] = np.nan
     elif poison == "inf_weight":
         weights[0] = np.inf
-    return Batch(latents=latents, noise=rng.standard_normal(latents.shape).astype(np.float32),
-                 sigmas=np.array([0.3, 0.7], np.float32), weights=weights,
-                 context=rng.standard_normal((2, 8, 32)).astype(np.float32), items=["a.png", "b.png"])
+    return Batch(
+        latents=latents,
+        noise=rng.standard_normal(latents.shape).astype(np.float32),
+        sigmas=np.array([0.3, 0.7], np.float32),
+        weights=weights,
+        context=rng.standard_normal((2, 8, 32)).astype(np.float32),
+        items=["a.png", "b.png"],
+    )
 
 
 def snapshot(backend) -> dict[str, np.ndarray]:
@@ -81,18 +95,18 @@ def setup_backend(kind: str, make_model, make_config):
     cfg = make_config(ema=True, ema_decay=0.9, max_grad_norm=1.0, backend="mlx" if kind.startswith("mlx") else "torch")
     if kind.startswith("mlx"):
         from trainer.backends.mlx_backend.backend import MlxBackend
+
         backend = MlxBackend()
         backend.compile_step = kind == "mlx-compiled"
     else:
         backend = TorchBackend()
     backend.setup(model_for(cfg.backend, make_model), cfg, get_arch("demo"))
-    if kind == "torch-fused":   # the CUDA default (fused AdamW), run on the CPU's fused kernel
+    if kind == "torch-fused":  # the CUDA default (fused AdamW), run on the CPU's fused kernel
         backend.optimizer = torch.optim.AdamW(list(backend.params.values()), lr=1e-3, fused=True)
     return backend
 
 
-KINDS = ["torch", "torch-fused",
-         *(pytest.param(k, marks=BACKENDS[1].marks) for k in ("mlx-eager", "mlx-compiled"))]
+KINDS = ["torch", "torch-fused", *(pytest.param(k, marks=BACKENDS[1].marks) for k in ("mlx-eager", "mlx-compiled"))]
 
 
 @pytest.mark.parametrize("poison", ["nan_latent", "inf_weight"])
@@ -100,12 +114,12 @@ KINDS = ["torch", "torch-fused",
 def test_a_non_finite_step_changes_nothing(kind, poison, make_model, make_config, monkeypatch):
     backend = setup_backend(kind, make_model, make_config)
     try:
-        for seed in (0, 1):      # two good steps: moments, step count and EMA all non-trivial
+        for seed in (0, 1):  # two good steps: moments, step count and EMA all non-trivial
             assert backend.scalars([backend.step([batch(seed=seed)], 1e-3).finite]) == [1.0]
             backend.update_ema()
         before = snapshot(backend)
         reads = []
-        if kind == "torch-fused":   # the fused path must not read the flag on the host
+        if kind == "torch-fused":  # the fused path must not read the flag on the host
             real_item = torch.Tensor.item
             monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or real_item(t))
         stats = backend.step([batch(poison, seed=2)], 1e-3)
@@ -118,7 +132,7 @@ def test_a_non_finite_step_changes_nothing(kind, poison, make_model, make_config
         assert set(after) == set(before)
         for key in before:
             assert np.array_equal(before[key], after[key]), key
-        backend.step([batch(seed=3)], 1e-3)          # a good step after it trains again
+        backend.step([batch(seed=3)], 1e-3)  # a good step after it trains again
         backend.update_ema()
         moved = snapshot(backend)
         assert any(not np.array_equal(before[k], moved[k]) for k in before if ".B" in k or "ema." in k)
@@ -127,17 +141,24 @@ def test_a_non_finite_step_changes_nothing(kind, poison, make_model, make_config
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_skipped_steps_name_their_images_and_resume_exactly(backend, tmp_path, make_model, make_data, make_config,
-                                                            eager_mlx):
+def test_skipped_steps_name_their_images_and_resume_exactly(
+    backend, tmp_path, make_model, make_data, make_config, eager_mlx
+):
     """One image's latent is NaN: every batch holding it is skipped and names it; the rest trains; a run
     stopped at step 5 and resumed equals the uninterrupted one bit for bit, skip records included."""
     cfg = make_config(backend=backend, steps=10, checkpoint_every=3, log_every=4, ema=True, ema_decay=0.9)
 
     def run(name, stop_at=None, resume=False):
         reports = []
-        result = train(cfg, model_for(backend, make_model), Poisoned(make_data(count=8), items={1}),
-                       run_dir=tmp_path / name, on_step=reports.append, resume=tmp_path / name if resume else None,
-                       should_stop=(lambda: len(reports) >= stop_at) if stop_at else None)
+        result = train(
+            cfg,
+            model_for(backend, make_model),
+            Poisoned(make_data(count=8), items={1}),
+            run_dir=tmp_path / name,
+            on_step=reports.append,
+            resume=tmp_path / name if resume else None,
+            should_stop=(lambda: len(reports) >= stop_at) if stop_at else None,
+        )
         return result, reports
 
     straight, reports = run("straight")
@@ -155,8 +176,9 @@ def test_skipped_steps_name_their_images_and_resume_exactly(backend, tmp_path, m
 
 @pytest.mark.parametrize("log_every,stops_at", [(1, 7), (4, 8)])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_three_bad_steps_in_a_row_stop_with_a_resumable_checkpoint(backend, log_every, stops_at, tmp_path, make_model,
-                                                                   make_data, make_config, eager_mlx):
+def test_three_bad_steps_in_a_row_stop_with_a_resumable_checkpoint(
+    backend, log_every, stops_at, tmp_path, make_model, make_data, make_config, eager_mlx
+):
     """From step 5 every latent is NaN. Read every step, the run stops at step 7 (5, 6, 7 skipped); read
     every 4 steps (no host sync in between), at the read after the third (step 8). The checkpoint holds the
     weights of step 4 exactly, and a resume with the data fixed trains on to the end."""
@@ -190,19 +212,33 @@ def _oom_forward(backend: str, fail_at: int, error: BaseException):
         if calls["n"] == fail_at:
             raise error
         return model(x_t, sigmas, context, **extras)
+
     return forward
 
 
-@pytest.mark.parametrize("backend,error", [
-    ("torch", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")),
-    pytest.param("mlx", RuntimeError("[metal::malloc] Attempting to allocate 9663676416 bytes"),
-                 marks=BACKENDS[1].marks)])
-def test_out_of_memory_saves_the_last_good_step_and_names_the_fixes(backend, error, tmp_path, make_model, make_data,
-                                                                    make_config, eager_mlx):
+@pytest.mark.parametrize(
+    "backend,error",
+    [
+        ("torch", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")),
+        pytest.param(
+            "mlx", RuntimeError("[metal::malloc] Attempting to allocate 9663676416 bytes"), marks=BACKENDS[1].marks
+        ),
+    ],
+)
+def test_out_of_memory_saves_the_last_good_step_and_names_the_fixes(
+    backend, error, tmp_path, make_model, make_data, make_config, eager_mlx
+):
     """A step fails with OOM at step 4: the checkpoint is step 3 exactly (draws put back), the message
     names what to change, the model is restored, and resuming equals a run that never failed."""
-    cfg = make_config(backend=backend, steps=6, caption_dropout=0.3, lora_dropout=0.1 if backend == "torch" else 0.0,
-                      ema=True, ema_decay=0.9, log_every=2)
+    cfg = make_config(
+        backend=backend,
+        steps=6,
+        caption_dropout=0.3,
+        lora_dropout=0.1 if backend == "torch" else 0.0,
+        ema=True,
+        ema_decay=0.9,
+        log_every=2,
+    )
     model = model_for(backend, make_model)
     flags = [p.requires_grad for p in model.parameters()] if backend == "torch" else None
     with pytest.raises(faults.OutOfMemory) as caught:
@@ -213,8 +249,10 @@ def test_out_of_memory_saves_the_last_good_step_and_names_the_fixes(backend, err
     assert ("fp8" in message) if backend == "torch" else ("base_quantize" in message)
     assert caught.value.__cause__ is error
     if backend == "torch":
-        assert all("forward" not in m.__dict__ for m in model.modules())   # LoRA gone with the run
-        assert [p.requires_grad for p in model.parameters()] == flags and all(p.grad is None for p in model.parameters())
+        assert all("forward" not in m.__dict__ for m in model.modules())  # LoRA gone with the run
+        assert [p.requires_grad for p in model.parameters()] == flags and all(
+            p.grad is None for p in model.parameters()
+        )
     resumed = train(cfg, model_for(backend, make_model), make_data(), run_dir=tmp_path / "oom", resume=tmp_path / "oom")
     straight = train(cfg, model_for(backend, make_model), make_data(), run_dir=tmp_path / "straight")
     assert_bitwise_resume(straight, resumed)
@@ -225,37 +263,67 @@ def test_out_of_memory_names_the_speed_settings_that_hold_memory_first():
     names them before the fixes that change what trains; at the defaults (auto: fits what is free, steps back
     on its own) it names none of them."""
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    fast = config_module.from_dict({"arch": "zimage", "compile_blocks": True, "checkpoint_budget": 0.7,
-                                    "skip_checkpoint_blocks": 3, "fp8_compute": True, "step_graphs": True})
+    fast = config_module.from_dict(
+        {
+            "arch": "zimage",
+            "compile_blocks": True,
+            "checkpoint_budget": 0.7,
+            "skip_checkpoint_blocks": 3,
+            "fp8_compute": True,
+            "step_graphs": True,
+        }
+    )
     message = faults.out_of_memory_message(fast, error, 4, ["a.png"], None)
     fixes = message.split("To fit: ")[1]
-    order = [fixes.index(text) for text in ("checkpoint_budget (now 0.7", "skip_checkpoint_blocks to 0 (now 3",
-                                            "fp8_compute to auto or off", "step_graphs to auto or off",
-                                            "lower resolutions")]
+    order = [
+        fixes.index(text)
+        for text in (
+            "checkpoint_budget (now 0.7",
+            "skip_checkpoint_blocks to 0 (now 3",
+            "fp8_compute to auto or off",
+            "step_graphs to auto or off",
+            "lower resolutions",
+        )
+    ]
     assert order == sorted(order)
-    graphs = config_module.from_dict({"arch": "zimage", "compile_blocks": True, "cuda_graphs": True,
-                                      "step_graphs": False})
+    graphs = config_module.from_dict(
+        {"arch": "zimage", "compile_blocks": True, "cuda_graphs": True, "step_graphs": False}
+    )
     assert "turn cuda_graphs off" in faults.out_of_memory_message(graphs, error, 4, [], None)
     plain = faults.out_of_memory_message(config_module.from_dict({"arch": "zimage"}), RuntimeError(""), 4, [], None)
-    assert not any(name in plain for name in ("checkpoint_budget", "skip_checkpoint_blocks", "fp8_compute",
-                                              "step_graphs", "cuda_graphs"))
-    assert "step 5 (batch: (unnamed)): RuntimeError." in plain      # an empty message names the error's type
+    assert not any(
+        name in plain
+        for name in ("checkpoint_budget", "skip_checkpoint_blocks", "fp8_compute", "step_graphs", "cuda_graphs")
+    )
+    assert "step 5 (batch: (unnamed)): RuntimeError." in plain  # an empty message names the error's type
 
 
-def test_out_of_memory_on_the_first_step_saves_nothing_and_sampling_oom_keeps_the_step(tmp_path, make_model,
-                                                                                       make_data, make_config):
+def test_out_of_memory_on_the_first_step_saves_nothing_and_sampling_oom_keeps_the_step(
+    tmp_path, make_model, make_data, make_config
+):
     oom = torch.OutOfMemoryError("CUDA out of memory")
     with pytest.raises(faults.OutOfMemory, match="nothing new to save"):
-        train(make_config(steps=3), make_model(), make_data(), run_dir=tmp_path / "first",
-              forward=_oom_forward("torch", 1, oom))
+        train(
+            make_config(steps=3),
+            make_model(),
+            make_data(),
+            run_dir=tmp_path / "first",
+            forward=_oom_forward("torch", 1, oom),
+        )
     assert state.list_checkpoints(tmp_path / "first") == []
 
     def validate(step, lora):
         raise torch.OutOfMemoryError("CUDA out of memory (sampling)")
 
     with pytest.raises(faults.OutOfMemory, match="lower width/height"):
-        train(make_config(steps=4), make_model(), make_data(), run_dir=tmp_path / "val", validate=validate,
-              validate_every=2)
+        train(
+            make_config(steps=4),
+            make_model(),
+            make_data(),
+            run_dir=tmp_path / "val",
+            validate=validate,
+            validate_every=2,
+        )
     assert state.load_checkpoint(tmp_path / "val").step == 2
 
 
@@ -264,10 +332,12 @@ def test_what_counts_as_out_of_memory():
     assert faults.is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
     assert faults.is_out_of_memory(RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory"))
     assert not faults.is_out_of_memory(RuntimeError("shape mismatch")) and not faults.is_out_of_memory(
-        ValueError("out of memory"))
+        ValueError("out of memory")
+    )
 
 
 # ---------------------------------------------------------------- the loop's fault pieces, alone
+
 
 class RngBackend:
     """Only what faults.Draws asks of a backend: an RNG state out and in."""
@@ -301,13 +371,14 @@ def _failing_step(error):
         activations = Activations()
         held.append(weakref.ref(activations))
         raise error
+
     return step, held
 
 
 def test_out_of_memory_puts_the_draws_back_saves_the_last_good_step_and_lets_the_frames_go(make_config):
     rng, sampler, backend, draws = _draws()
     expected = (rng.random(), sampler.next(), backend.key.copy())
-    rng.random(), sampler.next()                          # the failed step's draws
+    rng.random(), sampler.next()  # the failed step's draws
     backend.key += 1
     saved, error = [], torch.OutOfMemoryError("CUDA out of memory")
     step, held = _failing_step(error)
@@ -316,14 +387,18 @@ def test_out_of_memory_puts_the_draws_back_saves_the_last_good_step_and_lets_the
         saved.append(done)
         return Path(f"step-{done:06d}")
 
-    with (pytest.raises(faults.OutOfMemory, match="out of memory at step 8 .*step-000007") as caught,
-          faults.out_of_memory_rewinds(make_config(), 7, ["a.png"], draws, save)):
+    with (
+        pytest.raises(faults.OutOfMemory, match="out of memory at step 8 .*step-000007") as caught,
+        faults.out_of_memory_rewinds(make_config(), 7, ["a.png"], draws, save),
+    ):
         step()
     assert caught.value.__cause__ is error and saved == [7]
-    assert held[0]() is None                               # traceback.clear_frames: activations freed
+    assert held[0]() is None  # traceback.clear_frames: activations freed
     assert (rng.random(), sampler.next()) == expected[:2] and np.array_equal(backend.key, expected[2])
-    with (pytest.raises(faults.OutOfMemory, match="nothing new to save"),
-          faults.out_of_memory_rewinds(make_config(), 0, [], draws, None)):
+    with (
+        pytest.raises(faults.OutOfMemory, match="nothing new to save"),
+        faults.out_of_memory_rewinds(make_config(), 0, [], draws, None),
+    ):
         raise MemoryError
 
 
@@ -332,10 +407,12 @@ def test_other_errors_pass_the_out_of_memory_rewind_untouched(make_config):
     rng.random()
     after = rng.bit_generator.state
     error = ValueError("shape mismatch")
-    with (pytest.raises(ValueError) as caught,
-          faults.out_of_memory_rewinds(make_config(), 3, [], draws, lambda s: pytest.fail("saved"))):
+    with (
+        pytest.raises(ValueError) as caught,
+        faults.out_of_memory_rewinds(make_config(), 3, [], draws, lambda s: pytest.fail("saved")),
+    ):
         raise error
-    assert caught.value is error and rng.bit_generator.state == after   # no rewind, no save
+    assert caught.value is error and rng.bit_generator.state == after  # no rewind, no save
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("stop pressed")])
@@ -346,7 +423,7 @@ def test_an_error_in_on_step_saves_that_step_then_goes_on(error):
     assert caught.value is error and saved == [5]
     with faults.saves_on_error(saved.append, 6):
         pass
-    assert saved == [5]                                    # no error: nothing saved
+    assert saved == [5]  # no error: nothing saved
 
 
 def test_validation_errors_save_the_step_and_out_of_memory_names_the_validation_settings():
@@ -356,8 +433,10 @@ def test_validation_errors_save_the_step_and_out_of_memory_names_the_validation_
         events.append(("saved", step))
 
     error = torch.OutOfMemoryError("CUDA out of memory (sampling)")
-    with (pytest.raises(faults.OutOfMemory, match="validation images at step 4.*lower width/height") as caught,
-          faults.validation_saves_on_error(save, 4)):
+    with (
+        pytest.raises(faults.OutOfMemory, match="validation images at step 4.*lower width/height") as caught,
+        faults.validation_saves_on_error(save, 4),
+    ):
         raise error
     assert caught.value.__cause__ is error and events == [("saved", 4)]
     stop = KeyboardInterrupt()

@@ -1,5 +1,6 @@
 """Run folders named as typed: <name>, <name>-2 only on a clash of identities, a run found again by the
 identity written inside it, and folders of the old <name>-<hash> kind still found."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ def test_a_run_takes_its_name_as_typed_and_is_found_again(tmp_path):
     assert run_folders.read_identity(folder) == A
     info = json.loads((folder / run_folders.IDENTITY_FILE).read_text(encoding="utf-8"))
     assert info == {"format": run_folders.IDENTITY_FORMAT, "identity": A, "name": "portrait"}
-    (folder / "step-000004").mkdir()                                   # the run wrote something
+    (folder / "step-000004").mkdir()  # the run wrote something
     assert run_folders.find_or_claim(tmp_path, "portrait", A, WHAT) == folder
 
 
@@ -55,7 +56,7 @@ def test_a_gap_in_the_suffixes_does_not_hide_a_later_run(tmp_path):
         (run_folders.find_or_claim(tmp_path, "x", identity, WHAT) / "samples").mkdir()
     (tmp_path / "x-2" / "samples").rmdir()
     (tmp_path / "x-2" / run_folders.IDENTITY_FILE).unlink()
-    (tmp_path / "x-2").rmdir()                                         # a user deleted the middle run
+    (tmp_path / "x-2").rmdir()  # a user deleted the middle run
     assert run_folders.find_or_claim(tmp_path, "x", C, WHAT).name == "x-3"
     assert run_folders.find_or_claim(tmp_path, "x", "d" * 64, WHAT).name == "x-2"
 

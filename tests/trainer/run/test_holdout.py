@@ -1,4 +1,5 @@
 """Held-out loss and early stopping (trainer/run/holdout.py), and pausing the loop (trainer/run/pause.py)."""
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,11 @@ from helpers.resume import assert_bitwise_resume
 def test_the_split_is_seeded_whole_images_and_leaves_training_something(make_data):
     data = make_data(count=10)
     buckets, held = holdout.split(data.buckets, 0.3, seed=7)
-    assert len(held) == 3 and held == holdout.split(data.buckets, 0.3, seed=7)[1]       # seeded
+    assert len(held) == 3 and held == holdout.split(data.buckets, 0.3, seed=7)[1]  # seeded
     assert held != holdout.split(data.buckets, 0.3, seed=8)[1]
     trained = {i for indices in buckets.values() for i in indices}
     assert trained.isdisjoint(held) and trained | set(held) == set(range(10))
-    assert len(holdout.split(data.buckets, 2, seed=0)[1]) == 2                          # a count
+    assert len(holdout.split(data.buckets, 2, seed=0)[1]) == 2  # a count
     assert holdout.split(data.buckets, 0, seed=0) == (data.buckets, [])
     with pytest.raises(ValueError, match="holdout 10 keeps 10 of the dataset's 10 image"):
         holdout.split(data.buckets, 10, seed=0)
@@ -43,7 +44,7 @@ def test_held_out_images_are_never_trained_on(tmp_path, make_model, make_data, m
     result = train(cfg, make_model(), data, run_dir=tmp_path / "run")
     held_names = {data.name(i) for i in held}
     assert len(held_names) == 2 and held_names.isdisjoint(seen)
-    assert set(seen) == {data.name(i) for i in range(8)} - held_names     # every other image was
+    assert set(seen) == {data.name(i) for i in range(8)} - held_names  # every other image was
     assert [s for s, _ in result.history.holdout] == [5, 10]
 
 
@@ -51,7 +52,7 @@ def test_the_held_out_loss_is_deterministic_and_its_draws_fixed(make_model, make
     cfg, data, arch = make_config(holdout=2, holdout_sigmas=3, batch_size=2), make_data(), get_arch("demo")
     _, held = holdout.split(data.buckets, cfg.holdout, cfg.seed)
     first, again = holdout.batches(data, held, cfg, arch), holdout.batches(data, held, cfg, arch)
-    assert len(first) == 4                                    # 2 images × 3 sigmas in chunks of 2 rows
+    assert len(first) == 4  # 2 images × 3 sigmas in chunks of 2 rows
     for a, b in zip(first, again):
         assert np.array_equal(a.noise, b.noise) and np.array_equal(a.sigmas, b.sigmas)
     assert np.allclose(np.concatenate([b.sigmas for b in first[:2]]), [1 / 6, 1 / 2, 5 / 6])
@@ -69,8 +70,15 @@ def test_the_held_out_loss_is_deterministic_and_its_draws_fixed(make_model, make
 def test_evaluations_do_not_change_training(tmp_path, make_model, make_data, make_config):
     """Evaluating every step or only at the end trains the same weights: the held-out draws come from
     their own generators, never the run's."""
-    runs = [train(make_config(steps=4, holdout=1, holdout_every=every, lora_dropout=0.2, caption_dropout=0.3),
-                  make_model(), make_data(), run_dir=tmp_path / str(every)) for every in (1, 100)]
+    runs = [
+        train(
+            make_config(steps=4, holdout=1, holdout_every=every, lora_dropout=0.2, caption_dropout=0.3),
+            make_model(),
+            make_data(),
+            run_dir=tmp_path / str(every),
+        )
+        for every in (1, 100)
+    ]
     assert runs[0].history.loss == runs[1].history.loss
     assert all(np.array_equal(runs[0].lora[k].B, runs[1].lora[k].B) for k in runs[0].lora)
     assert len(runs[0].history.holdout) == 4 and runs[0].history.holdout[-1] == runs[1].history.holdout[-1]
@@ -84,16 +92,24 @@ def test_best_counts_evaluations_without_an_improvement_by_min_delta():
 
 
 def test_early_stopping_stops_at_the_right_step_keeps_the_best_and_a_resume_ends_at_once(
-        tmp_path, make_model, make_data, make_config, monkeypatch, capsys):
-    scripted = iter([1.0, 0.5, 0.6, 0.55, 0.7, 0.1])   # best at the 2nd evaluation (step 4), then 2 worse
+    tmp_path, make_model, make_data, make_config, monkeypatch, capsys
+):
+    scripted = iter([1.0, 0.5, 0.6, 0.55, 0.7, 0.1])  # best at the 2nd evaluation (step 4), then 2 worse
     monkeypatch.setattr(holdout, "evaluate", lambda backend, batches: next(scripted))
-    cfg = make_config(steps=12, holdout=1, holdout_every=2, early_stop_patience=2, early_stop_min_delta=0.01,
-                      checkpoint_every=2, keep_checkpoints=1)
+    cfg = make_config(
+        steps=12,
+        holdout=1,
+        holdout_every=2,
+        early_stop_patience=2,
+        early_stop_min_delta=0.01,
+        checkpoint_every=2,
+        keep_checkpoints=1,
+    )
     result = train(cfg, make_model(), make_data(), run_dir=tmp_path / "run")
     assert result.early_stopped and not result.stopped and result.step == 8
     assert result.best == holdout.Best(step=4, loss=0.5, since=2)
     assert result.checkpoint == state.step_dir(tmp_path / "run", 8)
-    assert [s for s, _ in state.list_checkpoints(tmp_path / "run")] == [8]      # keep_checkpoints pruned
+    assert [s for s, _ in state.list_checkpoints(tmp_path / "run")] == [8]  # keep_checkpoints pruned
     assert result.best_lora == tmp_path / "run" / "best" / "lora.safetensors" and result.best_lora.is_file()
     assert holdout.read_best(tmp_path / "run") == {"step": 4, "holdout_loss": 0.5}
     _, metadata = safetensors_io.read(result.best_lora)
@@ -102,8 +118,14 @@ def test_early_stopping_stops_at_the_right_step_keeps_the_best_and_a_resume_ends
     best_bytes = result.best_lora.read_bytes()
     monkeypatch.setattr(holdout, "evaluate", lambda backend, batches: pytest.fail("a stopped run evaluated again"))
     steps: list[int] = []
-    again = train(cfg, make_model(), make_data(), run_dir=tmp_path / "run", resume=tmp_path / "run",
-                  on_step=lambda report: steps.append(report.step))
+    again = train(
+        cfg,
+        make_model(),
+        make_data(),
+        run_dir=tmp_path / "run",
+        resume=tmp_path / "run",
+        on_step=lambda report: steps.append(report.step),
+    )
     assert not steps and again.early_stopped and not again.stopped and again.step == 8
     assert again.best == result.best and again.checkpoint == state.step_dir(tmp_path / "run", 8)
     assert [s for s, _ in state.list_checkpoints(tmp_path / "run")] == [8]
@@ -116,8 +138,7 @@ def test_early_stopping_stops_at_the_right_step_keeps_the_best_and_a_resume_ends
 def test_best_lora_is_the_weights_of_the_best_step(tmp_path, make_model, make_data, make_config, monkeypatch):
     scripted = iter([0.9, 0.5, 0.8, 0.8])
     monkeypatch.setattr(holdout, "evaluate", lambda backend, batches: next(scripted))
-    cfg = make_config(steps=8, holdout=1, holdout_every=2, checkpoint_every=4, keep_checkpoints=5,
-                      save_dtype="fp32")
+    cfg = make_config(steps=8, holdout=1, holdout_every=2, checkpoint_every=4, keep_checkpoints=5, save_dtype="fp32")
     result = train(cfg, make_model(), make_data(), run_dir=tmp_path / "run")
     assert not result.early_stopped and result.best.step == 4
     saved, _ = safetensors_io.read(result.best_lora)
@@ -126,14 +147,31 @@ def test_best_lora_is_the_weights_of_the_best_step(tmp_path, make_model, make_da
 
 
 def test_resume_is_bitwise_with_holdout_and_early_stopping_on(tmp_path, make_model, make_data, make_config):
-    cfg = make_config(steps=8, checkpoint_every=4, holdout=0.34, holdout_every=3, early_stop_patience=50,
-                      lora_dropout=0.1, caption_dropout=0.3, ema=True, ema_decay=0.9, log_every=5)
+    cfg = make_config(
+        steps=8,
+        checkpoint_every=4,
+        holdout=0.34,
+        holdout_every=3,
+        early_stop_patience=50,
+        lora_dropout=0.1,
+        caption_dropout=0.3,
+        ema=True,
+        ema_decay=0.9,
+        log_every=5,
+    )
 
     def run(name, stop_at=None, resume=False):
         progress: list = []
         stop = (lambda: len(progress) >= stop_at) if stop_at else None
-        return train(cfg, make_model(), make_data(), run_dir=tmp_path / name, on_step=progress.append,
-                     should_stop=stop, resume=tmp_path / name if resume else None)
+        return train(
+            cfg,
+            make_model(),
+            make_data(),
+            run_dir=tmp_path / name,
+            on_step=progress.append,
+            should_stop=stop,
+            resume=tmp_path / name if resume else None,
+        )
 
     straight = run("straight")
     assert run("stopped", stop_at=5).stopped
@@ -158,8 +196,13 @@ def test_mlx_held_out_loss_matches_torch(make_model, make_data, make_config):
     cfg, data, arch = make_config(holdout=2, ema=True), make_data(), get_arch("demo")
     batches = holdout.batches(data, holdout.split(data.buckets, 2, cfg.seed)[1], cfg, arch)
     values = []
-    for backend, model in ((TorchBackend(), make_model()), (MlxBackend(), demo_model(0, hidden=32, heads=2,
-                           double_blocks=1, single_blocks=1, in_channels=16, context_dim=32))):
+    for backend, model in (
+        (TorchBackend(), make_model()),
+        (
+            MlxBackend(),
+            demo_model(0, hidden=32, heads=2, double_blocks=1, single_blocks=1, in_channels=16, context_dim=32),
+        ),
+    ):
         backend.setup(model, cfg, arch)
         try:
             values.append([holdout.evaluate(backend, batches) for _ in range(2)])
@@ -171,6 +214,7 @@ def test_mlx_held_out_loss_matches_torch(make_model, make_data, make_config):
 
 # ---------------------------------------------------------------- pause
 
+
 def test_wait_returns_at_once_when_not_paused_and_ends_on_resume_or_stop(monkeypatch):
     sleeps: list[float] = []
     monkeypatch.setattr(pause.time, "sleep", sleeps.append)
@@ -180,25 +224,32 @@ def test_wait_returns_at_once_when_not_paused_and_ends_on_resume_or_stop(monkeyp
     assert pause.wait(lambda: next(answers), on_pause=events.append) >= 0.0
     assert len(sleeps) == 2 and events == [True, False]
     stops = iter([False, True])
-    pause.wait(lambda: True, lambda: next(stops))        # paused for good, then a stop ends the wait
+    pause.wait(lambda: True, lambda: next(stops))  # paused for good, then a stop ends the wait
     assert len(sleeps) == 3
 
 
-def test_a_paused_run_waits_between_steps_and_stops_while_paused(tmp_path, make_model, make_data, make_config,
-                                                                 monkeypatch):
+def test_a_paused_run_waits_between_steps_and_stops_while_paused(
+    tmp_path, make_model, make_data, make_config, monkeypatch
+):
     monkeypatch.setattr(pause.time, "sleep", lambda seconds: None)
     steps: list[int] = []
     polls = {"n": 0}
 
-    def should_pause() -> bool:   # paused after step 3: the loop asks while it waits, never stepping on
+    def should_pause() -> bool:  # paused after step 3: the loop asks while it waits, never stepping on
         if len(steps) == 3:
             polls["n"] += 1
             return True
         return False
 
-    result = train(make_config(steps=10), make_model(), make_data(), run_dir=tmp_path / "run",
-                   on_step=lambda report: steps.append(report.step), should_pause=should_pause,
-                   should_stop=lambda: polls["n"] >= 5)
+    result = train(
+        make_config(steps=10),
+        make_model(),
+        make_data(),
+        run_dir=tmp_path / "run",
+        on_step=lambda report: steps.append(report.step),
+        should_pause=should_pause,
+        should_stop=lambda: polls["n"] >= 5,
+    )
     assert steps == [1, 2, 3] and result.stopped and result.step == 3
     assert result.checkpoint == state.step_dir(tmp_path / "run", 3)
 
@@ -219,14 +270,16 @@ def test_each_evaluation_goes_to_the_history_and_the_loggers(tmp_path, make_data
 
     monkeypatch.setattr(holdout, "evaluate", lambda backend, batches: 0.25)
     cfg, history = make_config(steps=5, holdout=1, holdout_every=2), state.History()
-    judge = holdout.Judge(cfg, get_arch("demo"), make_data(), [0], run_dir=tmp_path, history=history, sinks=Sinks(),
-                          main=False)                  # not rank 0: writes no best LoRA
+    judge = holdout.Judge(
+        cfg, get_arch("demo"), make_data(), [0], run_dir=tmp_path, history=history, sinks=Sinks(), main=False
+    )  # not rank 0: writes no best LoRA
     assert [judge.maybe(step, None, dict) for step in range(1, 6)] == [None, 0.25, None, 0.25, 0.25]
-    assert history.holdout == [[2, 0.25], [4, 0.25], [5, 0.25]]               # and the last step
+    assert history.holdout == [[2, 0.25], [4, 0.25], [5, 0.25]]  # and the last step
     assert logged == [(2, {"holdout_loss": 0.25}), (4, {"holdout_loss": 0.25}), (5, {"holdout_loss": 0.25})]
     assert judge.best_lora is None and not (tmp_path / "best").exists()
-    assert not holdout.Judge(cfg, get_arch("demo"), make_data(), [], run_dir=tmp_path, history=history,
-                             sinks=Sinks()).maybe(2, None, dict)       # nothing held out: inert
+    assert not holdout.Judge(
+        cfg, get_arch("demo"), make_data(), [], run_dir=tmp_path, history=history, sinks=Sinks()
+    ).maybe(2, None, dict)  # nothing held out: inert
 
 
 def test_held_out_batches_carry_the_images_mask_and_references(make_data, make_config):
@@ -251,6 +304,12 @@ def test_a_console_run_has_its_folder_before_its_first_step(tmp_path, make_model
     from trainer.cli import console
 
     run_dir, seen = tmp_path / "runs" / "me", []
-    console.run_loop(make_config(steps=2, checkpoint_every=10), make_model(), make_data(), run_dir=run_dir,
-                     resume=False, should_pause=lambda: seen.append(run_dir.is_dir()) or False)
+    console.run_loop(
+        make_config(steps=2, checkpoint_every=10),
+        make_model(),
+        make_data(),
+        run_dir=run_dir,
+        resume=False,
+        should_pause=lambda: seen.append(run_dir.is_dir()) or False,
+    )
     assert seen and seen[0] is True

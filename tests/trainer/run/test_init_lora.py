@@ -1,4 +1,5 @@
 """Starting a run from an existing LoRA (#19 item 4): its weights, rank and alpha, resume, the record it leaves."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from trainer.run.loop import train
 
 from helpers.resume import assert_bitwise_resume
 
-LR = 1e-3   # tiny_config's: one AdamW step moves a weight by at most about this
+LR = 1e-3  # tiny_config's: one AdamW step moves a weight by at most about this
 
 
 def fresh_lora(make_model, cfg) -> dict[str, LoraWeights]:
@@ -34,9 +35,15 @@ def file_lora(make_model, make_config, rank=8, alpha=2.0, seed=5, skip=()) -> di
     """A LoRA for every default target of the tiny model (but `skip`), random A and B, at `rank`/`alpha`."""
     rng = np.random.default_rng(seed)
     paths = fresh_lora(make_model, make_config())
-    return {path: LoraWeights(rng.standard_normal((rank, w.A.shape[1])).astype(np.float32) * 0.1,
-                              rng.standard_normal((w.B.shape[0], rank)).astype(np.float32) * 0.1, alpha)
-            for path, w in paths.items() if path not in skip}
+    return {
+        path: LoraWeights(
+            rng.standard_normal((rank, w.A.shape[1])).astype(np.float32) * 0.1,
+            rng.standard_normal((w.B.shape[0], rank)).astype(np.float32) * 0.1,
+            alpha,
+        )
+        for path, w in paths.items()
+        if path not in skip
+    }
 
 
 def write(path, lora, fmt="comfy"):
@@ -54,12 +61,12 @@ def test_a_run_starts_from_the_file_and_records_it(tmp_path, make_model, make_da
     cfg = make_config(steps=1, init_lora=str(path), ema=True, ema_decay=0.9, checkpoint_every=1)
     result = train(cfg, make_model(), make_data(), run_dir=tmp_path / "run")
     for name, trained in result.lora.items():
-        assert trained.rank == 8 and trained.alpha == 2.0          # the file's rank and alpha, not 4/4
-        if name in source:   # one AdamW step from the file's weights: near them, but moved
+        assert trained.rank == 8 and trained.alpha == 2.0  # the file's rank and alpha, not 4/4
+        if name in source:  # one AdamW step from the file's weights: near them, but moved
             for role in "AB":
                 moved = np.abs(getattr(trained, role) - getattr(source[name], role))
                 assert moved.max() <= 1.1 * LR and moved.max() > 0, (name, role)
-            ema = result.ema_lora[name]                              # the shadow started from the file too
+            ema = result.ema_lora[name]  # the shadow started from the file too
             assert np.abs(ema.A - source[name].A).max() <= 0.11 * LR
     # A targeted module the file lacks starts as a new LoRA: B was zero, one step away from it.
     assert np.abs(result.lora["single_blocks.0.linear2"].B).max() <= 1.1 * LR
@@ -87,23 +94,42 @@ def test_step_zero_weights_are_the_files(tmp_path, make_model, make_config):
 
 def test_resuming_a_run_started_from_a_lora_is_bitwise_a_straight_run(tmp_path, make_model, make_data, make_config):
     path = write(tmp_path / "start.safetensors", file_lora(make_model, make_config))
-    cfg = make_config(steps=8, checkpoint_every=3, init_lora=str(path), ema=True, ema_decay=0.9, lora_dropout=0.1,
-                      caption_dropout=0.3, grad_accum=2)
+    cfg = make_config(
+        steps=8,
+        checkpoint_every=3,
+        init_lora=str(path),
+        ema=True,
+        ema_decay=0.9,
+        lora_dropout=0.1,
+        caption_dropout=0.3,
+        grad_accum=2,
+    )
 
     def run(name, stop_at=None, resume=False):
         steps = []
-        return train(cfg, make_model(), make_data(), run_dir=tmp_path / name, on_step=steps.append,
-                     resume=tmp_path / name if resume else None,
-                     should_stop=(lambda: len(steps) >= stop_at) if stop_at else None)
+        return train(
+            cfg,
+            make_model(),
+            make_data(),
+            run_dir=tmp_path / name,
+            on_step=steps.append,
+            resume=tmp_path / name if resume else None,
+            should_stop=(lambda: len(steps) >= stop_at) if stop_at else None,
+        )
 
     straight = run("straight")
     assert run("stopped", stop_at=5).stopped
-    resumed = run("stopped", resume=True)   # continues from its checkpoint; the file is not loaded again
+    resumed = run("stopped", resume=True)  # continues from its checkpoint; the file is not loaded again
     assert_bitwise_resume(straight, resumed, holds=("ema.",))
-    write(path, file_lora(make_model, make_config, seed=11))   # the file changed: its run does not resume from it
+    write(path, file_lora(make_model, make_config, seed=11))  # the file changed: its run does not resume from it
     with pytest.raises(ValueError, match="this run started from init LoRA sha256 .* but the config gives init"):
-        train(config.replace(cfg, steps=10), make_model(), make_data(), run_dir=tmp_path / "stopped",
-              resume=tmp_path / "stopped")
+        train(
+            config.replace(cfg, steps=10),
+            make_model(),
+            make_data(),
+            run_dir=tmp_path / "stopped",
+            resume=tmp_path / "stopped",
+        )
 
 
 @pytest.mark.parametrize("fmt", ["kohya", "diffusers"])
@@ -129,9 +155,11 @@ def test_a_diffusers_file_with_split_qkv_is_padded_exactly(tmp_path, make_model,
     rows = qkv.B.shape[0] // 3
     for part in ("to_q", "to_k", "to_v"):
         tensors[f"transformer.transformer_blocks.0.attn.{part}.lora_A.weight"] = rng.standard_normal(
-            (2, qkv.A.shape[1])).astype(np.float32)
-        tensors[f"transformer.transformer_blocks.0.attn.{part}.lora_B.weight"] = rng.standard_normal(
-            (rows, 2)).astype(np.float32)
+            (2, qkv.A.shape[1])
+        ).astype(np.float32)
+        tensors[f"transformer.transformer_blocks.0.attn.{part}.lora_B.weight"] = rng.standard_normal((rows, 2)).astype(
+            np.float32
+        )
     path = tmp_path / "peft.safetensors"
     safetensors_io.write(path, tensors, {})
     cfg, init = init_lora.prepare(make_config(init_lora=str(path)))
@@ -140,15 +168,18 @@ def test_a_diffusers_file_with_split_qkv_is_padded_exactly(tmp_path, make_model,
     start = init_lora.start_weights(fresh, init)
     for name, weights in init.lora.items():
         np.testing.assert_allclose(product(start[name]), product(weights), rtol=1e-6, atol=1e-9)
-        if weights.rank < 6:   # the extra rank starts as a new LoRA's: the run's A rows, zero B columns
+        if weights.rank < 6:  # the extra rank starts as a new LoRA's: the run's A rows, zero B columns
             assert np.array_equal(start[name].A[2:], fresh[name].A[2:]) and not start[name].B[:, 2:].any()
 
 
 def test_modules_outside_the_targets_stop_the_run(tmp_path, make_model, make_data, make_config):
     path = write(tmp_path / "all.safetensors", file_lora(make_model, make_config))
     cfg = make_config(init_lora=str(path), targets=["img_attn.qkv"])
-    with pytest.raises(ValueError, match=r"all\.safetensors.*not among this run's targets.*double_blocks\.0\."
-                                         r"img_mlp\.0.*add them to targets.*'img_mlp\.0'.*'linear1'"):
+    with pytest.raises(
+        ValueError,
+        match=r"all\.safetensors.*not among this run's targets.*double_blocks\.0\."
+        r"img_mlp\.0.*add them to targets.*'img_mlp\.0'.*'linear1'",
+    ):
         train(cfg, make_model(), make_data(), run_dir=tmp_path / "run")
 
 
@@ -165,7 +196,7 @@ def test_the_file_sets_rank_and_alpha_and_a_changed_file_is_refused(tmp_path, ma
     path = write(tmp_path / "s.safetensors", file_lora(make_model, make_config, rank=16, alpha=8.0))
     cfg, _ = init_lora.prepare(make_config(rank=32, alpha=32.0, init_lora=str(path)))
     assert (cfg.rank, cfg.alpha, cfg.init_lora_sha256) == (16, 8.0, file_identity(path)["sha256"])
-    assert init_lora.prepare(cfg)[0] == cfg                                   # settled: nothing changes
+    assert init_lora.prepare(cfg)[0] == cfg  # settled: nothing changes
     write(path, file_lora(make_model, make_config, rank=16, alpha=8.0, seed=9))
     with pytest.raises(ValueError, match="the file changed since the run started"):
         init_lora.prepare(cfg)

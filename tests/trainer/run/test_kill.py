@@ -7,6 +7,7 @@ complete but not renamed, renamed but not pruned, an old one half deleted). Rand
 moments of the run. After every kill, each checkpoint the resume rule can pick must load completely and
 no more than keep_checkpoints are on disk. One thread per process keeps the run short and exact.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,23 +25,23 @@ from trainer import safetensors_io
 from trainer.run import state
 
 ROOT = Path(__file__).resolve().parents[3]
-STEPS, EVERY, KEEP = 8, 2, 2          # checkpoints at 2, 4, 6, 8; the demo keeps 2
+STEPS, EVERY, KEEP = 8, 2, 2  # checkpoints at 2, 4, 6, 8; the demo keeps 2
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 ENV.pop("KILN_FAULT", None)
 
 # One process per entry, in order; each resumes what the one before left. Globs over the labels.
 FAULTS = [
-    "write:*/shape_05.png",                                # half the generated dataset written
-    "write:*/.kiln_cache/latents/*",                       # the first cached latent
-    "write:*/.kiln_cache/text/*",                          # the first cached text embedding
-    "checkpoint:2:pruned",                                 # nothing of step 2 written yet
-    "write:*/.tmp-step-000002-*/lora.safetensors",         # inside the temp folder, file by file
+    "write:*/shape_05.png",  # half the generated dataset written
+    "write:*/.kiln_cache/latents/*",  # the first cached latent
+    "write:*/.kiln_cache/text/*",  # the first cached text embedding
+    "checkpoint:2:pruned",  # nothing of step 2 written yet
+    "write:*/.tmp-step-000002-*/lora.safetensors",  # inside the temp folder, file by file
     "write:*/.tmp-step-000002-*/state.safetensors",
     "write:*/.tmp-step-000002-*/run.json",
-    "checkpoint:2:complete",                               # complete, not yet renamed
-    "checkpoint:2:renamed",                                # step 2 in place, not yet pruned
+    "checkpoint:2:complete",  # complete, not yet renamed
+    "checkpoint:2:renamed",  # step 2 in place, not yet pruned
     "checkpoint:4:renamed",
-    "checkpoint:6:pruning",                                # step 2 half deleted
+    "checkpoint:6:pruning",  # step 2 half deleted
     "write:*/.tmp-step-000006-*/state.safetensors",
     "checkpoint:6:renamed",
     "checkpoint:8:complete",
@@ -55,8 +56,20 @@ pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SI
 
 def start(out: Path, *, fault: str | None = None, resume: bool = True, extra=()) -> subprocess.Popen:
     env = dict(ENV, KILN_FAULT=fault) if fault else ENV
-    args = [sys.executable, "-m", "trainer", "demo", "--output", str(out), "--steps", str(STEPS),
-            "--checkpoint-every", str(EVERY), *(["--resume"] if resume else []), *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "demo",
+        "--output",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--checkpoint-every",
+        str(EVERY),
+        *(["--resume"] if resume else []),
+        *extra,
+    ]
     with open(out.parent / f"{out.name}.log", "ab") as log:
         return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -121,13 +134,13 @@ def test_kills_at_every_stage_of_a_save_resume_exactly(tmp_path, reference):
         code = finish(start(out, fault=fault, resume=index > 0), out)
         assert code == -signal.SIGKILL, f"{fault}: the hook never fired (exit {code})\n{log_tail(out)}"
         check_on_disk(run_dir)
-    assert steps_on_disk(run_dir) == [6]          # step 8 was killed before its rename: not there
+    assert steps_on_disk(run_dir) == [6]  # step 8 was killed before its rename: not there
     assert finish(start(out, extra=["--stop-after", "7"]), out) == 0, log_tail(out)
     assert steps_on_disk(run_dir) == [6, 7]
     code = finish(start(out, fault=LATE_FAULTS[0]), out)
     assert code == -signal.SIGKILL, log_tail(out)
     _, metadata = safetensors_io.read(run_dir / "demo_lora.safetensors")
-    assert metadata["kiln.steps"] == "7"          # the old LoRA is still there, whole
+    assert metadata["kiln.steps"] == "7"  # the old LoRA is still there, whole
     code = finish(start(out, fault=LATE_FAULTS[1]), out)
     assert code == -signal.SIGKILL, log_tail(out)
     assert finish(start(out), out) == 0, log_tail(out)

@@ -5,6 +5,7 @@ ranks pause after the same step, poll together in short agreed rounds and resume
 the paused run ends bitwise equal to an unpaused one, a stop asked on one rank while paused ends both with
 a checkpoint of the paused step, and the one-process vote answers at once.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,13 +21,21 @@ from trainer import safetensors_io
 from trainer.run import distributed, pause, state
 from trainer.run.loop import train
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or sys.platform == "win32",
-                                reason="needs torch.distributed with gloo and fork (Linux, macOS)")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or sys.platform == "win32",
+    reason="needs torch.distributed with gloo and fork (Linux, macOS)",
+)
 
-SETTINGS = {"steps": 6, "batch_size": 1, "lora_dropout": 0.2, "caption_dropout": 0.3, "log_every": 1,
-            "checkpoint_every": 3}
-WRITE_AT = 2     # rank 0 writes <run>/PAUSE as it reports this step; its vote pauses every rank after the next
-POLLS = 4        # agreed rounds spent paused before the file goes (or, in the stop run, rank 1 asks to stop)
+SETTINGS = {
+    "steps": 6,
+    "batch_size": 1,
+    "lora_dropout": 0.2,
+    "caption_dropout": 0.3,
+    "log_every": 1,
+    "checkpoint_every": 3,
+}
+WRITE_AT = 2  # rank 0 writes <run>/PAUSE as it reports this step; its vote pauses every rank after the next
+POLLS = 4  # agreed rounds spent paused before the file goes (or, in the stop run, rank 1 asks to stop)
 
 
 class Scripted:
@@ -36,7 +45,7 @@ class Scripted:
     def __init__(self, rank: int, run_dir: Path, stop_on: int | None):
         self.rank, self.flag, self.stop_on = rank, run_dir / pause.PAUSE_FILE, stop_on
         self.steps: list[int] = []
-        self.events: list[tuple[bool, int]] = []   # (paused, steps done) from on_pause
+        self.events: list[tuple[bool, int]] = []  # (paused, steps done) from on_pause
         self.polls = 0
 
     def on_step(self, report) -> None:
@@ -48,7 +57,7 @@ class Scripted:
         self.events.append((paused, len(self.steps)))
 
     def should_pause(self) -> bool:
-        if self.events and self.events[-1][0]:   # paused: count this rank's rounds
+        if self.events and self.events[-1][0]:  # paused: count this rank's rounds
             self.polls += 1
             if self.rank == 0 and self.stop_on is None and self.polls >= POLLS:
                 self.flag.unlink(missing_ok=True)
@@ -71,10 +80,17 @@ def _rank(rank: int, world: int, port: int, out: str, tiny: tuple) -> None:
             run_dir = Path(out) / name
             run_dir.mkdir(parents=True, exist_ok=True)
             script = Scripted(rank, run_dir, stop_on)
-            result = train(cfg, tiny_model(), tiny_data(), run_dir=run_dir, on_step=script.on_step,
-                           should_pause=script.should_pause if pausing else None, should_stop=script.should_stop,
-                           on_pause=script.on_pause)
-            distributed.barrier()   # rank 0's PAUSE of this run is gone before the next starts
+            result = train(
+                cfg,
+                tiny_model(),
+                tiny_data(),
+                run_dir=run_dir,
+                on_step=script.on_step,
+                should_pause=script.should_pause if pausing else None,
+                should_stop=script.should_stop,
+                on_pause=script.on_pause,
+            )
+            distributed.barrier()  # rank 0's PAUSE of this run is gone before the next starts
             (run_dir / pause.PAUSE_FILE).unlink(missing_ok=True)
             tensors[f"{name}.steps"] = np.asarray(script.steps, np.int64)
             tensors[f"{name}.events"] = np.asarray(script.events, np.int64).reshape(-1, 2)
@@ -87,10 +103,11 @@ def _rank(rank: int, world: int, port: int, out: str, tiny: tuple) -> None:
 
 
 def test_a_pause_file_pauses_both_ranks_after_the_same_step_resumes_bitwise_and_a_stop_ends_it(
-        tmp_path, make_model, make_data, make_config):
-    torch.multiprocessing.start_processes(_rank, args=(2, free_port(), str(tmp_path), (make_model, make_data,
-                                                                                      make_config)),
-                                          nprocs=2, start_method="fork")
+    tmp_path, make_model, make_data, make_config
+):
+    torch.multiprocessing.start_processes(
+        _rank, args=(2, free_port(), str(tmp_path), (make_model, make_data, make_config)), nprocs=2, start_method="fork"
+    )
     ranks = [safetensors_io.read(tmp_path / f"rank{r}.safetensors")[0] for r in range(2)]
     for seen in ranks:
         # Paused once, after step WRITE_AT + 1 (rank 0's flag at step 2, agreed one step late), no step while

@@ -1,4 +1,5 @@
 """trainer/run/plot.py: the loss curve a run writes as loss.png, legend, axis labels and ticks included."""
+
 import math
 
 from PIL import Image
@@ -49,11 +50,11 @@ def test_image_has_legend_swatches_and_tick_labels_where_the_layout_says():
     def inked(x0, y0, x1, y1):
         return any(image.getpixel((x, y)) != WHITE for x in range(x0, x1) for y in range(y0, y1))
 
-    for step, x in layout.x_ticks:    # a label under each step tick
+    for step, x in layout.x_ticks:  # a label under each step tick
         assert inked(x - 8, bottom + 5, x + 8, bottom + 16), step
     for value, y in layout.loss_ticks:  # a label left of each loss tick
         assert inked(4, y - 4, left - 4, y + 4), value
-    for value, y in layout.lr_ticks:    # and right of each learning-rate tick
+    for value, y in layout.lr_ticks:  # and right of each learning-rate tick
         assert inked(right + 4, y - 4, image.width - 4, y + 4), value
 
 

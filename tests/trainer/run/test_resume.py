@@ -1,4 +1,5 @@
 """Exact resume: stopping after N steps and resuming gives bitwise the weights of an uninterrupted run."""
+
 from __future__ import annotations
 
 import json
@@ -18,29 +19,46 @@ def run(tmp_path, name, make_model, make_data, cfg, *, stop_at=None, resume=Fals
     run_dir = tmp_path / name
     stop = (lambda: len(progress) >= stop_at) if stop_at else None
     progress = []
-    return train(cfg, make_model(), make_data(), run_dir=run_dir, resume=run_dir if resume else None,
-                 on_step=progress.append, should_stop=stop)
+    return train(
+        cfg,
+        make_model(),
+        make_data(),
+        run_dir=run_dir,
+        resume=run_dir if resume else None,
+        on_step=progress.append,
+        should_stop=stop,
+    )
 
 
 @pytest.fixture
 def resume_config(make_config):
     # Everything random is switched on: caption dropout (numpy RNG), LoRA dropout (torch RNG),
     # EMA, two buckets, accumulation, a schedule with warm-up.
-    return make_config(steps=12, checkpoint_every=4, caption_dropout=0.3, lora_dropout=0.1, ema=True,
-                       ema_decay=0.9, grad_accum=2, lr_schedule="cosine_with_warmup", warmup_steps=3,
-                       log_every=5, gradient_checkpointing=True)
+    return make_config(
+        steps=12,
+        checkpoint_every=4,
+        caption_dropout=0.3,
+        lora_dropout=0.1,
+        ema=True,
+        ema_decay=0.9,
+        grad_accum=2,
+        lr_schedule="cosine_with_warmup",
+        warmup_steps=3,
+        log_every=5,
+        gradient_checkpointing=True,
+    )
 
 
 @pytest.mark.parametrize("batch_by", ["images", "tokens"])
 def test_resume_is_bitwise_exact(tmp_path, make_model, make_data, resume_config, batch_by):
-    resume_config = config.replace(resume_config, batch_by=batch_by)   # tokens: 3 images a batch in the small bucket
+    resume_config = config.replace(resume_config, batch_by=batch_by)  # tokens: 3 images a batch in the small bucket
     straight = run(tmp_path, "straight", make_model, make_data, resume_config)
     first = run(tmp_path, "stopped", make_model, make_data, resume_config, stop_at=5)
     assert first.stopped and first.step == 5
     resumed = run(tmp_path, "stopped", make_model, make_data, resume_config, resume=True)
     assert resumed.step == 12 and not resumed.stopped
     assert_bitwise_resume(straight, resumed, holds=("ema.", "optim."))
-    assert straight.history.loss == resumed.history.loss          # the loss history carries over too
+    assert straight.history.loss == resumed.history.loss  # the loss history carries over too
     assert straight.history.lr == resumed.history.lr
 
 
@@ -60,7 +78,7 @@ def test_a_checkpoint_with_the_old_ema_names_still_resumes(tmp_path, make_model,
     folder = state.list_checkpoints(tmp_path / "old")[-1][1]
     tensors, metadata = safetensors_io.read(folder / "state.safetensors")
     ema = {k: v for k, v in tensors.items() if k.startswith("ema.")}
-    assert ema and all(k.endswith((".A", ".B")) for k in ema)                  # today's names
+    assert ema and all(k.endswith((".A", ".B")) for k in ema)  # today's names
     old = {(f"{k[:-2]}.lora_{k[-1]}" if k in ema else k): v for k, v in tensors.items()}
     safetensors_io.write(folder / "state.safetensors", old, metadata)
     loaded = state.load_checkpoint(folder)
@@ -86,10 +104,10 @@ def test_checkpoints_pruned_to_newest_k_and_complete(tmp_path, make_model, make_
 def test_partial_checkpoints_are_never_chosen(tmp_path, make_model, make_data, make_config):
     cfg = make_config(steps=4, checkpoint_every=2)
     result = run(tmp_path, "partial", make_model, make_data, cfg)
-    broken = result.run_dir / "step-000006"                 # newer, but run.json never written
+    broken = result.run_dir / "step-000006"  # newer, but run.json never written
     broken.mkdir()
     (broken / "state.safetensors").write_bytes(b"\x00" * 10)
-    (result.run_dir / ".tmp-step-000008-999").mkdir()        # a killed writer's temp folder
+    (result.run_dir / ".tmp-step-000008-999").mkdir()  # a killed writer's temp folder
     assert state.load_checkpoint(result.run_dir).step == 4
 
 
@@ -112,15 +130,16 @@ def test_an_error_raised_by_the_ui_callback_saves_then_propagates(tmp_path, make
     with pytest.raises(Interrupted):
         train(make_config(steps=10), model, make_data(), run_dir=tmp_path / "int", on_step=on_step)
     assert state.load_checkpoint(tmp_path / "int").step == 2
-    assert all("forward" not in m.__dict__ for m in model.modules())   # model restored after the error
+    assert all("forward" not in m.__dict__ for m in model.modules())  # model restored after the error
     assert all((v == before[k]).all() for k, v in model.state_dict().items())
 
 
 def test_resume_with_other_rank_is_refused_clearly(tmp_path, make_model, make_data, make_config):
     run(tmp_path, "rank", make_model, make_data, make_config(steps=2, checkpoint_every=2))
     with pytest.raises(ValueError, match="rank"):
-        train(make_config(steps=4, rank=8), make_model(), make_data(), run_dir=tmp_path / "rank",
-              resume=tmp_path / "rank")
+        train(
+            make_config(steps=4, rank=8), make_model(), make_data(), run_dir=tmp_path / "rank", resume=tmp_path / "rank"
+        )
 
 
 def test_checkpoint_lora_matches_run_result(make_model, make_data, make_config, tmp_path):
@@ -130,7 +149,10 @@ def test_checkpoint_lora_matches_run_result(make_model, make_data, make_config, 
     cfg = make_config(steps=4, ema=True, checkpoint_every=0)
     result = train(cfg, make_model(), make_data(), run_dir=tmp_path)
     checkpoint = load_checkpoint(tmp_path)
-    for mine, theirs in ((checkpoint_lora(checkpoint), result.lora), (checkpoint_lora(checkpoint, ema=True), result.ema_lora)):
+    for mine, theirs in (
+        (checkpoint_lora(checkpoint), result.lora),
+        (checkpoint_lora(checkpoint, ema=True), result.ema_lora),
+    ):
         assert set(mine) == set(theirs)
         for path in mine:
             np.testing.assert_array_equal(mine[path].B, theirs[path].B)
@@ -162,7 +184,7 @@ def test_list_runs_offers_runs_with_a_complete_checkpoint_newest_first(tmp_path)
     checkpoint("old", 100)
     checkpoint("new", 50)
     checkpoint("new", 250)
-    checkpoint("new", 300, complete=False)      # being written, or killed mid-write
+    checkpoint("new", 300, complete=False)  # being written, or killed mid-write
     checkpoint("crashed", 10, complete=False)
     os.utime(tmp_path / "old", (1_000_000, 1_000_000))
     assert state.list_runs(tmp_path) == [("new", 250), ("old", 100)]

@@ -2,6 +2,7 @@
 
 Each test skips, saying why, where its package is not installed (pip install tensorboard / wandb:
 both are in the `test` extra)."""
+
 from __future__ import annotations
 
 import sys
@@ -30,8 +31,7 @@ def test_tensorboard_scalars_images_config_and_resume(tmp_path, make_model, make
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
     run = tmp_path / "run"
     cfg = make_config(steps=6, log_every=2, checkpoint_every=3, log_tensorboard=True)
-    train(cfg, make_model(), make_data(), run_dir=run, validate=_validate, validate_every=3,
-          should_stop=lambda: False)
+    train(cfg, make_model(), make_data(), run_dir=run, validate=_validate, validate_every=3, should_stop=lambda: False)
     acc = _events(run / logging_sinks.TENSORBOARD_DIR)
     assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in acc.Scalars("learning_rate")] == [1, 2, 3, 4, 5, 6]
@@ -44,9 +44,17 @@ def test_tensorboard_scalars_images_config_and_resume(tmp_path, make_model, make
     import shutil
 
     from trainer.run.state import step_dir
+
     shutil.rmtree(step_dir(run, 6))
-    train(make_config(steps=6, log_every=2, checkpoint_every=3, log_tensorboard=True), make_model(), make_data(),
-          run_dir=run, resume=step_dir(run, 3), validate=_validate, validate_every=3)
+    train(
+        make_config(steps=6, log_every=2, checkpoint_every=3, log_tensorboard=True),
+        make_model(),
+        make_data(),
+        run_dir=run,
+        resume=step_dir(run, 3),
+        validate=_validate,
+        validate_every=3,
+    )
     acc = _events(run / logging_sinks.TENSORBOARD_DIR)
     assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([e.value for e in acc.Scalars("loss")], first, rtol=1e-5)  # exact resume
@@ -68,15 +76,24 @@ def test_tensorboard_gets_the_samples_before_the_first_step(tmp_path, make_model
     assert seen == [0, 2, 4]
     images = _events(run / logging_sinks.TENSORBOARD_DIR).Images("validation/0")
     assert [e.step for e in images] == [0, 2, 4]
-    assert len({e.encoded_image_string for e in images}) == 3     # each step's own image
+    assert len({e.encoded_image_string for e in images}) == 3  # each step's own image
 
     import shutil
 
     from trainer.run.state import step_dir
+
     shutil.rmtree(step_dir(run, 4))
     seen.clear()
-    train(cfg, make_model(), make_data(), run_dir=run, resume=step_dir(run, 2), validate=validate,
-          validate_every=2, validate_first=True)
+    train(
+        cfg,
+        make_model(),
+        make_data(),
+        run_dir=run,
+        resume=step_dir(run, 2),
+        validate=validate,
+        validate_every=2,
+        validate_first=True,
+    )
     assert seen == [4]
     assert [e.step for e in _events(run / logging_sinks.TENSORBOARD_DIR).Images("validation/0")] == [0, 2, 4]
 
@@ -96,7 +113,7 @@ def test_wandb_offline_run_files(tmp_path, make_model, make_data, make_config, m
         if record.WhichOneof("record_type") == "history":
             items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
             steps.append(int(items["_step"]))
-            images += "validation/filenames" in items      # wandb.Image list: nested keys
+            images += "validation/filenames" in items  # wandb.Image list: nested keys
             assert "loss" in items
         elif record.WhichOneof("record_type") == "config":
             config.update({item.key: item.value_json for item in record.config.update})
@@ -120,7 +137,7 @@ def _finished_wandb_records(path, record_type, wait_s: float = 60.0) -> list:
                 record = record_type()
                 record.ParseFromString(data)
                 records.append(record)
-        except DecodeError:   # a record still being written
+        except DecodeError:  # a record still being written
             records = []
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
             return records
@@ -133,11 +150,11 @@ def _wandb_records(path):
     data, out, pending, block = path.read_bytes(), [], b"", 32768
     position = 7
     while position + 7 <= len(data):
-        if block - position % block < 7:              # a block's tail too short for a header is padding
+        if block - position % block < 7:  # a block's tail too short for a header is padding
             position += block - position % block
             continue
-        length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
-        chunk, position = data[position + 7:position + 7 + length], position + 7 + length
+        length, kind = int.from_bytes(data[position + 4 : position + 6], "little"), data[position + 6]
+        chunk, position = data[position + 7 : position + 7 + length], position + 7 + length
         if kind == 0:
             continue
         pending = chunk if kind in (1, 2) else pending + chunk
@@ -147,7 +164,7 @@ def _wandb_records(path):
 
 
 def test_missing_package_names_pip(monkeypatch, tmp_path, make_config):
-    monkeypatch.setitem(sys.modules, "wandb", None)        # as if not installed
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install wandb"):
         logging_sinks.open_sinks(make_config(wandb_project="p"), tmp_path, 0)
 

@@ -1,4 +1,5 @@
 """The sample grid (trainer/samples/grid.py): prompts across, sampling steps down, labelled, written atomically."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,7 +22,7 @@ def test_grid_has_a_column_per_prompt_a_row_per_step_and_labels(tmp_path):
             grid.add(step, index, solid(shade + 0.05 * index))
     picture = grid.write()
     assert grid.path == tmp_path / "samples" / "grid.png" and grid.path.is_file()
-    assert not list(grid.path.parent.glob(".*"))                                 # no temp file left
+    assert not list(grid.path.parent.glob(".*"))  # no temp file left
     with Image.open(grid.path) as saved:
         # a row is as tall as its tallest sample (64 px here: never upscaled), a column CELL_PX wide
         assert saved.size == (LABEL_PX + 2 * (CELL_PX + GAP_PX), HEADER_PX + 3 * (64 + GAP_PX))
@@ -30,15 +31,16 @@ def test_grid_has_a_column_per_prompt_a_row_per_step_and_labels(tmp_path):
     # cell (row 1 = step 250, column 1): the 64 px sample centred in its column
     top, left = HEADER_PX + (64 + GAP_PX), LABEL_PX + (CELL_PX + GAP_PX)
     centre = pixels[top + 32, left + CELL_PX // 2]
-    assert np.array_equal(centre, [round(255 * 0.55)] * 3)                       # its pixels, as they were
-    assert np.array_equal(pixels[top + 2, left + 2], sample_grid.BACKGROUND)     # outside the 64 px sample
+    assert np.array_equal(centre, [round(255 * 0.55)] * 3)  # its pixels, as they were
+    assert np.array_equal(pixels[top + 2, left + 2], sample_grid.BACKGROUND)  # outside the 64 px sample
+
     # labels are drawn (Pillow's own font, maybe anti-aliased): the header and the step column hold ink
     def inked(region) -> bool:
         return bool((region.max(axis=-1) > max(sample_grid.BACKGROUND) + 100).any())
 
-    assert inked(pixels[:HEADER_PX, LABEL_PX:LABEL_PX + CELL_PX])
+    assert inked(pixels[:HEADER_PX, LABEL_PX : LABEL_PX + CELL_PX])
     for row in range(3):
-        band = pixels[HEADER_PX + row * (64 + GAP_PX):HEADER_PX + (row + 1) * (64 + GAP_PX), :LABEL_PX]
+        band = pixels[HEADER_PX + row * (64 + GAP_PX) : HEADER_PX + (row + 1) * (64 + GAP_PX), :LABEL_PX]
         assert inked(band)
 
 
@@ -62,7 +64,7 @@ def test_a_resumed_run_starts_from_the_sample_files_and_old_rows_drop_off(tmp_pa
     again = SampleGrid(tmp_path, ["one", "two"]).load_existing()
     assert sorted(again.cells) == [100, 200] and sorted(again.cells[200]) == [0, 1]
     monkeypatch.setattr(sample_grid, "MAX_ROWS", 1)
-    assert again.render().height == HEADER_PX + 64 + GAP_PX                      # the newest row only
+    assert again.render().height == HEADER_PX + 64 + GAP_PX  # the newest row only
 
 
 def test_a_sample_without_a_column_is_refused(tmp_path):

@@ -8,6 +8,7 @@ over mixed buckets never multiplies the compiled variants. The whole step stays 
 its one `mx.eval`. Noise and sigmas come in the Batch; the only randomness inside is LoRA
 dropout, drawn from explicit keys that are inputs of the step (trap 3: no global RNG).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from .optim import build_optimizer, clip_global_norm, state_in, state_out
 
 _COMPUTE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 _BATCH_FIELDS = ("latents", "noise", "sigmas", "weights", "context")
-_ITEM = "#"   # `extra.reference_latents#1`: the second array of a list-valued extra
+_ITEM = "#"  # `extra.reference_latents#1`: the second array of a list-valued extra
 
 
 def apple_memory_limits() -> dict | None:
@@ -67,7 +68,7 @@ def model_dtype(model: nn.Module) -> mx.Dtype:
 
 class MlxBackend:
     name = "mlx"
-    compile_step = True   # False (set before setup) runs the same step functions eagerly: benchmarks, tests
+    compile_step = True  # False (set before setup) runs the same step functions eagerly: benchmarks, tests
 
     def setup(self, model: nn.Module, cfg: TrainConfig, arch: Arch, forward=None) -> None:
         self.limits = apple_memory_limits()
@@ -75,29 +76,48 @@ class MlxBackend:
         self.forward = forward or default_forward
         self.dtype = model_dtype(model)
         if cfg.mixed_precision == "bf16" and self.dtype != mx.bfloat16:
-            raise ValueError(f"mixed_precision 'bf16' needs the MLX model built in bfloat16 (it is {self.dtype}; "
-                             "MLX has no autocast): build it with dtype 'bfloat16', or set mixed_precision 'no'")
+            raise ValueError(
+                f"mixed_precision 'bf16' needs the MLX model built in bfloat16 (it is {self.dtype}; "
+                "MLX has no autocast): build it with dtype 'bfloat16', or set mixed_precision 'no'"
+            )
         # Remember which parameters were frozen, so teardown leaves the model exactly as it came.
         self.frozen = [(module, set(module._no_grad)) for _, module in [("", model), *named_modules(model)]]
         try:
             model.freeze()
             targets = cfg.targets or list(arch.default_targets)
-            self.lora = LoraSet(model, targets, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.lora_dropout,
-                                seed=cfg.seed, low_precision=cfg.mixed_precision == "bf16", adapter=cfg.adapter,
-                                lokr_factor=cfg.lokr_factor, lokr_full_w2=cfg.lokr_full_w2)
-            self.checkpointing = BlockCheckpointing(model, arch.block_lists, cfg.skip_checkpoint_blocks) \
-                if cfg.gradient_checkpointing else None
-            self.optimizer = build_optimizer(cfg.optimizer, lr=cfg.learning_rate, eps=cfg.adam_eps,
-                                             betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-            self.optimizer.init(model.trainable_parameters())   # state tree fixed before the first compile
+            self.lora = LoraSet(
+                model,
+                targets,
+                rank=cfg.rank,
+                alpha=cfg.alpha,
+                dropout=cfg.lora_dropout,
+                seed=cfg.seed,
+                low_precision=cfg.mixed_precision == "bf16",
+                adapter=cfg.adapter,
+                lokr_factor=cfg.lokr_factor,
+                lokr_full_w2=cfg.lokr_full_w2,
+            )
+            self.checkpointing = (
+                BlockCheckpointing(model, arch.block_lists, cfg.skip_checkpoint_blocks)
+                if cfg.gradient_checkpointing
+                else None
+            )
+            self.optimizer = build_optimizer(
+                cfg.optimizer,
+                lr=cfg.learning_rate,
+                eps=cfg.adam_eps,
+                betas=(cfg.adam_beta1, cfg.adam_beta2),
+                weight_decay=cfg.weight_decay,
+            )
+            self.optimizer.init(model.trainable_parameters())  # state tree fixed before the first compile
             self.ema = Ema(self.lora.parameters(), cfg.ema_decay) if cfg.ema else None
         except BaseException:
             self.teardown()
             raise
-        self.key = mx.random.key(cfg.seed)      # LoRA dropout keys; part of the run state
+        self.key = mx.random.key(cfg.seed)  # LoRA dropout keys; part of the run state
         self.state = [model.state, self.optimizer.state]
         self.loss_and_grad = nn.value_and_grad(model, self._micro_loss)
-        self.compiled: dict[tuple, Any] = {}    # micro-batch signature → gradient function
+        self.compiled: dict[tuple, Any] = {}  # micro-batch signature → gradient function
         self.update = self._compiled(self._clip_and_update)
         mx.reset_peak_memory()
 
@@ -106,15 +126,17 @@ class MlxBackend:
         """A Batch → (arrays for the step, constant extras that become part of the compiled graph)."""
         arrays = {name: mx.array(getattr(batch, name), dtype=mx.float32) for name in _BATCH_FIELDS[:4]}
         arrays["context"] = mx.array(batch.context).astype(self.dtype)
-        if batch.mask is not None:   # masked training: per-cell loss weights [B,1,H,W] (part of the signature)
+        if batch.mask is not None:  # masked training: per-cell loss weights [B,1,H,W] (part of the signature)
             arrays["mask"] = mx.array(batch.mask, dtype=mx.float32)
         constants = {}
         self._extras_in(batch.extras, "", arrays, constants)
         kept = getattr(batch, "preservation", None)
-        if kept is not None:   # DOP (trainer/objective/preservation.py): the class-word rows, and the rows with them
+        if kept is not None:  # DOP (trainer/objective/preservation.py): the class-word rows, and the rows with them
             arrays["dop.weights"] = mx.array(kept.weights, dtype=mx.float32)
-            for where, context, extras in (("dop.", kept.context, kept.extras),
-                                           ("joint.", kept.joint_context, kept.joint_extras)):
+            for where, context, extras in (
+                ("dop.", kept.context, kept.extras),
+                ("joint.", kept.joint_context, kept.joint_extras),
+            ):
                 arrays[f"{where}context"] = mx.array(context).astype(self.dtype)
                 self._extras_in(extras, where, arrays, constants)
         return arrays, constants
@@ -141,18 +163,24 @@ class MlxBackend:
         own: dict = {}
         for key, value in arrays.items():
             if key.startswith(f"{where}extra."):
-                name, listed, _ = key[len(where) + 6:].partition(_ITEM)
-                if listed:   # `key#0`, `key#1`, ... back into one list, in order
+                name, listed, _ = key[len(where) + 6 :].partition(_ITEM)
+                if listed:  # `key#0`, `key#1`, ... back into one list, in order
                     own.setdefault(name, []).append(value)
                 else:
                     own[name] = value
-        return {**own, **{k[len(where):]: v for k, v in constants.items()
-                          if k.startswith(where) and (where or not k.startswith(("dop.", "joint.")))}}
+        return {
+            **own,
+            **{
+                k[len(where) :]: v
+                for k, v in constants.items()
+                if k.startswith(where) and (where or not k.startswith(("dop.", "joint.")))
+            },
+        }
 
     def _micro_loss(self, arrays: dict, constants: dict, count: int) -> mx.array:
         x0, noise, sigmas, weights = (arrays[k] for k in _BATCH_FIELDS[:4])
         extras = self._extras(arrays, constants)
-        x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
+        x_t = interpolate(x0, noise, sigmas)  # [B,C,H,W] fp32
         target = velocity_target(x0, noise)
         if "dop.weights" in arrays:
             return self._preserving_loss(arrays, constants, x_t, sigmas, target, weights) / count
@@ -171,16 +199,23 @@ class MlxBackend:
         the LoRA's, from one forward of the rows and their class-word rows."""
         x_in, rows = x_t.astype(self.dtype), x_t.shape[0]
         with self.lora.disabled():
-            base = self.forward(self.model, x_in, sigmas, arrays["dop.context"], self._extras(arrays, constants, "dop."))
+            base = self.forward(
+                self.model, x_in, sigmas, arrays["dop.context"], self._extras(arrays, constants, "dop.")
+            )
         base = mx.stop_gradient(base.astype(mx.float32))
-        prediction = self.forward(self.model, mx.concatenate([x_in, x_in]), mx.concatenate([sigmas, sigmas]),
-                                  arrays["joint.context"], self._extras(arrays, constants, "joint."))
+        prediction = self.forward(
+            self.model,
+            mx.concatenate([x_in, x_in]),
+            mx.concatenate([sigmas, sigmas]),
+            arrays["joint.context"],
+            self._extras(arrays, constants, "joint."),
+        )
         prediction = prediction.astype(mx.float32)
         squared = mx.square(prediction[:rows] - target)
-        if "mask" in arrays:   # masked training weighs the trained rows' cells; the preserved rows stay whole
+        if "mask" in arrays:  # masked training weighs the trained rows' cells; the preserved rows stay whole
             squared = squared * arrays["mask"]
-        trained = mx.mean(squared.reshape(rows, -1), axis=1)                                     # [B]
-        preserved = mx.mean(mx.square(prediction[rows:] - base).reshape(rows, -1), axis=1)      # [B]
+        trained = mx.mean(squared.reshape(rows, -1), axis=1)  # [B]
+        preserved = mx.mean(mx.square(prediction[rows:] - base).reshape(rows, -1), axis=1)  # [B]
         return mx.mean(trained * weights) + mx.mean(preserved * arrays["dop.weights"])
 
     def _compiled(self, function):
@@ -195,6 +230,7 @@ class MlxBackend:
                 return self.loss_and_grad(arrays, constants, count)
             finally:
                 self.lora.set_dropout_key(None)
+
         return self._compiled(gradients)
 
     def _clip_and_update(self, grads: dict, loss: mx.array) -> tuple[mx.array, mx.array]:
@@ -210,14 +246,17 @@ class MlxBackend:
         return grad_norm, finite
 
     def step(self, micro_batches, lr: float) -> StepStats:
-        self.optimizer.learning_rate = lr               # an mx.array in the optimizer state: no recompile
+        self.optimizer.learning_rate = lr  # an mx.array in the optimizer state: no recompile
         keys = mx.random.split(self.key, len(micro_batches) + 1)
         self.key = keys[0]
         total, grads = mx.zeros((), mx.float32), None
         for index, batch in enumerate(micro_batches):
             arrays, constants = self._inputs(batch)
-            signature = (tuple((k, v.shape, str(v.dtype)) for k, v in arrays.items()),
-                         repr(sorted(constants.items())), len(micro_batches))
+            signature = (
+                tuple((k, v.shape, str(v.dtype)) for k, v in arrays.items()),
+                repr(sorted(constants.items())),
+                len(micro_batches),
+            )
             if signature not in self.compiled:
                 self.compiled[signature] = self._gradient_function(constants, len(micro_batches))
             loss, micro_grads = self.compiled[signature](arrays, keys[index + 1])
@@ -230,7 +269,7 @@ class MlxBackend:
 
     def eval_loss(self, batches) -> float:
         rows = [len(batch.sigmas) for batch in batches]
-        with self.sampling():   # outside a step the LoRA branches draw no dropout
+        with self.sampling():  # outside a step the LoRA branches draw no dropout
             losses = [self._micro_loss(*self._inputs(batch), 1) for batch in batches]
             mx.eval(losses)
         return float(np.dot(self.scalars(losses), rows) / sum(rows))
@@ -283,7 +322,7 @@ class MlxBackend:
         if self.ema is None:
             yield
             return
-        trained = self.lora.parameters()     # MLX arrays are immutable: references are the backup
+        trained = self.lora.parameters()  # MLX arrays are immutable: references are the backup
         self.lora.set_parameters(self.ema.shadow)
         try:
             yield

@@ -6,6 +6,7 @@ block) zero gradients; `nn.utils.checkpoint` passes them as inputs of the checkp
 one-off subclass whose `__call__` is the checkpointed one: module paths, parameters and the
 model's own forward stay untouched, and removal gives the block its class back.
 """
+
 from __future__ import annotations
 
 import mlx.nn as nn
@@ -16,16 +17,20 @@ from ..base import checkpointed
 def find_blocks(model: nn.Module, block_lists: tuple[str, ...]) -> list[nn.Module]:
     """The blocks named by the arch; with no names, every top-level list of modules."""
     if not block_lists:
-        lists = [child for child in model.values() if isinstance(child, list)
-                 and child and all(isinstance(m, nn.Module) for m in child)]
+        lists = [
+            child
+            for child in model.values()
+            if isinstance(child, list) and child and all(isinstance(m, nn.Module) for m in child)
+        ]
     else:
         lists = []
         for name in block_lists:
             found = model.get(name) if isinstance(model, dict) else None
             if not isinstance(found, list):
                 available = [k for k, v in model.items() if isinstance(v, list)]
-                raise ValueError(f"model has no block list {name!r} for gradient checkpointing; "
-                                 f"its lists are {available}")
+                raise ValueError(
+                    f"model has no block list {name!r} for gradient checkpointing; its lists are {available}"
+                )
             lists.append(found)
     return [block for blocks in lists for block in blocks]
 
@@ -37,8 +42,11 @@ def _checkpointed_class(block: nn.Module) -> type:
     def __call__(self, *args, **kwargs):
         return recomputed(*args, **kwargs)
 
-    return type(original.__name__, (original,), {"__call__": __call__, "__module__": original.__module__,
-                                                 "__qualname__": original.__qualname__})
+    return type(
+        original.__name__,
+        (original,),
+        {"__call__": __call__, "__module__": original.__module__, "__qualname__": original.__qualname__},
+    )
 
 
 class BlockCheckpointing:

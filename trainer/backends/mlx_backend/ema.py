@@ -1,4 +1,5 @@
 """EMA of the LoRA weights: an fp32 shadow, updated after each real optimizer step (as torch_backend/ema.py)."""
+
 from __future__ import annotations
 
 import mlx.core as mx
@@ -32,10 +33,14 @@ class Ema:
     def load_state(self, tensors: dict[str, np.ndarray]) -> None:
         missing = sorted(set(self.shadow) - set(tensors))
         if missing:
-            raise ValueError(f"EMA state lacks {len(missing)} tensor(s), e.g. {missing[:3]}; "
-                             "the checkpoint was made with other targets or rank")
+            raise ValueError(
+                f"EMA state lacks {len(missing)} tensor(s), e.g. {missing[:3]}; "
+                "the checkpoint was made with other targets or rank"
+            )
         for name, shadow in self.shadow.items():
             if tuple(tensors[name].shape) != tuple(shadow.shape):
-                raise ValueError(f"EMA tensor {name}: shape {tuple(tensors[name].shape)} in the checkpoint, "
-                                 f"{tuple(shadow.shape)} in this run")
+                raise ValueError(
+                    f"EMA tensor {name}: shape {tuple(tensors[name].shape)} in the checkpoint, "
+                    f"{tuple(shadow.shape)} in this run"
+                )
             self.shadow[name] = mx.array(np.asarray(tensors[name], dtype=np.float32))

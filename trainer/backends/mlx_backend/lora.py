@@ -5,6 +5,7 @@ place on its parent and keeps the very same base object inside it (`base_layer`,
 removal puts that object back. LoRA parameters sit at `<ComfyUI path>.lora_A` / `.lora_B`,
 the names the torch backend uses, fp32, A from the shared seeded init, B zero.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ class DropoutKeys:
 
     def __init__(self, rate: float):
         self.rate = rate
-        self.keys: mx.array | None = None   # [layers, 2] uint32
+        self.keys: mx.array | None = None  # [layers, 2] uint32
 
 
 def linear_features(layer: nn.Module) -> tuple[int, int]:
@@ -52,8 +53,8 @@ class LoraLinear(nn.Module):
         if A.shape[1] != in_features:
             raise ValueError(f"LoRA A has {A.shape[1]} inputs, the layer {in_features}")
         self.base_layer = base
-        self.lora_A = mx.array(A, dtype=mx.float32)                        # [r, in]
-        self.lora_B = mx.zeros((out_features, rank), dtype=mx.float32)      # [out, r]: step 0 = base
+        self.lora_A = mx.array(A, dtype=mx.float32)  # [r, in]
+        self.lora_B = mx.zeros((out_features, rank), dtype=mx.float32)  # [out, r]: step 0 = base
         self.alpha, self.scale, self.index = float(alpha), float(alpha) / rank, index
         self._dropout = dropout
         # bf16 mixed precision: the branch runs in the activation dtype on the fp32 masters (as torch
@@ -61,19 +62,20 @@ class LoraLinear(nn.Module):
         self._low_precision = low_precision
 
     def __call__(self, x: mx.array) -> mx.array:
-        out = self.base_layer(x)                                            # [..., out]
+        out = self.base_layer(x)  # [..., out]
         h = x if self._low_precision else x.astype(mx.float32)
         keys, rate = self._dropout.keys, self._dropout.rate
         if keys is not None and rate > 0:
             keep = mx.random.bernoulli(1.0 - rate, h.shape, key=keys[self.index])
             h = mx.where(keep, h / (1.0 - rate), mx.zeros_like(h))
-        hidden = h @ self.lora_A.astype(h.dtype).T                         # [..., r]
+        hidden = h @ self.lora_A.astype(h.dtype).T  # [..., r]
         branch = (hidden @ self.lora_B.astype(h.dtype).T) * self.scale
         return out + branch.astype(out.dtype)
 
     def weights(self) -> LoraWeights:
-        return LoraWeights(A=np.array(self.lora_A, dtype=np.float32), B=np.array(self.lora_B, dtype=np.float32),
-                           alpha=self.alpha)
+        return LoraWeights(
+            A=np.array(self.lora_A, dtype=np.float32), B=np.array(self.lora_B, dtype=np.float32), alpha=self.alpha
+        )
 
     def load(self, weights, path: str) -> None:
         if getattr(weights, "kind", "lora") != "lora":
@@ -81,13 +83,15 @@ class LoraLinear(nn.Module):
         for name, array in (("lora_A", weights.A), ("lora_B", weights.B)):
             current = getattr(self, name)
             if tuple(array.shape) != tuple(current.shape):
-                raise ValueError(f"{path}.{name}: shape {tuple(array.shape)} in the file, "
-                                 f"{tuple(current.shape)} in this run (rank or model differ)")
+                raise ValueError(
+                    f"{path}.{name}: shape {tuple(array.shape)} in the file, "
+                    f"{tuple(current.shape)} in this run (rank or model differ)"
+                )
             setattr(self, name, mx.array(np.asarray(array, dtype=np.float32)))
 
 
 def _children(node) -> Iterator[tuple[str, object]]:
-    if isinstance(node, dict):      # nn.Module is a dict of parameters and children
+    if isinstance(node, dict):  # nn.Module is a dict of parameters and children
         return ((str(k), v) for k, v in node.items() if not str(k).startswith("_"))
     if isinstance(node, (list, tuple)):
         return ((str(i), v) for i, v in enumerate(node))
@@ -101,8 +105,11 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         prefix, node = stack.pop()
         if isinstance(node, nn.Module) and prefix:
             yield prefix, node
-        children = [(f"{prefix}.{key}" if prefix else key, child) for key, child in _children(node)
-                    if isinstance(child, (dict, list, tuple))]
+        children = [
+            (f"{prefix}.{key}" if prefix else key, child)
+            for key, child in _children(node)
+            if isinstance(child, (dict, list, tuple))
+        ]
         stack.extend(reversed(children))
 
 
@@ -128,23 +135,46 @@ def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
 class LoraSet:
     """All LoRA layers of one run, keyed by ComfyUI module path."""
 
-    def __init__(self, model: nn.Module, patterns, *, rank: int, alpha: float, dropout: float, seed: int,
-                 low_precision: bool, adapter: str = "lora", lokr_factor: int = -1, lokr_full_w2: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        patterns,
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        seed: int,
+        low_precision: bool,
+        adapter: str = "lora",
+        lokr_factor: int = -1,
+        lokr_full_w2: bool = False,
+    ):
         layers = linear_layers(model)
-        self.paths = select_targets(list(layers), list(patterns))   # raises before anything changes
+        self.paths = select_targets(list(layers), list(patterns))  # raises before anything changes
         self.model = model
         self.dropout = DropoutKeys(dropout)
-        self.layers: dict[str, nn.Module] = {}   # LoraLinear, or an adapters.AdapterLinear
+        self.layers: dict[str, nn.Module] = {}  # LoraLinear, or an adapters.AdapterLinear
         for index, path in enumerate(self.paths):
             base = layers[path]
             in_features, out_features = linear_features(base)
             if adapter == "lora":
-                layer = LoraLinear(base, init_lora_A(seed, path, rank, in_features), alpha, index, self.dropout,
-                                   low_precision)
+                layer = LoraLinear(
+                    base, init_lora_A(seed, path, rank, in_features), alpha, index, self.dropout, low_precision
+                )
             else:
-                layer = adapters.build(adapter, base, path, in_features, out_features, rank=rank, alpha=alpha,
-                                       seed=seed, lokr_factor=lokr_factor, lokr_full_w2=lokr_full_w2,
-                                       low_precision=low_precision)
+                layer = adapters.build(
+                    adapter,
+                    base,
+                    path,
+                    in_features,
+                    out_features,
+                    rank=rank,
+                    alpha=alpha,
+                    seed=seed,
+                    lokr_factor=lokr_factor,
+                    lokr_full_w2=lokr_full_w2,
+                    low_precision=low_precision,
+                )
             _replace(model, path, layer)
             self.layers[path] = layer
 
@@ -155,8 +185,7 @@ class LoraSet:
 
     def parameters(self) -> dict[str, mx.array]:
         """Stable order: module order, then each layer's roles (A before B); names as the torch backend's."""
-        return {f"{path}.{role}": getattr(layer, role) for path, layer in self.layers.items()
-                for role in layer.roles}
+        return {f"{path}.{role}": getattr(layer, role) for path, layer in self.layers.items() for role in layer.roles}
 
     def set_parameters(self, params: dict[str, mx.array]) -> None:
         for name, value in params.items():

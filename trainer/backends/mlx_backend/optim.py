@@ -4,6 +4,7 @@ AdamW is built to match torch.optim.AdamW: bias correction on (MLX's default is 
 configured weight decay (MLX's default is 0.01), REFERENCE.md MLX trap 2. The learning rate
 lives in the optimizer state as an mx.array, so setting it each step never recompiles.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -36,8 +37,10 @@ OPTIMIZERS: dict[str, Callable[..., optim.Optimizer]] = {
 
 def build_optimizer(name: str, *, lr: float, betas: Betas, eps: float, weight_decay: float) -> optim.Optimizer:
     if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer {name!r} is not available with backend 'mlx'; "
-                         f"choose one of {list(OPTIMIZERS)} or use backend 'torch'")
+        raise ValueError(
+            f"optimizer {name!r} is not available with backend 'mlx'; "
+            f"choose one of {list(OPTIMIZERS)} or use backend 'torch'"
+        )
     return OPTIMIZERS[name](lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
@@ -74,15 +77,19 @@ def state_out(optimizer: optim.Optimizer, names: list[str], kind: str) -> tuple[
     return tensors, {"backend": "mlx", "optimizer": kind, "names": list(names), "scalars": scalars}
 
 
-def state_in(optimizer: optim.Optimizer, names: list[str], kind: str, tensors: dict[str, np.ndarray],
-             meta: dict[str, Any]) -> None:
+def state_in(
+    optimizer: optim.Optimizer, names: list[str], kind: str, tensors: dict[str, np.ndarray], meta: dict[str, Any]
+) -> None:
     """Write saved state into the optimizer's own state tree, in place (a compiled step holds that tree)."""
     if meta.get("backend") != "mlx":
-        raise ValueError(f"the optimizer state was saved by the {meta.get('backend', 'torch')!r} backend; "
-                         "resume with that backend (optimizer moments do not cross backends)")
+        raise ValueError(
+            f"the optimizer state was saved by the {meta.get('backend', 'torch')!r} backend; "
+            "resume with that backend (optimizer moments do not cross backends)"
+        )
     if meta.get("names") != list(names) or meta.get("optimizer") != kind:
-        raise ValueError("optimizer state belongs to other LoRA parameters or another optimizer "
-                         "(targets, rank or optimizer changed)")
+        raise ValueError(
+            "optimizer state belongs to other LoRA parameters or another optimizer (targets, rank or optimizer changed)"
+        )
     current = dict(tree_flatten(optimizer.state))
     updates = {**{key: np.asarray(array) for key, array in tensors.items()}, **meta["scalars"]}
     missing = sorted(set(current) - set(updates))

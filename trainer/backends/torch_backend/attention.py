@@ -6,6 +6,7 @@ here moves one kernel to the front for the training step (forward, backward and 
 recompute) and leaves the rest of torch's order behind it, so an input the preferred kernel cannot
 take still runs. Sampling and the rest of ComfyUI keep torch's own order.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -18,8 +19,13 @@ except ImportError:  # torch without the priority API: every choice is torch's o
     SDPBackend = sdpa_kernel = None
 
 # Kernel tried first per setting; "torch" keeps torch's own order. Names match config.CHOICES["attention"].
-PREFERRED = {"torch": None, "cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
-             "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+PREFERRED = {
+    "torch": None,
+    "cudnn": "CUDNN_ATTENTION",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
 
 # "auto": the kernel measured fastest for training per CUDA compute capability (bench/RESULTS.md,
 # "Attention kernel"); anything not listed, and CPU / MPS, keeps torch's order.

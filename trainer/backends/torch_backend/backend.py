@@ -1,4 +1,5 @@
 """The PyTorch backend: LoRA on the model's own modules, one optimizer step per call."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
@@ -73,22 +74,35 @@ class TorchBackend:
         self.frozen = [(p, p.requires_grad) for p in model.parameters()]
         model.requires_grad_(False)
         fp8_note = self._add_lora()
-        self.parallel = distributed.current().world > 1   # auto levers never fall back mid-step on one rank alone
-        self.levers = levers.decide(model, cfg, self.device, notes=(fp8_note,), parallel=self.parallel,
-                                    blocks_write_norm_inputs=arch.blocks_write_norm_inputs)
+        self.parallel = distributed.current().world > 1  # auto levers never fall back mid-step on one rank alone
+        self.levers = levers.decide(
+            model,
+            cfg,
+            self.device,
+            notes=(fp8_note,),
+            parallel=self.parallel,
+            blocks_write_norm_inputs=arch.blocks_write_norm_inputs,
+        )
         if self.levers.note:
             levers.log.info("[Kiln] %s", self.levers.note)
         self._wrap_blocks(self.levers)
         self.params = dict(self.lora.named_parameters())
         self.graphs = self._step_graphs()
-        self.optimizer = build_optimizer(list(self.params.values()), cfg.optimizer, lr=cfg.learning_rate,
-                                         betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                         weight_decay=cfg.weight_decay, device=self.device)
+        self.optimizer = build_optimizer(
+            list(self.params.values()),
+            cfg.optimizer,
+            lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            device=self.device,
+        )
         self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None
         # The model call; under torchrun a DDP module averaging the LoRA gradients over the ranks.
         # self.forward read at each call (a test, or a later wrapper, may replace it after setup)
-        self.call = distributed.data_parallel(lambda *inputs: self.forward(self.model, *inputs),
-                                              self.lora.branches().values())
+        self.call = distributed.data_parallel(
+            lambda *inputs: self.forward(self.model, *inputs), self.lora.branches().values()
+        )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         # LoRA dropout draws from torch's global RNG (so checkpointing's recompute replays the
@@ -120,16 +134,24 @@ class TorchBackend:
     def _wrap_blocks(self, chosen: "levers.Levers") -> None:
         # Blocks are wrapped either way: with checkpointing off the wrapper only copies block inputs.
         cfg = self.cfg
-        self.checkpointing = BlockCheckpointing(self.model, self.arch.block_lists, recompute=cfg.gradient_checkpointing,
-                                                skip=cfg.skip_checkpoint_blocks, compile=chosen.compile,
-                                                pure_blocks=self.arch.pure_blocks, budget=chosen.budget,
-                                                cuda_graphs=chosen.cuda_graphs,
-                                                compile_key=f"attention={self.attention}|fp8={self.fp8.mode if self.fp8 else 'off'}")
+        self.checkpointing = BlockCheckpointing(
+            self.model,
+            self.arch.block_lists,
+            recompute=cfg.gradient_checkpointing,
+            skip=cfg.skip_checkpoint_blocks,
+            compile=chosen.compile,
+            pure_blocks=self.arch.pure_blocks,
+            budget=chosen.budget,
+            cuda_graphs=chosen.cuda_graphs,
+            compile_key=f"attention={self.attention}|fp8={self.fp8.mode if self.fp8 else 'off'}",
+        )
 
     def _step_graphs(self):
         """A fresh set of step graphs (none recorded) where the levers say so; after a fallback the blocks
         changed, and graphs recorded over the old ones must not replay."""
-        return StepGraphs(list(self.params.values()), self.device, model=self.model) if self.levers.step_graphs else None
+        return (
+            StepGraphs(list(self.params.values()), self.device, model=self.model) if self.levers.step_graphs else None
+        )
 
     def _again(self, micro_batches, lr: float) -> StepStats:
         """The step once more after a fallback, the failed step's graph gone (its memory back to the GPU)."""
@@ -148,8 +170,11 @@ class TorchBackend:
 
     def _device_batch(self, batch) -> dict:
         """The micro-batch's tensors on the device (integer extras stay on the host: they choose shapes)."""
-        return {**flow_tensors(batch, self.device), "context": self._to_device(batch.context, self.dtype),
-                "extras": self._extras(batch.extras)}
+        return {
+            **flow_tensors(batch, self.device),
+            "context": self._to_device(batch.context, self.dtype),
+            "extras": self._extras(batch.extras),
+        }
 
     def _amp(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
@@ -157,7 +182,7 @@ class TorchBackend:
     def _loss(self, inputs: dict) -> torch.Tensor:
         """The loss from the device tensors alone (no host work: a step graph records exactly this)."""
         x0, noise, sigmas = inputs["x0"], inputs["noise"], inputs["sigmas"]
-        x_t = interpolate(x0, noise, sigmas)            # [B,C,H,W] fp32
+        x_t = interpolate(x0, noise, sigmas)  # [B,C,H,W] fp32
         target = velocity_target(x0, noise)
         with self._amp():
             # σ stays fp32: ComfyUI's samplers hand the model an fp32 timestep, so training must too.
@@ -165,7 +190,7 @@ class TorchBackend:
         # Loss in fp32: per-sample mean (per-cell mask weights first, masked training), weighted, batch mean.
         squared = (prediction.float() - target).square()
         if inputs["mask"] is not None:
-            squared = squared * inputs["mask"]   # [B,1,H,W] over the channels
+            squared = squared * inputs["mask"]  # [B,1,H,W] over the channels
         per_sample = squared.flatten(1).mean(dim=1)
         return (per_sample * inputs["weights"]).mean()
 
@@ -180,24 +205,29 @@ class TorchBackend:
         x0, noise, sigmas, weights, mask = (flow[k] for k in ("x0", "noise", "sigmas", "weights", "mask"))
         x_t, target = interpolate(x0, noise, sigmas), velocity_target(x0, noise)
         x_in, rows = x_t.to(self.dtype), x_t.shape[0]
-        with torch.no_grad(), amp, self.lora.disabled():   # not through DDP: no gradient to average
-            base = self.forward(self.model, x_in, sigmas, self._to_device(kept.context, self.dtype),
-                                self._extras(kept.extras)).float()
+        with torch.no_grad(), amp, self.lora.disabled():  # not through DDP: no gradient to average
+            base = self.forward(
+                self.model, x_in, sigmas, self._to_device(kept.context, self.dtype), self._extras(kept.extras)
+            ).float()
         with amp:
-            prediction = self.call(torch.cat([x_in, x_in]), torch.cat([sigmas, sigmas]),
-                                   self._to_device(kept.joint_context, self.dtype), self._extras(kept.joint_extras))
+            prediction = self.call(
+                torch.cat([x_in, x_in]),
+                torch.cat([sigmas, sigmas]),
+                self._to_device(kept.joint_context, self.dtype),
+                self._extras(kept.joint_extras),
+            )
         squared = (prediction[:rows].float() - target).square()
-        if mask is not None:   # masked training weighs the trained rows' cells; the preserved rows stay whole
+        if mask is not None:  # masked training weighs the trained rows' cells; the preserved rows stay whole
             squared = squared * mask
-        trained = squared.flatten(1).mean(dim=1)                                            # [B]
-        preserved = (prediction[rows:].float() - base).square().flatten(1).mean(dim=1)      # [B]
+        trained = squared.flatten(1).mean(dim=1)  # [B]
+        preserved = (prediction[rows:].float() - base).square().flatten(1).mean(dim=1)  # [B]
         return (trained * weights).mean() + (preserved * self._to_device(kept.weights, torch.float32)).mean()
 
     def step(self, micro_batches, lr: float):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
-        if self.levers.cuda_graphs:   # a new step: the CUDA graphs' outputs of the last one may be overwritten
+        if self.levers.cuda_graphs:  # a new step: the CUDA graphs' outputs of the last one may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         # The attention kernel choice covers forward, backward and checkpointing's recompute alike.
         try:
@@ -205,30 +235,30 @@ class TorchBackend:
                 for index, batch in enumerate(micro_batches):
                     with distributed.accumulating(self.call, final=index == len(micro_batches) - 1):
                         total += self._micro_step(batch, len(micro_batches))
-        except BaseException as error:   # an auto lever that failed steps back (fallbacks.py): the step again
+        except BaseException as error:  # an auto lever that failed steps back (fallbacks.py): the step again
             if not fallbacks.recover(self, error):
                 raise
-            loss = total = None   # noqa: F841 — the failed step's graph goes before the step is redone
-        if total is None:   # an auto lever fell back: the same step again, outside the except block
+            loss = total = None  # noqa: F841 — the failed step's graph goes before the step is redone
+        if total is None:  # an auto lever fell back: the same step again, outside the except block
             return self._again(micro_batches, lr)
-        total = distributed.mean(total)   # the global mean loss; the gradients were averaged in backward
+        total = distributed.mean(total)  # the global mean loss; the gradients were averaged in backward
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         grad_norm = clip_global_norm(grads, self.cfg.max_grad_norm)
         # A NaN/inf loss or gradient skips the update (weights, moments, step count, EMA unchanged).
-        finite = torch.isfinite(total) & torch.isfinite(grad_norm)       # device bool, no sync
+        finite = torch.isfinite(total) & torch.isfinite(grad_norm)  # device bool, no sync
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
             # Fused AdamW (the CUDA default) skips on a device flag, as under GradScaler: its kernel
             # leaves params and moments alone and takes the step count back. No host sync.
             self.optimizer.found_inf = (~finite).float()
             self.optimizer.step()
-            self.finite = finite                                          # for update_ema, on device
+            self.finite = finite  # for update_ema, on device
         else:
             # Other optimizers cannot skip on the device: one host read of one bool per step, which
             # waits for backward to finish (~the host's batch-building time per step on a GPU).
             self.finite = bool(finite.item())
             if self.finite:
                 self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=self.graphs is None)   # step graphs add into fixed gradients
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)  # step graphs add into fixed gradients
         return StepStats(loss=total, grad_norm=grad_norm, finite=finite)
 
     def _micro_step(self, batch, count: int) -> torch.Tensor:
@@ -237,7 +267,7 @@ class TorchBackend:
         if getattr(batch, "preservation", None) is not None:
             return self._backward(lambda: self._preserving_loss(batch), count)
         inputs = self._device_batch(batch)
-        pixels = inputs["x0"][:, 0].numel() * self.arch.latent_downscale ** 2   # image px of the rows ([B,C,H,W])
+        pixels = inputs["x0"][:, 0].numel() * self.arch.latent_downscale**2  # image px of the rows ([B,C,H,W])
         if self.graphs is None or (self.cfg.step_graphs == AUTO and pixels > GRAPH_MAX_PIXELS):
             return self._backward(lambda: self._loss(inputs), count)
         return self.graphs.run((inputs, count), lambda static: self._backward(lambda: self._loss(static[0]), count))
@@ -245,7 +275,7 @@ class TorchBackend:
     def _backward(self, loss_of, count: int) -> torch.Tensor:
         with self._step_weights():
             loss = loss_of() / count
-            loss.backward()         # (a compiled block's backward compiles at its first call)
+            loss.backward()  # (a compiled block's backward compiles at its first call)
         return loss.detach()
 
     def _step_weights(self):
@@ -260,11 +290,11 @@ class TorchBackend:
     def eval_loss(self, batches) -> float:
         rows = [len(batch.sigmas) for batch in batches]
         with torch.no_grad(), self.sampling(), attention.kernel_context(self.attention):
-            losses = [self._micro_loss(batch) for batch in batches]   # device scalars, read in one transfer
+            losses = [self._micro_loss(batch) for batch in batches]  # device scalars, read in one transfer
         return float(np.dot(self.scalars(losses), rows) / sum(rows))
 
     def update_ema(self) -> None:
-        finite = getattr(self, "finite", True)   # the last step's: a host bool, or a device flag (fused)
+        finite = getattr(self, "finite", True)  # the last step's: a host bool, or a device flag (fused)
         if self.ema is not None and finite is not False:
             self.ema.update(None if finite is True else finite)
 

@@ -6,6 +6,7 @@ memory). `compile` wraps each block in torch.compile (regional compilation: the 
 share their compiled code), with the checkpoint inside the compiled region, where it keeps the
 attention outputs (selective checkpointing). Removal restores every block exactly.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,13 +41,18 @@ def compile_errors_explained():
         # Flux2's blocks add into a tensor a norm has kept for backward (`x += ...` after `norm(x)`). Under
         # bf16 autocast on CUDA the norm keeps its fp32 cast instead, and the block traces; without (fp32,
         # or CPU autocast, which leaves norms in bf16) autograd refuses it while tracing.
-        why = ("this model's blocks write into tensors autograd keeps for backward, which torch.compile traces "
-               "only under bf16 autocast on a CUDA GPU: set mixed_precision to bf16 there, or turn compile_blocks "
-               "off (or auto)" if "modified by an inplace operation" in text else
-               "it needs Triton on CUDA or a C++ compiler on CPU")
-        raise CompileFailed(f"compile_blocks: torch.compile could not compile the model's blocks here "
-                            f"({type(inner).__name__}: {text[:300]}). Turn compile_blocks off (or auto) in Kiln "
-                            f"Training Options (or the config); {why}.") from error
+        why = (
+            "this model's blocks write into tensors autograd keeps for backward, which torch.compile traces "
+            "only under bf16 autocast on a CUDA GPU: set mixed_precision to bf16 there, or turn compile_blocks "
+            "off (or auto)"
+            if "modified by an inplace operation" in text
+            else "it needs Triton on CUDA or a C++ compiler on CPU"
+        )
+        raise CompileFailed(
+            f"compile_blocks: torch.compile could not compile the model's blocks here "
+            f"({type(inner).__name__}: {text[:300]}). Turn compile_blocks off (or auto) in Kiln "
+            f"Training Options (or the config); {why}."
+        ) from error
 
 
 def find_blocks(model: nn.Module, block_lists: tuple[str, ...]) -> list[nn.Module]:
@@ -58,8 +64,10 @@ def find_blocks(model: nn.Module, block_lists: tuple[str, ...]) -> list[nn.Modul
         for name in block_lists:
             found = getattr(model, name, None)
             if not isinstance(found, nn.ModuleList):
-                raise ValueError(f"model has no block list {name!r} for gradient checkpointing; "
-                                 f"its ModuleLists are {[n for n, c in model.named_children() if isinstance(c, nn.ModuleList)]}")
+                raise ValueError(
+                    f"model has no block list {name!r} for gradient checkpointing; "
+                    f"its ModuleLists are {[n for n, c in model.named_children() if isinstance(c, nn.ModuleList)]}"
+                )
             lists.append(found)
     return [block for blocks in lists for block in blocks]
 
@@ -68,10 +76,16 @@ def find_blocks(model: nn.Module, block_lists: tuple[str, ...]) -> list[nn.Modul
 # [B, L, D] output and a log-sum-exp, against recomputing 4·L²·D FLOPs (bench/RESULTS.md, lever
 # "selective checkpointing"). Every SDPA backend torch may pick; the math fallback decomposes into
 # matmuls and is recomputed.
-SAVED_OPS = [getattr(torch.ops.aten, name).default for name in (
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    if hasattr(torch.ops.aten, name)]
+SAVED_OPS = [
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+]
 
 # torch.compile's inductor backend; tests swap in "aot_eager" (same graphs, no C++/Triton build).
 COMPILE_BACKEND = "inductor"
@@ -138,7 +152,7 @@ def compile_cache_folder(environ=os.environ) -> Path:
     $XDG_CACHE_HOME/kiln/torch_compile (~/.cache/kiln/torch_compile)."""
     if os.name == "nt" and environ.get("LOCALAPPDATA"):
         home = Path(environ["LOCALAPPDATA"])
-    else:   # the XDG spec: a relative XDG_CACHE_HOME is ignored
+    else:  # the XDG spec: a relative XDG_CACHE_HOME is ignored
         xdg = environ.get("XDG_CACHE_HOME", "")
         home = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
     return home / "kiln" / "torch_compile"
@@ -156,7 +170,7 @@ def keep_compiled(environ=os.environ) -> str | None:
         folder.mkdir(parents=True, exist_ok=True)
         if not os.access(folder, os.W_OK):
             return None
-    except (OSError, RuntimeError, KeyError):   # RuntimeError, KeyError: Path.home() without a home
+    except (OSError, RuntimeError, KeyError):  # RuntimeError, KeyError: Path.home() without a home
         return None
     environ[CACHE_ENV] = str(folder)
     # inductor writes TRITON_CACHE_DIR (its folder's triton/<device>) at its first Triton kernel, in this process
@@ -165,8 +179,12 @@ def keep_compiled(environ=os.environ) -> str | None:
     triton = environ.get("TRITON_CACHE_DIR")
     if default and triton and os.path.abspath(triton).startswith(default + os.sep):
         environ["TRITON_CACHE_DIR"] = str(folder / "triton")
-    logging.getLogger("kiln").info("[Kiln] compiled blocks are cached in %s (a later run of the same model and "
-                                   "settings compiles from it; set %s to move it)", folder, CACHE_ENV)
+    logging.getLogger("kiln").info(
+        "[Kiln] compiled blocks are cached in %s (a later run of the same model and "
+        "settings compiles from it; set %s to move it)",
+        folder,
+        CACHE_ENV,
+    )
     return str(folder)
 
 
@@ -185,8 +203,9 @@ def _compiled(fn, key: str, cuda_graphs: bool = False):
     start: backend.step)."""
     code = _CODES.setdefault((fn.__code__, f"{key}|graphs={cuda_graphs}"), fn.__code__.replace())
     twin = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(twin, backend=COMPILE_BACKEND, dynamic=COMPILE_DYNAMIC,
-                         mode="reduce-overhead" if cuda_graphs else None)
+    return torch.compile(
+        twin, backend=COMPILE_BACKEND, dynamic=COMPILE_DYNAMIC, mode="reduce-overhead" if cuda_graphs else None
+    )
 
 
 def _budgeted(compiled, budget: float):
@@ -196,10 +215,11 @@ def _budgeted(compiled, budget: float):
     config = torch._functorch.config
 
     def call(*args, **kwargs):
-        if config.activation_memory_budget == budget:   # budget 1, torch's default: no patch per block call
+        if config.activation_memory_budget == budget:  # budget 1, torch's default: no patch per block call
             return compiled(*args, **kwargs)
         with config.patch(activation_memory_budget=budget):
             return compiled(*args, **kwargs)
+
     return call
 
 
@@ -295,9 +315,19 @@ class BlockCheckpointing:
     """`recompute=False` keeps only the input copies: gradient checkpointing off, still safe for
     blocks that write into their inputs."""
 
-    def __init__(self, model: nn.Module, block_lists: tuple[str, ...], recompute: bool = True, *,
-                 skip: int = 0, compile: bool = False, pure_blocks: bool = False, budget: float = 0.0,
-                 compile_key: str = "", cuda_graphs: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        block_lists: tuple[str, ...],
+        recompute: bool = True,
+        *,
+        skip: int = 0,
+        compile: bool = False,
+        pure_blocks: bool = False,
+        budget: float = 0.0,
+        compile_key: str = "",
+        cuda_graphs: bool = False,
+    ):
         """`compile` compiles every block; `pure_blocks` False (blocks that write into their inputs, Flux2)
         gives each block compiled whole copies of its inputs first. `budget` > 0 (compiled blocks): a
         recomputed block keeps that share of its activation memory, chosen by the compiler, instead of

@@ -1,4 +1,5 @@
 """EMA of the LoRA weights: an fp32 shadow, updated after each real optimizer step."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -51,10 +52,14 @@ class Ema:
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         missing = sorted(set(self.shadow) - set(tensors))
         if missing:
-            raise ValueError(f"EMA state lacks {len(missing)} tensor(s), e.g. {missing[:3]}; "
-                             "the checkpoint was made with other targets or rank")
+            raise ValueError(
+                f"EMA state lacks {len(missing)} tensor(s), e.g. {missing[:3]}; "
+                "the checkpoint was made with other targets or rank"
+            )
         for name in self.shadow:
             if tuple(tensors[name].shape) != tuple(self.shadow[name].shape):
-                raise ValueError(f"EMA tensor {name}: shape {tuple(tensors[name].shape)} in the checkpoint, "
-                                 f"{tuple(self.shadow[name].shape)} in this run")
+                raise ValueError(
+                    f"EMA tensor {name}: shape {tuple(tensors[name].shape)} in the checkpoint, "
+                    f"{tuple(self.shadow[name].shape)} in this run"
+                )
             self.shadow[name].copy_(tensors[name])

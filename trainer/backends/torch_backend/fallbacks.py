@@ -7,6 +7,7 @@ torchrun (one rank alone must not change what it computes).
 - step_graphs, out of GPU memory: their pool goes, first (it only buys small buckets' speed).
 - checkpoint_budget, out of GPU memory: plain checkpointing (budget 0); the estimate is an estimate.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,29 +28,48 @@ def recover(backend, error: BaseException) -> bool:
         if not (chosen.compile and cfg.compile_blocks == AUTO):
             return False
         inner = getattr(error.__cause__, "inner_exception", None) or error.__cause__ or error
-        _step_back(backend, dataclasses.replace(chosen, compile=False, budget=0.0, cuda_graphs=False,
-                                                note=f"{chosen.note}; compile failed"))
-        log.warning("[Kiln] compile_blocks auto: torch.compile failed here (%s: %s). Training goes on without "
-                    "compiled blocks (slower); set compile_blocks off to skip the attempt.",
-                    type(inner).__name__, first_line(inner, 300))
+        _step_back(
+            backend,
+            dataclasses.replace(
+                chosen, compile=False, budget=0.0, cuda_graphs=False, note=f"{chosen.note}; compile failed"
+            ),
+        )
+        log.warning(
+            "[Kiln] compile_blocks auto: torch.compile failed here (%s: %s). Training goes on without "
+            "compiled blocks (slower); set compile_blocks off to skip the attempt.",
+            type(inner).__name__,
+            first_line(inner, 300),
+        )
         return True
     if not is_out_of_memory(error):
         return False
-    traceback.clear_frames(error.__traceback__)   # the failed step's activations go now
+    traceback.clear_frames(error.__traceback__)  # the failed step's activations go now
     if cfg.step_graphs == AUTO and backend.graphs is not None and backend.graphs.graphs:
-        _step_back(backend, dataclasses.replace(chosen, step_graphs=False,
-                                                note=f"{chosen.note}; out of memory with step graphs: off"),
-                   rewrap=False)
-        log.warning("[Kiln] step_graphs auto: a step ran out of GPU memory beside the step graphs' pool (%s). "
-                    "Training goes on without them (small buckets slower); set step_graphs off to skip them.",
-                    first_line(error, 200))
+        _step_back(
+            backend,
+            dataclasses.replace(chosen, step_graphs=False, note=f"{chosen.note}; out of memory with step graphs: off"),
+            rewrap=False,
+        )
+        log.warning(
+            "[Kiln] step_graphs auto: a step ran out of GPU memory beside the step graphs' pool (%s). "
+            "Training goes on without them (small buckets slower); set step_graphs off to skip them.",
+            first_line(error, 200),
+        )
         return True
     if cfg.checkpoint_budget == AUTO and chosen.budget > 0:
-        _step_back(backend, dataclasses.replace(chosen, budget=0.0,
-                                                note=f"{chosen.note}; out of memory at budget {chosen.budget:g}: 0"))
-        log.warning("[Kiln] checkpoint_budget auto: budget %g ran out of GPU memory (%s). Training goes on with "
-                    "plain checkpointing (budget 0; blocks compile again). Set checkpoint_budget to a number to "
-                    "choose yourself.", chosen.budget, first_line(error, 200))
+        _step_back(
+            backend,
+            dataclasses.replace(
+                chosen, budget=0.0, note=f"{chosen.note}; out of memory at budget {chosen.budget:g}: 0"
+            ),
+        )
+        log.warning(
+            "[Kiln] checkpoint_budget auto: budget %g ran out of GPU memory (%s). Training goes on with "
+            "plain checkpointing (budget 0; blocks compile again). Set checkpoint_budget to a number to "
+            "choose yourself.",
+            chosen.budget,
+            first_line(error, 200),
+        )
         return True
     return False
 

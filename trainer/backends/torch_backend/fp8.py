@@ -24,6 +24,7 @@ kernel quantizes: Klein 4B 0.155 -> 0.149 s/step at 1024 px.
 Installed like the LoRA branches, by instance-forward override, before them; removal restores each
 Linear exactly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,10 +37,10 @@ from . import fp8_kernels
 log = logging.getLogger("kiln")
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = float(torch.finfo(E4M3).max)     # 448
-_ALIGN = 16                                  # cuBLAS fp8 needs both matrix dims of the weight divisible by 16
+E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
+_ALIGN = 16  # cuBLAS fp8 needs both matrix dims of the weight divisible by 16
 _PLAIN = (torch.bfloat16, torch.float16, torch.float32)
-TRITON_QUANTIZE = True                       # False: never fp8_kernels' Triton kernel (A/B switch)
+TRITON_QUANTIZE = True  # False: never fp8_kernels' Triton kernel (A/B switch)
 
 
 def quantize_rows(t: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,13 +74,13 @@ class Fp8Weight:
 
     def __init__(self, weight: torch.Tensor, *, forward: bool = True, backward: bool = True):
         w = weight.detach()
-        self.weight = w                                       # the bf16 products' operand (not a copy)
-        self.kernel = False                                   # its forward's input quantized by fp8_kernels
+        self.weight = w  # the bf16 products' operand (not a copy)
+        self.kernel = False  # its forward's input quantized by fp8_kernels
         self.rows = self.row_scale = self.cols = self.col_scale = None
-        if forward:    # per output channel: the forward's B, [out, in] and [1, out]
+        if forward:  # per output channel: the forward's B, [out, in] and [1, out]
             rows, scale = quantize_rows(w)
             self.rows, self.row_scale = rows, scale.reshape(1, -1).contiguous()
-        if backward:   # per input channel: the backward's B, [in, out] and [1, in]
+        if backward:  # per input channel: the backward's B, [in, out] and [1, in]
             cols, scale = quantize_rows(w.t().contiguous())
             self.cols, self.col_scale = cols, scale.reshape(1, -1).contiguous()
 
@@ -106,11 +107,12 @@ class Fp8Weight:
         return sum(t.numel() * t.element_size() for t in kept if t.untyped_storage().data_ptr() != base)
 
 
-def _product(a: torch.Tensor, fp8: torch.Tensor | None, scale: torch.Tensor | None,
-             plain: torch.Tensor, kernel: bool) -> torch.Tensor:
+def _product(
+    a: torch.Tensor, fp8: torch.Tensor | None, scale: torch.Tensor | None, plain: torch.Tensor, kernel: bool
+) -> torch.Tensor:
     """a [M, K] · Bᵀ → [M, N] bf16: in fp8 with B = fp8 [N, K] (per-row `scale` [1, N]) when there is one,
     else in bf16 with B = plain."""
-    with torch.autocast(a.device.type, enabled=False):   # scales in fp32, eager and compiled alike
+    with torch.autocast(a.device.type, enabled=False):  # scales in fp32, eager and compiled alike
         if fp8 is None:
             return a.to(torch.bfloat16) @ plain.to(torch.bfloat16).t()
         a8, a_scale = quantize_rows(a, kernel)
@@ -126,7 +128,7 @@ class _Fp8Matmul(torch.autograd.Function):
         y = _product(x.reshape(-1, x.shape[-1]), rows, row_scale, weight, kernel)  # [tokens, in] → [tokens, out]
         ctx.save_for_backward(weight, cols, col_scale)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        return y.reshape(*x.shape[:-1], weight.shape[0])                       # [..., out]
+        return y.reshape(*x.shape[:-1], weight.shape[0])  # [..., out]
 
     @staticmethod
     def backward(ctx, grad):
@@ -145,8 +147,12 @@ def _eligible(module: nn.Module, device: torch.device) -> bool:
     stored as plain e4m3 (not a quantized tensor subclass, whose scales ComfyUI applies), with no ComfyUI
     forward-time patches (a weight function would be lost) and fp8-friendly sizes."""
     weight = getattr(module, "weight", None)
-    if not (isinstance(module, nn.Linear) and type(weight) in (torch.Tensor, nn.Parameter)
-            and weight.dtype in (*_PLAIN, E4M3) and _on(weight.device, device)):
+    if not (
+        isinstance(module, nn.Linear)
+        and type(weight) in (torch.Tensor, nn.Parameter)
+        and weight.dtype in (*_PLAIN, E4M3)
+        and _on(weight.device, device)
+    ):
         return False
     if getattr(module, "weight_function", None) or getattr(module, "bias_function", None):
         return False
@@ -158,7 +164,9 @@ def _on(where: torch.device, device: torch.device) -> bool:
     if where.type != device.type:
         return False
     current = torch.cuda.current_device() if device.type == "cuda" else None
-    return (where.index if where.index is not None else current) == (device.index if device.index is not None else current)
+    return (where.index if where.index is not None else current) == (
+        device.index if device.index is not None else current
+    )
 
 
 def check_device(device: torch.device) -> None:
@@ -169,9 +177,11 @@ def check_device(device: torch.device) -> None:
         torch._scaled_mm(a, a.t(), scale_a=scale, scale_b=scale.t().contiguous(), out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError) as error:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        raise ValueError(f"fp8_compute: this device ({name}) has no fp8 matmul with per-row scales "
-                         f"({str(error).strip().splitlines()[0][:200]}); it needs an H100-class GPU (compute "
-                         "capability 9.0+). Turn fp8_compute off in Kiln Training Options (or the config).") from error
+        raise ValueError(
+            f"fp8_compute: this device ({name}) has no fp8 matmul with per-row scales "
+            f"({str(error).strip().splitlines()[0][:200]}); it needs an H100-class GPU (compute "
+            "capability 9.0+). Turn fp8_compute off in Kiln Training Options (or the config)."
+        ) from error
 
 
 def _kernel_works(device: torch.device, widths: tuple[int, ...] = ()) -> bool:
@@ -181,15 +191,22 @@ def _kernel_works(device: torch.device, widths: tuple[int, ...] = ()) -> bool:
         return False
     failed = fp8_kernels.probe(device, quantize_rows_torch, widths)
     if failed:
-        log.warning("[Kiln] fp8_compute: the Triton quantization kernel is off (%s); quantizing with torch "
-                    "ops instead (same values, slower)", failed)
+        log.warning(
+            "[Kiln] fp8_compute: the Triton quantization kernel is off (%s); quantizing with torch "
+            "ops instead (same values, slower)",
+            failed,
+        )
     return not failed
 
 
 def stored_linears(blocks: list[nn.Module], device: torch.device) -> list[nn.Linear]:
     """The eligible Linears of `blocks` whose weight is stored in e4m3 (an fp8-loaded base)."""
-    return [module for block in blocks for module in block.modules()
-            if isinstance(module, nn.Linear) and _eligible(module, device) and module.weight.dtype == E4M3]
+    return [
+        module
+        for block in blocks
+        for module in block.modules()
+        if isinstance(module, nn.Linear) and _eligible(module, device) and module.weight.dtype == E4M3
+    ]
 
 
 class Fp8Base:
@@ -198,13 +215,18 @@ class Fp8Base:
     `kernel`: the names (inside a block) of the Linears whose forward input fp8_kernels' Triton kernel
     quantizes, where it works here (Arch.fp8_quantize_kernel)."""
 
-    def __init__(self, blocks: list[nn.Module], device: torch.device, stored_backward: bool = False,
-                 kernel: tuple[str, ...] = ()):
+    def __init__(
+        self, blocks: list[nn.Module], device: torch.device, stored_backward: bool = False, kernel: tuple[str, ...] = ()
+    ):
         check_device(device)
-        named = [module for block in blocks for name, module in block.named_modules()
-                 if isinstance(module, nn.Linear) and name in kernel and _eligible(module, device)]
+        named = [
+            module
+            for block in blocks
+            for name, module in block.named_modules()
+            if isinstance(module, nn.Linear) and name in kernel and _eligible(module, device)
+        ]
         works = bool(named) and _kernel_works(device, tuple(m.in_features for m in named))
-        self.kernel_linears: list[nn.Linear] = named if works else []   # forward input quantized by fp8_kernels
+        self.kernel_linears: list[nn.Linear] = named if works else []  # forward input quantized by fp8_kernels
         # what compiled blocks bake in
         self.mode = "on" + ("+stored_backward" if stored_backward else "") + ("+kernel" if self.kernel else "")
         self.replaced: list[tuple[nn.Module, object]] = []
@@ -226,11 +248,15 @@ class Fp8Base:
                 self.bytes += weight.nbytes()
                 self.replaced.append((module, module.__dict__.get("forward")))
                 module.forward = _forward(module, weight, module.forward)
-        log.info("[Kiln] fp8_compute: %d block Linears multiply in fp8 (%.2f GiB of fp8 weight copies%s)%s",
-                 len(self.replaced), self.bytes / 2**30,
-                 f"; {len(self.kernel_linears)} quantize their input with the Triton kernel" if self.kernel_linears else "",
-                 f"; {skipped} stay as they are (off the GPU, patched at forward, or sizes not multiples of 16)"
-                 if skipped else "")
+        log.info(
+            "[Kiln] fp8_compute: %d block Linears multiply in fp8 (%.2f GiB of fp8 weight copies%s)%s",
+            len(self.replaced),
+            self.bytes / 2**30,
+            f"; {len(self.kernel_linears)} quantize their input with the Triton kernel" if self.kernel_linears else "",
+            f"; {skipped} stay as they are (off the GPU, patched at forward, or sizes not multiples of 16)"
+            if skipped
+            else "",
+        )
 
     @property
     def kernel(self) -> bool:
@@ -252,4 +278,5 @@ def _forward(module: nn.Linear, weight: Fp8Weight, own_forward):
         if not torch.is_grad_enabled():
             return own_forward(x, *args, **kwargs)
         return fp8_linear(x, weight, module.bias)
+
     return forward

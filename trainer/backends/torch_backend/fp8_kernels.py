@@ -14,6 +14,7 @@ divided by that scale rounded to nearest, clamped, rounded to nearest e4m3), so 
 `probe` checks it on the GPU before a run uses it, bench/fp8_quant.py records it. Absent Triton (CPU,
 MPS, the CI machine) nothing is registered and `AVAILABLE` is False.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,23 +23,22 @@ try:
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
-except ImportError:          # a CPU-only torch has no Triton: fp8.quantize_rows keeps its torch ops
+except ImportError:  # a CPU-only torch has no Triton: fp8.quantize_rows keeps its torch ops
     triton = None
 
 E4M3_MAX = 448.0
-ONE_PASS_MAX = 32768        # a row up to this width stays in registers (32 per thread at 32 warps)
-LOOP_BLOCK = 4096           # wider rows: an amax pass, then a cast pass that re-reads the row from L2
+ONE_PASS_MAX = 32768  # a row up to this width stays in registers (32 per thread at 32 warps)
+LOOP_BLOCK = 4096  # wider rows: an amax pass, then a cast pass that re-reads the row from L2
 
 AVAILABLE = False
 
 if triton is not None:
-    _MAX = tl.constexpr(E4M3_MAX)      # a jit function reads only constexpr globals
+    _MAX = tl.constexpr(E4M3_MAX)  # a jit function reads only constexpr globals
     # torch divides a CUDA tensor by a Python number as a product with the number's fp32 reciprocal
     _INV_MAX = tl.constexpr((torch.ones((), dtype=torch.float32) / E4M3_MAX).item())
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x,
-                              BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         src = x_ptr + row * stride_x
         dst = q_ptr + row * K
@@ -77,13 +77,14 @@ if triton is not None:
         if not one_pass:
             block = LOOP_BLOCK
         warps = max(4, min(32, block // 1024))
-        wrap_triton(_quantize_rows_kernel)[(rows,)](t, q, scale, width, t.stride(0),
-                                                    BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
+        wrap_triton(_quantize_rows_kernel)[(rows,)](
+            t, q, scale, width, t.stride(0), BLOCK=block, ONE_PASS=one_pass, num_warps=warps
+        )
         return q, scale
 
     def _registered() -> bool:
         try:
-            torch.ops.kiln.quantize_rows   # noqa: B018 - another copy of the pack (a second custom_nodes folder) has it
+            torch.ops.kiln.quantize_rows  # noqa: B018 - another copy of the pack (a second custom_nodes folder) has it
         except (AttributeError, RuntimeError):
             return False
         return True

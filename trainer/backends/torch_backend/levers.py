@@ -15,6 +15,7 @@ step_graphs auto: on for one process on a CUDA GPU where the small steps' CUDA g
 their memory pool fit beside the largest step (H200: Klein 4B / Z-Image 512 px 0.074 / 0.132 → 0.048 /
 0.071 s/step). fp8_compute auto: on for a base stored in fp8 (fp8_compute below).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,9 +37,9 @@ GIB = 2**30
 class Levers:
     compile: bool
     budget: float
-    note: str = ""                 # how "auto" decided, for the run's log ("" when nothing was auto)
-    cuda_graphs: bool = False      # compiled blocks replayed as CUDA graphs (mode "reduce-overhead")
-    step_graphs: bool = False      # each micro-batch's forward and backward replayed as a CUDA graph (step_graphs.py)
+    note: str = ""  # how "auto" decided, for the run's log ("" when nothing was auto)
+    cuda_graphs: bool = False  # compiled blocks replayed as CUDA graphs (mode "reduce-overhead")
+    step_graphs: bool = False  # each micro-batch's forward and backward replayed as a CUDA graph (step_graphs.py)
 
 
 def can_compile(device: torch.device) -> bool:
@@ -66,12 +67,23 @@ def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> i
 
     try:
         variant = variant_from_header({name: list(t.shape) for name, t in model.state_dict().items()})
-        est = estimate(variant, resolution=max(cfg.resolutions), batch_size=cfg.batch_size, rank=cfg.rank,
-                       targets=tuple(cfg.targets) or None, optimizer=cfg.optimizer,
-                       gradient_checkpointing=True, base_dtype=base_dtype(model),
-                       mixed_precision=cfg.mixed_precision, skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
-                       checkpoint_budget=budget, preservation=cfg.preservation_weight > 0,
-                       adapter=cfg.adapter, lokr_factor=cfg.lokr_factor, lokr_full_w2=cfg.lokr_full_w2)
+        est = estimate(
+            variant,
+            resolution=max(cfg.resolutions),
+            batch_size=cfg.batch_size,
+            rank=cfg.rank,
+            targets=tuple(cfg.targets) or None,
+            optimizer=cfg.optimizer,
+            gradient_checkpointing=True,
+            base_dtype=base_dtype(model),
+            mixed_precision=cfg.mixed_precision,
+            skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
+            checkpoint_budget=budget,
+            preservation=cfg.preservation_weight > 0,
+            adapter=cfg.adapter,
+            lokr_factor=cfg.lokr_factor,
+            lokr_full_w2=cfg.lokr_full_w2,
+        )
         # fp8_compute's copies are resident already (counted in `free`); edit training's reference tokens
         # are not known here (the data is not read): auto's margin covers the rest
 
@@ -88,7 +100,7 @@ def free_bytes(device: torch.device) -> tuple[int, int]:
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     free += torch.cuda.memory_reserved(device) - allocated
-    index = device.index if device.index is not None else torch.cuda.current_device()   # torch 2.11 wants one
+    index = device.index if device.index is not None else torch.cuda.current_device()  # torch 2.11 wants one
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _index: 1.0)(index)
     if fraction < 1.0:
         total = int(fraction * total)
@@ -106,8 +118,10 @@ def auto_budget(model: nn.Module, cfg: TrainConfig, device: torch.device, free_a
         return 0.0, "0 (no memory estimate for this model)"
     budget = largest_budget(lambda b: estimated_step_bytes(model, cfg, b), free - margin)
     need = estimated_step_bytes(model, cfg, budget)
-    return budget, (f"{budget:g} (a {max(cfg.resolutions)} px step needs ~{need / GIB:.1f} GiB beside the weights; "
-                    f"{free / GIB:.1f} GiB free, {margin / GIB:.1f} GiB kept back)")
+    return budget, (
+        f"{budget:g} (a {max(cfg.resolutions)} px step needs ~{need / GIB:.1f} GiB beside the weights; "
+        f"{free / GIB:.1f} GiB free, {margin / GIB:.1f} GiB kept back)"
+    )
 
 
 def fp8_compute(model: nn.Module, cfg: TrainConfig, device: torch.device) -> tuple[bool, str]:
@@ -128,8 +142,9 @@ def fp8_compute(model: nn.Module, cfg: TrainConfig, device: torch.device) -> tup
     return True, "fp8_compute auto → on (the base is stored in fp8: its forward multiplies the stored weights)"
 
 
-def fp8_stored_backward(model: nn.Module, cfg: TrainConfig, device: torch.device, copy_bytes: int,
-                        free_and_total=None) -> tuple[bool, str]:
+def fp8_stored_backward(
+    model: nn.Module, cfg: TrainConfig, device: torch.device, copy_bytes: int, free_and_total=None
+) -> tuple[bool, str]:
     """(on, why): under fp8_compute, whether a base stored in fp8 multiplies in fp8 backward too, through a
     transposed copy of its stored block weights (`copy_bytes`, their own size again). Yes where the copy costs
     the step nothing: the checkpoint budget it gets with the copy resident is the one it gets without (auto),
@@ -146,7 +161,10 @@ def fp8_stored_backward(model: nn.Module, cfg: TrainConfig, device: torch.device
     need = lambda budget: estimated_step_bytes(model, cfg, budget)
     copy = f"a transposed copy of the stored weights, {copy_bytes / GIB:.1f} GiB"
     if need(0.0) is None:
-        return False, f"its backward casts the stored weights to bf16 per use ({copy} without a memory estimate for this model)"
+        return (
+            False,
+            f"its backward casts the stored weights to bf16 per use ({copy} without a memory estimate for this model)",
+        )
     # the budget the step gets without the copy (auto: the largest that fits) must still fit beside it
     budget = largest_budget(need, free - margin) if cfg.checkpoint_budget == AUTO else float(cfg.checkpoint_budget)
     if AUTO_SAFETY * need(budget) <= free - copy_bytes - margin:
@@ -159,8 +177,13 @@ def fp8_stored_backward(model: nn.Module, cfg: TrainConfig, device: torch.device
 KERNEL_MIN_RESOLUTION = 1024
 
 
-def fp8_base(model: nn.Module, cfg: TrainConfig, device: torch.device, blocks: list[nn.Module],
-             quantize_kernel: tuple[str, ...] = ()):
+def fp8_base(
+    model: nn.Module,
+    cfg: TrainConfig,
+    device: torch.device,
+    blocks: list[nn.Module],
+    quantize_kernel: tuple[str, ...] = (),
+):
     """fp8_compute decided (fp8_compute, fp8_stored_backward) and installed on `blocks`: (the fp8.Fp8Base, or
     None when off; the log note). `quantize_kernel`: the arch's fact (Arch.fp8_quantize_kernel), taken where
     every bucket is at least KERNEL_MIN_RESOLUTION."""
@@ -169,21 +192,35 @@ def fp8_base(model: nn.Module, cfg: TrainConfig, device: torch.device, blocks: l
         return None, note
     from .fp8 import Fp8Base, stored_linears
 
-    stored = sum(m.weight.numel() for m in stored_linears(blocks, device))   # e4m3: a byte each
+    stored = sum(m.weight.numel() for m in stored_linears(blocks, device))  # e4m3: a byte each
     backward, why = fp8_stored_backward(model, cfg, device, stored)
     kernel = quantize_kernel if min(cfg.resolutions) >= KERNEL_MIN_RESOLUTION else ()
     return Fp8Base(blocks, device, stored_backward=backward, kernel=kernel), "; ".join(n for n in (note, why) if n)
 
 
-def step_graphs(model: nn.Module, cfg: TrainConfig, device: torch.device, budget: float, cuda_graphs: bool,
-                parallel: bool, free_and_total=None) -> tuple[bool, str]:
+def step_graphs(
+    model: nn.Module,
+    cfg: TrainConfig,
+    device: torch.device,
+    budget: float,
+    cuda_graphs: bool,
+    parallel: bool,
+    free_and_total=None,
+) -> tuple[bool, str]:
     """(on, why) for step_graphs. auto: on for one process on a CUDA GPU, where the graphs' memory pool (the
     largest recorded step's activations, times GRAPH_POOL_FACTOR) fits beside the largest eager step."""
     if cfg.step_graphs != AUTO and not cfg.step_graphs:
         return False, ""
-    why_not = ("needs a CUDA GPU" if device.type != "cuda" else "not under torchrun" if parallel else
-               "cuda_graphs records the blocks instead" if cuda_graphs else "")
-    if why_not:   # said only where asked for: auto off on a CPU or Mac is no news
+    why_not = (
+        "needs a CUDA GPU"
+        if device.type != "cuda"
+        else "not under torchrun"
+        if parallel
+        else "cuda_graphs records the blocks instead"
+        if cuda_graphs
+        else ""
+    )
+    if why_not:  # said only where asked for: auto off on a CPU or Mac is no news
         return False, f"step_graphs → off ({why_not})" if cfg.step_graphs is True else ""
     if cfg.step_graphs is True:
         return True, ""
@@ -206,21 +243,31 @@ def step_graphs(model: nn.Module, cfg: TrainConfig, device: torch.device, budget
     if AUTO_SAFETY * (need + pool) > free - auto_margin(total):
         # a lower budget makes room only where there is one to lower (on a 12 GiB card Klein 4B is at 0 already)
         room = ": set checkpoint_budget lower to make room" if budget > 0 else ""
-        return False, (f"step_graphs auto → off (their memory pool, ~{pool / GIB:.1f} GiB, would not fit beside "
-                       f"the largest step{room})")
+        return False, (
+            f"step_graphs auto → off (their memory pool, ~{pool / GIB:.1f} GiB, would not fit beside "
+            f"the largest step{room})"
+        )
     return True, f"step_graphs auto → on (steps of up to {recorded}x{recorded} px, a pool of ~{pool / GIB:.1f} GiB)"
 
 
-def decide(model: nn.Module, cfg: TrainConfig, device: torch.device, notes: tuple[str, ...] = (),
-           blocks_write_norm_inputs: bool = False, parallel: bool = False) -> Levers:
+def decide(
+    model: nn.Module,
+    cfg: TrainConfig,
+    device: torch.device,
+    notes: tuple[str, ...] = (),
+    blocks_write_norm_inputs: bool = False,
+    parallel: bool = False,
+) -> Levers:
     """compile_blocks and checkpoint_budget for this run, with "auto" resolved; `notes` from earlier
     decisions (fp8_compute) lead the log line. `blocks_write_norm_inputs`: the arch's fact (trainer/archs)."""
     notes = [note for note in notes if note]
     why_not = "" if can_compile(device) else f" ({device.type}{' without Triton' if device.type == 'cuda' else ''})"
     if not why_not and blocks_write_norm_inputs and cfg.mixed_precision != "bf16":
         # (the failed attempt would cost a first step's compile: 12 s for Klein 4B in fp32 on an H100)
-        why_not = " (this model's blocks write into what their norms keep for backward: compiled, they trace only " \
-                  "under mixed_precision bf16 on a CUDA GPU)"
+        why_not = (
+            " (this model's blocks write into what their norms keep for backward: compiled, they trace only "
+            "under mixed_precision bf16 on a CUDA GPU)"
+        )
     compile = cfg.compile_blocks is True or (cfg.compile_blocks == AUTO and not why_not)
     if cfg.compile_blocks == AUTO:
         notes.append(f"compile_blocks auto → {'on' if compile else 'off'}" + ("" if compile else why_not))
@@ -236,5 +283,10 @@ def decide(model: nn.Module, cfg: TrainConfig, device: torch.device, notes: tupl
         notes.append("cuda_graphs → off (needs compiled blocks on a CUDA GPU)")
     recorded, why = step_graphs(model, cfg, device, float(budget), graphs, parallel)
     notes.append(why)
-    return Levers(compile=compile, budget=float(budget), note="; ".join(n for n in notes if n), cuda_graphs=graphs,
-                  step_graphs=recorded and step_graphs_module.ENABLED)
+    return Levers(
+        compile=compile,
+        budget=float(budget),
+        note="; ".join(n for n in notes if n),
+        cuda_graphs=graphs,
+        step_graphs=recorded and step_graphs_module.ENABLED,
+    )

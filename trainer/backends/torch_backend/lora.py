@@ -6,6 +6,7 @@ low-rank branch is added to its output. Injection replaces the instance's
 `forward` attribute, so module paths and state_dict keys stay exactly as
 ComfyUI knows them and removal is `del module.forward`.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -33,7 +34,7 @@ class LoraBranch(nn.Module):
     def __init__(self, A: torch.Tensor, out_features: int, alpha: float, dropout: float):
         super().__init__()
         rank = A.shape[0]
-        self.lora_A = nn.Parameter(A)                                             # [r, in]
+        self.lora_A = nn.Parameter(A)  # [r, in]
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, device=A.device))  # [out, r]: step 0 = base
         self.alpha = float(alpha)
         self.scale = self.alpha / rank
@@ -63,8 +64,11 @@ class LoraBranch(nn.Module):
         return _with_branch(base_forward, self)
 
     def weights(self) -> LoraWeights:
-        return LoraWeights(A=self.lora_A.detach().float().cpu().numpy().copy(),
-                           B=self.lora_B.detach().float().cpu().numpy().copy(), alpha=self.alpha)
+        return LoraWeights(
+            A=self.lora_A.detach().float().cpu().numpy().copy(),
+            B=self.lora_B.detach().float().cpu().numpy().copy(),
+            alpha=self.alpha,
+        )
 
     @torch.no_grad()
     def load(self, weights, path: str) -> None:
@@ -73,15 +77,17 @@ class LoraBranch(nn.Module):
         for name, array in (("lora_A", weights.A), ("lora_B", weights.B)):
             param = getattr(self, name)
             if tuple(array.shape) != tuple(param.shape):
-                raise ValueError(f"{path}.{name}: shape {tuple(array.shape)} in the file, "
-                                 f"{tuple(param.shape)} in this run (rank or model differ)")
+                raise ValueError(
+                    f"{path}.{name}: shape {tuple(array.shape)} in the file, "
+                    f"{tuple(param.shape)} in this run (rank or model differ)"
+                )
             param.copy_(torch.from_numpy(np.asarray(array, dtype=np.float32)))
 
 
 @dataclass
 class Injected:
     module: nn.Linear
-    branch: nn.Module          # LoraBranch or an adapters.AdapterBranch
+    branch: nn.Module  # LoraBranch or an adapters.AdapterBranch
     had_own_forward: bool
     previous_forward: object
 
@@ -102,13 +108,13 @@ class _StepCast(torch.autograd.Function):
     def backward(ctx, *grads):
         out = _cast_all(list(grads), ctx.master_dtype)
         if any(s != 1.0 for s in ctx.scales):
-            torch._foreach_mul_(out[:ctx.count], list(ctx.scales))
+            torch._foreach_mul_(out[: ctx.count], list(ctx.scales))
         return (None, None, None, *out)
 
 
 def _cast_all(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     out = [torch.empty(t.shape, dtype=dtype, device=t.device) for t in tensors]
-    torch._foreach_copy_(out, [t.contiguous() for t in tensors])   # one multi-tensor kernel per ~100 on CUDA
+    torch._foreach_copy_(out, [t.contiguous() for t in tensors])  # one multi-tensor kernel per ~100 on CUDA
     return tuple(out)
 
 
@@ -116,6 +122,7 @@ def _with_branch(base_forward, branch: LoraBranch):
     def forward(x, *args, **kwargs):
         out = base_forward(x, *args, **kwargs)
         return out + branch(x).to(out.dtype)
+
     return forward
 
 
@@ -132,15 +139,30 @@ def _is_linear(module: nn.Module) -> bool:
         return True
     weight = getattr(module, "weight", None)
     sizes = (getattr(module, "out_features", None), getattr(module, "in_features", None))
-    return (all(isinstance(n, int) for n in sizes) and torch.is_tensor(weight) and weight.ndim == 2
-            and tuple(weight.shape) == sizes)
+    return (
+        all(isinstance(n, int) for n in sizes)
+        and torch.is_tensor(weight)
+        and weight.ndim == 2
+        and tuple(weight.shape) == sizes
+    )
 
 
 class LoraSet:
     """All branches of one run, keyed by ComfyUI module path; `adapter` picks the kind (trainer/lora/adapters.py)."""
 
-    def __init__(self, model: nn.Module, patterns, *, rank: int, alpha: float, dropout: float, seed: int,
-                 adapter: str = "lora", lokr_factor: int = -1, lokr_full_w2: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        patterns,
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        seed: int,
+        adapter: str = "lora",
+        lokr_factor: int = -1,
+        lokr_full_w2: bool = False,
+    ):
         layers = linear_layers(model)
         self.paths = select_targets(list(layers), list(patterns))
         self.injected: dict[str, Injected] = {}
@@ -151,8 +173,17 @@ class LoraSet:
                 A = torch.from_numpy(init_lora_A(seed, path, rank, module.in_features)).to(device)
                 branch = LoraBranch(A, module.out_features, alpha, dropout)
             else:
-                branch = adapters.build(adapter, module, path, rank=rank, alpha=alpha, seed=seed,
-                                        lokr_factor=lokr_factor, lokr_full_w2=lokr_full_w2, device=device)
+                branch = adapters.build(
+                    adapter,
+                    module,
+                    path,
+                    rank=rank,
+                    alpha=alpha,
+                    seed=seed,
+                    lokr_factor=lokr_factor,
+                    lokr_full_w2=lokr_full_w2,
+                    device=device,
+                )
             had_own = "forward" in module.__dict__
             previous = module.__dict__.get("forward")
             module.forward = branch.hook(module.forward)
@@ -163,8 +194,11 @@ class LoraSet:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Stable order: module order, then each branch's roles (A before B)."""
-        return [(f"{path}.{role}", getattr(item.branch, role))
-                for path, item in self.injected.items() for role in item.branch.roles]
+        return [
+            (f"{path}.{role}", getattr(item.branch, role))
+            for path, item in self.injected.items()
+            for role in item.branch.roles
+        ]
 
     def parameter_count(self) -> int:
         return sum(p.numel() for _, p in self.named_parameters())
@@ -181,8 +215,13 @@ class LoraSet:
         if not branches:
             yield
             return
-        copies = _StepCast.apply(dtype, tuple(b.scale for b in branches), len(branches),
-                                 *(b.lora_A for b in branches), *(b.lora_B for b in branches))
+        copies = _StepCast.apply(
+            dtype,
+            tuple(b.scale for b in branches),
+            len(branches),
+            *(b.lora_A for b in branches),
+            *(b.lora_B for b in branches),
+        )
         for index, branch in enumerate(branches):
             branch.step_weights = (copies[index], copies[len(branches) + index])
         try:

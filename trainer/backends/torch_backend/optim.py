@@ -2,6 +2,7 @@
 
 Every registry entry takes the same flat values, (params, lr, betas, eps, weight_decay, device), and
 uses those its optimizer has; the backend reads them off the config."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -22,8 +23,15 @@ Betas = tuple[float, float]
 def _adamw(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
     # fused on CUDA (one kernel for all tensors); foreach elsewhere.
     fused = device.type == "cuda"
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                             fused=fused or None, foreach=None if fused else True)
+    return torch.optim.AdamW(
+        params,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        fused=fused or None,
+        foreach=None if fused else True,
+    )
 
 
 def _adamw8bit(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
@@ -32,7 +40,8 @@ def _adamw8bit(params, lr: float, betas: Betas, eps: float, weight_decay: float,
     except ImportError as err:
         raise OptimizerUnavailable(
             "optimizer 'adamw8bit' needs bitsandbytes (NVIDIA GPUs): pip install bitsandbytes, "
-            "or choose optimizer 'adamw'") from err
+            "or choose optimizer 'adamw'"
+        ) from err
     return bitsandbytes.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
@@ -45,7 +54,8 @@ def _prodigy(params, lr: float, betas: Betas, eps: float, weight_decay: float, d
         from prodigyopt import Prodigy
     except ImportError as err:
         raise OptimizerUnavailable(
-            "optimizer 'prodigy' needs prodigyopt: pip install prodigyopt, or choose optimizer 'adamw'") from err
+            "optimizer 'prodigy' needs prodigyopt: pip install prodigyopt, or choose optimizer 'adamw'"
+        ) from err
     return Prodigy(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
 
 
@@ -58,8 +68,16 @@ OPTIMIZERS: dict[str, Callable] = {
 assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "config.OPTIMIZER_NAMES and the torch registry must agree"
 
 
-def build_optimizer(params: list[torch.nn.Parameter], name: str, *, lr: float, betas: Betas, eps: float,
-                    weight_decay: float, device: torch.device):
+def build_optimizer(
+    params: list[torch.nn.Parameter],
+    name: str,
+    *,
+    lr: float,
+    betas: Betas,
+    eps: float,
+    weight_decay: float,
+    device: torch.device,
+):
     return OPTIMIZERS[name](params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, device=device)
 
 
@@ -93,8 +111,11 @@ def optimizer_arrays(optimizer: torch.optim.Optimizer, names: list[str]):
                 tensors[f"{name}.{key}"] = value.detach().cpu().numpy()
             else:
                 scalars[f"{name}.{key}"] = value
-    meta = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
-            "scalars": scalars, "names": list(names)}
+    meta = {
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
+        "scalars": scalars,
+        "names": list(names),
+    }
     return tensors, meta
 
 
@@ -112,6 +133,7 @@ def load_optimizer_arrays(optimizer: torch.optim.Optimizer, names: list[str], te
     for key, value in meta["scalars"].items():
         name, entry = key.rsplit(".", 1)
         state.setdefault(index_of[name], {})[entry] = value
-    groups = [{**saved, "params": group["params"]}
-              for saved, group in zip(meta["param_groups"], template["param_groups"])]
+    groups = [
+        {**saved, "params": group["params"]} for saved, group in zip(meta["param_groups"], template["param_groups"])
+    ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})

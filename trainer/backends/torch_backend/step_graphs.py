@@ -16,6 +16,7 @@ A capture that fails (an op that waits for the host, a graph that does not fit) 
 the run with one log line; capturing runs no kernel, so the micro-batch then runs as before and no step
 is lost or counted twice.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,8 +45,11 @@ def signature(inputs, device: torch.device) -> tuple | None:
     parts = []
     for leaf in leaves:
         if torch.is_tensor(leaf):
-            parts.append(("device", leaf.dtype, tuple(leaf.shape)) if leaf.device.type == device.type
-                         else ("host", leaf.dtype, tuple(leaf.flatten().tolist())))
+            parts.append(
+                ("device", leaf.dtype, tuple(leaf.shape))
+                if leaf.device.type == device.type
+                else ("host", leaf.dtype, tuple(leaf.flatten().tolist()))
+            )
             continue
         try:
             hash(leaf)
@@ -68,15 +72,15 @@ class CudaRecorder:
 
     def record(self, fn: Callable[[], torch.Tensor]):
         graph = torch.cuda.CUDAGraph()
-        self.stream.wait_stream(torch.cuda.current_stream())   # the static inputs' copies come first
+        self.stream.wait_stream(torch.cuda.current_stream())  # the static inputs' copies come first
         with torch.cuda.stream(self.stream):
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 out = fn()
             except BaseException:
-                try:   # the capture is void; ending it raises "a previous error during capture": fn's error says why
+                try:  # the capture is void; ending it raises "a previous error during capture": fn's error says why
                     graph.capture_end()
-                except Exception:   # noqa: BLE001, S110
+                except Exception:  # noqa: BLE001, S110
                     pass
                 raise
             graph.capture_end()
@@ -114,14 +118,15 @@ class StepGraphs:
     place between steps (sampling loads the model without the training adapter, or evicts it for the VAE,
     and loads the training model again), so the graphs are dropped and recorded anew when that happened."""
 
-    def __init__(self, params: list[torch.Tensor], device: torch.device, recorder=None,
-                 model: torch.nn.Module | None = None):
+    def __init__(
+        self, params: list[torch.Tensor], device: torch.device, recorder=None, model: torch.nn.Module | None = None
+    ):
         self.params, self.device, self.model = params, device, model
         self.recorder = recorder or CudaRecorder()
         self.graphs: dict[tuple, _Recorded] = {}
         self.seen: Counter = Counter()
         self.off = False
-        self.weights: tuple = ()   # where the model's weights lay at the last recording (weights_at)
+        self.weights: tuple = ()  # where the model's weights lay at the last recording (weights_at)
 
     def run(self, inputs, fn: Callable) -> torch.Tensor:
         key = None if self.off else signature(inputs, self.device)
@@ -148,15 +153,22 @@ class StepGraphs:
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        static = pytree.tree_map(lambda leaf: leaf.clone() if torch.is_tensor(leaf) and leaf.device.type == self.device.type
-                                 else leaf, inputs)
+        static = pytree.tree_map(
+            lambda leaf: leaf.clone() if torch.is_tensor(leaf) and leaf.device.type == self.device.type else leaf,
+            inputs,
+        )
         try:
             replay, out = self.recorder.record(lambda: fn(static))
-        except Exception as error:   # noqa: BLE001 — any failed capture: the run goes on without graphs
+        except Exception as error:  # noqa: BLE001 — any failed capture: the run goes on without graphs
             self.off, self.graphs = True, {}
-            log.warning("[Kiln] step_graphs: this step could not be recorded as a CUDA graph (%s: %s, at %s). "
-                        "Training goes on without step graphs (host-paced at small buckets); set step_graphs off "
-                        "to skip the attempt.", type(error).__name__, first_line(error, 300), _where(error))
+            log.warning(
+                "[Kiln] step_graphs: this step could not be recorded as a CUDA graph (%s: %s, at %s). "
+                "Training goes on without step graphs (host-paced at small buckets); set step_graphs off "
+                "to skip the attempt.",
+                type(error).__name__,
+                first_line(error, 300),
+                _where(error),
+            )
             return None
         self.graphs[key] = recorded = _Recorded(_device_leaves(static, self.device), replay, out)
         self.weights = weights_at(self.model)

@@ -95,8 +95,9 @@ class BlockStreamer:
         self.device, self.plan, self.log = torch.device(device), stream_plan, log
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.ring = [torch.empty(stream_plan.slot_bytes, dtype=torch.uint8, device=self.device)
-                     for _ in range(stream_plan.slots)]
+        self.ring = [
+            torch.empty(stream_plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(stream_plan.slots)
+        ]
         self.holds: list[int | None] = [None] * stream_plan.slots  # which streamed block each slot holds
         self.order = {block: position for position, block in enumerate(stream_plan.blocks)}
         self.streamed: list[_Block] = []

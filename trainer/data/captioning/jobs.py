@@ -17,6 +17,7 @@ Resume. Without overwrite a re-run skips the images that have a caption, so it c
 stopped. With overwrite, `.kiln_captioning.json` in the folder lists the images done with these
 settings; a re-run with the same settings continues, and a finished run removes it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,7 +34,7 @@ from ..folder.images import IMAGE_EXTENSIONS, ImageProblem, load_rgb
 from ..folder.report import Item, Problem
 from ..folder.scan import scan
 
-Captioner = Callable[..., str]   # caption(image: PIL.Image.Image, prompt: str) -> str
+Captioner = Callable[..., str]  # caption(image: PIL.Image.Image, prompt: str) -> str
 JOURNAL = ".kiln_captioning.json"
 
 
@@ -59,34 +60,46 @@ def _tags(text: str) -> str:
 
 @dataclass(frozen=True)
 class Style:
-    prompt: str                       # the default prompt (the user's own prompt replaces it)
-    clean: Callable[[str], str]       # the model's text → the caption as written
+    prompt: str  # the default prompt (the user's own prompt replaces it)
+    clean: Callable[[str], str]  # the model's text → the caption as written
     description: str
 
 
 STYLES = {
-    "short": Style("Write a one-sentence caption for this image, as a prompt for a text-to-image model: the "
-                   "main subject, what it is doing, the setting and the medium (photo, painting, 3D render...). "
-                   "Write only the caption.", _sentences, "one sentence"),
-    "detailed": Style("Describe this image in detail, as a prompt for a text-to-image model: the subject and "
-                      "its appearance, clothing or materials, pose or action, the background and setting, the "
-                      "lighting, colours, composition and the medium or art style. Write one paragraph of plain "
-                      "sentences, without a preamble.", _sentences, "one paragraph"),
-    "tags": Style("List tags for this image, as a caption for a text-to-image model: subject, features, "
-                  "clothing, action, setting, lighting, colours and style. Write only the tags, separated by "
-                  "commas.", _tags, "comma-separated tags"),
+    "short": Style(
+        "Write a one-sentence caption for this image, as a prompt for a text-to-image model: the "
+        "main subject, what it is doing, the setting and the medium (photo, painting, 3D render...). "
+        "Write only the caption.",
+        _sentences,
+        "one sentence",
+    ),
+    "detailed": Style(
+        "Describe this image in detail, as a prompt for a text-to-image model: the subject and "
+        "its appearance, clothing or materials, pose or action, the background and setting, the "
+        "lighting, colours, composition and the medium or art style. Write one paragraph of plain "
+        "sentences, without a preamble.",
+        _sentences,
+        "one paragraph",
+    ),
+    "tags": Style(
+        "List tags for this image, as a caption for a text-to-image model: subject, features, "
+        "clothing, action, setting, lighting, colours and style. Write only the tags, separated by "
+        "commas.",
+        _tags,
+        "comma-separated tags",
+    ),
 }
 
 
 @dataclass(frozen=True)
 class CaptionJob:
-    style: str = "short"           # one of STYLES
-    prompt: str = ""               # empty: the style's default prompt
-    trigger_word: str = ""         # put in front of each caption unless the caption already has it
-    overwrite: bool = False        # caption every image (old captions kept as .bak), not only those without
-    deep: bool = False             # decode every image fully when scanning (catches corrupt data)
-    engine: str = ""               # what captions (engine and model): part of the resume key with overwrite
-    only: tuple[str, ...] = ()     # these images (paths relative to the folder) and no others; empty: all
+    style: str = "short"  # one of STYLES
+    prompt: str = ""  # empty: the style's default prompt
+    trigger_word: str = ""  # put in front of each caption unless the caption already has it
+    overwrite: bool = False  # caption every image (old captions kept as .bak), not only those without
+    deep: bool = False  # decode every image fully when scanning (catches corrupt data)
+    engine: str = ""  # what captions (engine and model): part of the resume key with overwrite
+    only: tuple[str, ...] = ()  # these images (paths relative to the folder) and no others; empty: all
 
     def __post_init__(self):
         if self.style not in STYLES:
@@ -97,27 +110,29 @@ class CaptionJob:
         return self.prompt.strip() or STYLES[self.style].prompt
 
     def key(self) -> str:
-        facts = (self.style, self.text_prompt, self.trigger_word.strip(), self.engine) + \
-            ((sorted(self.only),) if self.only else ())
+        facts = (self.style, self.text_prompt, self.trigger_word.strip(), self.engine) + (
+            (sorted(self.only),) if self.only else ()
+        )
         return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
 
 @dataclass
 class CaptionReport:
     root: str
-    written: list[str] = field(default_factory=list)     # captions written this run (relative .txt paths)
-    backups: list[str] = field(default_factory=list)     # old captions kept (relative .bak paths)
-    kept: list[str] = field(default_factory=list)        # images left alone: they have a caption
-    resumed: list[str] = field(default_factory=list)     # images done by an earlier run of this overwrite
+    written: list[str] = field(default_factory=list)  # captions written this run (relative .txt paths)
+    backups: list[str] = field(default_factory=list)  # old captions kept (relative .bak paths)
+    kept: list[str] = field(default_factory=list)  # images left alone: they have a caption
+    resumed: list[str] = field(default_factory=list)  # images done by an earlier run of this overwrite
     problems: list[Problem] = field(default_factory=list)  # images skipped (by the scan, or while captioning)
-    samples: list[str] = field(default_factory=list)     # the first few captions, to show
+    samples: list[str] = field(default_factory=list)  # the first few captions, to show
 
     def text(self) -> str:
-        lines = [f"{self.root}: {len(self.written)} caption{'s' * (len(self.written) != 1)} written"
-                 + (f", {len(self.backups)} old caption(s) kept as .bak" if self.backups else "")
-                 + (f", {len(self.kept)} image(s) already captioned (left alone; overwrite to redo)"
-                    if self.kept else "")
-                 + (f", {len(self.resumed)} done by the earlier run (resumed)" if self.resumed else "")]
+        lines = [
+            f"{self.root}: {len(self.written)} caption{'s' * (len(self.written) != 1)} written"
+            + (f", {len(self.backups)} old caption(s) kept as .bak" if self.backups else "")
+            + (f", {len(self.kept)} image(s) already captioned (left alone; overwrite to redo)" if self.kept else "")
+            + (f", {len(self.resumed)} done by the earlier run (resumed)" if self.resumed else "")
+        ]
         lines += [f"  {sample}" for sample in self.samples]
         if self.problems:
             lines.append(f"{len(self.problems)} file(s) not captioned:")
@@ -138,8 +153,11 @@ def folder_state(root: str | Path) -> str:
                     stat = os.stat(path)
                 except OSError:
                     continue
-                digest.update(f"{os.path.relpath(path, root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode(
-                    "utf-8", "surrogateescape"))
+                digest.update(
+                    f"{os.path.relpath(path, root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode(
+                        "utf-8", "surrogateescape"
+                    )
+                )
             elif suffix == ".txt":
                 digest.update(f"{os.path.relpath(path, root)}\n".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
@@ -172,19 +190,21 @@ def _restrict(root: Path, only, items: list[Item], skipped: list[Problem]) -> tu
     wanted = set(only)
     unknown = wanted - {item.path for item in items} - {problem.file for problem in skipped}
     if unknown:
-        raise ValueError(f"{root}: no image {', '.join(sorted(unknown))} in this folder (moved or renamed?); "
-                         "give paths relative to the folder, one a line, or leave `only` empty for every image")
+        raise ValueError(
+            f"{root}: no image {', '.join(sorted(unknown))} in this folder (moved or renamed?); "
+            "give paths relative to the folder, one a line, or leave `only` empty for every image"
+        )
     return [i for i in items if i.path in wanted], [p for p in skipped if p.file in wanted]
 
 
 def parse_only(text: str) -> tuple[str, ...]:
     """Caption Images' `only`: one path a line (blank lines and surrounding spaces ignored, '\\' read as '/')."""
-    return tuple(dict.fromkeys(line.strip().replace("\\", "/") for line in (text or "").splitlines()
-                               if line.strip()))
+    return tuple(dict.fromkeys(line.strip().replace("\\", "/") for line in (text or "").splitlines() if line.strip()))
 
 
-def caption_folder(root: str | Path, engine: Captioner, job: CaptionJob,
-                   progress: Callable[[int, int], None] | None = None) -> CaptionReport:
+def caption_folder(
+    root: str | Path, engine: Captioner, job: CaptionJob, progress: Callable[[int, int], None] | None = None
+) -> CaptionReport:
     """Caption what `plan` finds; progress(done, total) runs before each image (raise from it to stop)."""
     root = Path(root)
     todo, report = plan(root, job)
@@ -212,20 +232,29 @@ def _caption_one(root: Path, item: Item, engine: Captioner, job: CaptionJob, rep
 
     try:
         image = Image.fromarray(load_rgb(root / item.path))
-    except ImageProblem as problem:   # damage the fast scan could not see
+    except ImageProblem as problem:  # damage the fast scan could not see
         report.problems.append(Problem(problem.code, item.path, problem.message, problem.fix, "skipped"))
         return None
     try:
         raw = engine(image, job.text_prompt)
     except Exception as err:
-        _add_note(err, f"while captioning {item.path} ({len(report.written)} caption(s) written before it, "
-                       "all complete): run again to continue from this image")
+        _add_note(
+            err,
+            f"while captioning {item.path} ({len(report.written)} caption(s) written before it, "
+            "all complete): run again to continue from this image",
+        )
         raise
     caption = STYLES[job.style].clean(raw if isinstance(raw, str) else "")
     if not caption:
-        report.problems.append(Problem("caption_not_generated", item.path, f"the captioner gave no text "
-                                       f"({raw!r:.80})", "run again, raise max tokens, or edit the prompt",
-                                       "skipped"))
+        report.problems.append(
+            Problem(
+                "caption_not_generated",
+                item.path,
+                f"the captioner gave no text ({raw!r:.80})",
+                "run again, raise max tokens, or edit the prompt",
+                "skipped",
+            )
+        )
         return None
     return finish(caption, None, CaptionSettings(trigger_word=job.trigger_word))
 
@@ -271,5 +300,5 @@ def _read_journal(root: Path, job: CaptionJob) -> set[str]:
 
 
 def _add_note(err: BaseException, note: str) -> None:
-    if hasattr(err, "add_note"):    # Python 3.11+
+    if hasattr(err, "add_note"):  # Python 3.11+
         err.add_note(note)

@@ -5,6 +5,7 @@ from the folder is run): Florence-2, and any model that transformers' AutoModelF
 transformers is optional (ComfyUI already has it; headless: `pip install "kiln-lora[caption]"`) and is
 imported here only when a model is loaded.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,11 @@ from .jobs import Captioner
 # ComfyUI-Florence2: models/LLM/Florence-2-base; ComfyUI-QwenVL: models/LLM/Qwen-VL/<model>).
 MODELS_FOLDER = "LLM"
 INSTALL = 'pip install -U "transformers>=5" (or: pip install "kiln-lora[caption]")'
-WHERE = (f"put a transformers model folder (config.json, the weights, the processor files) in ComfyUI's "
-         f"models/{MODELS_FOLDER}/, e.g. models/{MODELS_FOLDER}/Florence-2-base from the Hugging Face repository "
-         "florence-community/Florence-2-base")
+WHERE = (
+    f"put a transformers model folder (config.json, the weights, the processor files) in ComfyUI's "
+    f"models/{MODELS_FOLDER}/, e.g. models/{MODELS_FOLDER}/Florence-2-base from the Hugging Face repository "
+    "florence-community/Florence-2-base"
+)
 
 # Florence-2 takes task tokens, not free prompts; a prompt that is one of these is used as it is.
 FLORENCE_TASKS = {"short": "<CAPTION>", "detailed": "<MORE_DETAILED_CAPTION>"}
@@ -34,11 +37,13 @@ def _transformers():
     try:
         import transformers
     except ImportError as err:
-        raise MissingDependency(f"the transformers captioner needs the transformers package, which is not "
-                                f"installed here: {INSTALL}") from err
-    if int(transformers.__version__.split(".")[0]) < 5:   # Florence-2 and the loading API used here
-        raise MissingDependency(f"the transformers captioner needs transformers 5 or newer, this is "
-                                f"{transformers.__version__}: {INSTALL}")
+        raise MissingDependency(
+            f"the transformers captioner needs the transformers package, which is not installed here: {INSTALL}"
+        ) from err
+    if int(transformers.__version__.split(".")[0]) < 5:  # Florence-2 and the loading API used here
+        raise MissingDependency(
+            f"the transformers captioner needs transformers 5 or newer, this is {transformers.__version__}: {INSTALL}"
+        )
     return transformers
 
 
@@ -56,15 +61,19 @@ def list_models(roots: Sequence[str | Path]) -> list[str]:
 def resolve_model(name: str, roots: Sequence[str | Path]) -> Path:
     """A name from list_models (under one of roots) or a folder path → the model folder."""
     text = (name or "").strip()
-    candidates = [Path(text).expanduser()] if Path(text).expanduser().is_absolute() else \
-        [Path(root) / text for root in roots] + [Path(text)]
+    candidates = (
+        [Path(text).expanduser()]
+        if Path(text).expanduser().is_absolute()
+        else [Path(root) / text for root in roots] + [Path(text)]
+    )
     for folder in candidates:
         if text and (folder / "config.json").is_file():
             return folder
     if not text:
         raise ValueError(f"no captioning model chosen: {WHERE}")
-    raise ValueError(f"{text}: no model folder with a config.json there (looked in "
-                     f"{', '.join(str(c) for c in candidates)}); {WHERE}")
+    raise ValueError(
+        f"{text}: no model folder with a config.json there (looked in {', '.join(str(c) for c in candidates)}); {WHERE}"
+    )
 
 
 def _florence_prompt(processor, prompt: str, style: str):
@@ -83,13 +92,16 @@ def _no_prompt(processor, prompt: str, style: str):
 # How a model family takes the prompt, by config.model_type; others: a chat template if the
 # processor has one, else no prompt (BLIP-style captioners caption the image alone).
 PROMPT_FORMS: dict[str, Callable] = {"florence2": _florence_prompt}
-PROMPT_NOTES = {_florence_prompt: "Florence-2 takes task tokens, not free prompts: {task} is used (a prompt of "
-                                  f"{', '.join(FLORENCE_TOKENS)} is used as it is)",
-                _no_prompt: "{model} takes no prompt: it captions the image alone; the prompt is not used"}
+PROMPT_NOTES = {
+    _florence_prompt: "Florence-2 takes task tokens, not free prompts: {task} is used (a prompt of "
+    f"{', '.join(FLORENCE_TOKENS)} is used as it is)",
+    _no_prompt: "{model} takes no prompt: it captions the image alone; the prompt is not used",
+}
 
 
-def transformers_captioner(model_dir: str | Path, *, style: str = "short", max_tokens: int = 256, seed: int = 0,
-                           device: str | None = None) -> Captioner:
+def transformers_captioner(
+    model_dir: str | Path, *, style: str = "short", max_tokens: int = 256, seed: int = 0, device: str | None = None
+) -> Captioner:
     """caption(image, prompt) -> str from the model in `model_dir`; the function's `note` says how the
     model takes the prompt. Each image is generated with the same seed (a resumed run writes what an
     uninterrupted one would)."""
@@ -106,8 +118,10 @@ def transformers_captioner(model_dir: str | Path, *, style: str = "short", max_t
     kind = getattr(model.config, "model_type", "")
     form = PROMPT_FORMS.get(kind) or (_chat_prompt if getattr(processor, "chat_template", None) else _no_prompt)
     if form is _florence_prompt and style not in FLORENCE_TASKS:
-        raise ValueError(f"{folder.name}: Florence-2 writes sentences, not tags: choose style "
-                         f"{' or '.join(FLORENCE_TASKS)}, or a chat model (Qwen2.5-VL, JoyCaption) for tags")
+        raise ValueError(
+            f"{folder.name}: Florence-2 writes sentences, not tags: choose style "
+            f"{' or '.join(FLORENCE_TASKS)}, or a chat model (Qwen2.5-VL, JoyCaption) for tags"
+        )
     strip_prompt = not getattr(model.config, "is_encoder_decoder", False)
 
     def caption(image, prompt: str) -> str:
@@ -118,7 +132,7 @@ def transformers_captioner(model_dir: str | Path, *, style: str = "short", max_t
         with torch.inference_mode():
             ids = model.generate(**inputs, max_new_tokens=max_tokens)
         if strip_prompt and "input_ids" in inputs:
-            ids = ids[:, inputs["input_ids"].shape[1]:]   # decoder-only models repeat the prompt first
+            ids = ids[:, inputs["input_ids"].shape[1] :]  # decoder-only models repeat the prompt first
         return processor.batch_decode(ids, skip_special_tokens=True)[0]
 
     task = FLORENCE_TASKS.get(style, "") if form is _florence_prompt else ""
@@ -131,19 +145,24 @@ def _load(transformers, folder: Path, dtype):
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder}: not a transformers model folder (no config.json); {WHERE}")
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    refused = ("this model folder ships its own model code (auto_map in config.json), which Kiln does not run; "
-               "use the transformers-native version of the model (Florence-2: florence-community/Florence-2-base "
-               "or -large, not microsoft/Florence-2-*)")
+    refused = (
+        "this model folder ships its own model code (auto_map in config.json), which Kiln does not run; "
+        "use the transformers-native version of the model (Florence-2: florence-community/Florence-2-base "
+        "or -large, not microsoft/Florence-2-*)"
+    )
     try:
         processor = transformers.AutoProcessor.from_pretrained(folder, local_files_only=True)
         model, info = transformers.AutoModelForImageTextToText.from_pretrained(
-            folder, local_files_only=True, output_loading_info=True, dtype=dtype)
+            folder, local_files_only=True, output_loading_info=True, dtype=dtype
+        )
     except (ValueError, OSError, KeyError, TypeError) as err:
         why = refused if "auto_map" in config else f"transformers cannot load it as an image-to-text model ({err})"
         raise ValueError(f"{folder}: {why}") from err
     missing = sorted(map(str, [*(info.get("missing_keys") or []), *(info.get("mismatched_keys") or [])]))
     if missing:
-        raise ValueError(f"{folder}: {len(missing)} weights missing or of the wrong shape for "
-                         f"{type(model).__name__} (e.g. {missing[0]}): the captions would be noise. "
-                         + (refused if "auto_map" in config else "re-download the model folder"))
+        raise ValueError(
+            f"{folder}: {len(missing)} weights missing or of the wrong shape for "
+            f"{type(model).__name__} (e.g. {missing[0]}): the captions would be noise. "
+            + (refused if "auto_map" in config else "re-download the model folder")
+        )
     return processor, model

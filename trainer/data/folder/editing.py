@@ -7,6 +7,7 @@ absolute path, no hidden name, no drive letters or backslashes), and the real pa
 must stay inside the allowed root. Every write is atomic (trainer/atomic.py); nothing is deleted.
 Errors are EditError: an HTTP status and a message that names the file and the fix.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,11 +44,15 @@ def check_component(name: str, what: str) -> str:
     if not isinstance(name, str) or not name.strip():
         raise EditError(400, f"{what} is empty; give a name such as 'my_dataset'")
     if name in (".", "..") or name.startswith("."):
-        raise EditError(400, f"{what} {name!r}: names starting with '.' are hidden or lead out of the folder; "
-                        "give a plain name")
+        raise EditError(
+            400, f"{what} {name!r}: names starting with '.' are hidden or lead out of the folder; give a plain name"
+        )
     if _BAD_CHARACTERS.search(name) or name != name.strip() or name.endswith("."):
-        raise EditError(400, f"{what} {name!r} has a character that cannot be in a file name "
-                        "(/ \\ : * ? \" < > | or a control character, or spaces/a dot at an end); rename it")
+        raise EditError(
+            400,
+            f"{what} {name!r} has a character that cannot be in a file name "
+            '(/ \\ : * ? " < > | or a control character, or spaces/a dot at an end); rename it',
+        )
     if len(name) > MAX_NAME_CHARS:
         raise EditError(400, f"{what} is {len(name)} characters long; keep it under {MAX_NAME_CHARS}")
     return name
@@ -68,8 +73,10 @@ def inside(root: str | Path, rel: str, what: str = "path") -> Path:
         check_component(part, what)
     path = Path(root, *parts)
     if not _contains(Path(root), path):
-        raise EditError(400, f"{what} {rel!r} is a link that leads out of {Path(root).name}/; "
-                        "copy the file in instead of linking it")
+        raise EditError(
+            400,
+            f"{what} {rel!r} is a link that leads out of {Path(root).name}/; copy the file in instead of linking it",
+        )
     return path
 
 
@@ -88,28 +95,37 @@ def list_folders(root: str | Path) -> list[dict]:
     root = Path(root)
     found = {f.name: f.describe() for f in list_datasets(root) if _contains(root, root / f.name)}
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        if (folder.name not in found and not folder.name.startswith(".") and (folder / META_FILE).is_file()
-                and _contains(root, folder)):
+        if (
+            folder.name not in found
+            and not folder.name.startswith(".")
+            and (folder / META_FILE).is_file()
+            and _contains(root, folder)
+        ):
             found[folder.name] = "no images yet"
     return [{"name": name, "detail": found[name]} for name in sorted(found)]
 
 
-def create(root: str | Path, name: str, *, type: str = "", trigger_word: str = "",
-           resolutions=None) -> dict:
+def create(root: str | Path, name: str, *, type: str = "", trigger_word: str = "", resolutions=None) -> dict:
     """A new dataset folder with its dataset.json; 409 if the folder exists."""
     folder = inside(root, check_component(name, "dataset name"), "dataset name")
     if folder.exists() or folder.is_symlink():
         raise EditError(409, f"{name!r} already exists in {Path(root).name}/; pick another name or open it")
-    meta = {"name": name, "type": type or "", "trigger_word": (trigger_word or "").strip(),
-            "resolutions": list(resolutions) if resolutions else None,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    meta = {
+        "name": name,
+        "type": type or "",
+        "trigger_word": (trigger_word or "").strip(),
+        "resolutions": list(resolutions) if resolutions else None,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     for key, value in meta.items():
         if (error := meta_value_error(key, value)) is not None:
-            raise EditError(400, f"{key}: {error}" + (f" ({', '.join(t for t in META_TYPES if t)})"
-                                                      if key == "type" else ""))
+            raise EditError(
+                400, f"{key}: {error}" + (f" ({', '.join(t for t in META_TYPES if t)})" if key == "type" else "")
+            )
     folder.mkdir()
-    atomic_write_text(folder / META_FILE, json.dumps({k: v for k, v in meta.items() if v not in (None, "")},
-                                                     indent=2) + "\n")
+    atomic_write_text(
+        folder / META_FILE, json.dumps({k: v for k, v in meta.items() if v not in (None, "")}, indent=2) + "\n"
+    )
     return meta
 
 
@@ -121,21 +137,41 @@ def gallery(root: str | Path, name: str) -> dict:
     by_file: dict[str, list[dict]] = {}
     for problem in report.problems:
         by_file.setdefault(problem.file, []).append(asdict(problem))
-    images = [{"path": item.path, "width": item.width, "height": item.height, "caption": item.caption or "",
-               "caption_file": item.caption_file, "usable": True,
-               "problems": by_file.pop(item.path, []) + by_file.pop(item.caption_file or "", [])}
-              for item in report.items]
+    images = [
+        {
+            "path": item.path,
+            "width": item.width,
+            "height": item.height,
+            "caption": item.caption or "",
+            "caption_file": item.caption_file,
+            "usable": True,
+            "problems": by_file.pop(item.path, []) + by_file.pop(item.caption_file or "", []),
+        }
+        for item in report.items
+    ]
     for path in [p for p in by_file if Path(p).suffix.lower() in IMAGE_EXTENSIONS | set(UNSUPPORTED_IMAGES)]:
         caption_path = inside(folder, path).with_suffix(".txt")
         caption = read_caption(caption_path, "")[0] if caption_path.is_file() else None
-        images.append({"path": path, "width": None, "height": None, "caption": caption or "",
-                       "caption_file": None, "usable": False,
-                       "problems": by_file.pop(path) + by_file.pop(Path(path).with_suffix(".txt").as_posix(), [])})
+        images.append(
+            {
+                "path": path,
+                "width": None,
+                "height": None,
+                "caption": caption or "",
+                "caption_file": None,
+                "usable": False,
+                "problems": by_file.pop(path) + by_file.pop(Path(path).with_suffix(".txt").as_posix(), []),
+            }
+        )
     images.sort(key=lambda image: image["path"].split("/"))
     trash = folder / TRASH
-    return {"name": name, "meta": asdict(report.meta), "images": images,
-            "problems": [p for problems in by_file.values() for p in problems],
-            "trash": sum(len(files) for _, _, files in os.walk(trash)) if trash.is_dir() else 0}
+    return {
+        "name": name,
+        "meta": asdict(report.meta),
+        "images": images,
+        "problems": [p for problems in by_file.values() for p in problems],
+        "trash": sum(len(files) for _, _, files in os.walk(trash)) if trash.is_dir() else 0,
+    }
 
 
 def _image(folder: Path, rel: str) -> Path:
@@ -205,13 +241,16 @@ def bulk(root: str | Path, name: str, op: str, paths: list[str], **args) -> dict
         raise EditError(400, f"unknown bulk edit {op!r}; use one of {', '.join(BULK_EDITS)}")
     needs, edit = BULK_EDITS[op]
     args = {key: args.get(key) for key in needs}
-    if any(not isinstance(value, str) for value in args.values()) or not args[needs[0]].strip(" ") or \
-            (op == "replace" and not args["find"]):
+    if (
+        any(not isinstance(value, str) for value in args.values())
+        or not args[needs[0]].strip(" ")
+        or (op == "replace" and not args["find"])
+    ):
         raise EditError(400, f"bulk {op} needs {' and '.join(needs)} as text ({needs[0]} not empty)")
     if not isinstance(paths, list) or not paths:
         raise EditError(400, "select the images to edit (paths: a non-empty list)")
     folder = dataset_folder(root, name)
-    targets = [(rel, caption_path(_image(folder, rel))) for rel in paths]     # every path checked first
+    targets = [(rel, caption_path(_image(folder, rel))) for rel in paths]  # every path checked first
     changed = {}
     for rel, target in targets:
         old = read_caption(target, rel)[0] or "" if target.is_file() else ""
@@ -244,7 +283,7 @@ def trash(root: str | Path, name: str, paths: list[str]) -> dict:
                 continue
             target = free_name(folder / TRASH / source.relative_to(folder))
             target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(source, target)                  # a rename on one disk: never half-moved
+            os.replace(source, target)  # a rename on one disk: never half-moved
             fsync_dir(target.parent)
             fsync_dir(source.parent)
             moved.append(target.relative_to(folder).as_posix())
@@ -258,5 +297,10 @@ def verdicts(root: str | Path, name: str) -> dict:
     from .review import review
 
     found = review(dataset_folder(root, name), default_resolutions=(512,))
-    return {"name": name, "verdicts": [{**verdict, "line": verdict_line(verdict), "ok": not verdict["problems"]}
-                                       for verdict in found.verdicts or []]}
+    return {
+        "name": name,
+        "verdicts": [
+            {**verdict, "line": verdict_line(verdict), "ok": not verdict["problems"]}
+            for verdict in found.verdicts or []
+        ],
+    }

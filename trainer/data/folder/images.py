@@ -3,6 +3,7 @@
 Every failure comes out as an ImageProblem with a stable code and a fix, never
 as one of PIL's many exception types: one bad file must not stop a dataset.
 """
+
 from __future__ import annotations
 
 import io
@@ -14,26 +15,65 @@ from PIL import Image
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".jfif", ".jpe", ".webp", ".bmp", ".tif", ".tiff"})
 # What each extension should hold (MPO is how PIL names many camera JPEGs).
-EXTENSION_FORMATS = {".png": ("PNG",), ".jpg": ("JPEG", "MPO"), ".jpeg": ("JPEG", "MPO"),
-                     ".jfif": ("JPEG", "MPO"), ".jpe": ("JPEG", "MPO"), ".webp": ("WEBP",),
-                     ".bmp": ("BMP",), ".tif": ("TIFF",), ".tiff": ("TIFF",)}
-SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "TIFF")   # what Image.open may try; MPO comes via JPEG
+EXTENSION_FORMATS = {
+    ".png": ("PNG",),
+    ".jpg": ("JPEG", "MPO"),
+    ".jpeg": ("JPEG", "MPO"),
+    ".jfif": ("JPEG", "MPO"),
+    ".jpe": ("JPEG", "MPO"),
+    ".webp": ("WEBP",),
+    ".bmp": ("BMP",),
+    ".tif": ("TIFF",),
+    ".tiff": ("TIFF",),
+}
+SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "TIFF")  # what Image.open may try; MPO comes via JPEG
 MAX_SIDE = 8192
-MAX_PIXELS = 8192 * 8192      # 64 MP: beyond this a file is treated as a decompression bomb
+MAX_PIXELS = 8192 * 8192  # 64 MP: beyond this a file is treated as a decompression bomb
 
 # EXIF orientation → the transpose that shows the image upright (as ImageOps.exif_transpose).
-_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
-              5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
-              8: Image.Transpose.ROTATE_90}
-_ORIENTATION_WORDS = {2: "mirrored", 3: "rotated 180°", 4: "flipped vertically", 5: "mirrored and rotated 90°",
-                      6: "rotated 90° clockwise", 7: "mirrored and rotated 90°", 8: "rotated 90° counter-clockwise"}
+_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+_ORIENTATION_WORDS = {
+    2: "mirrored",
+    3: "rotated 180°",
+    4: "flipped vertically",
+    5: "mirrored and rotated 90°",
+    6: "rotated 90° clockwise",
+    7: "mirrored and rotated 90°",
+    8: "rotated 90° counter-clockwise",
+}
 
 # File signatures, to name what a file really is when PIL will not open it.
-_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"BM", "BMP"), (b"II*\x00", "TIFF"),
-               (b"MM\x00*", "TIFF"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"), (b"8BPS", "PSD"), (b"%PDF", "PDF"),
-               (b"\xff\x0a", "JPEG XL"), (b"\x00\x00\x00\x0cJXL ", "JPEG XL"), (b"\x00\x00\x01\x00", "ICO"))
-_FTYP_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"mif1": "HEIF", b"msf1": "HEIF",
-                b"avif": "AVIF", b"avis": "AVIF"}
+_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"8BPS", "PSD"),
+    (b"%PDF", "PDF"),
+    (b"\xff\x0a", "JPEG XL"),
+    (b"\x00\x00\x00\x0cJXL ", "JPEG XL"),
+    (b"\x00\x00\x01\x00", "ICO"),
+)
+_FTYP_BRANDS = {
+    b"heic": "HEIC",
+    b"heix": "HEIC",
+    b"hevc": "HEIC",
+    b"mif1": "HEIF",
+    b"msf1": "HEIF",
+    b"avif": "AVIF",
+    b"avis": "AVIF",
+}
 
 
 class ImageProblem(Exception):
@@ -50,9 +90,9 @@ class ImageInfo:
 
     width: int
     height: int
-    format: str                 # PIL's format name: "PNG", "JPEG", "MPO", ...
-    mode: str                   # PIL's mode as stored: "RGB", "CMYK", "I;16", "P", ...
-    orientation: int = 1        # EXIF orientation tag; 1 is upright
+    format: str  # PIL's format name: "PNG", "JPEG", "MPO", ...
+    mode: str  # PIL's mode as stored: "RGB", "CMYK", "I;16", "P", ...
+    orientation: int = 1  # EXIF orientation tag; 1 is upright
     conversions: tuple[str, ...] = ()  # what load_rgb converts: "CMYK → RGB", "palette → RGB", ...
 
     @property
@@ -81,7 +121,7 @@ def load_rgb(path: str | Path, data: bytes | None = None) -> np.ndarray:
         try:
             upright = image.transpose(_TRANSPOSE[info.orientation]) if info.orientation in _TRANSPOSE else image
             return _to_rgb(upright)
-        except Exception as err:   # PIL raises many types for broken data; all mean the same here
+        except Exception as err:  # PIL raises many types for broken data; all mean the same here
             raise _decode_problem(err, info.format) from err
 
 
@@ -91,13 +131,16 @@ def load_grey(path: str | Path, max_side: int) -> np.ndarray:
     with _open(path, None) as image:
         info = _info(image)
         try:
-            image.draft("L", (max_side, max_side))   # JPEG only: decode at 1/2, 1/4 or 1/8 scale, as grey
-            grey = image.convert("L") if image.mode in ("L", "RGB", "CMYK", "YCbCr") else \
-                Image.fromarray(_to_rgb(image)).convert("L")
+            image.draft("L", (max_side, max_side))  # JPEG only: decode at 1/2, 1/4 or 1/8 scale, as grey
+            grey = (
+                image.convert("L")
+                if image.mode in ("L", "RGB", "CMYK", "YCbCr")
+                else Image.fromarray(_to_rgb(image)).convert("L")
+            )
             if info.orientation in _TRANSPOSE:
                 grey = grey.transpose(_TRANSPOSE[info.orientation])
             grey.thumbnail((max_side, max_side), Image.Resampling.BOX)
-        except Exception as err:   # see load_rgb
+        except Exception as err:  # see load_rgb
             raise _decode_problem(err, info.format) from err
     return np.asarray(grey, dtype=np.float32)
 
@@ -111,9 +154,8 @@ def load_mask(path: str | Path, alpha: bool = False) -> np.ndarray | None:
             return None
         try:
             upright = image.transpose(_TRANSPOSE[info.orientation]) if info.orientation in _TRANSPOSE else image
-            grey = upright.convert("RGBA").getchannel("A") if alpha else \
-                Image.fromarray(_to_rgb(upright)).convert("L")
-        except Exception as err:   # see load_rgb
+            grey = upright.convert("RGBA").getchannel("A") if alpha else Image.fromarray(_to_rgb(upright)).convert("L")
+        except Exception as err:  # see load_rgb
             raise _decode_problem(err, info.format) from err
     return np.asarray(grey, dtype=np.float32) / 255.0
 
@@ -124,7 +166,7 @@ def verify(path: str | Path, data: bytes | None = None) -> ImageInfo:
         info = _info(image)
         try:
             image.load()
-        except Exception as err:   # see load_rgb
+        except Exception as err:  # see load_rgb
             raise _decode_problem(err, info.format) from err
     return info
 
@@ -146,23 +188,25 @@ def _open(path: str | Path, data: bytes | None) -> Image.Image:
     try:
         head = data[:16] if data is not None else _head(Path(path))
     except OSError as err:
-        raise ImageProblem("unreadable", f"cannot read the file: {err.strerror or err}",
-                           "check the file's permissions, or copy it out of the cloud/network folder") from err
+        raise ImageProblem(
+            "unreadable",
+            f"cannot read the file: {err.strerror or err}",
+            "check the file's permissions, or copy it out of the cloud/network folder",
+        ) from err
     if not head:
         raise ImageProblem("zero_byte", "the file is empty (0 bytes)", "re-export or re-download it, or delete it")
     try:
         image = Image.open(Path(path) if data is None else io.BytesIO(data), formats=SUPPORTED_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise _too_large("past PIL's decompression-bomb limit") from err
-    except Exception as err:   # UnidentifiedImageError, SyntaxError, struct.error, ...
+    except Exception as err:  # UnidentifiedImageError, SyntaxError, struct.error, ...
         raise _unopenable(head, Path(path).name, err) from err
     if image.width > MAX_SIDE or image.height > MAX_SIDE or image.width * image.height > MAX_PIXELS:
         image.close()
         raise _too_large(f"{image.width}×{image.height} px")
     if image.width < 1 or image.height < 1:
         image.close()
-        raise ImageProblem("decode_failed", f"the header says {image.width}×{image.height} px",
-                           "re-export the image")
+        raise ImageProblem("decode_failed", f"the header says {image.width}×{image.height} px", "re-export the image")
     return image
 
 
@@ -174,7 +218,7 @@ def _head(path: Path) -> bytes:
 def _info(image: Image.Image) -> ImageInfo:
     orientation = _orientation(image)
     width, height = image.size
-    if orientation >= 5:              # 5–8 turn the image by 90°: displayed sides swap
+    if orientation >= 5:  # 5–8 turn the image by 90°: displayed sides swap
         width, height = height, width
     return ImageInfo(width, height, image.format or "", image.mode, orientation, tuple(_conversions(image)))
 
@@ -185,7 +229,7 @@ def _orientation(image: Image.Image) -> int:
         return 1
     try:
         value = image.getexif().get(0x0112, 1)
-    except Exception:   # noqa: BLE001 — broken EXIF blocks are common; the pixels are still fine
+    except Exception:  # noqa: BLE001 — broken EXIF blocks are common; the pixels are still fine
         return 1
     return value if isinstance(value, int) and value in _TRANSPOSE else 1
 
@@ -195,10 +239,19 @@ def _conversions(image: Image.Image) -> list[str]:
     if mode == "RGB":
         notes = ["16-bit → 8-bit"] if ";16" in _rawmode(image) else []
         return notes + (["transparent colour composited on white"] if transparent else [])
-    words = {"CMYK": "CMYK → RGB", "P": "palette → RGB", "L": "grayscale → RGB", "1": "1-bit → RGB",
-             "I": "32-bit integer grayscale → 8-bit RGB", "F": "32-bit float grayscale → 8-bit RGB",
-             "RGBA": "RGBA → RGB", "LA": "grayscale with alpha (LA) → RGB", "PA": "palette with alpha → RGB",
-             "YCbCr": "YCbCr → RGB", "LAB": "Lab → RGB"}
+    words = {
+        "CMYK": "CMYK → RGB",
+        "P": "palette → RGB",
+        "L": "grayscale → RGB",
+        "1": "1-bit → RGB",
+        "I": "32-bit integer grayscale → 8-bit RGB",
+        "F": "32-bit float grayscale → 8-bit RGB",
+        "RGBA": "RGBA → RGB",
+        "LA": "grayscale with alpha (LA) → RGB",
+        "PA": "palette with alpha → RGB",
+        "YCbCr": "YCbCr → RGB",
+        "LAB": "Lab → RGB",
+    }
     note = "16-bit grayscale → 8-bit RGB" if mode.startswith("I;16") else words.get(mode, f"{mode} → RGB")
     if _has_alpha(image):
         note += ", transparency composited on white"
@@ -236,20 +289,30 @@ def _to_rgb(image: Image.Image) -> np.ndarray:
 
 
 def _too_large(detail: str) -> ImageProblem:
-    return ImageProblem("too_large", f"too large ({detail}): over {MAX_SIDE} px a side or {MAX_PIXELS // 2**20} MP",
-                        f"downscale it to at most {MAX_SIDE} px on the long side (training never needs more)")
+    return ImageProblem(
+        "too_large",
+        f"too large ({detail}): over {MAX_SIDE} px a side or {MAX_PIXELS // 2**20} MP",
+        f"downscale it to at most {MAX_SIDE} px on the long side (training never needs more)",
+    )
 
 
 def _unopenable(head: bytes, name: str, err: Exception) -> ImageProblem:
     actual = sniff(head)
     if actual in SUPPORTED_FORMATS:
-        return ImageProblem("decode_failed", f"corrupt {actual} header ({_reason(err)})",
-                            "re-export or re-download the image, or delete it")
+        return ImageProblem(
+            "decode_failed",
+            f"corrupt {actual} header ({_reason(err)})",
+            "re-export or re-download the image, or delete it",
+        )
     if actual is not None:
-        return ImageProblem("unsupported_format", f"is a {actual} file (named {name}), which Kiln does not read",
-                            "convert it to PNG or JPEG")
-    return ImageProblem("not_an_image", f"not an image file (starts with {head[:12]!r})",
-                        "replace it with the real image, or delete it")
+        return ImageProblem(
+            "unsupported_format",
+            f"is a {actual} file (named {name}), which Kiln does not read",
+            "convert it to PNG or JPEG",
+        )
+    return ImageProblem(
+        "not_an_image", f"not an image file (starts with {head[:12]!r})", "replace it with the real image, or delete it"
+    )
 
 
 def _decode_problem(err: Exception, image_format: str) -> ImageProblem:
@@ -257,10 +320,16 @@ def _decode_problem(err: Exception, image_format: str) -> ImageProblem:
         return _too_large("past PIL's decompression-bomb limit")
     reason = _reason(err)
     if "truncated" in reason or isinstance(err, EOFError):
-        return ImageProblem("truncated", f"truncated {image_format} ({reason}): the file ends before the image does",
-                            "re-export or re-download it (an interrupted copy or download), or delete it")
-    return ImageProblem("decode_failed", f"cannot decode this {image_format} ({reason})",
-                        "re-export it from an image editor, or delete it")
+        return ImageProblem(
+            "truncated",
+            f"truncated {image_format} ({reason}): the file ends before the image does",
+            "re-export or re-download it (an interrupted copy or download), or delete it",
+        )
+    return ImageProblem(
+        "decode_failed",
+        f"cannot decode this {image_format} ({reason})",
+        "re-export it from an image editor, or delete it",
+    )
 
 
 def _reason(err: Exception) -> str:

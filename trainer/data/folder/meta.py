@@ -1,5 +1,6 @@
 """dataset.json, the optional description of a dataset at its root (DatasetMeta): read and checked.
 Bad JSON or a bad value is fatal, an unknown key a warning; each problem says the fix."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -100,8 +101,9 @@ def meta_value_error(key: str, value) -> str | None:
         return f"must be a string, got {_kind(value)}"
     if key == "type" and value not in META_TYPES:
         match = difflib.get_close_matches(value, META_TYPES, 1)
-        return f"must be one of {', '.join(map(repr, META_TYPES))}, got {value!r}" + \
-            (f" (did you mean {match[0]!r}?)" if match else "")
+        return f"must be one of {', '.join(map(repr, META_TYPES))}, got {value!r}" + (
+            f" (did you mean {match[0]!r}?)" if match else ""
+        )
     return None
 
 
@@ -111,4 +113,5 @@ def _is_int(value) -> bool:
 
 def _kind(value) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}.get(
-        type(value), f"the number {value!r}")
+        type(value), f"the number {value!r}"
+    )

@@ -22,6 +22,7 @@ captions: 1.0-1.3 per such piece), checked against each family's
 `Arch.caption_token_limit`. Images below the smallest resolution are the
 scan's `below_resolution`; their buckets show in the verdict line.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,28 +37,30 @@ import numpy as np
 from .images import ImageProblem, load_grey
 from .report import Problem, ScanReport
 
-HASH_SIDE = 8                 # dHash of 8 rows × 8 neighbour pairs: 64 bits
+HASH_SIDE = 8  # dHash of 8 rows × 8 neighbour pairs: 64 bits
 # Calibrated on real photos (scikit-image's chelsea, coffee, astronaut, rocket, camera and motorcycle, at
 # their 300-740 px and scaled to 256 px; tests/trainer/data/folder/test_quality_photos.py keeps four): a
 # resized (3/4) and re-encoded (JPEG 70) copy hashes 0-1 bits from its original, two different photos 21-40 bits apart.
 # Sharp photos measure 400-3,000; a Gaussian blur of radius 2 px 4-44, of radius 1 px 22-290.
-NEAR_DUPLICATE_BITS = 6       # Hamming distance up to which two images are near-duplicates
-SHARPNESS_SIDE = 512          # grey image size the Laplacian is measured at
-BLURRY_ABSOLUTE = 50.0        # Laplacian variance under this: blurry whatever the rest of the dataset (8× under
-                              # the softest sharp photo; was 20, which a radius-2 blur of a busy photo passed)
-BLURRY_RELATIVE = 0.2         # ...or under this share of the dataset's median
-RELATIVE_MIN_IMAGES = 5       # the median means something from this many images on
+NEAR_DUPLICATE_BITS = 6  # Hamming distance up to which two images are near-duplicates
+SHARPNESS_SIDE = 512  # grey image size the Laplacian is measured at
+BLURRY_ABSOLUTE = 50.0  # Laplacian variance under this: blurry whatever the rest of the dataset (8× under
+# the softest sharp photo; was 20, which a radius-2 blur of a busy photo passed)
+BLURRY_RELATIVE = 0.2  # ...or under this share of the dataset's median
+RELATIVE_MIN_IMAGES = 5  # the median means something from this many images on
 TOKENS_PER_PIECE = 1.15
 QUALITY_CODES = ("near_duplicate", "blurry", "caption_long")
-CACHE_FILE = "quality.json"   # in the dataset's cache folder: measures by image content hash
-_PIECES = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af\uf900-\ufaff]|"
-                     r"[^\W\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af\uf900-\ufaff]+|[^\w\s]")
+CACHE_FILE = "quality.json"  # in the dataset's cache folder: measures by image content hash
+_PIECES = re.compile(
+    r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af\uf900-\ufaff]|"
+    r"[^\W\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af\uf900-\ufaff]+|[^\w\s]"
+)
 
 
 @dataclass(frozen=True)
 class Measure:
-    dhash: int          # 64-bit difference hash
-    sharpness: float    # variance of the Laplacian at SHARPNESS_SIDE px
+    dhash: int  # 64-bit difference hash
+    sharpness: float  # variance of the Laplacian at SHARPNESS_SIDE px
 
 
 def dhash(grey: np.ndarray) -> int:
@@ -65,9 +68,10 @@ def dhash(grey: np.ndarray) -> int:
     from PIL import Image
 
     small = Image.fromarray(np.asarray(grey, dtype=np.float32), mode="F").resize(
-        (HASH_SIDE + 1, HASH_SIDE), Image.Resampling.BOX)
+        (HASH_SIDE + 1, HASH_SIDE), Image.Resampling.BOX
+    )
     pixels = np.asarray(small)
-    bits = (pixels[:, 1:] > pixels[:, :-1]).ravel()      # right brighter than left: 1 (imagehash's order)
+    bits = (pixels[:, 1:] > pixels[:, :-1]).ravel()  # right brighter than left: 1 (imagehash's order)
     return int.from_bytes(np.packbits(bits).tobytes(), "big")
 
 
@@ -102,8 +106,8 @@ def near_duplicate_groups(hashes: Sequence[int], bits: int = NEAR_DUPLICATE_BITS
             i = parent[i]
         return i
 
-    for start in range(0, len(values), 256):       # rows in chunks: [256, N] at a time
-        near = np.argwhere(hamming(values[start:start + 256], values) <= bits)
+    for start in range(0, len(values), 256):  # rows in chunks: [256, N] at a time
+        near = np.argwhere(hamming(values[start : start + 256], values) <= bits)
         for i, j in near:
             if start + i < j:
                 parent[root(int(j))] = root(start + int(i))
@@ -123,8 +127,14 @@ def token_limits(archs) -> dict[str, int]:
     return {arch.name: arch.caption_token_limit for arch in archs if arch.caption_token_limit}
 
 
-def assess(report: ScanReport, captions: Sequence[str] | None = None, limits: dict[str, int] | None = None, *,
-           cache_file: str | Path | None = None, workers: int | None = None) -> list[Problem]:
+def assess(
+    report: ScanReport,
+    captions: Sequence[str] | None = None,
+    limits: dict[str, int] | None = None,
+    *,
+    cache_file: str | Path | None = None,
+    workers: int | None = None,
+) -> list[Problem]:
     """The quality warnings of a scan's usable items, added to report.problems and returned.
 
     captions: per item, the text it trains with (default: its caption file's); limits: arch → caption
@@ -140,7 +150,7 @@ def assess(report: ScanReport, captions: Sequence[str] | None = None, limits: di
             return cached[item.sha256]
         try:
             return measure(root / item.path)
-        except ImageProblem as problem:       # the encoders name it again when they decode it
+        except ImageProblem as problem:  # the encoders name it again when they decode it
             return problem
 
     with ThreadPoolExecutor(max(1, workers or os.cpu_count() or 1)) as pool:
@@ -168,7 +178,7 @@ def _read_cache(path: str | Path | None) -> dict[str, Measure]:
             return {}
         return {sha: Measure(int(h, 16), float(v)) for sha, (h, v) in data["measures"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}     # a missing or damaged cache only costs the decode it would have saved
+        return {}  # a missing or damaged cache only costs the decode it would have saved
 
 
 def _write_cache(path: Path, measures: dict[str, Measure]) -> list[Problem]:
@@ -177,14 +187,23 @@ def _write_cache(path: Path, measures: dict[str, Measure]) -> list[Problem]:
 
     from ...atomic import atomic_write_text
 
-    blob = {"version": _CACHE_VERSION, "measures": {sha: [f"{m.dhash:016x}", round(m.sharpness, 3)]
-                                                    for sha, m in sorted(measures.items())}}
+    blob = {
+        "version": _CACHE_VERSION,
+        "measures": {sha: [f"{m.dhash:016x}", round(m.sharpness, 3)] for sha, m in sorted(measures.items())},
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(blob))
     except OSError as err:
-        return [Problem("quality_cache", "", f"cannot write {path}: {err.strerror or err}; every image is "
-                        "decoded again next time", "make the dataset folder writable (or ignore this)", "note")]
+        return [
+            Problem(
+                "quality_cache",
+                "",
+                f"cannot write {path}: {err.strerror or err}; every image is decoded again next time",
+                "make the dataset folder writable (or ignore this)",
+                "note",
+            )
+        ]
     return []
 
 
@@ -195,20 +214,35 @@ def _duplicates(report: ScanReport, measures: list) -> list[Problem]:
         # The sharpest of a group is the one to keep; the others carry the warning.
         first, *rest = sorted((ok[n] for n in group), key=lambda k: -measures[k].sharpness)
         for n in rest:
-            bits = int(hamming(np.asarray([measures[first].dhash], np.uint64),
-                               np.asarray([measures[n].dhash], np.uint64))[0, 0])
+            bits = int(
+                hamming(np.asarray([measures[first].dhash], np.uint64), np.asarray([measures[n].dhash], np.uint64))[
+                    0, 0
+                ]
+            )
             others = [report.items[k].path for k in [first, *rest] if k not in (first, n)]
             also = f" (and of {', '.join(others)})" if others else ""
-            out.append(Problem("near_duplicate", report.items[n].path,
-                               f"looks like a resized or re-encoded copy of {report.items[first].path}{also}: "
-                               f"perceptual hashes {bits}/64 bits apart",
-                               f"delete it (the sharper {report.items[first].path} stays), or keep both if they "
-                               "differ in a way you want learnt: as a pair they weigh double", "warning"))
+            out.append(
+                Problem(
+                    "near_duplicate",
+                    report.items[n].path,
+                    f"looks like a resized or re-encoded copy of {report.items[first].path}{also}: "
+                    f"perceptual hashes {bits}/64 bits apart",
+                    f"delete it (the sharper {report.items[first].path} stays), or keep both if they "
+                    "differ in a way you want learnt: as a pair they weigh double",
+                    "warning",
+                )
+            )
         # ...and the one to keep names its copies, so a pair names each other wherever it is shown.
         copies = ", ".join(report.items[n].path for n in rest)
-        out.append(Problem("near_duplicate_kept", report.items[first].path,
-                           f"near-duplicate of {copies}; this one is the sharpest, the one to keep",
-                           f"delete {copies}, or keep both if they differ in a way you want learnt", "note"))
+        out.append(
+            Problem(
+                "near_duplicate_kept",
+                report.items[first].path,
+                f"near-duplicate of {copies}; this one is the sharpest, the one to keep",
+                f"delete {copies}, or keep both if they differ in a way you want learnt",
+                "note",
+            )
+        )
     return out
 
 
@@ -225,10 +259,16 @@ def _blurry(report: ScanReport, measures: list) -> list[Problem]:
             why = f"under {BLURRY_RELATIVE:g} × this dataset's median {median:.0f}"
         else:
             continue
-        out.append(Problem("blurry", item.path, f"blurry or flat: sharpness {m.sharpness:.1f} (variance of the "
-                           f"Laplacian at {SHARPNESS_SIDE} px), {why}",
-                           "replace it with a sharper version, or delete it: the LoRA learns the blur too",
-                           "warning"))
+        out.append(
+            Problem(
+                "blurry",
+                item.path,
+                f"blurry or flat: sharpness {m.sharpness:.1f} (variance of the "
+                f"Laplacian at {SHARPNESS_SIDE} px), {why}",
+                "replace it with a sharper version, or delete it: the LoRA learns the blur too",
+                "warning",
+            )
+        )
     return out
 
 
@@ -241,11 +281,18 @@ def _long_captions(report: ScanReport, texts: Sequence[str], limits: dict[str, i
         over = {name: limit for name, limit in limits.items() if tokens > limit}
         if over:
             names = ", ".join(f"{name}'s {limit}" for name, limit in over.items())
-            out.append(Problem("caption_long", item.caption_file or item.path,
-                               f"about {tokens} tokens, over {names} (the text encoder's length in the "
-                               "family's reference pipeline: the model never saw longer prompts, and diffusers "
-                               "cuts the rest)", f"shorten it to under {min(over.values())} tokens "
-                               f"(about {int(min(over.values()) / TOKENS_PER_PIECE)} words)", "warning"))
+            out.append(
+                Problem(
+                    "caption_long",
+                    item.caption_file or item.path,
+                    f"about {tokens} tokens, over {names} (the text encoder's length in the "
+                    "family's reference pipeline: the model never saw longer prompts, and diffusers "
+                    "cuts the rest)",
+                    f"shorten it to under {min(over.values())} tokens "
+                    f"(about {int(min(over.values()) / TOKENS_PER_PIECE)} words)",
+                    "warning",
+                )
+            )
     return out
 
 
@@ -262,14 +309,22 @@ def verdicts(report: ScanReport, buckets: list[dict] | None = None) -> list[dict
             for image in bucket["images"]:
                 crop = " crop {}x{}".format(*image["cropped"]) if any(image["cropped"]) else ""
                 placed.setdefault(image["path"], []).append(f"{resolution['resolution']}: {bucket['bucket']}{crop}")
-        for path in resolution["smaller"]:     # never upscaled: it trains at a lower resolution only
+        for path in resolution["smaller"]:  # never upscaled: it trains at a lower resolution only
             placed.setdefault(path, []).append(f"{resolution['resolution']}: none, too small")
     out = []
     for item in report.items:
         problems = by_file.get(item.path, []) + (by_file.get(item.caption_file, []) if item.caption_file else [])
-        out.append({"path": item.path, "size": [item.width, item.height], "buckets": placed.get(item.path, []),
-                    "problems": [p.code for p in problems], "fixes": [p.fix for p in problems],
-                    "messages": [p.message for p in problems], "note": kept.get(item.path, "")})
+        out.append(
+            {
+                "path": item.path,
+                "size": [item.width, item.height],
+                "buckets": placed.get(item.path, []),
+                "problems": [p.code for p in problems],
+                "fixes": [p.fix for p in problems],
+                "messages": [p.message for p in problems],
+                "note": kept.get(item.path, ""),
+            }
+        )
     return out
 
 

@@ -5,6 +5,7 @@ Shared by the scanner (scan.py), the encoders (dataset.py), the CLI
 everywhere it is shown. format_report is how a person reads it, with the bucket
 plan (BucketPlan.describe) when there is one.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -15,10 +16,10 @@ META_FILE = "dataset.json"
 
 @dataclass(frozen=True)
 class Problem:
-    code: str          # stable id, e.g. "zero_byte", "truncated", "caption_not_utf8"
-    file: str          # path relative to the dataset root ("" for the dataset as a whole)
-    message: str       # what is wrong, in a user's words
-    fix: str           # what to do about it
+    code: str  # stable id, e.g. "zero_byte", "truncated", "caption_not_utf8"
+    file: str  # path relative to the dataset root ("" for the dataset as a whole)
+    message: str  # what is wrong, in a user's words
+    fix: str  # what to do about it
     severity: str = "warning"  # one of SEVERITIES
 
     def line(self) -> str:
@@ -35,20 +36,20 @@ def fatal(code: str, file: str, message: str, fix: str) -> Problem:
 class Item:
     """One usable image. Sizes are after EXIF orientation."""
 
-    path: str                      # relative to the dataset root, '/'-separated
+    path: str  # relative to the dataset root, '/'-separated
     width: int
     height: int
-    sha256: str                    # content hash of the image file's bytes
-    caption: str | None            # the .txt text as read (stripped); None when there is no caption file
-    caption_file: str | None       # relative path of the caption file, if any
-    repeats: int = 1               # from a kohya-style "N_name/" folder (the dataset multiplies in its own repeats)
-    image_format: str = ""         # PIL format name, e.g. "JPEG"
-    mode: str = ""                 # PIL mode before conversion, e.g. "CMYK"
+    sha256: str  # content hash of the image file's bytes
+    caption: str | None  # the .txt text as read (stripped); None when there is no caption file
+    caption_file: str | None  # relative path of the caption file, if any
+    repeats: int = 1  # from a kohya-style "N_name/" folder (the dataset multiplies in its own repeats)
+    image_format: str = ""  # PIL format name, e.g. "JPEG"
+    mode: str = ""  # PIL mode before conversion, e.g. "CMYK"
     notes: list[str] = field(default_factory=list)  # conversions that will be applied ("CMYK → RGB", ...)
     # Companion files that follow the image through crop, bucket and cache (companions.py).
-    mask_file: str | None = None   # "<stem>.mask.png" beside it; None: the alpha channel, if any, is the mask
+    mask_file: str | None = None  # "<stem>.mask.png" beside it; None: the alpha channel, if any, is the mask
     controls: tuple[str, ...] = ()  # edit datasets: control/<same path>, control_2/<same path>, ...
-    companions_sha256: str = ""    # hash of the companion files' hashes ("" without any): part of the latent key
+    companions_sha256: str = ""  # hash of the companion files' hashes ("" without any): part of the latent key
 
 
 @dataclass
@@ -56,7 +57,7 @@ class DatasetMeta:
     """dataset.json, all optional. Node and config values override these."""
 
     name: str = ""
-    type: str = ""                 # "character" | "style" | "concept" | ""
+    type: str = ""  # "character" | "style" | "concept" | ""
     trigger_word: str = ""
     caption_prefix: str = ""
     caption_suffix: str = ""
@@ -96,21 +97,39 @@ class ScanReport:
         return bool(self.items) and not self.fatal
 
     def to_dict(self) -> dict:
-        return {"root": self.root, "ok": self.ok, "deep": self.deep, "meta": asdict(self.meta),
-                "usable": len(self.items), "items": [asdict(i) for i in self.items],
-                "skipped": [asdict(p) for p in self.skipped], "warnings": [asdict(p) for p in self.warnings],
-                "notes": [asdict(p) for p in self.of("note")], "fatal": [asdict(p) for p in self.fatal]}
+        return {
+            "root": self.root,
+            "ok": self.ok,
+            "deep": self.deep,
+            "meta": asdict(self.meta),
+            "usable": len(self.items),
+            "items": [asdict(i) for i in self.items],
+            "skipped": [asdict(p) for p in self.skipped],
+            "warnings": [asdict(p) for p in self.warnings],
+            "notes": [asdict(p) for p in self.of("note")],
+            "fatal": [asdict(p) for p in self.fatal],
+        }
 
 
-def format_report(report: ScanReport, buckets: list[dict] | None = None, *, per_code: int = 10,
-                  per_bucket: int = 8, verdicts: list[str] | None = None) -> str:
+def format_report(
+    report: ScanReport,
+    buckets: list[dict] | None = None,
+    *,
+    per_code: int = 10,
+    per_bucket: int = 8,
+    verdicts: list[str] | None = None,
+) -> str:
     """The report as a person reads it: counts, usable images per folder, the buckets (BucketPlan.describe's
     list, when given), then problems grouped by code, then one verdict line per image (quality.verdict_line's,
     when given)."""
     repeats_total = sum(item.repeats for item in report.items) * (report.meta.repeats or 1)
-    lines = [f"{'Deep' if report.deep else 'Fast'} scan of {report.root}",
-             (f"  {len(report.items)} usable images ({repeats_total} per epoch with repeats), "
-              f"{len(report.skipped)} skipped, {len(report.warnings)} warnings, {len(report.of('note'))} notes")]
+    lines = [
+        f"{'Deep' if report.deep else 'Fast'} scan of {report.root}",
+        (
+            f"  {len(report.items)} usable images ({repeats_total} per epoch with repeats), "
+            f"{len(report.skipped)} skipped, {len(report.warnings)} warnings, {len(report.of('note'))} notes"
+        ),
+    ]
     meta = {k: v for k, v in asdict(report.meta).items() if v not in ("", None)}
     if meta:
         lines.append(f"  {META_FILE}: " + ", ".join(f"{k}={v!r}" for k, v in meta.items()))
@@ -120,8 +139,10 @@ def format_report(report: ScanReport, buckets: list[dict] | None = None, *, per_
         folders[key] = folders.get(key, 0) + 1
     if folders:
         lines.append("Usable:")
-        lines += [f"  {folder}/: {count} image{'s' * (count != 1)} × {repeats} repeat{'s' * (repeats != 1)}"
-                  for (folder, repeats), count in folders.items()]
+        lines += [
+            f"  {folder}/: {count} image{'s' * (count != 1)} × {repeats} repeat{'s' * (repeats != 1)}"
+            for (folder, repeats), count in folders.items()
+        ]
     for resolution in buckets or []:
         lines += format_buckets(resolution, per_bucket)
     for title, severity in (("Fatal", "fatal"), ("Skipped", "skipped"), ("Warnings", "warning"), ("Notes", "note")):
@@ -137,7 +158,9 @@ def format_report(report: ScanReport, buckets: list[dict] | None = None, *, per_
             if len(group) > per_code:
                 lines.append(f"  … and {len(group) - per_code} more [{code}]")
     if verdicts:
-        lines.append(f"Per image ({sum(line.endswith(' ok') or ' ok — ' in line for line in verdicts)} of {len(verdicts)} ok):")
+        lines.append(
+            f"Per image ({sum(line.endswith(' ok') or ' ok — ' in line for line in verdicts)} of {len(verdicts)} ok):"
+        )
         lines += [f"  {line}" for line in verdicts]
     lines.append("OK: ready to train" if report.ok else "NOT READY: fix the fatal problems above")
     return "\n".join(lines)
@@ -145,26 +168,35 @@ def format_report(report: ScanReport, buckets: list[dict] | None = None, *, per_
 
 def format_buckets(resolution: dict, per_bucket: int = 8) -> list[str]:
     """One resolution of BucketPlan.describe(): each bucket with its images, and the crop of each that loses pixels."""
+
     def some(names: list[str]) -> str:
         more = f", … and {len(names) - per_bucket} more" if len(names) > per_bucket else ""
         return ", ".join(names[:per_bucket]) + more
 
     res, count, buckets = resolution["resolution"], resolution["images"], resolution["buckets"]
     crop = "centre crop" if resolution["crop"] == "center" else f"{resolution['crop']} crop"
-    lines = [(f"Buckets at {res} px ({crop}, sides multiples of {resolution['divisor']}): "
-              f"{_count(count, 'image')} in {_count(len(buckets), 'bucket')}")]
+    lines = [
+        (
+            f"Buckets at {res} px ({crop}, sides multiples of {resolution['divisor']}): "
+            f"{_count(count, 'image')} in {_count(len(buckets), 'bucket')}"
+        )
+    ]
     for bucket in buckets:
         images = bucket["images"]
         lines.append(f"  {bucket['bucket']}: {_count(len(images), 'image')}: {some([i['path'] for i in images])}")
         cropped = [i for i in images if any(i["cropped"])]
-        lines += [f"    {i['path']} {i['size'][0]}x{i['size'][1]} → {i['resized'][0]}x{i['resized'][1]}, "
-                  f"crop {i['cropped'][0]} px x {i['cropped'][1]} px at ({i['offset'][0]}, {i['offset'][1]})"
-                  for i in cropped[:per_bucket]]
+        lines += [
+            f"    {i['path']} {i['size'][0]}x{i['size'][1]} → {i['resized'][0]}x{i['resized'][1]}, "
+            f"crop {i['cropped'][0]} px x {i['cropped'][1]} px at ({i['offset'][0]}, {i['offset'][1]})"
+            for i in cropped[:per_bucket]
+        ]
         if len(cropped) > per_bucket:
             lines.append(f"    … and {len(cropped) - per_bucket} more cropped")
     if resolution["smaller"]:
-        lines.append(f"  no {res} px bucket (smaller than {res}x{res}; it trains at a smaller resolution only): "
-                     f"{some(resolution['smaller'])}")
+        lines.append(
+            f"  no {res} px bucket (smaller than {res}x{res}; it trains at a smaller resolution only): "
+            f"{some(resolution['smaller'])}"
+        )
     return lines
 
 

@@ -1,6 +1,7 @@
 """What a folder's images are worth, as check-dataset prints it and the dataset editor shows it: the scan,
 the bucket plan at each resolution, the quality pass (cached in the folder's .kiln_cache/quality.json) and
 one verdict per image (quality.verdicts)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,12 +13,19 @@ from .report import ScanReport
 @dataclass
 class Review:
     report: ScanReport
-    buckets: list[dict] | None     # describe_plan's list, when there are resolutions
-    verdicts: list[dict] | None    # quality.verdicts', when the quality pass ran
+    buckets: list[dict] | None  # describe_plan's list, when there are resolutions
+    verdicts: list[dict] | None  # quality.verdicts', when the quality pass ran
 
 
-def review(folder: str | Path, *, resolutions=None, arch: str = "", deep: bool = False, quality: bool = True,
-           default_resolutions=None) -> Review:
+def review(
+    folder: str | Path,
+    *,
+    resolutions=None,
+    arch: str = "",
+    deep: bool = False,
+    quality: bool = True,
+    default_resolutions=None,
+) -> Review:
     """Scan `folder`, plan its buckets at `resolutions` (else dataset.json's, else default_resolutions; none:
     no plan) and, with `quality`, run the quality pass with the captions each image trains with, against
     `arch`'s caption token limit (every family's when empty)."""
@@ -34,10 +42,14 @@ def review(folder: str | Path, *, resolutions=None, arch: str = "", deep: bool =
         plan = plan_for(report.items, DataSettings(resolutions=tuple(resolutions), divisor=dataset_divisor()))
         buckets = describe_plan(plan, report.items, resolutions)
     if quality and report.items:
-        captions = DataSettings().with_meta(report.meta).captions   # the text each image trains with
+        captions = DataSettings().with_meta(report.meta).captions  # the text each image trains with
         texts = [caption_variants(i.caption, captions, seed=0, key=i.sha256)[0] for i in report.items]
         archs = [get_arch(arch)] if arch else ARCHS.values()
-        quality_pass.assess(report, texts, quality_pass.token_limits(archs),
-                            cache_file=Path(folder) / CACHE_FOLDER / quality_pass.CACHE_FILE)
+        quality_pass.assess(
+            report,
+            texts,
+            quality_pass.token_limits(archs),
+            cache_file=Path(folder) / CACHE_FOLDER / quality_pass.CACHE_FILE,
+        )
         verdicts = quality_pass.verdicts(report, buckets)
     return Review(report, buckets, verdicts)

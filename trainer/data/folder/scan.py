@@ -17,6 +17,7 @@ truncated BMP or TIFF: `deep=True` decodes every pixel and catches those too.
 The steps, one module each: walk.py (the files below the root), check.py (one image),
 caption_files.py (one caption) and items.py (images and captions to items, duplicates).
 """
+
 from __future__ import annotations
 
 import os
@@ -38,19 +39,57 @@ __all__ = ["EXTENSION_OF", "UNSUPPORTED_IMAGES", "FolderSummary", "list_datasets
 
 DEFAULT_RESOLUTIONS = (512,)
 # Image formats people drop into datasets that we do not decode: skipped, with a fix.
-UNSUPPORTED_IMAGES = {".gif": "GIF", ".heic": "HEIC", ".heif": "HEIF", ".avif": "AVIF", ".jxl": "JPEG XL",
-                      ".svg": "SVG", ".psd": "Photoshop", ".tga": "TGA", ".ico": "ICO", ".jp2": "JPEG 2000",
-                      ".dng": "camera raw", ".cr2": "camera raw",
-                      ".cr3": "camera raw", ".nef": "camera raw", ".arw": "camera raw", ".raf": "camera raw",
-                      ".orf": "camera raw", ".rw2": "camera raw"}
+UNSUPPORTED_IMAGES = {
+    ".gif": "GIF",
+    ".heic": "HEIC",
+    ".heif": "HEIF",
+    ".avif": "AVIF",
+    ".jxl": "JPEG XL",
+    ".svg": "SVG",
+    ".psd": "Photoshop",
+    ".tga": "TGA",
+    ".ico": "ICO",
+    ".jp2": "JPEG 2000",
+    ".dng": "camera raw",
+    ".cr2": "camera raw",
+    ".cr3": "camera raw",
+    ".nef": "camera raw",
+    ".arw": "camera raw",
+    ".raf": "camera raw",
+    ".orf": "camera raw",
+    ".rw2": "camera raw",
+}
 # Files that belong in or near a dataset (caches, configs, notes): ignored without a word.
 # .bak: captions Kiln Caption Images replaced (photo.txt.bak).
-QUIET_EXTENSIONS = {".npz", ".npy", ".safetensors", ".pt", ".pth", ".ckpt", ".json", ".jsonl", ".toml", ".yaml",
-                    ".yml", ".md", ".log", ".ini", ".db", ".csv", ".bak"}
+QUIET_EXTENSIONS = {
+    ".npz",
+    ".npy",
+    ".safetensors",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".json",
+    ".jsonl",
+    ".toml",
+    ".yaml",
+    ".yml",
+    ".md",
+    ".log",
+    ".ini",
+    ".db",
+    ".csv",
+    ".bak",
+}
 
 
-def scan(root: str | Path, *, deep: bool = False, resolutions: Sequence[int] | None = None, min_side: int = 64,
-         workers: int | None = None) -> ScanReport:
+def scan(
+    root: str | Path,
+    *,
+    deep: bool = False,
+    resolutions: Sequence[int] | None = None,
+    min_side: int = 64,
+    workers: int | None = None,
+) -> ScanReport:
     """Scan `root`; see the module docstring for what the fast and deep scans catch.
 
     resolutions: the bucket resolutions, to warn about images that would train
@@ -63,16 +102,21 @@ def scan(root: str | Path, *, deep: bool = False, resolutions: Sequence[int] | N
     if not root.is_dir():
         report.problems.append(
             fatal("root_not_dir", "", f"{root} is a file, not a folder", "give the folder that holds the images")
-            if root.exists() else
-            fatal("root_missing", "", f"the folder {root} does not exist",
-                   "check the path (absolute, or relative to where you run this)"))
+            if root.exists()
+            else fatal(
+                "root_missing",
+                "",
+                f"the folder {root} does not exist",
+                "check the path (absolute, or relative to where you run this)",
+            )
+        )
         return report
     report.meta, problems = read_meta(root)
     files, walk_problems = walk(root)
     images, captions, companion_files = [], {}, []
     for file in files:
         suffix = Path(file.rel).suffix.lower()
-        if is_companion(file.rel):       # masks and control images follow their image (companions.py)
+        if is_companion(file.rel):  # masks and control images follow their image (companions.py)
             companion_files.append(file.rel)
         elif suffix in IMAGE_EXTENSIONS:
             images.append(file)
@@ -87,9 +131,14 @@ def scan(root: str | Path, *, deep: bool = False, resolutions: Sequence[int] | N
     report.items, companion_problems = attach(root, report.items, companion_files)
     problems += walk_problems + item_problems + companion_problems
     if not report.items:
-        problems.append(fatal("no_images", "", "no usable images in this folder"
-                               + (f" ({len(images)} image files, all skipped)" if images else ""),
-                               "add .png/.jpg/.webp images (with same-name .txt captions), or fix the skipped ones"))
+        problems.append(
+            fatal(
+                "no_images",
+                "",
+                "no usable images in this folder" + (f" ({len(images)} image files, all skipped)" if images else ""),
+                "add .png/.jpg/.webp images (with same-name .txt captions), or fix the skipped ones",
+            )
+        )
     report.problems = sorted(problems, key=lambda p: (p.file != "", p.file.split("/")))
     return report
 
@@ -99,11 +148,17 @@ def _other_file(file: FolderFile, suffix: str) -> Problem | None:
     name = Path(file.rel).name
     if suffix in UNSUPPORTED_IMAGES:
         kind = UNSUPPORTED_IMAGES[suffix]
-        return Problem("unsupported_format", file.rel, f"{kind} images are not read", "convert it to PNG or JPEG",
-                       "skipped")
+        return Problem(
+            "unsupported_format", file.rel, f"{kind} images are not read", "convert it to PNG or JPEG", "skipped"
+        )
     if name == META_FILE and file.rel != META_FILE:
-        return Problem("dataset_json_nested", file.rel, f"only the {META_FILE} at the dataset root is read",
-                       "move its settings to the root's dataset.json", "note")
+        return Problem(
+            "dataset_json_nested",
+            file.rel,
+            f"only the {META_FILE} at the dataset root is read",
+            "move its settings to the root's dataset.json",
+            "note",
+        )
     if suffix in QUIET_EXTENSIONS or name.lower() in ("thumbs.db", "desktop.ini"):
         return None
     return Problem("ignored_file", file.rel, "not an image or a .txt caption; ignored", NOTE_FIX, "note")

@@ -4,6 +4,7 @@ with a size cap, the whole image is decoded (its type read from its content, not
 MAX_PIXELS or PIL's decompression-bomb limit it is refused before any pixel is decoded), and only then
 is it renamed to its place, with the extension of what it really is. A refused upload leaves nothing.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,7 @@ from .editing import EditError, check_component, free_name
 from .images import ImageProblem, verify
 from .scan import EXTENSION_OF
 
-MAX_UPLOAD_BYTES = 100 * 2**20     # an 8192×8192 PNG stays under it; ComfyUI's own upload limit is 100 MB too
+MAX_UPLOAD_BYTES = 100 * 2**20  # an 8192×8192 PNG stays under it; ComfyUI's own upload limit is 100 MB too
 # ImageProblem code → HTTP status of the refusal.
 UPLOAD_STATUS = {"too_large": 413, "not_an_image": 415, "unsupported_format": 415}
 
@@ -32,8 +33,7 @@ def upload_stem(filename: str) -> str:
     return check_component(stem, "file name")
 
 
-async def receive(folder: Path, filename: str, chunks: AsyncIterator[bytes],
-                  max_bytes: int = MAX_UPLOAD_BYTES) -> dict:
+async def receive(folder: Path, filename: str, chunks: AsyncIterator[bytes], max_bytes: int = MAX_UPLOAD_BYTES) -> dict:
     """Stream one upload into `folder` (a checked dataset folder) and keep it if it is a usable image:
     {"path", "width", "height", "format"}; EditError(413/415/422) naming the file and the fix otherwise."""
     stem = upload_stem(filename)
@@ -44,8 +44,11 @@ async def receive(folder: Path, filename: str, chunks: AsyncIterator[bytes],
             async for chunk in chunks:
                 size += len(chunk)
                 if size > max_bytes:
-                    raise EditError(413, f"{filename}: larger than {max_bytes // 2**20} MiB; downscale it "
-                                    "(training never needs more than 8192 px a side) and upload it again")
+                    raise EditError(
+                        413,
+                        f"{filename}: larger than {max_bytes // 2**20} MiB; downscale it "
+                        "(training never needs more than 8192 px a side) and upload it again",
+                    )
                 handle.write(chunk)
             handle.flush()
             os.fsync(handle.fileno())
@@ -64,5 +67,6 @@ def _check(path: Path, filename: str):
     try:
         return verify(path)
     except ImageProblem as problem:
-        raise EditError(UPLOAD_STATUS.get(problem.code, 422), f"{filename}: {problem.message}; {problem.fix}") \
-            from problem
+        raise EditError(
+            UPLOAD_STATUS.get(problem.code, 422), f"{filename}: {problem.message}; {problem.fix}"
+        ) from problem

@@ -9,6 +9,7 @@ cached under $TMPDIR/mlx), so the comparisons with torch run the step eagerly (t
 function, not compiled) and the resume test runs the compiled step, with everything switched
 on, and checks it against the eager one: compiled = eager = torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ from helpers.resume import assert_bitwise_resume
 SIZES = dict(hidden=32, heads=2, double_blocks=1, single_blocks=1, in_channels=16, context_dim=32)  # conftest's
 
 
-TRAIN = dict(max_grad_norm=0.01)   # clipping active: the tiny DiT's gradient norm is ~0.02
+TRAIN = dict(max_grad_norm=0.01)  # clipping active: the tiny DiT's gradient norm is ~0.02
 
 
 def mlx_model(seed: int = 0):
@@ -44,17 +45,19 @@ def mlx_model(seed: int = 0):
 
 
 def eager(backend: MlxBackend) -> MlxBackend:
-    backend.compile_step = False      # the same step function, not compiled (no g++ kernel builds on CPU)
+    backend.compile_step = False  # the same step function, not compiled (no g++ kernel builds on CPU)
     return backend
 
 
 def fixed_batch(batch_size=2, seed=0, height=4, width=4) -> Batch:
     rng = np.random.default_rng(seed)
-    return Batch(latents=rng.standard_normal((batch_size, 16, height, width)).astype(np.float32),
-                 noise=rng.standard_normal((batch_size, 16, height, width)).astype(np.float32),
-                 sigmas=rng.uniform(0.2, 0.8, batch_size).astype(np.float32),
-                 weights=rng.uniform(0.5, 1.5, batch_size).astype(np.float32),
-                 context=rng.standard_normal((batch_size, 8, 32)).astype(np.float32))
+    return Batch(
+        latents=rng.standard_normal((batch_size, 16, height, width)).astype(np.float32),
+        noise=rng.standard_normal((batch_size, 16, height, width)).astype(np.float32),
+        sigmas=rng.uniform(0.2, 0.8, batch_size).astype(np.float32),
+        weights=rng.uniform(0.5, 1.5, batch_size).astype(np.float32),
+        context=rng.standard_normal((batch_size, 8, 32)).astype(np.float32),
+    )
 
 
 def both(make_model, make_config, **overrides):
@@ -91,7 +94,7 @@ def test_demo_weights_are_torch_init_bit_for_bit(make_model):
         theirs = {k: v.numpy() for k, v in reference.state_dict().items()}
         assert list(ours) == list(theirs)
         assert all(np.array_equal(ours[k], theirs[k]) for k in theirs)
-    assert isinstance(build("demo", demo_weights(0), "float32"), type(mlx_model()))   # through the registry
+    assert isinstance(build("demo", demo_weights(0), "float32"), type(mlx_model()))  # through the registry
 
 
 def test_forward_with_lora_matches_torch(make_model, make_config):
@@ -107,7 +110,7 @@ def test_forward_with_lora_matches_torch(make_model, make_config):
 
 
 def _loop_pair(tmp_path, make_model, make_data, make_config, monkeypatch, **overrides):
-    monkeypatch.setattr(MlxBackend, "compile_step", False)   # the loop builds its own backend
+    monkeypatch.setattr(MlxBackend, "compile_step", False)  # the loop builds its own backend
     results = {}
     for name, model in (("torch", make_model()), ("mlx", mlx_model())):
         cfg = make_config(backend=name, steps=30, log_every=10, **overrides)
@@ -117,14 +120,24 @@ def _loop_pair(tmp_path, make_model, make_data, make_config, monkeypatch, **over
 
 def test_training_loop_matches_torch(tmp_path, make_model, make_data, make_config, monkeypatch):
     """30 steps of the real loop, clipping active (max norm below the gradients' norm), EMA on."""
-    ref, ours = _loop_pair(tmp_path, make_model, make_data, make_config, monkeypatch, ema=True, ema_decay=0.9,
-                           lr_schedule="cosine_with_warmup", warmup_steps=3, **TRAIN)
-    assert min(ref.history.grad_norm) > 0.01                                  # every step was clipped
+    ref, ours = _loop_pair(
+        tmp_path,
+        make_model,
+        make_data,
+        make_config,
+        monkeypatch,
+        ema=True,
+        ema_decay=0.9,
+        lr_schedule="cosine_with_warmup",
+        warmup_steps=3,
+        **TRAIN,
+    )
+    assert min(ref.history.grad_norm) > 0.01  # every step was clipped
     np.testing.assert_allclose(ours.history.loss, ref.history.loss, rtol=1e-3)
     np.testing.assert_allclose(ours.history.grad_norm, ref.history.grad_norm, rtol=1e-3)
-    for path, weights in ref.lora.items():   # measured ≤ 1e-6 (B ~1.6e-2 after 30 steps)
+    for path, weights in ref.lora.items():  # measured ≤ 1e-6 (B ~1.6e-2 after 30 steps)
         np.testing.assert_allclose(ours.lora[path].B, weights.B, atol=1e-5)
-        np.testing.assert_allclose(ours.ema_lora[path].B, ref.ema_lora[path].B, atol=1e-5)   # the EMA
+        np.testing.assert_allclose(ours.ema_lora[path].B, ref.ema_lora[path].B, atol=1e-5)  # the EMA
         np.testing.assert_allclose(ours.ema_lora[path].A, ref.ema_lora[path].A, atol=1e-5)
     # The saved LoRA has the torch backend's keys, shapes and dtypes; run.json names the backend.
     files = [safetensors_io.read(result.checkpoint / "lora.safetensors")[0] for result in (ref, ours)]
@@ -173,7 +186,7 @@ def test_adamw_steps_match_torch_through_the_backend(make_model, make_config):
         mlx_backend.step(batches, 1e-3)
     ref, ours = torch_backend.lora_state(), mlx_backend.lora_state()
     for path in ref:
-        for kind in ("A", "B"):   # 3 steps move weights by ~3e-3; measured ≤ 1.2e-7 apart
+        for kind in ("A", "B"):  # 3 steps move weights by ~3e-3; measured ≤ 1.2e-7 apart
             np.testing.assert_allclose(getattr(ours[path], kind), getattr(ref[path], kind), atol=1e-6, rtol=0)
     tensors, meta = mlx_backend.optimizer_state()
     assert meta["scalars"]["step"] == 3 and set(meta["names"]) == set(torch_backend.params)
@@ -185,17 +198,20 @@ def test_checkpointing_gives_every_lora_parameter_its_gradient(make_config):
     trained = []
     for checkpointing in (False, True):
         backend = eager(MlxBackend())
-        backend.setup(mlx_model(), make_config(gradient_checkpointing=checkpointing,
-                                               **{**TRAIN, "weight_decay": 0.0}), get_arch("demo"))
+        backend.setup(
+            mlx_model(),
+            make_config(gradient_checkpointing=checkpointing, **{**TRAIN, "weight_decay": 0.0}),
+            get_arch("demo"),
+        )
         lora = random_lora(backend)
         backend.load_lora_state(lora)
         backend.step([fixed_batch()], 1e-3)
         trained.append(backend.lora_state())
-        for path, weights in trained[-1].items():   # no weight decay: a weight moves iff its gradient ≠ 0
+        for path, weights in trained[-1].items():  # no weight decay: a weight moves iff its gradient ≠ 0
             assert np.all(weights.A != lora[path].A), path
             assert np.all(weights.B != lora[path].B), path
         backend.teardown()
-    for path in trained[0]:   # compared after the first step
+    for path in trained[0]:  # compared after the first step
         np.testing.assert_allclose(trained[1][path].A, trained[0][path].A, atol=1e-7)
         np.testing.assert_allclose(trained[1][path].B, trained[0][path].B, atol=1e-7)
 
@@ -211,7 +227,7 @@ def test_teardown_restores_the_model(make_config):
     backend.setup(model, make_config(gradient_checkpointing=True, ema=True, lora_dropout=0.1), get_arch("demo"))
     backend.load_lora_state(random_lora(backend))
     backend.step([batch], 1e-2)
-    assert not np.allclose(run_mlx(model, batch), before, atol=1e-4)   # the LoRA is live
+    assert not np.allclose(run_mlx(model, batch), before, atol=1e-4)  # the LoRA is live
     backend.teardown()
     assert {path: id(m) for path, m in model.named_modules()} == modules
     assert {path: type(m) for path, m in model.named_modules()} == classes
@@ -229,31 +245,55 @@ def test_an_error_in_the_loop_restores_the_model(tmp_path, make_data, make_confi
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(make_config(backend="mlx", steps=5, gradient_checkpointing=True), model, make_data(),
-              run_dir=tmp_path, on_step=on_step)
+        train(
+            make_config(backend="mlx", steps=5, gradient_checkpointing=True),
+            model,
+            make_data(),
+            run_dir=tmp_path,
+            on_step=on_step,
+        )
     assert {path: id(m) for path, m in model.named_modules()} == modules
-    with pytest.raises(ValueError, match="match no Linear"):   # a failed setup leaves nothing behind
+    with pytest.raises(ValueError, match="match no Linear"):  # a failed setup leaves nothing behind
         MlxBackend().setup(model, make_config(targets=["no_such_layer"]), get_arch("demo"))
     assert {path: id(m) for path, m in model.named_modules()} == modules
 
 
 def test_compiled_step_resumes_bitwise_and_equals_the_eager_step(tmp_path, make_data, make_config, monkeypatch):
     """Everything random on (LoRA dropout keys, caption dropout), EMA, accumulation, checkpointing."""
-    cfg = make_config(backend="mlx", steps=8, checkpoint_every=3, caption_dropout=0.3, lora_dropout=0.1, ema=True,
-                      ema_decay=0.9, grad_accum=2, lr_schedule="cosine_with_warmup", warmup_steps=2,
-                      gradient_checkpointing=True, **TRAIN)
+    cfg = make_config(
+        backend="mlx",
+        steps=8,
+        checkpoint_every=3,
+        caption_dropout=0.3,
+        lora_dropout=0.1,
+        ema=True,
+        ema_decay=0.9,
+        grad_accum=2,
+        lr_schedule="cosine_with_warmup",
+        warmup_steps=2,
+        gradient_checkpointing=True,
+        **TRAIN,
+    )
 
     def run(name, stop_at=None, resume=False):
         steps = []
-        return train(cfg, mlx_model(), make_data(count=8), run_dir=tmp_path / name, on_step=steps.append,
-                     resume=tmp_path / name if resume else None,
-                     should_stop=(lambda: len(steps) >= stop_at) if stop_at else None)
+        return train(
+            cfg,
+            mlx_model(),
+            make_data(count=8),
+            run_dir=tmp_path / name,
+            on_step=steps.append,
+            resume=tmp_path / name if resume else None,
+            should_stop=(lambda: len(steps) >= stop_at) if stop_at else None,
+        )
 
-    traced = []   # one gradient function per micro-batch shape, however often the lr changes
+    traced = []  # one gradient function per micro-batch shape, however often the lr changes
     build_gradients = MlxBackend._gradient_function
-    monkeypatch.setattr(MlxBackend, "_gradient_function", lambda self, *a: traced.append(a) or build_gradients(self, *a))
+    monkeypatch.setattr(
+        MlxBackend, "_gradient_function", lambda self, *a: traced.append(a) or build_gradients(self, *a)
+    )
     straight = run("straight")
-    assert len(traced) == 2     # 2 buckets of 4 items: two shapes over 16 micro-batches
+    assert len(traced) == 2  # 2 buckets of 4 items: two shapes over 16 micro-batches
     assert run("stopped", stop_at=3).stopped
     resumed = run("stopped", resume=True)
     assert "rng.mlx_key" in assert_bitwise_resume(straight, resumed, holds=("optim.",))
@@ -280,8 +320,12 @@ def test_quantized_linear_layers_take_lora(make_config):
     import mlx.nn as nn
 
     model = mlx_model()
-    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear)
-                and m.weight.shape[1] % 32 == 0)
+    nn.quantize(
+        model,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda p, m: isinstance(m, nn.Linear) and m.weight.shape[1] % 32 == 0,
+    )
     backend = eager(MlxBackend())
     backend.setup(model, make_config(), get_arch("demo"))
     layer = backend.lora.layers["double_blocks.0.img_attn.qkv"]
@@ -322,5 +366,5 @@ def test_a_run_started_from_a_lora_matches_torch(tmp_path, make_model, make_data
         assert np.array_equal(shadow[f"{name}.B"], weights.B)
     ref, ours = _loop_pair(tmp_path, make_model, make_data, make_config, monkeypatch, init_lora=str(path), **TRAIN)
     for name, weights in ref.lora.items():
-        assert not np.array_equal(weights.B, source[name].B)                        # it trained
+        assert not np.array_equal(weights.B, source[name].B)  # it trained
         np.testing.assert_allclose(ours.lora[name].B, weights.B, atol=2e-5, rtol=0)

@@ -1,4 +1,5 @@
 """The MLX Flux2 against ComfyUI's goldens (scripts/make_goldens.py), its module paths, and fp8 loading."""
+
 from __future__ import annotations
 
 import json
@@ -95,12 +96,16 @@ def test_module_paths_are_comfyui_paths():
     model = build("flux2_dev", weights, dtype="float32")
     linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     # every ComfyUI Linear (a 2-D weight) at the same dotted path, and no other
-    assert set(linears) == {k[:-len(".weight")] for k, v in weights.items() if v.ndim == 2}
+    assert set(linears) == {k[: -len(".weight")] for k, v in weights.items() if v.ndim == 2}
     assert {k for k, _ in _parameters(model)} == set(weights)
     order = [name for name, _ in model.named_modules() if name in linears]
     selected = set(select_targets(order, DEFAULT_TARGETS))
-    expected = {f"double_blocks.{n}.{s}_{layer}" for n in range(2) for s in ("img", "txt")
-                for layer in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
+    expected = {
+        f"double_blocks.{n}.{s}_{layer}"
+        for n in range(2)
+        for s in ("img", "txt")
+        for layer in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
+    }
     expected |= {f"single_blocks.{n}.linear{i}" for n in range(2) for i in (1, 2)}
     assert selected == expected
     assert all(linears[name].get("bias") is None for name in selected)  # Flux2 has no biases
@@ -131,6 +136,7 @@ def test_wrong_arch_and_unknown_arch_are_named():
 
 # ---------------------------------------------------------------- fp8 files
 
+
 def write_raw(path: Path, entries: dict[str, tuple[str, tuple[int, ...], bytes]], metadata=None) -> None:
     """A safetensors file from raw bytes (safetensors_io writes no F8)."""
     header, offset = {}, 0
@@ -160,25 +166,39 @@ def test_scaled_fp8_file(tmp_path, style):
     b_bits = safetensors_io.float32_to_bf16_bits(b)
     decode = safetensors_io._FP8["F8_E4M3"]
     if style == "scale_weight":  # the old scaled-fp8 files: a marker key and per-layer scale_weight
-        prefix, scales = "model.diffusion_model.", {"layer.a.scale_weight": ("F32", (), f32(0.375)),
-                                                    "layer.a.scale_input": ("F32", (), f32(1.0)),
-                                                    "scaled_fp8": ("F8_E4M3", (0,), b"")}
+        prefix, scales = (
+            "model.diffusion_model.",
+            {
+                "layer.a.scale_weight": ("F32", (), f32(0.375)),
+                "layer.a.scale_input": ("F32", (), f32(1.0)),
+                "scaled_fp8": ("F8_E4M3", (0,), b""),
+            },
+        )
     else:  # the current format: comfy_quant JSON per layer and weight_scale
         conf = json.dumps({"format": "float8_e4m3fn"}).encode()
-        prefix, scales = "", {"layer.a.weight_scale": ("F32", (1,), f32([0.375])),
-                              "layer.a.input_scale": ("F32", (), f32(2.0)),
-                              "layer.a.comfy_quant": ("U8", (len(conf),), conf)}
-    entries = {"layer.a.weight": ("F8_E4M3", a.shape, a.tobytes()),
-               "layer.b.weight": ("BF16", b.shape, b_bits.tobytes()),
-               "layer.c.weight": ("F8_E4M3", c.shape, c.tobytes()), **scales}
+        prefix, scales = (
+            "",
+            {
+                "layer.a.weight_scale": ("F32", (1,), f32([0.375])),
+                "layer.a.input_scale": ("F32", (), f32(2.0)),
+                "layer.a.comfy_quant": ("U8", (len(conf),), conf),
+            },
+        )
+    entries = {
+        "layer.a.weight": ("F8_E4M3", a.shape, a.tobytes()),
+        "layer.b.weight": ("BF16", b.shape, b_bits.tobytes()),
+        "layer.c.weight": ("F8_E4M3", c.shape, c.tobytes()),
+        **scales,
+    }
     path = tmp_path / "fp8.safetensors"
     write_raw(path, {prefix + k: v for k, v in entries.items()})
 
     loaded = load_comfy_file(path)
     assert set(loaded) == {"layer.a.weight", "layer.b.weight", "layer.c.weight"}
     np.testing.assert_array_equal(np.array(loaded["layer.a.weight"]), decode[a] * np.float32(0.375))
-    np.testing.assert_array_equal(np.array(loaded["layer.b.weight"].astype(mx.float32)),
-                                  safetensors_io.bf16_bits_to_float32(b_bits))
+    np.testing.assert_array_equal(
+        np.array(loaded["layer.b.weight"].astype(mx.float32)), safetensors_io.bf16_bits_to_float32(b_bits)
+    )
     np.testing.assert_array_equal(np.array(loaded["layer.c.weight"]), decode[c])  # no scale: plain fp8
 
 
@@ -188,8 +208,11 @@ def test_unsupported_fp8_formats_are_refused(tmp_path):
     with pytest.raises(safetensors_io.SafetensorsError, match="F8_E5M2.*bf16 or F8_E4M3"):
         load_comfy_file(e5m2)
     nvfp4 = tmp_path / "nvfp4.safetensors"
-    write_raw(nvfp4, {"img_in.weight": ("U8", (2,), b"\x01\x02")},
-              metadata={"_quantization_metadata": json.dumps({"layers": {"img_in": {"format": "nvfp4"}}})})
+    write_raw(
+        nvfp4,
+        {"img_in.weight": ("U8", (2,), b"\x01\x02")},
+        metadata={"_quantization_metadata": json.dumps({"layers": {"img_in": {"format": "nvfp4"}}})},
+    )
     with pytest.raises(safetensors_io.SafetensorsError, match="nvfp4"):
         load_comfy_file(nvfp4)
 
@@ -199,22 +222,30 @@ def test_from_torch_state_dict():
     from trainer.backends.mlx_backend.models.weights import from_state_dict
 
     codes = torch.tensor([[0.5, -1.5], [2.0, 0.125]]).to(torch.float8_e4m3fn)
-    sd = {"diffusion_model.img_in.weight": torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16),
-          "diffusion_model.txt_in.weight": codes, "diffusion_model.txt_in.scale_weight": torch.tensor(4.0)}
+    sd = {
+        "diffusion_model.img_in.weight": torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16),
+        "diffusion_model.txt_in.weight": codes,
+        "diffusion_model.txt_in.scale_weight": torch.tensor(4.0),
+    }
     out = from_state_dict(sd)
     assert set(out) == {"img_in.weight", "txt_in.weight"}
     assert out["img_in.weight"].dtype == mx.float32
     np.testing.assert_array_equal(np.array(out["txt_in.weight"]), [[2.0, -6.0], [8.0, 0.5]])
     # bf16 goes across bit for bit (no float32 copy of the model on the way)
     weight = torch.randn(7, 5)
-    out = from_state_dict({"diffusion_model.img_in.weight": weight.to(torch.bfloat16),
-                           **{k: v for k, v in sd.items() if "txt" in k}},
-                          dtype="bfloat16")
+    out = from_state_dict(
+        {"diffusion_model.img_in.weight": weight.to(torch.bfloat16), **{k: v for k, v in sd.items() if "txt" in k}},
+        dtype="bfloat16",
+    )
     assert out["img_in.weight"].dtype == out["txt_in.weight"].dtype == mx.bfloat16
-    np.testing.assert_array_equal(np.array(out["img_in.weight"].astype(mx.float32)),
-                                  weight.to(torch.bfloat16).float().numpy())
+    np.testing.assert_array_equal(
+        np.array(out["img_in.weight"].astype(mx.float32)), weight.to(torch.bfloat16).float().numpy()
+    )
     np.testing.assert_array_equal(np.array(out["txt_in.weight"].astype(mx.float32)), [[2.0, -6.0], [8.0, 0.5]])
-    mxfp8 = {"img_in.weight": codes, "img_in.comfy_quant": torch.tensor(list(b'{"format": "mxfp8"}'), dtype=torch.uint8)}
+    mxfp8 = {
+        "img_in.weight": codes,
+        "img_in.comfy_quant": torch.tensor(list(b'{"format": "mxfp8"}'), dtype=torch.uint8),
+    }
     with pytest.raises(ValueError, match="mxfp8"):
         from_state_dict(mxfp8)
 

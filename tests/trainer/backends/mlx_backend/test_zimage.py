@@ -4,6 +4,7 @@ tests/goldens/zimage*.safetensors hold inputs and ComfyUI's output for the tiny 
 `trainer.demo.tiny_weights.zimage_weights(seed)`; scripts/make_goldens.py writes them (`zimage`,
 `zimage_short_caption`), calling ComfyUI's model as nodes/comfy/ does.
 """
+
 from __future__ import annotations
 
 import json
@@ -100,7 +101,7 @@ def test_bfloat16_and_checkpointed_blocks_stay_close(model):
     inputs = (golden["x"], golden["timestep"], golden["context"], golden["context"].shape[1])
     expected = golden["output"]
     recipe = json.loads(load_golden("zimage")[1]["kiln.weights"])
-    half = zimage.build("zimage", zimage_weights(recipe["seed"], **recipe["kwargs"]))   # bfloat16
+    half = zimage.build("zimage", zimage_weights(recipe["seed"], **recipe["kwargs"]))  # bfloat16
     out = half(*inputs)
     assert out.dtype == mx.bfloat16
     assert np.abs(np.array(out.astype(mx.float32)) - expected).max() / np.abs(expected).max() < 5e-2
@@ -124,9 +125,9 @@ def test_rows_of_different_caption_lengths_run_as_separate_prompts():
         context[row, :n] = rng.standard_normal((n, context.shape[2]))
     batch = np.array(model(x, sigma, context, num_tokens=np.array(lengths)))
     for row, n in enumerate(lengths):
-        alone = np.array(model(x[row:row + 1], sigma[row:row + 1], context[row:row + 1, :n]))
-        np.testing.assert_allclose(batch[row:row + 1], alone, rtol=1e-5, atol=1e-5)
-    padded = np.array(model(x[:1], sigma[:1], context[:1]))          # zero padding is not neutral
+        alone = np.array(model(x[row : row + 1], sigma[row : row + 1], context[row : row + 1, :n]))
+        np.testing.assert_allclose(batch[row : row + 1], alone, rtol=1e-5, atol=1e-5)
+    padded = np.array(model(x[:1], sigma[:1], context[:1]))  # zero padding is not neutral
     assert not np.allclose(padded, batch[:1], atol=1e-4)
 
 
@@ -142,8 +143,22 @@ def test_trains_in_the_mlx_backend_with_captions_of_different_lengths(tmp_path):
     latents = [rng.standard_normal((16, 4, 4)).astype(np.float32) for _ in range(4)]
     contexts = [rng.standard_normal((n, dim)).astype(np.float32) for n in (3, 7, 3, 5)]
     data = InMemoryData.from_arrays(latents, contexts, [f"{i}.png" for i in range(4)], np.zeros((2, dim), np.float32))
-    cfg = config_module.from_dict(dict(arch="zimage", backend="mlx", mixed_precision="no", steps=3, batch_size=2,
-                                       rank=4, alpha=4.0, learning_rate=1e-3, checkpoint_every=0, log_every=1,
-                                       caption_dropout=0.0, gradient_checkpointing=False, resolutions=[64]))
+    cfg = config_module.from_dict(
+        dict(
+            arch="zimage",
+            backend="mlx",
+            mixed_precision="no",
+            steps=3,
+            batch_size=2,
+            rank=4,
+            alpha=4.0,
+            learning_rate=1e-3,
+            checkpoint_every=0,
+            log_every=1,
+            caption_dropout=0.0,
+            gradient_checkpointing=False,
+            resolutions=[64],
+        )
+    )
     result = train(cfg, model, data, run_dir=tmp_path)
     assert len(result.history.loss) == 3 and all(np.isfinite(result.history.loss))

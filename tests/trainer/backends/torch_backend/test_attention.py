@@ -1,5 +1,6 @@
 """The `attention` setting: the chosen SDPA kernel goes first for the whole training step (forward,
 backward and checkpointing's recompute), torch's order comes back afterwards, and "auto" picks per GPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,16 +35,19 @@ def _first_kernels_seen(monkeypatch, make_model, make_config, **settings) -> lis
     return seen
 
 
-@pytest.mark.parametrize("choice, first", [("math", SDPBackend.MATH), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)])
+@pytest.mark.parametrize(
+    "choice, first",
+    [("math", SDPBackend.MATH), ("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)],
+)
 def test_the_chosen_kernel_goes_first_in_forward_and_recompute(monkeypatch, make_model, make_config, choice, first):
     before = torch._C._get_sdp_priority_order()
     plain = _first_kernels_seen(monkeypatch, make_model, make_config, attention=choice, gradient_checkpointing=False)
-    recomputed = _first_kernels_seen(monkeypatch, make_model, make_config, attention=choice,
-                                     gradient_checkpointing=True)
+    recomputed = _first_kernels_seen(
+        monkeypatch, make_model, make_config, attention=choice, gradient_checkpointing=True
+    )
     assert plain and set(plain) == {first}
-    assert len(recomputed) == 2 * len(plain)            # every block's attention ran again in backward...
-    assert set(recomputed) == {first}                   # ...under the same choice
+    assert len(recomputed) == 2 * len(plain)  # every block's attention ran again in backward...
+    assert set(recomputed) == {first}  # ...under the same choice
     assert torch._C._get_sdp_priority_order() == before  # torch's order is back after the step
 
 
@@ -56,7 +60,7 @@ def test_every_other_kernel_stays_behind_the_choice_as_a_fallback():
     order = attention.priority("cudnn")
     assert order[0] == SDPBackend.CUDNN_ATTENTION
     assert {SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH} <= set(order[1:])
-    torch.backends.cuda.enable_flash_sdp(False)      # a user switched flash off: it stays off
+    torch.backends.cuda.enable_flash_sdp(False)  # a user switched flash off: it stays off
     try:
         assert SDPBackend.FLASH_ATTENTION not in attention.priority("cudnn")
     finally:

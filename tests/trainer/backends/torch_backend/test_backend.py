@@ -1,4 +1,5 @@
 """The PyTorch backend on the tiny DiT: learning, clipping, EMA, accumulation, checkpointing, teardown."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -54,7 +55,7 @@ def test_ema_matches_its_formula(make_model, make_config):
     assert torch.allclose(backend.ema.shadow[name], expected, atol=1e-7)
     assert backend.ema.updates == 5
     trained = backend.params[name].detach().clone()
-    assert not torch.allclose(trained, expected)        # EMA is really different from the weights
+    assert not torch.allclose(trained, expected)  # EMA is really different from the weights
     with backend.ema_weights():
         assert torch.equal(backend.params[name].detach(), backend.ema.shadow[name])
     assert torch.equal(backend.params[name].detach(), trained)  # swapped back
@@ -65,9 +66,9 @@ def test_gradient_accumulation_equals_the_full_batch(make_model, make_config):
     grads = []
     for micro in ([batch], split(batch)):
         backend = backend_for(make_model, make_config, learning_rate=1e-3)
-        backend.optimizer.step = lambda: None            # keep the gradients to compare
+        backend.optimizer.step = lambda: None  # keep the gradients to compare
         backend.optimizer.zero_grad = lambda set_to_none=True: None
-        with torch.no_grad():                            # make B non-zero so every gradient matters
+        with torch.no_grad():  # make B non-zero so every gradient matters
             for p in backend.params.values():
                 p.add_(0.01)
         backend.step(micro, 1e-3)
@@ -104,8 +105,14 @@ def test_bf16_steps_cast_the_lora_weights_once_and_recompute_sees_them(make_mode
     backward: checkpointing's recompute must use the same weights, or its gradients would differ."""
     grads, seen, calls = [], [], []
     for checkpointing in (False, True):
-        backend = backend_for(make_model, make_config, mixed_precision="bf16", rank=4, alpha=12.0,   # scale 3
-                              gradient_checkpointing=checkpointing)
+        backend = backend_for(
+            make_model,
+            make_config,
+            mixed_precision="bf16",
+            rank=4,
+            alpha=12.0,  # scale 3
+            gradient_checkpointing=checkpointing,
+        )
         backend.optimizer.step = lambda: None
         backend.optimizer.zero_grad = lambda set_to_none=True: None
         with torch.no_grad():
@@ -119,12 +126,12 @@ def test_bf16_steps_cast_the_lora_weights_once_and_recompute_sees_them(make_mode
         finally:
             type(branch).forward = original
         assert all(p.grad.dtype == torch.float32 for p in backend.params.values())
-        assert branch.step_weights is None                      # not kept past the step
+        assert branch.step_weights is None  # not kept past the step
         calls.append(len(seen))
         grads.append(torch.cat([p.grad.flatten() for p in backend.params.values()]))
         backend.teardown()
-    assert seen and all(seen)                                    # forward and recompute alike
-    assert calls[1] - calls[0] == 2 * calls[0]                   # the checkpointed run did recompute
+    assert seen and all(seen)  # forward and recompute alike
+    assert calls[1] - calls[0] == 2 * calls[0]  # the checkpointed run did recompute
     assert torch.equal(grads[0], grads[1])
 
 
@@ -178,7 +185,7 @@ def test_checkpointing_survives_blocks_that_modify_their_input():
     for checkpointing in (False, True):
         net, lora = inplace_net_with_lora()
         hooks = BlockCheckpointing(net, ("blocks",)) if checkpointing else None
-        net(x).square().sum().backward()   # raised "modified by an inplace operation" before the fix
+        net(x).square().sum().backward()  # raised "modified by an inplace operation" before the fix
         grads.append(torch.cat([p.grad.flatten() for _, p in lora.named_parameters()]))
         if hooks:
             hooks.remove()
@@ -192,7 +199,7 @@ def test_bf16_base_model_trains_fp32_lora(make_model, make_config, mixed_precisi
     losses = backend.scalars([backend.step([fixed_batch()], 1e-2).loss for _ in range(3)])
     assert all(np.isfinite(losses))
     assert all(p.dtype == torch.float32 and p.grad is None for p in backend.params.values())  # zeroed after step
-    assert any(torch.count_nonzero(b.lora_B) for b in backend.lora.branches().values())     # it learned
+    assert any(torch.count_nonzero(b.lora_B) for b in backend.lora.branches().values())  # it learned
 
 
 def test_blocks_that_write_into_their_inputs_train_without_checkpointing(make_config):
@@ -211,7 +218,7 @@ def test_blocks_that_write_into_their_inputs_train_without_checkpointing(make_co
             self.linear1 = nn.Linear(4, 4)
 
         def forward(self, x):
-            x += torch.tanh(self.linear1(x))   # in place on the block input, as ComfyUI's blocks do
+            x += torch.tanh(self.linear1(x))  # in place on the block input, as ComfyUI's blocks do
             return x
 
     class Model(nn.Module):
@@ -227,10 +234,13 @@ def test_blocks_that_write_into_their_inputs_train_without_checkpointing(make_co
             return h.permute(0, 3, 1, 2)
 
     rng = np.random.default_rng(0)
-    batch = Batch(latents=rng.standard_normal((1, 4, 2, 2)).astype(np.float32),
-                  noise=rng.standard_normal((1, 4, 2, 2)).astype(np.float32),
-                  sigmas=np.array([0.5], np.float32), weights=np.ones(1, np.float32),
-                  context=np.zeros((1, 1, 4), np.float32))
+    batch = Batch(
+        latents=rng.standard_normal((1, 4, 2, 2)).astype(np.float32),
+        noise=rng.standard_normal((1, 4, 2, 2)).astype(np.float32),
+        sigmas=np.array([0.5], np.float32),
+        weights=np.ones(1, np.float32),
+        context=np.zeros((1, 1, 4), np.float32),
+    )
     after = {}
     for recompute in (False, True):
         torch.manual_seed(0)
@@ -258,8 +268,11 @@ def test_per_row_extras_stay_on_the_host_and_other_float_extras_follow_the_model
     backend = TorchBackend()
     backend.setup(make_model(), make_config(), get_arch("demo"), forward=forward)
     batch = fixed_batch()
-    batch.extras = {"num_tokens": np.array([8, 5]), "guidance": np.array([1.0, 1.0], np.float32),
-                    "features": np.ones((2, 3), np.float32)}
+    batch.extras = {
+        "num_tokens": np.array([8, 5]),
+        "guidance": np.array([1.0, 1.0], np.float32),
+        "features": np.ones((2, 3), np.float32),
+    }
     backend.step([batch], 1e-3)
     assert seen["num_tokens"].device.type == "cpu" and seen["num_tokens"].dtype == torch.int64
     assert seen["num_tokens"].tolist() == [8, 5]

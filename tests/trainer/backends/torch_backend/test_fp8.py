@@ -1,5 +1,6 @@
 """fp8_compute: the frozen base's block Linears in fp8 (torch._scaled_mm, per-row scales), on the CPU's own
 _scaled_mm (the GPU's speed and loss are in bench/RESULTS.md)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,8 +33,8 @@ def test_quantize_rows_uses_the_full_e4m3_range_of_each_row():
     q, scale = quantize_rows(t)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 1)
     assert torch.equal(q.float().abs().amax(dim=1)[:2], torch.tensor([E4M3_MAX, E4M3_MAX]))  # each row's max → 448
-    assert torch.equal(q[2].float(), torch.zeros(3))                                        # a zero row stays zero
-    assert torch.allclose(q.float() * scale, t, rtol=0.07)                                  # e4m3: 3 mantissa bits
+    assert torch.equal(q[2].float(), torch.zeros(3))  # a zero row stays zero
+    assert torch.allclose(q.float() * scale, t, rtol=0.07)  # e4m3: 3 mantissa bits
 
 
 def test_fp8_linear_matches_the_bf16_linear_forward_and_input_gradient():
@@ -50,7 +51,7 @@ def test_fp8_linear_matches_the_bf16_linear_forward_and_input_gradient():
     (dx_reference,) = torch.autograd.grad(reference, x, grad)
     assert dx.dtype == x.dtype and dx.shape == x.shape
     assert _relative(dx, dx_reference) < 0.05
-    assert _relative(dx, dx_reference) > 0   # it really ran in fp8, not the bf16 fallback
+    assert _relative(dx, dx_reference) > 0  # it really ran in fp8, not the bf16 fallback
 
 
 @pytest.mark.parametrize("forward, backward", [(True, True), (True, False), (False, True)])
@@ -63,24 +64,26 @@ def test_fp8_saves_nothing_of_the_activation_for_backward(forward, backward):
         fp8_linear(x, weight, None).sum().backward()
     assert saved and all(t is None or t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for t in saved)
     kept = [t for t in saved if t is not None]
-    weight_storage = base.untyped_storage().data_ptr()   # W itself, not a copy
-    assert all(t.dtype == torch.float8_e4m3fn or t.shape[0] == 1 or t.untyped_storage().data_ptr() == weight_storage
-               for t in kept)                             # fp8 copies, [1, n] scales, W
+    weight_storage = base.untyped_storage().data_ptr()  # W itself, not a copy
+    assert all(
+        t.dtype == torch.float8_e4m3fn or t.shape[0] == 1 or t.untyped_storage().data_ptr() == weight_storage
+        for t in kept
+    )  # fp8 copies, [1, n] scales, W
 
 
 def test_a_product_kept_in_bf16_is_the_bf16_product():
-    assert fp8_products(3072, 9216) == fp8_products(9216, 3072) == (True, True)   # the measured policy: all fp8
+    assert fp8_products(3072, 9216) == fp8_products(9216, 3072) == (True, True)  # the measured policy: all fp8
     gen = torch.Generator().manual_seed(1)
-    base = torch.randn(16, 48, generator=gen)             # a down projection: forward in bf16, backward in fp8
+    base = torch.randn(16, 48, generator=gen)  # a down projection: forward in bf16, backward in fp8
     x = torch.randn(5, 48, generator=gen, requires_grad=True)
     weight = Fp8Weight(base, forward=False, backward=True)
     assert weight.rows is None and weight.cols is not None and weight.nbytes() == 48 * 16 + 4 * 48
     y = fp8_linear(x, weight, None)
-    assert torch.equal(y, (x.to(torch.bfloat16) @ base.to(torch.bfloat16).t()))   # the bf16 product itself
+    assert torch.equal(y, (x.to(torch.bfloat16) @ base.to(torch.bfloat16).t()))  # the bf16 product itself
     grad = torch.randn(5, 16, generator=gen)
     (dx,) = torch.autograd.grad(y, x, grad)
     exact = grad @ base
-    assert 0 < _relative(dx, exact) < 0.05                                        # fp8, close
+    assert 0 < _relative(dx, exact) < 0.05  # fp8, close
 
 
 def test_install_and_remove_leave_every_linear_as_it_was(make_model):
@@ -92,28 +95,40 @@ def test_install_and_remove_leave_every_linear_as_it_was(make_model):
     plain = linears[0](x)
     fp8 = Fp8Base(blocks, torch.device("cpu"))
     assert len(fp8.replaced) == len(linears) and fp8.bytes > 0
-    assert not torch.equal(linears[0](x), plain)                 # grad on: the fp8 path
+    assert not torch.equal(linears[0](x), plain)  # grad on: the fp8 path
     with torch.no_grad():
-        assert torch.equal(linears[0](x), plain)                 # no grad (samples): the Linear's own forward
+        assert torch.equal(linears[0](x), plain)  # no grad (samples): the Linear's own forward
     fp8.remove()
     assert [dict(m.__dict__) for m in linears] == before
     assert torch.equal(linears[0](x), plain)
 
 
 def test_a_run_with_fp8_compute_trains_close_to_bf16_and_resumes_exactly(tmp_path, make_model, make_data, make_config):
-    settings = {"steps": 8, "mixed_precision": "bf16", "checkpoint_every": 4, "log_every": 1, "gradient_checkpointing": True}
+    settings = {
+        "steps": 8,
+        "mixed_precision": "bf16",
+        "checkpoint_every": 4,
+        "log_every": 1,
+        "gradient_checkpointing": True,
+    }
     plain = train(make_config(**settings), make_model(), make_data(), run_dir=tmp_path / "bf16")
     fp8 = train(make_config(**settings, fp8_compute=True), make_model(), make_data(), run_dir=tmp_path / "fp8")
     losses, reference = np.array(fp8.history.loss), np.array(plain.history.loss)
     assert np.all(np.isfinite(losses)) and not np.array_equal(losses, reference)
     assert np.allclose(losses, reference, rtol=0.05)
-    for path, weights in fp8.lora.items():   # the LoRA learned the same thing, to fp8's rounding
+    for path, weights in fp8.lora.items():  # the LoRA learned the same thing, to fp8's rounding
         assert np.abs(weights.B).max() > 0
         assert _relative(torch.from_numpy(weights.B), torch.from_numpy(plain.lora[path].B)) < 0.2
     progress = []
     cfg = make_config(**settings, fp8_compute=True)
-    stopped = train(cfg, make_model(), make_data(), run_dir=tmp_path / "resumed", on_step=progress.append,
-                    should_stop=lambda: len(progress) >= 3)
+    stopped = train(
+        cfg,
+        make_model(),
+        make_data(),
+        run_dir=tmp_path / "resumed",
+        on_step=progress.append,
+        should_stop=lambda: len(progress) >= 3,
+    )
     assert stopped.stopped
     resumed = train(cfg, make_model(), make_data(), run_dir=tmp_path / "resumed", resume=tmp_path / "resumed")
     assert resumed.history.loss == fp8.history.loss
@@ -121,10 +136,13 @@ def test_a_run_with_fp8_compute_trains_close_to_bf16_and_resumes_exactly(tmp_pat
         assert np.array_equal(weights.B, resumed.lora[path].B)
 
 
-@pytest.mark.parametrize("settings, words", [
-    ({"backend": "mlx"}, "backend 'torch'"),
-    ({"mixed_precision": "no"}, "mixed_precision 'bf16'"),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"backend": "mlx"}, "backend 'torch'"),
+        ({"mixed_precision": "no"}, "mixed_precision 'bf16'"),
+    ],
+)
 def test_fp8_compute_refuses_what_it_cannot_do(settings, words):
     with pytest.raises(ConfigError, match=words):
         config.from_dict({"arch": "zimage", "fp8_compute": True, **settings})
@@ -134,10 +152,10 @@ def test_estimate_counts_the_fp8_weight_copies():
     plain = estimate("zimage", resolution=1024)
     with_fp8 = estimate("zimage", resolution=1024, fp8_compute=True)
     layers = linear_layers(get_dims("zimage")).values()
-    copies = 2 * sum(i * o for i, o in layers)   # both layouts of every Linear (fp8_products)
+    copies = 2 * sum(i * o for i, o in layers)  # both layouts of every Linear (fp8_products)
     assert with_fp8.weights - plain.weights == copies
     assert with_fp8.total - plain.total == copies
-    stored = estimate("zimage", resolution=1024, base_dtype="fp8")   # the stored weights serve: no copies
+    stored = estimate("zimage", resolution=1024, base_dtype="fp8")  # the stored weights serve: no copies
     assert estimate("zimage", resolution=1024, base_dtype="fp8", fp8_compute=True).total == stored.total
 
 
@@ -173,12 +191,13 @@ def test_a_base_stored_in_fp8_multiplies_its_own_weight_forward_and_bf16_backwar
     layer.forward = lambda x: nn.functional.linear(x, layer.weight.to(x.dtype), layer.bias.to(x.dtype))  # manual cast
     block = nn.Sequential(layer)
     fp8 = Fp8Base([block], torch.device("cpu"))
-    assert len(fp8.replaced) == 1 and fp8.bytes == 4 * 32          # the unit scales only: no weight copy
+    assert len(fp8.replaced) == 1 and fp8.bytes == 4 * 32  # the unit scales only: no weight copy
     x = torch.randn(6, 64, generator=gen, requires_grad=True)
     y = layer(x)
     x8, x_scale = quantize_rows(x)
-    expected = torch._scaled_mm(x8, layer.weight.t(), scale_a=x_scale, scale_b=torch.ones(1, 32),
-                                out_dtype=torch.bfloat16) + layer.bias.to(torch.bfloat16)
+    expected = torch._scaled_mm(
+        x8, layer.weight.t(), scale_a=x_scale, scale_b=torch.ones(1, 32), out_dtype=torch.bfloat16
+    ) + layer.bias.to(torch.bfloat16)
     assert torch.equal(y, expected)
     grad = torch.randn(6, 32, generator=gen)
     (dx,) = torch.autograd.grad(y, x, grad)
@@ -193,18 +212,20 @@ def test_a_base_stored_in_fp8_multiplies_in_fp8_backward_too_given_its_transpose
     layer = nn.Linear(64, 32, bias=False)
     layer.weight = nn.Parameter(torch.randn(32, 64, generator=gen).to(torch.float8_e4m3fn), requires_grad=False)
     fp8 = Fp8Base([nn.Sequential(layer)], torch.device("cpu"), stored_backward=True)
-    weight = layer.forward.__closure__ and next(c.cell_contents for c in layer.forward.__closure__
-                                                 if isinstance(c.cell_contents, Fp8Weight))
+    weight = layer.forward.__closure__ and next(
+        c.cell_contents for c in layer.forward.__closure__ if isinstance(c.cell_contents, Fp8Weight)
+    )
     assert torch.equal(weight.cols.float(), layer.weight.float().t()) and weight.cols.is_contiguous()
-    assert fp8.bytes == 64 * 32 + 4 * (32 + 64)                         # the copy (a byte each) and unit scales
+    assert fp8.bytes == 64 * 32 + 4 * (32 + 64)  # the copy (a byte each) and unit scales
     x = torch.randn(6, 64, generator=gen, requires_grad=True)
     grad = torch.randn(6, 32, generator=gen)
     (dx,) = torch.autograd.grad(layer(x), x, grad)
-    g8, g_scale = quantize_rows(grad.to(torch.bfloat16))   # the bf16 output's gradient, as autograd hands it
-    expected = torch._scaled_mm(g8, weight.cols.t(), scale_a=g_scale, scale_b=torch.ones(1, 64),
-                                out_dtype=torch.bfloat16).float()
+    g8, g_scale = quantize_rows(grad.to(torch.bfloat16))  # the bf16 output's gradient, as autograd hands it
+    expected = torch._scaled_mm(
+        g8, weight.cols.t(), scale_a=g_scale, scale_b=torch.ones(1, 64), out_dtype=torch.bfloat16
+    ).float()
     assert torch.equal(dx, expected)
-    assert _relative(dx, grad @ layer.weight.float()) < 0.05            # the gradient's own rounding only
+    assert _relative(dx, grad @ layer.weight.float()) < 0.05  # the gradient's own rounding only
     fp8.remove()
     assert "forward" not in layer.__dict__
 
@@ -218,7 +239,7 @@ def test_the_stored_backward_copy_is_made_only_where_it_costs_the_step_nothing()
 
     gib, gpu = levers.GIB, torch.device("cuda")
     model, auto = HeaderModel("flux2-klein-4b"), config.from_dict({"arch": "flux2_klein", "resolutions": [1024]})
-    on, why = levers.fp8_stored_backward(model, auto, gpu, int(3.6 * gib), (70 * gib, 80 * gib))   # Klein on an H100
+    on, why = levers.fp8_stored_backward(model, auto, gpu, int(3.6 * gib), (70 * gib, 80 * gib))  # Klein on an H100
     assert on and "its backward in fp8 too (a transposed copy of the stored weights, 3.6 GiB)" in why
     # a 24 GB card with 12 GiB free: budget 0.3 without the copy, 0 with it resident, so no copy
     without = levers.auto_budget(model, auto, gpu, (12 * gib, 24 * gib))[0]
@@ -227,9 +248,9 @@ def test_the_stored_backward_copy_is_made_only_where_it_costs_the_step_nothing()
     on, why = levers.fp8_stored_backward(model, auto, gpu, int(3.6 * gib), (12 * gib, 24 * gib))
     assert not on and "casts the stored weights to bf16 per use" in why
     fixed = config.from_dict({"arch": "flux2_klein", "resolutions": [1024], "checkpoint_budget": 0.0})
-    assert levers.fp8_stored_backward(model, fixed, gpu, int(3.6 * gib), (14 * gib, 24 * gib))[0]   # budget 0 fits
+    assert levers.fp8_stored_backward(model, fixed, gpu, int(3.6 * gib), (14 * gib, 24 * gib))[0]  # budget 0 fits
     assert not levers.fp8_stored_backward(model, fixed, gpu, int(3.6 * gib), (12 * gib, 24 * gib))[0]
-    assert not levers.fp8_stored_backward(model, auto, gpu, 60 * gib, (70 * gib, 80 * gib))[0]   # Dev-sized copy
+    assert not levers.fp8_stored_backward(model, auto, gpu, 60 * gib, (70 * gib, 80 * gib))[0]  # Dev-sized copy
     # so little free that even plain checkpointing does not fit (auto's 0): the copy would only add to it
     assert levers.auto_budget(model, auto, gpu, (int(8.4 * gib), 24 * gib))[0] == 0.0
     assert not levers.fp8_stored_backward(model, auto, gpu, gib // 8, (int(8.4 * gib), 24 * gib))[0]
@@ -254,21 +275,25 @@ def test_auto_turns_fp8_on_only_where_it_costs_nothing(monkeypatch):
 
     assert config.from_dict({}).fp8_compute == "auto"
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.setattr(fp8_module, "check_device", lambda device: None)   # an H100 as far as the check goes
+    monkeypatch.setattr(fp8_module, "check_device", lambda device: None)  # an H100 as far as the check goes
     auto = config.from_dict({"arch": "zimage"})
     assert levers.fp8_compute(_fp8_stored_model(), auto, gpu)[0] is True
-    assert levers.fp8_compute(nn.Sequential(nn.Linear(32, 32)), auto, gpu)[0] is False        # bf16 base
+    assert levers.fp8_compute(nn.Sequential(nn.Linear(32, 32)), auto, gpu)[0] is False  # bf16 base
     assert levers.fp8_compute(_fp8_stored_model(), auto, cpu)[0] is False
     assert levers.fp8_compute(_fp8_stored_model(), config.from_dict({"mixed_precision": "no"}), gpu)[0] is False
-    assert levers.fp8_compute(nn.Sequential(nn.Linear(32, 32)), config.from_dict({"fp8_compute": True}), cpu) == (True, "")
+    assert levers.fp8_compute(nn.Sequential(nn.Linear(32, 32)), config.from_dict({"fp8_compute": True}), cpu) == (
+        True,
+        "",
+    )
     assert levers.fp8_compute(_fp8_stored_model(), config.from_dict({"fp8_compute": False}), gpu) == (False, "")
 
     def no_fp8(device):
         raise ValueError("no per-row fp8 matmul")
-    monkeypatch.setattr(fp8_module, "check_device", no_fp8)   # an A100
+
+    monkeypatch.setattr(fp8_module, "check_device", no_fp8)  # an A100
     on, why = levers.fp8_compute(_fp8_stored_model(), auto, gpu)
     assert on is False and "no per-row fp8 matmul" in why
-    assert config.from_dict({"backend": "mlx", "arch": "zimage"}).fp8_compute == "auto"   # auto is fine on MLX
+    assert config.from_dict({"backend": "mlx", "arch": "zimage"}).fp8_compute == "auto"  # auto is fine on MLX
 
 
 def test_the_triton_quantization_kernel_is_an_arch_fact_probed_before_use(monkeypatch, caplog):
@@ -280,28 +305,31 @@ def test_the_triton_quantization_kernel_is_an_arch_fact_probed_before_use(monkey
     from trainer.backends.torch_backend import fp8, fp8_kernels
 
     assert {name: arch.fp8_quantize_kernel for name, arch in ARCHS.items() if arch.fp8_quantize_kernel} == {
-        name: ("linear2",) for name in ARCHS if name.startswith("flux2")}
+        name: ("linear2",) for name in ARCHS if name.startswith("flux2")
+    }
     assert ARCHS["zimage"].fp8_quantize_kernel == ()
     block = nn.Module()
     block.linear1, block.linear2 = nn.Linear(32, 64), nn.Linear(64, 32)
     on_cpu = Fp8Base([block], torch.device("cpu"), kernel=("linear2",))
-    assert not on_cpu.kernel and on_cpu.kernel_linears == []                 # CPU: the torch ops
+    assert not on_cpu.kernel and on_cpu.kernel_linears == []  # CPU: the torch ops
     on_cpu.remove()
     assert not fp8._kernel_works(torch.device("cpu"))
     monkeypatch.setattr(fp8_kernels, "AVAILABLE", True)
-    monkeypatch.setattr(fp8_kernels, "probe", lambda device, reference, widths=(): "its result differs from torch's at width 3000")
+    monkeypatch.setattr(
+        fp8_kernels, "probe", lambda device, reference, widths=(): "its result differs from torch's at width 3000"
+    )
     with caplog.at_level("WARNING", logger="kiln"):
         assert not fp8._kernel_works(torch.device("cuda"))
     assert "Triton quantization kernel is off (its result differs from torch's at width 3000)" in caplog.text
     monkeypatch.setattr(fp8_kernels, "probe", lambda device, reference, widths=(): None)
     assert fp8._kernel_works(torch.device("cuda"))
-    probed = []                                                             # as on a GPU where it works
+    probed = []  # as on a GPU where it works
     monkeypatch.setattr(fp8, "_kernel_works", lambda device, widths=(): probed.append(widths) or True)
     installed = Fp8Base([block], torch.device("cpu"), kernel=("linear2",))
     assert installed.mode == "on+kernel" and installed.kernel_linears == [block.linear2]
-    assert probed == [(64,)]                        # probed at the width it will quantize: linear2's input
+    assert probed == [(64,)]  # probed at the width it will quantize: linear2's input
     installed.remove()
-    unnamed = Fp8Base([block], torch.device("cpu"), kernel=("proj",))      # no Linear of that name: no probe
+    unnamed = Fp8Base([block], torch.device("cpu"), kernel=("proj",))  # no Linear of that name: no probe
     assert unnamed.kernel_linears == [] and len(probed) == 1
     unnamed.remove()
 
@@ -329,23 +357,24 @@ def test_a_weight_marked_for_the_kernel_quantizes_its_forward_input_with_it_and_
     plain = Fp8Weight(base)
     marked = Fp8Weight(base)
     marked.kernel = True
-    calls.clear()                                                           # (the weights' own quantization)
+    calls.clear()  # (the weights' own quantization)
     y_plain, y_marked = fp8_linear(x, plain, None), fp8_linear(x, marked, None)
     assert torch.equal(y_plain, y_marked)
     grad = torch.randn(4, 16, generator=gen)
     assert torch.equal(*(torch.autograd.grad(y, x, grad)[0] for y in (y_plain, y_marked)))
-    assert calls == [False, True, False, False]                             # forward, forward, backward, backward
+    assert calls == [False, True, False, False]  # forward, forward, backward, backward
     q0, s0 = fp8.quantize_rows_torch(x.detach())
     q1, s1 = real(x.detach(), kernel=True)
     assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
 
 
 @pytest.mark.parametrize("resolutions, used", [([1024], True), ([1024, 1536], True), ([512, 768, 1024], False)])
-def test_the_kernel_linears_are_taken_only_where_every_bucket_is_1024_px_or_more(monkeypatch, make_config,
-                                                                                  resolutions, used):
+def test_the_kernel_linears_are_taken_only_where_every_bucket_is_1024_px_or_more(
+    monkeypatch, make_config, resolutions, used
+):
     from trainer.backends.torch_backend import fp8, levers
 
-    monkeypatch.setattr(fp8, "_kernel_works", lambda device, widths=(): True)   # as on a GPU where it works
+    monkeypatch.setattr(fp8, "_kernel_works", lambda device, widths=(): True)  # as on a GPU where it works
     block = nn.Module()
     block.linear1, block.linear2 = nn.Linear(32, 64), nn.Linear(64, 32)
     model = nn.Sequential(block)

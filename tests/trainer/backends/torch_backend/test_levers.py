@@ -1,6 +1,7 @@
 """Speed levers of the PyTorch backend (bench/RESULTS.md): partial checkpointing and compiled blocks
 must give the gradients of the plain model; compiled blocks run under torch.compile's "aot_eager"
 backend here (the same dynamo and autograd graphs as inductor, no C++/Triton build on CI)."""
+
 from __future__ import annotations
 
 import os
@@ -32,21 +33,25 @@ def test_skip_keeps_the_last_blocks_out_of_checkpointing():
     assert checkpointing.checkpointed(5, True, 2) == [True, True, True, False, False]
     assert checkpointing.checkpointed(3, True, 0) == [True, True, True]
     assert checkpointing.checkpointed(3, True, 99) == [False, False, False]
-    assert checkpointing.checkpointed(3, False, 0) == [False, False, False]   # checkpointing off: skip moot
+    assert checkpointing.checkpointed(3, False, 0) == [False, False, False]  # checkpointing off: skip moot
 
 
-@pytest.mark.parametrize("settings", [
-    dict(gradient_checkpointing=True, skip_checkpoint_blocks=1),
-    dict(gradient_checkpointing=True, compile_blocks=True),
-    dict(gradient_checkpointing=True, compile_blocks=True, skip_checkpoint_blocks=1),
-], ids=["skip", "compile", "compile+skip"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(gradient_checkpointing=True, skip_checkpoint_blocks=1),
+        dict(gradient_checkpointing=True, compile_blocks=True),
+        dict(gradient_checkpointing=True, compile_blocks=True, skip_checkpoint_blocks=1),
+    ],
+    ids=["skip", "compile", "compile+skip"],
+)
 def test_levers_give_the_plain_gradients(make_model, make_config, eager_compile, settings):
     reference = gradients(make_model, make_config, gradient_checkpointing=False)
     got = gradients(make_model, make_config, **settings)
     assert torch.count_nonzero(reference) > 0.5 * reference.numel()
     torch.testing.assert_close(got, reference, atol=1e-6, rtol=1e-5)
     if settings.get("compile_blocks"):
-        assert counters["stats"]["unique_graphs"] >= 1   # it really ran compiled
+        assert counters["stats"]["unique_graphs"] >= 1  # it really ran compiled
 
 
 def test_compiled_checkpointed_blocks_may_write_into_their_inputs(eager_compile):
@@ -58,7 +63,7 @@ def test_compiled_checkpointed_blocks_may_write_into_their_inputs(eager_compile)
         net(x).square().sum().backward()
         grads.append(torch.cat([p.grad.flatten() for _, p in lora.named_parameters()]))
         hooks.remove()
-        assert "forward" not in net.blocks[0].__dict__   # removal gives the class forward back
+        assert "forward" not in net.blocks[0].__dict__  # removal gives the class forward back
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
 
 
@@ -73,8 +78,9 @@ class PureNet(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("recompute, budget", [(False, 0.0), (True, 0.0), (True, 0.5)],
-                         ids=["keeps-activations", "checkpointed", "budget"])
+@pytest.mark.parametrize(
+    "recompute, budget", [(False, 0.0), (True, 0.0), (True, 0.5)], ids=["keeps-activations", "checkpointed", "budget"]
+)
 def test_blocks_that_write_into_their_inputs_compile_with_the_eager_gradients(eager_compile, recompute, budget):
     """Flux2's blocks do `x += ...`. Compiled whole as they are (keeping their activations, or under a
     budget), such blocks gave NaNs on an H100; compiled with their inputs copied inside the compiled
@@ -84,13 +90,15 @@ def test_blocks_that_write_into_their_inputs_compile_with_the_eager_gradients(ea
     net(x).square().sum().backward()
     reference = torch.cat([p.grad.flatten() for _, p in lora.named_parameters()])
     net, lora = inplace_net_with_lora()
-    hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=recompute, compile=True,
-                                             pure_blocks=False, budget=budget)
+    hooks = checkpointing.BlockCheckpointing(
+        net, ("blocks",), recompute=recompute, compile=True, pure_blocks=False, budget=budget
+    )
     before = x.clone()
     net(x).square().sum().backward()
     hooks.remove()
-    torch.testing.assert_close(torch.cat([p.grad.flatten() for _, p in lora.named_parameters()]), reference,
-                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.cat([p.grad.flatten() for _, p in lora.named_parameters()]), reference, atol=1e-6, rtol=1e-5
+    )
     assert torch.equal(x, before) and counters["stats"]["unique_graphs"] > 0
 
 
@@ -99,7 +107,9 @@ def test_the_pure_copy_is_inside_the_compiled_block(eager_compile, monkeypatch):
     and a pure block gets none."""
     seen = []
     real = checkpointing._compiled
-    monkeypatch.setattr(checkpointing, "_compiled", lambda fn, key, *graphs: seen.append(fn.__name__) or real(fn, key, *graphs))
+    monkeypatch.setattr(
+        checkpointing, "_compiled", lambda fn, key, *graphs: seen.append(fn.__name__) or real(fn, key, *graphs)
+    )
     for pure in (False, True):
         net, _ = inplace_net_with_lora()
         checkpointing.BlockCheckpointing(net, ("blocks",), recompute=False, compile=True, pure_blocks=pure).remove()
@@ -119,10 +129,11 @@ def test_estimate_counts_the_blocks_that_keep_their_activations():
     totals = [estimate("zimage", resolution=1024, skip_checkpoint_blocks=n).total for n in (0, 1, 7)]
     assert totals[0] == base.total and totals[0] < totals[1] < totals[2]
     per_block = totals[1] - totals[0]
-    assert totals[2] - totals[0] == 7 * per_block          # the last blocks are alike (Z-Image's layers)
+    assert totals[2] - totals[0] == 7 * per_block  # the last blocks are alike (Z-Image's layers)
     off = estimate("zimage", resolution=1024, gradient_checkpointing=False).total
     assert totals[2] < off
     from trainer.estimate.torch_step import advice
+
     first = advice(estimate("zimage", resolution=1024, skip_checkpoint_blocks=7).settings)[0]
     assert first[1] == {"skip_checkpoint_blocks": 0}
 
@@ -130,6 +141,7 @@ def test_estimate_counts_the_blocks_that_keep_their_activations():
 def test_a_failed_compile_says_to_turn_compile_blocks_off(make_model, make_config, monkeypatch):
     def broken_backend(graph, example_inputs):
         raise OSError("no C++ compiler")
+
     monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", broken_backend)
     torch._dynamo.reset()
     backend = TorchBackend()
@@ -148,9 +160,18 @@ class MlpNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
-                                                               torch.nn.Linear(64, 64), torch.nn.SiLU(),
-                                                               torch.nn.Linear(64, 16)) for _ in range(2)])
+        self.blocks = torch.nn.ModuleList(
+            [
+                torch.nn.Sequential(
+                    torch.nn.Linear(16, 64),
+                    torch.nn.GELU(),
+                    torch.nn.Linear(64, 64),
+                    torch.nn.SiLU(),
+                    torch.nn.Linear(64, 16),
+                )
+                for _ in range(2)
+            ]
+        )
 
     def forward(self, x):
         for block in self.blocks:
@@ -158,7 +179,7 @@ class MlpNet(torch.nn.Module):
         return x
 
 
-_SAVED: list[list[int]] = [[]]   # where the recording backend appends: the current run's list
+_SAVED: list[list[int]] = [[]]  # where the recording backend appends: the current run's list
 
 
 def _record_partition(joint, inputs, *, num_fwd_outputs, **kwargs):
@@ -166,8 +187,13 @@ def _record_partition(joint, inputs, *, num_fwd_outputs, **kwargs):
 
     forward, backward = min_cut_rematerialization_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
     outputs = next(n for n in forward.graph.nodes if n.op == "output").args[0][num_fwd_outputs:]
-    _SAVED[0].append(sum(o.meta["val"].numel() * o.meta["val"].element_size() for o in outputs
-                         if hasattr(o, "meta") and torch.is_tensor(o.meta.get("val"))))
+    _SAVED[0].append(
+        sum(
+            o.meta["val"].numel() * o.meta["val"].element_size()
+            for o in outputs
+            if hasattr(o, "meta") and torch.is_tensor(o.meta.get("val"))
+        )
+    )
     return forward, backward
 
 
@@ -178,8 +204,9 @@ def _recording_backend():
     from torch._dynamo.backends.debugging import boxed_nop
 
     if not hasattr(_recording_backend, "backend"):
-        _recording_backend.backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
-                                                  partition_fn=_record_partition)
+        _recording_backend.backend = aot_autograd(
+            fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=_record_partition
+        )
     return _recording_backend.backend
 
 
@@ -199,8 +226,14 @@ def _budget_run(budget: float | None, saved: list[int], reset: bool = True, net:
     if reset:
         torch._dynamo.reset()
     try:
-        hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=budget is not None,
-                                                 compile=budget is not None, pure_blocks=True, budget=budget or 0.0)
+        hooks = checkpointing.BlockCheckpointing(
+            net,
+            ("blocks",),
+            recompute=budget is not None,
+            compile=budget is not None,
+            pure_blocks=True,
+            budget=budget or 0.0,
+        )
         net(torch.randn(64, 16)).square().sum().backward()
         hooks.remove()
     finally:
@@ -217,7 +250,7 @@ def test_checkpoint_budget_keeps_more_activations_and_the_same_gradients():
     torch.testing.assert_close(small, reference, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(large, reference, atol=1e-5, rtol=1e-4)
     assert saved_small and saved_large
-    assert max(saved_small) < max(saved_large)   # the budget reached the partitioner
+    assert max(saved_small) < max(saved_large)  # the budget reached the partitioner
 
 
 def test_a_run_with_other_settings_on_the_same_model_compiles_anew(eager_compile):
@@ -230,7 +263,7 @@ def test_a_run_with_other_settings_on_the_same_model_compiles_anew(eager_compile
     _budget_run(1.0, second, reset=False, net=net)
     _budget_run(1.0, again, reset=False, net=net)
     assert first and second and max(first) < max(second)
-    assert again == []                        # same settings: the compiled graphs are found, no compile
+    assert again == []  # same settings: the compiled graphs are found, no compile
 
 
 def test_checkpoint_budget_is_refused_where_it_cannot_work():
@@ -238,7 +271,7 @@ def test_checkpoint_budget_is_refused_where_it_cannot_work():
         checkpointing.BlockCheckpointing(MlpNet(), ("blocks",), compile=False, pure_blocks=True, budget=0.5)
     zimage = {"arch": "zimage", "compile_blocks": True, "checkpoint_budget": 0.4}
     assert config_module.from_dict(zimage).checkpoint_budget == 0.4
-    assert config_module.from_dict({**zimage, "arch": "flux2_klein"}).checkpoint_budget == 0.4   # Flux2 too
+    assert config_module.from_dict({**zimage, "arch": "flux2_klein"}).checkpoint_budget == 0.4  # Flux2 too
     for change in ({"compile_blocks": False}, {"gradient_checkpointing": False}):
         with pytest.raises(config_module.ConfigError, match="checkpoint_budget 0.4 needs"):
             config_module.from_dict({**zimage, **change})
@@ -246,9 +279,10 @@ def test_checkpoint_budget_is_refused_where_it_cannot_work():
 
 def test_estimate_counts_the_checkpoint_budget_against_the_measured_peaks():
     from trainer.estimate.torch_step import advice
-    measured = {0.0: 15.25, 0.3: 19.38, 0.5: 22.05, 0.8: 26.33}   # GiB, H100, Z-Image 1024 px (RESULTS.md)
+
+    measured = {0.0: 15.25, 0.3: 19.38, 0.5: 22.05, 0.8: 26.33}  # GiB, H100, Z-Image 1024 px (RESULTS.md)
     totals = {b: estimate("zimage", resolution=1024, checkpoint_budget=b).total / 2**30 for b in measured}
-    assert all(measured[b] <= totals[b] <= 1.15 * measured[b] for b in measured)   # never below the peak
+    assert all(measured[b] <= totals[b] <= 1.15 * measured[b] for b in measured)  # never below the peak
     assert totals[0.0] < totals[0.3] < totals[0.5] < totals[0.8]
     assert totals[0.8] < estimate("zimage", resolution=1024, gradient_checkpointing=False).total / 2**30
     first = advice(estimate("zimage", resolution=1024, checkpoint_budget=0.3).settings)[0]
@@ -257,50 +291,61 @@ def test_estimate_counts_the_checkpoint_budget_against_the_measured_peaks():
 
 # ---------------------------------------------------------------- the defaults: compile_blocks and budget "auto"
 
+
 def test_auto_is_the_default_and_old_booleans_still_load():
     cfg = config_module.from_dict({})
     assert cfg.compile_blocks == "auto" and cfg.checkpoint_budget == "auto"
-    old = config_module.from_dict({"compile_blocks": False, "checkpoint_budget": 0.0})   # a run.json of 0.1
+    old = config_module.from_dict({"compile_blocks": False, "checkpoint_budget": 0.0})  # a run.json of 0.1
     assert old.compile_blocks is False and old.checkpoint_budget == 0.0
     for bad in ({"compile_blocks": "yes"}, {"checkpoint_budget": "max"}):
         with pytest.raises(config_module.ConfigError, match='or "auto"'):
             config_module.from_dict(bad)
-    assert config_module.from_dict({"backend": "mlx"}).compile_blocks == "auto"   # auto is fine on MLX
+    assert config_module.from_dict({"backend": "mlx"}).compile_blocks == "auto"  # auto is fine on MLX
 
 
 def test_auto_compiles_only_where_it_pays():
     cpu = levers.decide(torch.nn.Linear(2, 2), config_module.from_dict({}), torch.device("cpu"))
     assert cpu == levers.Levers(False, 0.0, cpu.note)
     assert "compile_blocks auto → off (cpu)" in cpu.note and "checkpoint_budget auto → 0" in cpu.note
-    explicit = levers.decide(torch.nn.Linear(2, 2), config_module.from_dict(
-        {"compile_blocks": True, "checkpoint_budget": 0.3}), torch.device("cpu"))
-    assert explicit == levers.Levers(True, 0.3, "")   # explicit values are taken as they are
+    explicit = levers.decide(
+        torch.nn.Linear(2, 2),
+        config_module.from_dict({"compile_blocks": True, "checkpoint_budget": 0.3}),
+        torch.device("cpu"),
+    )
+    assert explicit == levers.Levers(True, 0.3, "")  # explicit values are taken as they are
 
 
 def test_auto_leaves_blocks_that_write_into_a_norms_input_uncompiled_outside_bf16_autocast(monkeypatch):
     """Flux2's blocks (`x += ...` after `norm(x)`) trace only under bf16 autocast on CUDA; in fp32 on an H100
     the attempt failed at the first step (12 s lost), so auto does not try. Pure blocks compile in fp32."""
-    monkeypatch.setattr(levers, "can_compile", lambda device: True)   # a CUDA GPU with Triton
+    monkeypatch.setattr(levers, "can_compile", lambda device: True)  # a CUDA GPU with Triton
 
     def decided(arch: str, precision: str, compile_blocks="auto") -> levers.Levers:
-        cfg = config_module.from_dict({"arch": arch, "mixed_precision": precision, "checkpoint_budget": 0.0,
-                                       "compile_blocks": compile_blocks})
-        return levers.decide(torch.nn.Linear(2, 2), cfg, torch.device("cuda"),
-                             blocks_write_norm_inputs=get_arch(arch).blocks_write_norm_inputs)
+        cfg = config_module.from_dict(
+            {"arch": arch, "mixed_precision": precision, "checkpoint_budget": 0.0, "compile_blocks": compile_blocks}
+        )
+        return levers.decide(
+            torch.nn.Linear(2, 2),
+            cfg,
+            torch.device("cuda"),
+            blocks_write_norm_inputs=get_arch(arch).blocks_write_norm_inputs,
+        )
 
     assert decided("flux2_klein", "bf16").compile and decided("flux2_dev", "bf16").compile
     for arch in ("flux2_klein", "flux2_dev"):
         fp32 = decided(arch, "no")
         assert not fp32.compile and "compile_blocks auto → off (this model's blocks write into" in fp32.note
     assert decided("zimage", "no").compile and not get_arch("generic").blocks_write_norm_inputs
-    assert decided("flux2_klein", "no", compile_blocks=True).compile   # explicit: tried (its error names the fix)
+    assert decided("flux2_klein", "no", compile_blocks=True).compile  # explicit: tried (its error names the fix)
 
 
 @pytest.mark.parametrize("variant, arch", [("zimage", "zimage"), ("flux2-klein-4b", "flux2_klein")])
 def test_auto_budget_is_the_largest_that_leaves_the_margin(variant, arch):
     model, cfg = HeaderModel(variant), config_module.from_dict({"arch": arch, "resolutions": [512, 1024]})
-    need = {b: (lambda e: e.total - e.weights)(estimate(variant, resolution=1024, checkpoint_budget=b))
-            for b in (0.0, *AUTO_BUDGETS)}
+    need = {
+        b: (lambda e: e.total - e.weights)(estimate(variant, resolution=1024, checkpoint_budget=b))
+        for b in (0.0, *AUTO_BUDGETS)
+    }
     gib = levers.GIB
     chosen = []
     for free in (2, 8, 12, 16, 24, 40, 79):
@@ -310,20 +355,25 @@ def test_auto_budget_is_the_largest_that_leaves_the_margin(variant, arch):
         larger = [b for b in AUTO_BUDGETS if b > budget]
         assert all(AUTO_SAFETY * need[b] > free * gib - margin for b in larger), (free, budget)
         chosen.append(budget)
-    assert chosen == sorted(chosen) and chosen[0] == 0.0 and chosen[-1] == 1.0   # more memory, more kept
+    assert chosen == sorted(chosen) and chosen[0] == 0.0 and chosen[-1] == 1.0  # more memory, more kept
     assert levers.auto_budget(torch.nn.Linear(4, 4), cfg, torch.device("cuda"), (79 * gib, 80 * gib)) == (
-        0.0, "0 (no memory estimate for this model)")
+        0.0,
+        "0 (no memory estimate for this model)",
+    )
 
 
 def test_a_zimage_step_on_a_small_card_gets_a_small_budget():
     """Weights resident, 12 GiB free of 24: plain checkpointing needs ~4.2 GiB more and budget 0.1 ~5.7
     (each counted 1.25x); with the 4 GiB margin the largest that fits is 0.1, and with 10 GiB free none."""
     cfg = config_module.from_dict({"arch": "zimage", "resolutions": [1024]})
-    budget, why = levers.auto_budget(HeaderModel("zimage"), cfg, torch.device("cuda"),
-                                     (12 * levers.GIB, 24 * levers.GIB))
+    budget, why = levers.auto_budget(
+        HeaderModel("zimage"), cfg, torch.device("cuda"), (12 * levers.GIB, 24 * levers.GIB)
+    )
     assert budget == 0.1 and "12.0 GiB free" in why
-    assert levers.auto_budget(HeaderModel("zimage"), cfg, torch.device("cuda"),
-                              (10 * levers.GIB, 24 * levers.GIB))[0] == 0.0
+    assert (
+        levers.auto_budget(HeaderModel("zimage"), cfg, torch.device("cuda"), (10 * levers.GIB, 24 * levers.GIB))[0]
+        == 0.0
+    )
 
 
 def test_free_memory_is_counted_under_a_per_process_cap(monkeypatch):
@@ -336,13 +386,14 @@ def test_free_memory_is_counted_under_a_per_process_cap(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
     def fraction_of(share):
-        def fraction(device):   # torch 2.11 refuses a device without an index ("cuda"), as Kiln's may be
+        def fraction(device):  # torch 2.11 refuses a device without an index ("cuda"), as Kiln's may be
             assert isinstance(device, int)
             return share
+
         return fraction
 
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction_of(1.0), raising=False)
-    assert levers.free_bytes(torch.device("cuda")) == (72 * gib, 80 * gib)   # the reserved-but-unused 2 GiB count
+    assert levers.free_bytes(torch.device("cuda")) == (72 * gib, 80 * gib)  # the reserved-but-unused 2 GiB count
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction_of(0.3), raising=False)
     free, total = levers.free_bytes(torch.device("cuda"))
     assert total == int(0.3 * 80 * gib) and free == total - 12 * gib
@@ -360,7 +411,7 @@ def test_compiled_blocks_are_cached_where_a_reboot_keeps_them(tmp_path, monkeypa
     assert checkpointing.keep_compiled(environ) == str(tmp_path / "cache" / "kiln" / "torch_compile")
     assert environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "kiln" / "torch_compile")
     assert (tmp_path / "cache" / "kiln" / "torch_compile").is_dir()
-    relative = checkpointing.compile_cache_folder({"XDG_CACHE_HOME": "cache"})   # the XDG spec: ignored
+    relative = checkpointing.compile_cache_folder({"XDG_CACHE_HOME": "cache"})  # the XDG spec: ignored
     assert relative.is_absolute() and relative.parts[-3:] == (".cache", "kiln", "torch_compile")
     mine = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": "/fast/disk"}
     assert checkpointing.keep_compiled(mine) is None and mine["TORCHINDUCTOR_CACHE_DIR"] == "/fast/disk"
@@ -370,19 +421,25 @@ def test_compiled_blocks_are_cached_where_a_reboot_keeps_them(tmp_path, monkeypa
     # importing torch._dynamo writes inductor's default into the variable (ComfyUI's process has): not a choice
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
-    defaulted = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": default_cache_dir(),
-                 "TRITON_CACHE_DIR": os.path.join(default_cache_dir(), "triton", "0")}   # inductor wrote both
-    assert checkpointing.keep_compiled(defaulted) == defaulted["TORCHINDUCTOR_CACHE_DIR"] == \
-        str(tmp_path / "cache" / "kiln" / "torch_compile")
+    defaulted = {
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "TORCHINDUCTOR_CACHE_DIR": default_cache_dir(),
+        "TRITON_CACHE_DIR": os.path.join(default_cache_dir(), "triton", "0"),
+    }  # inductor wrote both
+    assert (
+        checkpointing.keep_compiled(defaulted)
+        == defaulted["TORCHINDUCTOR_CACHE_DIR"]
+        == str(tmp_path / "cache" / "kiln" / "torch_compile")
+    )
     assert defaulted["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "kiln" / "torch_compile" / "triton")
     own_triton = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TRITON_CACHE_DIR": "/fast/triton"}
     checkpointing.keep_compiled(own_triton)
-    assert own_triton["TRITON_CACHE_DIR"] == "/fast/triton"    # the user's own stays
+    assert own_triton["TRITON_CACHE_DIR"] == "/fast/triton"  # the user's own stays
     # inductor reads the variable at each use, so setting it once torch is imported is enough
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
     assert checkpointing.keep_compiled() == cache_dir() == str(tmp_path / "home" / "kiln" / "torch_compile")
-    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")      # nothing of inductor's to keep
+    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")  # nothing of inductor's to keep
     assert checkpointing.keep_compiled({"XDG_CACHE_HOME": str(tmp_path / "other")}) is None
 
 
@@ -399,6 +456,7 @@ def test_compiled_blocks_set_up_their_cache_and_uncompiled_ones_do_not(monkeypat
 def test_a_failed_compile_under_auto_trains_on_uncompiled(make_model, make_config, monkeypatch, caplog):
     """compile_blocks auto where the compile fails (here: a compiler that raises, as inductor does without
     a C++ compiler or Triton): one warning, the same step's gradients as an eager run, no lost run."""
+
     def broken(gm, example_inputs):
         raise OSError("no C++ compiler")
 
@@ -408,8 +466,11 @@ def test_a_failed_compile_under_auto_trains_on_uncompiled(make_model, make_confi
     torch._dynamo.reset()
     caplog.set_level("WARNING", logger="kiln")
     backend = TorchBackend()
-    backend.setup(make_model(), make_config(gradient_checkpointing=True, compile_blocks="auto",
-                                            checkpoint_budget=0.0), get_arch("demo"))
+    backend.setup(
+        make_model(),
+        make_config(gradient_checkpointing=True, compile_blocks="auto", checkpoint_budget=0.0),
+        get_arch("demo"),
+    )
     assert backend.levers.compile
     backend.optimizer.step = lambda: None
     backend.optimizer.zero_grad = lambda set_to_none=True: None
@@ -426,17 +487,22 @@ def test_a_failed_compile_under_auto_trains_on_uncompiled(make_model, make_confi
     torch.testing.assert_close(got, reference, atol=1e-6, rtol=1e-5)
 
 
-def test_an_auto_budget_that_runs_out_of_memory_goes_on_at_budget_0(make_model, make_config, monkeypatch, caplog,
-                                                                      eager_compile):
+def test_an_auto_budget_that_runs_out_of_memory_goes_on_at_budget_0(
+    make_model, make_config, monkeypatch, caplog, eager_compile
+):
     """checkpoint_budget auto chose too much (Flux2 Dev on an fp8 base did on an H100): the step that ran
     out of memory is redone with plain checkpointing, with one warning, and gives the eager gradients."""
     reference = gradients(make_model, make_config, gradient_checkpointing=True, compile_blocks=False)
-    monkeypatch.setattr(levers, "decide",
-                        lambda model, cfg, device, notes=(), **arch_facts: levers.Levers(True, 0.5, "auto"))
+    monkeypatch.setattr(
+        levers, "decide", lambda model, cfg, device, notes=(), **arch_facts: levers.Levers(True, 0.5, "auto")
+    )
     caplog.set_level("WARNING", logger="kiln")
     backend = TorchBackend()
-    backend.setup(make_model(), make_config(gradient_checkpointing=True, compile_blocks=True,
-                                            checkpoint_budget="auto"), get_arch("demo"))
+    backend.setup(
+        make_model(),
+        make_config(gradient_checkpointing=True, compile_blocks=True, checkpoint_budget="auto"),
+        get_arch("demo"),
+    )
     real_forward, failed = backend.forward, []
 
     def forward(*args, **kwargs):
@@ -460,11 +526,15 @@ def test_an_auto_budget_that_runs_out_of_memory_goes_on_at_budget_0(make_model, 
     torch.testing.assert_close(got, reference, atol=1e-6, rtol=1e-5)
 
 
-def test_an_explicit_budget_that_runs_out_of_memory_stops_as_before(make_model, make_config, monkeypatch,
-                                                                     eager_compile):
+def test_an_explicit_budget_that_runs_out_of_memory_stops_as_before(
+    make_model, make_config, monkeypatch, eager_compile
+):
     backend = TorchBackend()
-    backend.setup(make_model(), make_config(gradient_checkpointing=True, compile_blocks=True, checkpoint_budget=0.5),
-                  get_arch("demo"))
+    backend.setup(
+        make_model(),
+        make_config(gradient_checkpointing=True, compile_blocks=True, checkpoint_budget=0.5),
+        get_arch("demo"),
+    )
 
     def forward(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
@@ -481,11 +551,12 @@ def test_cuda_graphs_compile_the_blocks_in_reduce_overhead_mode(monkeypatch):
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
     for graphs in (False, True):
-        ckpt = checkpointing.BlockCheckpointing(MlpNet(), ("blocks",), compile=True, pure_blocks=True,
-                                                budget=0.5, cuda_graphs=graphs)
+        ckpt = checkpointing.BlockCheckpointing(
+            MlpNet(), ("blocks",), compile=True, pure_blocks=True, budget=0.5, cuda_graphs=graphs
+        )
         ckpt.remove()
-    assert {kw["mode"] for kw in seen[:len(seen) // 2]} == {None}
-    assert {kw["mode"] for kw in seen[len(seen) // 2:]} == {"reduce-overhead"}
+    assert {kw["mode"] for kw in seen[: len(seen) // 2]} == {None}
+    assert {kw["mode"] for kw in seen[len(seen) // 2 :]} == {"reduce-overhead"}
     cpu = levers.decide(torch.nn.Linear(2, 2), config_module.from_dict({"cuda_graphs": True}), torch.device("cpu"))
     assert cpu.cuda_graphs is False and "cuda_graphs → off" in cpu.note
     with pytest.raises(config_module.ConfigError, match="cuda_graphs replays compiled blocks"):
@@ -517,7 +588,7 @@ class TwoStreamBlock(torch.nn.Module):
 
     def forward(self, img, txt, pe):
         scale = pe.sum(dim=(-1, -2))[:, 0, :, None]
-        return self.img(img) * scale[:, :img.shape[1]], self.txt(txt) * scale[:, img.shape[1]:]
+        return self.img(img) * scale[:, : img.shape[1]], self.txt(txt) * scale[:, img.shape[1] :]
 
 
 class TwoStreamNet(torch.nn.Module):
@@ -558,7 +629,7 @@ def test_a_second_bucket_compiles_nothing_new(eager_compile, monkeypatch, mark):
     torch.manual_seed(2)
     inputs = [(torch.randn(1, tokens, 8), torch.randn(1, 4, 8)) for tokens in (6, 10, 13)]
     grads, graphs = _two_stream_gradients(inputs, compile=True)
-    assert graphs[0] >= 1 and graphs[2] == graphs[1]          # dynamic after the second count either way
+    assert graphs[0] >= 1 and graphs[2] == graphs[1]  # dynamic after the second count either way
     assert (graphs[1] == graphs[0]) is mark
     eager, _ = _two_stream_gradients(inputs, compile=False)
     for got, want in zip(grads, eager):
@@ -573,8 +644,8 @@ def test_only_the_token_dim_of_a_table_is_marked():
     mask = torch.zeros(1, 1, 64, 64, dtype=torch.bool)
     checkpointing._mark_token_dims([x, rope, mod, mask])
     assert x._dynamo_weak_dynamic_indices == {1} and rope._dynamo_weak_dynamic_indices == {1}
-    assert mask._dynamo_weak_dynamic_indices == {2, 3}                 # a token × token mask: both
-    assert not hasattr(mod, "_dynamo_weak_dynamic_indices")            # [B, 1, D]: no token dim
+    assert mask._dynamo_weak_dynamic_indices == {2, 3}  # a token × token mask: both
+    assert not hasattr(mod, "_dynamo_weak_dynamic_indices")  # [B, 1, D]: no token dim
 
 
 class NormThenAddBlock(torch.nn.Module):
@@ -598,7 +669,10 @@ def test_a_block_that_writes_into_what_a_norm_kept_fails_to_compile_with_the_fix
     net.forward = lambda x: net.blocks[1](net.blocks[0](x))
     net, _ = with_lora(net, ["lin"])
     hooks = checkpointing.BlockCheckpointing(net, ("blocks",), recompute=True, compile=True, budget=1.0)
-    with pytest.raises(CompileFailed, match="mixed_precision to bf16") as caught, checkpointing.compile_errors_explained():
+    with (
+        pytest.raises(CompileFailed, match="mixed_precision to bf16") as caught,
+        checkpointing.compile_errors_explained(),
+    ):
         net(torch.randn(1, 3, 8)).sum().backward()
     hooks.remove()
     assert "modified by an inplace operation" in str(caught.value) and "C++ compiler" not in str(caught.value)

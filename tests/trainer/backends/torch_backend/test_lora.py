@@ -1,4 +1,5 @@
 """LoRA injection on torch Linear layers: side branch, init, removal, target errors."""
+
 from __future__ import annotations
 
 import contextlib
@@ -57,9 +58,9 @@ def _randomise_B(lora: LoraSet):
 
 
 def test_pattern_kinds():
-    assert matches("blocks.0.attn.qkv", "blocks.0.attn.qkv")          # exact
-    assert matches("blocks.0.attn.qkv", "attn.qkv")                   # dotted suffix
-    assert not matches("blocks.0.xattn.qkv", "attn.qkv")              # suffix respects dots
+    assert matches("blocks.0.attn.qkv", "blocks.0.attn.qkv")  # exact
+    assert matches("blocks.0.attn.qkv", "attn.qkv")  # dotted suffix
+    assert not matches("blocks.0.xattn.qkv", "attn.qkv")  # suffix respects dots
     assert matches("blocks.10.attn.qkv", r"re:blocks\.1\d\.attn\.qkv")  # regex, full match
     assert not matches("blocks.1.attn.qkv", r"re:blocks\.1\d\.attn\.qkv")
 
@@ -81,8 +82,8 @@ def test_step_zero_equals_base_model_and_subclass_forward_runs():
     before = net(x)
     CastLinear.calls = 0
     LoraSet(net, ["attn.qkv", "attn.proj", "mlp.0", "mlp.2"], rank=4, alpha=8, dropout=0.0, seed=1)
-    assert torch.equal(net(x), before)            # B = 0: bit-identical output
-    assert CastLinear.calls == 2                   # the subclass's own forward still runs
+    assert torch.equal(net(x), before)  # B = 0: bit-identical output
+    assert CastLinear.calls == 2  # the subclass's own forward still runs
 
 
 def test_lora_adds_scaled_low_rank_branch():
@@ -120,7 +121,7 @@ def test_remove_leaves_model_exactly_as_before():
     before_keys = list(net.state_dict())
     lora = LoraSet(net, ["attn.qkv", "mlp.0"], rank=2, alpha=2, dropout=0.1, seed=0)
     _randomise_B(lora)
-    assert list(net.state_dict()) == before_keys       # LoRA never shows up in the model's state_dict
+    assert list(net.state_dict()) == before_keys  # LoRA never shows up in the model's state_dict
     lora.remove()
     assert all("forward" not in m.__dict__ for m in net.modules())
     assert torch.equal(net(x), before_out)
@@ -134,7 +135,7 @@ def test_dropout_acts_on_branch_only():
     base = F.linear(x, layer.weight, layer.bias)
     branch.train()
     a, b = layer(x), layer(x)
-    assert not torch.equal(a, b)                       # dropout is live in training
+    assert not torch.equal(a, b)  # dropout is live in training
     branch.eval()
     assert torch.allclose(layer(x) - base, (x @ branch.lora_A.T @ branch.lora_B.T), atol=1e-6)
 
@@ -143,6 +144,7 @@ def test_linear_layers_include_modules_that_compute_a_linear_without_being_one()
     """ComfyUI's mixed-precision Linear (its quantized fp8 checkpoints load into it) is a plain nn.Module
     with in_features, out_features and a 2-D weight: a LoRA target like nn.Linear. A module whose sizes do
     not match its weight, or whose weight is not 2-D, is not."""
+
     class LinearLike(torch.nn.Module):
         def __init__(self, fan_in, out, shape=None):
             super().__init__()
@@ -159,7 +161,7 @@ def test_linear_layers_include_modules_that_compute_a_linear_without_being_one()
     lora = LoraSet(model, ["like"], rank=2, alpha=2.0, dropout=0.0, seed=0)
     x = torch.randn(2, 4)
     base = torch.nn.functional.linear(x, model.like.weight)
-    assert torch.equal(model.like(x), base)                      # B = 0: step 0 is the base
+    assert torch.equal(model.like(x), base)  # B = 0: step 0 is the base
     lora.branches()["like"].lora_B.data.fill_(0.1)
     assert not torch.allclose(model.like(x), base)
     lora.remove()
@@ -169,30 +171,32 @@ def test_linear_layers_include_modules_that_compute_a_linear_without_being_one()
 def _grads_under_autocast(net, lora, x, *, step_weights: bool):
     for p in dict(lora.named_parameters()).values():
         p.grad = None
-    with (lora.step_weights(torch.bfloat16) if step_weights else contextlib.nullcontext()):
+    with lora.step_weights(torch.bfloat16) if step_weights else contextlib.nullcontext():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = net(x)
         out.float().square().mean().backward()
     return out.detach(), {name: p.grad for name, p in lora.named_parameters()}
 
 
-@pytest.mark.parametrize("alpha", [4, 12])    # scale 1 (the default alpha = rank) and 3
+@pytest.mark.parametrize("alpha", [4, 12])  # scale 1 (the default alpha = rank) and 3
 def test_step_weights_train_as_the_per_use_cast_does(alpha):
     net, x = Net(), torch.randn(3, 5, 8)
     lora = LoraSet(net, ["attn.qkv", "attn.proj", "mlp.0", "mlp.2"], rank=4, alpha=alpha, dropout=0.0, seed=1)
     _randomise_B(lora)
     out_use, grads_use = _grads_under_autocast(net, lora, x, step_weights=False)
     out_step, grads_step = _grads_under_autocast(net, lora, x, step_weights=True)
-    if alpha == 4:   # scale 1: the same casts of the same masters, the same products
+    if alpha == 4:  # scale 1: the same casts of the same masters, the same products
         assert torch.equal(out_step, out_use)
         assert all(torch.equal(grads_step[k], grads_use[k]) for k in grads_use)
-    else:            # the scale folded into A before the cast: bf16 rounding apart
+    else:  # the scale folded into A before the cast: bf16 rounding apart
         assert torch.allclose(out_step.float(), out_use.float(), rtol=2e-2, atol=2e-2)
-        for key, grad in grads_use.items():   # bf16 products: a relative error of a few parts in 1,000
+        for key, grad in grads_use.items():  # bf16 products: a relative error of a few parts in 1,000
             assert (grads_step[key] - grad).norm() <= 2e-2 * grad.norm(), key
-    assert all(g.dtype == torch.float32 and g.shape == p.shape
-               for (_, p), g in zip(lora.named_parameters(), grads_step.values()))
-    assert all(branch.step_weights is None for branch in lora.branches().values())   # gone after the block
+    assert all(
+        g.dtype == torch.float32 and g.shape == p.shape
+        for (_, p), g in zip(lora.named_parameters(), grads_step.values())
+    )
+    assert all(branch.step_weights is None for branch in lora.branches().values())  # gone after the block
 
 
 def test_step_weights_are_the_compute_dtype_within_the_block_only():
@@ -202,10 +206,10 @@ def test_step_weights_are_the_compute_dtype_within_the_block_only():
     with lora.step_weights(torch.bfloat16):
         A, B = branch.step_weights
         assert A.dtype == B.dtype == torch.bfloat16 and A.shape == branch.lora_A.shape
-        assert torch.equal(A, (branch.lora_A * 2).to(torch.bfloat16))      # scale alpha/rank = 2 folded in
+        assert torch.equal(A, (branch.lora_A * 2).to(torch.bfloat16))  # scale alpha/rank = 2 folded in
         assert A.data_ptr() != B.data_ptr() and A.grad_fn is not None
     assert branch.step_weights is None
-    with pytest.raises(RuntimeError), lora.step_weights(torch.bfloat16):   # cleared on errors too
+    with pytest.raises(RuntimeError), lora.step_weights(torch.bfloat16):  # cleared on errors too
         raise RuntimeError("boom")
     assert branch.step_weights is None
 
@@ -215,7 +219,7 @@ def test_compiled_block_with_step_weights_compiles_once_and_matches_eager():
 
     torch._dynamo.reset()
     net, x = Net(), torch.randn(3, 5, 8)
-    for block in net.blocks:   # CastLinear counts calls in a global, which a compiled block guards on
+    for block in net.blocks:  # CastLinear counts calls in a global, which a compiled block guards on
         block.attn.qkv.__class__ = nn.Linear
     lora = LoraSet(net, ["attn.qkv", "attn.proj", "mlp.0", "mlp.2"], rank=4, alpha=4, dropout=0.0, seed=1)
     _randomise_B(lora)
@@ -226,8 +230,8 @@ def test_compiled_block_with_step_weights_compiles_once_and_matches_eager():
     torch._dynamo.utils.counters.clear()
     try:
         _grads_under_autocast(net, lora, x, step_weights=True)
-        first = torch._dynamo.utils.counters["stats"]["unique_graphs"]   # 2: block 0's input has no grad
-        for _ in range(2):   # new step weights each time: new tensors, the same guards
+        first = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # 2: block 0's input has no grad
+        for _ in range(2):  # new step weights each time: new tensors, the same guards
             _, grads = _grads_under_autocast(net, lora, x, step_weights=True)
     finally:
         net.blocks = nn.ModuleList(originals)

@@ -1,5 +1,6 @@
 """Caption Images' library side with a fake engine: which images get a .txt, .bak for overwritten captions,
 trigger words, styles, resume after a crash or a stop, and bad files skipped and reported."""
+
 from __future__ import annotations
 
 import json
@@ -57,7 +58,7 @@ def test_writes_a_caption_only_where_there_is_none(tmp_path):
     image(tmp_path, "a.png")
     image(tmp_path, "b.png", caption="my own words")
     image(tmp_path, "10_set/c.jpg", size=(64, 96))
-    image(tmp_path, "d.png", caption="  \n")                # empty: counts as none, replaced without a .bak
+    image(tmp_path, "d.png", caption="  \n")  # empty: counts as none, replaced without a .bak
     engine = Engine()
     report = caption_folder(tmp_path, engine, CaptionJob(trigger_word="zkw"))
     assert sorted(report.written) == ["10_set/c.txt", "a.txt", "d.txt"]
@@ -80,14 +81,17 @@ def test_overwrite_keeps_every_old_caption_as_bak(tmp_path):
     assert second.backups == ["a.txt.2.bak"]
     assert txt(tmp_path, "a.txt.bak") == "hand written" and txt(tmp_path, "a.txt.2.bak") == "first words\n"
     assert not (tmp_path / JOURNAL).exists()
-    assert plan(tmp_path, CaptionJob())[1].problems == []   # the scan does not flag the .bak files
+    assert plan(tmp_path, CaptionJob())[1].problems == []  # the scan does not flag the .bak files
 
 
-@pytest.mark.parametrize("answer, expected", [
-    ("A photo of zkw on a beach.", "A photo of zkw on a beach."),     # already there: not added again
-    ("a photo of a dog", "zkw, a photo of a dog"),
-    ('Caption: "a dog\n on grass"', "zkw, a dog on grass"),
-])
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        ("A photo of zkw on a beach.", "A photo of zkw on a beach."),  # already there: not added again
+        ("a photo of a dog", "zkw, a photo of a dog"),
+        ('Caption: "a dog\n on grass"', "zkw, a dog on grass"),
+    ],
+)
 def test_trigger_word_inserted_once(tmp_path, answer, expected):
     image(tmp_path, "a.png")
     caption_folder(tmp_path, Engine(lambda _: answer), CaptionJob(trigger_word="zkw"))
@@ -109,7 +113,7 @@ def test_a_crash_mid_batch_leaves_whole_captions_and_a_rerun_continues(tmp_path)
         image(tmp_path, f"{name}.png")
     with pytest.raises(RuntimeError, match="out of memory") as crash:
         caption_folder(tmp_path, Engine(fail_on=2), CaptionJob())
-    if sys.version_info >= (3, 11):     # add_note: the error says which image and that a re-run continues
+    if sys.version_info >= (3, 11):  # add_note: the error says which image and that a re-run continues
         assert any("while captioning c.png" in note for note in crash.value.__notes__)
     assert sorted(p.name for p in tmp_path.glob("*.txt")) == ["a.txt", "b.txt"] and leftovers(tmp_path) == []
     engine = Engine()
@@ -169,8 +173,13 @@ def test_bad_files_are_skipped_and_reported(tmp_path):
     report = caption_folder(tmp_path, engine, CaptionJob())
     assert report.written == ["good.txt"] and len(engine.calls) == 1
     codes = {p.file: p.code for p in report.problems}
-    assert codes == {"empty.png": "zero_byte", "notes.jpg": "not_an_image", "tiny.png": "too_small",
-                     "cut.jpg": "truncated", "good copy.png": "duplicate"}
+    assert codes == {
+        "empty.png": "zero_byte",
+        "notes.jpg": "not_an_image",
+        "tiny.png": "too_small",
+        "cut.jpg": "truncated",
+        "good copy.png": "duplicate",
+    }
     assert all(p.severity == "skipped" and p.fix for p in report.problems)
     assert "5 file(s) not captioned" in report.text() and "[truncated] cut.jpg" in report.text()
 

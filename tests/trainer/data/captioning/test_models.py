@@ -1,5 +1,6 @@
 """The transformers captioner on a tiny random Florence-2 (tests/conftest.py): `python -m trainer caption`,
 model folders found and refused with a fix, a killed run leaves whole captions and resumes."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ from trainer.data.captioning.models import (
 )
 
 ROOT = Path(__file__).resolve().parents[4]
-pytest.importorskip("transformers", reason="the transformers captioner's tests need transformers "
-                    "(pip install -e '.[test]')")
+pytest.importorskip(
+    "transformers", reason="the transformers captioner's tests need transformers (pip install -e '.[test]')"
+)
 
 
 def dataset(root: Path, names="abc") -> Path:
@@ -56,7 +58,7 @@ def test_cli_captions_a_folder_with_florence(tiny_florence, tmp_path, capsys):
     assert (root / "b.txt").read_text(encoding="utf-8") == "mine"
     picture = Image.open(root / "a.png").convert("RGB")
     expected = re.sub(r"\s+", " ", direct_caption(tiny_florence, picture, "<CAPTION>")).strip()
-    assert re.fullmatch(r"[a-z ]+", expected)      # the tiny model writes letters: a real caption to compare
+    assert re.fullmatch(r"[a-z ]+", expected)  # the tiny model writes letters: a real caption to compare
     assert (root / "a.txt").read_text(encoding="utf-8") == f"zkw, {expected}\n"
     assert (root / "c.txt").read_text(encoding="utf-8").startswith("zkw, ")
 
@@ -66,7 +68,7 @@ def test_florence_tasks_by_style(tiny_florence):
     detailed = transformers_captioner(tiny_florence, style="detailed", max_tokens=8)
     assert "<MORE_DETAILED_CAPTION>" in detailed.note
     assert detailed(picture, "Describe it.") == direct_caption(tiny_florence, picture, "<MORE_DETAILED_CAPTION>")
-    assert detailed(picture, "<OCR>") == direct_caption(tiny_florence, picture, "<OCR>")   # a task token is kept
+    assert detailed(picture, "<OCR>") == direct_caption(tiny_florence, picture, "<OCR>")  # a task token is kept
     with pytest.raises(ValueError, match="Florence-2 writes sentences, not tags"):
         transformers_captioner(tiny_florence, style="tags")
 
@@ -80,8 +82,9 @@ def test_model_folders_are_listed_and_bad_ones_refused(tiny_florence, tmp_path):
 
     remote = tmp_path / "remote"
     remote.mkdir()
-    (remote / "config.json").write_text(json.dumps({"model_type": "my_florence", "auto_map": {
-        "AutoConfig": "configuration_florence2.Florence2Config"}}))
+    (remote / "config.json").write_text(
+        json.dumps({"model_type": "my_florence", "auto_map": {"AutoConfig": "configuration_florence2.Florence2Config"}})
+    )
     with pytest.raises(ValueError, match="ships its own model code"):
         transformers_captioner(remote)
 
@@ -106,9 +109,18 @@ def test_without_transformers_the_error_says_how_to_install(monkeypatch, tmp_pat
 
 def test_a_killed_run_leaves_whole_captions_and_resumes(tiny_florence, tmp_path):
     root = dataset(tmp_path / "set", names="abcd")
-    command = [sys.executable, "-m", "trainer", "caption", str(root), "--model", str(tiny_florence),
-               "--max-tokens", "6"]
-    env = {**os.environ, "KILN_FAULT": f"write:{root / 'c.txt'}"}     # SIGKILL with c.txt's bytes not yet renamed
+    command = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "caption",
+        str(root),
+        "--model",
+        str(tiny_florence),
+        "--max-tokens",
+        "6",
+    ]
+    env = {**os.environ, "KILN_FAULT": f"write:{root / 'c.txt'}"}  # SIGKILL with c.txt's bytes not yet renamed
     killed = subprocess.run(command, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode != 0
     assert sorted(p.name for p in root.glob("*.txt")) == ["a.txt", "b.txt"]

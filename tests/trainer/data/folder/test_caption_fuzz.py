@@ -1,6 +1,7 @@
 """Fuzzing captions and file names: text in any encoding (UTF-8, with BOM, UTF-16, Windows-1252) or
 random bytes, under random Unicode file names. Nothing escapes as an exception, every file is an item
 or named in a problem that says the fix, and a caption that is valid text comes back as written."""
+
 from __future__ import annotations
 
 import codecs
@@ -21,11 +22,15 @@ PNG = _buffer.getvalue()
 
 # File names as people make them: spaces, accents, CJK, emoji, dots, dashes; never '/', NUL or a dot first.
 name_chars = st.characters(codec="utf-8", exclude_characters="/\\\x00", exclude_categories=("Cs", "Cc"))
-stems = st.text(name_chars, min_size=1, max_size=24).filter(lambda s: not s.startswith(".") and s.strip() == s
-                                                            and len(s.encode()) < 200)
+stems = st.text(name_chars, min_size=1, max_size=24).filter(
+    lambda s: not s.startswith(".") and s.strip() == s and len(s.encode()) < 200
+)
 printable = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=40)
-ENCODINGS = {"utf-8": lambda t: t.encode(), "utf-8-sig": lambda t: codecs.BOM_UTF8 + t.encode(),
-             "utf-16": lambda t: t.encode("utf-16")}
+ENCODINGS = {
+    "utf-8": lambda t: t.encode(),
+    "utf-8-sig": lambda t: codecs.BOM_UTF8 + t.encode(),
+    "utf-16": lambda t: t.encode("utf-16"),
+}
 
 
 @st.composite
@@ -42,8 +47,11 @@ def captions(draw) -> tuple[bytes, str | None]:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(stems, st.tuples(st.sampled_from([".png", ".PNG"]), st.one_of(st.none(), captions())),
-                       min_size=1, max_size=5))
+@given(
+    st.dictionaries(
+        stems, st.tuples(st.sampled_from([".png", ".PNG"]), st.one_of(st.none(), captions())), min_size=1, max_size=5
+    )
+)
 def test_captions_and_names_of_any_kind(files):
     with tempfile.TemporaryDirectory() as folder:
         root, written, expected = Path(folder), set(), {}

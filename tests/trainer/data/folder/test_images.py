@@ -1,4 +1,5 @@
 """Image probing and decoding: every mode to 8-bit RGB, EXIF orientation, and every failure as an ImageProblem."""
+
 from __future__ import annotations
 
 import struct
@@ -27,11 +28,17 @@ def pattern(width: int = 12, height: int = 8) -> np.ndarray:
 
 def png_header(width: int, height: int) -> bytes:
     """A PNG that declares width×height but holds almost no data: a huge size without a huge allocation."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
 def save_with_orientation(path: Path, pixels: np.ndarray, orientation: int, **options) -> None:
@@ -58,7 +65,7 @@ def test_every_exif_orientation_matches_pillow(tmp_path, orientation):
 def test_exif_rotated_jpeg(tmp_path):
     """Orientation 6: stored 40 wide × 20 high, shown 20 wide × 40 high, turned 90° clockwise."""
     stored = np.zeros((20, 40, 3), np.uint8)
-    stored[:, :20] = (255, 0, 0)          # left half red, right half blue
+    stored[:, :20] = (255, 0, 0)  # left half red, right half blue
     stored[:, 20:] = (0, 0, 255)
     path = tmp_path / "rotated.jpg"
     save_with_orientation(path, stored, 6, quality=95)
@@ -68,13 +75,13 @@ def test_exif_rotated_jpeg(tmp_path):
     pixels = load_rgb(path)
     assert pixels.shape == (40, 20, 3)
     top, bottom = pixels[5, 10].astype(int), pixels[35, 10].astype(int)
-    assert top[0] > 200 and top[2] < 60          # the left (red) half is now on top
+    assert top[0] > 200 and top[2] < 60  # the left (red) half is now on top
     assert bottom[2] > 200 and bottom[0] < 60
 
 
 def test_cmyk_jpeg(tmp_path):
     path = tmp_path / "cmyk.jpg"
-    Image.new("CMYK", (16, 12), (0, 255, 255, 0)).save(path)     # pure red in CMYK
+    Image.new("CMYK", (16, 12), (0, 255, 255, 0)).save(path)  # pure red in CMYK
     info = probe(path)
     assert info.mode == "CMYK" and info.conversions == ("CMYK → RGB",)
     pixels = load_rgb(path)
@@ -95,7 +102,7 @@ def test_palette_png_with_transparency_lands_on_white(tmp_path):
     path = tmp_path / "palette.png"
     image = Image.new("P", (8, 8), 1)
     image.putpalette([0, 0, 0, 200, 10, 10] + [0] * 762)
-    image.paste(0, (0, 0, 4, 8))                      # left half uses index 0: transparent
+    image.paste(0, (0, 0, 4, 8))  # left half uses index 0: transparent
     image.save(path, transparency=0)
     info = probe(path)
     assert info.mode == "P" and "transparency composited on white" in info.conversions[0]
@@ -103,13 +110,16 @@ def test_palette_png_with_transparency_lands_on_white(tmp_path):
     assert (pixels[:, :4] == 255).all() and tuple(pixels[0, 6]) == (200, 10, 10)
 
 
-@pytest.mark.parametrize("mode, value, expected", [
-    ("LA", (100, 0), (255, 255, 255)),               # fully transparent grey: white
-    ("LA", (100, 255), (100, 100, 100)),             # opaque grey
-    ("RGBA", (10, 20, 30, 255), (10, 20, 30)),
-    ("L", 77, (77, 77, 77)),
-    ("1", 1, (255, 255, 255)),
-])
+@pytest.mark.parametrize(
+    "mode, value, expected",
+    [
+        ("LA", (100, 0), (255, 255, 255)),  # fully transparent grey: white
+        ("LA", (100, 255), (100, 100, 100)),  # opaque grey
+        ("RGBA", (10, 20, 30, 255), (10, 20, 30)),
+        ("L", 77, (77, 77, 77)),
+        ("1", 1, (255, 255, 255)),
+    ],
+)
 def test_modes_convert_to_rgb(tmp_path, mode, value, expected):
     path = tmp_path / f"{mode}.png"
     Image.new(mode, (8, 8), value).save(path)
@@ -132,13 +142,16 @@ def test_arrays_are_writable(tmp_path):
     assert load_rgb(path).flags.writeable
 
 
-@pytest.mark.parametrize("content, code", [
-    (b"", "zero_byte"),
-    (b"hello, I am a caption\n", "not_an_image"),
-    (b"GIF89a" + bytes(40), "unsupported_format"),
-    (b"\x00\x00\x00\x18ftypheic" + bytes(40), "unsupported_format"),
-    (b"\x89PNG\r\n\x1a\n" + bytes(40), "decode_failed"),
-])
+@pytest.mark.parametrize(
+    "content, code",
+    [
+        (b"", "zero_byte"),
+        (b"hello, I am a caption\n", "not_an_image"),
+        (b"GIF89a" + bytes(40), "unsupported_format"),
+        (b"\x00\x00\x00\x18ftypheic" + bytes(40), "unsupported_format"),
+        (b"\x89PNG\r\n\x1a\n" + bytes(40), "decode_failed"),
+    ],
+)
 def test_unopenable_files(tmp_path, content, code):
     path = tmp_path / "x.jpg"
     path.write_bytes(content)
@@ -152,7 +165,7 @@ def test_truncated_jpeg_probes_but_does_not_decode(tmp_path):
     noisy = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
     Image.fromarray(noisy).save(path, quality=95)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    assert probe(path).width == 64                     # the header is intact
+    assert probe(path).width == 64  # the header is intact
     for decode in (verify, load_rgb):
         with pytest.raises(ImageProblem) as caught:
             decode(path)
@@ -165,7 +178,7 @@ def test_huge_images_are_refused_before_decoding(tmp_path, size):
     path = tmp_path / "huge.png"
     path.write_bytes(png_header(*size))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")               # a PIL DecompressionBombWarning must not escape either
+        warnings.simplefilter("error")  # a PIL DecompressionBombWarning must not escape either
         for read in (probe, load_rgb):
             with pytest.raises(ImageProblem) as caught:
                 read(path)

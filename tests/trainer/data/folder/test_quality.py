@@ -1,4 +1,5 @@
 """The quality pass: near-duplicates, blur, long captions, verdict lines (trainer/data/folder/quality.py)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,8 +19,10 @@ def photo(seed: int, size=(640, 480)) -> Image.Image:
     draw = ImageDraw.Draw(image)
     for _ in range(40):
         x, y = int(rng.integers(0, size[0])), int(rng.integers(0, size[1]))
-        draw.ellipse([x, y, x + int(rng.integers(10, 200)), y + int(rng.integers(10, 200))],
-                     fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+        draw.ellipse(
+            [x, y, x + int(rng.integers(10, 200)), y + int(rng.integers(10, 200))],
+            fill=tuple(int(v) for v in rng.integers(0, 255, 3)),
+        )
     grain = rng.normal(0, 6, (size[1], size[0], 3))
     return Image.fromarray(np.clip(np.asarray(image) + grain, 0, 255).astype(np.uint8))
 
@@ -30,7 +33,7 @@ def test_dhash_reference_values():
     assert quality.dhash(rising) == 2**64 - 1
     assert quality.dhash(rising[:, ::-1]) == 0
     rows = rising.copy()
-    rows[1::2] = rows[1::2, ::-1]          # even rows rise, odd rows fall: bytes ff 00 ff 00 ...
+    rows[1::2] = rows[1::2, ::-1]  # even rows rise, odd rows fall: bytes ff 00 ff 00 ...
     assert quality.dhash(rows) == 0xFF00FF00FF00FF00
 
 
@@ -82,13 +85,16 @@ def test_long_captions_flagged_with_each_arch_limit(tmp_path):
     photo(1).save(tmp_path / "short.png")
     (tmp_path / "short.txt").write_text("a red bicycle against a brick wall")
     photo(2).save(tmp_path / "long.png")
-    (tmp_path / "long.txt").write_text("word " * 420)          # ~483 tokens: over Flux2 Dev's 470 only
+    (tmp_path / "long.txt").write_text("word " * 420)  # ~483 tokens: over Flux2 Dev's 470 only
     photo(3).save(tmp_path / "longer.png")
-    (tmp_path / "longer.txt").write_text("word " * 1000)       # over every family's
+    (tmp_path / "longer.txt").write_text("word " * 1000)  # over every family's
     assert quality.estimate_tokens("word " * 420) == 483
     report = scan(tmp_path)
-    long = {p.file: p for p in quality.assess(report, limits=quality.token_limits(ARCHS.values()))
-            if p.code == "caption_long"}
+    long = {
+        p.file: p
+        for p in quality.assess(report, limits=quality.token_limits(ARCHS.values()))
+        if p.code == "caption_long"
+    }
     assert sorted(long) == ["long.txt", "longer.txt"]
     assert "flux2_dev's 470" in long["long.txt"].message and "flux2_klein" not in long["long.txt"].message
     assert "qwen_image's 1024" in long["longer.txt"].message

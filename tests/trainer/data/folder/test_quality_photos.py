@@ -1,6 +1,7 @@
 """The quality pass's thresholds on real photos (tests/fixtures/photos/, see its README for their licences):
 sharp photos pass, a blurred copy is flagged, a resized and re-encoded copy is a near-duplicate, and two
 different photos are not (the synthetic images of test_quality.py cannot show that the thresholds suit photos)."""
+
 from __future__ import annotations
 
 import itertools
@@ -33,7 +34,8 @@ def test_a_sharp_photo_passes_and_its_blurred_copy_is_flagged(photo, tmp_path):
 def test_a_resized_reencoded_copy_is_a_near_duplicate(photo, tmp_path):
     with Image.open(photo) as image:
         image.resize((image.width * 3 // 4, image.height * 3 // 4), Image.Resampling.LANCZOS).save(
-            tmp_path / "copy.jpg", quality=60)
+            tmp_path / "copy.jpg", quality=60
+        )
     a, b = (np.asarray([quality.measure(p).dhash], np.uint64) for p in (photo, tmp_path / "copy.jpg"))
     assert quality.hamming(a, b)[0, 0] <= quality.NEAR_DUPLICATE_BITS // 2
 
@@ -62,4 +64,6 @@ def test_a_dataset_of_the_photos_with_a_blurred_and_a_copied_one(tmp_path):
     verdicts = {v["path"]: v for v in quality.verdicts(report)}
     assert "copy of coffee.jpg" in " ".join(verdicts["cup_small.jpg"]["messages"])
     assert "near_duplicate" not in verdicts["coffee.jpg"]["problems"]
-    assert verdicts["coffee.jpg"]["note"] == "near-duplicate of cup_small.jpg; this one is the sharpest, the one to keep"
+    assert (
+        verdicts["coffee.jpg"]["note"] == "near-duplicate of cup_small.jpg; this one is the sharpest, the one to keep"
+    )

@@ -1,4 +1,5 @@
 """The dataset scanner: every bad file is named with a code and a fix, nothing crashes, good files are Items."""
+
 from __future__ import annotations
 
 import json
@@ -50,12 +51,17 @@ def test_clean_nested_folder_with_repeats(tmp_path):
     image(tmp_path, "a.jpg")
     image(tmp_path, "10_char/x.png")
     image(tmp_path, "10_char/deeper/y.webp")
-    image(tmp_path, "3_b/5_c/z.png")                   # the nearest N_ folder wins
-    image(tmp_path, ".kiln_cache/latent.png")          # hidden folders are not scanned
+    image(tmp_path, "3_b/5_c/z.png")  # the nearest N_ folder wins
+    image(tmp_path, ".kiln_cache/latent.png")  # hidden folders are not scanned
     report = scan(tmp_path)
     assert report.ok and report.problems == []
-    assert [i.path for i in report.items] == ["10_char/deeper/y.webp", "10_char/x.png", "3_b/5_c/z.png",
-                                              "a.jpg", "b.png"]
+    assert [i.path for i in report.items] == [
+        "10_char/deeper/y.webp",
+        "10_char/x.png",
+        "3_b/5_c/z.png",
+        "a.jpg",
+        "b.png",
+    ]
     assert [i.repeats for i in report.items] == [10, 10, 5, 1, 1]
     item = items(report)["a.jpg"]
     assert (item.width, item.height, item.caption, item.caption_file) == (96, 80, "a photo", "a.txt")
@@ -83,13 +89,21 @@ def test_every_bad_file_is_named(tmp_path):
     report = scan(tmp_path, resolutions=[256])
     assert report.ok and list(items(report)) == ["good.png", "small.png"]
     assert codes(report, "skipped") == {
-        "tiny.png": "too_small", "empty.png": "zero_byte", "notes.jpg": "not_an_image",
-        "anim.gif": "unsupported_format", "phone.heic": "unsupported_format", "gif_inside.jpg": "unsupported_format",
-        "wide.png": "too_large"}
+        "tiny.png": "too_small",
+        "empty.png": "zero_byte",
+        "notes.jpg": "not_an_image",
+        "anim.gif": "unsupported_format",
+        "phone.heic": "unsupported_format",
+        "gif_inside.jpg": "unsupported_format",
+        "wide.png": "too_large",
+    }
     assert codes(report, "warning") == {"small.png": "below_resolution", "lonely.txt": "caption_orphan"}
     # The caption of a skipped image is named too; caches and OS files are not worth a word.
-    assert codes(report, "note") == {"clip.mp4": "ignored_file", "tiny.txt": "caption_unused",
-                                     "sub/dataset.json": "dataset_json_nested"}
+    assert codes(report, "note") == {
+        "clip.mp4": "ignored_file",
+        "tiny.txt": "caption_unused",
+        "sub/dataset.json": "dataset_json_nested",
+    }
     assert all(p.message and p.fix for p in report.problems)
     assert "GIF" in next(p.message for p in report.problems if p.file == "gif_inside.jpg")
     assert codes(scan(tmp_path, resolutions=[128]), "warning") == {"lonely.txt": "caption_orphan"}
@@ -113,8 +127,13 @@ def test_conversions_are_notes(tmp_path):
     assert report.ok and not report.skipped and not report.warnings
     notes = {p.file: p for p in report.of("note")}
     assert {f: p.code for f, p in notes.items()} == {
-        "cmyk.jpg": "converted", "deep.png": "converted", "palette.png": "converted", "la.png": "converted",
-        "grey.png": "converted", "turned.jpg": "exif_rotated"}
+        "cmyk.jpg": "converted",
+        "deep.png": "converted",
+        "palette.png": "converted",
+        "la.png": "converted",
+        "grey.png": "converted",
+        "turned.jpg": "exif_rotated",
+    }
     assert "CMYK → RGB" in notes["cmyk.jpg"].message and "16-bit" in notes["deep.png"].message
     assert "white" in notes["palette.png"].message and "white" in notes["la.png"].message
     turned = items(report)["turned.jpg"]
@@ -148,7 +167,7 @@ def test_damage_inside_the_data_needs_the_deep_scan(tmp_path):
     path = image(tmp_path, "broken.png", size=(128, 128))
     data = bytearray(path.read_bytes())
     start = data.index(b"IDAT") + 300
-    data[start:start + 200] = bytes(200)
+    data[start : start + 200] = bytes(200)
     path.write_bytes(bytes(data))
     image(tmp_path, "good.png")
     assert list(items(scan(tmp_path))) == ["broken.png", "good.png"]
@@ -164,9 +183,9 @@ def test_mislabelled_jpeg_is_used_with_a_note(tmp_path):
 
 
 def test_captions(tmp_path):
-    image(tmp_path, "latin.png", caption=b"caf\xe9 au lait")               # Windows-1252
+    image(tmp_path, "latin.png", caption=b"caf\xe9 au lait")  # Windows-1252
     image(tmp_path, "bom.png", caption=b"\xef\xbb\xbfwith a BOM\n")
-    image(tmp_path, "utf16.png", caption="caf\u00e9".encode("utf-16"))            # with a BOM: read as is
+    image(tmp_path, "utf16.png", caption="caf\u00e9".encode("utf-16"))  # with a BOM: read as is
     image(tmp_path, "empty.png", caption="  \n")
     image(tmp_path, "binary.png", caption=b"\x00\x01\x02\xff\xfe")
     image(tmp_path, "none.png", caption=None)
@@ -179,8 +198,12 @@ def test_captions(tmp_path):
     assert found["empty.png"].caption == "" and found["none.png"].caption is None
     assert found["binary.png"].caption is None and found["binary.png"].caption_file == "binary.txt"
     assert found["Upper.png"].caption == "matched regardless of case"
-    assert codes(report) == {"latin.txt": "caption_not_utf8", "empty.txt": "caption_empty",
-                             "binary.txt": "caption_not_text", "none.png": "caption_missing"}
+    assert codes(report) == {
+        "latin.txt": "caption_not_utf8",
+        "empty.txt": "caption_empty",
+        "binary.txt": "caption_not_text",
+        "none.png": "caption_missing",
+    }
     latin = next(p for p in report.problems if p.code == "caption_not_utf8")
     assert "0xE9 at offset 3" in latin.message and "UTF-8" in latin.fix and latin.severity == "warning"
 
@@ -211,10 +234,15 @@ def test_a_duplicate_with_the_caption_is_kept_over_a_bare_first_copy(tmp_path):
     (tmp_path / "same copy.png").write_bytes((tmp_path / "same.png").read_bytes())
     (tmp_path / "same copy.txt").write_text("a tree")
     report = scan(tmp_path)
-    assert {path: item.caption for path, item in items(report).items()} == {"photo.png": "a red car",
-                                                                              "same.png": "a tree"}
-    assert codes(report) == {"photo copy.png": "duplicate", "same copy.png": "duplicate",
-                             "same copy.txt": "duplicate_caption"}
+    assert {path: item.caption for path, item in items(report).items()} == {
+        "photo.png": "a red car",
+        "same.png": "a tree",
+    }
+    assert codes(report) == {
+        "photo copy.png": "duplicate",
+        "same copy.png": "duplicate",
+        "same copy.txt": "duplicate_caption",
+    }
     duplicate = next(p for p in report.problems if p.file == "photo copy.png")
     assert duplicate.message == "a byte-identical copy of photo.png"
     assert "photo.png is used, with its caption photo.txt" in duplicate.fix
@@ -233,12 +261,15 @@ def test_the_dataset_keeps_the_copy_the_scan_keeps(tmp_path):
 
 
 def test_repeat_folder_names(tmp_path):
-    image(tmp_path, "2024_holiday/a.png")              # a date, not 2024 repeats
+    image(tmp_path, "2024_holiday/a.png")  # a date, not 2024 repeats
     image(tmp_path, "0_none/b.png")
     image(tmp_path, "007_bond/c.png")
     report = scan(tmp_path)
-    assert {i.path: i.repeats for i in report.items} == {"007_bond/c.png": 7, "0_none/b.png": 1,
-                                                          "2024_holiday/a.png": 1}
+    assert {i.path: i.repeats for i in report.items} == {
+        "007_bond/c.png": 7,
+        "0_none/b.png": 1,
+        "2024_holiday/a.png": 1,
+    }
     assert codes(report) == {"2024_holiday": "repeats_out_of_range", "0_none": "repeats_out_of_range"}
 
 
@@ -254,32 +285,41 @@ def test_symlink_loop_and_broken_link(tmp_path):
 
 def test_dataset_json(tmp_path):
     image(tmp_path, "a.png", size=(300, 300))
-    meta = {"name": "mine", "type": "character", "trigger_word": "ohwx", "resolutions": [256, 512], "repeats": 3,
-            "trigger": "typo"}
+    meta = {
+        "name": "mine",
+        "type": "character",
+        "trigger_word": "ohwx",
+        "resolutions": [256, 512],
+        "repeats": 3,
+        "trigger": "typo",
+    }
     (tmp_path / "dataset.json").write_text(json.dumps(meta))
     report = scan_with_defaults(tmp_path)
     assert report.ok and report.meta.trigger_word == "ohwx" and report.meta.resolutions == [256, 512]
-    assert items(report)["a.png"].repeats == 1          # dataset.json's repeats is applied by the dataset
+    assert items(report)["a.png"].repeats == 1  # dataset.json's repeats is applied by the dataset
     unknown = report.warnings[0]
     assert unknown.code == "dataset_json_unknown_key" and "did you mean 'trigger_word'" in unknown.message
-    assert "below_resolution" not in codes(report).values()       # dataset.json's resolutions: smallest 256
+    assert "below_resolution" not in codes(report).values()  # dataset.json's resolutions: smallest 256
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('{"name": "x",\n "type": "style"\n "repeats": 2}', "line 3"),
-    ('{"repeats": "ten"}', "'repeats'"),
-    ('{"resolutions": 512}', "'resolutions'"),
-    ('{"repeats": true}', "'repeats'"),
-    ('{"type": "charcter"}', "did you mean 'character'"),
-    ('["a list"]', "JSON object"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('{"name": "x",\n "type": "style"\n "repeats": 2}', "line 3"),
+        ('{"repeats": "ten"}', "'repeats'"),
+        ('{"resolutions": 512}', "'resolutions'"),
+        ('{"repeats": true}', "'repeats'"),
+        ('{"type": "charcter"}', "did you mean 'character'"),
+        ('["a list"]', "JSON object"),
+    ],
+)
 def test_bad_dataset_json_is_fatal(tmp_path, text, expected):
     image(tmp_path, "a.png")
     (tmp_path / "dataset.json").write_text(text)
     report = scan(tmp_path)
     assert not report.ok and len(report.fatal) == 1
     assert expected in report.fatal[0].message and report.fatal[0].file == "dataset.json" and report.fatal[0].fix
-    assert list(items(report)) == ["a.png"]             # the images are still checked
+    assert list(items(report)) == ["a.png"]  # the images are still checked
 
 
 def test_nothing_to_train(tmp_path):
@@ -320,7 +360,7 @@ def test_cli(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["ok"] and shown["deep"] and shown["usable"] == 2
     assert [(p["file"], p["code"]) for p in shown["warnings"]] == [("a.png", "below_resolution")]
-    assert main(["check-dataset", str(tmp_path), "--json"]) == 0      # default 512: both are below it
+    assert main(["check-dataset", str(tmp_path), "--json"]) == 0  # default 512: both are below it
     assert len(json.loads(capsys.readouterr().out)["warnings"]) == 2
     assert main(["check-dataset", str(tmp_path / "missing")]) == 1
     assert "root_missing" in capsys.readouterr().out
@@ -346,18 +386,25 @@ def test_check_dataset_shows_the_bucket_plan(tmp_path, capsys):
     assert "Buckets at 768 px (centre crop, sides multiples of 16): 1 image in 1 bucket" in text
     assert "    big.png 1200x800 → 936x624, crop 8 px x 0 px at (4, 0)" in text
     assert "no 768 px bucket (smaller than 768x768; it trains at a smaller resolution only): small/00.png" in text
-    plan = text.split("Per image")[0]                         # the bucket plan, before the per-image verdicts
-    assert "small/00.png 100x100" not in plan                  # 100 → 96 is a resize, no pixels cropped
+    plan = text.split("Per image")[0]  # the bucket plan, before the per-image verdicts
+    assert "small/00.png 100x100" not in plan  # 100 → 96 is a resize, no pixels cropped
     assert main(["check-dataset", str(tmp_path), "--resolutions", "512,768", "--json"]) == 0
     at_768 = json.loads(capsys.readouterr().out)["buckets"][1]
     assert at_768["resolution"] == 768 and at_768["images"] == 1 and len(at_768["smaller"]) == 10
-    assert at_768["buckets"] == [{"bucket": "928x624", "size": [928, 624], "images": [
-        {"path": "big.png", "size": [1200, 800], "resized": [936, 624], "offset": [4, 0], "cropped": [8, 0]}]}]
+    assert at_768["buckets"] == [
+        {
+            "bucket": "928x624",
+            "size": [928, 624],
+            "images": [
+                {"path": "big.png", "size": [1200, 800], "resized": [936, 624], "offset": [4, 0], "cropped": [8, 0]}
+            ],
+        }
+    ]
 
 
 def test_check_dataset_buckets_come_from_dataset_json_or_are_not_shown(tmp_path, capsys):
     image(tmp_path, "a.png", size=(300, 200))
-    image(tmp_path, "broken.png").write_bytes(b"")                 # not usable: no bucket
+    image(tmp_path, "broken.png").write_bytes(b"")  # not usable: no bucket
     assert main(["check-dataset", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "Buckets" not in text

@@ -1,5 +1,6 @@
 """Fuzzing the scanner: random bytes named as images and captions never escape as an exception,
 and every file comes back as an Item (image or caption) or named in a Problem."""
+
 from __future__ import annotations
 
 import io
@@ -35,7 +36,7 @@ def image_bytes(draw) -> bytes:
         return real[: draw(st.integers(0, len(real)))]
     if kind == "overwrite":
         start = draw(st.integers(0, len(real) - 1))
-        return real[:start] + draw(st.binary(min_size=1, max_size=64)) + real[start + 64:]
+        return real[:start] + draw(st.binary(min_size=1, max_size=64)) + real[start + 64 :]
     return real
 
 
@@ -63,7 +64,7 @@ def test_every_file_is_accounted_for(image_files, caption_files):
             assert not skipped & {item.path for item in report.items}
             assert report.ok == bool(report.items)
         fast, deep = ({item.path for item in report.items} for report in reports)
-        assert deep <= fast                  # the deep scan is the stricter one
+        assert deep <= fast  # the deep scan is the stricter one
 
 
 def _write(root: Path, rel: str, data: bytes) -> str:

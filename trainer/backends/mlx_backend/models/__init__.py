@@ -4,6 +4,7 @@ Each model family lives in its own module here with a `build(arch_name, weights,
 the arch names that module (`Arch.mlx_model`), and it is imported only when an arch of it is built.
 `weights` are ComfyUI diffusion-model keys without prefix (see weights.py).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -16,8 +17,9 @@ def builder(arch_name: str):
     module_name = get_arch(arch_name).mlx_model
     if not module_name:
         known = sorted(a.name for a in ARCHS.values() if a.mlx_model)
-        raise ValueError(f"no MLX model for arch {arch_name!r}; known: {', '.join(known)}; "
-                         "train it with backend 'torch'")
+        raise ValueError(
+            f"no MLX model for arch {arch_name!r}; known: {', '.join(known)}; train it with backend 'torch'"
+        )
     return importlib.import_module(f"{__name__}.{module_name}").build
 
 
@@ -51,8 +53,7 @@ def quantize_blocks(model, arch_name: str, bits: int):
     prefixes = tuple(f"{name}." for name in get_arch(arch_name).block_lists)
 
     def chosen(path: str, module) -> bool:
-        return (isinstance(module, nn.Linear) and path.startswith(prefixes)
-                and module.weight.shape[1] % GROUP_SIZE == 0)
+        return isinstance(module, nn.Linear) and path.startswith(prefixes) and module.weight.shape[1] % GROUP_SIZE == 0
 
     nn.quantize(model, group_size=GROUP_SIZE, bits=bits, class_predicate=chosen)
     mx.eval(model.parameters())

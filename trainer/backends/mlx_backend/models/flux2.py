@@ -13,6 +13,7 @@ Reference latents (edit training; ComfyUI's ReferenceLatent → `ref_latents`) a
 and appended after its tokens, reference i at RoPE index 10·i (Flux2's default_ref_method "index",
 ref_index_scale 10 in comfy/model_detection.py); only the target's tokens leave the model.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,16 +24,16 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-AXES_DIM = (32, 32, 32, 32)   # RoPE axes: (reference index, row, column, text token); sum = head dim
+AXES_DIM = (32, 32, 32, 32)  # RoPE axes: (reference index, row, column, text token); sum = head dim
 THETA = 2000
 HEAD_DIM = sum(AXES_DIM)
-TIME_DIM = 256                # sinusoidal features of timestep and guidance
-TIME_FACTOR = 1000.0          # both are multiplied by 1000 before the sinusoids (BFL's timestep_embedding)
+TIME_DIM = 256  # sinusoidal features of timestep and guidance
+TIME_FACTOR = 1000.0  # both are multiplied by 1000 before the sinusoids (BFL's timestep_embedding)
 LAYER_NORM_EPS = 1e-6
 # ComfyUI's QK RMSNorm is torch.nn.RMSNorm(eps=None): torch then uses float32's epsilon, also for bf16 input.
 RMS_NORM_EPS = float(np.finfo(np.float32).eps)
 ARCHS = ("flux2_klein", "flux2_dev")
-REF_INDEX_SCALE = 10.0        # reference i (from 1) sits at RoPE index i·10 (ComfyUI's method "index")
+REF_INDEX_SCALE = 10.0  # reference i (from 1) sits at RoPE index i·10 (ComfyUI's method "index")
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,10 @@ class Flux2Config:
     out_channels: int
     hidden: int
     context_dim: int
-    mlp_hidden: int           # int(hidden * mlp_ratio); ComfyUI's detection fixes the ratio at 3.0
-    depth: int                # double blocks
+    mlp_hidden: int  # int(hidden * mlp_ratio); ComfyUI's detection fixes the ratio at 3.0
+    depth: int  # double blocks
     depth_single: int
-    guidance_embed: bool      # Dev: a guidance_in embedder
+    guidance_embed: bool  # Dev: a guidance_in embedder
 
     @property
     def num_heads(self) -> int:
@@ -54,8 +55,10 @@ class Flux2Config:
 def config_from_weights(weights) -> Flux2Config:
     """Sizes from the shapes, as comfy/model_detection.py reads a Flux2 file."""
     if "double_stream_modulation_img.lin.weight" not in weights or "img_in.weight" not in weights:
-        raise ValueError("not a Flux2 diffusion model: no double_stream_modulation_img.lin.weight/img_in.weight "
-                         "(expected ComfyUI key names without a 'model.diffusion_model.' prefix)")
+        raise ValueError(
+            "not a Flux2 diffusion model: no double_stream_modulation_img.lin.weight/img_in.weight "
+            "(expected ComfyUI key names without a 'model.diffusion_model.' prefix)"
+        )
     hidden, in_channels = weights["img_in.weight"].shape
     if hidden % HEAD_DIM:
         raise ValueError(f"Flux2 hidden size {hidden} is not a multiple of the head dim {HEAD_DIM}")
@@ -66,18 +69,25 @@ def config_from_weights(weights) -> Flux2Config:
         mlp_hidden = weights["single_blocks.0.linear2.weight"].shape[1] - hidden
     else:
         mlp_hidden = int(hidden * 3.0)
-    return Flux2Config(in_channels=in_channels, out_channels=weights["final_layer.linear.weight"].shape[0],
-                       hidden=hidden, context_dim=weights["txt_in.weight"].shape[1], mlp_hidden=mlp_hidden,
-                       depth=depth, depth_single=depth_single,
-                       guidance_embed="guidance_in.in_layer.weight" in weights)
+    return Flux2Config(
+        in_channels=in_channels,
+        out_channels=weights["final_layer.linear.weight"].shape[0],
+        hidden=hidden,
+        context_dim=weights["txt_in.weight"].shape[1],
+        mlp_hidden=mlp_hidden,
+        depth=depth,
+        depth_single=depth_single,
+        guidance_embed="guidance_in.in_layer.weight" in weights,
+    )
 
 
 def _count(weights, prefix: str) -> int:
-    indices = {int(k[len(prefix):].split(".", 1)[0]) for k in weights if k.startswith(prefix)}
+    indices = {int(k[len(prefix) :].split(".", 1)[0]) for k in weights if k.startswith(prefix)}
     return max(indices) + 1 if indices else 0
 
 
 # ---------------------------------------------------------------- positions and embeddings
+
 
 @lru_cache(maxsize=64)
 def rope_tables(grids: tuple[tuple[int, int, float], ...], text_tokens: int) -> tuple[mx.array, mx.array]:
@@ -99,8 +109,8 @@ def rope_tables(grids: tuple[tuple[int, int, float], ...], text_tokens: int) -> 
     angles = []
     for axis, dim in enumerate(AXES_DIM):
         omega = 1.0 / THETA ** np.linspace(0.0, (dim - 2) / dim, dim // 2, dtype=np.float64)
-        angles.append(ids[:, axis:axis + 1] * omega[None])
-    angle = np.concatenate(angles, axis=-1)[None, None]                  # (1, 1, L, 64)
+        angles.append(ids[:, axis : axis + 1] * omega[None])
+    angle = np.concatenate(angles, axis=-1)[None, None]  # (1, 1, L, 64)
     return mx.array(np.cos(angle).astype(np.float32)), mx.array(np.sin(angle).astype(np.float32))
 
 
@@ -140,6 +150,7 @@ def split_heads(qkv: mx.array, heads: int) -> tuple[mx.array, mx.array, mx.array
 
 
 # ---------------------------------------------------------------- layers (ComfyUI's names)
+
 
 class MLPEmbedder(nn.Module):
     def __init__(self, in_dim: int, hidden: int):
@@ -195,7 +206,7 @@ class Modulation(nn.Module):
 
     def __call__(self, vec: mx.array) -> tuple[tuple[mx.array, ...], ...]:
         out = mx.split(self.lin(nn.silu(vec[:, None, :])), self.count, axis=-1)
-        return tuple(tuple(out[i:i + 3]) for i in range(0, self.count, 3))
+        return tuple(tuple(out[i : i + 3]) for i in range(0, self.count, 3))
 
 
 def gated_mlp(hidden: int, mlp_hidden: int) -> list[nn.Module]:
@@ -224,8 +235,12 @@ class DoubleStreamBlock(nn.Module):
         img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(self.img_norm1(img), img_shift1, img_scale1))
         txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(self.txt_norm1(txt), txt_shift1, txt_scale1))
         # joint attention over text tokens first, then image tokens (the RoPE tables follow that order)
-        out = attention(mx.concatenate([txt_q, img_q], axis=2), mx.concatenate([txt_k, img_k], axis=2),
-                        mx.concatenate([txt_v, img_v], axis=2), rope)
+        out = attention(
+            mx.concatenate([txt_q, img_q], axis=2),
+            mx.concatenate([txt_k, img_k], axis=2),
+            mx.concatenate([txt_v, img_v], axis=2),
+            rope,
+        )
         text_tokens = txt.shape[1]
         txt_out, img_out = out[:, :text_tokens], out[:, text_tokens:]
 
@@ -251,7 +266,7 @@ class SingleStreamBlock(nn.Module):
     def __call__(self, x: mx.array, mods, rope) -> mx.array:
         ((shift, scale, gate),) = mods
         fused = self.linear1(modulate(self.pre_norm(x), shift, scale))
-        qkv, mlp = fused[..., :3 * self.hidden], fused[..., 3 * self.hidden:]
+        qkv, mlp = fused[..., : 3 * self.hidden], fused[..., 3 * self.hidden :]
         q, k, v = split_heads(qkv, self.heads)
         q, k = self.norm(q, k, v)
         out = self.linear2(mx.concatenate([attention(q, k, v, rope), self.mlp_act(mlp)], axis=-1))
@@ -271,6 +286,7 @@ class LastLayer(nn.Module):
 
 
 # ---------------------------------------------------------------- the model
+
 
 class Flux2(nn.Module):
     def __init__(self, config: Flux2Config, dtype: mx.Dtype = mx.bfloat16):
@@ -297,12 +313,13 @@ class Flux2(nn.Module):
         # (B, H*W + Σ h_i*w_i, C): the target's tokens, then each reference's (ComfyUI's process_img)
         img = self.img_in(mx.concatenate([_tokens(x), *(_tokens(r, batch) for r in references)], axis=1))
         vec = self.time_in(timestep_embedding(_as_mx(timestep)).astype(dtype))
-        if self.config.guidance_embed and guidance is not None:   # ComfyUI skips it when no guidance is given
+        if self.config.guidance_embed and guidance is not None:  # ComfyUI skips it when no guidance is given
             vec = vec + self.guidance_in(timestep_embedding(_as_mx(guidance)).astype(dtype))
         txt = self.txt_in(context)
         text_tokens = txt.shape[1]
-        grids = ((height, width, 0.0),) + tuple((r.shape[2], r.shape[3], REF_INDEX_SCALE * (i + 1))
-                                                for i, r in enumerate(references))
+        grids = ((height, width, 0.0),) + tuple(
+            (r.shape[2], r.shape[3], REF_INDEX_SCALE * (i + 1)) for i, r in enumerate(references)
+        )
         rope = rope_tables(grids, text_tokens)
 
         img_mods, txt_mods = self.double_stream_modulation_img(vec), self.double_stream_modulation_txt(vec)
@@ -314,7 +331,7 @@ class Flux2(nn.Module):
             joined = block(joined, single_mods, rope)
         # The target's tokens only (ComfyUI's out[:, :img_tokens]; the final layer is per token, so slicing
         # first gives the same numbers without running it on the references).
-        out = self.final_layer(joined[:, text_tokens:text_tokens + height * width], vec)   # (B, H*W, 128)
+        out = self.final_layer(joined[:, text_tokens : text_tokens + height * width], vec)  # (B, H*W, 128)
         return out.transpose(0, 2, 1).reshape(batch, -1, height, width)
 
 
@@ -323,8 +340,10 @@ def _tokens(latent: mx.array, batch: int | None = None) -> mx.array:
     (ComfyUI's CONDList repeats a cond to the batch)."""
     if batch is not None and latent.shape[0] != batch:
         if latent.shape[0] != 1:
-            raise ValueError(f"Flux2: a reference latent of batch {latent.shape[0]} for a batch of {batch}; "
-                             "give one reference per row, or one for all")
+            raise ValueError(
+                f"Flux2: a reference latent of batch {latent.shape[0]} for a batch of {batch}; "
+                "give one reference per row, or one for all"
+            )
         latent = mx.broadcast_to(latent, (batch, *latent.shape[1:]))
     rows, channels, height, width = latent.shape
     return latent.reshape(rows, channels, height * width).transpose(0, 2, 1)
@@ -336,7 +355,7 @@ def build(arch_name: str, weights, dtype="bfloat16") -> Flux2:
         raise ValueError(f"flux2.build: unknown arch {arch_name!r}; known: {', '.join(ARCHS)}")
     dtype = getattr(mx, dtype) if isinstance(dtype, str) else dtype
     # BFL's own files name the QK norm weights `.scale`; ComfyUI renames them to `.weight` on load
-    weights = {(k[:-len(".scale")] + ".weight" if k.endswith("_norm.scale") else k): v for k, v in weights.items()}
+    weights = {(k[: -len(".scale")] + ".weight" if k.endswith("_norm.scale") else k): v for k, v in weights.items()}
     config = config_from_weights(weights)
     if config.guidance_embed != (arch_name == "flux2_dev"):
         has = "has" if config.guidance_embed else "has no"
@@ -346,8 +365,10 @@ def build(arch_name: str, weights, dtype="bfloat16") -> Flux2:
     expected = {k for k, _ in _flat_parameters(model)}
     missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:
-        raise ValueError(f"{arch_name}: weights do not match a Flux2 of {config}: missing {missing[:5]} "
-                         f"({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)})")
+        raise ValueError(
+            f"{arch_name}: weights do not match a Flux2 of {config}: missing {missing[:5]} "
+            f"({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)})"
+        )
     model.load_weights([(k, _as_mx(weights[k]).astype(dtype)) for k in sorted(expected)], strict=True)
     mx.eval(model.parameters())
     return model

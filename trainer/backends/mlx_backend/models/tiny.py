@@ -5,6 +5,7 @@ which reproduces `build_tiny_flux(seed)`'s initialisation bit for bit without to
 generator is MT19937 seeded like std::mt19937, and nn.Linear draws its weight, then its bias,
 from U(−1/√in, 1/√in) in construction order (tests/trainer/backends/mlx_backend/test_backend.py checks it).
 """
+
 from __future__ import annotations
 
 import math
@@ -94,7 +95,7 @@ class DoubleBlock(nn.Module):
         txt_qkv = self.txt_attn.qkv(layer_norm(txt) * (1 + txt_mod[1]) + txt_mod[0])
         q, k, v = mx.split(mx.concatenate([txt_qkv, img_qkv], axis=1), 3, axis=-1)
         joint = attention(q, k, v, self.heads)
-        txt_out, img_out = joint[:, : txt.shape[1]], joint[:, txt.shape[1]:]
+        txt_out, img_out = joint[:, : txt.shape[1]], joint[:, txt.shape[1] :]
         img = img + img_mod[2] * self.img_attn.proj(img_out)
         img = img + img_mod[5] * run(self.img_mlp, layer_norm(img) * (1 + img_mod[4]) + img_mod[3])
         txt = txt + txt_mod[2] * self.txt_attn.proj(txt_out)
@@ -138,8 +139,16 @@ class FinalLayer(nn.Module):
 
 
 class TinyFlux(nn.Module):
-    def __init__(self, in_channels: int = 16, context_dim: int = 32, hidden: int = 96, heads: int = 4,
-                 double_blocks: int = 2, single_blocks: int = 2, mlp_ratio: float = 2.0):
+    def __init__(
+        self,
+        in_channels: int = 16,
+        context_dim: int = 32,
+        hidden: int = 96,
+        heads: int = 4,
+        double_blocks: int = 2,
+        single_blocks: int = 2,
+        mlp_ratio: float = 2.0,
+    ):
         super().__init__()
         self.in_channels = in_channels
         self.img_in = nn.Linear(in_channels, hidden)
@@ -153,14 +162,14 @@ class TinyFlux(nn.Module):
         batch, channels, height, width = x.shape
         img = self.img_in(x.reshape(batch, channels, height * width).transpose(0, 2, 1))  # [B,H·W,h]
         img = img + positions_2d(height, width, img.shape[-1]).astype(img.dtype)
-        txt = self.txt_in(context)                                                          # [B,T,h]
-        vec = self.time_in(timestep_embedding(timestep).astype(img.dtype))                  # [B,h]
+        txt = self.txt_in(context)  # [B,T,h]
+        vec = self.time_in(timestep_embedding(timestep).astype(img.dtype))  # [B,h]
         for block in self.double_blocks:
             img, txt = block(img, txt, vec)
         joint = mx.concatenate([txt, img], axis=1)
         for block in self.single_blocks:
             joint = block(joint, vec)
-        out = self.final_layer(joint[:, txt.shape[1]:], vec)                               # [B,H·W,C]
+        out = self.final_layer(joint[:, txt.shape[1] :], vec)  # [B,H·W,C]
         return out.transpose(0, 2, 1).reshape(batch, channels, height, width)
 
 
@@ -179,16 +188,22 @@ def build(arch_name: str, weights, dtype="float32", heads: int = 4) -> TinyFlux:
         raise ValueError(f"tiny.build: only arch 'demo' is the tiny DiT, got {arch_name!r}")
     dtype = _dtype(dtype)
     hidden, in_channels = weights["img_in.weight"].shape
-    model = TinyFlux(in_channels=in_channels, context_dim=weights["txt_in.weight"].shape[1], hidden=hidden,
-                     heads=heads, double_blocks=_count(weights, "double_blocks"),
-                     single_blocks=_count(weights, "single_blocks"),
-                     mlp_ratio=weights["double_blocks.0.img_mlp.0.weight"].shape[0] / hidden)
+    model = TinyFlux(
+        in_channels=in_channels,
+        context_dim=weights["txt_in.weight"].shape[1],
+        hidden=hidden,
+        heads=heads,
+        double_blocks=_count(weights, "double_blocks"),
+        single_blocks=_count(weights, "single_blocks"),
+        mlp_ratio=weights["double_blocks.0.img_mlp.0.weight"].shape[0] / hidden,
+    )
     model.load_weights([(k, mx.array(np.asarray(v)).astype(dtype)) for k, v in weights.items()], strict=True)
     mx.eval(model.parameters())
     return model
 
 
 # --- torch's initialisation of build_tiny_flux(seed), in numpy --------------------------------
+
 
 def _torch_generator(seed: int) -> np.random.MT19937:
     """numpy's MT19937 in the state torch.manual_seed(seed) puts torch's CPU generator in."""
@@ -215,8 +230,11 @@ def _linear_shapes(model: TinyFlux) -> list[tuple[str, tuple[int, int]]]:
     """(path, [out,in]) of every Linear in torch's construction order (= the port's attribute order)."""
     from mlx.utils import tree_flatten
 
-    return [(name[: -len(".weight")], value.shape) for name, value in tree_flatten(model.parameters())
-            if name.endswith(".weight")]
+    return [
+        (name[: -len(".weight")], value.shape)
+        for name, value in tree_flatten(model.parameters())
+        if name.endswith(".weight")
+    ]
 
 
 def demo_weights(seed: int = 0, **sizes) -> dict[str, np.ndarray]:
@@ -226,8 +244,9 @@ def demo_weights(seed: int = 0, **sizes) -> dict[str, np.ndarray]:
     for path, (out_features, in_features) in _linear_shapes(TinyFlux(**sizes)):
         # nn.Linear.reset_parameters: kaiming_uniform_(a=√5), then the bias, both bound 1/√in.
         gain = math.sqrt(2.0 / (1 + math.sqrt(5) ** 2))
-        weights[f"{path}.weight"] = _uniform(generator, (out_features, in_features),
-                                             math.sqrt(3.0) * (gain / math.sqrt(in_features)))
+        weights[f"{path}.weight"] = _uniform(
+            generator, (out_features, in_features), math.sqrt(3.0) * (gain / math.sqrt(in_features))
+        )
         weights[f"{path}.bias"] = _uniform(generator, (out_features,), 1 / math.sqrt(in_features))
     return weights
 

@@ -7,6 +7,7 @@ JSON with `<layer>.weight_scale`/`.input_scale`), each weight = fp8 value × its
 Input scales only matter to fp8 matmuls and are dropped. F8_E5M2 and the block-scaled formats
 (mxfp8, nvfp4) are refused with a message. No torch is needed for files.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,13 +32,15 @@ def load_comfy_file(path) -> dict[str, mx.array]:
     build() casts to the compute dtype. The arrays are lazy until evaluated.
     """
     path = Path(path)
-    header, metadata = read_header(path)     # validates every entry before MLX reads a byte
+    header, metadata = read_header(path)  # validates every entry before MLX reads a byte
     e5m2 = [k for k, entry in header.items() if entry["dtype"] == "F8_E5M2"]
     if e5m2:
-        raise SafetensorsError(f"{path}: {len(e5m2)} tensors ({e5m2[0]}, ...) are F8_E5M2, which MLX cannot "
-                               "decode; use the bf16 or F8_E4M3 (fp8_e4m3fn) release of this model")
+        raise SafetensorsError(
+            f"{path}: {len(e5m2)} tensors ({e5m2[0]}, ...) are F8_E5M2, which MLX cannot "
+            "decode; use the bf16 or F8_E4M3 (fp8_e4m3fn) release of this model"
+        )
     keep = _strip_prefix(list(header))
-    tensors = mx.load(str(path))             # F8_E4M3 arrives as its uint8 codes
+    tensors = mx.load(str(path))  # F8_E4M3 arrives as its uint8 codes
     tensors = {short: tensors[key] for key, short in keep.items()}
     fp8 = {short for key, short in keep.items() if header[key]["dtype"] == "F8_E4M3"}
     _check_quant_formats(path, tensors, metadata)
@@ -65,9 +68,16 @@ def from_state_dict(sd: Mapping, dtype="float32") -> dict[str, mx.array]:
     target = _MX_DTYPES[dtype] if isinstance(dtype, str) else dtype
     keep = _strip_prefix(list(sd))
     tensors = {short: sd[key] for key, short in keep.items()}
-    _refuse_other_formats("state dict", {
-        key[:-len(".comfy_quant")]: _json("state dict", key, bytes(value.cpu().numpy().astype(np.uint8))).get("format")
-        for key, value in tensors.items() if key.endswith(".comfy_quant")})
+    _refuse_other_formats(
+        "state dict",
+        {
+            key[: -len(".comfy_quant")]: _json("state dict", key, bytes(value.cpu().numpy().astype(np.uint8))).get(
+                "format"
+            )
+            for key, value in tensors.items()
+            if key.endswith(".comfy_quant")
+        },
+    )
     out = {}
     for key, value in tensors.items():
         if key == "scaled_fp8" or key.endswith(_DROPPED_SUFFIXES + _WEIGHT_SCALES):
@@ -96,7 +106,7 @@ def _strip_prefix(keys: list[str]) -> dict[str, str]:
     """{stored key: key without the diffusion-model prefix}; a full checkpoint keeps its diffusion model only."""
     for prefix in PREFIXES:
         if any(k.startswith(prefix) for k in keys):
-            return {k: k[len(prefix):] for k in keys if k.startswith(prefix)}
+            return {k: k[len(prefix) :] for k in keys if k.startswith(prefix)}
     return {k: k for k in keys}
 
 
@@ -104,22 +114,27 @@ def _weight_scale(source, tensors: Mapping, key: str):
     """The per-tensor scale of an fp8 `<layer>.weight` (a scalar array, mx or torch), if there is one."""
     if not key.endswith(".weight"):
         return None
-    layer = key[:-len(".weight")]
+    layer = key[: -len(".weight")]
     for suffix in _WEIGHT_SCALES:
         scale = tensors.get(layer + suffix)
         if scale is not None:
             size = scale.size if isinstance(scale, mx.array) else scale.numel()
             if size != 1:
-                raise SafetensorsError(f"{source}: {layer + suffix} has {size} values, a block-scaled fp8 "
-                                       "format MLX training does not decode; use the bf16 release of this model")
+                raise SafetensorsError(
+                    f"{source}: {layer + suffix} has {size} values, a block-scaled fp8 "
+                    "format MLX training does not decode; use the bf16 release of this model"
+                )
             return scale.reshape(())
     return None
 
 
 def _check_quant_formats(path, tensors: dict[str, mx.array], metadata: dict[str, str]) -> None:
     """Refuse ComfyUI quantization formats other than per-tensor fp8 e4m3 (`comfy_quant` / metadata)."""
-    formats = {key[:-len(".comfy_quant")]: _json(path, key, bytes(np.array(value, np.uint8))).get("format")
-               for key, value in tensors.items() if key.endswith(".comfy_quant")}
+    formats = {
+        key[: -len(".comfy_quant")]: _json(path, key, bytes(np.array(value, np.uint8))).get("format")
+        for key, value in tensors.items()
+        if key.endswith(".comfy_quant")
+    }
     if "_quantization_metadata" in metadata:
         layers = _json(path, "_quantization_metadata", metadata["_quantization_metadata"].encode()).get("layers", {})
         formats.update({layer: conf.get("format") for layer, conf in layers.items() if isinstance(conf, dict)})
@@ -130,8 +145,10 @@ def _refuse_other_formats(source, formats: dict[str, str | None]) -> None:
     other = {layer: fmt for layer, fmt in formats.items() if fmt != _FP8_FORMAT}
     if other:
         layer, fmt = next(iter(other.items()))
-        raise SafetensorsError(f"{source}: layer {layer!r} is quantized as {fmt!r} ({len(other)} such layers); "
-                               f"MLX training decodes {_FP8_FORMAT} only; use the bf16 or fp8 release of this model")
+        raise SafetensorsError(
+            f"{source}: layer {layer!r} is quantized as {fmt!r} ({len(other)} such layers); "
+            f"MLX training decodes {_FP8_FORMAT} only; use the bf16 or fp8 release of this model"
+        )
 
 
 def _json(path, key: str, raw: bytes) -> dict:

@@ -17,6 +17,7 @@ ignored by ComfyUI, and so here); RoPE over 3 axes (32, 48, 48), theta 256:
 caption token i sits at (i + 1, 0, 0), image token (r, c) at (Lc + 1, r, c)
 with Lc the padded caption length, image pad tokens at (0, 0, 0).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,7 +30,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 ARCH_NAMES = ("zimage", "zimage_turbo")
-AXES_DIMS = (32, 48, 48)          # head_dim = 128 = sum(AXES_DIMS): ComfyUI asserts it
+AXES_DIMS = (32, 48, 48)  # head_dim = 128 = sum(AXES_DIMS): ComfyUI asserts it
 ROPE_THETA = 256.0
 TIME_SCALE = 1000.0
 PAD_TOKENS_MULTIPLE = 32
@@ -41,6 +42,7 @@ FREQ_EMBED_DIM = 256
 
 
 # ---------------------------------------------------------------- positions
+
 
 def timestep_embedding(t: mx.array, dim: int = FREQ_EMBED_DIM, max_period: float = 10000.0) -> mx.array:
     """[B] → [B,dim] fp32 [cos | sin] features, as comfy's diffusionmodules.util.timestep_embedding."""
@@ -56,15 +58,15 @@ def rope_tables(cap_len: int, rows: int, cols: int, img_len: int) -> tuple[mx.ar
     tokens padded to img_len: flux's rope() angles pos·theta^(−2i/d) per axis, computed in float64."""
     positions = np.zeros((cap_len + img_len, 3), np.float64)
     positions[:cap_len, 0] = np.arange(cap_len) + 1.0
-    image = slice(cap_len, cap_len + rows * cols)    # the pad tokens after it stay at (0, 0, 0)
+    image = slice(cap_len, cap_len + rows * cols)  # the pad tokens after it stay at (0, 0, 0)
     positions[image, 0] = cap_len + 1.0
     positions[image, 1] = np.repeat(np.arange(rows), cols)
     positions[image, 2] = np.tile(np.arange(cols), rows)
     angles = []
     for axis, dim in enumerate(AXES_DIMS):
         omega = 1.0 / ROPE_THETA ** np.linspace(0.0, (dim - 2) / dim, dim // 2, dtype=np.float64)
-        angles.append(positions[:, axis:axis + 1] * omega[None])
-    angle = np.concatenate(angles, axis=-1)         # [L, 64]
+        angles.append(positions[:, axis : axis + 1] * omega[None])
+    angle = np.concatenate(angles, axis=-1)  # [L, 64]
     return mx.array(np.cos(angle).astype(np.float32)), mx.array(np.sin(angle).astype(np.float32))
 
 
@@ -73,7 +75,7 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     B, L, H, D = x.shape
     pairs = x.astype(mx.float32).reshape(B, L, H, D // 2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[None, :, None], sin[None, :, None]   # [1,L,1,D/2]
+    cos, sin = cos[None, :, None], sin[None, :, None]  # [1,L,1,D/2]
     rotated = mx.stack([cos * even - sin * odd, sin * even + cos * odd], axis=-1)
     return rotated.reshape(B, L, H, D).astype(x.dtype)
 
@@ -88,6 +90,7 @@ def pad_tokens(tokens: mx.array, pad_token: mx.array) -> mx.array:
 
 
 # ---------------------------------------------------------------- blocks
+
 
 class JointAttention(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int):
@@ -107,8 +110,11 @@ class JointAttention(nn.Module):
         v = v.reshape(B, L, self.kv_heads, self.head_dim)
         # (B, heads, L, head_dim); fewer kv heads are shared as ComfyUI's repeat does (GQA)
         out = mx.fast.scaled_dot_product_attention(
-            q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-            scale=1.0 / math.sqrt(self.head_dim))
+            q.transpose(0, 2, 1, 3),
+            k.transpose(0, 2, 1, 3),
+            v.transpose(0, 2, 1, 3),
+            scale=1.0 / math.sqrt(self.head_dim),
+        )
         return self.out(out.transpose(0, 2, 1, 3).reshape(B, L, q_size))
 
 
@@ -174,12 +180,26 @@ class FinalLayer(nn.Module):
 
 # ---------------------------------------------------------------- the model
 
+
 class ZImage(nn.Module):
     """NextDiT, Z-Image config (patch 2, 16 latent channels, pad tokens to 32, theta 256)."""
 
-    def __init__(self, *, dim: int, n_layers: int, n_refiner_layers: int, heads: int, kv_heads: int,
-                 ffn_dim: int, cap_feat_dim: int, in_channels: int = 16, patch: int = 2,
-                 t_hidden: int | None = None, mod_dim: int | None = None, dtype: mx.Dtype = mx.bfloat16):
+    def __init__(
+        self,
+        *,
+        dim: int,
+        n_layers: int,
+        n_refiner_layers: int,
+        heads: int,
+        kv_heads: int,
+        ffn_dim: int,
+        cap_feat_dim: int,
+        in_channels: int = 16,
+        patch: int = 2,
+        t_hidden: int | None = None,
+        mod_dim: int | None = None,
+        dtype: mx.Dtype = mx.bfloat16,
+    ):
         super().__init__()
         head_dim = dim // heads
         t_hidden, mod_dim = t_hidden or min(dim, 1024), mod_dim or min(dim, 256)
@@ -187,8 +207,10 @@ class ZImage(nn.Module):
         self.checkpoint_blocks = False  # True: recompute each block in the backward (nn.utils.checkpoint)
 
         def blocks(count: int, modulated: bool) -> list[JointTransformerBlock]:
-            return [JointTransformerBlock(dim, heads, kv_heads, head_dim, ffn_dim, mod_dim if modulated else None)
-                    for _ in range(count)]
+            return [
+                JointTransformerBlock(dim, heads, kv_heads, head_dim, ffn_dim, mod_dim if modulated else None)
+                for _ in range(count)
+            ]
 
         self.x_embedder = nn.Linear(patch * patch * in_channels, dim)
         self.noise_refiner = blocks(n_refiner_layers, True)
@@ -211,7 +233,7 @@ class ZImage(nn.Module):
         lengths = _row_lengths(num_tokens)
         if lengths is None or len(set(lengths)) == 1:
             if lengths is not None:
-                context = context[:, :lengths[0]]
+                context = context[:, : lengths[0]]
             return self._forward(x, timesteps, context)
         x, context = mx.array(x), mx.array(context)
         sigma = mx.broadcast_to(mx.array(timesteps).reshape(-1), (x.shape[0],))
@@ -232,20 +254,20 @@ class ZImage(nn.Module):
         p = self.patch
         if sigma.shape[0] == 1 and B > 1:
             sigma = mx.broadcast_to(sigma, (B,))
-        adaln = self.t_embedder((1.0 - sigma) * TIME_SCALE, self.dtype)          # [B, mod_dim]
+        adaln = self.t_embedder((1.0 - sigma) * TIME_SCALE, self.dtype)  # [B, mod_dim]
 
         # comfy.ldm.common_dit.pad_to_patch_size: circular padding on the bottom/right
         if H % p:
-            x = mx.concatenate([x, x[:, :, :p - H % p]], axis=2)
+            x = mx.concatenate([x, x[:, :, : p - H % p]], axis=2)
         if W % p:
-            x = mx.concatenate([x, x[:, :, :, :p - W % p]], axis=3)
+            x = mx.concatenate([x, x[:, :, :, : p - W % p]], axis=3)
         rows, cols = x.shape[2] // p, x.shape[3] // p
         patches = x.reshape(B, C, rows, p, cols, p).transpose(0, 2, 4, 3, 5, 1).reshape(B, rows * cols, p * p * C)
-        img = pad_tokens(self.x_embedder(patches), self.x_pad_token)            # [B, Li, dim]
+        img = pad_tokens(self.x_embedder(patches), self.x_pad_token)  # [B, Li, dim]
         cap = context
         for layer in self.cap_embedder:
             cap = layer(cap)
-        cap = pad_tokens(cap, self.cap_pad_token)                               # [B, Lc, dim]
+        cap = pad_tokens(cap, self.cap_pad_token)  # [B, Lc, dim]
         cap_len = cap.shape[1]
         cos, sin = rope_tables(cap_len, rows, cols, img.shape[1])
 
@@ -257,7 +279,7 @@ class ZImage(nn.Module):
         for block in self.layers:
             h = self._block(block)(h, cos, sin, adaln)
 
-        out = self.final_layer(h[:, cap_len:cap_len + rows * cols], adaln)       # [B, rows·cols, p·p·C]
+        out = self.final_layer(h[:, cap_len : cap_len + rows * cols], adaln)  # [B, rows·cols, p·p·C]
         out = out.reshape(B, rows, cols, p, p, C).transpose(0, 5, 1, 3, 2, 4).reshape(B, C, rows * p, cols * p)
         return -out[:, :, :H, :W]
 
@@ -274,6 +296,7 @@ def _row_lengths(num_tokens) -> list[int] | None:
 
 # ---------------------------------------------------------------- build from a state dict
 
+
 def _count(keys, prefix: str) -> int:
     pattern = re.compile(re.escape(prefix) + r"\.(\d+)\.")
     return len({int(m.group(1)) for key in keys if (m := pattern.match(key))})
@@ -281,28 +304,48 @@ def _count(keys, prefix: str) -> int:
 
 def config_from_weights(weights: dict) -> dict:
     """ZImage keyword arguments inferred from tensor shapes, as comfy/model_detection.py reads them."""
-    required = ("cap_embedder.1.weight", "x_embedder.weight", "layers.0.attention.qkv.weight",
-                "layers.0.attention.q_norm.weight", "layers.0.feed_forward.w1.weight", "t_embedder.mlp.0.weight",
-                "t_embedder.mlp.2.weight", "x_pad_token")
+    required = (
+        "cap_embedder.1.weight",
+        "x_embedder.weight",
+        "layers.0.attention.qkv.weight",
+        "layers.0.attention.q_norm.weight",
+        "layers.0.feed_forward.w1.weight",
+        "t_embedder.mlp.0.weight",
+        "t_embedder.mlp.2.weight",
+        "x_pad_token",
+    )
     missing = [k for k in required if k not in weights]
     if missing:
-        hint = " (strip the 'model.diffusion_model.' prefix)" if any(
-            k.endswith("diffusion_model." + missing[0]) for k in weights) else ""
+        hint = (
+            " (strip the 'model.diffusion_model.' prefix)"
+            if any(k.endswith("diffusion_model." + missing[0]) for k in weights)
+            else ""
+        )
         raise ValueError(f"not a ComfyUI Z-Image diffusion model: missing {missing}{hint}")
     dim, cap_feat_dim = weights["cap_embedder.1.weight"].shape
     head_dim = weights["layers.0.attention.q_norm.weight"].shape[0]
     if head_dim != sum(AXES_DIMS) or dim % head_dim:
-        raise ValueError(f"Z-Image needs heads of {sum(AXES_DIMS)} (RoPE axes {AXES_DIMS}) and dim a multiple "
-                         f"of it; these weights have head_dim {head_dim}, dim {dim}")
+        raise ValueError(
+            f"Z-Image needs heads of {sum(AXES_DIMS)} (RoPE axes {AXES_DIMS}) and dim a multiple "
+            f"of it; these weights have head_dim {head_dim}, dim {dim}"
+        )
     heads = dim // head_dim
     kv_heads = (weights["layers.0.attention.qkv.weight"].shape[0] // head_dim - heads) // 2
     patch_features = weights["x_embedder.weight"].shape[1]
     patch = 2  # ComfyUI fixes patch 2 for lumina2/Z-Image
-    return {"dim": dim, "n_layers": _count(weights, "layers"), "n_refiner_layers": _count(weights, "noise_refiner"),
-            "heads": heads, "kv_heads": kv_heads, "ffn_dim": weights["layers.0.feed_forward.w1.weight"].shape[0],
-            "cap_feat_dim": cap_feat_dim, "in_channels": patch_features // (patch * patch), "patch": patch,
-            "t_hidden": weights["t_embedder.mlp.0.weight"].shape[0],
-            "mod_dim": weights["t_embedder.mlp.2.weight"].shape[0]}
+    return {
+        "dim": dim,
+        "n_layers": _count(weights, "layers"),
+        "n_refiner_layers": _count(weights, "noise_refiner"),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "ffn_dim": weights["layers.0.feed_forward.w1.weight"].shape[0],
+        "cap_feat_dim": cap_feat_dim,
+        "in_channels": patch_features // (patch * patch),
+        "patch": patch,
+        "t_hidden": weights["t_embedder.mlp.0.weight"].shape[0],
+        "mod_dim": weights["t_embedder.mlp.2.weight"].shape[0],
+    }
 
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -318,8 +361,10 @@ def build(arch_name: str, weights: dict, dtype="bfloat16") -> ZImage:
     expected = dict(tree_flatten(model.parameters()))
     unexpected, missing = sorted(set(weights) - set(expected)), sorted(set(expected) - set(weights))
     if unexpected or missing:
-        raise ValueError(f"Z-Image weights do not match the model: missing {missing[:8]}, "
-                         f"unexpected {unexpected[:8]} ({len(missing)} / {len(unexpected)} in all)")
+        raise ValueError(
+            f"Z-Image weights do not match the model: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]} ({len(missing)} / {len(unexpected)} in all)"
+        )
     loaded = []
     for name, param in expected.items():
         value = weights[name] if isinstance(weights[name], mx.array) else mx.array(np.asarray(weights[name]))
