@@ -27,6 +27,10 @@ _API = {
 }
 __all__ = [*_API, "__version__"]
 
+from .moved import install  # noqa: E402  (the flat layout's old import paths, one release)
+
+install(__name__)
+
 
 def __getattr__(name: str):
     if name not in _API:
