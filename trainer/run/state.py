@@ -96,7 +96,7 @@ def _by_module(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, dict[st
 def _weights_of(path: str, roles: dict[str, np.ndarray], alpha: float):
     if set(roles) == {"A", "B"}:
         return LoraWeights(A=roles["A"], B=roles["B"], alpha=alpha)
-    return adapters.frommodule_roles({**roles, "alpha": np.float32(alpha)}, source=path)
+    return adapters.from_roles({**roles, "alpha": np.float32(alpha)}, source=path)
 
 
 def _lora_from(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, LoraWeights]:
