@@ -47,6 +47,7 @@ FIELD_ORDER = (
     "skip_checkpoint_blocks",
     "compile_blocks",
     "checkpoint_budget",
+    "stream_blocks",
     "attention",
     "fp8_compute",
     "cuda_graphs",
@@ -146,6 +147,7 @@ BOUNDS = {
     "keep_checkpoints": (1, 1000),
     "log_every": (1, 100000),
     "skip_checkpoint_blocks": (0, 1000),
+    "stream_blocks": (0, 1000),
     "checkpoint_budget": (0.0, 1.0),
     "sample_every": (0, 1000000),
     "sample_seed": (0, 4294967295),
@@ -209,6 +211,7 @@ GROUP = {
     "skip_checkpoint_blocks": "speed",
     "compile_blocks": "speed",
     "checkpoint_budget": "speed",
+    "stream_blocks": "speed",
     "attention": "speed",
     "fp8_compute": "speed",
     "cuda_graphs": "speed",
@@ -276,6 +279,7 @@ GROUP = {
 }
 
 ADVANCED = (
+    "stream_blocks",
     "adam_beta1",
     "adam_beta2",
     "adam_eps",
@@ -306,6 +310,7 @@ STEPS = {"weight_decay": 1e-06, "early_stop_min_delta": 1e-05}
 AUTO_FIELDS = ("compile_blocks", "checkpoint_budget", "fp8_compute", "step_graphs")
 
 NOT_IDENTITY = (
+    "stream_blocks",
     "attention",
     "cache_dir",
     "cache_max_gb",
@@ -373,6 +378,7 @@ NOT_IN_GRAPH = (
     "training_adapter",
     "init_lora",
     "init_lora_sha256",
+    "stream_blocks",
     "output_dir",
     "sample_prompts",
     "sample_every",

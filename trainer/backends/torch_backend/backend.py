@@ -15,7 +15,7 @@ from ...lora.files import LoraWeights
 from ...objective.flow import interpolate, velocity_target
 from ...run import distributed
 from ..base import StepStats, parameter_name, saved_name
-from . import attention, fallbacks, levers, lora
+from . import attention, fallbacks, levers, lora, streaming
 from .checkpointing import (  # noqa: F401 (CompileFailed: imported from here)
     BlockCheckpointing,
     CompileFailed,
@@ -31,33 +31,13 @@ from .optim import (
     load_optimizer_arrays,
     optimizer_arrays,
 )
+from .devices import model_dtype, pick_device
 from .step_graphs import StepGraphs
-
-
-def pick_device(name: str) -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
 
 
 def default_forward(model, x_t, sigmas, context, extras):
     """ComfyUI's diffusion-model call convention: model(x, timestep, context, **extras)."""
     return model(x_t, sigmas, context, **extras)
-
-
-_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype activations run in: the first parameter's, skipping fp8 storage (cast on forward)."""
-    for param in model.parameters():
-        if param.dtype in _COMPUTE_DTYPES:
-            return param.dtype
-    return torch.bfloat16
 
 
 class TorchBackend:
@@ -67,7 +47,7 @@ class TorchBackend:
         self.cfg, self.arch, self.model = cfg, arch, model
         self.forward = forward or default_forward
         self.device = pick_device(cfg.device)
-        self.dtype = _model_dtype(model)
+        self.dtype = model_dtype(model)
         self.autocast = cfg.mixed_precision == "bf16"
         self.attention = attention.resolve(cfg.attention, self.device)
         # Remember requires_grad so teardown leaves the model exactly as it came.
@@ -85,6 +65,7 @@ class TorchBackend:
         )
         if self.levers.note:
             levers.log.info("[Kiln] %s", self.levers.note)
+        self.stream = self._stream()
         self._wrap_blocks(self.levers)
         self.params = dict(self.lora.named_parameters())
         self.graphs = self._step_graphs()
@@ -145,6 +126,19 @@ class TorchBackend:
             cuda_graphs=chosen.cuda_graphs,
             compile_key=f"attention={self.attention}|fp8={self.fp8.mode if self.fp8 else 'off'}",
         )
+        if self.stream is not None:
+            self.stream.hook()  # outside the checkpoint and the compiled region: the copies are not traced
+
+    def _unwrap_blocks(self) -> None:
+        if self.stream is not None:
+            self.stream.unhook()
+        self.checkpointing.remove()
+
+    def _stream(self):
+        """stream_blocks of the model's blocks streamed from host memory (streaming.py), or None."""
+        if not self.cfg.stream_blocks:
+            return None
+        return streaming.for_blocks(find_blocks(self.model, self.arch.block_lists), self.cfg.stream_blocks, self.device)
 
     def _step_graphs(self):
         """A fresh set of step graphs (none recorded) where the levers say so; after a fallback the blocks
@@ -378,8 +372,11 @@ class TorchBackend:
 
     def teardown(self) -> None:
         if getattr(self, "checkpointing", None) is not None:
-            self.checkpointing.remove()
+            self._unwrap_blocks()
             self.checkpointing = None
+        if getattr(self, "stream", None) is not None:
+            self.stream.remove()  # after the forwards, before the LoRA and fp8 forwards come off
+            self.stream = None
         if getattr(self, "lora", None) is not None:
             self.lora.remove()
         if getattr(self, "fp8", None) is not None:

@@ -80,6 +80,6 @@ def _step_back(backend, levers, rewrap: bool = True) -> None:
     backend.optimizer.zero_grad(set_to_none=True)
     backend.levers = levers
     if rewrap:
-        backend.checkpointing.remove()
+        backend._unwrap_blocks()
         backend._wrap_blocks(levers)
     backend.graphs = backend._step_graphs()

@@ -218,6 +218,8 @@ def step_graphs(
         if parallel
         else "cuda_graphs records the blocks instead"
         if cuda_graphs
+        else "stream_blocks copies the base beside each step"
+        if cfg.stream_blocks
         else ""
     )
     if why_not:  # said only where asked for: auto off on a CPU or Mac is no news

@@ -21,9 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import logging
+
 import torch
 from torch import nn
 
+# Ring slots: one block computing, one copy in flight, one to spare. On an H200 (Z-Image 1024 px,
+# bench/RESULTS.md) 2, 3 and 4 slots ran the frozen base's step at 1.12, 1.11 and 1.10x the resident one.
+SLOTS = 3
 ALIGN = 512  # bytes: each weight's view in a slot starts as the caching allocator would start it (cuBLAS picks kernels by alignment)
 
 
@@ -55,6 +60,14 @@ def _layout(weights: list[tuple[str, nn.Parameter]]) -> tuple[list[int], int]:
     return offsets, at
 
 
+def spread(count: int, total: int) -> list[int]:
+    """`count` of `total` blocks (in the order they run), evenly spread: the resident blocks between two
+    streamed ones compute while the next copy runs."""
+    if count >= total:
+        return list(range(total))
+    return sorted({int((k + 0.5) * total / count) for k in range(count)})
+
+
 def plan(blocks: list[nn.Module], streamed: list[int], slots: int) -> StreamPlan:
     """The ring for `streamed` blocks: each slot as large as the largest streamed block."""
     if slots < 2:
@@ -70,6 +83,7 @@ class _Block:
     weights: list[tuple[str, nn.Parameter]]
     offsets: list[int]
     host: list[torch.Tensor] = field(default_factory=list)  # the master copies (pinned on a CUDA device)
+    origins: list[torch.device] = field(default_factory=list)  # where each weight was before streaming
     ready: object = None  # the copy stream's event after this block's copy
 
 
@@ -91,7 +105,9 @@ class _BackwardStart(torch.autograd.Function):
 class BlockStreamer:
     """Streams the frozen weights of `plan.blocks` of `blocks` (in the order they run) to `device`."""
 
-    def __init__(self, blocks: list[nn.Module], stream_plan: StreamPlan, device: torch.device, log=None):
+    def __init__(
+        self, blocks: list[nn.Module], stream_plan: StreamPlan, device: torch.device, log=None, hook: bool = True
+    ):
         self.device, self.plan, self.log = torch.device(device), stream_plan, log
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -105,6 +121,8 @@ class BlockStreamer:
         self.registered: list[torch.Tensor] = []  # host weights pinned in place, unregistered by remove()
         for position, index in enumerate(stream_plan.blocks):
             self.streamed.append(self._adopt(blocks[index], position))
+        if hook:
+            self.hook()
 
     def _adopt(self, module: nn.Module, position: int) -> _Block:
         """The block's frozen weights moved to host memory (pinned), its parameters pointed at its slot's views."""
@@ -113,12 +131,27 @@ class BlockStreamer:
         block = _Block(module, weights, offsets)
         slot = self.ring[position % len(self.ring)]
         for (_, p), offset in zip(weights, offsets):
+            block.origins.append(p.device)
             block.host.append(self._host_copy(p.data))
             view = slot[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
             p.data = view
-        self.previous.append(module.__dict__.get("forward"))
-        module.forward = self._streamed_forward(module.forward, position)
         return block
+
+    def hook(self) -> None:
+        """Each streamed block's forward (as it is now: checkpointed, compiled) placed behind its copy. Hooked
+        outside the checkpoint: a checkpoint's recompute then runs inside the gate's placement."""
+        self.previous = [block.module.__dict__.get("forward") for block in self.streamed]
+        for position, block in enumerate(self.streamed):
+            block.module.forward = self._streamed_forward(block.module.forward, position)
+
+    def unhook(self) -> None:
+        """The forwards as hook found them; the weights stay in the ring (the blocks can be wrapped anew)."""
+        for block, previous in zip(self.streamed, self.previous):
+            if previous is None:
+                block.module.__dict__.pop("forward", None)
+            else:
+                block.module.forward = previous
+        self.previous = []
 
     def _host_copy(self, weight: torch.Tensor) -> torch.Tensor:
         """The master copy in host memory: pinned for fast asynchronous copies. A weight already on the host
@@ -224,17 +257,31 @@ class BlockStreamer:
         self.holds[slot] = position
 
     def remove(self) -> None:
-        """Every streamed weight back on the device as a tensor of its own, the forwards restored."""
-        for block, previous in zip(self.streamed, self.previous):
-            for (_, p), host in zip(block.weights, block.host):
-                p.data = host.to(self.device, copy=True)
-            if previous is None:
-                block.module.__dict__.pop("forward", None)
-            else:
-                block.module.forward = previous
+        """Unhooked, and every streamed weight back where it came from as a tensor of its own (a weight that
+        came from the host stays there, for its loader to move)."""
+        self.unhook()
+        for block in self.streamed:
+            for (_, p), host, origin in zip(block.weights, block.host, block.origins):
+                p.data = host if origin.type == "cpu" else host.to(origin, copy=True)
         for weight in self.registered:
             torch.cuda.cudart().cudaHostUnregister(weight.data_ptr())
-        self.streamed, self.previous, self.ring, self.registered = [], [], [], []
+        self.streamed, self.ring, self.registered = [], [], []
+
+
+def for_blocks(blocks: list[nn.Module], count: int, device) -> BlockStreamer:
+    """`count` of `blocks` (spread) streamed through SLOTS slots, unhooked (the backend hooks it outside its
+    block wrappers); one log line says what streams."""
+    chosen = spread(count, len(blocks))
+    stream_plan = plan(blocks, chosen, SLOTS)
+    logging.getLogger("kiln").info(
+        "[Kiln] stream_blocks %d of %d: %.2f GiB of frozen weights in host memory, a ring of %d GPU slots (%.2f GiB)",
+        len(chosen),
+        len(blocks),
+        stream_plan.streamed_bytes / 2**30,
+        stream_plan.slots,
+        stream_plan.gpu_bytes() / 2**30,
+    )
+    return BlockStreamer(blocks, stream_plan, device, hook=False)
 
 
 class _nothing:

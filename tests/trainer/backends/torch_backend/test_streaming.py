@@ -3,6 +3,7 @@ same gradients as a resident base, copies in the order the blocks run, and never
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -97,3 +98,47 @@ def test_the_plan_counts_the_ring_and_the_host_copy():
     per_block = sum(p.numel() * p.element_size() for _, p in frozen_weights(blocks[0]))
     assert stream.slots == 2 and stream.slot_bytes >= per_block
     assert stream.gpu_bytes() == 2 * stream.slot_bytes < stream.streamed_bytes == 3 * stream.slot_bytes
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_run_with_streamed_blocks_trains_the_same_lora_and_gives_the_model_back(
+    tmp_path, make_model, make_data, make_config, checkpointing, monkeypatch
+):
+    """stream_blocks through the whole loop (setup, steps, a checkpoint, teardown): bitwise the LoRA of the run
+    without it, and the model as it came (its weights, no forward left behind)."""
+    from trainer.backends.torch_backend import streaming
+    from trainer.run.loop import train
+
+    uses = []
+    real_use = streaming.BlockStreamer.use
+    monkeypatch.setattr(streaming.BlockStreamer, "use", lambda self, *a, **k: uses.append(a) or real_use(self, *a, **k))
+    results, models = [], []
+    for stream in (0, 2):
+        model = make_model()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        cfg = make_config(steps=4, stream_blocks=stream, gradient_checkpointing=checkpointing, checkpoint_every=2)
+        results.append(train(cfg, model, make_data(), run_dir=tmp_path / f"s{stream}"))
+        assert all("forward" not in m.__dict__ for m in model.modules())
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        models.append(model)
+    assert results[0].lora.keys() == results[1].lora.keys()
+    for key, weights in results[0].lora.items():
+        other = results[1].lora[key]
+        assert np.array_equal(weights.A, other.A) and np.array_equal(weights.B, other.B), key
+    assert any(np.abs(w.B).sum() > 0 for w in results[0].lora.values())  # it trained
+    assert len(uses) >= 4 * 2 * 2  # and the second run streamed: 4 steps, 2 blocks, forward and backward
+
+
+def test_stream_blocks_is_refused_for_mlx():
+    from trainer.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError, match="stream_blocks is for backend 'torch'"):
+        from_dict({"arch": "demo", "backend": "mlx", "stream_blocks": 2})
+
+
+def test_spread_picks_evenly_spaced_blocks():
+    from trainer.backends.torch_backend.streaming import spread
+
+    assert spread(3, 6) == [1, 3, 5]
+    assert spread(6, 4) == [0, 1, 2, 3]
+    assert spread(1, 30) == [15]
