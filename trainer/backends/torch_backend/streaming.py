@@ -93,8 +93,10 @@ class _BackwardStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, streamer, position, *outputs):
         ctx.streamer, ctx.position = streamer, position
-        ctx.mark_non_differentiable(*[t for t in outputs if torch.is_tensor(t) and not t.requires_grad])
-        return tuple(t.view_as(t) if torch.is_tensor(t) else t for t in outputs)
+        views = tuple(t.view_as(t) if torch.is_tensor(t) else t for t in outputs)
+        # an output that needed no gradient before the gate needs none after it
+        ctx.mark_non_differentiable(*[v for v, t in zip(views, outputs) if torch.is_tensor(t) and not t.requires_grad])
+        return views
 
     @staticmethod
     def backward(ctx, *grads):
@@ -115,7 +117,6 @@ class BlockStreamer:
             torch.empty(stream_plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(stream_plan.slots)
         ]
         self.holds: list[int | None] = [None] * stream_plan.slots  # which streamed block each slot holds
-        self.order = {block: position for position, block in enumerate(stream_plan.blocks)}
         self.streamed: list[_Block] = []
         self.previous: list = []
         self.registered: list[torch.Tensor] = []  # host weights pinned in place, unregistered by remove()

@@ -142,3 +142,20 @@ def test_spread_picks_evenly_spaced_blocks():
     assert spread(3, 6) == [1, 3, 5]
     assert spread(6, 4) == [0, 1, 2, 3]
     assert spread(1, 30) == [15]
+
+
+def test_the_gate_keeps_an_output_that_needed_no_gradient_without_one():
+    """A block returning (a trained tensor, a frozen one): the gate passes both on, the frozen one still needs no
+    gradient, and the trained one's backward reaches the block."""
+
+    class TwoOut(Block):
+        def forward(self, x):
+            return super().forward(x), x.detach() * 2
+
+    blocks = [TwoOut(16, 0), TwoOut(16, 1)]
+    BlockStreamer(blocks, plan(blocks, [0, 1], 2), "cpu")
+    x = torch.randn(2, 16)
+    y, frozen = blocks[0](x)
+    assert not frozen.requires_grad and y.requires_grad
+    y.sum().backward()
+    assert blocks[0].lora_a.grad is not None
