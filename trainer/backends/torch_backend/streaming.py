@@ -261,9 +261,14 @@ class BlockStreamer:
         """Unhooked, and every streamed weight back where it came from as a tensor of its own (a weight that
         came from the host stays there, for its loader to move)."""
         self.unhook()
+        for block in self.streamed:  # first off the ring, so the ring is free before any weight goes back:
+            for (_, p), host in zip(block.weights, block.host):  # a card that held the model holds it again
+                p.data = host
+        self.ring = []
         for block in self.streamed:
             for (_, p), host, origin in zip(block.weights, block.host, block.origins):
-                p.data = host if origin.type == "cpu" else host.to(origin, copy=True)
+                if origin.type != "cpu":
+                    p.data = host.to(origin, copy=True)
         for weight in self.registered:
             torch.cuda.cudart().cudaHostUnregister(weight.data_ptr())
         self.streamed, self.ring, self.registered = [], [], []
