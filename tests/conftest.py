@@ -129,3 +129,26 @@ def pytest_collection_modifyitems(config, items):
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
+
+
+# Used by tests/nodes/ and tests/test_headless.py alike, so here at the root.
+@pytest.fixture
+def same_kernels():
+    """Training options under which two runs on the GPU (KILN_COMFY_GPU=1) may be compared bit for bit: torch's
+    deterministic algorithms, strictly (only then do flash attention's and cuDNN's backward take their
+    deterministic paths: otherwise LoRA weights were up to ~3e-4 apart after 8 steps of two equal runs on an
+    H200), and flash attention. Set CUBLAS_WORKSPACE_CONFIG=:4096:8 for the process too. On the CPU runs are
+    bitwise as they are: {}."""
+    from helpers import comfy_env
+
+    if not comfy_env.gpu():
+        yield {}
+        return
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield {"attention": "flash"}
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -234,6 +234,8 @@ class EstimatorRules(NamedTuple):
     advice: Callable[[dict], list[tuple[str, dict]]]
     usable_gib: Callable[[float], float]
     device: Callable[[float, float], str]
+    # the fewest blocks to stream from host memory for the step to fit `budget` bytes, as an advice line (None: none)
+    stream: Callable[[dict, float], str | None] | None = None
 
 
 # Backend -> the module whose RULES estimate for it, imported on first use.
@@ -302,4 +304,5 @@ def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> 
             break
     else:
         lines.append("  still too large: use a GPU with more memory or a smaller variant")
-    return "\n".join(lines)
+    streamed = rules.stream(s, budget) if s and rules.stream else None
+    return "\n".join(lines + ([streamed] if streamed else []))

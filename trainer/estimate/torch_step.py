@@ -109,6 +109,7 @@ def estimate(
     adapter: str = "lora",
     lokr_factor: int = -1,
     lokr_full_w2: bool = False,
+    stream_blocks: int = 0,
 ) -> Estimate:
     """Bytes one training step needs at square `resolution` (the largest bucket). `preservation`: DOP on.
     reference_images: edit training's control images per sample, each cropped to the target's bucket, so
@@ -134,16 +135,28 @@ def estimate(
     notes += [adapter_note] if adapter_note else []
     if optimizer == "prodigy":
         notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
+    weights, stream_note = _on_the_gpu(dims, base_dtype, stream_blocks)
     return Estimate.summed(
-        weights=_weights(dims, base_dtype, fp8_compute),
+        weights=_weights(dims, base_dtype, fp8_compute) - weights,
         lora_params=lora_params,
         optimizer=optimizer_bytes,
         activations=activations,
         workspace=_workspace(dims, tokens, act, base_dtype) + adapter_workspace,
         tokens=tokens,
-        notes=notes,
+        notes=notes + stream_note,
         settings=settings,
     )
+
+
+def _on_the_gpu(dims: ModelDims, base_dtype: str, stream_blocks: int) -> tuple[int, list[str]]:
+    """(bytes the stream takes off the GPU: the streamed blocks less the ring, its note)."""
+    if not stream_blocks:
+        return 0, []
+    streamed, ring = streamed_bytes(dims, base_dtype, stream_blocks)
+    return streamed - ring, [
+        f"{stream_blocks} blocks streamed: {streamed / GIB:.2f} GiB of the base in pinned host memory, a ring of "
+        f"{ring / GIB:.2f} GiB on the GPU, {2 * streamed / 1e9:.1f} GB copied host→GPU a step"
+    ]
 
 
 def _weights(dims: ModelDims, base_dtype: str, fp8_compute: bool) -> int:
@@ -154,6 +167,26 @@ def _weights(dims: ModelDims, base_dtype: str, fp8_compute: bool) -> int:
 
         weights += sum(i * o * sum(fp8_products(i, o)) for i, o in linear_layers(dims).values())
     return weights
+
+
+def block_weight_bytes(dims: ModelDims, base_dtype: str) -> list[int]:
+    """Each block's frozen Linear weights in bytes, blocks in the order the model lists them (<list>.<i>)."""
+    blocks: dict[str, int] = {}
+    for name, (i, o) in linear_layers(dims).items():
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1].isdigit():
+            key = ".".join(parts[:2])
+            blocks[key] = blocks.get(key, 0) + i * o * BASE_DTYPE_BYTES[base_dtype]
+    return list(blocks.values())
+
+
+def streamed_bytes(dims: ModelDims, base_dtype: str, count: int) -> tuple[int, int]:
+    """(bytes that stream, the GPU ring's bytes) with `count` blocks streamed as the backend picks them."""
+    from ..backends.torch_backend.streaming import SLOTS, spread
+
+    sizes = block_weight_bytes(dims, base_dtype)
+    chosen = [sizes[i] for i in spread(count, len(sizes))]
+    return sum(chosen), min(SLOTS, len(chosen)) * max(chosen, default=0)
 
 
 def _budget_kept(kept_all: int, checkpointed: int, budget: float) -> int:
@@ -244,5 +277,21 @@ def advice(settings: dict) -> list[tuple[str, dict]]:
     )
 
 
+def stream_advice(settings: dict, budget: float) -> str | None:
+    """The fewest blocks streamed from host memory (stream_blocks) for the step to fit, every other setting kept."""
+    arguments = {k: v for k, v in settings.items() if k != "backend"}
+    blocks = len(block_weight_bytes(get_dims(arguments["variant"]), arguments["base_dtype"]))
+    for count in range(arguments.get("stream_blocks", 0) + 1, blocks + 1):
+        total = estimate(**{**arguments, "stream_blocks": count}).total
+        if total <= budget:
+            streamed, _ = streamed_bytes(get_dims(arguments["variant"]), arguments["base_dtype"], count)
+            return (
+                f"  or, every other setting kept: stream_blocks {count} ({count} of {blocks} blocks from pinned host "
+                f"memory, {streamed / GIB:.1f} GiB of RAM; slower only where the copies outrun the compute): "
+                f"{total / GIB:.1f} GiB (fits)"
+            )
+    return None
+
+
 # estimate_common.backend_rules("torch"): a GPU's memory is all usable, in GiB as nvidia-smi shows it.
-RULES = EstimatorRules(estimate, advice, lambda gb: gb, lambda gb, usable: f"{gb:g} GiB")
+RULES = EstimatorRules(estimate, advice, lambda gb: gb, lambda gb, usable: f"{gb:g} GiB", stream_advice)

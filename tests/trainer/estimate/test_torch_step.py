@@ -224,3 +224,33 @@ def test_arch_names_and_variant_names_are_one_vocabulary():
     assert arch_variants("demo") == []
     with pytest.raises(ValueError, match="unknown --variant 'demo'.*qwen-image.*zimage_turbo"):
         resolve_variant("demo")
+
+
+def test_streamed_blocks_leave_the_gpu_and_a_ring_takes_their_place():
+    from trainer.estimate.torch_step import block_weight_bytes, streamed_bytes
+    from trainer.estimate.variants import get_dims
+
+    dims = get_dims("zimage")
+    sizes = block_weight_bytes(dims, "bf16")
+    assert len(sizes) == 34  # 2 noise and 2 context refiners, 30 layers
+    resident, streamed = (estimate("zimage", resolution=1024, stream_blocks=n) for n in (0, 34))
+    moved, ring = streamed_bytes(dims, "bf16", 34)
+    assert moved == sum(sizes) and ring == 3 * max(sizes)
+    assert resident.weights - streamed.weights == moved - ring
+    assert streamed.activations == resident.activations and "34 blocks streamed" in streamed.notes[-1]
+    half, _ = streamed_bytes(dims, "bf16", 17)
+    assert 0.4 * moved < half < 0.6 * moved
+
+
+def test_advice_offers_the_fewest_streamed_blocks_that_fit_and_mlx_none():
+    text = format_estimate(estimate("zimage", resolution=1024), device_memory_gb=12)
+    last = text.splitlines()[-1]
+    assert last.startswith("  or, every other setting kept: stream_blocks ") and last.endswith("(fits)")
+    count = int(last.split("stream_blocks ")[1].split()[0])
+    assert estimate("zimage", resolution=1024, stream_blocks=count).total <= 12 * GIB
+    assert estimate("zimage", resolution=1024, stream_blocks=count - 1).total > 12 * GIB
+    assert "fits in 24 GiB" in format_estimate(estimate("zimage", resolution=1024), device_memory_gb=24)
+    from trainer.estimate.common import backend_rules
+
+    on_a_mac = format_estimate(backend_rules("mlx").estimate("zimage", resolution=1024), device_memory_gb=8)
+    assert "does not fit" in on_a_mac and "stream_blocks" not in on_a_mac  # a Mac's GPU shares the host's memory
