@@ -70,6 +70,15 @@ def checkpointed(count: int, recompute: bool, skip: int) -> list[bool]:
     return [index < count - kept for index in range(count)]
 
 
+def restore_forward(module, previous) -> None:
+    """Undo an instance override of `module.forward` (the LoRA, fp8, checkpointing and stream wrappers install
+    theirs that way): `previous` is what module.__dict__ held before, None for the class's own forward."""
+    if previous is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = previous
+
+
 # A forward function: (model, x_t, sigmas, context, extras) -> velocity, same shape as x_t.
 Forward = Callable[[Any, Any, Any, Any, dict], Any]
 

@@ -280,11 +280,12 @@ def advice(settings: dict) -> list[tuple[str, dict]]:
 def stream_advice(settings: dict, budget: float) -> str | None:
     """The fewest blocks streamed from host memory (stream_blocks) for the step to fit, every other setting kept."""
     arguments = {k: v for k, v in settings.items() if k != "backend"}
-    blocks = len(block_weight_bytes(get_dims(arguments["variant"]), arguments["base_dtype"]))
+    dims = get_dims(arguments["variant"])
+    blocks = len(block_weight_bytes(dims, arguments["base_dtype"]))
     for count in range(arguments.get("stream_blocks", 0) + 1, blocks + 1):
         total = estimate(**{**arguments, "stream_blocks": count}).total
         if total <= budget:
-            streamed, _ = streamed_bytes(get_dims(arguments["variant"]), arguments["base_dtype"], count)
+            streamed, _ = streamed_bytes(dims, arguments["base_dtype"], count)
             return (
                 f"  or, every other setting kept: stream_blocks {count} ({count} of {blocks} blocks from pinned host "
                 f"memory, {streamed / GIB:.1f} GiB of RAM; slower only where the copies outrun the compute): "

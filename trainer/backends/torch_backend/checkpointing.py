@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ...run.faults import first_line
-from ..base import checkpointed
+from ..base import checkpointed, restore_forward
 
 
 class CompileFailed(RuntimeError):
@@ -350,10 +350,7 @@ class BlockCheckpointing:
 
     def remove(self) -> None:
         for block, previous in zip(self.blocks, self.previous):
-            if previous is None:
-                block.__dict__.pop("forward", None)
-            else:
-                block.forward = previous
+            restore_forward(block, previous)
         self.blocks, self.previous = [], []
 
 

@@ -32,6 +32,7 @@ import logging
 import torch
 from torch import nn
 
+from ..base import restore_forward
 from . import fp8_kernels
 
 log = logging.getLogger("kiln")
@@ -264,10 +265,7 @@ class Fp8Base:
 
     def remove(self) -> None:
         for module, previous in self.replaced:
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
+            restore_forward(module, previous)
         self.replaced = []
 
 

@@ -26,6 +26,8 @@ import logging
 import torch
 from torch import nn
 
+from ..base import restore_forward
+
 # Ring slots: one block computing, one copy in flight, one to spare. On an H200 (Z-Image 1024 px,
 # bench/RESULTS.md) 2, 3 and 4 slots ran the frozen base's step at 1.12, 1.11 and 1.10x the resident one.
 SLOTS = 3
@@ -40,7 +42,6 @@ class StreamPlan:
     slots: int
     slot_bytes: int
     streamed_bytes: int
-    host_bytes: int
 
     def gpu_bytes(self) -> int:
         """What the streamed blocks hold on the GPU: the ring."""
@@ -74,7 +75,7 @@ def plan(blocks: list[nn.Module], streamed: list[int], slots: int) -> StreamPlan
         raise ValueError(f"stream slots must be at least 2 (one computing, one copying), got {slots}")
     sizes = [_layout(frozen_weights(blocks[i]))[1] for i in streamed]
     slots = min(slots, len(streamed)) if streamed else 0
-    return StreamPlan(list(streamed), slots, max(sizes, default=0), sum(sizes), sum(sizes))
+    return StreamPlan(list(streamed), slots, max(sizes, default=0), sum(sizes))
 
 
 @dataclass
@@ -148,10 +149,7 @@ class BlockStreamer:
     def unhook(self) -> None:
         """The forwards as hook found them; the weights stay in the ring (the blocks can be wrapped anew)."""
         for block, previous in zip(self.streamed, self.previous):
-            if previous is None:
-                block.module.__dict__.pop("forward", None)
-            else:
-                block.module.forward = previous
+            restore_forward(block.module, previous)
         self.previous = []
 
     def _host_copy(self, weight: torch.Tensor) -> torch.Tensor:
