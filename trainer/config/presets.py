@@ -9,6 +9,25 @@ from typing import Any
 
 __all__ = ["PRESETS"]
 
+
+def _full_run(steps: int, rank: int, content_or_style: str) -> dict[str, Any]:
+    """The ai-toolkit-like preset the full runs share (a fresh resolutions list each), alpha = rank."""
+    return dict(
+        steps=steps,
+        rank=rank,
+        alpha=float(rank),
+        learning_rate=1e-4,
+        weight_decay=1e-4,
+        resolutions=[512, 768, 1024],
+        caption_dropout=0.05,
+        loss_weighting="bell",
+        content_or_style=content_or_style,
+        gradient_checkpointing=True,
+        mixed_precision="bf16",
+        checkpoint_every=250,
+    )
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "quick_test": dict(
         steps=100,
@@ -21,46 +40,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         log_every=5,
         caption_dropout=0.0,
     ),
-    "character": dict(
-        steps=3000,
-        rank=32,
-        alpha=32.0,
-        learning_rate=1e-4,
-        weight_decay=1e-4,
-        resolutions=[512, 768, 1024],
-        caption_dropout=0.05,
-        loss_weighting="bell",
-        content_or_style="balanced",
-        gradient_checkpointing=True,
-        mixed_precision="bf16",
-        checkpoint_every=250,
-    ),
-    "style": dict(
-        steps=2000,
-        rank=16,
-        alpha=16.0,
-        learning_rate=1e-4,
-        weight_decay=1e-4,
-        resolutions=[512, 768, 1024],
-        caption_dropout=0.05,
-        loss_weighting="bell",
-        content_or_style="style",
-        gradient_checkpointing=True,
-        mixed_precision="bf16",
-        checkpoint_every=250,
-    ),
-    "concept": dict(
-        steps=2500,
-        rank=32,
-        alpha=32.0,
-        learning_rate=1e-4,
-        weight_decay=1e-4,
-        resolutions=[512, 768, 1024],
-        caption_dropout=0.05,
-        loss_weighting="bell",
-        content_or_style="content",
-        gradient_checkpointing=True,
-        mixed_precision="bf16",
-        checkpoint_every=250,
-    ),
+    "character": _full_run(steps=3000, rank=32, content_or_style="balanced"),
+    "style": _full_run(steps=2000, rank=16, content_or_style="style"),
+    "concept": _full_run(steps=2500, rank=32, content_or_style="content"),
 }
