@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from helpers import comfy_env
+from helpers.node_ids import KILN_NODE_IDS
 import numpy as np
 import pytest
 
@@ -66,31 +67,7 @@ def _output(model):
 
 def test_every_node_is_registered():
     ids = {n.define_schema().node_id for n in pack.NODES}
-    assert ids == {
-        "KilnCaptionImages",
-        "KilnLoadDataset",
-        "KilnEncodeImages",
-        "KilnEncodeCaptions",
-        "KilnTrainingOptions",
-        "KilnValidationSettings",
-        "KilnTrainLoRA",
-        "KilnLoadRun",
-        "KilnApplyEMA",
-        "KilnSaveLoRA",
-        "KilnInvertAdapter",
-        "KilnLossGraph",
-        "KilnMergeLoRAs",
-        "KilnResizeLoRA",
-        "KilnExtractLoRA",
-        "KilnConvertLoRA",
-        "KilnTrainLoRATorchrun",
-        "KilnOptimizerOptions",
-        "KilnNoiseLossOptions",
-        "KilnEMAHoldoutOptions",
-        "KilnAdapterOptions",
-        "KilnSpeedMemoryOptions",
-        "KilnSavingLoggingOptions",
-    }
+    assert ids == KILN_NODE_IDS
     for node in pack.NODES:
         schema = node.define_schema()
         assert schema.category.startswith("Kiln")

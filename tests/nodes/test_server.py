@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 from helpers import comfy_env  # noqa: E402
+from helpers.node_ids import KILN_NODE_IDS  # noqa: E402
 
 pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 COMFY = comfy_env.require_comfy()  # skips the module without COMFYUI_PATH
@@ -48,31 +49,6 @@ from helpers.comfy_server import TINY_FILES, make_workflows, running, tiny_base 
 mw = make_workflows()
 WORKFLOWS = HERE / "workflows"
 EXAMPLES = sorted((REPO / "example_workflows" / "api").glob("*.json"))
-KILN_NODES = {
-    "KilnCaptionImages",
-    "KilnLoadDataset",
-    "KilnEncodeImages",
-    "KilnEncodeCaptions",
-    "KilnTrainingOptions",
-    "KilnValidationSettings",
-    "KilnTrainLoRA",
-    "KilnLoadRun",
-    "KilnApplyEMA",
-    "KilnSaveLoRA",
-    "KilnInvertAdapter",
-    "KilnLossGraph",
-    "KilnMergeLoRAs",
-    "KilnResizeLoRA",
-    "KilnExtractLoRA",
-    "KilnConvertLoRA",
-    "KilnTrainLoRATorchrun",
-    "KilnOptimizerOptions",
-    "KilnNoiseLossOptions",
-    "KilnEMAHoldoutOptions",
-    "KilnAdapterOptions",
-    "KilnSpeedMemoryOptions",
-    "KilnSavingLoggingOptions",
-}
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +77,8 @@ def test_pack_imports_without_failure(server):
 
 def test_every_kiln_node_is_served_with_tooltips(object_info):
     served = {name for name, info in object_info.items() if info.get("python_module") == "custom_nodes.kiln"}
-    assert served == KILN_NODES
-    for name in KILN_NODES:
+    assert served == KILN_NODE_IDS
+    for name in KILN_NODE_IDS:
         info = object_info[name]
         assert info["category"].startswith("Kiln"), name
         assert info["description"], name
