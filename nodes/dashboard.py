@@ -87,6 +87,7 @@ class Run:
     holdout_steps: list[int] = field(default_factory=list)  # steps with a held-out loss (trainer/run/holdout.py)
     holdout: list[float | None] = field(default_factory=list)
     grid: dict | None = None  # the newest sample grid {"step", "image"}
+    plan: list[str] = field(default_factory=list)  # the memory plan and auto choices, before the first step
 
     def summary(self) -> dict:
         return {
@@ -110,6 +111,7 @@ class Run:
             "can_save": self.can_save,
             "pause_requested": self.pause_requested,
             "paused": self.paused,
+            "plan": list(self.plan),
         }
 
     def detail(self, max_points: int = MAX_POINTS) -> dict:
@@ -281,6 +283,13 @@ class Registry:
         """The loop began (or ended) a wait; returns the kiln.run payload."""
         with self.lock:
             run.paused = bool(paused)
+            _touch(run)
+            return run.summary()
+
+    def set_plan(self, run: Run, lines: list[str]) -> dict:
+        """The run's memory plan (TorchBackend.plan), before its first step; returns the kiln.run payload."""
+        with self.lock:
+            run.plan = [str(line) for line in lines]
             _touch(run)
             return run.summary()
 

@@ -88,6 +88,10 @@ class Tracker:
         registry.preload(self.run, loss, lr, holdout)
         bridge.send_event("kiln.run", self.run.summary())
 
+    def on_plan(self, lines: list[str]) -> None:
+        """Before the first step: the backend's memory plan and auto choices, shown under the run."""
+        bridge.send_event("kiln.run", self.registry.set_plan(self.run, lines))
+
     def on_step(self, report) -> None:
         bridge.send_event("kiln.progress", self.registry.record(self.run, report))
         cfg, step = self.cfg, report.step

@@ -75,6 +75,7 @@ OPTIONS_SINCE_0_1 = (
     "reg_weight",
     "cuda_graphs",
     "step_graphs",
+    "stream_blocks",
 )
 # The settings an option node shows: those declared node="options" (trainer/config).
 _OPTION_NAMES = [name for name, node in cfg_module.NODE.items() if node == "options"]
@@ -164,6 +165,7 @@ SHIPPED_GROUP_ORDER = {
         "skip_checkpoint_blocks",
         "attention",
         "base_quantize",
+        "stream_blocks",
     ),
     "output": (
         "run_name",

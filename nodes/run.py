@@ -212,6 +212,12 @@ class TrainNode(Callbacks):
             self.sampler = bridge.validation(self.cfg, model, self.validation.samples, self.on_sample)
         return {"resume": self.resume, "callbacks": self}
 
+    def on_start(self, plan: list[str]) -> None:
+        """The memory plan and the auto choices (the console has them from the log): the dashboard and the
+        node's report."""
+        self.lines.extend(plan)
+        self.tracker.on_plan(plan)
+
     def on_step(self, report) -> None:
         self.bar.update(report.step)
         self.tracker.on_step(report)

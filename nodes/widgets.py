@@ -44,7 +44,16 @@ AUTO_WIDGETS = {
         "kept (0 = recompute the block, 1 = keep all; faster, more memory). -1 = auto: the "
         "largest share whose estimated peak leaves a margin of the GPU's free memory.",
     ),
+    # added after 0.1.0, an int like its headless setting: -1 means auto, as for checkpoint_budget
+    "stream_blocks": (
+        -1,
+        "PyTorch: how many of the model's blocks keep their frozen weights in pinned host memory and are copied "
+        "to the GPU just before they run, so a card smaller than the model trains it (slower only where the "
+        "copies outrun the compute). -1 = auto: on a CUDA GPU, the fewest blocks that make the estimated step fit "
+        "(0 where the model fits; the dashboard's Memory section shows the plan); 0 = every block on the GPU.",
+    ),
 }
+NEGATIVE_IS_AUTO = ("checkpoint_budget", "stream_blocks")  # a number widget whose -1 means "auto"
 
 # "auto" settings added after 0.1.0 are combos of three words (no saved workflow holds another type for them):
 # the fields declared tristate (trainer/config), each word → the config's value.
@@ -58,7 +67,7 @@ def from_widget(name: str, value):
         return TRISTATE[name].get(value, value)
     if name == "compile_blocks":
         return cfg_module.AUTO if value is True else value
-    if name == "checkpoint_budget" and isinstance(value, (int, float)) and value < 0:
+    if name in NEGATIVE_IS_AUTO and isinstance(value, (int, float)) and value < 0:
         return cfg_module.AUTO
     return value
 
@@ -97,7 +106,7 @@ def widget(
     if kind == "bool":
         return io.Boolean.Input(name, default=value, **common)
     low, high = cfg_module.BOUNDS.get(name, (None, None))
-    if name == "checkpoint_budget":
+    if name in NEGATIVE_IS_AUTO:
         low = AUTO_WIDGETS[name][0]
     if kind == "int":
         # A seed that re-rolls after each queue would start a new run instead of resuming this one.

@@ -173,7 +173,7 @@ export function chartGeometry(run, width, height, pad = { left: 44, right: 10, t
 function emptyRun(id) {
   return {
     id, name: "", node: null, promptId: null, status: "running", message: "", step: 0, total: 0, started: 0,
-    updated: 0, figures: {}, steps: [], loss: [], lrSteps: [], lr: [], samples: [], buckets: {}, saved: [],
+    updated: 0, figures: {}, steps: [], loss: [], lrSteps: [], lr: [], samples: [], buckets: {}, saved: [], plan: [],
     stopRequested: false, saveRequested: false, hasDetail: false,
     pauseRequested: false, holdoutSteps: [], holdout: [], grid: null,
     paused: false, canSave: true, rev: null,
@@ -191,7 +191,7 @@ function applySummaryFields(run, summary) {
   const fields = { name: "name", node: "node", prompt_id: "promptId", status: "status", message: "message",
     total: "total", started: "started", updated: "updated", stop_requested: "stopRequested",
     save_requested: "saveRequested", arch: "arch", start_step: "startStep", pause_requested: "pauseRequested",
-    paused: "paused", can_save: "canSave" };
+    paused: "paused", can_save: "canSave", plan: "plan" };
   for (const [key, name] of Object.entries(fields)) if (summary[key] !== undefined) run[name] = summary[key];
   if (Array.isArray(summary.saved)) run.saved = summary.saved;
 }

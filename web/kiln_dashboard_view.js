@@ -64,6 +64,7 @@ const CSS = `
 .kd-buckets { display: grid; grid-template-columns: auto 1fr auto; gap: 2px 6px; align-items: center; font-size: 11px; }
 .kd-buckets .kd-bbar { height: 6px; border-radius: 3px; background: #7a5cc7; min-width: 2px; }
 .kd-buckets span { font-variant-numeric: tabular-nums; }
+.kd-plan { font-size: 11px; opacity: 0.85; display: grid; gap: 2px; overflow-wrap: anywhere; }
 .kd-actions { display: flex; gap: 6px; align-items: center; flex-wrap: wrap; row-gap: 4px; }
 .kd-actions button { font: inherit; padding: 3px 12px; border-radius: 5px; cursor: pointer; color: #fff;
   border: 1px solid transparent; }
@@ -168,6 +169,9 @@ export class DashboardView {
     this.grid.rel = "noopener";
     this.buckets = el("div", "kd-buckets");
     this.buckets.dataset.kiln = "buckets";
+    this.planSection = el("div", "kd-section", "Memory");
+    this.plan = el("div", "kd-plan");
+    this.plan.dataset.kiln = "plan";
     const actions = el("div", "kd-actions");
     this.stopButton = el("button", "kd-stop", "Stop");
     this.stopButton.title = "Stop after this step and save a resumable checkpoint; the nodes after Train LoRA " +
@@ -194,7 +198,8 @@ export class DashboardView {
     this.top = el("div", "kd-top");
     this.top.append(head, progress, actions);
     this.body.append(this.chart, legend, this.figureBox, el("div", "kd-section", "Samples"), this.samples,
-      this.gridSection, this.grid, el("div", "kd-section", "Buckets"), this.buckets);
+      this.gridSection, this.grid, el("div", "kd-section", "Buckets"), this.buckets,
+      this.planSection, this.plan);
     this.element.append(this.top, this.idle, this.body);
   }
 
@@ -253,6 +258,7 @@ export class DashboardView {
     this.renderSamples(run);
     this.renderGrid(run);
     this.renderBuckets(run);
+    this.renderPlan(run);
     const running = run.status === "running";
     this.stopButton.disabled = this.stopSaveButton.disabled = !running || run.stopRequested;
     Object.assign(this.saveButton, saveButtonState(run));
@@ -369,6 +375,16 @@ export class DashboardView {
     this.grid.href = url;
     this.grid.title = `every sample so far, prompts across, steps down (newest: step ${run.grid.step})`;
     this.grid.replaceChildren(image);
+  }
+
+  /** The memory plan (what sits on the GPU, what streams, the host RAM it takes) and auto's choices. */
+  renderPlan(run) {
+    const lines = Array.isArray(run.plan) ? run.plan : [];
+    this.planSection.hidden = this.plan.hidden = !lines.length;
+    const key = lines.join("\n");
+    if (key === this.planKey) return;
+    this.planKey = key;
+    this.plan.replaceChildren(...lines.map((line) => el("div", "", line)));
   }
 
   renderBuckets(run) {

@@ -120,6 +120,10 @@ class Backend(Protocol):
     def ema_weights(self) -> AbstractContextManager[None]:
         """Within the block the model runs with the EMA weights."""
 
+    def plan(self) -> list[str]:
+        """Before the first step: where the model's memory goes and what "auto" chose, in lines for people."""
+        ...
+
     def trainable_parameter_count(self) -> int: ...
     def peak_memory_bytes(self) -> int: ...
     def teardown(self) -> None:

@@ -59,7 +59,7 @@ def cmd_estimate(args) -> int:
             skip_checkpoint_blocks=cfg.skip_checkpoint_blocks,
             preservation=cfg.preservation_weight > 0,
             **({"checkpoint_budget": budget} if budget else {}),  # torch only
-            **({"stream_blocks": cfg.stream_blocks} if cfg.stream_blocks else {}),  # torch only
+            **({"stream_blocks": cfg.stream_blocks} if cfg.stream_blocks not in (0, "auto") else {}),  # torch only
             **({"fp8_compute": True} if cfg.fp8_compute is True else {}),  # auto: no copies
             **({"reference_images": references} if references else {}),
             **(

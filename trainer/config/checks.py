@@ -201,9 +201,10 @@ def _backend_problems(cfg: TrainConfig) -> list[str]:
         )
     if cfg.backend == "mlx" and cfg.compile_blocks is True:
         problems.append("compile_blocks is for backend 'torch' (MLX compiles its whole step already); turn it off")
-    if cfg.backend == "mlx" and cfg.stream_blocks:
+    if cfg.backend == "mlx" and cfg.stream_blocks not in (0, AUTO):
         problems.append(
-            "stream_blocks is for backend 'torch' (a Mac's GPU shares the host's memory: nothing to stream); set it to 0"
+            "stream_blocks is for backend 'torch' (a Mac's GPU shares the host's memory: nothing to stream); set it "
+            "to 0 or auto"
         )
     if cfg.fp8_compute is True and (cfg.backend != "torch" or cfg.mixed_precision != "bf16"):
         problems.append(

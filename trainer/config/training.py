@@ -233,16 +233,17 @@ class SpeedFields:
         identity=False,
         auto=True,
     )
-    stream_blocks: int = setting(
-        0,
-        "PyTorch: how many of the model's blocks keep their frozen weights in host memory (pinned RAM) and are "
-        "copied to the GPU just before they run, through a ring of 3 GPU slots, so a card smaller than the model "
-        "trains it; steps slow down only where the copies outrun the compute. 0: every block on the GPU",
+    stream_blocks: int | Literal["auto"] = setting(
+        AUTO,
+        "PyTorch: how many of the model's blocks keep their frozen weights in pinned host memory and are copied "
+        "to the GPU just before they run (a ring of 3 GPU slots), so a card smaller than the model trains it; "
+        "steps slow down only where the copies outrun the compute. auto: on a CUDA GPU, the fewest blocks that "
+        "make the estimated step fit its free memory (0 where the model fits); 0: every block on the GPU",
         "speed",
         advanced=True,
         bounds=(0, 1000),
         identity=False,
-        node="none",
+        auto=True,
     )
     attention: str = setting(
         "auto",

@@ -140,7 +140,7 @@ def model_for(cfg: config_module.TrainConfig):
 
         model = demo_model(cfg.seed, dtype="bfloat16" if cfg.mixed_precision == "bf16" else "float32")
         return quantize_base(model, "demo", cfg.base_quantize)
-    from ..backends.torch_backend.backend import pick_device
+    from ..backends.torch_backend.devices import pick_device
     from .tiny_dit import build_tiny_flux
 
     # On the training device: the torch backend trains a model where it is (ComfyUI's session places its

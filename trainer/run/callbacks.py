@@ -19,6 +19,9 @@ class Callbacks:
     validate_every: int = 0  # validate every N steps and at the last step; 0: never (validate_first aside)
     validate_first: bool = False  # validate before the first step of a new run too (logged as step 0)
 
+    def on_start(self, plan: list[str]) -> None:
+        """Before the first step of this execution: the backend's memory plan and its auto choices, as lines."""
+
     def on_step(self, report) -> None:
         """After each step: a trainer.run.steplog.Report (loss figures only on steps where the loss was read)."""
 
@@ -50,7 +53,16 @@ class Validation(Callbacks):
         return self.sample(step, lora)
 
 
-NAMES = ("on_step", "validate", "should_stop", "should_pause", "on_pause", "validate_every", "validate_first")
+NAMES = (
+    "on_start",
+    "on_step",
+    "validate",
+    "should_stop",
+    "should_pause",
+    "on_pause",
+    "validate_every",
+    "validate_first",
+)
 
 
 def from_functions(**functions: Any) -> Callbacks:

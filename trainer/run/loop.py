@@ -355,6 +355,7 @@ def train(
         guard, vote = faults.Guard(cfg, save, group.world, start), distributed.StopVote()
         weights = functools.partial(best_lora, backend, cfg.ema)
         end = Ending.at_start(judge, run.run_dir, start)  # a resumed run that had stopped early ends at once
+        front.on_start(backend.plan())
         if start == 0:  # the start, logged as step 0 (validate_first)
             validate_if_due(0, front, run, sinks)
         for step in range(start, start if end.early_stopped else cfg.steps):

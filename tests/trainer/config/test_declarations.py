@@ -307,7 +307,7 @@ ADVANCED = (
 
 STEPS = {"weight_decay": 1e-06, "early_stop_min_delta": 1e-05}
 
-AUTO_FIELDS = ("compile_blocks", "checkpoint_budget", "fp8_compute", "step_graphs")
+AUTO_FIELDS = ("compile_blocks", "checkpoint_budget", "stream_blocks", "fp8_compute", "step_graphs")
 
 NOT_IDENTITY = (
     "stream_blocks",
@@ -378,7 +378,6 @@ NOT_IN_GRAPH = (
     "training_adapter",
     "init_lora",
     "init_lora_sha256",
-    "stream_blocks",
     "output_dir",
     "sample_prompts",
     "sample_every",

@@ -185,10 +185,10 @@ def test_the_demo_model_is_built_on_the_training_device(make_config, monkeypatch
     left on the CPU (found on an H200). Here "meta" stands in for the GPU."""
     import torch
 
-    from trainer.backends.torch_backend import backend
+    from trainer.backends.torch_backend import devices
     from trainer.demo.run import model_for
 
-    monkeypatch.setattr(backend, "pick_device", lambda name: torch.device("meta"))
+    monkeypatch.setattr(devices, "pick_device", lambda name: torch.device("meta"))
     model = model_for(make_config())
     assert {p.device.type for p in model.parameters()} == {"meta"}
 

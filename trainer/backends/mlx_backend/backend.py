@@ -335,6 +335,10 @@ class MlxBackend:
         with self.ema_weights():
             yield
 
+    def plan(self) -> list[str]:
+        """A Mac's GPU shares the host's memory: the whole model sits in it (base_quantize stores it smaller)."""
+        return [f"memory plan: the whole model in unified memory (base_quantize {self.cfg.base_quantize})"]
+
     def trainable_parameter_count(self) -> int:
         return self.lora.parameter_count()
 

@@ -15,7 +15,7 @@ from ...lora.files import LoraWeights
 from ...objective.flow import interpolate, velocity_target
 from ...run import distributed
 from ..base import StepStats, parameter_name, saved_name
-from . import attention, fallbacks, levers, lora, streaming
+from . import attention, devices, fallbacks, levers, lora, memory_plan, streaming
 from .checkpointing import (  # noqa: F401 (CompileFailed: imported from here)
     BlockCheckpointing,
     CompileFailed,
@@ -31,7 +31,6 @@ from .optim import (
     load_optimizer_arrays,
     optimizer_arrays,
 )
-from .devices import model_dtype, pick_device
 from .step_graphs import StepGraphs
 
 
@@ -46,27 +45,18 @@ class TorchBackend:
     def setup(self, model: nn.Module, cfg: TrainConfig, arch: Arch, forward=None) -> None:
         self.cfg, self.arch, self.model = cfg, arch, model
         self.forward = forward or default_forward
-        self.device = pick_device(cfg.device)
-        self.dtype = model_dtype(model)
+        self.device = devices.pick_device(cfg.device)
+        self.dtype = devices.model_dtype(model)
         self.autocast = cfg.mixed_precision == "bf16"
         self.attention = attention.resolve(cfg.attention, self.device)
         # Remember requires_grad so teardown leaves the model exactly as it came.
         self.frozen = [(p, p.requires_grad) for p in model.parameters()]
         model.requires_grad_(False)
-        fp8_note = self._add_lora()
-        self.parallel = distributed.current().world > 1  # auto levers never fall back mid-step on one rank alone
-        self.levers = levers.decide(
-            model,
-            cfg,
-            self.device,
-            notes=(fp8_note,),
-            parallel=self.parallel,
-            blocks_write_norm_inputs=arch.blocks_write_norm_inputs,
-        )
-        if self.levers.note:
-            levers.log.info("[Kiln] %s", self.levers.note)
-        self.stream = self._stream()
-        self._wrap_blocks(self.levers)
+        try:
+            self._place(model, cfg, arch)
+        except BaseException:  # the model goes back as it came (a ComfyUI MODEL is used again)
+            self.teardown()
+            raise
         self.params = dict(self.lora.named_parameters())
         self.graphs = self._step_graphs()
         self.optimizer = build_optimizer(
@@ -90,6 +80,25 @@ class TorchBackend:
         # same masks); seed it for the run and give the caller's state back at teardown.
         self.outer_rng = self.rng_state()
         torch.manual_seed(distributed.rank_seed(cfg.seed))
+
+    def _place(self, model, cfg, arch) -> None:
+        """The LoRA on the model, the memory plan (what streams) and the levers decided, the blocks wrapped."""
+        fp8_note = self._add_lora()
+        self.parallel = distributed.current().world > 1  # auto levers never fall back mid-step on one rank alone
+        self.memory = memory_plan.decide(model, cfg, self.device, find_blocks(model, arch.block_lists))
+        self.levers = levers.decide(
+            model,
+            cfg,
+            self.device,
+            notes=(fp8_note, self.memory.note),
+            parallel=self.parallel,
+            blocks_write_norm_inputs=arch.blocks_write_norm_inputs,
+            memory=self.memory,
+        )
+        for line in self.plan():
+            levers.log.info("[Kiln] %s", line)
+        self.stream = self._stream()
+        self._wrap_blocks(self.levers)
 
     def _add_lora(self) -> str:
         """The LoRA branches on the targets, over the fp8 forwards where fp8 is on; the fp8 lever's note."""
@@ -134,11 +143,13 @@ class TorchBackend:
             self.stream.unhook()
         self.checkpointing.remove()
 
-    def _stream(self):
-        """stream_blocks of the model's blocks streamed from host memory (streaming.py), or None."""
-        if not self.cfg.stream_blocks:
+    def _stream(self, released=({}, [])):
+        """The memory plan's blocks streamed from host memory (streaming.py), or None; `released`: a smaller
+        stream's weights, taken over."""
+        if not self.memory.stream:
             return None
-        return streaming.for_blocks(find_blocks(self.model, self.arch.block_lists), self.cfg.stream_blocks, self.device)
+        blocks = find_blocks(self.model, self.arch.block_lists)
+        return streaming.for_blocks(blocks, self.memory.stream, self.device, released)
 
     def _step_graphs(self):
         """A fresh set of step graphs (none recorded) where the levers say so; after a fallback the blocks
@@ -326,16 +337,10 @@ class TorchBackend:
         load_optimizer_arrays(self.optimizer, list(self.params), tensors, meta)
 
     def rng_state(self) -> dict[str, np.ndarray]:
-        out = {"torch_cpu": torch.get_rng_state().numpy()}
-        if self.device.type == "cuda":
-            out["torch_cuda"] = torch.cuda.get_rng_state(self.device).numpy()
-        return out
+        return devices.rng_state(self.device)
 
     def load_rng_state(self, tensors: dict[str, np.ndarray]) -> None:
-        if "torch_cpu" in tensors:
-            torch.set_rng_state(torch.from_numpy(np.array(tensors["torch_cpu"], dtype=np.uint8)))
-        if "torch_cuda" in tensors and self.device.type == "cuda":
-            torch.cuda.set_rng_state(torch.from_numpy(np.array(tensors["torch_cuda"], dtype=np.uint8)), self.device)
+        devices.load_rng_state(self.device, tensors)
 
     # --- inference helpers --------------------------------------------------------
     @contextmanager
@@ -360,15 +365,14 @@ class TorchBackend:
             for d, rate in zip(dropouts, rates):
                 d.p = rate
 
+    def plan(self) -> list[str]:
+        return [f"memory plan: {self.memory.summary()}", *([self.levers.note] if self.levers.note else [])]
+
     def trainable_parameter_count(self) -> int:
         return self.lora.parameter_count()
 
     def peak_memory_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        if self.device.type == "mps":
-            return int(torch.mps.driver_allocated_memory())
-        return 0
+        return devices.peak_memory_bytes(self.device)
 
     def teardown(self) -> None:
         if getattr(self, "checkpointing", None) is not None:

@@ -1,8 +1,9 @@
-"""Where a run computes: the device `device` names (auto: CUDA, else Apple's MPS, else the CPU) and the dtype
-its activations run in."""
+"""Where a run computes: the device `device` names (auto: CUDA, else Apple's MPS, else the CPU), the dtype
+its activations run in, and the device's random state and peak memory."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -26,3 +27,25 @@ def model_dtype(model: nn.Module) -> torch.dtype:
         if param.dtype in _COMPUTE_DTYPES:
             return param.dtype
     return torch.bfloat16
+
+
+def rng_state(device: torch.device) -> dict[str, np.ndarray]:
+    out = {"torch_cpu": torch.get_rng_state().numpy()}
+    if device.type == "cuda":
+        out["torch_cuda"] = torch.cuda.get_rng_state(device).numpy()
+    return out
+
+
+def load_rng_state(device: torch.device, tensors: dict[str, np.ndarray]) -> None:
+    if "torch_cpu" in tensors:
+        torch.set_rng_state(torch.from_numpy(np.array(tensors["torch_cpu"], dtype=np.uint8)))
+    if "torch_cuda" in tensors and device.type == "cuda":
+        torch.cuda.set_rng_state(torch.from_numpy(np.array(tensors["torch_cuda"], dtype=np.uint8)), device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    if device.type == "mps":
+        return int(torch.mps.driver_allocated_memory())
+    return 0

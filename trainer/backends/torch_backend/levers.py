@@ -206,6 +206,7 @@ def step_graphs(
     cuda_graphs: bool,
     parallel: bool,
     free_and_total=None,
+    streaming: bool = False,
 ) -> tuple[bool, str]:
     """(on, why) for step_graphs. auto: on for one process on a CUDA GPU, where the graphs' memory pool (the
     largest recorded step's activations, times GRAPH_POOL_FACTOR) fits beside the largest eager step."""
@@ -218,8 +219,8 @@ def step_graphs(
         if parallel
         else "cuda_graphs records the blocks instead"
         if cuda_graphs
-        else "stream_blocks copies the base beside each step"
-        if cfg.stream_blocks
+        else "blocks stream from host memory beside each step"
+        if streaming
         else ""
     )
     if why_not:  # said only where asked for: auto off on a CPU or Mac is no news
@@ -259,9 +260,13 @@ def decide(
     notes: tuple[str, ...] = (),
     blocks_write_norm_inputs: bool = False,
     parallel: bool = False,
+    memory=None,
 ) -> Levers:
     """compile_blocks and checkpoint_budget for this run, with "auto" resolved; `notes` from earlier
-    decisions (fp8_compute) lead the log line. `blocks_write_norm_inputs`: the arch's fact (trainer/archs)."""
+    decisions (fp8_compute, the memory plan) lead the log line. `blocks_write_norm_inputs`: the arch's fact
+    (trainer/archs). `memory`: the run's memory_plan.MemoryPlan, whose free memory the auto levers share."""
+    after = memory.after if memory is not None else None
+    streaming = bool(memory is not None and memory.stream)
     notes = [note for note in notes if note]
     why_not = "" if can_compile(device) else f" ({device.type}{' without Triton' if device.type == 'cuda' else ''})"
     if not why_not and blocks_write_norm_inputs and cfg.mixed_precision != "bf16":
@@ -276,14 +281,14 @@ def decide(
     budget = cfg.checkpoint_budget
     if budget == AUTO:
         if compile and cfg.gradient_checkpointing and device.type == "cuda":
-            budget, why = auto_budget(model, cfg, device)
+            budget, why = auto_budget(model, cfg, device, after)
         else:
             budget, why = 0.0, "0 (needs compiled blocks with checkpointing on a GPU)"
         notes.append(f"checkpoint_budget auto → {why}")
     graphs = bool(cfg.cuda_graphs) and compile and device.type == "cuda"
     if cfg.cuda_graphs and not graphs:
         notes.append("cuda_graphs → off (needs compiled blocks on a CUDA GPU)")
-    recorded, why = step_graphs(model, cfg, device, float(budget), graphs, parallel)
+    recorded, why = step_graphs(model, cfg, device, float(budget), graphs, parallel, after, streaming)
     notes.append(why)
     return Levers(
         compile=compile,

@@ -61,6 +61,11 @@ def _layout(weights: list[tuple[str, nn.Parameter]]) -> tuple[list[int], int]:
     return offsets, at
 
 
+def frozen_bytes(block: nn.Module) -> int:
+    """The bytes a block's frozen weights take in a ring slot (each aligned as the allocator would)."""
+    return _layout(frozen_weights(block))[1]
+
+
 def spread(count: int, total: int) -> list[int]:
     """`count` of `total` blocks (in the order they run), evenly spread: the resident blocks between two
     streamed ones compute while the next copy runs."""
@@ -73,7 +78,7 @@ def plan(blocks: list[nn.Module], streamed: list[int], slots: int) -> StreamPlan
     """The ring for `streamed` blocks: each slot as large as the largest streamed block."""
     if slots < 2:
         raise ValueError(f"stream slots must be at least 2 (one computing, one copying), got {slots}")
-    sizes = [_layout(frozen_weights(blocks[i]))[1] for i in streamed]
+    sizes = [frozen_bytes(blocks[i]) for i in streamed]
     slots = min(slots, len(streamed)) if streamed else 0
     return StreamPlan(list(streamed), slots, max(sizes, default=0), sum(sizes))
 
@@ -109,7 +114,13 @@ class BlockStreamer:
     """Streams the frozen weights of `plan.blocks` of `blocks` (in the order they run) to `device`."""
 
     def __init__(
-        self, blocks: list[nn.Module], stream_plan: StreamPlan, device: torch.device, log=None, hook: bool = True
+        self,
+        blocks: list[nn.Module],
+        stream_plan: StreamPlan,
+        device: torch.device,
+        log=None,
+        hook: bool = True,
+        released: tuple[dict, list] = ({}, []),
     ):
         self.device, self.plan, self.log = torch.device(device), stream_plan, log
         self.cuda = self.device.type == "cuda"
@@ -120,7 +131,9 @@ class BlockStreamer:
         self.holds: list[int | None] = [None] * stream_plan.slots  # which streamed block each slot holds
         self.streamed: list[_Block] = []
         self.previous: list = []
-        self.registered: list[torch.Tensor] = []  # host weights pinned in place, unregistered by remove()
+        # host weights pinned in place, unregistered by remove(); and where a released streamer's weights came from
+        self.registered: list[torch.Tensor] = list(released[1])
+        self.origins: dict[int, torch.device] = dict(released[0])
         for position, index in enumerate(stream_plan.blocks):
             self.streamed.append(self._adopt(blocks[index], position))
         if hook:
@@ -133,7 +146,7 @@ class BlockStreamer:
         block = _Block(module, weights, offsets)
         slot = self.ring[position % len(self.ring)]
         for (_, p), offset in zip(weights, offsets):
-            block.origins.append(p.device)
+            block.origins.append(self.origins.get(id(p), p.device))
             block.host.append(self._host_copy(p.data))
             view = slot[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
             p.data = view
@@ -255,6 +268,18 @@ class BlockStreamer:
                 block.ready.record(stream)
         self.holds[slot] = position
 
+    def release(self) -> tuple[dict, list]:
+        """Unhooked, the ring freed, every streamed weight left in its pinned host copy; returns what a larger
+        streamer takes over (`released`): where each weight came from, and the host memory pinned in place."""
+        self.unhook()
+        origins = {}
+        for block in self.streamed:
+            for (_, p), host, origin in zip(block.weights, block.host, block.origins):
+                p.data, origins[id(p)] = host, origin
+        released = (origins, self.registered)
+        self.streamed, self.ring, self.registered = [], [], []
+        return released
+
     def remove(self) -> None:
         """Unhooked, and every streamed weight back where it came from as a tensor of its own (a weight that
         came from the host stays there, for its loader to move)."""
@@ -272,9 +297,9 @@ class BlockStreamer:
         self.streamed, self.ring, self.registered = [], [], []
 
 
-def for_blocks(blocks: list[nn.Module], count: int, device) -> BlockStreamer:
+def for_blocks(blocks: list[nn.Module], count: int, device, released: tuple[dict, list] = ({}, [])) -> BlockStreamer:
     """`count` of `blocks` (spread) streamed through SLOTS slots, unhooked (the backend hooks it outside its
-    block wrappers); one log line says what streams."""
+    block wrappers); one log line says what streams. `released`: a smaller streamer's (BlockStreamer.release)."""
     chosen = spread(count, len(blocks))
     stream_plan = plan(blocks, chosen, SLOTS)
     logging.getLogger("kiln").info(
@@ -285,7 +310,7 @@ def for_blocks(blocks: list[nn.Module], count: int, device) -> BlockStreamer:
         stream_plan.slots,
         stream_plan.gpu_bytes() / 2**30,
     )
-    return BlockStreamer(blocks, stream_plan, device, hook=False)
+    return BlockStreamer(blocks, stream_plan, device, hook=False, released=released)
 
 
 class _nothing:

@@ -1,0 +1,195 @@
+"""Where the frozen base lives during a run: which blocks stay on the GPU and which stream from pinned host
+memory (streaming.py), decided once at the start, before the first step, and said in one line.
+
+stream_blocks auto, on a CUDA GPU: the fewest blocks (spread over the model) whose streaming leaves the
+estimated step (trainer/estimate/torch_step.py at checkpoint budget 0, times AUTO_SAFETY) room beside the
+resident weights, less a margin; 0 where the model fits, which costs a resident run nothing. Streaming
+never changes what trains (the same products, bitwise on CPU; tests/trainer/backends/torch_backend), only
+how fast: so auto streams and never quantizes. Storing the base smaller (base_quantize int8, a ComfyUI fp8
+checkpoint) rounds what trains, and stays the user's choice, which the plan names when memory is short.
+checkpoint_budget auto is then decided in the memory the plan leaves (levers.decide gets `after`).
+
+A weight that streams is kept in pinned host memory: one copy where it was on the GPU (pinned memory cannot
+be swapped out, so it must fit the host's free RAM), none where it already lies on the host (ComfyUI's
+loaders, its partial loading): it is pinned where it lies.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from ...config import AUTO, ConfigError, TrainConfig
+from .streaming import SLOTS, frozen_bytes, frozen_weights, spread
+
+GIB = 2**30
+# Beside the step's own estimate (× AUTO_SAFETY): allocator slack and a validation sample's decode.
+STREAM_MARGIN_BYTES, STREAM_MARGIN_SHARE = GIB, 0.05
+HOST_RESERVE_BYTES = 4 * GIB
+STREAMS_ON = (
+    "cuda",
+)  # device types whose memory is the GPU's own (a Mac's unified memory has nothing to gain)  # host RAM the plan leaves to the OS, ComfyUI and the data loader
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What streams (`stream` of the blocks, as streaming.spread picks them) and the bytes it moves."""
+
+    stream: int
+    sizes: tuple[int, ...] = ()  # each block's frozen weights in bytes
+    on_device: tuple[int, ...] = ()  # of which on the GPU when the plan was made
+    slot_sizes: tuple[int, ...] = ()  # each block's in a ring slot (every weight aligned as the allocator would)
+    free_and_total: tuple[int, int] | None = None  # the GPU's then (CUDA only)
+    note: str = ""  # what auto chose and why ("" when nothing was auto)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def chosen(self) -> set[int]:
+        return set(spread(self.stream, self.blocks)) if self.stream else set()
+
+    @property
+    def streamed_bytes(self) -> int:
+        """The streamed blocks' frozen weights, in pinned host memory."""
+        return sum(self.sizes[i] for i in self.chosen)
+
+    @property
+    def ring_bytes(self) -> int:
+        """The GPU slots they stream through."""
+        return min(SLOTS, self.stream) * max((self.slot_sizes[i] for i in self.chosen), default=0)
+
+    @property
+    def host_new_bytes(self) -> int:
+        """Pinned host memory newly taken: the streamed weights that were on the GPU."""
+        return sum(self.on_device[i] for i in self.chosen)
+
+    @property
+    def after(self) -> tuple[int, int] | None:
+        """(free, total) GPU bytes once the plan is in place: the streamed weights gone, the others arrived."""
+        if self.free_and_total is None:
+            return None
+        free, total = self.free_and_total
+        arriving = sum(
+            size - on for i, (size, on) in enumerate(zip(self.sizes, self.on_device)) if i not in self.chosen
+        )
+        return free + self.host_new_bytes - arriving - self.ring_bytes, total
+
+    def with_stream(self, count: int, note: str = "") -> MemoryPlan:
+        return replace(self, stream=min(count, self.blocks), note=note)
+
+    def summary(self) -> str:
+        """The plan in one line: what sits on the GPU, what streams, the host RAM it takes."""
+        resident = sum(self.sizes) - self.streamed_bytes
+        if not self.stream:
+            return f"frozen base on the GPU ({resident / GIB:.1f} GiB of block weights); nothing streams"
+        return (
+            f"{self.blocks - self.stream} of {self.blocks} blocks on the GPU ({resident / GIB:.1f} GiB), "
+            f"{self.stream} streamed from pinned host memory ({self.streamed_bytes / GIB:.1f} GiB of RAM, "
+            f"{self.host_new_bytes / GIB:.1f} GiB of it new) through a {self.ring_bytes / GIB:.2f} GiB GPU ring"
+        )
+
+
+def host_available_bytes() -> int | None:
+    """RAM the host can still give (Linux's MemAvailable; psutil elsewhere), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return None
+
+
+def _bytes_on(tensors, device: torch.device) -> int:
+    """The bytes of `tensors` on `device` ("cuda" is every CUDA device's index; "cuda:1" only its own)."""
+    return sum(
+        t.numel() * t.element_size()
+        for t in tensors
+        if t.device.type == device.type and device.index in (None, t.device.index)
+    )
+
+
+def decide(
+    model: nn.Module,
+    cfg: TrainConfig,
+    device: torch.device,
+    blocks: list[nn.Module],
+    free_and_total: tuple[int, int] | None = None,
+    host_free: int | None = None,
+) -> MemoryPlan:
+    """The plan for this run: stream_blocks as set, or auto's choice (above). Raises ConfigError where the
+    host lacks the RAM for the pinned copies of what must stream."""
+    from . import levers
+
+    cuda = device.type in STREAMS_ON
+    weights = [[p for _, p in frozen_weights(block)] for block in blocks]
+    plan = MemoryPlan(
+        0,
+        sizes=tuple(sum(p.numel() * p.element_size() for p in block) for block in weights),
+        on_device=tuple(_bytes_on(block, device) if cuda else 0 for block in weights),
+        slot_sizes=tuple(frozen_bytes(block) for block in blocks),
+        free_and_total=(free_and_total or levers.free_bytes(device)) if cuda else None,
+    )
+    host = host_available_bytes() if host_free is None else host_free
+    if cfg.stream_blocks != AUTO:
+        plan = plan.with_stream(int(cfg.stream_blocks))
+    elif cuda and blocks:
+        plan = _auto(model, cfg, plan)
+    _check_host(plan, host, cfg)
+    return plan
+
+
+def _auto(model, cfg, plan: MemoryPlan) -> MemoryPlan:
+    """stream_blocks auto: the fewest blocks that make the step fit."""
+    from ...estimate.torch_step import AUTO_SAFETY
+    from . import levers
+
+    need = levers.estimated_step_bytes(model, cfg, 0.0)
+    if need is None:
+        return plan.with_stream(0, "stream_blocks auto → 0 (no memory estimate for this model)")
+    for count in range(plan.blocks + 1):
+        free, total = plan.with_stream(count).after
+        if AUTO_SAFETY * need <= free - stream_margin(total):
+            break
+    else:
+        return plan.with_stream(
+            plan.blocks,
+            f"stream_blocks auto → all {plan.blocks} blocks, and the step (~{need / GIB:.1f} GiB estimated) may "
+            "still not fit: lower the resolution or the batch, or store the base smaller (base_quantize int8)",
+        )
+    if not count:
+        return plan.with_stream(0, f"stream_blocks auto → 0 (the step, ~{need / GIB:.1f} GiB, fits beside the base)")
+    return plan.with_stream(
+        count,
+        f"stream_blocks auto → {count} of {plan.blocks} (so the step, ~{need / GIB:.1f} GiB, fits beside "
+        f"{plan.blocks - count} resident blocks)",
+    )
+
+
+def stream_margin(total: int) -> int:
+    return max(STREAM_MARGIN_BYTES, int(STREAM_MARGIN_SHARE * total))
+
+
+def _check_host(plan: MemoryPlan, host: int | None, cfg: TrainConfig) -> None:
+    """Refuse, before the first step, a plan whose pinned copies the host cannot hold."""
+    if host is None or not plan.host_new_bytes or plan.host_new_bytes <= host - HOST_RESERVE_BYTES:
+        return
+    raise ConfigError(
+        f"stream_blocks {cfg.stream_blocks}: streaming {plan.stream} of {plan.blocks} blocks needs "
+        f"{plan.host_new_bytes / GIB:.1f} GiB of pinned host memory for their weights, and this machine has "
+        f"{host / GIB:.1f} GiB available ({HOST_RESERVE_BYTES / GIB:.0f} GiB kept for the system). Free host "
+        "memory, or make the base smaller so less must stream: base_quantize int8 (half the bytes), a ComfyUI "
+        "fp8 checkpoint of the model, or a lower resolution (`python -m trainer estimate CONFIG --memory-gb N` "
+        "shows what fits)"
+    )
