@@ -37,7 +37,15 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..archs.layout import ModelDims
-from .common import GIB, arch_of, get_dims, image_token_count, layout_of, linear_layers, lora_shapes
+from .common import GIB, arch_of, get_dims, image_token_count, layout_of, lora_shapes
+from .torch_step import (
+    auto_margin,
+    block_weight_bytes,
+    estimate,
+    fewest_streamed,
+    largest_budget,
+    streamed_bytes,
+)
 
 EFFICIENCY = 0.54  # share of the dense tensor rate a step reaches (calibrated above)
 HOST_OVERHEAD_S = 0.016  # per step, beside the GPU's work (calibrated above)
@@ -97,7 +105,14 @@ def rate(card: Card, base_dtype: str, fp8_compute: bool) -> float:
 
 
 def step_flops(
-    dims: ModelDims, resolution: int, *, rank: int = 32, recompute: float = 1.0, batch: int = 1, text: int = 0
+    dims: ModelDims,
+    resolution: int,
+    *,
+    rank: int = 32,
+    recompute: float = 1.0,
+    batch: int = 1,
+    text: int = 0,
+    targets: tuple[str, ...] | None = None,
 ) -> float:
     """FLOPs of one LoRA step on a frozen base (module docstring); `recompute`: the share checkpointing reruns;
     `text`: text tokens (default the estimate's, an upper bound for Z-Image's captions)."""
@@ -106,16 +121,11 @@ def step_flops(
     text = text or dims.context_tokens
     groups = layout_of(dims).blocks(dims, image, text)
     tokens = [g.tokens for g in groups for _ in range(g.count)]  # per block, in block order
-    weights: dict[str, int] = {}
-    for name, (i, o) in linear_layers(dims).items():
-        parts = name.split(".")
-        if len(parts) > 2 and parts[1].isdigit():
-            weights[".".join(parts[:2])] = weights.get(".".join(parts[:2]), 0) + i * o
-    per_block = list(weights.values())
+    per_block = [size // 2 for size in block_weight_bytes(dims, "bf16")]  # Linear weights per block
     passes = [p / 2 if index < dims.double_blocks else p for index, p in enumerate(per_block)]  # two streams
     linear = sum(2 * p * t for p, t in zip(passes, tokens))
     attention = sum(4 * t * t * dims.hidden for t in tokens)
-    lora = 2 * rank * sum(i + o for i, o in lora_shapes(dims, None)) * (image + text)
+    lora = 2 * rank * sum(i + o for i, o in lora_shapes(dims, targets)) * (image + text)
     return batch * ((2 + recompute) * linear + (3 + recompute) * (attention + lora))
 
 
@@ -145,7 +155,7 @@ class CardPlan(NamedTuple):
 def card_plan(settings: dict, memory_gib: float, budget: float | str = "auto") -> CardPlan:
     """The fewest blocks streamed for the step of `settings` (estimate()'s arguments) to fit, at plain
     checkpointing (stream_advice's search), then checkpoint_budget auto as a run picks it beside them."""
-    from .torch_step import auto_margin, block_weight_bytes, estimate, fewest_streamed, largest_budget, streamed_bytes
+    from .torch_step import auto_margin, estimate, fewest_streamed, largest_budget, streamed_bytes
 
     memory = int(memory_gib * GIB)
     fixed = budget != "auto"
@@ -178,6 +188,7 @@ def predict_plan(card: Card, settings: dict, plan: CardPlan) -> Prediction:
         settings["resolution"],
         rank=settings["rank"],
         recompute=recompute,
+        targets=settings.get("targets"),
         batch=settings["batch_size"] * (2 if settings.get("preservation") else 1),
     )
     return predict(card, flops, 2 * plan.host_bytes, settings["base_dtype"], bool(settings.get("fp8_compute")))
