@@ -75,6 +75,13 @@ def cmd_estimate(args) -> int:
     for resolution in cfg.resolutions:
         print(format_estimate(estimated(resolution, budget), device_memory_gb=args.memory_gb))
     _step_graphs_note(estimated, cfg, backend, budget)
+    if args.memory_gb and backend == "torch":  # after today's output, which stays as it was
+        from ..estimate.cards import plan_lines
+
+        settings = estimated(max(cfg.resolutions), 0.0).settings
+        every = getattr(args, "cards", None) == "all"
+        budget = cfg.checkpoint_budget if cfg.compile_blocks is not False else 0.0  # auto needs compiled blocks
+        print("\n".join(plan_lines(settings, args.memory_gb, budget, every)))
     return 0
 
 

@@ -146,7 +146,14 @@ def _add_estimate(commands) -> None:
     est.add_argument(
         "--memory-gb",
         type=float,
-        help="GPU memory in GiB (torch), or the Mac's RAM in GB (mlx), to say whether it fits",
+        help="GPU memory in GiB (torch), or the Mac's RAM in GB (mlx), to say whether it fits; on torch also "
+        "the plan on such a card and a predicted step time on named cards of about that memory",
+    )
+    est.add_argument(
+        "--cards",
+        choices=["near", "all"],
+        default="near",
+        help="with --memory-gb: the named cards to predict for: those within ~20%% of it (near) or all",
     )
     est.set_defaults(func=cmd_estimate)
 

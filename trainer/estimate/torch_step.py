@@ -277,21 +277,32 @@ def advice(settings: dict) -> list[tuple[str, dict]]:
     )
 
 
-def stream_advice(settings: dict, budget: float) -> str | None:
-    """The fewest blocks streamed from host memory (stream_blocks) for the step to fit, every other setting kept."""
+def fewest_streamed(settings: dict, budget: float) -> tuple[int, Estimate] | None:
+    """(the fewest blocks streamed from host memory beyond the settings' own for the step to fit `budget` bytes,
+    its estimate), every other setting kept; None where even every block streamed does not fit."""
     arguments = {k: v for k, v in settings.items() if k != "backend"}
     dims = get_dims(arguments["variant"])
     blocks = len(block_weight_bytes(dims, arguments["base_dtype"]))
     for count in range(arguments.get("stream_blocks", 0) + 1, blocks + 1):
-        total = estimate(**{**arguments, "stream_blocks": count}).total
-        if total <= budget:
-            streamed, _ = streamed_bytes(dims, arguments["base_dtype"], count)
-            return (
-                f"  or, every other setting kept: stream_blocks {count} ({count} of {blocks} blocks from pinned host "
-                f"memory, {streamed / GIB:.1f} GiB of RAM; slower only where the copies outrun the compute): "
-                f"{total / GIB:.1f} GiB (fits)"
-            )
+        step = estimate(**{**arguments, "stream_blocks": count})
+        if step.total <= budget:
+            return count, step
     return None
+
+
+def stream_advice(settings: dict, budget: float) -> str | None:
+    """The fewest blocks streamed from host memory (stream_blocks) for the step to fit, every other setting kept."""
+    found = fewest_streamed(settings, budget)
+    if found is None:
+        return None
+    (count, step), dims = found, get_dims(settings["variant"])
+    blocks = len(block_weight_bytes(dims, settings["base_dtype"]))
+    streamed, _ = streamed_bytes(dims, settings["base_dtype"], count)
+    return (
+        f"  or, every other setting kept: stream_blocks {count} ({count} of {blocks} blocks from pinned host "
+        f"memory, {streamed / GIB:.1f} GiB of RAM; slower only where the copies outrun the compute): "
+        f"{step.total / GIB:.1f} GiB (fits)"
+    )
 
 
 # estimate_common.backend_rules("torch"): a GPU's memory is all usable, in GiB as nvidia-smi shows it.

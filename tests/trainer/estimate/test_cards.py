@@ -1,0 +1,105 @@
+"""trainer/estimate/cards.py: the named cards, the predicted step time, and `estimate --memory-gb`'s plan."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.estimate.cards import CARDS, card_plan, near, predict, predict_plan, rate, step_flops
+from trainer.estimate.common import get_dims
+from trainer.estimate.torch_step import estimate
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_the_cards_facts_are_sane():
+    for card in CARDS.values():
+        assert 8 <= card.memory_gib <= 141 and card.bf16 > 0 and card.int8 >= 2 * card.bf16, card
+        assert card.bandwidth > 0 and 10 <= card.host_gbps <= 60, card
+        ampere = card.name.startswith("RTX 30")
+        assert (card.fp8 == 0) if ampere else (card.fp8 == pytest.approx(2 * card.bf16, rel=0.01)), card
+    assert CARDS["RTX 4060 Ti 16GB"].host_gbps == 12.5  # PCIe 4.0 x8
+    assert {c.name for c in near(16)} >= {"RTX 4060 Ti 16GB", "RTX 4080", "RTX 5080"}
+    assert not {c.name for c in near(16)} & {"RTX 3090", "RTX 4090", "RTX 3060 12GB"}
+
+
+def test_the_rate_follows_the_base_and_what_the_card_has():
+    ampere, ada = CARDS["RTX 3090"], CARDS["RTX 4090"]
+    assert rate(ada, "bf16", False) == ada.bf16 and rate(ada, "fp8", False) == ada.fp8
+    assert rate(ada, "bf16", True) == ada.fp8 and rate(ada, "int8", False) == ada.int8
+    assert rate(ampere, "fp8", True) == ampere.bf16  # no fp8 on Ampere: the base computes in bf16
+
+
+def _h200_rows():
+    rows = json.loads((ROOT / "bench/results.json").read_text())
+    return [
+        r
+        for r in rows
+        if "H200" in r.get("device", "")
+        and r.get("commit", "").startswith("b73b35f")
+        and r.get("resolution") == 1024
+        and r.get("kiln_settings") == {}
+    ]
+
+
+def test_the_h200_reproduces_its_calibration_rows():
+    rows = _h200_rows()
+    assert {r["variant"] for r in rows} == {"zimage", "flux2-klein-4b"}
+    for row in rows:
+        flops = step_flops(get_dims(row["variant"]), 1024, recompute=0.0, text=row["text_tokens"])  # budget auto → 1
+        assert flops == pytest.approx(row["model_tflop_per_step"] * 1e12, rel=0.03)  # the bench's own count
+        predicted = predict(CARDS["H200 (reference)"], flops, 0).seconds
+        assert predicted == pytest.approx(row["kiln_s_per_step"], rel=0.10), row["variant"]
+
+
+def test_streaming_every_z_image_block_over_a_pcie_x8_link_is_copy_bound():
+    """At 512 px with nothing recomputed (checkpoint_budget 1, which fits 16 GiB with every block streamed) the
+    4060 Ti's 22.9 GB of copies a step over PCIe 4.0 x8 outlast its compute; at 1024 px its compute is slower."""
+    card = CARDS["RTX 4060 Ti 16GB"]
+    settings = estimate("zimage", resolution=512, stream_blocks=34).settings
+    plan = card_plan(settings, card.memory_gib, budget=1.0)
+    assert plan.streamed == 34 and plan.host_bytes > 11 * 2**30 and plan.total <= 16 * 2**30
+    predicted = predict_plan(card, settings, plan)
+    assert predicted.bound == "copy" and predicted.seconds >= 2 * plan.host_bytes / 12.5e9
+    wide = estimate("zimage", resolution=1024, stream_blocks=34).settings
+    assert predict_plan(card, wide, card_plan(wide, card.memory_gib, budget=0.0)).bound == "compute"
+    # the whole base resident at 1024 px on a 4090: nothing to copy, compute-bound
+    settings = estimate("zimage", resolution=1024).settings
+    plan = card_plan(settings, 24)
+    assert plan.streamed == 0 and predict_plan(CARDS["RTX 4090"], settings, plan).bound == "compute"
+
+
+def test_a_card_too_small_streams_the_fewest_blocks_that_fit():
+    settings = estimate("zimage", resolution=1024).settings
+    plan = card_plan(settings, 12)
+    assert 0 < plan.streamed < plan.blocks == 34 and plan.total <= 12 * 2**30
+    fewer = estimate(**{**settings, "stream_blocks": plan.streamed - 1, "checkpoint_budget": 0.0})
+    assert fewer.total > 12 * 2**30
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_the_cli_prints_the_plan_and_the_labelled_table(tmp_path):
+    config = tmp_path / "zimage.toml"
+    config.write_text('arch = "zimage_turbo"\nresolutions = [512, 1024]\n')
+    plain, sixteen, every = (
+        _cli("estimate", config, *a) for a in ((), ("--memory-gb", 16), ("--memory-gb", 16, "--cards", "all"))
+    )
+    assert plain.returncode == sixteen.returncode == every.returncode == 0, sixteen.stderr
+    assert "predicted" not in plain.stdout and "the plan on" not in plain.stdout
+    out = sixteen.stdout
+    assert "the plan on a 16 GiB card (1024 px" in out
+    assert "predicted (not measured) step time on cards with about 16 GiB" in out
+    table = out[out.index("predicted (not measured)") :].splitlines()[2:]
+    assert {line[2:21].strip() for line in table} == {c.name for c in CARDS.values() if c.memory_gib == 16}
+    assert all("predicted" in line for line in table) and not any("RTX 4090" in line for line in table)
+    assert all(line.rstrip().endswith(("compute", "copy")) for line in table)
+    assert "RTX 4090" in every.stdout and "RTX 3060 12GB" in every.stdout
