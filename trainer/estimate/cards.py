@@ -153,9 +153,10 @@ class CardPlan(NamedTuple):
 
 
 def card_plan(settings: dict, memory_gib: float, budget: float | str = "auto") -> CardPlan:
-    """The fewest blocks streamed for the step of `settings` (estimate()'s arguments) to fit, at plain
-    checkpointing (stream_advice's search), then checkpoint_budget auto as a run picks it beside them."""
-    from .torch_step import auto_margin, estimate, fewest_streamed, largest_budget, streamed_bytes
+    """The fewest blocks streamed for the step of `settings` (estimate()'s arguments) to fit as a run's
+    stream_blocks auto takes it (runs_in: the safety factor and margin), at plain checkpointing, then
+    checkpoint_budget auto as a run picks it beside them."""
+    from .torch_step import auto_margin, estimate, fewest_streamed, largest_budget, runs_in, streamed_bytes
 
     memory = int(memory_gib * GIB)
     fixed = budget != "auto"
@@ -163,8 +164,8 @@ def card_plan(settings: dict, memory_gib: float, budget: float | str = "auto") -
     dims, dtype = get_dims(settings["variant"]), settings["base_dtype"]
     blocks, count = len(block_weight_bytes(dims, dtype)), base.get("stream_blocks", 0)
     step = estimate(**base)
-    if step.total > memory:
-        found = fewest_streamed(base, memory)
+    if not runs_in(step, memory):  # as a run's stream_blocks auto decides (memory_plan.py)
+        found = fewest_streamed(base, memory, runs_in)
         if found is None:
             return CardPlan(None, blocks, 0, 0.0, step.total)
         count, step = found

@@ -252,6 +252,26 @@ GRAPH_MAX_PIXELS = 800 * 800
 GRAPH_POOL_FACTOR = 2.0
 
 
+# stream_blocks "auto" (torch_backend/memory_plan.py, and `estimate --memory-gb`'s card plan): the step beside
+# the resident weights, times AUTO_SAFETY, must leave this margin of the card (allocator slack, a sample's decode).
+STREAM_MARGIN_BYTES, STREAM_MARGIN_SHARE = GIB, 0.05
+
+
+def stream_margin(total_bytes: int) -> int:
+    return max(STREAM_MARGIN_BYTES, int(STREAM_MARGIN_SHARE * total_bytes))
+
+
+def step_fits(need: int, available: int, total: int) -> bool:
+    """Whether stream_blocks auto takes a step needing `need` bytes beside the weights as fitting in `available`
+    bytes of a GPU of `total`."""
+    return AUTO_SAFETY * need <= available - stream_margin(total)
+
+
+def runs_in(step: Estimate, memory: int) -> bool:
+    """step_fits for an estimate on a GPU of `memory` bytes, every weight it counts resident."""
+    return step_fits(step.total - step.weights, memory - step.weights, memory)
+
+
 def graph_resolution(resolutions, batch_size: int) -> int | None:
     """The square resolution whose step stands for the largest recorded one (the pool's size), or None where
     every bucket's step is larger than GRAPH_MAX_PIXELS (then no step is recorded)."""
@@ -277,15 +297,17 @@ def advice(settings: dict) -> list[tuple[str, dict]]:
     )
 
 
-def fewest_streamed(settings: dict, budget: float) -> tuple[int, Estimate] | None:
+def fewest_streamed(settings: dict, budget: float, fits=None) -> tuple[int, Estimate] | None:
     """(the fewest blocks streamed from host memory beyond the settings' own for the step to fit `budget` bytes,
-    its estimate), every other setting kept; None where even every block streamed does not fit."""
+    its estimate), every other setting kept; None where even every block streamed does not fit. `fits(estimate,
+    budget)`: the rule (default: its total within the budget; a run's auto: runs_in)."""
+    fits = fits or (lambda step, memory: step.total <= memory)
     arguments = {k: v for k, v in settings.items() if k != "backend"}
     dims = get_dims(arguments["variant"])
     blocks = len(block_weight_bytes(dims, arguments["base_dtype"]))
     for count in range(arguments.get("stream_blocks", 0) + 1, blocks + 1):
         step = estimate(**{**arguments, "stream_blocks": count})
-        if step.total <= budget:
+        if fits(step, budget):
             return count, step
     return None
 

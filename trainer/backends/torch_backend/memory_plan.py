@@ -26,8 +26,6 @@ from ...config import AUTO, ConfigError, TrainConfig
 from .streaming import SLOTS, frozen_bytes, frozen_weights, spread
 
 GIB = 2**30
-# Beside the step's own estimate (× AUTO_SAFETY): allocator slack and a validation sample's decode.
-STREAM_MARGIN_BYTES, STREAM_MARGIN_SHARE = GIB, 0.05
 HOST_RESERVE_BYTES = 4 * GIB
 STREAMS_ON = (
     "cuda",
@@ -152,15 +150,14 @@ def decide(
 
 def _auto(model, cfg, plan: MemoryPlan) -> MemoryPlan:
     """stream_blocks auto: the fewest blocks that make the step fit."""
-    from ...estimate.torch_step import AUTO_SAFETY
+    from ...estimate.torch_step import step_fits
     from . import levers
 
     need = levers.estimated_step_bytes(model, cfg, 0.0)
     if need is None:
         return plan.with_stream(0, "stream_blocks auto → 0 (no memory estimate for this model)")
     for count in range(plan.blocks + 1):
-        free, total = plan.with_stream(count).after
-        if AUTO_SAFETY * need <= free - stream_margin(total):
+        if step_fits(need, *plan.with_stream(count).after):
             break
     else:
         return plan.with_stream(
@@ -175,10 +172,6 @@ def _auto(model, cfg, plan: MemoryPlan) -> MemoryPlan:
         f"stream_blocks auto → {count} of {plan.blocks} (so the step, ~{need / GIB:.1f} GiB, fits beside "
         f"{plan.blocks - count} resident blocks)",
     )
-
-
-def stream_margin(total: int) -> int:
-    return max(STREAM_MARGIN_BYTES, int(STREAM_MARGIN_SHARE * total))
 
 
 def _check_host(plan: MemoryPlan, host: int | None, cfg: TrainConfig) -> None:

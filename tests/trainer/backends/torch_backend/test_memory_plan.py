@@ -10,6 +10,7 @@ import torch
 
 from trainer.backends.torch_backend import levers, memory_plan
 from trainer.config import ConfigError
+from trainer.estimate.torch_step import AUTO_SAFETY, stream_margin
 
 GIB = 2**30
 
@@ -34,10 +35,8 @@ def test_auto_streams_the_fewest_blocks_that_make_the_step_fit(make_model, make_
     probe, blocks = plan_for(make_model, make_config, monkeypatch, need=0, free=0)
     size, count = probe.sizes[0], probe.blocks
     assert count == 8 and all(s == size for s in probe.sizes)
-    margin = memory_plan.stream_margin(8 * GIB)
+    margin = stream_margin(8 * GIB)
     # free memory short by 1.5 blocks' weights beyond the ring: 2 + ring blocks' worth must stream
-    from trainer.estimate.torch_step import AUTO_SAFETY
-
     need = 1000
     free = int(AUTO_SAFETY * need) + margin - int(1.5 * size)
     plan, _ = plan_for(make_model, make_config, monkeypatch, need=need, free=free)
