@@ -98,6 +98,8 @@ class TorchBackend:
         for line in self.plan():
             levers.log.info("[Kiln] %s", line)
         self.stream = self._stream()
+        # what lay on the host and does not stream (the adapters of its Linears were made there too)
+        self.arrived = memory_plan.arrive([model, *self.lora.branches().values()], self.device)
         self._wrap_blocks(self.levers)
 
     def _add_lora(self) -> str:
@@ -149,7 +151,7 @@ class TorchBackend:
         if not self.memory.stream:
             return None
         blocks = find_blocks(self.model, self.arch.block_lists)
-        return streaming.for_blocks(blocks, self.memory.stream, self.device, released)
+        return streaming.for_blocks(blocks, self.memory.chosen, self.device, released)
 
     def _step_graphs(self):
         """A fresh set of step graphs (none recorded) where the levers say so; after a fallback the blocks
@@ -381,6 +383,8 @@ class TorchBackend:
         if getattr(self, "stream", None) is not None:
             self.stream.remove()  # after the forwards, before the LoRA and fp8 forwards come off
             self.stream = None
+        memory_plan.leave(getattr(self, "arrived", []))  # back to the host, where the model's loader left it
+        self.arrived = []
         if getattr(self, "lora", None) is not None:
             self.lora.remove()
         if getattr(self, "fp8", None) is not None:

@@ -48,8 +48,21 @@ class MemoryPlan:
         return len(self.sizes)
 
     @property
-    def chosen(self) -> set[int]:
-        return set(spread(self.stream, self.blocks)) if self.stream else set()
+    def on_host(self) -> list[int]:
+        """Blocks whose weights lie (partly) on the host: ComfyUI's partial load left them there (CUDA only)."""
+        if self.free_and_total is None:
+            return []
+        return [i for i, (size, on) in enumerate(zip(self.sizes, self.on_device)) if on < size]
+
+    @property
+    def chosen(self) -> list[int]:
+        """The streamed blocks: those on the host first (they stream from where they lie), then the others evenly
+        spread (streaming.spread: resident blocks between two streamed ones compute while the next copy runs)."""
+        off = self.on_host
+        if self.stream <= len(off):
+            return off[: self.stream]
+        rest = [i for i in range(self.blocks) if i not in off]
+        return sorted(off + [rest[j] for j in spread(self.stream - len(off), len(rest))])
 
     @property
     def streamed_bytes(self) -> int:
@@ -90,6 +103,26 @@ class MemoryPlan:
             f"{self.stream} streamed from pinned host memory ({self.streamed_bytes / GIB:.1f} GiB of RAM, "
             f"{self.host_new_bytes / GIB:.1f} GiB of it new) through a {self.ring_bytes / GIB:.2f} GiB GPU ring"
         )
+
+
+def arrive(modules: list[nn.Module], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every parameter and buffer of `modules` (the model, its adapters) still off `device` once the stream holds
+    its blocks (a weight ComfyUI's partial load, or a loader, left on the host) moved to it; returns (tensor,
+    the host tensor it was) for `leave`: the very tensor goes back (ComfyUI may have pinned it, and tracks it)."""
+    if device.type not in STREAMS_ON:
+        return []
+    moved = []
+    for tensor in [t for module in modules for t in (*module.parameters(), *module.buffers())]:
+        if tensor.device.type != device.type:
+            moved.append((tensor, tensor.data))
+            tensor.data = tensor.data.to(device)
+    return moved
+
+
+def leave(moved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """arrive undone: each tensor its host data again (unchanged: what arrives is frozen, or an adapter removed)."""
+    for tensor, host in moved:
+        tensor.data = host
 
 
 def host_available_bytes() -> int | None:

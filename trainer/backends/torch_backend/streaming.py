@@ -297,10 +297,12 @@ class BlockStreamer:
         self.streamed, self.ring, self.registered = [], [], []
 
 
-def for_blocks(blocks: list[nn.Module], count: int, device, released: tuple[dict, list] = ({}, [])) -> BlockStreamer:
-    """`count` of `blocks` (spread) streamed through SLOTS slots, unhooked (the backend hooks it outside its
-    block wrappers); one log line says what streams. `released`: a smaller streamer's (BlockStreamer.release)."""
-    chosen = spread(count, len(blocks))
+def for_blocks(
+    blocks: list[nn.Module], chosen: list[int], device, released: tuple[dict, list] = ({}, [])
+) -> BlockStreamer:
+    """The `chosen` of `blocks` (indices, in the order they run) streamed through SLOTS slots, unhooked (the
+    backend hooks it outside its block wrappers); one log line says what streams. `released`: a smaller
+    streamer's (BlockStreamer.release)."""
     stream_plan = plan(blocks, chosen, SLOTS)
     logging.getLogger("kiln").info(
         "[Kiln] stream_blocks %d of %d: %.2f GiB of frozen weights in host memory, a ring of %d GPU slots (%.2f GiB)",
