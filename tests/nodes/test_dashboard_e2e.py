@@ -127,6 +127,7 @@ def test_dashboard_shows_a_run_and_stops_it(server, tmp_path):
         for key in ("loss", "smooth", "lr", "rate", "eta"):
             assert view["figures"][key] != "—", (key, view["figures"])
         assert "64x64" in view["buckets"] and "64x48" in view["buckets"], view["buckets"]  # 80x64 → 64x48 at 64 px
+        assert view["plan"].startswith("memory plan: frozen base in memory"), view["plan"]  # a CPU run: none streams
         assert view["sample"]["width"] > 0 and "/view?" in view["sample"]["src"], view["sample"]
         assert "type=temp" in view["sample"]["src"]
 

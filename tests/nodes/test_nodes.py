@@ -337,6 +337,10 @@ def test_training_options_default_to_the_auto_levers_and_keep_saved_values():
     assert fresh["compile_blocks"] == "auto" and fresh["checkpoint_budget"] == "auto"
     saved = out(tn.KilnTrainingOptions.execute(**{**values, "compile_blocks": False, "checkpoint_budget": 0.0}))
     assert saved["compile_blocks"] is False and saved["checkpoint_budget"] == 0.0
+    # stream_blocks, added later, the same way: an int whose -1 means auto; 0 keeps every block on the GPU
+    assert inputs["stream_blocks"].default == -1 and inputs["stream_blocks"].min == -1
+    assert "Memory section" in inputs["stream_blocks"].tooltip and fresh["stream_blocks"] == "auto"
+    assert out(tn.KilnTrainingOptions.execute(**{**values, "stream_blocks": 0}))["stream_blocks"] == 0
     assert (
         tn.cfg_module.from_dict({k: v for k, v in fresh.items() if k in tn.cfg_module.FIELDS}).compile_blocks == "auto"
     )
@@ -355,7 +359,7 @@ def test_auto_levers_are_three_way_choices_defaulting_to_auto(name):
         assert out(tn.KilnTrainingOptions.execute(**{**values, name: word}))[name] == expected
     order = list(inputs)
     assert order.index("fp8_compute") < order.index("reg_weight") < order.index("cuda_graphs")
-    assert order[-2:] == ["cuda_graphs", "step_graphs"]
+    assert order[-3:] == ["cuda_graphs", "step_graphs", "stream_blocks"]
 
 
 def test_invert_adapter_and_loss_graph(comfy_dirs, tmp_path_factory):

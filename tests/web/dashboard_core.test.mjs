@@ -112,6 +112,16 @@ test("a snapshot (GET /kiln/runs/{id}) is merged with the steps the page saw aft
   assert.equal(run.samples.length, 1);
 });
 
+test("the memory plan arrives with a run's summary (kiln.run) and stays until another replaces it", () => {
+  const store = new RunStore();
+  store.applySummary({ id: "r1", name: "a", status: "running", step: 0, total: 10, rev: 1 });
+  assert.deepEqual(store.get("r1").plan, []);
+  store.applySummary({ id: "r1", status: "running", step: 0, rev: 2, plan: ["memory plan: 4 of 34 blocks streamed"] });
+  assert.deepEqual(store.get("r1").plan, ["memory plan: 4 of 34 blocks streamed"]);
+  store.applySummary({ id: "r1", status: "running", step: 1, rev: 3 });
+  assert.deepEqual(store.get("r1").plan, ["memory plan: 4 of 34 blocks streamed"]);
+});
+
 test("samples are kept once each, newest twelve", () => {
   const store = new RunStore();
   for (let step = 1; step <= 14; step += 1) {

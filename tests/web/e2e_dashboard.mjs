@@ -64,6 +64,7 @@ const readView = (sel) => {
     figures: Object.fromEntries([...view.querySelectorAll("[data-kiln=figures] .kd-figure")]
       .map((cell) => [cell.dataset.kiln, cell.querySelector("b").textContent])),
     buckets: view.querySelector("[data-kiln=buckets]")?.textContent ?? "",
+    plan: view.querySelector("[data-kiln=plan]")?.textContent ?? "",
     sample: image ? { src: image.getAttribute("src"), width: image.naturalWidth, complete: image.complete } : null,
     note: view.querySelector(".kd-note")?.textContent ?? "",
   };

@@ -97,7 +97,8 @@ class MemoryPlan:
         """The plan in one line: what sits on the GPU, what streams, the host RAM it takes."""
         resident = sum(self.sizes) - self.streamed_bytes
         if not self.stream:
-            return f"frozen base on the GPU ({resident / GIB:.1f} GiB of block weights); nothing streams"
+            where = "on the GPU" if self.free_and_total is not None else "in memory"
+            return f"frozen base {where} ({resident / GIB:.1f} GiB of block weights); nothing streams"
         return (
             f"{self.blocks - self.stream} of {self.blocks} blocks on the GPU ({resident / GIB:.1f} GiB), "
             f"{self.stream} streamed from pinned host memory ({self.streamed_bytes / GIB:.1f} GiB of RAM, "
