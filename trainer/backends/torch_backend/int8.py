@@ -6,11 +6,15 @@ bytes, and its bf16 original goes to host memory until `remove()` puts it back b
 quantizes the activation per token (row) and multiplies through `torch._int_mm` (int32 accumulation), rescaled
 by row scale x channel scale into the compute dtype (bf16 under autocast). The activation gradient runs in int8
 too: dx = g · W = g · diag(s) · Wq, so the channel scale `s`, which lies along the reduced dimension, is folded
-into the gradient (g · diag(s), exact) before it is quantized per row; the product then takes the stored Wq [N, K]
-as it lies. Why: no second int8 copy of W (a transposed [K, N] copy quantized per input channel would cost the
-weight's int8 bytes again, undoing half the saving), and no per-call dequantization. OneTrainer's LinearW8A8
-keeps one scale per tensor instead, where the question does not arise; a per-channel scale is tighter for the
-diffusion bases' rows of very different magnitude. No weight gradient: the base is frozen; nothing of x is saved.
+into the gradient (g · diag(s), exact) before it is quantized per row, and the product multiplies the stored Wq
+itself. Why: no second resident int8 copy of W (a transposed copy quantized per input channel would cost the
+weight's int8 bytes again, undoing half the saving) and no dequantization. OneTrainer's LinearW8A8 keeps one
+scale per tensor instead, where the question does not arise; a per-channel scale is tighter for the diffusion
+bases' rows of very different magnitude. Memory: cuBLASLt's int8 product with a row-major right operand (Wq as
+it lies) ran 4.6-5.8x slower on an H200 than the column-major one the forward uses (8192 x 3072 x 3072: 1.25 ms
+against 0.22; it also refused row counts not a multiple of 32 for narrow weights), so the backward copies Wq
+transposed per use: 0.27 ms with the copy, which holds one Linear's int8 weight for the duration of its product
+(Klein 9B's widest: 48 MiB). No weight gradient: the base is frozen; nothing of x is saved.
 
 Sampling under no_grad runs the same int8 path (the bf16 weights are on the host). A product `torch._int_mm`
 refuses (on CUDA: M <= 16 rows, K or N not a multiple of 8; MPS has no int8 matmul) multiplies the dequantized
@@ -31,10 +35,6 @@ log = logging.getLogger("kiln")
 
 INT8_MAX = 127.0
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
-# cuBLASLt's int8 product with both operands row-major (the backward's: g [M, N] · Wq [N, K]) refused row counts
-# that are not multiples of 32 for weights with a side <= 96 (H200, cuBLAS 13; any M was taken for sides >= 1024,
-# and M % 32 == 0 for every side probed): its rows are padded to a multiple of this
-_BACKWARD_ROWS = 32
 FALLBACKS = {"calls": 0}  # eager products that took the dequantized matmul (compiled ones are not counted)
 
 
@@ -59,9 +59,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in _FLOAT else torch.float32
 
 
-def _product(a: torch.Tensor, b8: torch.Tensor, b_scale: torch.Tensor | None, dtype, pad: int = 1) -> torch.Tensor:
-    """a [M, K] · b8 [K, N] (int8) → [M, N] in `dtype`; `b_scale` [1, N] multiplies b8's columns (None: 1).
-    `pad`: a8's rows padded with zeros to a multiple of it (the product's extra rows dropped)."""
+def _product(a: torch.Tensor, b8: torch.Tensor, b_scale: torch.Tensor | None, dtype) -> torch.Tensor:
+    """a [M, K] · b8 [K, N] (int8, column-major: b8.t() contiguous) → [M, N] in `dtype`; `b_scale` [1, N]
+    multiplies b8's columns (None: 1)."""
     rows = a.shape[0]
     if not int_mm_fits(rows, a.shape[1], b8.shape[1], a.device):
         if not torch.compiler.is_compiling():
@@ -69,10 +69,8 @@ def _product(a: torch.Tensor, b8: torch.Tensor, b_scale: torch.Tensor | None, dt
         b = b8.float() if b_scale is None else b8.float() * b_scale
         return (a.float() @ b).to(dtype)
     a8, scale = quantize_rows(a)
-    if a.is_cuda and rows % pad:
-        a8 = torch.nn.functional.pad(a8, (0, 0, 0, pad - rows % pad))
     scale = scale if b_scale is None else scale * b_scale
-    return (torch._int_mm(a8, b8)[:rows].float() * scale).to(dtype)
+    return (torch._int_mm(a8, b8).float() * scale).to(dtype)
 
 
 class _Int8Matmul(torch.autograd.Function):
@@ -91,7 +89,8 @@ class _Int8Matmul(torch.autograd.Function):
         weight, scale = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):
             g = grad.reshape(-1, grad.shape[-1]).float() * scale.reshape(1, -1)  # the channel scale folded in
-            dx = _product(g, weight, None, ctx.x_dtype, pad=_BACKWARD_ROWS)
+            # Wq [N, K] copied column-major for the product (see the module's docstring), one weight at a time
+            dx = _product(g, weight.t().contiguous().t(), None, ctx.x_dtype)
         return dx.reshape(ctx.x_shape), None, None, None
 
 
