@@ -113,6 +113,10 @@ def _eligible(module: nn.Module, device: torch.device) -> bool:
     )
 
 
+def _linear_like(module: nn.Module) -> bool:
+    return hasattr(module, "in_features") and hasattr(module, "out_features") and hasattr(module, "weight")
+
+
 class Int8Base:
     """int8 weights and forwards on every eligible Linear inside `blocks`; `remove()` gives each its own weight
     (bitwise, where it was) and forward back."""
@@ -123,7 +127,9 @@ class Int8Base:
         self.replaced: list[tuple[nn.Linear, object, torch.Tensor, torch.device]] = []
         self.bytes = self.freed = 0
         skipped = refused = 0
-        for module in [m for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]:
+        # ComfyUI's mixed-precision Linear (a quantized checkpoint's) is no nn.Linear: counted, left to its own forward
+        linears = [m for block in blocks for m in block.modules() if isinstance(m, nn.Linear) or _linear_like(m)]
+        for module in linears:
             if not _eligible(module, device):
                 skipped += 1
                 continue

@@ -234,3 +234,27 @@ def test_the_estimate_command_takes_int8_from_a_torch_config(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "base int8" in result.stdout
+
+
+def test_a_quantized_checkpoints_linear_is_left_to_its_own_forward(caplog):
+    """ComfyUI's mixed-precision Linear (comfy_quant checkpoints) is a plain Module with a quantized weight: the
+    int8 base leaves it (and its forward) as it is, and says so."""
+
+    class MixedPrecisionLinear(nn.Module):  # the shape of comfy.ops.mixed_precision_ops().Linear
+        def __init__(self):
+            super().__init__()
+            self.in_features, self.out_features = 32, 32
+            self.weight = nn.Parameter(torch.randn(32, 32).to(torch.float8_e4m3fn), requires_grad=False)
+
+        def forward(self, x):
+            return x @ self.weight.to(x.dtype).t()
+
+    block = nn.Sequential(MixedPrecisionLinear(), nn.Linear(32, 32)).requires_grad_(False)
+    stored = block[0].weight.detach().clone()
+    with caplog.at_level("INFO", logger="kiln"):
+        base = Int8Base([block], CPU)
+    assert [m for m, *_ in base.replaced] == [block[1]]
+    assert block[0].weight.dtype == torch.float8_e4m3fn and "forward" not in block[0].__dict__
+    assert "1 stay as they are" in caplog.text
+    base.remove()
+    assert torch.equal(block[0].weight.view(torch.uint8), stored.view(torch.uint8))
