@@ -181,8 +181,7 @@ def block_weight_bytes(dims: ModelDims, base_dtype: str) -> list[int]:
     for name, (i, o) in linear_layers(dims).items():
         if _in_block(name):
             key = ".".join(name.split(".")[:2])
-            scales = o * INT8_SCALE_BYTES if base_dtype == "int8" else 0  # int8's scales stream too (a bound)
-            blocks[key] = blocks.get(key, 0) + i * o * BASE_DTYPE_BYTES[base_dtype] + scales
+            blocks[key] = blocks.get(key, 0) + i * o * BASE_DTYPE_BYTES[base_dtype]  # int8's scales stay resident
     return list(blocks.values())
 
 
