@@ -14,7 +14,7 @@ bases' rows of very different magnitude. Memory: cuBLASLt's int8 product with a 
 it lies) ran 4.6-5.8x slower on an H200 than the column-major one the forward uses (8192 x 3072 x 3072: 1.25 ms
 against 0.22; it also refused row counts not a multiple of 32 for narrow weights), so the backward copies Wq
 transposed per use: 0.27 ms with the copy, which holds one Linear's int8 weight for the duration of its product
-(Klein 9B's widest: 48 MiB). No weight gradient: the base is frozen; nothing of x is saved.
+(the widest: Z-Image 42 MiB, Klein 9B 144, Flux2 Dev 324). No weight gradient: the base is frozen; nothing of x is saved.
 
 Sampling under no_grad runs the same int8 path (the bf16 weights are on the host). A product `torch._int_mm`
 refuses (on CUDA: M <= 16 rows, K or N not a multiple of 8; MPS has no int8 matmul) multiplies the dequantized
