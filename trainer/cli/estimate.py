@@ -42,7 +42,7 @@ def cmd_estimate(args) -> int:
         print(f"note: {note}")
     backend = args.backend or cfg.backend
     estimate = backend_rules(backend).estimate
-    base = args.base_dtype or (cfg.base_quantize if backend == "mlx" and cfg.base_quantize != "none" else "bf16")
+    base = args.base_dtype or (cfg.base_quantize if cfg.base_quantize != "none" else "bf16")  # torch: int8 only
     references = reference_count(cfg.dataset_dir)  # edit datasets' control folders (both backends train them)
 
     def estimated(resolution: int, budget: float):

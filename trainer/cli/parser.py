@@ -141,7 +141,7 @@ def _add_estimate(commands) -> None:
     est.add_argument(
         "--base-dtype",
         choices=["bf16", "fp8", "fp32", "int8", "int4"],
-        help="base weights: bf16 (default), fp8 (torch), int8/int4 (mlx; default the config's base_quantize)",
+        help="base weights: bf16 (default), fp8 (torch), int8 (torch, mlx), int4 (mlx); default: base_quantize",
     )
     est.add_argument(
         "--memory-gb",

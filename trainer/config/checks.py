@@ -215,10 +215,16 @@ def _backend_problems(cfg: TrainConfig) -> list[str]:
             "cuda_graphs replays compiled blocks: it needs backend 'torch' with compile_blocks on (or "
             "auto); turn cuda_graphs off"
         )
-    if cfg.backend == "torch" and cfg.base_quantize != "none":
+    if cfg.backend == "torch" and cfg.base_quantize not in ("none", "int8"):
         problems.append(
-            f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; with PyTorch load the model "
-            "with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base"
+            f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; PyTorch takes none or int8 (or load the "
+            "model with weight_dtype fp8_e4m3fn in Load Diffusion Model for a smaller base)"
+        )
+    # one quantized forward per Linear: fp8_compute copies a bf16 weight that int8 has already replaced
+    if cfg.base_quantize == "int8" and cfg.fp8_compute is True:
+        problems.append(
+            "base_quantize int8 and fp8_compute both quantize the base's matmuls; pick one: fp8_compute for "
+            "H100-class GPUs, base_quantize int8 for Ampere/Ada cards (fp8_compute auto yields to int8)"
         )
     return problems
 

@@ -66,8 +66,9 @@ class ModelFields:
     )
     base_quantize: str = setting(
         "none",
-        "MLX: store the frozen base's block Linears as int8 or int4 (QLoRA-style): for a base that does not fit "
-        "in memory otherwise",
+        "store the frozen base's block Linears quantized. MLX: int8 or int4 (QLoRA-style), for a base that does "
+        "not fit in memory otherwise. PyTorch: int8 (W8A8: int8 weights and int8 matmuls, for Ampere/Ada "
+        "cards), halves the base's GPU memory; int4 is MLX-only",
         "speed",
         advanced=True,
         choices=("none", "int8", "int4"),

@@ -30,7 +30,8 @@ from .variants import (  # noqa: F401 (the model side, importable from here as b
 )
 
 GIB = 2**30
-BASE_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+BASE_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4, "int8": 1}
+INT8_SCALE_BYTES = 4  # base_dtype int8 (torch base_quantize int8): an fp32 scale per output channel of a block Linear
 ACTIVATION_BYTES = {"bf16": 2, "no": 4}  # mixed_precision, as in TrainConfig
 
 

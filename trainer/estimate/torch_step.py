@@ -4,7 +4,8 @@ An estimate, not a measurement: it counts the big tensors and adds a margin.
 Per GPU, diffusion model only; the text encoder and VAE are assumed run
 beforehand (cached latents and embeddings) or offloaded.
 
-    weights      params x bytes(base_dtype): bf16 2, fp8 1, fp32 4 (frozen, no grads)
+    weights      params x bytes(base_dtype): bf16 2, fp8 1, fp32 4 (frozen, no grads); int8 (base_quantize
+                 int8): the block Linears 1 B a weight + 4 B per output channel, the rest bf16
     lora         rank*(in+out) per targeted Linear, fp32; gradients the same
     optimizer    per LoRA param: adamw 8 B (exp_avg, exp_avg_sq), adamw8bit 2 B
                  (bitsandbytes; block scales ignored), prodigy 16 B (exp_avg,
@@ -14,7 +15,8 @@ beforehand (cached latents and embeddings) or offloaded.
     activations  what autograd keeps: the block model below
     workspace    1 GiB (CUDA context, cuBLAS workspace, allocator slack) + 2x the
                  widest Linear output (it and its gradient in backward) + for fp8
-                 bases the largest weight upcast to bf16 on use
+                 bases the largest weight upcast to bf16 on use; for int8 bases the widest
+                 Linear's int32 product and its fp32 rescale
 
 Tokens: one per (latent_downscale x patch)^2 pixels of the (square, worst-case) bucket, read from
 the arch (16x16 px in every family so far: Flux2 latent /16, patch 1; Z-Image latent /8, patch 2),
@@ -55,6 +57,7 @@ from .common import (
     ACTIVATION_BYTES,
     BASE_DTYPE_BYTES,
     GIB,
+    INT8_SCALE_BYTES,
     PRESERVATION_NOTE,
     Estimate,
     EstimatorRules,
@@ -161,6 +164,9 @@ def _on_the_gpu(dims: ModelDims, base_dtype: str, stream_blocks: int) -> tuple[i
 
 def _weights(dims: ModelDims, base_dtype: str, fp8_compute: bool) -> int:
     """The frozen base in its dtype, and with fp8_compute an fp8 copy per product (none for an fp8-stored base)."""
+    if base_dtype == "int8":  # only the blocks' Linears are quantized (int8.py); the rest stays bf16
+        block = [(i, o) for name, (i, o) in linear_layers(dims).items() if _in_block(name)]
+        return param_count(dims) * 2 - sum(i * o for i, o in block) + sum(o for _, o in block) * INT8_SCALE_BYTES
     weights = param_count(dims) * BASE_DTYPE_BYTES[base_dtype]
     if fp8_compute and base_dtype != "fp8":
         from ..backends.torch_backend.fp8 import fp8_products
@@ -173,11 +179,16 @@ def block_weight_bytes(dims: ModelDims, base_dtype: str) -> list[int]:
     """Each block's frozen Linear weights in bytes, blocks in the order the model lists them (<list>.<i>)."""
     blocks: dict[str, int] = {}
     for name, (i, o) in linear_layers(dims).items():
-        parts = name.split(".")
-        if len(parts) > 2 and parts[1].isdigit():
-            key = ".".join(parts[:2])
-            blocks[key] = blocks.get(key, 0) + i * o * BASE_DTYPE_BYTES[base_dtype]
+        if _in_block(name):
+            key = ".".join(name.split(".")[:2])
+            blocks[key] = blocks.get(key, 0) + i * o * BASE_DTYPE_BYTES[base_dtype]  # int8's scales stay resident
     return list(blocks.values())
+
+
+def _in_block(name: str) -> bool:
+    """A Linear of a block list (<list>.<i>.<...>)."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[1].isdigit()
 
 
 def streamed_bytes(dims: ModelDims, base_dtype: str, count: int) -> tuple[int, int]:
@@ -202,6 +213,8 @@ def _workspace(dims: ModelDims, tokens: int, act: int, base_dtype: str) -> int:
     workspace = CUDA_CONTEXT_BYTES + 2 * widest_output(dims) * tokens * act
     if base_dtype == "fp8":
         workspace += 2 * max(i * o for i, o in linear_layers(dims).values())
+    if base_dtype == "int8":
+        workspace += 2 * widest_output(dims) * tokens * 4
     return workspace
 
 
@@ -290,7 +303,7 @@ def advice(settings: dict) -> list[tuple[str, dict]]:
                 {"optimizer": "adamw8bit"},
                 settings["optimizer"] in ("adamw", "prodigy"),
             ),
-            ("base weights fp8", {"base_dtype": "fp8"}, settings["base_dtype"] != "fp8"),
+            ("base weights fp8", {"base_dtype": "fp8"}, settings["base_dtype"] not in ("fp8", "int8")),
             ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
             ("fp8_compute off (its fp8 weight copies)", {"fp8_compute": False}, settings.get("fp8_compute", False)),
         ],

@@ -106,10 +106,12 @@ class TorchBackend:
         """The LoRA branches on the targets, over the fp8 forwards where fp8 is on; the fp8 lever's note."""
         cfg, arch, model = self.cfg, self.arch, self.model
         targets = cfg.targets or list(arch.default_targets)
-        # fp8 forwards go in first, so the LoRA branches wrap them (removed in the reverse order)
-        self.fp8, fp8_note = levers.fp8_base(
-            model, cfg, self.device, find_blocks(model, arch.block_lists), arch.fp8_quantize_kernel
-        )
+        # the quantized base's forwards (int8, else fp8: self.fp8 holds either) go in first, so the LoRA
+        # branches wrap them (removed in the reverse order)
+        blocks = find_blocks(model, arch.block_lists)
+        self.fp8, fp8_note = levers.int8_base(cfg, self.device, blocks)
+        if self.fp8 is None:
+            self.fp8, fp8_note = levers.fp8_base(model, cfg, self.device, blocks, arch.fp8_quantize_kernel)
         self.lora = LoraSet(
             model,
             targets,

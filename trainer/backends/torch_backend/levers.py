@@ -54,9 +54,11 @@ def can_compile(device: torch.device) -> bool:
 
 
 def base_dtype(model: nn.Module) -> str:
-    """The estimator's base_dtype of the loaded weights: fp8 storage (ComfyUI's fp8 files) or bf16."""
+    """The estimator's base_dtype of the loaded weights: fp8 storage (ComfyUI's fp8 files), int8 (base_quantize
+    int8, installed before the levers are decided) or bf16."""
     fp8 = {getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)}
-    return "fp8" if any(p.dtype in fp8 for p in model.parameters()) else "bf16"
+    dtypes = {p.dtype for p in model.parameters()}
+    return "fp8" if dtypes & fp8 else "int8" if torch.int8 in dtypes else "bf16"
 
 
 def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> int | None:
@@ -131,6 +133,8 @@ def fp8_compute(model: nn.Module, cfg: TrainConfig, device: torch.device) -> tup
     base would need fp8 copies of its weights (opt-in: true)."""
     if cfg.fp8_compute != AUTO:
         return bool(cfg.fp8_compute), ""
+    if cfg.base_quantize == "int8":  # the int8 base multiplies in int8 instead (int8_base)
+        return False, ""
     if cfg.backend != "torch" or cfg.mixed_precision != "bf16" or device.type != "cuda" or base_dtype(model) != "fp8":
         return False, "fp8_compute auto → off (needs a base stored in fp8 on a CUDA GPU, bf16 mixed precision)"
     from .fp8 import check_device
@@ -196,6 +200,16 @@ def fp8_base(
     backward, why = fp8_stored_backward(model, cfg, device, stored)
     kernel = quantize_kernel if min(cfg.resolutions) >= KERNEL_MIN_RESOLUTION else ()
     return Fp8Base(blocks, device, stored_backward=backward, kernel=kernel), "; ".join(n for n in (note, why) if n)
+
+
+def int8_base(cfg: TrainConfig, device: torch.device, blocks: list[nn.Module]):
+    """base_quantize int8 installed on `blocks`: (the int8.Int8Base, or None when off; the log note)."""
+    if cfg.base_quantize != "int8":
+        return None, ""
+    from .int8 import Int8Base
+
+    note = "" if device.type in ("cuda", "cpu") else f" ({device.type} has no int8 matmul: dequantized per use)"
+    return Int8Base(blocks, device), f"base_quantize int8: block Linears in int8 (W8A8){note}"
 
 
 def step_graphs(
