@@ -109,9 +109,7 @@ class TorchBackend:
         # the quantized base's forwards (int8, else fp8: self.fp8 holds either) go in first, so the LoRA
         # branches wrap them (removed in the reverse order)
         blocks = find_blocks(model, arch.block_lists)
-        self.fp8, fp8_note = levers.int8_base(cfg, self.device, blocks)
-        if self.fp8 is None:
-            self.fp8, fp8_note = levers.fp8_base(model, cfg, self.device, blocks, arch.fp8_quantize_kernel)
+        self.fp8, fp8_note = levers.quantized_base(model, cfg, self.device, blocks, arch.fp8_quantize_kernel)
         self.lora = LoraSet(
             model,
             targets,

@@ -18,6 +18,7 @@ import traceback
 from ...config import AUTO
 from ...run.faults import first_line, is_out_of_memory
 from .checkpointing import CompileFailed
+from . import memory_plan
 from .levers import log
 
 
@@ -81,7 +82,8 @@ def _budget_zero(backend, error: BaseException) -> bool:
 
 def _stream_more(backend, error: BaseException) -> bool:
     plan = backend.memory
-    if not (backend.cfg.stream_blocks == AUTO and plan.stream < plan.blocks):
+    gpu = backend.device.type in memory_plan.STREAMS_ON  # elsewhere streaming frees no memory
+    if not (gpu and backend.cfg.stream_blocks == AUTO and plan.stream < plan.blocks):
         return False
     count = min(plan.blocks, plan.stream + max(1, plan.blocks // 4))
     released = backend.stream.release() if backend.stream is not None else ({}, [])

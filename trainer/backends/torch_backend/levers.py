@@ -311,3 +311,9 @@ def decide(
         cuda_graphs=graphs,
         step_graphs=recorded and step_graphs_module.ENABLED,
     )
+
+
+def quantized_base(model: nn.Module, cfg: TrainConfig, device: torch.device, blocks: list[nn.Module], kernel=()):
+    """The frozen base's quantized forwards: int8 where base_quantize says so, else fp8_compute's (fp8_base)."""
+    base, note = int8_base(cfg, device, blocks)
+    return (base, note) if base is not None else fp8_base(model, cfg, device, blocks, kernel)
