@@ -105,6 +105,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import itertools
 import json
@@ -396,12 +397,14 @@ def fill_random_(module: torch.nn.Module, seed: int) -> None:
             param.copy_(target)
 
 
-def build_model(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed: int = 0, base: str = "bf16"):
+def build_model(
+    dims: ModelDims, device: torch.device, dtype: torch.dtype, seed: int = 0, base: str = "bf16", host: bool = False
+):
     """A ComfyUI MODEL (ModelPatcher) of this architecture with random weights on `device`. base "fp8":
     stored as Load Diffusion Model's weight_dtype fp8_e4m3fn stores it (manual cast to `dtype` on each
     use; without comfy_kitchen no fp8 matmul), the same random values rounded to fp8."""
     started = time.perf_counter()
-    patcher, source = _build_patcher(dims, device, dtype, seed, base)
+    patcher, source = _build_patcher(dims, device, dtype, seed, base, host)
     dm = patcher.model.diffusion_model
     params = sum(p.numel() for p in dm.parameters())
     # A quantized weight (comfy-kitchen QuantizedTensor) reports its logical dtype; its bytes are in _qdata.
@@ -418,7 +421,7 @@ def build_model(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed:
 REBUILT: list = []  # callbacks told of every diffusion model _build_patcher makes for a deep clone
 
 
-def _build_patcher(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed: int, base: str):
+def _build_patcher(dims: ModelDims, device: torch.device, dtype: torch.dtype, seed: int, base: str, host: bool = False):
     """(ModelPatcher, how its config was obtained). Like ComfyUI's own loaders it registers how to build
     it again (`cached_patcher_init`): from ComfyUI 0.25 on, `clone(force_deepcopy=True)` rebuilds the model
     through it, and the native Train LoRA node deep-clones its input that way (0.33). The rebuilt copy has
@@ -430,15 +433,17 @@ def _build_patcher(dims: ModelDims, device: torch.device, dtype: torch.dtype, se
         model_config.set_inference_dtype(torch.float8_e4m3fn, dtype)
     else:
         model_config.set_inference_dtype(dtype, None)
-    model = model_config.get_model({}, "", device=device)
-    model.to(device)  # anything a class created off-device (no-op for Flux2 / NextDiT)
+    # host: built in host memory and loaded onto the GPU by the session, as ComfyUI's loaders leave a model
+    where = torch.device("cpu") if host else device
+    model = model_config.get_model({}, "", device=where)
+    model.to(where)  # anything a class created off-device (no-op for Flux2 / NextDiT)
     fill_random_(model.diffusion_model, seed)
     if base == "fp8q":
         model = _quantized_copy(model, dims, dtype)
     sync(device)
-    patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=where)
     if hasattr(patcher, "cached_patcher_init"):
-        patcher.cached_patcher_init = (_rebuild, (dims, device, dtype, seed, base))
+        patcher.cached_patcher_init = (functools.partial(_rebuild, host=host), (dims, device, dtype, seed, base))
     return patcher, source
 
 
@@ -477,8 +482,8 @@ def _quantized_copy(model, dims: ModelDims, dtype: torch.dtype):
     return quantized
 
 
-def _rebuild(dims, device, dtype, seed, base, disable_dynamic=False):
-    patcher, _ = _build_patcher(dims, device, dtype, seed, base)
+def _rebuild(dims, device, dtype, seed, base, disable_dynamic=False, host=False):
+    patcher, _ = _build_patcher(dims, device, dtype, seed, base, host)
     for callback in REBUILT:
         callback(patcher.model.diffusion_model)
     return patcher
@@ -779,7 +784,9 @@ def run_kiln(
         peak_memory(device, out, ""),
         tempfile.TemporaryDirectory(prefix="kiln_bench_") as run_dir,
         torch.inference_mode(),
-        bridge.training_session(model, "auto", quantized_matmul=quantized_matmul) as (module, _device),
+        bridge.training_session(
+            model, "auto", quantized_matmul=quantized_matmul, step_room=bridge.step_room(cfg, model)
+        ) as (module, _device),
     ):
         # inference mode as inside a ComfyUI prompt; the session turns it off
         out["kiln_load_s"] = round(time.perf_counter() - entered, 2)  # the session's full load (untimed setup)
@@ -1049,14 +1056,15 @@ def _settings(text: str) -> dict:
     ComfyUI's own fp8 checkpoints are (comfy_quant: fp8 matmuls), fp8_bwd=on sets ComfyUI's
     training_fp8_bwd (≥0.19: FP8 backward through quantized layers; native's quantized_backward input) for
     both trainers, fp8_matmul=on keeps ComfyUI's fp8 matmuls in Kiln's training (by default Kiln dequantizes
-    a quantized base's weights: nodes/comfy/), native=off skips the native trainer for the row."""
+    a quantized base's weights: nodes/comfy/), native=off skips the native trainer for the row, host=on builds
+    the model in host memory (ComfyUI's offload device) for the session to load, as ComfyUI's loaders do."""
     out: dict = {}
     for item in filter(None, text.split("+")):
         key, _, value = item.partition("=")
         if key == "base":  # bench only: bf16 or fp8 storage of the frozen base
             out[key] = value
             continue
-        if key in ("native", "fp8_bwd", "fp8_matmul", "bench_dop", "bench_mask"):  # bench only (see above)
+        if key in ("native", "fp8_bwd", "fp8_matmul", "bench_dop", "bench_mask", "host"):  # bench only (see above)
             out[key] = _bool(value)
             continue
         for kind in (int, float, _bool, str):  # e.g. 7, 0.4, on, cudnn
@@ -1312,11 +1320,12 @@ def main(argv=None) -> int:
     for row in rows:
         dims = TINY[row.arch] if args.tiny else VARIANTS[ARCH_VARIANTS[row.arch]]
         base = row.settings.get("base", "bf16")  # bench only: fp8 = ComfyUI's fp8_e4m3fn weight dtype
-        key = f"{row.arch}:{base}"
+        host = bool(row.settings.get("host", False))
+        key = f"{row.arch}:{base}:{host}"
         if key not in models:
             models.clear()  # one full-size model on the GPU at a time
             release(device)
-            models[key] = build_model(dims, device, dtype, base=base)
+            models[key] = build_model(dims, device, dtype, base=base, host=host)
             print(f"[bench] built {dims.variant} ({base}): {models[key][1]}", flush=True)
         record = run_row(row, dims, *models[key], opts)
         if compile_workers is not None:  # Triton kernels inductor asked for before / after its workers answered
@@ -1456,6 +1465,7 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     saved_attention = settings.pop("saved_attention", True)
     with_native = settings.pop("native", True) and not opts.no_native
     record["base_dtype"] = settings.pop("base", "bf16")
+    record["built_on_host"] = settings.pop("host", False)
     fp8_bwd = settings.pop("fp8_bwd", False)
     record["fp8_bwd"] = fp8_bwd
     record["fp8_matmul"] = quantized_matmul = settings.pop("fp8_matmul", False)

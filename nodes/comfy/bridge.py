@@ -49,7 +49,7 @@ from .session import (  # noqa: F401
     trainable,
     training_session,
 )
-from .training import Sample, prompt_samples, train, validation  # noqa: F401
+from .training import Sample, prompt_samples, step_room, train, validation  # noqa: F401
 from .ui import (  # noqa: F401
     Progress,
     add_json_routes,

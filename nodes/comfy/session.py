@@ -40,9 +40,12 @@ def trainable(model):
 
 
 @contextlib.contextmanager
-def training_session(model, device=None, *, quantized_matmul: bool = False):
+def training_session(model, device=None, *, quantized_matmul: bool = False, step_room=None):
     """Grad on, inference mode off, `in_training` set, the model fully on its compute device.
     quantized_matmul: keep ComfyUI's fp8 matmuls on a quantized base (off: dequantized, see below).
+    step_room(total GPU bytes) -> the bytes Kiln's step needs beside the weights, or None: where it is given and
+    the model does not fit the GPU whole, ComfyUI's own partial load places what fits with that room left, and
+    the rest stays on the host for Kiln's stream (stream_blocks, trainer/backends/torch_backend/memory_plan.py).
 
     Yields (diffusion_model module, torch.device). The stop button is honoured at step boundaries
     (Progress.update) rather than inside a forward or backward. On exit the flags come back; the
@@ -73,10 +76,14 @@ def training_session(model, device=None, *, quantized_matmul: bool = False):
             mm.in_training = True
             _SESSIONS.append(model)
             others = _prompt_models(model)
-            _load_fully(model)  # evicts the others, outside inference mode (it loads none of them)
+            partly = _load_partly(model, step_room) if step_room is not None else None
+            if partly is None:
+                _load_fully(model)  # evicts the others, outside inference mode (it loads none of them)
             mend_moved_weights(others)
             yield model.model.diffusion_model, model.load_device
         finally:
+            if partly is not None:
+                partly()
             _SESSIONS.remove(model)
             mm.in_training = previous
             if in_a_prompt:
@@ -97,7 +104,7 @@ def sampling(reload_after=None):
     moved = _prompt_models(training)
     try:
         mm.in_training = False
-        with torch.no_grad(), _run_every_op(_RUN_EVERY_OP):
+        with torch.no_grad(), _run_every_op(_RUN_EVERY_OP), _kept_loaded(training):
             yield
     finally:
         mm.in_training = previous
@@ -105,6 +112,62 @@ def sampling(reload_after=None):
         if training is not None:
             reload_for_training(training)  # loads only the training model
         mend_moved_weights(moved)
+
+
+def _kept_loaded(training):
+    """ComfyUI's free_memory with the training model kept loaded while a sample is taken: unloading it for the
+    VAE would move weights Kiln placed (a streamed block's point into its GPU ring) and cost a whole reload after;
+    ComfyUI's VAE decodes in tiles where it runs short instead."""
+
+    def free_memory(memory_required, device, keep_loaded=(), *args, **kwargs):
+        kept = [loaded for loaded in mm.current_loaded_models if training is not None and loaded.model is training]
+        return _FREE_MEMORY(memory_required, device, [*keep_loaded, *kept], *args, **kwargs)
+
+    return comfy_paths.swapped(mm, "free_memory", free_memory)
+
+
+_FREE_MEMORY = mm.free_memory
+
+
+def _load_partly(model, step_room):
+    """A model too large for the GPU whole: ComfyUI's own partial load with `step_room` left free, each weight
+    patched where it lies (force_patch_weights: no per-use patch functions), the rest on the host, where Kiln's
+    stream takes it from without a second copy. None where the model fits whole (then _load_fully). Returns
+    what undoes the session's bookkeeping: for the session ComfyUI counts the model as loaded whole (Kiln places
+    its weights, and ComfyUI must not move them) and its offloaded Linears as plain ones."""
+    from ...trainer.backends.torch_backend import levers
+
+    device = model.load_device
+    if device.type != "cuda":
+        return None
+    mm.free_memory(1e30, device)  # the others go, as for a full load (and this model's earlier load)
+    free, total = levers.free_bytes(device)  # under a process cap (a simulated card), the cap's
+    room = step_room(total)
+    if room is None or model.model_size() + room <= free:
+        return None
+    comfy_free = mm.get_free_memory(device)
+    # ComfyUI loads up to its free memory less minimum_memory_required (its extra reserve added)
+    keep = max(0, comfy_free - (free - room) - mm.extra_reserved_memory())
+    with _fp32_patches(device):
+        mm.load_models_gpu([model], minimum_memory_required=keep, force_patch_weights=True)
+    inner = model.model
+    if not getattr(inner, "model_lowvram", False):
+        return None
+    getattr(model, "unpin_all_weights", lambda: None)()  # Kiln's stream pins what it takes; its copies drop pins
+    casts = [(m, m.comfy_cast_weights) for m in inner.modules() if hasattr(m, "prev_comfy_cast_weights")]
+    for module, _ in casts:
+        module.comfy_cast_weights = module.prev_comfy_cast_weights
+    counted = inner.model_lowvram, inner.model_loaded_weight_memory
+    inner.model_lowvram, inner.model_loaded_weight_memory = False, model.model_size()
+    with torch.inference_mode(False):
+        _copied(inner.diffusion_model, lambda tensor: tensor is not None and _inference(tensor))
+
+    def undo() -> None:
+        inner.model_lowvram, inner.model_loaded_weight_memory = counted
+        for module, cast in casts:
+            module.comfy_cast_weights = cast
+
+    return undo
 
 
 def reload_for_training(model) -> None:

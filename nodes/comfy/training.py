@@ -43,10 +43,23 @@ def train(cfg, model, dataset, *, run: Callable, adapter=None, setup: Callable |
     try:
         if cfg.backend == "mlx":
             return run(cfg, mlx_model(train_model, cfg), data, **front)
-        with session.training_session(train_model, cfg.device) as (module, _device):
+        with session.training_session(train_model, cfg.device, step_room=step_room(cfg, train_model)) as (
+            module,
+            _device,
+        ):
             return run(cfg, module, data, forward=comfy_model.make_forward(train_model, cfg.arch), **front)
     finally:
         session.free_memory()
+
+
+def step_room(cfg, model):
+    """For training_session: the room Kiln's step needs beside the weights on a GPU of `total` bytes, where
+    stream_blocks may stream (memory_plan.step_room); None where it may not."""
+    from ...trainer.backends.torch_backend import memory_plan
+
+    if cfg.backend != "torch" or cfg.stream_blocks == 0:
+        return None
+    return lambda total: memory_plan.step_room(model.model.diffusion_model, cfg, total)
 
 
 def mlx_model(model, cfg):

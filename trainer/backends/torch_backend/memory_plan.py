@@ -49,10 +49,13 @@ class MemoryPlan:
 
     @property
     def on_host(self) -> list[int]:
-        """Blocks whose weights lie (partly) on the host: ComfyUI's partial load left them there (CUDA only)."""
+        """Blocks whose weights lie mostly on the host (ComfyUI's partial load left them there; CUDA only), most
+        first. A block with only a few small Linears there (ComfyUI offloads the smallest modules last) is
+        cheaper to bring to the GPU than to stream whole."""
         if self.free_and_total is None:
             return []
-        return [i for i, (size, on) in enumerate(zip(self.sizes, self.on_device)) if on < size]
+        host = [(size - on, i) for i, (size, on) in enumerate(zip(self.sizes, self.on_device)) if 2 * on < size]
+        return [i for _, i in sorted(host, key=lambda item: (-item[0], item[1]))]
 
     @property
     def chosen(self) -> list[int]:
@@ -60,7 +63,7 @@ class MemoryPlan:
         spread (streaming.spread: resident blocks between two streamed ones compute while the next copy runs)."""
         off = self.on_host
         if self.stream <= len(off):
-            return off[: self.stream]
+            return sorted(off[: self.stream])
         rest = [i for i in range(self.blocks) if i not in off]
         return sorted(off + [rest[j] for j in spread(self.stream - len(off), len(rest))])
 
@@ -206,6 +209,19 @@ def _auto(model, cfg, plan: MemoryPlan) -> MemoryPlan:
         f"stream_blocks auto → {count} of {plan.blocks} (so the step, ~{need / GIB:.1f} GiB, fits beside "
         f"{plan.blocks - count} resident blocks)",
     )
+
+
+def step_room(model: nn.Module, cfg: TrainConfig, total: int) -> int | None:
+    """The GPU bytes a step needs beside the resident weights, as stream_blocks auto reckons it (the estimate at
+    checkpoint budget 0, times AUTO_SAFETY, and the margin), for a loader that places the weights first (ComfyUI's
+    partial load); None where stream_blocks is 0 or the model has no estimate."""
+    from ...estimate.torch_step import AUTO_SAFETY, stream_margin
+    from . import levers
+
+    if cfg.backend != "torch" or cfg.stream_blocks == 0:
+        return None
+    need = levers.estimated_step_bytes(model, cfg, 0.0)
+    return None if need is None else int(AUTO_SAFETY * need) + stream_margin(total)
 
 
 def _check_host(plan: MemoryPlan, host: int | None, cfg: TrainConfig) -> None:

@@ -90,6 +90,7 @@ class _Block:
     offsets: list[int]
     host: list[torch.Tensor] = field(default_factory=list)  # the master copies (pinned on a CUDA device)
     origins: list[torch.device] = field(default_factory=list)  # where each weight was before streaming
+    views: list[int] = field(default_factory=list)  # each weight's address in its slot
     ready: object = None  # the copy stream's event after this block's copy
 
 
@@ -148,9 +149,30 @@ class BlockStreamer:
         for (_, p), offset in zip(weights, offsets):
             block.origins.append(self.origins.get(id(p), p.device))
             block.host.append(self._host_copy(p.data))
-            view = slot[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-            p.data = view
+            p.data = slot[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            block.views.append(p.data_ptr())
         return block
+
+    def _verify(self, position: int) -> None:
+        """Before a block's forward: its weights are still the ring's. A weight its model's owner replaced between
+        steps (ComfyUI re-patching the model after a validation sample: a new Parameter, the right values) is
+        taken over as the new master; a weight whose data was moved under the stream cannot be trusted."""
+        block = self.streamed[position]
+        current = dict(block.module.named_parameters())
+        for k, (name, p) in enumerate(block.weights):
+            now = current.get(name)
+            if now is p and p.data_ptr() == block.views[k]:
+                continue
+            if now is p or now is None or now.shape != p.shape or now.dtype != p.dtype:
+                raise RuntimeError(
+                    f"stream_blocks: the weight {name} of streamed block {self.plan.blocks[position]} was moved "
+                    "off the GPU ring while the run streamed it (the model's owner unloaded it mid-run); set "
+                    "stream_blocks 0 and report this"
+                )
+            block.host[k] = self._host_copy(now.data)
+            now.data = p.data  # the same slot view
+            block.weights[k] = (name, now)
+            self.holds[position % len(self.ring)] = None  # copied again from the new master
 
     def hook(self) -> None:
         """Each streamed block's forward (as it is now: checkpointed, compiled) placed behind its copy. Hooked
@@ -205,6 +227,8 @@ class BlockStreamer:
         """Block `position` is about to run: its weights in place before its kernels, the next ones on their way."""
         if self.log is not None:
             self.log.append(("backward" if backward else "forward", self.plan.blocks[position]))
+        if not backward:
+            self._verify(position)
         done = self._mark()
         self._place(position, done)
         # The next uses, each into a slot no block between here and there needs: a slot is refilled only after

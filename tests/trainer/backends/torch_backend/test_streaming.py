@@ -159,3 +159,22 @@ def test_the_gate_keeps_an_output_that_needed_no_gradient_without_one():
     assert not frozen.requires_grad and y.requires_grad
     y.sum().backward()
     assert blocks[0].lora_a.grad is not None
+
+
+def test_a_weight_replaced_between_steps_is_taken_over_and_a_moved_one_is_refused():
+    """ComfyUI re-patches a model after a validation sample by setting new Parameters (the right values): the
+    stream takes the new one as its master, and the block computes with it. A weight whose data was moved off the
+    ring under the stream (an unload mid-run) could hold another block's weights: refused, not trained on."""
+    blocks = blocks_of(3)
+    reference = blocks_of(3)
+    BlockStreamer(blocks, plan(blocks, [0, 1, 2], 2), "cpu")
+    x = torch.randn(2, 16)
+    fresh = torch.randn(32, 16)
+    blocks[1].up.weight = nn.Parameter(fresh.clone(), requires_grad=False)  # as comfy.utils.set_attr_param does
+    reference[1].up.weight = nn.Parameter(fresh.clone(), requires_grad=False)
+    with torch.no_grad():
+        assert torch.equal(run(blocks, x, False), run(reference, x, False))
+        assert blocks[1].up.weight.data_ptr() != fresh.data_ptr()  # it points into the ring again
+    blocks[2].down.weight.data = blocks[2].down.weight.data.clone()  # moved under the stream
+    with pytest.raises(RuntimeError, match="moved off the GPU ring"):
+        run(blocks, x, False)
