@@ -261,8 +261,12 @@ def test_pause_resume_and_stop_while_paused_from_the_dashboard_with_the_grid_and
 
     mm.interrupt_current_processing(False)
     assert waits == [2, 2, 2, 4, 4, 4]
-    # The loop's own word: paused after step 2, on again, paused after step 4, then the run ended (not paused).
-    assert [(d["step"], d["paused"]) for n, d in events if n == "kiln.run"] == [
+    # The loop's own word: the memory plan before step 1, paused after step 2, on again, paused after step 4,
+    # then the run ended (not paused).
+    runs = [d for n, d in events if n == "kiln.run"]
+    assert runs[1]["plan"] and runs[1]["plan"][0].startswith("memory plan: "), runs[1]
+    assert [(d["step"], d["paused"]) for d in runs] == [
+        (0, False),
         (0, False),
         (2, True),
         (2, False),

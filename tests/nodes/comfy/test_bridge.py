@@ -460,6 +460,22 @@ def test_a_session_mends_the_prompt_models_comfy_moved(klein, klein_clip, flux2_
     assert all(p.requires_grad for p in module.parameters())  # as the module made them
 
 
+def test_the_training_model_stays_loaded_while_a_sample_is_taken(klein):
+    """A sample's loads ask ComfyUI to free memory (the VAE's); unloading the training model then would move weights
+    Kiln placed (a streamed block's point into its GPU ring) and cost a whole reload. Inside sampling() ComfyUI's
+    free_memory keeps it; outside, the same call unloads it (the control)."""
+    loaded = lambda: any(entry.model is klein for entry in mm.current_loaded_models)  # noqa: E731
+    with bridge.training_session(klein) as (_dm, device):
+        assert loaded()
+        mm.free_memory(1e30, device)
+        assert not loaded()  # the control: free_memory unloads what it may
+        bridge_session.reload_for_training(klein)
+        with bridge_session.sampling():
+            mm.free_memory(1e30, device)
+            assert loaded()
+        assert mm.free_memory is bridge_session._FREE_MEMORY  # ComfyUI's own again
+
+
 def test_a_prompts_weights_moved_outside_inference_mode_lose_their_version():
     """The trap behind the test above, in torch alone: a module built in a prompt (inference mode) and moved
     outside it keeps its Parameter objects with `.data` swapped (Module._apply): they say they are not
