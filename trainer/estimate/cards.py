@@ -203,8 +203,13 @@ def _streams(plan: CardPlan) -> str:
 
 def plan_lines(settings: dict, memory_gib: float, budget: float | str = "auto", every: bool = False) -> list[str]:
     """The plan on a `memory_gib` card and the predicted step time on the named cards of about that memory."""
+    from .torch_step import AUTO_SAFETY
+
     plan = card_plan(settings, memory_gib, budget)
-    where = f"the plan on a {memory_gib:g} GiB card ({settings['resolution']} px, the settings above): "
+    where = (
+        f"the plan on a {memory_gib:g} GiB card as a run's auto makes it (the step x {AUTO_SAFETY:g} and a margin "
+        f"beside the weights; {settings['resolution']} px, the settings above): "
+    )
     if plan.streamed is None:
         lines = [where + f"does not fit even with every block streamed ({plan.total / GIB:.1f} GiB)"]
     else:

@@ -100,7 +100,7 @@ def test_the_cli_prints_the_plan_and_the_labelled_table(tmp_path):
     assert plain.returncode == sixteen.returncode == every.returncode == 0, sixteen.stderr
     assert "predicted" not in plain.stdout and "the plan on" not in plain.stdout
     out = sixteen.stdout
-    assert "the plan on a 16 GiB card (1024 px" in out
+    assert "the plan on a 16 GiB card as a run's auto makes it" in out
     assert "predicted (not measured) step time on cards with about 16 GiB" in out
     table = out[out.index("predicted (not measured)") :].splitlines()[2:]
     assert {line[2:21].strip() for line in table} == {c.name for c in CARDS.values() if c.memory_gib == 16}
