@@ -142,8 +142,10 @@ def _load_partly(model, step_room):
         return None
     mm.free_memory(1e30, device)  # the others go, as for a full load (and this model's earlier load)
     free, total = levers.free_bytes(device)  # under a process cap (a simulated card), the cap's
+    # weights already there count as free (a model built on the GPU, whose offload device is the GPU itself)
+    there = sum(t.numel() * t.element_size() for t in model.model.state_dict().values() if t.device.type == device.type)
     room = step_room(total)
-    if room is None or model.model_size() + room <= free:
+    if room is None or model.model_size() + room <= free + there:
         return None
     comfy_free = mm.get_free_memory(device)
     # ComfyUI loads up to its free memory less minimum_memory_required (its extra reserve added)
