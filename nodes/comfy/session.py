@@ -66,6 +66,7 @@ def training_session(model, device=None, *, quantized_matmul: bool = False, step
             "which never loads weights fully"
         )
     previous, in_a_prompt = mm.in_training, torch.is_inference_mode_enabled()
+    partly = None  # what undoes a partial load's bookkeeping
     with (
         torch.inference_mode(False),
         torch.enable_grad(),

@@ -7,7 +7,8 @@ resident weights, less a margin; 0 where the model fits, which costs a resident 
 never changes what trains (the same products, bitwise on CPU; tests/trainer/backends/torch_backend), only
 how fast: so auto streams and never quantizes. Storing the base smaller (base_quantize int8, a ComfyUI fp8
 checkpoint) rounds what trains, and stays the user's choice, which the plan names when memory is short.
-checkpoint_budget auto is then decided in the memory the plan leaves (levers.decide gets `after`).
+checkpoint_budget auto is then decided in the memory the plan leaves (levers.decide gets `after`); a step that
+runs out of memory anyway streams more (fallbacks.py).
 
 A weight that streams is kept in pinned host memory: one copy where it was on the GPU (pinned memory cannot
 be swapped out, so it must fit the host's free RAM), none where it already lies on the host (ComfyUI's
@@ -16,7 +17,6 @@ loaders, its partial loading): it is pinned where it lies.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,10 +26,9 @@ from ...config import AUTO, ConfigError, TrainConfig
 from .streaming import SLOTS, frozen_bytes, frozen_weights, spread
 
 GIB = 2**30
-HOST_RESERVE_BYTES = 4 * GIB
-STREAMS_ON = (
-    "cuda",
-)  # device types whose memory is the GPU's own (a Mac's unified memory has nothing to gain)  # host RAM the plan leaves to the OS, ComfyUI and the data loader
+HOST_RESERVE_BYTES = 4 * GIB  # host RAM the plan leaves to the OS, ComfyUI and the data loader
+# Device types whose memory is the GPU's own: a Mac's unified memory has nothing to gain from streaming.
+STREAMS_ON = ("cuda",)
 
 
 @dataclass(frozen=True)
