@@ -94,6 +94,11 @@ def training_session(model, device=None, *, quantized_matmul: bool = False, step
 _SESSIONS: list = []  # models in an open training_session (innermost last); sampling() reloads it after
 
 
+def training_model():
+    """The patcher of the innermost open training session, or None."""
+    return _SESSIONS[-1] if _SESSIONS else None
+
+
 @contextlib.contextmanager
 def sampling(reload_after=None):
     """Sampling between training steps (or outside a session): no grad, in_training off (the inference

@@ -101,9 +101,11 @@ def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
     images) takes each IMAGE. Sampling leaves torch's random state as it was, so a run's LoRA dropout
     draws are the same with or without samples."""
 
+    said: list = []  # the log line about a streamed run's samples, once a run
+
     def validate(step: int, lora: Callable | None = None) -> list:
         sampler_model = (
-            model
+            _unstreamed(model, said)
             if cfg.backend == "torch" or lora is None
             else comfy_lora.apply_lora(model, comfy_lora.lora_model_from(lora(), cfg.arch), 1.0)
         )
@@ -128,6 +130,22 @@ def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
         return drawn  # [H,W,3] in 0..1 each: the loop's TensorBoard / W&B sinks log them
 
     return validate
+
+
+def _unstreamed(model, said: list):
+    """The patcher to sample on: `model`, unless the training model is another clone of it (the training adapter
+    merged) whose blocks stream from host memory: loading `model` would have ComfyUI re-patch the shared weights,
+    which the stream holds in its GPU ring. Then the samples are drawn on the training model, adapter included,
+    said once in the log (issue 44: sampling without the adapter while streaming is next)."""
+    from ...trainer.backends.torch_backend.streaming import streams
+
+    training = session.training_model()
+    if training is None or training is model or not streams(training.model.diffusion_model):
+        return model
+    if not said:
+        said.append(True)
+        print("[Kiln] validation samples include the training adapter while blocks stream from host memory")
+    return training
 
 
 def _rng_devices() -> list[int]:

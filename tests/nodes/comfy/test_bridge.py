@@ -359,6 +359,35 @@ def test_training_adapter_merge_then_plain_model(zimage, zimage_clip):
     assert torch.equal(model_output(zimage, "zimage", x, sigma, emb), base)
 
 
+def test_a_streamed_run_with_the_training_adapter_samples_on_the_training_model(zimage, zimage_clip, flux_vae, capsys):
+    """The training adapter merged into another clone and blocks streamed: a sample on the plain model would have
+    ComfyUI re-patch the weights the stream holds in its ring. It is drawn on the training model instead, said
+    once, and equals a sample on the training model without the stream."""
+    from kiln_pack.trainer.backends.torch_backend import streaming
+    from kiln_pack.trainer.backends.torch_backend.checkpointing import find_blocks
+
+    adapter = bridge.lora_model_from(random_lora(zimage, "zimage", seed=5), "zimage", dtype=torch.bfloat16)
+    merged = bridge.training_adapter_merged(zimage, adapter)
+    cond = tc.conditioning(zimage_clip, "a cat")
+    sample = bridge.Sample(cond, cond, flux_vae, 1, 1, 1.0, "euler", "simple", 32, 32)
+    cfg = small_config("zimage")
+    drawn = lambda on: on(1)[0]  # noqa: E731
+    with bridge.training_session(merged) as (dm, _device):
+        expected = drawn(bridge.validation(cfg, merged, [sample], lambda *a: None))
+        blocks = find_blocks(dm, archs.get_arch("zimage").block_lists)
+        stream = streaming.for_blocks(blocks, [0, len(blocks) - 1], "cpu")
+        stream.hook()
+        try:
+            assert streaming.streams(dm)
+            validate = bridge.validation(cfg, zimage, [sample], lambda *a: None)
+            got = [drawn(validate) for _ in range(2)]
+        finally:
+            stream.remove()
+        assert not streaming.streams(dm)
+    assert all(np.array_equal(image, expected) for image in got)
+    assert capsys.readouterr().out.count("validation samples include the training adapter") == 1
+
+
 # ---------------------------------------------------------------- sampling, encoders, plumbing
 
 

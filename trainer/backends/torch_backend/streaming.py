@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from ..base import restore_forward
 # Ring slots: one block computing, one copy in flight, one to spare. On an H200 (Z-Image 1024 px,
 # bench/RESULTS.md) 2, 3 and 4 slots ran the frozen base's step at 1.12, 1.11 and 1.10x the resident one.
 SLOTS = 3
+STREAMED: weakref.WeakSet = weakref.WeakSet()  # the blocks a stream holds now (hooked), for `streams`
 ALIGN = 512  # bytes: each weight's view in a slot starts as the caching allocator would start it (cuBLAS picks kernels by alignment)
 
 
@@ -59,6 +61,12 @@ def _layout(weights: list[tuple[str, nn.Parameter]]) -> tuple[list[int], int]:
         offsets.append(at)
         at += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
     return offsets, at
+
+
+def streams(model: nn.Module) -> bool:
+    """Whether blocks of `model` stream now: their weights point into a GPU ring, which a loader moving or
+    re-patching the model's weights would break (nodes/comfy/training.py samples around it)."""
+    return any(module in STREAMED for module in model.modules())
 
 
 def frozen_bytes(block: nn.Module) -> int:
@@ -180,11 +188,13 @@ class BlockStreamer:
         self.previous = [block.module.__dict__.get("forward") for block in self.streamed]
         for position, block in enumerate(self.streamed):
             block.module.forward = self._streamed_forward(block.module.forward, position)
+            STREAMED.add(block.module)
 
     def unhook(self) -> None:
         """The forwards as hook found them; the weights stay in the ring (the blocks can be wrapped anew)."""
         for block, previous in zip(self.streamed, self.previous):
             restore_forward(block.module, previous)
+            STREAMED.discard(block.module)
         self.previous = []
 
     def _host_copy(self, weight: torch.Tensor) -> torch.Tensor:
