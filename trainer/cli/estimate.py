@@ -103,7 +103,7 @@ def _step_graphs_note(estimated, cfg, backend: str, budget: float) -> None:
 
 def _auto_budget(estimated, cfg, backend: str, memory_gb: float | None) -> float:
     """checkpoint_budget auto as a run on a GPU of --memory-gb would pick it (backends/torch_backend/levers.py)."""
-    from ..estimate.torch_step import auto_margin, largest_budget
+    from ..estimate.torch_step import auto_margin, budget_on
 
     if backend != "torch" or not cfg.gradient_checkpointing or cfg.compile_blocks is False:
         return 0.0
@@ -115,10 +115,7 @@ def _auto_budget(estimated, cfg, backend: str, memory_gb: float | None) -> float
         return 0.0
     largest = max(cfg.resolutions)
     total = int(memory_gb * 2**30)
-    weights = estimated(largest, 0.0).weights
-    budget = largest_budget(
-        lambda b: (lambda e: e.total - e.weights)(estimated(largest, b)), total - weights - auto_margin(total)
-    )
+    budget = budget_on(lambda b: estimated(largest, b), total)
     print(
         f"note: checkpoint_budget auto → {budget:g} on a {memory_gb:g} GiB GPU (its largest share that leaves "
         f"{auto_margin(total) / 2**30:.1f} GiB free at {largest} px)"

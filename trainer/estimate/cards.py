@@ -38,14 +38,7 @@ from typing import NamedTuple
 
 from ..archs.layout import ModelDims
 from .common import GIB, arch_of, get_dims, image_token_count, layout_of, lora_shapes
-from .torch_step import (
-    auto_margin,
-    block_weight_bytes,
-    estimate,
-    fewest_streamed,
-    largest_budget,
-    streamed_bytes,
-)
+from .torch_step import AUTO_SAFETY, block_weight_bytes, budget_on, estimate, fewest_streamed, runs_in, streamed_bytes
 
 EFFICIENCY = 0.54  # share of the dense tensor rate a step reaches (calibrated above)
 HOST_OVERHEAD_S = 0.016  # per step, beside the GPU's work (calibrated above)
@@ -156,8 +149,6 @@ def card_plan(settings: dict, memory_gib: float, budget: float | str = "auto") -
     """The fewest blocks streamed for the step of `settings` (estimate()'s arguments) to fit as a run's
     stream_blocks auto takes it (runs_in: the safety factor and margin), at plain checkpointing, then
     checkpoint_budget auto as a run picks it beside them."""
-    from .torch_step import auto_margin, estimate, fewest_streamed, largest_budget, runs_in, streamed_bytes
-
     memory = int(memory_gib * GIB)
     fixed = budget != "auto"
     base = {**settings, "checkpoint_budget": float(budget) if fixed else 0.0}
@@ -172,10 +163,7 @@ def card_plan(settings: dict, memory_gib: float, budget: float | str = "auto") -
     chosen = base["checkpoint_budget"]
     if not fixed and settings["gradient_checkpointing"]:
         planned = {**base, "stream_blocks": count}
-        chosen = largest_budget(
-            lambda b: (lambda e: e.total - e.weights)(estimate(**{**planned, "checkpoint_budget": b})),
-            memory - step.weights - auto_margin(memory),
-        )
+        chosen = budget_on(lambda b: estimate(**{**planned, "checkpoint_budget": b}), memory)
         step = estimate(**{**planned, "checkpoint_budget": chosen})
     host = streamed_bytes(dims, dtype, count)[0] if count else 0
     return CardPlan(count, blocks, host, chosen, step.total)
@@ -203,8 +191,6 @@ def _streams(plan: CardPlan) -> str:
 
 def plan_lines(settings: dict, memory_gib: float, budget: float | str = "auto", every: bool = False) -> list[str]:
     """The plan on a `memory_gib` card and the predicted step time on the named cards of about that memory."""
-    from .torch_step import AUTO_SAFETY
-
     plan = card_plan(settings, memory_gib, budget)
     where = (
         f"the plan on a {memory_gib:g} GiB card as a run's auto makes it (the step x {AUTO_SAFETY:g} and a margin "

@@ -255,6 +255,13 @@ def largest_budget(step_bytes, available: int) -> float:
     return next((b for b in AUTO_BUDGETS if AUTO_SAFETY * step_bytes(b) <= available), 0.0)
 
 
+def budget_on(step_at, memory: int) -> float:
+    """checkpoint_budget auto on a GPU of `memory` bytes, as a run picks it: `step_at(budget)` is the step's
+    Estimate at a budget; the largest whose step beside the weights leaves auto_margin free."""
+    beside = lambda budget: (lambda step: step.total - step.weights)(step_at(budget))  # noqa: E731
+    return largest_budget(beside, memory - step_at(0.0).weights - auto_margin(memory))
+
+
 # step_graphs "auto" (torch_backend/step_graphs.py, levers.py): steps of at most this many image pixels (a
 # 768 px image; batch rows count) are recorded as CUDA graphs. From 768 px up the GPU's work already hides the
 # host's (H200, Klein 4B 768 px: 0.091 s/step with and without), so recording larger steps would only grow the pool.
@@ -274,10 +281,15 @@ def stream_margin(total_bytes: int) -> int:
     return max(STREAM_MARGIN_BYTES, int(STREAM_MARGIN_SHARE * total_bytes))
 
 
+def step_room(need: int, total: int) -> int:
+    """The GPU bytes stream_blocks auto keeps for a step needing `need` beside the weights on a GPU of `total`."""
+    return int(AUTO_SAFETY * need) + stream_margin(total)
+
+
 def step_fits(need: int, available: int, total: int) -> bool:
     """Whether stream_blocks auto takes a step needing `need` bytes beside the weights as fitting in `available`
     bytes of a GPU of `total`."""
-    return AUTO_SAFETY * need <= available - stream_margin(total)
+    return step_room(need, total) <= available
 
 
 def runs_in(step: Estimate, memory: int) -> bool:

@@ -83,9 +83,10 @@ class TorchBackend:
 
     def _place(self, model, cfg, arch) -> None:
         """The LoRA on the model, the memory plan (what streams) and the levers decided, the blocks wrapped."""
+        self.blocks = find_blocks(model, arch.block_lists)
         fp8_note = self._add_lora()
         self.parallel = distributed.current().world > 1  # auto levers never fall back mid-step on one rank alone
-        self.memory = memory_plan.decide(model, cfg, self.device, find_blocks(model, arch.block_lists))
+        self.memory = memory_plan.decide(model, cfg, self.device, self.blocks)
         self.levers = levers.decide(
             model,
             cfg,
@@ -108,8 +109,7 @@ class TorchBackend:
         targets = cfg.targets or list(arch.default_targets)
         # the quantized base's forwards (int8, else fp8: self.fp8 holds either) go in first, so the LoRA
         # branches wrap them (removed in the reverse order)
-        blocks = find_blocks(model, arch.block_lists)
-        self.fp8, fp8_note = levers.quantized_base(model, cfg, self.device, blocks, arch.fp8_quantize_kernel)
+        self.fp8, fp8_note = levers.quantized_base(model, cfg, self.device, self.blocks, arch.fp8_quantize_kernel)
         self.lora = LoraSet(
             model,
             targets,
@@ -150,8 +150,7 @@ class TorchBackend:
         stream's weights, taken over."""
         if not self.memory.stream:
             return None
-        blocks = find_blocks(self.model, self.arch.block_lists)
-        return streaming.for_blocks(blocks, self.memory.chosen, self.device, released)
+        return streaming.for_blocks(self.blocks, self.memory.chosen, self.device, released)
 
     def _step_graphs(self):
         """A fresh set of step graphs (none recorded) where the levers say so; after a fallback the blocks

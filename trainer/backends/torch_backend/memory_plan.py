@@ -214,13 +214,13 @@ def step_room(model: nn.Module, cfg: TrainConfig, total: int) -> int | None:
     """The GPU bytes a step needs beside the resident weights, as stream_blocks auto reckons it (the estimate at
     checkpoint budget 0, times AUTO_SAFETY, and the margin), for a loader that places the weights first (ComfyUI's
     partial load); None where stream_blocks is 0 or the model has no estimate."""
-    from ...estimate.torch_step import AUTO_SAFETY, stream_margin
+    from ...estimate import torch_step
     from . import levers
 
     if cfg.backend != "torch" or cfg.stream_blocks == 0:
         return None
     need = levers.estimated_step_bytes(model, cfg, 0.0)
-    return None if need is None else int(AUTO_SAFETY * need) + stream_margin(total)
+    return None if need is None else torch_step.step_room(need, total)
 
 
 def _check_host(plan: MemoryPlan, host: int | None, cfg: TrainConfig) -> None:
