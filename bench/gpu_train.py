@@ -133,12 +133,18 @@ for _folder in (ROOT, ROOT / "tests", ROOT / "bench"):
 import torch  # noqa: E402
 from step_profile import StepProfiler  # noqa: E402
 
-from trainer.archs import flux2, get_arch, zimage  # noqa: E402
+from trainer.archs import flux2, get_arch, qwen_image, zimage  # noqa: E402
 from trainer.archs.layout import ModelDims  # noqa: E402
 from trainer.estimate.common import VARIANTS  # noqa: E402
 
 GIB = 2**30
-ARCH_VARIANTS = {"zimage": "zimage", "klein4b": "flux2-klein-4b", "klein9b": "flux2-klein-9b", "dev": "flux2-dev"}
+ARCH_VARIANTS = {
+    "zimage": "zimage",
+    "klein4b": "flux2-klein-4b",
+    "klein9b": "flux2-klein-9b",
+    "dev": "flux2-dev",
+    "qwen": "qwen-image",
+}
 # --tiny: the same classes at test size (head dim 128 as in the real models; Flux2 1+1 blocks because its
 # 512 text tokens make every block costly on a CPU).
 TINY = {
@@ -148,7 +154,9 @@ TINY = {
     ),
 }
 TINY["klein9b"] = TINY["klein4b"]
+TINY["qwen"] = qwen_image.model_dims("qwen-image-tiny", hidden=256, blocks=2, context_dim=64, context_tokens=32)
 FLUX2_TEXT_TOKENS = 512
+QWEN_TEXT_TOKENS = 256  # a long caption, as Z-Image's default (ComfyUI runs Qwen-Image's caption unpadded)
 TIMED_CODE = ("trainer", "nodes", "headless.py", "__init__.py", "bench/gpu_train.py")
 
 
@@ -351,14 +359,33 @@ def unet_config(dims: ModelDims) -> dict:
     )
 
 
+def qwen_config(dims: ModelDims) -> dict:
+    """The unet_config ComfyUI's detection derives from a Qwen-Image file of these dims (the qwen_image branch:
+    in_channels from img_in, transformer_blocks counted) with the class's own defaults for the rest."""
+    return dict(
+        image_model="qwen_image",
+        in_channels=64,
+        out_channels=16,
+        num_layers=dims.double_blocks,
+        attention_head_dim=128,
+        num_attention_heads=dims.heads,
+        joint_attention_dim=dims.context_dim,
+    )
+
+
+# family → (ComfyUI module and class of the diffusion model, comfy.supported_models class)
+MODEL_CLASSES = {
+    "flux2": ("comfy.ldm.flux.model", "Flux", "Flux2"),
+    "zimage": ("comfy.ldm.lumina.model", "NextDiT", "ZImage"),
+    "qwen_image": ("comfy.ldm.qwen_image.model", "QwenImageTransformer2DModel", "QwenImage"),
+}
+
+
 def _model_class(family: str):
-    if family == "flux2":
-        from comfy.ldm.flux.model import Flux
+    import importlib
 
-        return Flux
-    from comfy.ldm.lumina.model import NextDiT
-
-    return NextDiT
+    module, name, _ = MODEL_CLASSES[family]
+    return getattr(importlib.import_module(module), name)
 
 
 def model_config_for(dims: ModelDims):
@@ -367,26 +394,32 @@ def model_config_for(dims: ModelDims):
     import comfy.ops
     import comfy.supported_models
 
-    config = unet_config(dims)
-    cls = _model_class(family_of(dims))
+    family = family_of(dims)
+    config = qwen_config(dims) if family == "qwen_image" else unet_config(dims)
+    cls = _model_class(family)
     with torch.device("meta"):
         shapes = cls(**config, operations=comfy.ops.disable_weight_init).state_dict()
-    wanted = comfy.supported_models.Flux2 if family_of(dims) == "flux2" else comfy.supported_models.ZImage
+    wanted = getattr(comfy.supported_models, MODEL_CLASSES[family][2])
     detected = comfy.model_detection.model_config_from_unet(shapes, "")
-    if type(detected) is wanted:
+    if type(detected) is wanted and _same_shapes(cls, detected.unet_config, shapes):
         return detected, "comfy.model_detection (shapes of a meta-device build)"
     return wanted(dict(config)), f"supported_models.{wanted.__name__}(unet_config) (ComfyUI detects no {dims.variant})"
 
 
 @torch.no_grad()
 def fill_random_(module: torch.nn.Module, seed: int) -> None:
-    """In place, on the parameters' own device: matrices N(0, 1/fan_in), norm scales N(1, 0.01), the rest N(0, 4e-4)."""
-    generator = None
+    """In place: matrices N(0, 1/fan_in), norm scales N(1, 0.01), the rest N(0, 4e-4). Drawn on the GPU when
+    there is one, also for a model built in host memory (copied down: drawing 20-32B values on the host's
+    CPU took minutes), so a host-built model has the very weights of the GPU-built one."""
+    generator = draw = None
     for name, param in sorted(module.named_parameters()):
         if generator is None:
-            generator = torch.Generator(device=param.device).manual_seed(seed)
+            cuda = torch.cuda.is_available()
+            draw = torch.device("cuda", torch.cuda.current_device()) if cuda else param.device
+            generator = torch.Generator(device=draw).manual_seed(seed)
         # Drawn in bf16 for fp8 storage (no normal_ for float8): an fp8 model is the bf16 one rounded.
-        target = param if param.dtype.itemsize > 1 else torch.empty_like(param, dtype=torch.bfloat16)
+        same = param.dtype.itemsize > 1 and param.device == draw
+        target = param if same else torch.empty_like(param, dtype=_drawn_dtype(param), device=draw)
         if param.ndim >= 2 and not name.endswith("pad_token"):
             target.normal_(0.0, 1.0 / math.sqrt(math.prod(param.shape[1:])), generator=generator)
         elif "norm" in name or name.endswith(".scale"):
@@ -395,6 +428,10 @@ def fill_random_(module: torch.nn.Module, seed: int) -> None:
             target.normal_(0.0, 0.02, generator=generator)
         if target is not param:
             param.copy_(target)
+
+
+def _drawn_dtype(param: torch.Tensor) -> torch.dtype:
+    return param.dtype if param.dtype.itemsize > 1 else torch.bfloat16
 
 
 def build_model(
@@ -458,7 +495,15 @@ def _quantized_copy(model, dims: ModelDims, dtype: torch.dtype):
     import comfy.model_management as mm
 
     blocks = tuple(
-        f"{name}." for name in ("double_blocks", "single_blocks", "layers", "noise_refiner", "context_refiner")
+        f"{name}."
+        for name in (
+            "double_blocks",
+            "single_blocks",
+            "layers",
+            "noise_refiner",
+            "context_refiner",
+            "transformer_blocks",
+        )
     )
     tag = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
     sd = {}
@@ -492,6 +537,16 @@ def _rebuild(dims, device, dtype, seed, base, disable_dynamic=False, host=False)
 # ---------------------------------------------------------------- FLOPs
 
 
+def _same_shapes(cls, config: dict, shapes: dict) -> bool:
+    """Whether the detected config builds these very shapes (Qwen-Image's detection reads only in_channels and
+    the block count: a tiny one is detected as the full-width class defaults)."""
+    import comfy.ops
+
+    with torch.device("meta"):
+        built = cls(**config, operations=comfy.ops.disable_weight_init).state_dict()
+    return {k: v.shape for k, v in built.items()} == {k: v.shape for k, v in shapes.items()}
+
+
 def _pad(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -506,7 +561,18 @@ def token_counts(dims: ModelDims, resolution: int, text_tokens: int) -> tuple[in
 
 def _linear_tokens(family: str, name: str, img: int, txt: int) -> int:
     parts = name.split(".")
-    if family == "flux2":
+    if family == "qwen_image":
+        if parts[0] == "transformer_blocks":
+            if parts[2] in ("img_mod", "txt_mod"):
+                return 1
+            text = parts[2].startswith("txt_") or parts[3] in ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+            return txt if text else img
+        table = {"img_in": img, "proj_out": img, "txt_in": txt}
+        if name in table:
+            return table[name]
+        if parts[0] in ("time_text_embed", "norm_out"):
+            return 1
+    elif family == "flux2":
         if parts[0] == "double_blocks":
             return img if parts[2].startswith("img_") else txt
         if parts[0] == "single_blocks":
@@ -530,6 +596,8 @@ def _linear_tokens(family: str, name: str, img: int, txt: int) -> int:
 
 def _attention_layers(dims: ModelDims, img: int, txt: int) -> list[tuple[str, int]]:
     """(block list, sequence length) per attention layer."""
+    if family_of(dims) == "qwen_image":
+        return [("transformer_blocks", img + txt)] * dims.double_blocks
     if family_of(dims) == "flux2":
         return [("double_blocks", img + txt)] * dims.double_blocks + [("single_blocks", img + txt)] * dims.single_blocks
     return (
@@ -796,6 +864,7 @@ def run_kiln(
                 f"{len(stray)} modules carry ComfyUI weight functions in Kiln's session, e.g. {stray[:3]}"
             )
         counter = RowCounter(module)
+        streamed = StreamedBytes(pack["streaming"])
         bar, started = bridge.progress(cfg.steps), time.time()
 
         def on_step(report) -> None:  # what nodes/run.py's on_step does, then the step boundary
@@ -816,6 +885,7 @@ def run_kiln(
                 },
             )
             clock.mark()
+            streamed.mark()
             profiler.on_step(report.step)
 
         notes = LeverNotes()  # what compile_blocks / checkpoint_budget "auto" decided (the backend's log line)
@@ -827,6 +897,7 @@ def run_kiln(
             )
         finally:
             counter.remove()
+            streamed.remove()
             notes.remove()
     out.update(notes.levers(cfg))
     # compiled graphs inductor ran without CUDA graphs although asked (cuda_graphs): each skip costs the speed
@@ -855,6 +926,7 @@ def run_kiln(
         lora_params=result.trainable_parameters,
         lora_modules=len(result.lora),
         kiln_forward_rows=sum(counter.rows) / max(1, result.step),
+        h2d_gb_per_step=streamed.per_step_gib(warmup),
     )
     out["_lora_paths"] = list(result.lora)
     if profiler.result:
@@ -1216,6 +1288,12 @@ def main(argv=None) -> int:
         "context), which Kiln's auto levers plan within",
     )
     parser.add_argument(
+        "--uncapped",
+        action="store_true",
+        help="with --card-gb: each row also runs without the cap first, on the same model in the same process "
+        "(uncapped_s_per_step, uncapped_loss_curve, uncapped_peak_reserved_gb; within_target: the issue's test)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -1257,6 +1335,7 @@ def main(argv=None) -> int:
         "data": prepare.import_pack("trainer.data"),
         "checkpointing": prepare.import_pack("trainer.backends.torch_backend.checkpointing"),
         "attention": prepare.import_pack("trainer.backends.torch_backend.attention"),
+        "streaming": prepare.import_pack("trainer.backends.torch_backend.streaming"),
     }
     archs_module = prepare.import_pack("trainer.archs")
     device = mm.get_torch_device()
@@ -1269,7 +1348,10 @@ def main(argv=None) -> int:
         comfy_version = "unknown"
     on_gpu = device.type == "cuda"
     levers_set = set_switches(prepare, args.set)
+    h2d_gbps = pinned_copy_gibps(device) if on_gpu else None  # before the cap: its buffer is not the run's
     card = cap_memory(device, args.card_gb) if args.card_gb else {}
+    if args.uncapped and not card:
+        raise SystemExit("--uncapped runs each row without the cap too: it needs --card-gb")
     compile_workers = count_compile_workers()
     rate = matmul_tflops(device, dtype, args.matmul_n or (8192 if on_gpu else 512), iters=50 if on_gpu else 10)
     common = {
@@ -1287,6 +1369,7 @@ def main(argv=None) -> int:
         "warmup": warmup,
         "native_steps": None if args.no_native else native_steps,
         "tiny": args.tiny,
+        "h2d_gbps": h2d_gbps,
         **card,
         **({"lever": ",".join(levers_set)} if levers_set else {}),
     }
@@ -1327,7 +1410,14 @@ def main(argv=None) -> int:
             release(device)
             models[key] = build_model(dims, device, dtype, base=base, host=host)
             print(f"[bench] built {dims.variant} ({base}): {models[key][1]}", flush=True)
+        uncapped = {}
+        if args.uncapped:  # the same row without the cap, first (its compiled blocks then cached for the capped run)
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            free = run_row(row, dims, *models[key], opts)
+            cap_memory(device, args.card_gb)
+            uncapped = {f"uncapped_{k.removeprefix('kiln_')}": free.get(k) for k in UNCAPPED_KEYS}
         record = run_row(row, dims, *models[key], opts)
+        record.update(uncapped, **(against_uncapped(record) if uncapped else {}))
         if compile_workers is not None:  # Triton kernels inductor asked for before / after its workers answered
             record["triton_kernels_in_process"], record["triton_kernels_to_workers"] = compile_workers
             compile_workers[:] = [0, 0]
@@ -1387,6 +1477,74 @@ def cap_memory(device: torch.device, card_gb: float) -> dict:
     return {"card_gb": card_gb, "memory_cap_gb": round(cap / GIB, 3)}
 
 
+UNCAPPED_KEYS = ("kiln_s_per_step", "kiln_loss_curve", "peak_reserved_gb", "kiln_error")
+
+
+def against_uncapped(record: dict) -> dict:
+    """The issue's test of a capped row: the step within 1.15x the larger of the uncapped step and the time its
+    copies take at the measured pinned rate, the peak inside the card, the loss the uncapped run's."""
+    capped, free = record.get("kiln_s_per_step"), record.get("uncapped_s_per_step")
+    if not capped or not free:
+        return {"within_target": False}
+    streaming = record["h2d_gb_per_step"] / record["h2d_gbps"] if record.get("h2d_gbps") else 0.0
+    target = 1.15 * max(free, streaming)
+    pairs = list(zip(record["kiln_loss_curve"], record["uncapped_loss_curve"] or []))
+    loss_diff = max((abs(a - b) / abs(b) for a, b in pairs if b), default=None)
+    inside = record["peak_reserved_gb"] <= record["memory_cap_gb"]
+    return {
+        "streaming_s_per_step": round(streaming, 4),
+        "target_s_per_step": round(target, 4),
+        "loss_rel_diff_vs_uncapped": None if loss_diff is None else round(loss_diff, 5),
+        "within_target": capped <= target and inside,
+    }
+
+
+def pinned_copy_gibps(device: torch.device, gib: float = 1.0, reps: int = 5) -> float | None:
+    """The host→GPU rate of a pinned copy in this run (GiB/s, best of `reps` copies of `gib` GiB): the most a
+    block stream can move per second on this machine."""
+    if device.type != "cuda":
+        return None
+    host = torch.empty(int(gib * GIB), dtype=torch.uint8, pin_memory=True)
+    target = torch.empty_like(host, device=device)
+    best = math.inf
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del host, target
+    return round(gib / best, 2)
+
+
+class StreamedBytes:
+    """The bytes Kiln's block stream copies host→GPU during a run (BlockStreamer._load wrapped), read at each
+    step boundary."""
+
+    def __init__(self, streaming):
+        self.module, self.original, self.total, self.at_steps = streaming, streaming.BlockStreamer._load, 0, []
+        counter = self
+
+        def _load(streamer, position, after):
+            if streamer.holds[position % len(streamer.ring)] != position:  # a copy will be made
+                counter.total += sum(h.numel() * h.element_size() for h in streamer.streamed[position].host)
+            return counter.original(streamer, position, after)
+
+        streaming.BlockStreamer._load = _load
+
+    def mark(self) -> None:
+        self.at_steps.append(self.total)
+
+    def per_step_gib(self, warmup: int) -> float:
+        """The median bytes of the timed steps (a step's copies: forward, recompute and backward)."""
+        diffs = [b - a for a, b in zip(self.at_steps, self.at_steps[1:])][max(0, warmup - 1) :]
+        return round(statistics.median(diffs) / GIB, 3) if diffs else 0.0
+
+    def remove(self) -> None:
+        self.module.BlockStreamer._load = self.original
+
+
 def count_compile_workers() -> list[int] | None:
     """[kernels inductor built in this process, kernels it sent to its workers]: counted at each Triton
     kernel request (cache hits included) by whether the worker pool had answered yet."""
@@ -1440,7 +1598,7 @@ def summary(r: dict) -> str:
 
 def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     """Kiln then native on one model and one set of inputs → the record."""
-    text_tokens = opts.zimage_tokens if family_of(dims) == "zimage" else FLUX2_TEXT_TOKENS
+    text_tokens = {"zimage": opts.zimage_tokens, "qwen_image": QWEN_TEXT_TOKENS}.get(family_of(dims), FLUX2_TEXT_TOKENS)
     # bench_images=N: N images instead of one per batch row (a held-out split needs images to hold out)
     inputs = make_inputs(dims, row.resolution, max(row.batch, int(row.settings.get("bench_images", 0))), text_tokens)
     record = {
