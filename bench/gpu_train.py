@@ -1417,7 +1417,8 @@ def main(argv=None) -> int:
             cap_memory(device, args.card_gb)
             uncapped = {f"uncapped_{k.removeprefix('kiln_')}": free.get(k) for k in UNCAPPED_KEYS}
         record = run_row(row, dims, *models[key], opts)
-        record.update(uncapped, **(against_uncapped(record) if uncapped else {}))
+        record.update(uncapped)
+        record.update(against_uncapped(record) if uncapped else {})
         if compile_workers is not None:  # Triton kernels inductor asked for before / after its workers answered
             record["triton_kernels_in_process"], record["triton_kernels_to_workers"] = compile_workers
             compile_workers[:] = [0, 0]
