@@ -101,13 +101,13 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
 
 def _eligible(module: nn.Module, device: torch.device) -> bool:
     """A plain Linear whose float weight (a plain tensor, not ComfyUI's quantized subclass) sits on the training
-    device, with no ComfyUI forward-time patches (a weight function would be lost)."""
+    device or the host, with no ComfyUI forward-time patches (a weight function would be lost)."""
     weight = getattr(module, "weight", None)
     return (
         isinstance(module, nn.Linear)
         and type(weight) in (torch.Tensor, nn.Parameter)
         and weight.dtype in _FLOAT
-        and weight.device.type == device.type
+        and weight.device.type in (device.type, "cpu")  # on the host: ComfyUI's partial load left it there
         and not getattr(module, "weight_function", None)
         and not getattr(module, "bias_function", None)
     )
@@ -134,10 +134,12 @@ class Int8Base:
                 skipped += 1
                 continue
             original = module.weight.data
-            with torch.no_grad():
-                weight, scale = quantize_rows(original)
-            # the original to host memory (a weight already there is kept as it is: no copy)
+            with torch.no_grad():  # quantized on the device (a host weight too: a GPU rounds 20B weights in seconds)
+                weight, scale = quantize_rows(original.to(device))
+            # the original to host memory (a weight already there is kept as it is: no copy), and the int8 copy
+            # where the original lay: one on the host streams from there (streaming.py) or arrives with its block
             host = original if original.device.type == "cpu" else original.to("cpu")
+            weight = weight.to(original.device)
             self.replaced.append((module, module.__dict__.get("forward"), host, original.device))
             module.weight.data = weight
             scale = scale.reshape(-1)
