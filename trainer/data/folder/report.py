@@ -50,6 +50,12 @@ class Item:
     mask_file: str | None = None  # "<stem>.mask.png" beside it; None: the alpha channel, if any, is the mask
     controls: tuple[str, ...] = ()  # edit datasets: control/<same path>, control_2/<same path>, ...
     companions_sha256: str = ""  # hash of the companion files' hashes ("" without any): part of the latent key
+    frames: int = 0  # a clip's frame count (0: an image); clips.py
+    fps: float = 0.0  # a clip's frame rate
+
+    @property
+    def is_clip(self) -> bool:
+        return self.frames > 0
 
 
 @dataclass
@@ -66,6 +72,10 @@ class DatasetMeta:
     repeats: int | None = None
     description: str = ""
     created: str = ""
+    frames: int | None = None  # clips (data/frames.py): target frame count, fps, how frames are taken
+    fps: float | None = None
+    frame_extraction: str | None = None
+    frame_windows: int | None = None
 
 
 @dataclass
