@@ -107,3 +107,23 @@ def test_frames_are_read_in_order_and_a_truncated_clip_fails_when_decoded(tmp_pa
         read_frames(path, [39])
     info = probe_clip(path)
     assert (info.frames, info.fps, info.codec) == (12, 8.0, "mpeg4")
+
+
+def test_check_dataset_names_each_clip_it_cannot_use_and_counts_the_rest(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    write_clip(tmp_path / "good.mp4", frames=24, fps=16)
+    truncate(write_clip(tmp_path / "cut.mp4", frames=30, options={"movflags": "faststart"}))
+    write_clip(tmp_path / "blink.mp4", frames=2)
+    root = Path(__file__).resolve().parents[4]
+    run = [sys.executable, "-m", "trainer", "check-dataset", str(tmp_path), "--resolutions", "64", "--frames", "17"]
+    result = subprocess.run(run, cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "0 usable images and 1 clip (1.5 s)" in result.stdout
+    assert "64x48x17f: 1 image: good.mp4" in result.stdout
+    assert "[truncated_clip] cut.mp4: ends early" in result.stdout and "fix: copy the whole file again" in result.stdout
+    assert "[clip_too_short] blink.mp4" in result.stdout
+    result = subprocess.run([*run[:-1], "81"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert "[clip_short] good.mp4: 24 frames at 16 fps: trains 21 frames, not 81" in result.stdout
