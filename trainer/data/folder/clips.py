@@ -231,3 +231,19 @@ def read_frames(path: Path, indices) -> dict[int, np.ndarray]:
 def first_frame(path: Path) -> np.ndarray:
     """The clip's first frame, uint8 [H,W,3] (the gallery's thumbnail)."""
     return read_frames(path, [0])[0]
+
+
+def thumbnail(root: Path, rel: str, sha256: str, folder: Path) -> str:
+    """The clip's first frame as a JPEG in `folder` (named by the clip's content, so written once), as a path
+    relative to root ('/'-separated, for ComfyUI's /view)."""
+    from PIL import Image
+
+    path = folder / f"{sha256[:32]}.jpg"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        image = Image.fromarray(first_frame(root / rel))
+        image.thumbnail((512, 512))
+        partial = path.with_suffix(".part")
+        image.save(partial, "JPEG", quality=88)
+        partial.replace(path)  # atomic: a reader never sees half a thumbnail
+    return path.relative_to(root).as_posix()

@@ -127,3 +127,23 @@ def test_check_dataset_names_each_clip_it_cannot_use_and_counts_the_rest(tmp_pat
     assert "[clip_too_short] blink.mp4" in result.stdout
     result = subprocess.run([*run[:-1], "81"], cwd=root, capture_output=True, text=True, timeout=600)
     assert "[clip_short] good.mp4: 24 frames at 16 fps: trains 21 frames, not 81" in result.stdout
+
+
+def test_the_gallery_shows_a_clips_first_frame_and_length_and_edits_its_caption(tmp_path):
+    from PIL import Image
+
+    from trainer.data.folder import editing
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    write_clip(folder / "a.mp4", frames=24, fps=16)
+    (folder / "broken.webm").write_bytes(b"\x1a\x45\xdf\xa3" + bytes(100))
+    shown = editing.gallery(tmp_path, "set")
+    clip, broken = sorted(shown["images"], key=lambda image: image["path"])
+    assert (clip["frames"], clip["seconds"], clip["usable"]) == (24, 1.5, True)
+    with Image.open(folder / clip["thumbnail"]) as thumb:
+        assert thumb.format == "JPEG" and thumb.size == (96, 64)
+        assert abs(thumb.getpixel((80, 32))[0] - 0) < 12  # frame 0: no red yet
+    assert not broken["usable"] and broken["problems"][0]["code"] == "unreadable_clip"
+    editing.set_caption(tmp_path, "set", "a.mp4", "a red square")
+    assert (folder / "a.txt").read_text().strip() == "a red square"
