@@ -11,8 +11,6 @@ from trainer.data.folder.clips import first_frame, probe_clip, read_frames
 from trainer.data.folder.scan import scan
 from trainer.data.frames import FrameSettings
 
-pytest.importorskip("av")  # in the test extra; CI installs it (nothing skips there)
-
 
 def codes(report, severity):
     """file → code of each problem of this severity (a missing caption aside: these clips have none)."""
