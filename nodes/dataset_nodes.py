@@ -8,10 +8,26 @@ from comfy_api.latest import io, ui
 from ..trainer.archs import dataset_divisor
 from ..trainer.data.captions import CaptionSettings
 from ..trainer.data.dataset import Dataset, DataSettings, folder_fingerprint
+from ..trainer.data.frames import FrameSettings
 from .caption_nodes import NO_MODEL, KilnCaptionImages, caption_choices, caption_models  # noqa: F401 (one release)
 from .comfy import bridge
 from .input_folders import input_folders, resolve_folder  # noqa: F401 (kept here one release)
 from .widgets import CATEGORY, DATASET, checked, parse_list, widget
+
+
+# Load Dataset's clip inputs, each a TrainConfig field (trainer/config/data.py), in widget order.
+CLIP_WIDGETS = ("frames", "fps", "frame_extraction", "frame_windows")
+
+
+def frame_settings(values: dict) -> FrameSettings:
+    """The clip inputs given (a workflow saved before they existed has none: the defaults)."""
+    defaults = FrameSettings()
+    return FrameSettings(
+        frames=values.get("frames", defaults.frames),
+        fps=values.get("fps", defaults.fps),
+        extraction=values.get("frame_extraction", defaults.extraction),
+        windows=values.get("frame_windows", defaults.windows),
+    )
 
 
 class KilnLoadDataset(io.ComfyNode):
@@ -27,7 +43,7 @@ class KilnLoadDataset(io.ComfyNode):
                 io.String.Input(
                     "folder",
                     default="",
-                    tooltip="Folder of images (png, jpg, webp, bmp, tiff) with "
+                    tooltip="Folder of images (png, jpg, webp, bmp, tiff) and clips (mp4, webm, mov, mkv, gif) with "
                     "same-name .txt captions: a name under ComfyUI's input/ (the 'choose a dataset…' button lists them) "
                     "or an absolute path. Sub-folders named like '10_name' repeat their images 10 times.",
                 ),
@@ -66,6 +82,8 @@ class KilnLoadDataset(io.ComfyNode):
                     optional=True,
                     tooltip="Decode every image now (slower) to catch corrupt files before encoding.",
                 ),
+                # Clips (mp4, webm, mov, mkv, gif); images ignore these. Added last: saved workflows keep their values.
+                *(widget(name, optional=True) for name in CLIP_WIDGETS),
             ],
             outputs=[DATASET.Output(display_name="dataset", tooltip="The scanned dataset (KILN_DATASET)")],
         )
@@ -97,6 +115,7 @@ class KilnLoadDataset(io.ComfyNode):
         shuffle_tags=False,
         keep_tags=0,
         deep_check=False,
+        **clip_settings,
     ):
         root = resolve_folder(folder)
         captions = CaptionSettings(
@@ -116,6 +135,7 @@ class KilnLoadDataset(io.ComfyNode):
             deep=deep_check,
             caption_dropout=caption_dropout,
             quality=True,
+            frames=frame_settings(clip_settings),
         )
         dataset = Dataset.load(root, settings)
         return io.NodeOutput(dataset, ui=ui.PreviewText(dataset.report_text()))

@@ -93,7 +93,8 @@ def dataset_identity(dataset: Dataset) -> str:
             dataset.latent_identity,
             dataset.text_identity,
             sorted(dataset.failed_items),
-            [[e.item, e.bucket, e.resized, e.offset] for e in dataset.plan.entries],
+            # A clip's entry adds its frames (the frames/fps/frame_extraction settings): an image's is as it was.
+            [[e.item, e.bucket, e.resized, e.offset, *([e.frames] if e.frames else [])] for e in dataset.plan.entries],
         ],
     )
     if dataset.preservation_class or dataset.regularisation is not None:  # DOP's class word, the reg set's content

@@ -4,7 +4,7 @@
 // card says "unsaved" and the editor keeps the text as a draft (editor.edit / editor.saveCaption), so a reload of
 // the gallery never drops it.
 import { api } from "../../scripts/api.js";
-import { captionKey, cardProblems, problemLines, verdictHead, viewQuery, worst } from "./kiln_datasets_core.js";
+import { cardLabel, captionKey, cardProblems, problemLines, shownFile, verdictHead, viewQuery, worst } from "./kiln_datasets_core.js";
 import { el } from "./kiln_datasets_view.js";
 
 const STATE_TEXT = { clean: "", dirty: "● unsaved (Enter or leave the field to save)", saving: "saving…", error: "not saved: " };
@@ -16,7 +16,8 @@ export class Card {
     this.editor = editor;
     this.check = el("input", { type: "checkbox", className: "kds-select", checked: editor.selected.has(path) });
     this.check.addEventListener("change", () => editor.select(path, this.check.checked));
-    this.thumb = el("img", { src: api.apiURL(viewQuery(editor.dataset.name, path, editor.version)), alt: path, loading: "lazy" });
+    const shown = viewQuery(editor.dataset.name, shownFile(image), editor.version);
+    this.thumb = el("img", { src: api.apiURL(shown), alt: path, loading: "lazy" });
     const zoom = el("button", { type: "button", className: "kds-thumb", "aria-label": `enlarge ${path}`,
       title: "Click to enlarge (Esc closes)" }, this.thumb);
     zoom.addEventListener("click", () => editor.zoomTo(path, zoom));
@@ -48,7 +49,7 @@ export class Card {
     this.image = image;
     const problems = cardProblems(image, verdict);
     this.element.dataset.severity = worst(problems);
-    this.name.textContent = image.width ? `${image.path} ${image.width}×${image.height}` : image.path;
+    this.name.textContent = cardLabel(image);
     this.problems.replaceChildren(...problems.map((p) =>
       el("li", { textContent: problemLines([p])[0], "data-severity": p.severity, "data-code": p.code })));
     this.problems.hidden = !problems.length;

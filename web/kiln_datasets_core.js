@@ -45,6 +45,18 @@ export function viewQuery(dataset, path, version = "") {
   return `/view?${params}`;
 }
 
+/** What a card shows: an image itself, a clip its first frame (the thumbnail the server made, when it could). */
+export function shownFile(image) {
+  return image.thumbnail || image.path;
+}
+
+/** A card's label: the path, the size, and a clip's length ("a.mp4 96×64 · 24 frames, 1.5 s"). */
+export function cardLabel(image) {
+  const size = image.width ? ` ${image.width}×${image.height}` : "";
+  const seconds = image.seconds ? `, ${image.seconds} s` : "";
+  return `${image.path}${size}` + (image.frames ? ` · ${image.frames} frames${seconds}` : "");
+}
+
 /** The worst severity among problems ("" when none): the card's badge colour. */
 export function worst(problems) {
   const found = new Set((problems ?? []).map((p) => p.severity));

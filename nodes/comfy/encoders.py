@@ -10,21 +10,26 @@ import torch
 
 def vae_encoder(vae):
     """(encode, identity): encode(pixels [B,H,W,3] float32 in [0,1]) -> raw VAE latents [B,C,h,w]
-    float32, exactly VAEEncode's output (no process_in: caches stay model-independent)."""
+    float32, exactly VAEEncode's output (no process_in: caches stay model-independent). Clips
+    [B,T,H,W,3] -> [B,C,t,h,w] (a video VAE, Wan's: t = (T-1)/4+1), each clip one VAE call as VAEEncode's."""
     ratio = vae.downscale_ratio
 
     def encode(pixels: np.ndarray) -> np.ndarray:
         pixels = np.asarray(pixels, dtype=np.float32)
-        if pixels.ndim != 4 or pixels.shape[-1] < 3:
-            raise ValueError(f"expected images [B,H,W,3], got {list(pixels.shape)}")
-        if isinstance(ratio, int) and (pixels.shape[1] % ratio or pixels.shape[2] % ratio):
+        if pixels.ndim not in (4, 5) or pixels.shape[-1] < 3:
+            raise ValueError(f"expected images [B,H,W,3] or clips [B,T,H,W,3], got {list(pixels.shape)}")
+        if isinstance(ratio, int) and (pixels.shape[-3] % ratio or pixels.shape[-2] % ratio):
             raise ValueError(
-                f"image {pixels.shape[2]}x{pixels.shape[1]} is not a multiple of the VAE's {ratio} px; "
+                f"image {pixels.shape[-2]}x{pixels.shape[-3]} is not a multiple of the VAE's {ratio} px; "
                 "ComfyUI would crop it, so the bucket plan would not match"
             )
+        # A video VAE reads a batch of images as the frames of one clip: each image (or clip) is its own call.
+        one_by_one = pixels.ndim == 5 or getattr(vae, "latent_dim", 2) == 3
+        batches = [pixels[n : n + 1] if pixels.ndim == 4 else pixels[n] for n in range(len(pixels))]
         with torch.inference_mode():
-            latents = vae.encode(torch.from_numpy(np.ascontiguousarray(pixels[..., :3])))
-        if latents.ndim == 5 and latents.shape[2] == 1:  # a video VAE's one frame: cached as an image
+            parts = [_vae_encode(vae, part) for part in (batches if one_by_one else [pixels])]
+        latents = torch.cat(parts)
+        if pixels.ndim == 4 and latents.ndim == 5 and latents.shape[2] == 1:  # a video VAE's one frame: an image
             latents = latents[:, :, 0]
         return latents.float().cpu().numpy()
 
@@ -41,6 +46,10 @@ def vae_encoder(vae):
         ),
     )
     return encode, identity
+
+
+def _vae_encode(vae, pixels: np.ndarray):
+    return vae.encode(torch.from_numpy(np.ascontiguousarray(pixels[..., :3])))
 
 
 def text_encoder(clip):

@@ -3,7 +3,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  bulkBody, createBody, datasetPath, keepSelected, parseResolutions, problemLines, summary, uploadMessage, viewQuery,
+  bulkBody, cardLabel, createBody, datasetPath, shownFile, keepSelected, parseResolutions, problemLines, summary, uploadMessage, viewQuery,
   worst,
 } from "../../web/kiln_datasets_core.js";
 
@@ -27,6 +27,16 @@ test("paths and images are addressed by name under input/", () => {
   assert.equal(viewQuery("faces", "10_close/a b.png", "7"),
     "/view?filename=a+b.png&subfolder=faces%2F10_close&type=input&v=7");
   assert.equal(viewQuery("faces", "a.png"), "/view?filename=a.png&subfolder=faces&type=input");
+});
+
+test("a clip's card shows its first frame and its length; an image's itself and its size", () => {
+  const clip = { path: "clips/a.mp4", width: 96, height: 64, frames: 24, seconds: 1.5, thumbnail: ".kiln_cache/thumbnails/ab.jpg" };
+  assert.equal(shownFile(clip), ".kiln_cache/thumbnails/ab.jpg");
+  assert.equal(cardLabel(clip), "clips/a.mp4 96×64 · 24 frames, 1.5 s");
+  assert.equal(shownFile({ path: "b.mp4", thumbnail: null }), "b.mp4");  // unreadable: no picture to show
+  assert.equal(shownFile({ path: "a.png" }), "a.png");
+  assert.equal(cardLabel({ path: "a.png", width: 10, height: 20 }), "a.png 10×20");
+  assert.equal(cardLabel({ path: "bad.png", width: null }), "bad.png");
 });
 
 test("problems are shown worst first and summed up", () => {

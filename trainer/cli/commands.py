@@ -11,7 +11,17 @@ def cmd_check_dataset(args) -> int:
     from ..data.folder.report import format_report
     from ..data.folder.review import review
 
-    found = review(args.dir, resolutions=args.resolutions, arch=args.arch or "", deep=args.deep, quality=args.quality)
+    from ..data.frames import FrameSettings
+
+    frames = FrameSettings(args.frames, args.fps, args.frame_extraction, args.frame_windows)
+    found = review(
+        args.dir,
+        resolutions=args.resolutions,
+        arch=args.arch or "",
+        deep=args.deep,
+        quality=args.quality,
+        frames=frames,
+    )
     report, buckets, verdicts = found.report, found.buckets, found.verdicts
     if args.json:
         extra = {**({"buckets": buckets} if buckets else {}), **({"verdicts": verdicts} if verdicts else {})}

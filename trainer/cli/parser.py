@@ -84,7 +84,22 @@ def _add_check_dataset(commands) -> None:
         choices=list(ARCHS),
         help="check caption lengths against this family's text encoder only (default: every family's)",
     )
+    _add_clip_settings(check)
     check.set_defaults(func=cmd_check_dataset)
+
+
+def _add_clip_settings(command) -> None:
+    """The clip settings (trainer/config/data.py's declarations; at their defaults dataset.json's apply)."""
+    from ..config import CHOICES, FIELDS, HELP
+
+    for name, kind in (("frames", int), ("fps", float), ("frame_extraction", str), ("frame_windows", int)):
+        command.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            default=FIELDS[name].default,
+            choices=CHOICES.get(name),
+            help=f"clips: {HELP[name]} (default: %(default)s, else dataset.json's)",
+        )
 
 
 def _add_caption(commands) -> None:

@@ -52,6 +52,37 @@ class DataFields:
         identity=False,
         node="dataset",
     )
+    # Clips only (trainer/data/frames.py). Not in the run identity: the dataset's identity holds every clip
+    # entry's frames, so an image-only run keeps the identity it had before these existed.
+    frames: int = setting(
+        33,
+        "frames each clip trains with, snapped down to Wan's 4k+1 (1, 5, 9, … 33, … 81); a shorter clip trains "
+        "the most it has (as 4k+1). Images ignore it",
+        "data",
+        bounds=(1, 1025),
+        identity=False,
+        node="dataset",
+    )
+    fps: float = setting(
+        16.0,
+        "resample clips to this frame rate before taking frames (Wan 2.1: 16, Wan 2.2 5B: 24); 0 = each clip's own",
+        "data",
+        bounds=(0.0, 240.0),
+        identity=False,
+        node="dataset",
+    )
+    frame_extraction: str = setting(
+        "head",
+        "which frames of a clip train: head (the first frames), uniform (spread over the whole clip), windows "
+        "(frame_windows runs of frames, evenly spread: several entries per clip)",
+        "data",
+        choices=("head", "uniform", "windows"),
+        identity=False,
+        node="dataset",
+    )
+    frame_windows: int = setting(
+        3, "windows per clip when frame_extraction is windows", "data", bounds=(1, 64), identity=False, node="dataset"
+    )
 
 
 @dataclass

@@ -27,10 +27,12 @@ class Entry:
     bucket: tuple[int, int]  # (width, height) in pixels
     resized: tuple[int, int]  # (width, height) the image is resized to before the crop
     offset: tuple[int, int]  # (x, y) of the crop in the resized image
+    frames: tuple[int, ...] = ()  # a clip's window: its source frame indices (data/frames.py); () for an image
 
     @property
     def key(self) -> str:
-        return f"{self.bucket[0]}x{self.bucket[1]}"
+        """The bucket a batch is drawn from: size, and for a clip its frame count (rows share both)."""
+        return f"{self.bucket[0]}x{self.bucket[1]}" + (f"x{len(self.frames)}f" if self.frames else "")
 
 
 def bucket_size(width: int, height: int, resolution: int, divisor: int) -> tuple[int, int]:
@@ -151,9 +153,11 @@ def plan_buckets(
     crop: str = "center",
     seed: int = 0,
     hashes: list[str] | None = None,
+    windows: list[list[tuple[int, ...]]] | None = None,
 ) -> BucketPlan:
     """One entry per image and resolution; a resolution that gives an image the same bucket as a
-    smaller one (a small image is never upscaled) adds no second entry."""
+    smaller one (a small image is never upscaled) adds no second entry. windows: per item, a clip's frame
+    windows (data/frames.py; empty for an image): a clip has an entry per window and resolution."""
     if crop not in CROPS:
         raise ValueError(f"crop must be one of {CROPS}, got {crop!r}")
     entries = []
@@ -169,5 +173,7 @@ def plan_buckets(
             # way in every run with this seed, whatever its position in the folder.
             token = int((hashes[item] if hashes else f"{item:x}")[:15], 16)
             rng = np.random.default_rng([seed, token, resolution]) if crop == "random" else None
-            entries.append(Entry(item, resolution, bucket, resized, crop_offset(resized, bucket, crop, rng)))
+            offset = crop_offset(resized, bucket, crop, rng)
+            for frames in windows[item] if windows and windows[item] else [()]:  # a clip's windows share a crop
+                entries.append(Entry(item, resolution, bucket, resized, offset, tuple(frames)))
     return BucketPlan(entries, smallest_side=divisor, crop=crop)

@@ -9,7 +9,8 @@ recomputed. Reads touch the file's mtime, so pruning to a size limit removes
 the least recently used entries first.
 
     <cache>/latents/ab/abcdef….safetensors   {"latent": [C,h,w]} (+ "mask": [1,h,w] and "control.N":
-                                             [C,h',w'] where the image has them; data/companions.py)
+                                             [C,h',w'] where the image has them; data/companions.py);
+                                             a clip's window: {"latent": [C,t,h,w]}, t = (T-1)/4+1
     <cache>/text/ab/abcdef….safetensors      {"context": [T,D]} in bf16 (text encoders run in bf16,
                                              and Flux2 Klein's 512×7680 rows are 15 MB each in fp32)
 """
@@ -35,10 +36,13 @@ def _digest(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).hexdigest()
 
 
-def latent_key(image_sha256: str, bucket, resized, offset, vae_identity: str, companions: str = "") -> str:
-    """companions: what else the entry holds (a mask, control latents; data/companions.py), "" for none,
-    so an entry of a plain image keeps the key it always had."""
+def latent_key(image_sha256: str, bucket, resized, offset, vae_identity: str, companions: str = "", frames=()) -> str:
+    """companions: what else the entry holds (a mask, control latents; data/companions.py), "" for none;
+    frames: a clip's window (its source frame indices), () for an image. An entry of a plain image keeps
+    the key it always had."""
     parts = ("latent", image_sha256, list(bucket), list(resized), list(offset), vae_identity)
+    if frames:
+        return _digest(*parts, companions, list(frames))
     return _digest(*parts, companions) if companions else _digest(*parts)
 
 

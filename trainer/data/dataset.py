@@ -27,6 +27,7 @@ from .captions import CaptionSettings, caption_variants, class_caption
 from .companions import companions_key
 from .encoding import ImageEncoder, Progress, encode_latents
 from .folder.report import DatasetMeta, Item, Problem, ScanReport, format_report
+from .frames import FrameSettings, clip_windows
 from .regularised import RegularisedData
 
 TextEncoder = Callable[[str], np.ndarray]
@@ -45,6 +46,7 @@ class DataSettings:
     deep: bool = False  # decode every image while scanning
     caption_dropout: float = 0.05  # carried to training (the Load Dataset node sets it)
     quality: bool = False  # also look for near-duplicates, blur and long captions (quality.py)
+    frames: FrameSettings = field(default_factory=FrameSettings)  # how clips train (frames.py)
 
     @classmethod
     def from_config(cls, cfg, divisor: int) -> "DataSettings":
@@ -66,6 +68,7 @@ class DataSettings:
             captions=captions,
             seed=cfg.seed,
             caption_dropout=cfg.caption_dropout,
+            frames=FrameSettings(cfg.frames, cfg.fps, cfg.frame_extraction, cfg.frame_windows),
         )
 
     def with_meta(self, meta: DatasetMeta) -> "DataSettings":
@@ -83,6 +86,7 @@ class DataSettings:
             captions=captions,
             resolutions=self.resolutions or tuple(meta.resolutions or (512,)),
             repeats=self.repeats or meta.repeats or 1,
+            frames=self.frames.with_meta(meta),
         )
 
 
@@ -112,7 +116,13 @@ class Dataset:
     ) -> "Dataset":
         from .folder.scan import scan
 
-        report = scan(root, deep=settings.deep, resolutions=settings.resolutions or (512,), min_side=min_side)
+        report = scan(
+            root,
+            deep=settings.deep,
+            resolutions=settings.resolutions or (512,),
+            min_side=min_side,
+            frames=settings.frames,
+        )
         if not report.ok:
             raise DatasetError(describe_failure(report))
         items, settings = report.items, settings.with_meta(report.meta)
@@ -143,7 +153,13 @@ class Dataset:
     def entry_key(self, entry: Entry) -> str:
         item = self.report.items[entry.item]
         return latent_key(
-            item.sha256, entry.bucket, entry.resized, entry.offset, self.latent_identity or "", companions_key(item)
+            item.sha256,
+            entry.bucket,
+            entry.resized,
+            entry.offset,
+            self.latent_identity or "",
+            companions_key(item),
+            entry.frames,
         )
 
     def texts(self) -> list[str]:
@@ -269,6 +285,7 @@ def plan_for(items: list[Item], settings: DataSettings) -> BucketPlan:
         crop=settings.crop,
         seed=settings.seed,
         hashes=[i.sha256 for i in items],
+        windows=[clip_windows(i.frames, i.fps, settings.frames) if i.is_clip else [] for i in items],
     )
 
 

@@ -11,7 +11,8 @@ from PIL import Image
 
 from . import DatasetError
 from .buckets import Entry
-from .companions import entry_sample
+from .companions import Sample, entry_sample
+from .folder.clips import read_frames
 from .folder.images import ImageProblem, load_rgb
 from .folder.report import Problem
 from .prefetch import in_order
@@ -49,10 +50,12 @@ def _decoder(ds):
     """job (item index, its entries) → (index, [(entry, Sample)], the Problem that left it out or None)."""
     root, entries = Path(ds.report.root), ds.plan.entries
 
-    def decode(job):  # on a worker thread: each image decoded once for all its entries
+    def decode(job):  # on a worker thread: each image (or clip) decoded once for all its entries
         index, ns = job
         item, samples = ds.report.items[index], []
         try:
+            if item.is_clip:
+                return index, clip_samples(root / item.path, [(n, entries[n]) for n in ns]), None
             image = Image.fromarray(load_rgb(root / item.path))
             for n in ns:
                 samples.append((n, entry_sample(root, item, image, entries[n], crop_pixels)))
@@ -71,7 +74,7 @@ class _Batches:
         self.pending: dict[tuple[int, int], list] = {}
 
     def add(self, n: int, sample) -> None:
-        bucket = self.ds.plan.entries[n].bucket
+        bucket = self.ds.plan.entries[n].key  # size, and a clip's frame count: one encoder call stacks alike
         self.pending.setdefault(bucket, []).append((n, sample))
         if len(self.pending[bucket]) >= self.batch_size:
             self.flush(bucket)
@@ -86,10 +89,12 @@ class _Batches:
             return
         # One encoder call for the images and their control images (all cropped to this bucket).
         stack = [pixels for _, sample in rows for pixels in (sample.pixels, *sample.controls)]
-        latents = np.asarray(self.encode(np.stack(stack)), dtype=np.float32)
-        if latents.ndim != 4 or latents.shape[0] != len(stack):
+        pixels = np.stack(stack)  # images [B,H,W,3], clips [B,T,H,W,3]
+        latents = np.asarray(self.encode(pixels), dtype=np.float32)
+        if latents.ndim != pixels.ndim or latents.shape[0] != len(stack):
+            expected = "[B,C,h,w]" if pixels.ndim == 4 else "[B,C,t,h,w] (clips need a video VAE, e.g. Wan's)"
             raise DatasetError(
-                f"the image encoder returned shape {latents.shape} for {len(stack)} images; expected [B,C,h,w]"
+                f"the VAE returned shape {list(latents.shape)} for pixels {list(pixels.shape)}; expected {expected}"
             )
         start = 0
         for n, sample in rows:
@@ -101,6 +106,13 @@ class _Batches:
                 {"image": self.ds.report.items[entries[n].item].path, "bucket": entries[n].key},
             )
             start += count
+
+
+def clip_samples(path: Path, entries: list[tuple[int, Entry]]) -> list[tuple[int, Sample]]:
+    """A clip's entries: each window's frames decoded once, resized and cropped like an image → [T,H,W,3]."""
+    frames = read_frames(path, sorted({index for _, entry in entries for index in entry.frames}))
+    images = {index: Image.fromarray(frame) for index, frame in frames.items()}
+    return [(n, Sample(np.stack([crop_pixels(images[i], entry) for i in entry.frames]))) for n, entry in entries]
 
 
 def crop_pixels(image: Image.Image, entry: Entry) -> np.ndarray:

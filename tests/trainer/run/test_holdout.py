@@ -313,3 +313,26 @@ def test_a_console_run_has_its_folder_before_its_first_step(tmp_path, make_model
         should_pause=lambda: seen.append(run_dir.is_dir()) or False,
     )
     assert seen and seen[0] is True
+
+
+def test_held_out_batches_of_clips_are_5d_and_their_loss_is_fixed(make_config):
+    """A clip's cached latent is [C,t,h,w]: its held-out rows are [K,C,t,h,w] with noise of that shape, the same
+    draws every call, and a loss over them (here the flow target's own error, v = ε − x0) is the same each time."""
+    from helpers.tiny_runs import InMemoryData
+
+    rng = np.random.default_rng(3)
+    latents = [rng.standard_normal((16, 3, 4, 6)).astype(np.float32) for _ in range(2)]  # two clips, 3 latent frames
+    contexts = [rng.standard_normal((8, 32)).astype(np.float32) for _ in range(2)]
+    data = InMemoryData.from_arrays(latents, contexts, ["a.mp4", "b.mp4"], np.zeros((8, 32), np.float32))
+    cfg = make_config(holdout=1, holdout_sigmas=3, batch_size=2)
+    chunks = holdout.batches(data, [1], cfg, get_arch("demo"))
+    assert [b.latents.shape for b in chunks] == [(2, 16, 3, 4, 6), (1, 16, 3, 4, 6)]
+    assert all(b.noise.shape == b.latents.shape and b.mask is None for b in chunks)
+    again = holdout.batches(data, [1], cfg, get_arch("demo"))
+    assert all(np.array_equal(a.noise, b.noise) for a, b in zip(chunks, again))
+
+    def loss(batches):  # the mean error of predicting zero velocity, per row and σ: any 5-D-safe loss will do
+        rows = [((b.noise - b.latents) ** 2).mean(axis=(1, 2, 3, 4)) for b in batches]
+        return float(np.concatenate(rows).mean())
+
+    assert loss(chunks) == loss(again) and np.isfinite(loss(chunks))

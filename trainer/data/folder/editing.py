@@ -19,12 +19,14 @@ from pathlib import Path
 
 from ...atomic import atomic_write_text, fsync_dir
 from ...errors import KilnError
-from .images import IMAGE_EXTENSIONS
+from .clips import thumbnail
+from .images import CLIP_FORMATS, IMAGE_EXTENSIONS, ImageProblem
 from .meta import META_TYPES, meta_value_error
 from .report import META_FILE
 from .scan import UNSUPPORTED_IMAGES, list_datasets, read_caption, scan
 
 TRASH = ".trash"
+MEDIA = IMAGE_EXTENSIONS | set(UNSUPPORTED_IMAGES) | set(CLIP_FORMATS)  # what the gallery shows a card for
 MAX_CAPTION_CHARS = 20_000
 MAX_NAME_CHARS = 120
 # One path component a client may name: no separators, drive colons, wildcards or control characters.
@@ -146,10 +148,11 @@ def gallery(root: str | Path, name: str) -> dict:
             "caption_file": item.caption_file,
             "usable": True,
             "problems": by_file.pop(item.path, []) + by_file.pop(item.caption_file or "", []),
+            **(_clip(folder, item) if item.is_clip else {}),
         }
         for item in report.items
     ]
-    for path in [p for p in by_file if Path(p).suffix.lower() in IMAGE_EXTENSIONS | set(UNSUPPORTED_IMAGES)]:
+    for path in [p for p in by_file if Path(p).suffix.lower() in MEDIA]:
         caption_path = inside(folder, path).with_suffix(".txt")
         caption = read_caption(caption_path, "")[0] if caption_path.is_file() else None
         images.append(
@@ -174,9 +177,24 @@ def gallery(root: str | Path, name: str) -> dict:
     }
 
 
+def _clip(folder: Path, item) -> dict:
+    """A clip's length and its first frame, a thumbnail the gallery shows (made once per content, in the cache)."""
+    from ..dataset import CACHE_FOLDER
+
+    try:
+        shown = thumbnail(folder, item.path, item.sha256, folder / CACHE_FOLDER / "thumbnails")
+    except ImageProblem:
+        shown = None  # the problem shows when the clip is encoded; the card says so without a picture
+    return {
+        "frames": item.frames,
+        "seconds": round(item.frames / item.fps, 2) if item.fps else None,
+        "thumbnail": shown,
+    }
+
+
 def _image(folder: Path, rel: str) -> Path:
     path = inside(folder, rel, "image")
-    if path.suffix.lower() not in IMAGE_EXTENSIONS | set(UNSUPPORTED_IMAGES) or not path.is_file():
+    if path.suffix.lower() not in MEDIA or not path.is_file():
         raise EditError(404, f"no image {rel!r} in {folder.name}/ (reload the dataset: it may have changed)")
     return path
 

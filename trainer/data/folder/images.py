@@ -14,6 +14,8 @@ import numpy as np
 from PIL import Image
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".jfif", ".jpe", ".webp", ".bmp", ".tif", ".tiff"})
+# Clips (clips.py reads them): extension → the container it should hold, as a report names it.
+CLIP_FORMATS = {".mp4": "MP4", ".webm": "WebM", ".mov": "QuickTime", ".mkv": "Matroska", ".gif": "GIF"}
 # What each extension should hold (MPO is how PIL names many camera JPEGs).
 EXTENSION_FORMATS = {
     ".png": ("PNG",),

@@ -74,6 +74,8 @@ def _items(images: list[FolderFile], checked: list, caption_for, read: dict, kep
                 image_format=info.format,
                 mode=info.mode,
                 notes=list(info.notes),
+                frames=getattr(info, "frames", 0),  # a ClipInfo's; an ImageInfo has none
+                fps=getattr(info, "fps", 0.0),
             )
         )
     return items, duplicate_captions, problems

@@ -8,10 +8,13 @@ import difflib
 import json
 from pathlib import Path
 
-from ...config import BOUNDS
+from ...config import BOUNDS, CHOICES
 from .report import META_FILE, DatasetMeta, Problem, fatal
 
 META_TYPES = ("character", "style", "concept", "")
+# The keys that take a number (the setting's bounds), and those that take one of a few words.
+NUMBERS = {"repeats": int, "frames": int, "frame_windows": int, "fps": float}
+WORDS = {"type": META_TYPES, "frame_extraction": CHOICES["frame_extraction"]}
 
 
 def read_meta(root: Path) -> tuple[DatasetMeta, list[Problem]]:
@@ -87,21 +90,22 @@ def _checked(raw: dict) -> tuple[DatasetMeta, list[Problem]]:
 
 def meta_value_error(key: str, value) -> str | None:
     """What is wrong with one dataset.json value (None when it is fine); the editor checks with it too."""
-    if key in ("resolutions", "repeats") and value is None:
+    if key in ("resolutions", "frame_extraction", *NUMBERS) and value is None:
         return None
     if key == "resolutions":
         low, high = BOUNDS["resolutions"]
         if not isinstance(value, list) or not value or not all(_is_int(v) and low <= v <= high for v in value):
             return f"must be a list of whole numbers {low:g}..{high:g}, e.g. [512, 768], got {value!r}"
         return None
-    if key == "repeats":
-        low, high = BOUNDS["repeats"]
-        return None if _is_int(value) and low <= value <= high else f"must be a whole number {low:g}..{high:g}"
+    if key in NUMBERS:
+        (low, high), kind = BOUNDS[key], NUMBERS[key]
+        fits = (_is_int(value) or (kind is float and isinstance(value, float))) and low <= value <= high
+        return None if fits else f"must be a {'whole ' * (kind is int)}number {low:g}..{high:g}"
     if not isinstance(value, str):
         return f"must be a string, got {_kind(value)}"
-    if key == "type" and value not in META_TYPES:
-        match = difflib.get_close_matches(value, META_TYPES, 1)
-        return f"must be one of {', '.join(map(repr, META_TYPES))}, got {value!r}" + (
+    if key in WORDS and value not in WORDS[key]:
+        match = difflib.get_close_matches(value, WORDS[key], 1)
+        return f"must be one of {', '.join(map(repr, WORDS[key]))}, got {value!r}" + (
             f" (did you mean {match[0]!r}?)" if match else ""
         )
     return None

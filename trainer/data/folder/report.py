@@ -50,6 +50,12 @@ class Item:
     mask_file: str | None = None  # "<stem>.mask.png" beside it; None: the alpha channel, if any, is the mask
     controls: tuple[str, ...] = ()  # edit datasets: control/<same path>, control_2/<same path>, ...
     companions_sha256: str = ""  # hash of the companion files' hashes ("" without any): part of the latent key
+    frames: int = 0  # a clip's frame count (0: an image); clips.py
+    fps: float = 0.0  # a clip's frame rate
+
+    @property
+    def is_clip(self) -> bool:
+        return self.frames > 0
 
 
 @dataclass
@@ -66,6 +72,10 @@ class DatasetMeta:
     repeats: int | None = None
     description: str = ""
     created: str = ""
+    frames: int | None = None  # clips (data/frames.py): target frame count, fps, how frames are taken
+    fps: float | None = None
+    frame_extraction: str | None = None
+    frame_windows: int | None = None
 
 
 @dataclass
@@ -126,7 +136,7 @@ def format_report(
     lines = [
         f"{'Deep' if report.deep else 'Fast'} scan of {report.root}",
         (
-            f"  {len(report.items)} usable images ({repeats_total} per epoch with repeats), "
+            f"  {_usable(report.items)} ({repeats_total} per epoch with repeats), "
             f"{len(report.skipped)} skipped, {len(report.warnings)} warnings, {len(report.of('note'))} notes"
         ),
     ]
@@ -198,6 +208,15 @@ def format_buckets(resolution: dict, per_bucket: int = 8) -> list[str]:
             f"{some(resolution['smaller'])}"
         )
     return lines
+
+
+def _usable(items: list[Item]) -> str:
+    """'12 usable images', or with clips '3 usable images and 4 clips (5.5 s)': an image-only set reads as before."""
+    clips = [item for item in items if item.is_clip]
+    if not clips:
+        return f"{len(items)} usable images"
+    seconds = sum(item.frames / item.fps for item in clips if item.fps)
+    return f"{len(items) - len(clips)} usable images and {_count(len(clips), 'clip')} ({seconds:.1f} s)"
 
 
 def _count(n: int, noun: str) -> str:

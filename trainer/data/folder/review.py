@@ -25,21 +25,26 @@ def review(
     deep: bool = False,
     quality: bool = True,
     default_resolutions=None,
+    frames=None,
 ) -> Review:
     """Scan `folder`, plan its buckets at `resolutions` (else dataset.json's, else default_resolutions; none:
     no plan) and, with `quality`, run the quality pass with the captions each image trains with, against
-    `arch`'s caption token limit (every family's when empty)."""
+    `arch`'s caption token limit (every family's when empty). frames: how clips train (a FrameSettings; those
+    at their defaults take dataset.json's)."""
     from ...archs import ARCHS, dataset_divisor, get_arch
     from ..captions import caption_variants
     from ..dataset import CACHE_FOLDER, DataSettings, describe_plan, plan_for
+    from ..frames import FrameSettings
     from . import quality as quality_pass
     from .scan import scan
 
-    report = scan(folder, deep=deep, resolutions=resolutions)
+    frames = frames or FrameSettings()
+    report = scan(folder, deep=deep, resolutions=resolutions, frames=frames)
     resolutions = resolutions or report.meta.resolutions or default_resolutions
     buckets = verdicts = None
     if resolutions and report.items:
-        plan = plan_for(report.items, DataSettings(resolutions=tuple(resolutions), divisor=dataset_divisor()))
+        settings = DataSettings(resolutions=tuple(resolutions), divisor=dataset_divisor(), frames=frames)
+        plan = plan_for(report.items, settings.with_meta(report.meta))
         buckets = describe_plan(plan, report.items, resolutions)
     if quality and report.items:
         captions = DataSettings().with_meta(report.meta).captions  # the text each image trains with

@@ -26,9 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..companions import attach, is_companion
+from ..frames import FrameSettings
 from .caption_files import read_caption
 from .check import EXTENSION_OF, NOTE_FIX, check_image
-from .images import IMAGE_EXTENSIONS
+from .clips import check_clip
+from .images import CLIP_FORMATS, IMAGE_EXTENSIONS
 from .items import collect
 from .meta import META_FILE, read_meta
 from .report import DatasetMeta, Problem, ScanReport, fatal
@@ -40,7 +42,6 @@ __all__ = ["EXTENSION_OF", "UNSUPPORTED_IMAGES", "FolderSummary", "list_datasets
 DEFAULT_RESOLUTIONS = (512,)
 # Image formats people drop into datasets that we do not decode: skipped, with a fix.
 UNSUPPORTED_IMAGES = {
-    ".gif": "GIF",
     ".heic": "HEIC",
     ".heif": "HEIF",
     ".avif": "AVIF",
@@ -89,12 +90,13 @@ def scan(
     resolutions: Sequence[int] | None = None,
     min_side: int = 64,
     workers: int | None = None,
+    frames: FrameSettings | None = None,
 ) -> ScanReport:
     """Scan `root`; see the module docstring for what the fast and deep scans catch.
 
-    resolutions: the bucket resolutions, to warn about images that would train
-    smaller (default: dataset.json's, else 512). Item.repeats comes from the
-    `N_name/` folders only; dataset.json's `repeats` multiplies it later, in the
+    resolutions: the bucket resolutions, to warn about images that would train smaller (default: dataset.json's,
+    else 512). frames: how clips train (dataset.json's where at their defaults), to name clips too short for it.
+    Item.repeats comes from the `N_name/` folders only; dataset.json's `repeats` multiplies it later, in the
     dataset. workers: threads for reading and decoding (default: all cores).
     """
     root = Path(root)
@@ -118,15 +120,15 @@ def scan(
         suffix = Path(file.rel).suffix.lower()
         if is_companion(file.rel):  # masks and control images follow their image (companions.py)
             companion_files.append(file.rel)
-        elif suffix in IMAGE_EXTENSIONS:
+        elif suffix in IMAGE_EXTENSIONS or suffix in CLIP_FORMATS:  # images and clips alike: "media"
             images.append(file)
         elif suffix == ".txt":
             captions[stem(file.rel)] = file
         elif (problem := _other_file(file, suffix)) is not None:
             problems.append(problem)
     min_area = min(resolutions or report.meta.resolutions or DEFAULT_RESOLUTIONS) ** 2
-    with ThreadPoolExecutor(max(1, workers or os.cpu_count() or 1)) as pool:
-        checked = list(pool.map(lambda file: check_image(file, deep, min_side, min_area), images))
+    frames = (frames or FrameSettings()).with_meta(report.meta)
+    checked = _check_media(images, workers, deep, min_side, min_area, frames=frames)
     report.items, item_problems = collect(images, checked, captions)
     report.items, companion_problems = attach(root, report.items, companion_files)
     problems += walk_problems + item_problems + companion_problems
@@ -136,11 +138,23 @@ def scan(
                 "no_images",
                 "",
                 "no usable images in this folder" + (f" ({len(images)} image files, all skipped)" if images else ""),
-                "add .png/.jpg/.webp images (with same-name .txt captions), or fix the skipped ones",
+                "add .png/.jpg/.webp images or .mp4/.webm/.gif clips (with same-name .txt captions), or fix the rest",
             )
         )
     report.problems = sorted(problems, key=lambda p: (p.file != "", p.file.split("/")))
     return report
+
+
+def _check_media(files: list[FolderFile], workers: int | None, deep: bool, *limits, frames: FrameSettings) -> list:
+    """check_image's or check_clip's answer for each file, on worker threads, in file order."""
+
+    def check(file: FolderFile):
+        if Path(file.rel).suffix.lower() in CLIP_FORMATS:
+            return check_clip(file, deep, *limits, frames)
+        return check_image(file, deep, *limits)
+
+    with ThreadPoolExecutor(max(1, workers or os.cpu_count() or 1)) as pool:
+        return list(pool.map(check, files))
 
 
 def _other_file(file: FolderFile, suffix: str) -> Problem | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ...config import BOUNDS
 from ..companions import is_companion
-from .images import IMAGE_EXTENSIONS
+from .images import CLIP_FORMATS, IMAGE_EXTENSIONS
 from .report import Problem
 
 REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
@@ -145,7 +145,8 @@ def list_datasets(root: str | Path, most_files: int = 100_000) -> list[FolderSum
             dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (top and is_companion(f"{d}/x")))
             for name in files:
                 suffix = os.path.splitext(name)[1].lower()
-                images += suffix in IMAGE_EXTENSIONS and not name.startswith(".") and not is_companion(name)
+                media = suffix in IMAGE_EXTENSIONS or suffix in CLIP_FORMATS  # a clip counts as an image here
+                images += media and not name.startswith(".") and not is_companion(name)
                 captions += suffix == ".txt" and not name.startswith(".")
             seen += len(files)
             if seen >= most_files:

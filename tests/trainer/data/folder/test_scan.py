@@ -92,7 +92,8 @@ def test_every_bad_file_is_named(tmp_path):
         "tiny.png": "too_small",
         "empty.png": "zero_byte",
         "notes.jpg": "not_an_image",
-        "anim.gif": "unsupported_format",
+        "anim.gif": "unreadable_clip",  # a GIF is a clip now (clips.py): this one is broken
+        "clip.mp4": "unreadable_clip",
         "phone.heic": "unsupported_format",
         "gif_inside.jpg": "unsupported_format",
         "wide.png": "too_large",
@@ -100,7 +101,6 @@ def test_every_bad_file_is_named(tmp_path):
     assert codes(report, "warning") == {"small.png": "below_resolution", "lonely.txt": "caption_orphan"}
     # The caption of a skipped image is named too; caches and OS files are not worth a word.
     assert codes(report, "note") == {
-        "clip.mp4": "ignored_file",
         "tiny.txt": "caption_unused",
         "sub/dataset.json": "dataset_json_nested",
     }
