@@ -62,6 +62,7 @@ def cmd_estimate(args) -> int:
             **({"stream_blocks": cfg.stream_blocks} if cfg.stream_blocks not in (0, "auto") else {}),  # torch only
             **({"fp8_compute": True} if cfg.fp8_compute is True else {}),  # auto: no copies
             **({"reference_images": references} if references else {}),
+            **({"frames": args.frames} if getattr(args, "frames", 1) > 1 else {}),  # torch only
             **(
                 {"adapter": cfg.adapter, "lokr_factor": cfg.lokr_factor, "lokr_full_w2": cfg.lokr_full_w2}
                 if cfg.adapter != "lora"

@@ -262,3 +262,19 @@ def test_advice_offers_the_fewest_streamed_blocks_that_fit_and_mlx_none():
 
     on_a_mac = format_estimate(backend_rules("mlx").estimate("zimage", resolution=1024), device_memory_gb=8)
     assert "does not fit" in on_a_mac and "stream_blocks" not in on_a_mac  # a Mac's GPU shares the host's memory
+
+
+def test_frames_count_a_clips_latent_frames():
+    """Wan: 81 frames are 21 latent frames of (h/16)(w/16) tokens each; an image is one frame."""
+    image = estimate("wan2.1-t2v-14b", resolution=480, gradient_checkpointing=False)
+    clip = estimate("wan2.1-t2v-14b", resolution=480, frames=81, gradient_checkpointing=False)
+    assert image.tokens == 30 * 30 + 512 and clip.tokens == 21 * 30 * 30 + 512
+    assert clip.activations / image.activations == pytest.approx(clip.tokens / image.tokens, rel=0.01)
+    assert clip.weights == image.weights and "× 81 frames" in format_estimate(clip)
+    assert "frames" not in format_estimate(image)  # an image's report is as it was
+    five_b = estimate("wan2.2-ti2v-5b", resolution=704, frames=121)  # /16 VAE x patch 2: 22 x 22 tokens a frame
+    assert five_b.tokens == 31 * 22 * 22 + 512
+    with pytest.raises(ValueError, match="4k\\+1"):
+        estimate("wan2.1-t2v-14b", resolution=480, frames=80)
+    with pytest.raises(ValueError, match="image model"):
+        estimate("zimage", resolution=512, frames=5)
