@@ -41,6 +41,8 @@ def cmd_estimate(args) -> int:
     for note in notes:
         print(f"note: {note}")
     backend = args.backend or cfg.backend
+    if getattr(args, "frames", 1) > 1 and backend != "torch":
+        raise SystemExit("--frames: only the torch backend trains video models (Wan); give --backend torch")
     estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if cfg.base_quantize != "none" else "bf16")  # torch: int8 only
     references = reference_count(cfg.dataset_dir)  # edit datasets' control folders (both backends train them)
