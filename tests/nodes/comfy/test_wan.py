@@ -24,7 +24,14 @@ comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
 import comfy.model_management as mm  # noqa: E402
 from helpers import tiny_comfy as tc  # noqa: E402
 import torch  # noqa: E402
-from helpers.bridge_calls import comfy_sampling_calls, our_call, random_lora, same_call, small_config  # noqa: E402
+from helpers.bridge_calls import (  # noqa: E402
+    Calls,
+    comfy_sampling_calls,
+    our_call,
+    random_lora,
+    same_call,
+    small_config,
+)
 
 import kiln_pack.nodes.comfy.bridge as bridge
 import kiln_pack.trainer.archs as archs
@@ -112,6 +119,29 @@ def test_forward_equals_comfy_sampling(models, kind, arch, frames):
             ours, calls = our_call(model, arch, x, sigma, [emb])
             assert torch.equal(ours, output)
         same_call(calls[0], (args, kwargs, output))
+
+
+def test_i2v_start_image_conditioning_passes_through_as_comfy_gives_it(models):
+    """WanImageToVideo's conds (concat_latent_image: the VAE latent of the start frame then grey frames;
+    concat_mask: 0 on the start frame's latent frame), given as model extras, reach the model bitwise as
+    ComfyUI's sampler gives them. What Kiln does not yet make is those latents from a clip (the data side)."""
+    model, emb, frames = models["i2v"], caption(5, 8), 3
+    rng = np.random.default_rng(4)
+    image = torch.from_numpy(rng.standard_normal((1, 16, frames, 4, 4)).astype(np.float32))
+    mask = torch.ones(1, 1, frames, 4, 4)
+    mask[:, :, :1] = 0.0
+    positive = [[cond(emb)[0][0], {"concat_latent_image": image, "concat_mask": mask}]]
+    run = comfy_sampling_calls(model, positive, (1, 16, frames, 4, 4), seed=2)
+    arch = archs.get_arch("wan21_i2v")
+    context = torch.from_numpy(arch.collate_context([emb]))
+    extras = {"num_tokens": torch.tensor([len(emb)]), "concat_latent_image": image, "concat_mask": mask}
+    dm, forward = bridge.diffusion_model(model), bridge.make_forward(model, "wan21_i2v")
+    for args, kwargs, output in run:
+        with Calls(dm) as calls, torch.inference_mode():
+            ours = forward(dm, args[0][:, :16], kwargs["transformer_options"]["sigmas"], context, extras)
+        assert not torch.equal(args[0][:, 16:20], torch.zeros_like(args[0][:, 16:20]))  # the mask went in
+        same_call(calls[0], (args, kwargs, output))
+        assert torch.equal(ours, output)
 
 
 @pytest.mark.parametrize("frames", [3, None])
