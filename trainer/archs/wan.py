@@ -183,9 +183,9 @@ _I2V = dict(
 )
 T2V_MODELSPEC = ("Wan2.1-T2V/lora", "https://github.com/Wan-Video/Wan2.1")
 A14B_MODELSPEC = ("Wan2.2-A14B/lora", "https://github.com/Wan-Video/Wan2.2")
-# ComfyUI's video_wan2_2_14B templates sample each expert with euler/simple over half the steps (4-step
-# lightx2v LoRAs in the shipped graph); without those, Wan 2.2's own 40 steps at cfg 4 are long for a
-# preview: 20 steps at cfg 3.5, as the templates' notes give for the plain models.
+# ComfyUI's video_wan2_2_14B templates sample each expert with euler/simple over half the steps, with 4-step
+# lightx2v LoRAs at cfg 1; without those (Wan 2.2's own: 40 steps, cfg 3-4), a preview is Kiln's choice of
+# 20 euler steps at cfg 3.5. One expert samples the whole schedule here: a preview, not the paired result.
 A14B_SAMPLING = Sampling(steps=20, cfg=3.5, sampler="euler", scheduler="simple")
 
 
