@@ -1,11 +1,12 @@
 """What a ComfyUI MODEL is and Kiln's training forward through ComfyUI's own preparation.
 
 Facts this relies on (read in ComfyUI 0.17 and 0.33):
-- Flux2, Z-Image and Qwen-Image use ComfyUI's CONST flow convention: denoised = x - sigma * model_output,
-  so the diffusion model's raw output is the velocity noise - x0, and model_sampling.timestep(sigma) == sigma.
+- Flux2, Z-Image, Qwen-Image and Wan use ComfyUI's CONST flow convention: denoised = x - sigma * model_output,
+  so the diffusion model's raw output is the velocity noise - x0; model_sampling.timestep(sigma) is sigma
+  (Wan: sigma·1000, which the forward leaves to model_sampling as the sampler does).
 - Latents: a LATENT holds raw VAE latents; the model sees latent_format.process_in(latents). A video VAE
-  (Qwen-Image's Wan 2.1) gives one frame [B,C,1,h,w]: Kiln caches images [C,h,w] and puts the frame axis
-  back where the latent format declares three latent dimensions.
+  (Qwen-Image's and Wan's) gives an image one frame [B,C,1,h,w]: Kiln caches images [C,h,w] and puts the frame
+  axis back where the latent format declares three latent dimensions; a clip [B,C,t,h,w] passes as it is.
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ def latents_in(model, latents, reverse: bool = False):
     """Raw VAE latents (a LATENT's samples, our caches) → what the diffusion model sees
     (latent_format.process_in); reverse=True goes back (process_out). numpy in, numpy out. Image
     latents [B,C,h,w] or one item [C,h,w] under a three-dimensional format (its statistics are shaped
-    [1,C,1,1,1]) pass through it as one frame [B,C,1,h,w] and come back in their own shape."""
+    [1,C,1,1,1]) pass through it as one frame [B,C,1,h,w] and come back in their own shape. Clips go as a
+    batch [B,C,t,h,w] (one clip [C,t,h,w] as clip[None]: four dimensions are an image batch)."""
     fmt = model.get_model_object("latent_format")
     convert = fmt.process_out if reverse else fmt.process_in
     if isinstance(latents, np.ndarray):

@@ -351,7 +351,7 @@ def test_auto_levers_are_three_way_choices_defaulting_to_auto(name):
     """fp8_compute auto (on for a base stored in fp8 on a capable GPU), on (also a bf16 base, with its fp8
     copies), off; step_graphs likewise (auto: on for one process on a CUDA GPU where their memory fits): combos
     whose words reach the config as "auto", True and False; the post-0.1 options keep their positions ahead
-    of anything added later (cuda_graphs, then step_graphs, last)."""
+    of anything added later (cuda_graphs, step_graphs, stream_blocks, then sigma_range, last)."""
     inputs = {i.id: i for i in tn.KilnTrainingOptions.define_schema().inputs}
     assert inputs[name].options == ["auto", "on", "off"] and inputs[name].default == "auto"
     values = {i.id: i.default for i in inputs.values()}
@@ -359,7 +359,7 @@ def test_auto_levers_are_three_way_choices_defaulting_to_auto(name):
         assert out(tn.KilnTrainingOptions.execute(**{**values, name: word}))[name] == expected
     order = list(inputs)
     assert order.index("fp8_compute") < order.index("reg_weight") < order.index("cuda_graphs")
-    assert order[-3:] == ["cuda_graphs", "step_graphs", "stream_blocks"]
+    assert order[-4:] == ["cuda_graphs", "step_graphs", "stream_blocks", "sigma_range"]
 
 
 def test_invert_adapter_and_loss_graph(comfy_dirs, tmp_path_factory):

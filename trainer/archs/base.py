@@ -104,6 +104,11 @@ class Arch:
     # Edit training: the model_extras key under which ComfyUI's extra_conds takes reference latents (a
     # list of raw [B,C,h,w] VAE latents, as the ReferenceLatent node gives them); "" = the family cannot.
     reference_latents: str = ""
+    # The σ range training draws from (objective: sigma_range auto): a Wan 2.2 expert trains only the
+    # part of the schedule ComfyUI samples it on.
+    sigma_range: tuple[float, float] = (0.0, 1.0)
+    # Video frames per latent frame after the first (the VAE's temporal compression; 1: an image model).
+    frames_per_latent: int = 1
 
     def collate_context(self, contexts: list[np.ndarray]) -> np.ndarray:
         """Rows [T_i,D] → [B,T,D], T = max(context_tokens, longest), zeros on the padded side."""

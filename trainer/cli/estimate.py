@@ -32,7 +32,7 @@ def _variant(cfg, args) -> tuple[object, list[str]]:
 def cmd_estimate(args) -> int:
     from ..config import files as config_file
     from ..data.companions import reference_count
-    from ..estimate.common import backend_rules, format_estimate
+    from ..estimate.common import backend_rules, format_estimate, get_dims, latent_frames
     from ..run.holdout import estimate_notes as holdout_notes
 
     cfg = config_file.load(args.config)
@@ -41,6 +41,8 @@ def cmd_estimate(args) -> int:
     for note in notes:
         print(f"note: {note}")
     backend = args.backend or cfg.backend
+    if getattr(args, "frames", 1) > 1 and backend != "torch":
+        raise SystemExit("--frames: only the torch backend trains video models (Wan); give --backend torch")
     estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if cfg.base_quantize != "none" else "bf16")  # torch: int8 only
     references = reference_count(cfg.dataset_dir)  # edit datasets' control folders (both backends train them)
@@ -62,6 +64,7 @@ def cmd_estimate(args) -> int:
             **({"stream_blocks": cfg.stream_blocks} if cfg.stream_blocks not in (0, "auto") else {}),  # torch only
             **({"fp8_compute": True} if cfg.fp8_compute is True else {}),  # auto: no copies
             **({"reference_images": references} if references else {}),
+            **({"frames": args.frames} if getattr(args, "frames", 1) > 1 else {}),  # torch only
             **(
                 {"adapter": cfg.adapter, "lokr_factor": cfg.lokr_factor, "lokr_full_w2": cfg.lokr_full_w2}
                 if cfg.adapter != "lora"
@@ -74,7 +77,7 @@ def cmd_estimate(args) -> int:
         budget = _auto_budget(estimated, cfg, backend, args.memory_gb)
     for resolution in cfg.resolutions:
         print(format_estimate(estimated(resolution, budget), device_memory_gb=args.memory_gb))
-    _step_graphs_note(estimated, cfg, backend, budget)
+    _step_graphs_note(estimated, cfg, backend, budget, latent_frames(get_dims(variant), getattr(args, "frames", 1)))
     if args.memory_gb and backend == "torch":  # after today's output, which stays as it was
         from ..estimate.cards import plan_lines
 
@@ -85,11 +88,11 @@ def cmd_estimate(args) -> int:
     return 0
 
 
-def _step_graphs_note(estimated, cfg, backend: str, budget: float) -> None:
+def _step_graphs_note(estimated, cfg, backend: str, budget: float, frames: int = 1) -> None:
     """step_graphs' memory pool, which a CUDA run adds where it fits (backends/torch_backend/levers.py)."""
     from ..estimate.torch_step import GRAPH_POOL_FACTOR, graph_resolution
 
-    recorded = graph_resolution(cfg.resolutions, cfg.batch_size)
+    recorded = graph_resolution(cfg.resolutions, cfg.batch_size * frames)  # a clip's latent frames: pixels too
     if backend != "torch" or cfg.step_graphs is False or recorded is None:
         return
     step = estimated(recorded, budget)

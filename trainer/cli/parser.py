@@ -170,6 +170,12 @@ def _add_estimate(commands) -> None:
         default="near",
         help="with --memory-gb: the named cards to predict for: those within ~20%% of it (near) or all",
     )
+    est.add_argument(
+        "--frames",
+        type=int,
+        default=1,
+        help="video frames per clip (Wan: 4k+1, e.g. 81); 1 = an image, the only size an image model takes",
+    )
     est.set_defaults(func=cmd_estimate)
 
 

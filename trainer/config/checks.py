@@ -14,6 +14,7 @@ from typing import Any
 
 from ..archs import ARCHS
 from ..lora import adapters
+from ..objective.flow import parse_sigma_range
 from .declaration import AUTO, ConfigError
 from .fields import AUTO_FIELDS, BOUNDS, CHOICES, KIND, TrainConfig
 from .prompts import PROMPT_FLAGS, PROMPT_KEYS
@@ -307,6 +308,14 @@ def _target_problems(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+def _sigma_range_problems(cfg: TrainConfig) -> list[str]:
+    try:
+        parse_sigma_range(cfg.sigma_range)
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
 def _check_regex(pattern: str, problems: list[str]) -> None:
     try:
         re.compile(pattern[3:])
@@ -324,4 +333,5 @@ _COMBINATION_CHECKS: tuple[Callable[[TrainConfig], list[str]], ...] = (
     adapters.check_config,
     _holdout_problems,
     _target_problems,
+    _sigma_range_problems,
 )

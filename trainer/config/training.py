@@ -328,6 +328,14 @@ class ObjectiveFields:  # flow matching
         "objective",
         bounds=(0.0, 1.0),
     )
+    sigma_range: str = setting(
+        "auto",
+        "the noise levels σ training draws from, as 'low-high' (e.g. '0.875-1'); the draws are squeezed into it. "
+        "auto: the arch's (a Wan 2.2 A14B expert its side of the boundary, high σ ≥ 0.875 for text-to-video, "
+        "0.9 for image-to-video, low below; every other model 0-1)",
+        "objective",
+        advanced=True,
+    )
 
 
 @dataclass

@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..archs.layout import ModelDims
-from .common import GIB, arch_of, get_dims, image_token_count, layout_of, lora_shapes
+from .common import GIB, arch_of, get_dims, image_token_count, latent_frames, layout_of, lora_shapes
 from .torch_step import AUTO_SAFETY, block_weight_bytes, budget_on, estimate, fewest_streamed, runs_in, streamed_bytes
 
 EFFICIENCY = 0.54  # share of the dense tensor rate a step reaches (calibrated above)
@@ -106,11 +106,12 @@ def step_flops(
     batch: int = 1,
     text: int = 0,
     targets: tuple[str, ...] | None = None,
+    frames: int = 1,
 ) -> float:
     """FLOPs of one LoRA step on a frozen base (module docstring); `recompute`: the share checkpointing reruns;
-    `text`: text tokens (default the estimate's, an upper bound for Z-Image's captions)."""
+    `text`: text tokens (default the estimate's, an upper bound for Z-Image's captions); `frames`: a clip's."""
     arch = arch_of(dims)
-    image = image_token_count(dims, resolution, arch.latent_downscale * arch.patch)
+    image = image_token_count(dims, resolution, arch.latent_downscale * arch.patch) * latent_frames(dims, frames)
     text = text or dims.context_tokens
     groups = layout_of(dims).blocks(dims, image, text)
     tokens = [g.tokens for g in groups for _ in range(g.count)]  # per block, in block order
@@ -179,6 +180,7 @@ def predict_plan(card: Card, settings: dict, plan: CardPlan) -> Prediction:
         recompute=recompute,
         targets=settings.get("targets"),
         batch=settings["batch_size"] * (2 if settings.get("preservation") else 1),
+        frames=settings.get("frames", 1),
     )
     return predict(card, flops, 2 * plan.host_bytes, settings["base_dtype"], bool(settings.get("fp8_compute")))
 

@@ -124,6 +124,16 @@ def image_token_count(dims: ModelDims, resolution: int, side: int) -> int:
     return ceil_to((resolution // side) ** 2, layout_of(dims).token_multiple)
 
 
+def latent_frames(dims: ModelDims, frames: int) -> int:
+    """Latent frames of a clip of `frames` frames (1 for an image): the VAE keeps the first and compresses
+    the rest by the arch's frames_per_latent (Wan: 4k+1 frames → k+1)."""
+    per_latent = arch_of(dims).frames_per_latent
+    if frames < 1 or (frames > 1 and per_latent == 1) or (frames - 1) % per_latent:
+        form = "1 (an image model)" if per_latent == 1 else f"{per_latent}k+1 (1, {per_latent + 1}, ...)"
+        raise ValueError(f"frames must be {form} for {dims.variant}, got {frames}")
+    return 1 + (frames - 1) // per_latent
+
+
 def block_bytes(dims: ModelDims, image_tokens: int, text_tokens: int, act: int) -> list[tuple[int, int, int]]:
     """(bytes kept per token inside one block, blocks, tokens each sees) per block group, empty ones left out."""
     return [
@@ -258,7 +268,9 @@ def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> 
     s = est.settings
     title = (
         (
-            f"Memory estimate: {get_dims(s['variant']).variant}, {s['resolution']} px, batch {s['batch_size']}, "
+            f"Memory estimate: {get_dims(s['variant']).variant}, {s['resolution']} px"
+            + (f" × {s['frames']} frames" if s.get("frames", 1) > 1 else "")
+            + f", batch {s['batch_size']}, "
             f"rank {s['rank']}, {s['optimizer']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
             + "".join(
                 f" ({key.replace('_', ' ')} {s[key]:g})"

@@ -65,6 +65,7 @@ from .common import (
     check_settings,
     get_dims,
     image_token_count,
+    latent_frames,
     kept_by_last_blocks,
     layout_of,
     linear_layers,
@@ -113,8 +114,10 @@ def estimate(
     lokr_factor: int = -1,
     lokr_full_w2: bool = False,
     stream_blocks: int = 0,
+    frames: int = 1,
 ) -> Estimate:
-    """Bytes one training step needs at square `resolution` (the largest bucket). `preservation`: DOP on.
+    """Bytes one training step needs at square `resolution` (the largest bucket) and `frames` video frames
+    (an image: 1). `preservation`: DOP on.
     reference_images: edit training's control images per sample, each cropped to the target's bucket, so
     each adds the target's image tokens to the joint sequence (their loss is not computed, their
     activations are kept). adapter: the kind (trainer/lora/adapters.py) with its LoKr settings."""
@@ -123,6 +126,7 @@ def estimate(
     side = check_settings(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
     rows = preservation_rows(batch_size, preservation)
     image_tokens = image_token_count(dims, resolution, side) * (1 + reference_images)  # target + references
+    image_tokens *= latent_frames(dims, frames)  # a clip's tokens: (h/2)(w/2) per latent frame
     text_tokens, act = dims.context_tokens, ACTIVATION_BYTES[mixed_precision]
     tokens = rows * (image_tokens + text_tokens)
     shapes = lora_shapes(dims, targets)

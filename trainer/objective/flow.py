@@ -117,6 +117,7 @@ class ObjectiveSettings:
     shift: float = 1.0  # static shift s: σ → s·σ/(1+(s-1)·σ); s > 1 favours high noise
     loss_weighting: str = "none"  # none or bell (ai-toolkit linear_timesteps)
     unmasked_weight: float = 1.0  # masked training: the loss weight of a mask's black cells (companion_batch.py)
+    sigma_range: tuple[float, float] = (0.0, 1.0)  # σ drawn inside [low, high] (a Wan 2.2 expert's side)
 
     def __post_init__(self) -> None:
         _check_choice("sampling", self.sampling, SAMPLINGS)
@@ -131,6 +132,22 @@ class ObjectiveSettings:
             raise ValueError(f"unmasked_weight must be in 0..1, got {self.unmasked_weight}")
         if not (math.isfinite(self.shift) and self.shift > 0):
             raise ValueError(f"shift must be > 0 (1 = no shift), got {self.shift}")
+        low, high = self.sigma_range
+        if not 0.0 <= low < high <= 1.0:
+            raise ValueError(f"sigma_range must be low-high with 0 <= low < high <= 1, got {low:g}-{high:g}")
+
+
+def parse_sigma_range(text: str) -> tuple[float, float] | None:
+    """'low-high' (e.g. '0.875-1') → (low, high); 'auto' → None. Raises a ValueError naming the fix."""
+    if text == "auto":
+        return None
+    try:
+        low, high = (float(part) for part in text.replace(" ", "").split("-"))
+    except ValueError:
+        raise ValueError(f"sigma_range must be 'auto' or 'low-high' such as '0.875-1', got {text!r}") from None
+    if not 0.0 <= low < high <= 1.0:
+        raise ValueError(f"sigma_range must be low-high with 0 <= low < high <= 1, got {text!r}")
+    return low, high
 
 
 def shift_sigmas(sigmas: np.ndarray, shift: float) -> np.ndarray:
@@ -144,6 +161,9 @@ def sample_sigmas(rng: np.random.Generator, n: int, settings: ObjectiveSettings,
     biased = _BIASES[settings.content_or_style](u)
     sigmas = _SAMPLERS[settings.sampling](biased, settings)
     sigmas = shift_sigmas(sigmas, _SHIFTS[settings.shift_mode](settings, image_tokens))
+    low, high = settings.sigma_range
+    if (low, high) != (0.0, 1.0):  # the whole distribution squeezed into the range, as musubi-tuner's
+        sigmas = low + (high - low) * sigmas  # min/max_timestep do: every draw lands inside, none is redrawn
     return np.clip(sigmas, SIGMA_MIN, SIGMA_MAX).astype(np.float32)
 
 
@@ -158,7 +178,7 @@ def loss_weights(sigmas: np.ndarray, weighting: str) -> np.ndarray:
 class Draws:
     """Everything random about one training step."""
 
-    noise: np.ndarray  # float32 [B,C,H,W], ε
+    noise: np.ndarray  # float32 [B,C,H,W] or a video's [B,C,T,H,W], ε
     sigmas: np.ndarray  # float32 [B], in (0,1)
     weights: np.ndarray  # float32 [B], multiplies each sample's loss
     drop_caption: np.ndarray  # bool [B], True → use the cached empty-caption embedding
@@ -173,15 +193,15 @@ def draw(
 ) -> Draws:
     """Draw one step's randomness in a fixed order: sigmas, noise, caption dropout.
 
-    image_tokens defaults to H·W of the latent (Flux2: one token per latent cell); pass
+    image_tokens defaults to (T·)H·W of the latent (Flux2: one token per latent cell); pass
     the real count for archs that patchify inside the model (Z-Image: H·W/4).
     """
-    if len(latent_shape) != 4:
-        raise ValueError(f"latent_shape must be [B,C,H,W], got {tuple(latent_shape)}")
+    if len(latent_shape) not in (4, 5):
+        raise ValueError(f"latent_shape must be [B,C,H,W] or a video's [B,C,T,H,W], got {tuple(latent_shape)}")
     if not 0.0 <= caption_dropout <= 1.0:
         raise ValueError(f"caption_dropout must be in 0..1, got {caption_dropout}")
     batch = int(latent_shape[0])
-    tokens = image_tokens if image_tokens is not None else int(latent_shape[2]) * int(latent_shape[3])
+    tokens = image_tokens if image_tokens is not None else math.prod(int(n) for n in latent_shape[2:])
     # The order never changes and every draw happens even when unused (caption_dropout
     # = 0), so the generator's position after a step depends only on the shapes: resume
     # and the torch/MLX backends stay in lockstep.

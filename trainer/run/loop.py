@@ -56,6 +56,7 @@ def objective_settings(cfg: TrainConfig, arch: Arch) -> objective.ObjectiveSetti
     """Config + arch default → the flat settings objective.py takes."""
     shift_mode = arch.shift_mode if cfg.shift_mode == "auto" else cfg.shift_mode
     shift = arch.shift if cfg.shift_mode == "auto" else cfg.shift
+    sigma_range = objective.parse_sigma_range(cfg.sigma_range) or arch.sigma_range
     return objective.ObjectiveSettings(
         sampling=cfg.timestep_sampling,
         logit_mean=cfg.logit_mean,
@@ -65,6 +66,7 @@ def objective_settings(cfg: TrainConfig, arch: Arch) -> objective.ObjectiveSetti
         shift=shift,
         loss_weighting=cfg.loss_weighting,
         unmasked_weight=cfg.unmasked_weight,
+        sigma_range=sigma_range,
     )
 
 
@@ -86,9 +88,9 @@ def build_batch(
 
     rows, scale = group.rows(len(indices))
     mine = [indices[row] for row in rows]
-    latents = np.stack([data.latent(i) for i in mine]).astype(np.float32, copy=False)  # [b,C,H,W] or [b,C,t,H,W]
-    shape = (len(indices), *latents.shape[1:])  # the global [B,C,H,W] (clips: [B,C,t,H,W])
-    tokens_img = latent_tokens(shape[1:], arch.patch)  # what the model attends over
+    latents = np.stack([data.latent(i) for i in mine]).astype(np.float32, copy=False)  # [b,C,H,W] or [b,C,T,H,W]
+    shape = (len(indices), *latents.shape[1:])  # the global [B,C,H,W] (a video's [B,C,T,H,W])
+    tokens_img = latent_tokens(shape[1:], arch)  # what the model attends over
     draws = objective.draw(rng, shape, settings, caption_dropout, image_tokens=tokens_img)
     # Shuffled-tag variants are drawn only where an item has several, so other runs' draws are unchanged.
     variants = [int(rng.integers(n)) if n > 1 else 0 for n in (data.variants(i) for i in indices)]
@@ -118,10 +120,10 @@ def build_batch(
     return preservation.complete(batch, data, mine, [variants[row] for row in rows], contexts, scale, arch, preserve)
 
 
-def latent_tokens(shape: tuple, patch: int) -> int:
-    """Image tokens of one latent [C,h,w], or of a clip's [C,t,h,w] (each latent frame patched alike)."""
+def latent_tokens(shape: tuple, arch: Arch) -> int:
+    """Tokens of one latent [C,h,w] or a clip's [C,t,h,w]: (h/patch)(w/patch) per latent frame."""
     frames = shape[1] if len(shape) == 4 else 1
-    return frames * (shape[-2] // patch) * (shape[-1] // patch)
+    return frames * (shape[-2] // arch.patch) * (shape[-1] // arch.patch)
 
 
 def batch_sizes(cfg: TrainConfig, data: TrainingData, arch: Arch) -> dict[str, int]:
@@ -129,7 +131,7 @@ def batch_sizes(cfg: TrainConfig, data: TrainingData, arch: Arch) -> dict[str, i
     latent of the bucket) plus the caption's padded minimum."""
 
     def tokens(indices: list[int]) -> int:
-        return latent_tokens(data.latent(indices[0]).shape, arch.patch) + arch.context_tokens
+        return latent_tokens(data.latent(indices[0]).shape, arch) + arch.context_tokens
 
     per_image = {key: tokens(indices) for key, indices in data.buckets.items() if indices}
     return BATCHING[cfg.batch_by](per_image, cfg.batch_size)

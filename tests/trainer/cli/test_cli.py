@@ -127,6 +127,17 @@ def test_estimate_prints_a_table(tmp_path):
     assert result.stdout.count("GiB") >= 4 and "1024 px" in result.stdout and "fits in 24 GiB" in result.stdout
 
 
+def test_estimate_counts_a_clips_frames(tmp_path):
+    """Wan at 480 px: 81 frames are 21 latent frames of 30 x 30 tokens; MLX has no video model."""
+    config = tmp_path / "wan.toml"
+    config.write_text('arch = "wan21_t2v"\nresolutions = [480]\n')
+    clip = cli("estimate", config, "--variant", "wan2.1-t2v-14b", "--frames", 81)
+    assert clip.returncode == 0, clip.stderr
+    assert "480 px × 81 frames" in clip.stdout and f"{21 * 30 * 30 + 512} tokens per step" in clip.stdout
+    mlx = cli("estimate", config, "--frames", 81, "--backend", "mlx")
+    assert mlx.returncode != 0 and "--backend torch" in mlx.stderr
+
+
 def test_estimate_says_what_the_held_out_loss_costs(tmp_path):
     config = tmp_path / "klein.toml"
     config.write_text('arch = "flux2_klein"\nholdout = 0.1\nholdout_sigmas = 4\nbatch_size = 2\n')

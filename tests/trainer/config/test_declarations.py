@@ -60,6 +60,7 @@ FIELD_ORDER = (
     "content_or_style",
     "loss_weighting",
     "unmasked_weight",
+    "sigma_range",
     "ema",
     "ema_decay",
     "dataset_dir",
@@ -232,6 +233,7 @@ GROUP = {
     "content_or_style": "objective",
     "loss_weighting": "objective",
     "unmasked_weight": "objective",
+    "sigma_range": "objective",
     "ema": "ema",
     "ema_decay": "ema",
     "dataset_dir": "data",
@@ -291,6 +293,7 @@ GROUP = {
 }
 
 ADVANCED = (
+    "sigma_range",
     "stream_blocks",
     "adam_beta1",
     "adam_beta2",

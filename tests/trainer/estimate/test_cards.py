@@ -107,3 +107,16 @@ def test_the_cli_prints_the_plan_and_the_labelled_table(tmp_path):
     assert all("predicted" in line for line in table) and not any("RTX 4090" in line for line in table)
     assert all(line.rstrip().endswith(("compute", "copy")) for line in table)
     assert "RTX 4090" in every.stdout and "RTX 3060 12GB" in every.stdout
+
+
+def test_a_clips_step_counts_its_frames():
+    """Wan 2.1 1.3B at 480 px: 81 frames are 21 latent frames, so the Linears' FLOPs grow about 21-fold (the
+    caption's 512 tokens stay), and attention, quadratic in the tokens, faster still."""
+    dims = get_dims("wan2.1-t2v-1.3b")
+    image, clip = step_flops(dims, 480), step_flops(dims, 480, frames=81)
+    assert 21 * image < clip < 21 * 21 * image
+    settings = estimate("wan2.1-t2v-1.3b", resolution=480, frames=81).settings
+    card = CARDS["RTX 4090"]
+    plan = card_plan(settings, 24)
+    assert plan.streamed is not None  # the 1.3B fits a 24 GiB card
+    assert predict_plan(card, settings, plan).seconds > predict_plan(card, {**settings, "frames": 1}, plan).seconds

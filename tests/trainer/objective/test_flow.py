@@ -247,3 +247,56 @@ def test_bad_draw_arguments_rejected():
         obj.loss_weights(np.array([0.5]), "snr")
     with pytest.raises(ValueError, match="image_tokens"):
         obj.resolution_shift(0)
+
+
+# --- sigma_range: a Wan 2.2 expert's side of the boundary (trainer/archs/wan.py) ---------------------------
+
+
+@pytest.mark.parametrize("sigma_range", [(0.875, 1.0), (0.0, 0.875), (0.9, 1.0), (0.2, 0.4)])
+@pytest.mark.parametrize("sampling", ["uniform", "logit_normal"])
+def test_sigma_range_keeps_every_draw_inside_it(sigma_range, sampling):
+    low, high = sigma_range
+    sigmas = _sample(4096, sampling=sampling, shift_mode="static", shift=8.0, sigma_range=sigma_range)
+    assert sigmas.min() >= np.float32(low) and sigmas.max() <= np.float32(high)
+    assert sigmas.max() - sigmas.min() > 0.5 * (high - low)  # spread over the range, not stuck at an end
+    full = _sample(4096, sampling=sampling, shift_mode="static", shift=8.0)  # the same draws, squeezed
+    np.testing.assert_allclose(sigmas, np.clip(low + (high - low) * full, obj.SIGMA_MIN, obj.SIGMA_MAX), atol=1e-6)
+
+
+def test_sigma_range_default_changes_no_draw():
+    np.testing.assert_array_equal(_sample(256, sigma_range=(0.0, 1.0)), _sample(256))
+
+
+@pytest.mark.parametrize("text, parsed", [("auto", None), ("0.875-1", (0.875, 1.0)), (" 0 - 0.9 ", (0.0, 0.9))])
+def test_parse_sigma_range(text, parsed):
+    assert obj.parse_sigma_range(text) == parsed
+
+
+@pytest.mark.parametrize("text", ["0.9-0.1", "1", "a-b", "0-1.5", "0.5-0.5"])
+def test_bad_sigma_range_names_the_form(text):
+    with pytest.raises(ValueError, match="sigma_range"):
+        obj.parse_sigma_range(text)
+
+
+def test_expert_archs_set_the_config_default():
+    from trainer import config
+    from trainer.archs import get_arch
+    from trainer.run.loop import objective_settings
+
+    high = objective_settings(config.from_dict({"arch": "wan22_t2v_high"}), get_arch("wan22_t2v_high"))
+    low = objective_settings(config.from_dict({"arch": "wan22_i2v_low"}), get_arch("wan22_i2v_low"))
+    assert high.sigma_range == (0.875, 1.0) and low.sigma_range == (0.0, 0.9)
+    given = config.from_dict({"arch": "wan22_t2v_high", "sigma_range": "0.5-1"})
+    assert objective_settings(given, get_arch("wan22_t2v_high")).sigma_range == (0.5, 1.0)
+    with pytest.raises(config.ConfigError, match="sigma_range"):
+        config.from_dict({"sigma_range": "high"})
+
+
+def test_video_latents_draw_noise_of_their_shape_and_count_every_frame():
+    rng, ref = _rngs()
+    draws = obj.draw(rng, (2, 16, 3, 4, 6), ObjectiveSettings(shift_mode="resolution"), 0.0)
+    assert draws.noise.shape == (2, 16, 3, 4, 6)
+    expected = obj.sample_sigmas(ref, 2, ObjectiveSettings(shift_mode="resolution"), 3 * 4 * 6)
+    np.testing.assert_array_equal(draws.sigmas, expected)  # tokens default: T·H·W
+    with pytest.raises(ValueError, match="B,C,T,H,W"):
+        obj.draw(rng, (2, 16, 4), ObjectiveSettings(), 0.0)

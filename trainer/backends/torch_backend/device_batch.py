@@ -21,13 +21,17 @@ def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None
 
 
 def flow_tensors(batch, device: torch.device) -> dict:
-    """The micro-batch's latents, noise, σ, weights and mask on the device in fp32 (every loss's)."""
+    """The micro-batch's latents, noise, σ, weights and mask on the device in fp32 (every loss's). A clip's
+    latents [B,C,T,H,W] take an image mask [B,1,H,W] on every frame ([B,1,1,H,W])."""
+    mask = batch.mask
+    if mask is not None and mask.ndim == 4 and batch.latents.ndim == 5:
+        mask = mask[:, :, None]
     return {
         "x0": to_device(batch.latents, device, torch.float32),
         "noise": to_device(batch.noise, device, torch.float32),
         "sigmas": to_device(batch.sigmas, device, torch.float32),
         "weights": to_device(batch.weights, device, torch.float32),
-        "mask": None if batch.mask is None else to_device(batch.mask, device, torch.float32),
+        "mask": None if mask is None else to_device(mask, device, torch.float32),
     }
 
 

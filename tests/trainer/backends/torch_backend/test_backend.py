@@ -279,3 +279,20 @@ def test_per_row_extras_stay_on_the_host_and_other_float_extras_follow_the_model
     assert seen["guidance"].device.type == "cpu" and seen["guidance"].dtype == backend.dtype
     assert seen["guidance"].tolist() == [1.0, 1.0]
     assert seen["features"].device == backend.device and seen["features"].dtype == backend.dtype
+
+
+def test_a_clips_mask_weighs_every_frame():
+    """Video latents [B,C,T,H,W] take an image's loss mask [B,1,H,W] on each frame ([B,1,1,H,W])."""
+    from trainer.backends.base import Batch
+    from trainer.backends.torch_backend.device_batch import flow_tensors
+
+    rng = np.random.default_rng(0)
+    latents = rng.standard_normal((2, 4, 3, 2, 2)).astype(np.float32)
+    mask = rng.random((2, 1, 2, 2)).astype(np.float32)
+    batch = Batch(latents, latents, np.full(2, 0.5, np.float32), np.ones(2, np.float32), np.zeros((2, 1, 8)), mask=mask)
+    tensors = flow_tensors(batch, torch.device("cpu"))
+    assert tensors["mask"].shape == (2, 1, 1, 2, 2) and tensors["x0"].shape == latents.shape
+    weighted = torch.ones(2, 4, 3, 2, 2) * tensors["mask"]
+    assert torch.equal(weighted[:, 2, 1], torch.from_numpy(mask[:, 0]))  # frame 1 of channel 2: the image's mask
+    image = Batch(latents[:, :, 0], latents[:, :, 0], batch.sigmas, batch.weights, batch.context, mask=mask)
+    assert flow_tensors(image, torch.device("cpu"))["mask"].shape == (2, 1, 2, 2)  # images as they were
