@@ -817,7 +817,7 @@ def run_kiln(
             [f"img{i}.png" for i in range(len(inputs.latents))],
             np.zeros_like(inputs.contexts[0]),
         ),
-        lambda raw: bridge.latents_in(model, raw),
+        lambda raw: bridge.item_latent_in(model, raw),
     )
     settings = dict(settings or {})
     data = BenchCompanions.wrap(data, inputs, settings)

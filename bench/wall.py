@@ -312,7 +312,7 @@ def run_kiln(prepare, ctx: PeerContext, names, resolutions, text_tokens) -> dict
     empty = np.zeros((1, dims.context_dim), np.float32)
     data = data_module.MappedLatents(
         data_module.InMemoryData.from_arrays(ctx.latents, ctx.contexts, names, empty),
-        lambda raw: bridge.latents_in(patcher, raw),
+        lambda raw: bridge.item_latent_in(patcher, raw),
     )
     side = args.sample_size
     samples = [

@@ -38,6 +38,7 @@ from .lora import (  # noqa: F401
 from .model import (  # noqa: F401
     detect_arch,
     diffusion_model,
+    item_latent_in,
     latents_in,
     make_forward,
     matching_archs,

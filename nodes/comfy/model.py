@@ -190,6 +190,12 @@ def _convert(extra, dtype, device):
 _PREFETCH_FLAG = "prefetch_dynamic_vbars" in comfy.model_base.BaseModel._apply_model.__code__.co_consts
 
 
+def item_latent_in(model, latent):
+    """One cached item, an image [C,h,w] or a clip [C,t,h,w], in the model's latent format: through latents_in as
+    a batch of one (four dimensions alone would be read as a batch of images)."""
+    return latents_in(model, latent[None])[0]
+
+
 def latents_in(model, latents, reverse: bool = False):
     """Raw VAE latents (a LATENT's samples, our caches) → what the diffusion model sees
     (latent_format.process_in); reverse=True goes back (process_out). numpy in, numpy out. Image

@@ -37,7 +37,7 @@ def train(cfg, model, dataset, *, run: Callable, adapter=None, setup: Callable |
         )
     model = session.trainable(model)  # dynamic VRAM: ComfyUI's fully loadable delegate (outputs use the original)
     # Caches hold raw VAE latents; the model sees them in its latent format (Z-Image: shift and scale).
-    data = MappedLatents(dataset.training_data(), lambda raw: comfy_model.latents_in(model, raw))
+    data = MappedLatents(dataset.training_data(), lambda raw: comfy_model.item_latent_in(model, raw))
     front = setup(model, data) if setup is not None else {}
     train_model = comfy_lora.training_adapter_merged(model, adapter) if adapter is not None else model
     try:

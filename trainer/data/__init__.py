@@ -42,7 +42,7 @@ class InMemoryData:
     def from_arrays(cls, latents, contexts, names, empty, repeats: int = 1) -> "InMemoryData":
         buckets: dict[str, list[int]] = {}
         for index, latent in enumerate(latents):
-            key = f"{latent.shape[-1]}x{latent.shape[-2]}"
+            key = f"{latent.shape[-1]}x{latent.shape[-2]}" + (f"x{latent.shape[1]}t" if latent.ndim == 4 else "")
             buckets.setdefault(key, []).extend([index] * repeats)
         return cls(list(latents), list(contexts), list(names), empty, buckets)
 

@@ -150,7 +150,7 @@ def test_training_steps_learn_and_leave_model_unchanged(wan, tmp_path, frames):
     rng = np.random.default_rng(0)
     shape = (16, frames, 4, 4) if frames else (16, 4, 4)
     raw = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
-    latents = [bridge.latents_in(wan, r[None])[0] for r in raw]  # a clip goes through as a batch of one
+    latents = [bridge.item_latent_in(wan, r) for r in raw]  # as the node's training maps the cache
     data = data_module.InMemoryData.from_arrays(
         latents, [caption(n, n) for n in (4, 9, 4)], [f"clip{i}.mp4" for i in range(3)], caption(1, 99)
     )
@@ -168,6 +168,30 @@ def test_training_steps_learn_and_leave_model_unchanged(wan, tmp_path, frames):
     assert sorted(result.lora) == sorted(random_lora(wan, "wan21_t2v"))  # the arch's default targets
     assert any(np.abs(w.B).max() > 0 for w in result.lora.values())
     assert torch.equal(our_call(wan, "wan21_t2v", probe_x, probe_sigma, [caption(4, 4)])[0], before)
+
+
+def test_the_node_path_maps_a_cached_clip_as_one_item(wan):
+    """nodes/comfy/training.py maps each cached latent into the model's format: a clip [C,t,h,w] as one clip (not
+    as a batch of C images), an image [C,h,w] as one frame; the statistics of Wan's format per channel."""
+    from kiln_pack.nodes.comfy import training
+
+    rng = np.random.default_rng(1)
+    raw = [rng.standard_normal((16, 3, 4, 4)).astype(np.float32), rng.standard_normal((16, 4, 4)).astype(np.float32)]
+    data = data_module.InMemoryData.from_arrays(raw, [caption(4, 0)] * 2, ["a.mp4", "b.png"], caption(1, 9))
+    dataset = type("Encoded", (), {"settings": type("S", (), {"divisor": 16})(), "training_data": lambda self: data})()
+    seen = {}
+
+    def run(cfg, model, mapped, **front):
+        seen["latents"] = [mapped.latent(i) for i in range(2)]
+
+    cfg = small_config("wan21_t2v", steps=1)
+    training.train(cfg, wan, dataset, run=lambda *a, **k: run(*a, **k), setup=None)
+    fmt = wan.get_model_object("latent_format")
+    for got, item in zip(seen["latents"], raw):
+        frames = torch.from_numpy(item if item.ndim == 4 else item[:, None])[None]
+        want = fmt.process_in(frames)[0].numpy()
+        assert got.shape == item.shape
+        np.testing.assert_array_equal(got, want if item.ndim == 4 else want[:, 0])
 
 
 # ComfyUI (0.17, 0.33) maps no diffusers names onto Wan (comfy/lora.py model_lora_keys_unet): the diffusers

@@ -3,6 +3,8 @@ latents cached per window and batched as [B,C,t,h,w]."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -92,7 +94,7 @@ def test_clips_are_encoded_per_window_and_batch_as_5d(tmp_path):
     # Its latent frames start at source frames 11, 15 and 19 (red level 10 per frame, lossy).
     assert np.round(latent[0, :, 0, 0] * 255 / 10).tolist() == [11, 15, 19]
     batch = np.stack([data.latent(n) for n in data.buckets["64x48x9f"]])
-    assert batch.shape == (4, 4, 3, 6, 8) and latent_tokens(batch.shape[1:], 2) == 3 * 3 * 4
+    assert batch.shape == (4, 4, 3, 6, 8) and latent_tokens(batch.shape[1:], SimpleNamespace(patch=2)) == 3 * 3 * 4
     assert data.latent(4).shape == (4, 6, 8)  # the image stays [C,h,w]
 
 
@@ -103,3 +105,13 @@ def test_every_extraction_gives_windows_of_the_bucket_frames(extraction):
         windows = clip_windows(length, 16.0, settings)
         assert windows and all(len(w) == bucket_frames(length, 16.0, settings) for w in windows)
         assert all(0 <= i < length for w in windows for i in w) and all(list(w) == sorted(w) for w in windows)
+
+
+def test_in_memory_clips_of_different_lengths_fall_in_different_buckets():
+    """A batch stacks its rows: clips of 3 and 5 latent frames at one size never share a bucket; images keep theirs."""
+    from trainer.data import InMemoryData
+
+    latents = [np.zeros((4, 3, 6, 8), np.float32), np.zeros((4, 5, 6, 8), np.float32), np.zeros((4, 6, 8), np.float32)]
+    context = np.zeros((2, 8), np.float32)
+    data = InMemoryData.from_arrays(latents, [context] * 3, ["a.mp4", "b.mp4", "c.png"], context)
+    assert data.buckets == {"8x6x3t": [0], "8x6x5t": [1], "8x6": [2]}
