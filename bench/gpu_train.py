@@ -1305,6 +1305,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"), help="JSON list to append to")
     parser.add_argument("--merge", nargs="+", metavar="FILE", help="append these files' records to --out and exit")
     args = parser.parse_args(argv)
+    if args.uncapped and not args.card_gb:
+        parser.error("--uncapped runs each row without the cap too: it needs --card-gb")
 
     out_path = Path(args.out)
     if args.merge:
@@ -1350,8 +1352,6 @@ def main(argv=None) -> int:
     levers_set = set_switches(prepare, args.set)
     h2d_gbps = pinned_copy_gibps(device) if on_gpu else None  # before the cap: its buffer is not the run's
     card = cap_memory(device, args.card_gb) if args.card_gb else {}
-    if args.uncapped and not card:
-        raise SystemExit("--uncapped runs each row without the cap too: it needs --card-gb")
     compile_workers = count_compile_workers()
     rate = matmul_tflops(device, dtype, args.matmul_n or (8192 if on_gpu else 512), iters=50 if on_gpu else 10)
     common = {
@@ -1410,23 +1410,21 @@ def main(argv=None) -> int:
             release(device)
             models[key] = build_model(dims, device, dtype, base=base, host=host)
             print(f"[bench] built {dims.variant} ({base}): {models[key][1]}", flush=True)
-        uncapped = {}
-        if args.uncapped:  # the same row without the cap, first (its compiled blocks then cached for the capped run)
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
-            free = run_row(row, dims, *models[key], opts)
-            cap_memory(device, args.card_gb)
-            uncapped = {f"uncapped_{k.removeprefix('kiln_')}": free.get(k) for k in UNCAPPED_KEYS}
-        record = run_row(row, dims, *models[key], opts)
-        record.update(uncapped)
-        record.update(against_uncapped(record) if uncapped else {})
-        if compile_workers is not None:  # Triton kernels inductor asked for before / after its workers answered
-            record["triton_kernels_in_process"], record["triton_kernels_to_workers"] = compile_workers
-            compile_workers[:] = [0, 0]
-        record["compile_phases_s"] = compile_phases()
+        record = run_capped(row, dims, models[key], opts, args.card_gb if args.uncapped else None)
+        record.update(compile_counts(compile_workers))
         append_records(out_path, [record])
         print(summary(record), file=sys.stderr, flush=True)
         print(json.dumps(record), flush=True)
     return 0
+
+
+def compile_counts(compile_workers: list[int] | None) -> dict:
+    """The compile figures of the row just run; the worker counts start again from zero."""
+    counts = {}
+    if compile_workers is not None:  # Triton kernels inductor asked for before / after its workers answered
+        counts["triton_kernels_in_process"], counts["triton_kernels_to_workers"] = compile_workers
+        compile_workers[:] = [0, 0]
+    return {**counts, "compile_phases_s": compile_phases()}
 
 
 def set_switches(prepare, assignments: list[str]) -> list[str]:
@@ -1476,6 +1474,19 @@ def cap_memory(device: torch.device, card_gb: float) -> dict:
         flush=True,
     )
     return {"card_gb": card_gb, "memory_cap_gb": round(cap / GIB, 3)}
+
+
+def run_capped(row: Row, dims: ModelDims, model: tuple, opts, uncapped_card_gb: float | None) -> dict:
+    """The row's record; with `uncapped_card_gb` the same row runs first without the cap (its compiled blocks then
+    cached for the capped run) and the record gains the uncapped figures and the issue's verdict."""
+    if uncapped_card_gb is None:
+        return run_row(row, dims, *model, opts)
+    torch.cuda.set_per_process_memory_fraction(1.0, opts.device)
+    free = run_row(row, dims, *model, opts)
+    cap_memory(opts.device, uncapped_card_gb)
+    record = run_row(row, dims, *model, opts)
+    record.update({f"uncapped_{k.removeprefix('kiln_')}": free.get(k) for k in UNCAPPED_KEYS})
+    return {**record, **against_uncapped(record)}
 
 
 UNCAPPED_KEYS = ("kiln_s_per_step", "kiln_loss_curve", "peak_reserved_gb", "kiln_error")
