@@ -150,7 +150,8 @@ class TorchBackend:
         stream's weights, taken over."""
         if not self.memory.stream:
             return None
-        return streaming.for_blocks(self.blocks, self.memory.chosen, self.device, released)
+        stream = streaming.for_blocks(self.blocks, self.memory.chosen, self.device, released)
+        return stream if self.fp8 is None else self.fp8.streamed(stream, self.blocks)  # no copy of it kept on the GPU
 
     def _step_graphs(self):
         """A fresh set of step graphs (none recorded) where the levers say so; after a fallback the blocks

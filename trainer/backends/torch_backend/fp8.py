@@ -71,35 +71,54 @@ def fp8_products(in_features: int, out_features: int) -> tuple[bool, bool]:
 
 class Fp8Weight:
     """One frozen weight [out, in]: the base's own tensor, plus an fp8 copy in the layout of each product
-    that runs in fp8, with its per-row scales."""
+    that runs in fp8, with its per-row scales. The weight is read from its owner at each use: a streamed
+    block's weight lies in its ring slot by then (streaming.py), and a weight ComfyUI left on the host arrives."""
 
     def __init__(self, weight: torch.Tensor, *, forward: bool = True, backward: bool = True):
+        self.source = weight  # the module's own Parameter (or a tensor): the bf16 products' operand, not a copy
         w = weight.detach()
-        self.weight = w  # the bf16 products' operand (not a copy)
         self.kernel = False  # its forward's input quantized by fp8_kernels
-        self.rows = self.row_scale = self.cols = self.col_scale = None
+        self.stored_rows = False  # the forward multiplies the stored e4m3 weight itself
+        self._rows = self.row_scale = self.cols = self.col_scale = None
         if forward:  # per output channel: the forward's B, [out, in] and [1, out]
             rows, scale = quantize_rows(w)
-            self.rows, self.row_scale = rows, scale.reshape(1, -1).contiguous()
+            self._rows, self.row_scale = rows, scale.reshape(1, -1).contiguous()
         if backward:  # per input channel: the backward's B, [in, out] and [1, in]
             cols, scale = quantize_rows(w.t().contiguous())
             self.cols, self.col_scale = cols, scale.reshape(1, -1).contiguous()
 
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.source.detach()
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        return self.weight if self.stored_rows else self._rows
+
     @classmethod
-    def stored(cls, weight: torch.Tensor, backward: bool = False) -> Fp8Weight:
+    def stored(cls, weight: torch.Tensor, backward: bool = False, device: torch.device | None = None) -> Fp8Weight:
         """A base already stored in e4m3 (Load Diffusion Model's weight_dtype fp8_e4m3fn: values cast, no
         scale): the forward multiplies the stored weight itself (no copy, unit scales). `backward`: so does
         the backward, through the stored values transposed (cuBLAS's other layout: a copy as large as the
         stored weight, exact); without it the backward casts the weight to bf16 per use, as ComfyUI's own
-        forward does (Flux2 Dev's copy would be 30 GiB)."""
+        forward does (Flux2 Dev's copy would be 30 GiB). `device`: where it computes (a weight ComfyUI left
+        on the host gets there by the stream or with its block, never with a copy)."""
         out = cls(weight, forward=False, backward=False)
         w = weight.detach()
-        out.rows = w.contiguous()
-        out.row_scale = torch.ones(1, w.shape[0], device=w.device, dtype=torch.float32)
+        device = w.device if device is None else device
+        out.stored_rows = True
+        out.row_scale = torch.ones(1, w.shape[0], device=device, dtype=torch.float32)
         if backward:
             out.cols = w.t().contiguous()
-            out.col_scale = torch.ones(1, w.shape[1], device=w.device, dtype=torch.float32)
+            out.col_scale = torch.ones(1, w.shape[1], device=device, dtype=torch.float32)
         return out
+
+    def drop_copies(self) -> None:
+        """No fp8 copy of this weight kept (its block streams: a copy would stay on the GPU): the products without
+        one take the weight from where it lies at each use, in bf16 (a stored weight's forward stays in fp8)."""
+        if not self.stored_rows:
+            self._rows = self.row_scale = None
+        self.cols = self.col_scale = None
 
     def nbytes(self) -> int:
         """Bytes of the fp8 copies and scales (the weight itself is the base's)."""
@@ -152,12 +171,18 @@ def _eligible(module: nn.Module, device: torch.device) -> bool:
         isinstance(module, nn.Linear)
         and type(weight) in (torch.Tensor, nn.Parameter)
         and weight.dtype in (*_PLAIN, E4M3)
-        and _on(weight.device, device)
+        and (_on(weight.device, device) or _host_stored(weight, device))
     ):
         return False
     if getattr(module, "weight_function", None) or getattr(module, "bias_function", None):
         return False
     return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
+
+
+def _host_stored(weight: torch.Tensor, device: torch.device) -> bool:
+    """An e4m3 weight ComfyUI's partial load left on the host, for a GPU run: its forward needs no copy (it streams
+    or arrives with its block, Fp8Weight reads it where it lies)."""
+    return weight.device.type == "cpu" and device.type != "cpu" and weight.dtype == E4M3
 
 
 def _on(where: torch.device, device: torch.device) -> bool:
@@ -231,6 +256,7 @@ class Fp8Base:
         # what compiled blocks bake in
         self.mode = "on" + ("+stored_backward" if stored_backward else "") + ("+kernel" if self.kernel else "")
         self.replaced: list[tuple[nn.Module, object]] = []
+        self.weights: dict[nn.Module, Fp8Weight] = {}
         self.bytes = 0
         skipped = 0
         for block in blocks:
@@ -241,13 +267,15 @@ class Fp8Base:
                     skipped += 1
                     continue
                 if module.weight.dtype == E4M3:
-                    weight = Fp8Weight.stored(module.weight, backward=stored_backward)
+                    on_device = _on(module.weight.device, device)
+                    weight = Fp8Weight.stored(module.weight, backward=stored_backward and on_device, device=device)
                 else:
                     forward, backward = fp8_products(module.in_features, module.out_features)
                     weight = Fp8Weight(module.weight, forward=forward, backward=backward)
                 weight.kernel = any(module is linear for linear in self.kernel_linears)
                 self.bytes += weight.nbytes()
                 self.replaced.append((module, module.__dict__.get("forward")))
+                self.weights[module] = weight
                 module.forward = _forward(module, weight, module.forward)
         log.info(
             "[Kiln] fp8_compute: %d block Linears multiply in fp8 (%.2f GiB of fp8 weight copies%s)%s",
@@ -262,6 +290,15 @@ class Fp8Base:
     @property
     def kernel(self) -> bool:
         return bool(self.kernel_linears)
+
+    def streamed(self, stream, blocks: list[nn.Module]):
+        """`stream` (streaming.BlockStreamer) streams some of `blocks` from host memory: their Linears keep no fp8
+        copy on the GPU (Fp8Weight.drop_copies). Returns the stream."""
+        for index in stream.plan.blocks:
+            for module in blocks[index].modules():
+                if module in self.weights:
+                    self.weights[module].drop_copies()
+        return stream
 
     def remove(self) -> None:
         for module, previous in self.replaced:

@@ -156,6 +156,10 @@ class Int8Base:
             f"; {skipped} stay as they are (off the device, quantized or patched at forward)" if skipped else "",
         )
 
+    def streamed(self, stream, blocks: list[nn.Module]):
+        """Nothing to drop: an int8 forward reads its weight from the module at each call (it streams as it is)."""
+        return stream
+
     def remove(self) -> None:
         for module, previous, host, origin in self.replaced:
             module.weight.data = host if host.device == origin else host.to(origin)

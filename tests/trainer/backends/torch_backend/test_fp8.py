@@ -384,3 +384,60 @@ def test_the_kernel_linears_are_taken_only_where_every_bucket_is_1024_px_or_more
         assert installed.kernel_linears == ([block.linear2] if used else [])
     finally:
         installed.remove()
+
+
+def _stored_in_fp8(model: nn.Module) -> nn.Module:
+    """The tiny model's block Linears stored in e4m3, as Load Diffusion Model's weight_dtype fp8_e4m3fn stores them."""
+    from trainer.archs import get_arch
+
+    for block in find_blocks(model, get_arch("demo").block_lists):
+        for layer in block.modules():
+            if isinstance(layer, nn.Linear):
+                layer.weight = nn.Parameter(layer.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_base_stored_in_fp8_streamed_trains_the_same_lora_as_resident(
+    tmp_path, make_model, make_data, make_config, checkpointing
+):
+    """fp8_compute reads a streamed weight from its ring slot at each use (Fp8Weight holds the module's Parameter, not
+    the tensor it was made from, which would keep a streamed block's weights on the GPU)."""
+    results = []
+    for stream in (0, 2):
+        cfg = make_config(
+            steps=3, mixed_precision="bf16", fp8_compute=True, stream_blocks=stream, gradient_checkpointing=checkpointing
+        )
+        model = _stored_in_fp8(make_model())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        results.append(train(cfg, model, make_data(), run_dir=tmp_path / f"s{stream}"))
+        assert all(torch.equal(v.float(), before[k].float()) for k, v in model.state_dict().items())
+    for key, weights in results[0].lora.items():
+        other = results[1].lora[key]
+        assert np.array_equal(weights.A, other.A) and np.array_equal(weights.B, other.B), key
+    assert any(np.abs(w.B).sum() > 0 for w in results[0].lora.values())
+
+
+def test_a_streamed_blocks_fp8_weights_keep_no_copy_and_read_their_slot(make_model):
+    """A bf16 base: the blocks that stream drop their fp8 copies (they would stay on the GPU beside the stream's
+    ring) and multiply what lies in their slot; the resident blocks keep theirs."""
+    from trainer.archs import get_arch
+    from trainer.backends.torch_backend import streaming
+
+    model = make_model()
+    model.requires_grad_(False)
+    blocks = find_blocks(model, get_arch("demo").block_lists)
+    fp8 = Fp8Base(blocks, torch.device("cpu"))
+    stream = fp8.streamed(streaming.for_blocks(blocks, [1], torch.device("cpu")), blocks)
+    streamed = [m for m in blocks[1].modules() if m in fp8.weights]
+    resident = [m for m in blocks[0].modules() if m in fp8.weights]
+    assert streamed and resident
+    for layer in streamed:
+        weight = fp8.weights[layer]
+        assert weight.rows is None and weight.cols is None and weight.nbytes() == 0
+        assert weight.weight.data_ptr() == layer.weight.data_ptr()  # the ring slot's view
+        ring = stream.ring[0]
+        assert ring.data_ptr() <= layer.weight.data_ptr() < ring.data_ptr() + ring.numel()
+    assert all(fp8.weights[m].rows is not None and fp8.weights[m].cols is not None for m in resident)
+    stream.remove()
+    fp8.remove()
