@@ -11,6 +11,7 @@ CONST flow convention holds. Told apart from Z-Image by its config class: suppor
 from __future__ import annotations
 
 from .base import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths
+from .layout import BlockGroup, HeaderSpec, Layout, ModelDims, ceil_to
 
 # The block Linears (attention and the SwiGLU feed-forward) of every NextDiT block, refiners included, as
 # ai-toolkit's and SimpleTuner's Lumina 2 LoRAs train them; adaLN modulation left out.
@@ -42,6 +43,95 @@ DIFFUSERS_RULES = tuple(
     )
 )
 
+# ---------------------------------------------------------------- memory-estimate layout
+
+CAPTION_TOKENS = 512  # an upper bound: ComfyUI runs each caption at its own length
+
+
+def model_dims(variant: str, hidden: int, layers: int, context_dim: int) -> ModelDims:
+    """model_detection.py's `dim == 2304` branch: heads of 96, ffn multiplier 4 rounded up to a multiple of 256,
+    two refiners of each kind (NextDiT's default)."""
+    return ModelDims(
+        variant,
+        "lumina2",
+        hidden,
+        hidden // HEAD_DIM,
+        0,
+        layers,
+        ceil_to(4 * hidden, 256),
+        context_dim,
+        CAPTION_TOKENS,
+        refiner_blocks=2,
+    )
+
+
+def linear_layers(dims: ModelDims, io: int) -> dict[str, tuple[int, int]]:
+    D, F, kv, T = dims.hidden, dims.mlp_hidden, KV_HEADS * HEAD_DIM, min(dims.hidden, 1024)
+
+    def blocks(group, count, modulated):
+        for i in range(count):
+            p = f"{group}.{i}"
+            yield from {
+                f"{p}.attention.qkv": (D, D + 2 * kv),
+                f"{p}.attention.out": (D, D),
+                f"{p}.feed_forward.w1": (D, F),
+                f"{p}.feed_forward.w2": (F, D),
+                f"{p}.feed_forward.w3": (D, F),
+            }.items()
+            if modulated:  # after a SiLU, from the min(D, 1024)-wide t embedding
+                yield f"{p}.adaLN_modulation.1", (T, 4 * D)
+
+    # In ComfyUI's module order: the embedders sit between the refiners and the main layers.
+    return {
+        "x_embedder": (io, D),
+        **dict(blocks("noise_refiner", dims.refiner_blocks, True)),
+        **dict(blocks("context_refiner", dims.refiner_blocks, False)),
+        "t_embedder.mlp.0": (256, T),
+        "t_embedder.mlp.2": (T, T),
+        "cap_embedder.1": (dims.context_dim, D),
+        **dict(blocks("layers", dims.single_blocks, True)),
+        "final_layer.linear": (D, io),
+        "final_layer.adaLN_modulation.1": (T, D),
+    }
+
+
+def extra_params(dims: ModelDims, layers: dict[str, tuple[int, int]]) -> int:
+    """Biases on every Linear outside the blocks' attention and feed-forward, 4 RMSNorms + q/k norms per block,
+    the cap_embedder.0 RMSNorm (no pad tokens, unlike Z-Image)."""
+    biases = sum(o for name, (i, o) in layers.items() if ".attention." not in name and ".feed_forward." not in name)
+    blocks = 2 * dims.refiner_blocks + dims.single_blocks
+    return biases + blocks * (4 * dims.hidden + 2 * HEAD_DIM) + dims.context_dim
+
+
+def blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGroup]:
+    """Derived from Z-Image's measured NextDiT block (zimage.py) with grouped k/v heads, not yet measured on a GPU:
+    per token, qkv's output is D + 2kv instead of 3D:    13D + 2kv + 4M."""
+    D, M, kv = dims.hidden, dims.mlp_hidden, KV_HEADS * HEAD_DIM
+    per_token = 13 * D + 2 * kv + 4 * M
+    return [
+        BlockGroup(per_token, 0, dims.refiner_blocks, image_tokens),
+        BlockGroup(per_token, 0, dims.refiner_blocks, text_tokens),
+        BlockGroup(per_token, 0, dims.single_blocks, image_tokens + text_tokens),
+    ]
+
+
+LAYOUT = Layout(
+    name="Lumina 2",
+    variants=(model_dims("lumina2", 2304, 26, 2304),),
+    linear_layers=linear_layers,
+    extra_params=extra_params,
+    blocks=blocks,
+    widest_output=lambda dims: dims.mlp_hidden,  # feed_forward.w1 / w3
+    # Z-Image's keys too, but its adaLN Linear is adaLN_modulation.0 (no SiLU before it): .1 is Lumina 2's alone.
+    header=HeaderSpec(
+        markers=("cap_embedder.1.weight", "noise_refiner.0.adaLN_modulation.1.weight"),
+        sizes={"hidden": ("cap_embedder.1.weight", 0), "context_dim": ("cap_embedder.1.weight", 1)},
+        counts={"single_blocks": "layers."},
+    ),
+    text_note=" (512 caption tokens is an upper bound)",
+    measured=False,
+)
+
 ARCHS = (
     Arch(
         name="lumina2",
@@ -66,6 +156,7 @@ ARCHS = (
         diffusers_rules=DIFFUSERS_RULES,
         # ComfyUI's Lumina 2 (NetaYume) template: 30 steps, CFG 4, res_multistep on the simple schedule.
         sampling=Sampling(steps=30, cfg=4.0, sampler="res_multistep", scheduler="simple"),
+        layout=LAYOUT,
         description="Lumina Image 2.0 (2.6B NextDiT, Gemma 2 2B text encoder); PyTorch backend",
     ),
 )
