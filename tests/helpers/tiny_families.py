@@ -10,9 +10,9 @@ Import after helpers.comfy_env.require_comfy(): it imports ComfyUI.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -34,7 +34,6 @@ class Family:
     arch: str = "generic"  # what Kiln detects it as
     # cond keys beyond the cross-attention tensor, per batch size (Kiln's caption cache keeps only that tensor)
     extra_conds: Callable[[int], dict] = field(default=lambda batch: {})
-    min_version: tuple[int, int] = (0, 0)
 
 
 def _shapes(build):
