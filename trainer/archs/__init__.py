@@ -16,11 +16,11 @@ import math
 import re
 from typing import Any, Callable
 
-from . import demo, flux2, generic, qwen_image, wan, zimage
+from . import chroma, demo, flux2, generic, lumina2, qwen_image, wan, zimage
 from .base import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths, no_extras  # noqa: F401  (the API)
 
 # Registry order: detection and the node's combo follow it. Each family file lists its archs in ARCHS.
-FAMILIES = (flux2, zimage, qwen_image, wan, generic, demo)
+FAMILIES = (flux2, zimage, qwen_image, wan, chroma, lumina2, generic, demo)
 
 
 def _registry(families) -> dict[str, Arch]:

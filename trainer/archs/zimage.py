@@ -121,7 +121,12 @@ LAYOUT = Layout(
     blocks=blocks,
     widest_output=lambda dims: 3 * dims.hidden,  # attention.qkv
     header=HeaderSpec(
-        markers=("cap_embedder.1.weight", "noise_refiner.0.attention.qkv.weight"),
+        # adaLN_modulation.0 (no SiLU before it): Lumina 2's NextDiT files hold the same keys but .1 (lumina2.py)
+        markers=(
+            "cap_embedder.1.weight",
+            "noise_refiner.0.attention.qkv.weight",
+            "noise_refiner.0.adaLN_modulation.0.weight",
+        ),
         sizes={"hidden": ("cap_embedder.1.weight", 0)},
         counts={"single_blocks": "layers."},
     ),

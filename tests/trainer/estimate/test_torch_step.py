@@ -30,6 +30,8 @@ PUBLISHED = {
     "wan2.1-t2v-1.3b": (1.3e9, 0.1),
     "wan2.1-t2v-14b": (14.0e9, 0.03),
     "wan2.2-ti2v-5b": (5.0e9, 0.03),
+    "chroma": (8.9e9, 0.01),
+    "lumina2": (2.6e9, 0.01),  # Lumina Image 2.0: "2.6B"
 }
 
 # Exact counts of ComfyUI 0.17's Flux / NextDiT / QwenImageTransformer2DModel modules built on the
@@ -45,6 +47,8 @@ COMFYUI_COUNTS = {
     "wan2.1-t2v-1.3b": 1_418_996_800,
     "wan2.1-t2v-14b": 14_288_491_584,
     "wan2.2-ti2v-5b": 4_999_787_712,
+    "chroma": 8_899_983_424,  # comfy.ldm.chroma.model.Chroma, model_detection.py's Chroma config (0.17)
+    "lumina2": 2_609_769_152,  # NextDiT, the `dim == 2304` config (0.17)
 }
 
 

@@ -77,6 +77,15 @@ def test_sampling_defaults_are_family_facts():
         "zimage_turbo": (8, 1.0, "res_multistep"),
         "zimage": (30, 4.0, "res_multistep"),
         "qwen_image": (20, 2.5, "euler"),
+        "wan21_i2v": (20, 6.0, "uni_pc"),
+        "wan21_t2v": (30, 6.0, "uni_pc"),
+        "wan22_ti2v_5b": (20, 5.0, "uni_pc"),
+        "wan22_t2v_high": (20, 3.5, "euler"),
+        "wan22_t2v_low": (20, 3.5, "euler"),
+        "wan22_i2v_high": (20, 3.5, "euler"),
+        "wan22_i2v_low": (20, 3.5, "euler"),
+        "chroma": (26, 3.5, "euler"),
+        "lumina2": (30, 4.0, "res_multistep"),
     }
     base = sample_plan(from_dict({"arch": "zimage", "sample_prompts": ["x"]}))[0]
     assert (base.steps, base.cfg) == (30, 4.0)
