@@ -773,9 +773,17 @@ def qwen_image_edit_lora(info: dict) -> Graph:
     encoded = g.add("VAEEncode", pixels=image.out("IMAGE"), vae=vae.out("VAE"))
     positive, negative = prompts(g, clip, "make it a watercolour painting", title="Validation instruction")
     # cfg 2.5 needs the negative to see the reference too, as the edit templates' empty edit prompt does
-    reference = g.add("ReferenceLatent", conditioning=positive.out("CONDITIONING"), latent=encoded.out("LATENT"))
+    reference = g.add(
+        "ReferenceLatent",
+        title="Reference on the instruction",
+        conditioning=positive.out("CONDITIONING"),
+        latent=encoded.out("LATENT"),
+    )
     negative_reference = g.add(
-        "ReferenceLatent", conditioning=negative.out("CONDITIONING"), latent=encoded.out("LATENT")
+        "ReferenceLatent",
+        title="Reference on the negative",
+        conditioning=negative.out("CONDITIONING"),
+        latent=encoded.out("LATENT"),
     )
     validation = g.add(
         "KilnValidationSettings",
