@@ -759,10 +759,8 @@ def qwen_image_edit_lora(info: dict) -> Graph:
    `diffusion_models/qwen_image_edit_2511_bf16.safetensors` (or 2509's),
    `text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors`, `vae/qwen_image_vae.safetensors`.
 3. Put a test image in `ComfyUI/input/` and pick it in Load Image: it becomes the reference latent of the
-   validation prompt and its empty negative (ReferenceLatent), so samples show the edit. Kiln feeds the
-   control latents to the model exactly so while training (the same call, bitwise); captions are encoded
-   as text alone, so this prompt is too (TextEncodeQwenImageEditPlus also works with the LoRA; its prompt
-   then carries the image's vision tokens as well).
+   validation prompt and its empty negative (ReferenceLatent), so samples show the edit: the same call as
+   training's, bitwise (captions are encoded as text alone; TextEncodeQwenImageEditPlus works too).
 """,
     )
     loaders = model_loaders(g, QWEN_EDIT)
@@ -773,17 +771,12 @@ def qwen_image_edit_lora(info: dict) -> Graph:
     encoded = g.add("VAEEncode", pixels=image.out("IMAGE"), vae=vae.out("VAE"))
     positive, negative = prompts(g, clip, "make it a watercolour painting", title="Validation instruction")
     # cfg 2.5 needs the negative to see the reference too, as the edit templates' empty edit prompt does
-    reference = g.add(
-        "ReferenceLatent",
-        title="Reference on the instruction",
-        conditioning=positive.out("CONDITIONING"),
-        latent=encoded.out("LATENT"),
-    )
-    negative_reference = g.add(
-        "ReferenceLatent",
-        title="Reference on the negative",
-        conditioning=negative.out("CONDITIONING"),
-        latent=encoded.out("LATENT"),
+    reference, negative_reference = (
+        g.add("ReferenceLatent", title=f"Reference on the {name}", conditioning=cond.out("CONDITIONING"), latent=latent)
+        for name, cond, latent in (
+            ("instruction", positive, encoded.out("LATENT")),
+            ("negative", negative, encoded.out("LATENT")),
+        )
     )
     validation = g.add(
         "KilnValidationSettings",
@@ -824,8 +817,7 @@ def qwen_image_edit_lora(info: dict) -> Graph:
         prefix="kiln/my_qwen_edits",
         cfg=2.5,
     )
-    # The loaders fold (their files are the template's, offered by the missing-models dialog) so that the
-    # validation group, one node taller than Klein's for the negative's reference, fits under them.
+    # Loaders folded (the template's files, offered by the missing-models dialog): the test group fits under them
     g.layout = [
         g.box("1. Models", "models", 0, [fold(node) for node in loaders]),
         g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
