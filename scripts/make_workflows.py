@@ -67,6 +67,13 @@ ZIMAGE = dict(
 KLEIN = dict(
     unet="flux-2-klein-4b.safetensors", clip="qwen_3_4b.safetensors", clip_type="flux2", vae="flux2-vae.safetensors"
 )
+# Qwen-Image-Edit as ComfyUI's image_qwen_image_edit_2511 template names its files, the bf16 model to train on.
+QWEN_EDIT = dict(
+    unet="qwen_image_edit_2511_bf16.safetensors",
+    clip="qwen_2.5_vl_7b_fp8_scaled.safetensors",
+    clip_type="qwen_image",
+    vae="qwen_image_vae.safetensors",
+)
 _HF = "https://huggingface.co"
 MODEL_URLS = {  # file → (models folder, download address), for the frontend's missing-models dialog
     "z_image_turbo_bf16.safetensors": (
@@ -79,6 +86,15 @@ MODEL_URLS = {  # file → (models folder, download address), for the frontend's
         f"{_HF}/Comfy-Org/flux2-klein/resolve/main/split_files/diffusion_models/flux-2-klein-4b.safetensors",
     ),
     "flux2-vae.safetensors": ("vae", f"{_HF}/Comfy-Org/flux2-dev/resolve/main/split_files/vae/flux2-vae.safetensors"),
+    "qwen_image_edit_2511_bf16.safetensors": (
+        "diffusion_models",
+        f"{_HF}/Comfy-Org/Qwen-Image-Edit_ComfyUI/resolve/main/split_files/diffusion_models/"
+        "qwen_image_edit_2511_bf16.safetensors",
+    ),
+    "qwen_image_vae.safetensors": (
+        "vae",
+        f"{_HF}/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/vae/qwen_image_vae.safetensors",
+    ),
     "zimage_turbo_training_adapter_v2.safetensors": (
         "loras",
         f"{_HF}/ostris/zimage_turbo_training_adapter/resolve/main/zimage_turbo_training_adapter_v2.safetensors",
@@ -87,6 +103,8 @@ MODEL_URLS = {  # file → (models folder, download address), for the frontend's
 TEXT_ENCODER_URLS = {  # qwen_3_4b.safetensors is published in both repos; point each workflow at its own
     "lumina2": f"{_HF}/Comfy-Org/z_image_turbo/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors",
     "flux2": f"{_HF}/Comfy-Org/flux2-klein/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors",
+    "qwen_image": f"{_HF}/Comfy-Org/HunyuanVideo_1.5_repackaged/resolve/main/split_files/text_encoders/"
+    "qwen_2.5_vl_7b_fp8_scaled.safetensors",  # where ComfyUI's Qwen-Image-Edit 2511 template points
 }
 PACK_ID, PACK_VERSION = "kiln-lora", "0.1.0"  # pyproject's [project] name/version: the registry id (cnr_id)
 # Each example's file name, which the template browser shows as its title (both frontends take a custom-node
@@ -98,6 +116,7 @@ TEMPLATE_TITLES = {
     "chained_training": "Two-stage chained training",
     "resume_from_run_folder": "Resume a run from its folder",
     "flux2_klein_edit_lora": "Flux.2 Klein edit LoRA",
+    "qwen_image_edit_lora": "Qwen-Image-Edit LoRA",
 }
 # Rows the frontend draws beyond the node's own widgets: Kiln's folder picker button, LoadImage's upload one.
 EXTRA_WIDGET_ROWS = {"KilnLoadDataset": 1, "KilnLoadRun": 1, "LoadImage": 1}
@@ -354,15 +373,16 @@ def sample_chain(
     prefix: str,
     title: str | None = None,
     seed: int = 42,
+    cfg: float = 1.0,
 ) -> list[Node]:
-    """KSampler → VAE Decode → Save Image (cfg 1: Turbo and Klein are distilled)."""
+    """KSampler → VAE Decode → Save Image (cfg 1 by default: Turbo and Klein are distilled)."""
     sampler_node = g.add(
         "KSampler",
         title=title,
         model=model,
         seed=seed,
         steps=steps,
-        cfg=1.0,
+        cfg=cfg,
         sampler_name=sampler,
         scheduler="simple",
         positive=positive.out("CONDITIONING"),
@@ -725,12 +745,111 @@ def flux2_klein_edit_lora(info: dict) -> Graph:
     return g
 
 
+def qwen_image_edit_lora(info: dict) -> Graph:
+    g = Graph(
+        "qwen_image_edit_lora",
+        info,
+        """\
+## Qwen-Image-Edit LoRA (control → target pairs; 2511 or 2509)
+
+1. In `ComfyUI/input/my_qwen_edits/` put the targets (`photo.png`, each with a `.txt` instruction such as
+   "make it a watercolour") and, in `my_qwen_edits/control/`, the image each was made from under the same
+   name (`control/photo.png`). More references per target: `control_2/`, `control_3/`.
+2. Models, as ComfyUI's Qwen-Image-Edit 2511 template names them (the bf16 model to train on):
+   `diffusion_models/qwen_image_edit_2511_bf16.safetensors` (or 2509's),
+   `text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors`, `vae/qwen_image_vae.safetensors`.
+3. Put a test image in `ComfyUI/input/` and pick it in Load Image: it becomes the reference latent of the
+   validation prompt and its empty negative (ReferenceLatent), so samples show the edit: the same call as
+   training's, bitwise (captions are encoded as text alone; TextEncodeQwenImageEditPlus works too).
+""",
+    )
+    loaders = model_loaders(g, QWEN_EDIT)
+    unet, clip, vae = loaders
+    data = dataset_chain(g, clip, vae, "my_qwen_edits", "", resolutions="512, 768, 1024")
+    options = options_for(g, "concept", ema=True)
+    image = g.add("LoadImage", title="Validation reference", image="example.png")
+    encoded = g.add("VAEEncode", pixels=image.out("IMAGE"), vae=vae.out("VAE"))
+    positive, negative = prompts(g, clip, "make it a watercolour painting", title="Validation instruction")
+    # cfg 2.5 needs the negative to see the reference too, as the edit templates' empty edit prompt does
+    reference, negative_reference = (
+        g.add("ReferenceLatent", title=f"Reference on the {name}", conditioning=cond.out("CONDITIONING"), latent=latent)
+        for name, cond, latent in (
+            ("instruction", positive, encoded.out("LATENT")),
+            ("negative", negative, encoded.out("LATENT")),
+        )
+    )
+    validation = g.add(
+        "KilnValidationSettings",
+        positive=reference.out("CONDITIONING"),
+        negative=negative_reference.out("CONDITIONING"),
+        vae=vae.out("VAE"),
+        seed=42,
+        steps=20,
+        cfg=2.5,
+        sampler_name="euler",
+        scheduler="simple",
+        width=1024,
+        height=1024,
+        every=250,
+    )
+    train = g.add(
+        "KilnTrainLoRA",
+        model=unet.out("MODEL"),
+        dataset=data[-1].out("dataset"),
+        steps=2000,
+        learning_rate=1e-4,
+        rank=16,
+        alpha=16.0,
+        preset="concept",
+        seed=42,
+        options=options.out("options"),
+        validation=validation.out("validation"),
+    )
+    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_qwen_edits", state=train.out("state"))
+    sampler_node, decode, saved = sample_chain(
+        g,
+        train.out("model"),
+        reference,
+        negative_reference,
+        encoded,
+        steps=20,
+        sampler="euler",
+        prefix="kiln/my_qwen_edits",
+        cfg=2.5,
+    )
+    # Loaders folded (the template's files, offered by the missing-models dialog): the test group fits under them
+    g.layout = [
+        g.box("1. Models", "models", 0, [fold(node) for node in loaders]),
+        g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
+        g.box("3. Train", "train", 2, [fold(options), train]),
+        g.box("4. Save", "save", 3, [save]),
+        g.box(
+            "5. Test: validation samples",
+            "test",
+            0,
+            [
+                image,
+                fold(encoded),
+                fold(reference),
+                fold(negative_reference),
+                positive,
+                fold(negative),
+                fold(validation),
+            ],
+        ),
+        g.box("6. Test the LoRA", "test", 3, [fold(sampler_node), fold(decode), saved]),
+        g.box(None, "", 2, [NOTE]),
+    ]
+    return g
+
+
 EXAMPLE_GRAPHS = [
     zimage_turbo_character_lora,
     flux2_klein_style_lora,
     chained_training,
     resume_from_run_folder,
     flux2_klein_edit_lora,
+    qwen_image_edit_lora,
 ]
 
 # ---- tiny graphs for tests/nodes/test_server.py (files the test writes into a temporary ComfyUI base dir)

@@ -77,7 +77,7 @@ def make_forward(model, arch_name: str):
 
     def forward(dm, x_t, sigmas, context, extras):
         if frames and x_t.ndim == 4:  # [B,C,h,w] → the model's [B,C,1,h,w], and its output back
-            return forward(dm, x_t.unsqueeze(2), sigmas, context, extras).squeeze(2)
+            return forward(dm, x_t.unsqueeze(2), sigmas, context, _one_frame(arch, extras)).squeeze(2)
         extras = dict(extras)
         groups = _row_groups(arch, context, extras)
         if len(groups) == 1:
@@ -85,15 +85,30 @@ def make_forward(model, arch_name: str):
         outputs, order = [], []
         for rows, tokens in groups:
             index = torch.tensor(rows, device=x_t.device)
-            part = {
-                k: v[index] if torch.is_tensor(v) and v.ndim and len(v) == len(x_t) else v for k, v in extras.items()
-            }
+            part = {k: _rows(v, index, len(x_t)) for k, v in extras.items()}
             rows_context = context[index][:, tokens]
             outputs.append(_call(base, sampling, dm, options, x_t[index], sigmas[index], rows_context, part))
             order += rows
         return torch.cat(outputs)[torch.tensor(order, device=x_t.device).argsort()]
 
     return forward
+
+
+def _rows(extra, index, batch: int):
+    """A per-row extra for some rows: a [B,...] tensor, or each of a list of them (reference latents: one
+    [B,C,h,w] per control slot, so rows of one caption length take their own references)."""
+    if isinstance(extra, list):
+        return [_rows(e, index, batch) for e in extra]
+    return extra[index] if torch.is_tensor(extra) and extra.ndim and len(extra) == batch else extra
+
+
+def _one_frame(arch, extras: dict) -> dict:
+    """Cached image control latents [B,C,h,w] as the video VAE's one frame [B,C,1,h,w]: what VAEEncode gives
+    TextEncodeQwenImageEdit / ReferenceLatent, and what the latent format's process_in takes."""
+    references = extras.get(arch.reference_latents) if arch.reference_latents else None
+    if not references:
+        return extras
+    return {**extras, arch.reference_latents: [r.unsqueeze(2) if r.ndim == 4 else r for r in references]}
 
 
 def _frame_axis(model) -> bool:

@@ -176,6 +176,36 @@ def tiny_zimage(*, seed: int = 0):
     return assembled(comfy.supported_models.ZImage, NextDiT, zimage_unet_config(), seed)
 
 
+QWEN_CONTEXT_DIM = 48  # Qwen2.5-VL 7B gives 3584; tiny here
+
+
+def qwen_image_unet_config(**extra) -> dict:
+    """A tiny QwenImageTransformer2DModel: 2 blocks, 2 heads of 32 (RoPE axes 8+12+12 = head dim); `extra`:
+    what model_detection adds for a variant (Qwen-Image-Edit 2511: default_ref_method="index_timestep_zero")."""
+    return dict(
+        image_model="qwen_image",
+        num_layers=2,
+        num_attention_heads=2,
+        attention_head_dim=32,
+        joint_attention_dim=QWEN_CONTEXT_DIM,
+        in_channels=64,
+        out_channels=16,
+        axes_dims_rope=(8, 12, 12),
+        **extra,
+    )
+
+
+def tiny_qwen_image(*, seed: int = 0, **extra):
+    """ModelPatcher of a tiny Qwen-Image, assembled the way load_diffusion_model_state_dict does (ComfyUI
+    detects Qwen-Image only at 24 heads of 128, so supported_models.QwenImage(unet_config))."""
+    import comfy.supported_models
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+
+    return assembled(
+        comfy.supported_models.QwenImage, QwenImageTransformer2DModel, qwen_image_unet_config(**extra), seed
+    )
+
+
 def assembled(config_class, module_class, unet_config: dict, seed: int):
     """ModelPatcher of `module_class(**unet_config)` with seeded random weights, put together the way
     load_diffusion_model_state_dict does (for families ComfyUI detects only at full size)."""

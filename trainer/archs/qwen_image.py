@@ -7,6 +7,12 @@ latent [B,16,1,H/8,W/8] (a video VAE's single frame; Kiln caches [16,H/8,W/8] an
 the frame axis the latent format declares), patch 2 inside the model; timestep = sigma; CONST flow
 output (model_base.QwenImage, ModelType.FLUX). ComfyUI's module names are diffusers' own, so the
 diffusers export renames nothing.
+
+Qwen-Image-Edit (2509, 2511) is this arch too: ComfyUI loads it as the same QwenImage class from the same
+keys (2509's state dict is plain Qwen-Image's), so nothing on the MODEL tells edit from plain, and nothing
+needs to: edit training is a dataset fact (control/ folders), fed as reference latents, and how the model
+places them is the model's own (2511's `__index_timestep_zero__` key → default_ref_method
+"index_timestep_zero", which ComfyUI's forward reads; Kiln calls that forward).
 """
 
 from __future__ import annotations
@@ -149,6 +155,10 @@ ARCHS = (
         layout=LAYOUT,
         caption_token_limit=1024,  # diffusers' QwenImagePipeline: 1024 tokens after its template's are dropped
         sampling=Sampling(steps=20, cfg=2.5, sampler="euler", scheduler="simple"),  # ComfyUI's Qwen-Image template
+        # Edit training (Qwen-Image-Edit 2509/2511): control latents go where TextEncodeQwenImageEdit(Plus) and
+        # ReferenceLatent put them (QwenImage.extra_conds → ref_latents, through the Wan 2.1 latent format; the
+        # model appends their tokens at RoPE index 1, 2, ... and returns the target's). Both trees do.
+        reference_latents="reference_latents",
         description="Qwen-Image (20B MMDiT, Qwen2.5-VL text encoder); PyTorch backend",
     ),
 )

@@ -49,8 +49,8 @@ def reference_extras(controls: list[list[np.ndarray]], arch: Arch, names: list[s
     if not arch.reference_latents:
         raise ConfigError(
             f"{arch.name} cannot train on control images (the dataset has a control/ folder): "
-            "edit training is for Flux2 (Klein, Dev); move control/ out of the dataset to train "
-            "the targets alone"
+            "edit training is for Flux2 (Klein, Dev) and Qwen-Image (Edit 2509, 2511); move control/ out "
+            "of the dataset to train the targets alone"
         )
     slots = []
     for slot in range(counts.pop()):

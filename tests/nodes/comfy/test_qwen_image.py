@@ -33,31 +33,12 @@ import kiln_pack.trainer.lora.files as lf
 import kiln_pack.trainer.run.loop as loop
 from kiln_pack.trainer.backends.torch_backend.backend import TorchBackend
 
-CONTEXT_DIM = 48  # Qwen2.5-VL 7B gives 3584; tiny here
-
-
-def unet_config() -> dict:
-    """A tiny QwenImageTransformer2DModel: 2 blocks, 2 heads of 32 (RoPE axes 8+12+12 = head dim)."""
-    return dict(
-        image_model="qwen_image",
-        num_layers=2,
-        num_attention_heads=2,
-        attention_head_dim=32,
-        joint_attention_dim=CONTEXT_DIM,
-        in_channels=64,
-        out_channels=16,
-        axes_dims_rope=(8, 12, 12),
-    )
+CONTEXT_DIM = tc.QWEN_CONTEXT_DIM
 
 
 @pytest.fixture(scope="module")
 def qwen():
-    """ModelPatcher of a tiny Qwen-Image, assembled the way load_diffusion_model_state_dict does (ComfyUI
-    detects Qwen-Image only at 24 heads of 128, so supported_models.QwenImage(unet_config))."""
-    import comfy.supported_models
-    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
-
-    return tc.assembled(comfy.supported_models.QwenImage, QwenImageTransformer2DModel, unet_config(), 0)
+    return tc.tiny_qwen_image()
 
 
 def caption(tokens: int, seed: int) -> np.ndarray:

@@ -184,8 +184,8 @@ def test_a_family_without_reference_latents_refuses_an_edit_dataset(tmp_path, ma
         train(make_config(steps=1), make_model(), companion_data(False, True), run_dir=tmp_path / "r")
 
 
-def test_flux2_takes_reference_latents_as_comfyui_does():
-    for name in ("flux2_klein", "flux2_dev"):
+def test_flux2_and_qwen_image_take_reference_latents_as_comfyui_does():
+    for name in ("flux2_klein", "flux2_dev", "qwen_image"):  # Qwen-Image-Edit 2509/2511 load as qwen_image
         assert get_arch(name).reference_latents == "reference_latents"
     assert get_arch("zimage").reference_latents == ""
     extras = companion_batch.reference_extras(
