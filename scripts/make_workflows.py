@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # workflow_layout, beside this file
+import video_workflows
 import workflow_layout as wl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +68,16 @@ ZIMAGE = dict(
 KLEIN = dict(
     unet="flux-2-klein-4b.safetensors", clip="qwen_3_4b.safetensors", clip_type="flux2", vae="flux2-vae.safetensors"
 )
+# Wan: Comfy-Org's repackaged files, as ComfyUI's Wan 2.1 / 2.2 templates name them.
+WAN21_T2V = dict(
+    unet="wan2.1_t2v_1.3B_fp16.safetensors",
+    clip="umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+    clip_type="wan",
+    vae="wan_2.1_vae.safetensors",
+)
+WAN22_TI2V = {**WAN21_T2V, "unet": "wan2.2_ti2v_5B_fp16.safetensors", "vae": "wan2.2_vae.safetensors"}
 _HF = "https://huggingface.co"
+_WAN21, _WAN22 = f"{_HF}/Comfy-Org/Wan_2.1_ComfyUI_repackaged", f"{_HF}/Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
 MODEL_URLS = {  # file → (models folder, download address), for the frontend's missing-models dialog
     "z_image_turbo_bf16.safetensors": (
         "diffusion_models",
@@ -79,6 +89,16 @@ MODEL_URLS = {  # file → (models folder, download address), for the frontend's
         f"{_HF}/Comfy-Org/flux2-klein/resolve/main/split_files/diffusion_models/flux-2-klein-4b.safetensors",
     ),
     "flux2-vae.safetensors": ("vae", f"{_HF}/Comfy-Org/flux2-dev/resolve/main/split_files/vae/flux2-vae.safetensors"),
+    "wan2.1_t2v_1.3B_fp16.safetensors": (
+        "diffusion_models",
+        f"{_WAN21}/resolve/main/split_files/diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors",
+    ),
+    "wan_2.1_vae.safetensors": ("vae", f"{_WAN21}/resolve/main/split_files/vae/wan_2.1_vae.safetensors"),
+    "wan2.2_ti2v_5B_fp16.safetensors": (
+        "diffusion_models",
+        f"{_WAN22}/resolve/main/split_files/diffusion_models/wan2.2_ti2v_5B_fp16.safetensors",
+    ),
+    "wan2.2_vae.safetensors": ("vae", f"{_WAN22}/resolve/main/split_files/vae/wan2.2_vae.safetensors"),
     "zimage_turbo_training_adapter_v2.safetensors": (
         "loras",
         f"{_HF}/ostris/zimage_turbo_training_adapter/resolve/main/zimage_turbo_training_adapter_v2.safetensors",
@@ -87,6 +107,7 @@ MODEL_URLS = {  # file → (models folder, download address), for the frontend's
 TEXT_ENCODER_URLS = {  # qwen_3_4b.safetensors is published in both repos; point each workflow at its own
     "lumina2": f"{_HF}/Comfy-Org/z_image_turbo/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors",
     "flux2": f"{_HF}/Comfy-Org/flux2-klein/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors",
+    "wan": f"{_WAN21}/resolve/main/split_files/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors",
 }
 PACK_ID, PACK_VERSION = "kiln-lora", "0.1.0"  # pyproject's [project] name/version: the registry id (cnr_id)
 # Each example's file name, which the template browser shows as its title (both frontends take a custom-node
@@ -98,6 +119,8 @@ TEMPLATE_TITLES = {
     "chained_training": "Two-stage chained training",
     "resume_from_run_folder": "Resume a run from its folder",
     "flux2_klein_edit_lora": "Flux.2 Klein edit LoRA",
+    "wan21_t2v_lora": "Wan 2.1 text-to-video LoRA",
+    "wan22_ti2v_5b_lora": "Wan 2.2 5B image-to-video LoRA",
 }
 # Rows the frontend draws beyond the node's own widgets: Kiln's folder picker button, LoadImage's upload one.
 EXTRA_WIDGET_ROWS = {"KilnLoadDataset": 1, "KilnLoadRun": 1, "LoadImage": 1}
@@ -354,15 +377,18 @@ def sample_chain(
     prefix: str,
     title: str | None = None,
     seed: int = 42,
+    cfg: float = 1.0,
+    save: bool = True,
 ) -> list[Node]:
-    """KSampler → VAE Decode → Save Image (cfg 1: Turbo and Klein are distilled)."""
+    """KSampler → VAE Decode → Save Image (cfg 1: Turbo and Klein are distilled); save False: no Save Image (a
+    video's frames go on to CreateVideo)."""
     sampler_node = g.add(
         "KSampler",
         title=title,
         model=model,
         seed=seed,
         steps=steps,
-        cfg=1.0,
+        cfg=cfg,
         sampler_name=sampler,
         scheduler="simple",
         positive=positive.out("CONDITIONING"),
@@ -371,6 +397,8 @@ def sample_chain(
         denoise=1.0,
     )
     decode = g.add("VAEDecode", samples=sampler_node.out("LATENT"), vae=g.vae.out("VAE"))
+    if not save:
+        return [sampler_node, decode]
     return [sampler_node, decode, g.add("SaveImage", images=decode.out("IMAGE"), filename_prefix=prefix)]
 
 
@@ -439,12 +467,14 @@ def single_lora(
         g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
         g.box("3. Train", "train", 2, [fold(options), train]),
         g.box("4. Save", "save", 3, [save, fold(loss), preview]),
+        # Three columns under Models, Dataset and Train: Load Dataset's clip inputs left no room for two.
         g.box(
             "5. Test",
             "test",
             0,
-            [positive, fold(negative), fold(validation), fold(latent)],
-            [fold(sampler_node), fold(decode), image],
+            [positive, fold(negative)],
+            [fold(validation), fold(latent), fold(sampler_node), fold(decode)],
+            [image],
         ),
         g.box(None, "", 3, [NOTE]),
     ]
@@ -591,8 +621,8 @@ in ComfyUI's Klein template.
             "5. Test",
             "test",
             0,
-            [positive, fold(negative), fold(latent)],
-            [fold(sample_500[0]), fold(sample_500[1]), fold(sample_1000[0]), fold(sample_1000[1])],
+            [positive, fold(negative)],
+            [fold(latent), fold(sample_500[0]), fold(sample_500[1]), fold(sample_1000[0]), fold(sample_1000[1])],
         ),
         g.box("Samples: 500 and 1000 steps", "test", 3, [sample_500[2], sample_1000[2]]),
     ]
@@ -710,15 +740,10 @@ def flux2_klein_edit_lora(info: dict) -> Graph:
     g.layout = [
         g.box("1. Models", "models", 0, loaders),
         g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
-        g.box("3. Train", "train", 2, [fold(options), train]),
+        # The validation's plumbing sits folded under Train LoRA: Load Dataset's clip inputs left no room below.
+        g.box("3. Train", "train", 2, [fold(options), train, fold(reference), fold(validation)]),
         g.box("4. Save", "save", 3, [save]),
-        g.box(
-            "5. Test: validation samples",
-            "test",
-            0,
-            [image, fold(encoded), fold(reference)],
-            [positive, fold(negative), fold(validation)],
-        ),
+        g.box("5. Test: validation samples", "test", 0, [image, fold(encoded)], [positive, fold(negative)]),
         g.box("6. Test the LoRA", "test", 3, [fold(sampler_node), fold(decode), saved]),
         g.box(None, "", 2, [NOTE]),
     ]
@@ -731,6 +756,7 @@ EXAMPLE_GRAPHS = [
     chained_training,
     resume_from_run_folder,
     flux2_klein_edit_lora,
+    *video_workflows.examples(sys.modules[__name__]),  # the Wan examples, built with this module's helpers
 ]
 
 # ---- tiny graphs for tests/nodes/test_server.py (files the test writes into a temporary ComfyUI base dir)

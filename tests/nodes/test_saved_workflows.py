@@ -52,7 +52,11 @@ import kiln_pack.trainer.config.layers as config_layers
 
 SHIPPED = json.loads((SAVED / "widget_order.json").read_text(encoding="utf-8"))
 WORKFLOWS = sorted(p for p in SAVED.glob("*.json") if p.name != "widget_order.json")
-AFTER_SHIPPING = {"flux2_klein_edit_lora"}  # examples added since the shipped ones: no saved copy to keep
+AFTER_SHIPPING = {
+    "flux2_klein_edit_lora",
+    "wan21_t2v_lora",
+    "wan22_ti2v_5b_lora",
+}  # examples added since the shipped ones: no saved copy to keep
 EXAMPLES = REPO / "example_workflows"
 
 
