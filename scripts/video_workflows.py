@@ -84,10 +84,9 @@ def wan_video_lora(mw, g, files: dict, video: Video, *, prompt: str, name: str, 
         prefix="",
         cfg=video.cfg,
         save=False,
-    )  # then CreateVideo → SaveVideo, as ComfyUI's Wan templates save a clip
-    frames = g.add("CreateVideo", images=decode.out("IMAGE"), fps=video.fps)
-    clip_out = g.add("SaveVideo", video=frames.out("VIDEO"), filename_prefix=f"kiln/{name}")
-    folded = [mw.fold(n) for n in (negative, validation, latent, sampler_node, decode, frames)]
+    )  # then SaveWEBM: a clip file whose inputs are the same in every supported ComfyUI (0.33's SaveVideo is not)
+    clip_out = g.add("SaveWEBM", images=decode.out("IMAGE"), filename_prefix=f"kiln/{name}", codec="vp9", fps=video.fps)
+    folded = [mw.fold(n) for n in (negative, validation, latent, sampler_node, decode)]
     models = g.box("1. Models", "models", 0, loaders)
     dataset = g.box("2. Dataset", "dataset", 1, [data[0], mw.fold(data[1]), mw.fold(data[2])])
     training = g.box("3. Train", "train", 2, [mw.fold(options), train])
