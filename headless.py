@@ -34,7 +34,8 @@ from .trainer.objective.preservation import encoded_datasets
 from .trainer.run import distributed
 from .trainer.run.callbacks import Validation
 from .trainer.samples.grid import SampleGrid
-from .trainer.samples.plan import describe, sample_path, sample_plan, save_sample
+from .trainer.samples import clips
+from .trainer.samples.plan import describe, parameters, sample_path, sample_plan, save_sample
 
 
 def train_command(run, resume: bool, loaders=comfy_loaders.load_models) -> int:
@@ -78,12 +79,15 @@ def train_command(run, resume: bool, loaders=comfy_loaders.load_models) -> int:
         grid = SampleGrid(run_dir, [p.prompt for p in plan]).load_existing()  # a resumed run's earlier rows
 
         def on_sample(step: int, index: int, images) -> None:
-            image = images[0].float().cpu().numpy()
-            path = save_sample(
-                sample_path(run_dir, step, index, len(plan)), image, plan[index], step=step, arch=cfg.arch
-            )
+            frames = images.float().cpu().numpy()
+            if clips.is_clip(frames):  # a video model's clip: an animated WebP named as the PNG would be
+                where = sample_path(run_dir, step, index, len(plan), clips.CLIP_SUFFIX)
+                path = clips.save_clip(where, frames, description=parameters(plan[index], step))
+            else:
+                where = sample_path(run_dir, step, index, len(plan))
+                path = save_sample(where, frames[0], plan[index], step=step, arch=cfg.arch)
             emit(SAMPLE_TAG, {"step": step, "index": index, "path": str(path)})
-            grid.add(step, index, image)
+            grid.add(step, index, frames[0])
             if index == len(plan) - 1:
                 grid.write()
 

@@ -105,8 +105,9 @@ def read_image(path: Path):
 
 
 def newest_samples(run_dir: Path) -> list[Path]:
-    """The validation samples of the newest sampled step (one per prompt, in prompt order), or none."""
-    found = sorted((run_dir / SAMPLES_DIR).glob("step-*-p*.png"))
+    """The validation samples of the newest sampled step (one per prompt, in prompt order), or none (a video
+    model's .webp clips read as their first frame)."""
+    found = sorted(p for p in (run_dir / SAMPLES_DIR).glob("step-*-p*.*") if p.suffix in (".png", ".webp"))
     newest = found[-1].name.split("-p")[0] if found else None
     return [path for path in found if path.name.split("-p")[0] == newest]
 

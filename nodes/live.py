@@ -23,6 +23,7 @@ from ..trainer.lora import files as lora_format
 from ..trainer.lora.files import lora_metadata
 from ..trainer.run import folders as run_folders
 from ..trainer.run import state
+from ..trainer.samples import clips
 from ..trainer.samples.grid import SampleGrid
 from . import dashboard
 from .comfy import bridge
@@ -133,22 +134,29 @@ class Tracker:
 
     def on_sample(self, step: int, images, index: int = 0) -> None:
         """The first image of a validation batch (IMAGE [B,H,W,3] in [0,1]) of prompt `index` as a JPEG in
-        temp/kiln/."""
-        pixels = images.reshape(-1, *images.shape[-3:])[0].float().clamp(0, 1).mul(255).round().byte().cpu().numpy()
-        picture = Image.fromarray(np.ascontiguousarray(pixels))
-        picture.thumbnail((SAMPLE_PX, SAMPLE_PX))
+        temp/kiln/; a video model's clip (IMAGE [T,H,W,3]) as an animated WebP there (the dashboard's <img>
+        plays it)."""
+        frames = images.reshape(-1, *images.shape[-3:]).float().clamp(0, 1)
+        pixels = frames[0].mul(255).round().byte().cpu().numpy()
         folder = Path(bridge.folders()["temp"]) / SAMPLES_SUBFOLDER
         folder.mkdir(parents=True, exist_ok=True)
-        filename = f"{self.run.id}-step{step:06d}-p{index}.jpg"
-        picture.save(folder / filename, quality=90)
+        stem = f"{self.run.id}-step{step:06d}-p{index}"
+        if clips.is_clip(frames):
+            (folder / f"{stem}.webp").write_bytes(clips.webp_bytes(frames.cpu().numpy(), max_px=SAMPLE_PX))
+            filename = f"{stem}.webp"
+        else:
+            picture = Image.fromarray(np.ascontiguousarray(pixels))
+            picture.thumbnail((SAMPLE_PX, SAMPLE_PX))
+            filename = f"{stem}.jpg"
+            picture.save(folder / filename, quality=90)
         image = {"filename": filename, "subfolder": SAMPLES_SUBFOLDER, "type": "temp"}
         bridge.send_event("kiln.sample", self.registry.add_sample(self.run, step, image))
         if self.grid is not None and index < len(self.grid.prompts):
-            self.add_to_grid(step, index, pixels / 255.0)
+            self.add_to_grid(step, index, frames.cpu().numpy() if clips.is_clip(frames) else pixels / 255.0)
 
     def add_to_grid(self, step: int, index: int, image: np.ndarray) -> None:
-        """The sample ([H,W,3] in 0..1) into <run>/samples/ and its grid; once a step's last prompt is in, the
-        grid as a JPEG in temp/kiln/ too, for the dashboard."""
+        """The sample ([H,W,3] in 0..1; a clip [T,H,W,3]) into <run>/samples/ and its grid; once a step's last
+        prompt is in, the grid as a JPEG in temp/kiln/ too, for the dashboard."""
         self.grid.save_sample(step, index, image)
         self.grid.add(step, index, image)
         if index < len(self.grid.prompts) - 1:

@@ -10,12 +10,23 @@ from ..trainer import config as cfg_module
 from ..trainer.archs import ARCHS
 from ..trainer.config import layers as config_layers
 from ..trainer.run import init_lora as init_module
+from ..trainer.samples.plan import SAMPLE_FRAMES
 from . import live, run, validation_chain
 from .comfy import bridge
 from .option_nodes import OPTION_FIELDS, KilnTrainingOptions, option_values  # noqa: F401 (kept here one release)
 from .widgets import CATEGORY, DATASET, OPTIONS, STATE, STEPS_TOOLTIP, VALIDATION, checked, preset_input, widget
 
 TRAIN_WIDGETS = cfg_module.TRAIN_WIDGETS  # the settings declared node="train", in slot order
+# Validation Settings' last input (added after the shipped ones: saved workflows keep their values).
+FRAMES_INPUT = io.Int.Input(
+    "frames",
+    default=SAMPLE_FRAMES,
+    min=1,
+    max=1025,
+    step=4,  # as ComfyUI's own video latents (EmptyHunyuanLatentVideo's length): 1, 5, ..., 33
+    tooltip="Video models (Wan): frames per sample clip (4k+1: 33 = 2 s at 16 fps), saved as an animated WebP; "
+    "image models ignore it",
+)
 
 
 class KilnValidationSettings(io.ComfyNode):
@@ -26,7 +37,8 @@ class KilnValidationSettings(io.ComfyNode):
             display_name="Kiln Validation Settings",
             category=f"{CATEGORY}/train",
             description="Sample images during training with ComfyUI's own sampler (EMA weights when EMA is on, "
-            "the model without the training adapter). Samples stream as previews.",
+            "the model without the training adapter). Samples stream as previews. A video model samples short "
+            "clips (animated WebP).",
             inputs=[
                 io.Conditioning.Input("positive", tooltip="Prompt to sample (use the trigger word)"),
                 io.Conditioning.Input("negative", tooltip="Negative prompt (an empty CLIP Text Encode is fine)"),
@@ -64,6 +76,7 @@ class KilnValidationSettings(io.ComfyNode):
                     tooltip="Another Kiln Validation Settings: its "
                     "prompts are sampled first, then this one (one column of the sample grid each)",
                 ),
+                FRAMES_INPUT,
             ],
             outputs=[
                 VALIDATION.Output(

@@ -24,9 +24,10 @@ CONDITIONING_INPUTS = ("conditioning", "conditioning_to", "conditioning_1", "pos
 MAX_HOPS = 8  # links followed at most (a malformed prompt could hold a cycle)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keyword-only: `every` follows Sample's defaulted `frames`
 class Validation(bridge.Sample):
-    """One Validation Settings: the image to sample, how often, and the text heading its grid column."""
+    """One Validation Settings: the image (a video model's clip) to sample, how often, and the text heading its
+    grid column."""
 
     every: int
     prompt: str = FALLBACK_HEADER

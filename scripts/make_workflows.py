@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # workflow_layout, beside this file
+import edit_workflows
+import video_workflows
 import workflow_layout as wl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,14 +69,16 @@ ZIMAGE = dict(
 KLEIN = dict(
     unet="flux-2-klein-4b.safetensors", clip="qwen_3_4b.safetensors", clip_type="flux2", vae="flux2-vae.safetensors"
 )
-# Qwen-Image-Edit as ComfyUI's image_qwen_image_edit_2511 template names its files, the bf16 model to train on.
-QWEN_EDIT = dict(
-    unet="qwen_image_edit_2511_bf16.safetensors",
-    clip="qwen_2.5_vl_7b_fp8_scaled.safetensors",
-    clip_type="qwen_image",
-    vae="qwen_image_vae.safetensors",
+# Wan: Comfy-Org's repackaged files, as ComfyUI's Wan 2.1 / 2.2 templates name them.
+WAN21_T2V = dict(
+    unet="wan2.1_t2v_1.3B_fp16.safetensors",
+    clip="umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+    clip_type="wan",
+    vae="wan_2.1_vae.safetensors",
 )
+WAN22_TI2V = {**WAN21_T2V, "unet": "wan2.2_ti2v_5B_fp16.safetensors", "vae": "wan2.2_vae.safetensors"}
 _HF = "https://huggingface.co"
+_WAN21, _WAN22 = f"{_HF}/Comfy-Org/Wan_2.1_ComfyUI_repackaged", f"{_HF}/Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
 MODEL_URLS = {  # file → (models folder, download address), for the frontend's missing-models dialog
     "z_image_turbo_bf16.safetensors": (
         "diffusion_models",
@@ -95,6 +99,16 @@ MODEL_URLS = {  # file → (models folder, download address), for the frontend's
         "vae",
         f"{_HF}/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/vae/qwen_image_vae.safetensors",
     ),
+    "wan2.1_t2v_1.3B_fp16.safetensors": (
+        "diffusion_models",
+        f"{_WAN21}/resolve/main/split_files/diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors",
+    ),
+    "wan_2.1_vae.safetensors": ("vae", f"{_WAN21}/resolve/main/split_files/vae/wan_2.1_vae.safetensors"),
+    "wan2.2_ti2v_5B_fp16.safetensors": (
+        "diffusion_models",
+        f"{_WAN22}/resolve/main/split_files/diffusion_models/wan2.2_ti2v_5B_fp16.safetensors",
+    ),
+    "wan2.2_vae.safetensors": ("vae", f"{_WAN22}/resolve/main/split_files/vae/wan2.2_vae.safetensors"),
     "zimage_turbo_training_adapter_v2.safetensors": (
         "loras",
         f"{_HF}/ostris/zimage_turbo_training_adapter/resolve/main/zimage_turbo_training_adapter_v2.safetensors",
@@ -105,6 +119,7 @@ TEXT_ENCODER_URLS = {  # qwen_3_4b.safetensors is published in both repos; point
     "flux2": f"{_HF}/Comfy-Org/flux2-klein/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors",
     "qwen_image": f"{_HF}/Comfy-Org/HunyuanVideo_1.5_repackaged/resolve/main/split_files/text_encoders/"
     "qwen_2.5_vl_7b_fp8_scaled.safetensors",  # where ComfyUI's Qwen-Image-Edit 2511 template points
+    "wan": f"{_WAN21}/resolve/main/split_files/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors",
 }
 PACK_ID, PACK_VERSION = "kiln-lora", "0.1.0"  # pyproject's [project] name/version: the registry id (cnr_id)
 # Each example's file name, which the template browser shows as its title (both frontends take a custom-node
@@ -117,6 +132,8 @@ TEMPLATE_TITLES = {
     "resume_from_run_folder": "Resume a run from its folder",
     "flux2_klein_edit_lora": "Flux.2 Klein edit LoRA",
     "qwen_image_edit_lora": "Qwen-Image-Edit LoRA",
+    "wan21_t2v_lora": "Wan 2.1 text-to-video LoRA",
+    "wan22_ti2v_5b_lora": "Wan 2.2 5B image-to-video LoRA",
 }
 # Rows the frontend draws beyond the node's own widgets: Kiln's folder picker button, LoadImage's upload one.
 EXTRA_WIDGET_ROWS = {"KilnLoadDataset": 1, "KilnLoadRun": 1, "LoadImage": 1}
@@ -374,8 +391,10 @@ def sample_chain(
     title: str | None = None,
     seed: int = 42,
     cfg: float = 1.0,
+    save: bool = True,
 ) -> list[Node]:
-    """KSampler → VAE Decode → Save Image (cfg 1 by default: Turbo and Klein are distilled)."""
+    """KSampler → VAE Decode → Save Image (cfg 1 by default: Turbo and Klein are distilled); save False: no Save Image (a
+    video's frames go on to CreateVideo)."""
     sampler_node = g.add(
         "KSampler",
         title=title,
@@ -391,6 +410,8 @@ def sample_chain(
         denoise=1.0,
     )
     decode = g.add("VAEDecode", samples=sampler_node.out("LATENT"), vae=g.vae.out("VAE"))
+    if not save:
+        return [sampler_node, decode]
     return [sampler_node, decode, g.add("SaveImage", images=decode.out("IMAGE"), filename_prefix=prefix)]
 
 
@@ -459,12 +480,14 @@ def single_lora(
         g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
         g.box("3. Train", "train", 2, [fold(options), train]),
         g.box("4. Save", "save", 3, [save, fold(loss), preview]),
+        # Three columns under Models, Dataset and Train: Load Dataset's clip inputs left no room for two.
         g.box(
             "5. Test",
             "test",
             0,
-            [positive, fold(negative), fold(validation), fold(latent)],
-            [fold(sampler_node), fold(decode), image],
+            [positive, fold(negative)],
+            [fold(validation), fold(latent), fold(sampler_node), fold(decode)],
+            [image],
         ),
         g.box(None, "", 3, [NOTE]),
     ]
@@ -611,8 +634,8 @@ in ComfyUI's Klein template.
             "5. Test",
             "test",
             0,
-            [positive, fold(negative), fold(latent)],
-            [fold(sample_500[0]), fold(sample_500[1]), fold(sample_1000[0]), fold(sample_1000[1])],
+            [positive, fold(negative)],
+            [fold(latent), fold(sample_500[0]), fold(sample_500[1]), fold(sample_1000[0]), fold(sample_1000[1])],
         ),
         g.box("Samples: 500 and 1000 steps", "test", 3, [sample_500[2], sample_1000[2]]),
     ]
@@ -730,113 +753,10 @@ def flux2_klein_edit_lora(info: dict) -> Graph:
     g.layout = [
         g.box("1. Models", "models", 0, loaders),
         g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
-        g.box("3. Train", "train", 2, [fold(options), train]),
+        # The validation's plumbing sits folded under Train LoRA: Load Dataset's clip inputs left no room below.
+        g.box("3. Train", "train", 2, [fold(options), train, fold(reference), fold(validation)]),
         g.box("4. Save", "save", 3, [save]),
-        g.box(
-            "5. Test: validation samples",
-            "test",
-            0,
-            [image, fold(encoded), fold(reference)],
-            [positive, fold(negative), fold(validation)],
-        ),
-        g.box("6. Test the LoRA", "test", 3, [fold(sampler_node), fold(decode), saved]),
-        g.box(None, "", 2, [NOTE]),
-    ]
-    return g
-
-
-def qwen_image_edit_lora(info: dict) -> Graph:
-    g = Graph(
-        "qwen_image_edit_lora",
-        info,
-        """\
-## Qwen-Image-Edit LoRA (control → target pairs; 2511 or 2509)
-
-1. In `ComfyUI/input/my_qwen_edits/` put the targets (`photo.png`, each with a `.txt` instruction such as
-   "make it a watercolour") and, in `my_qwen_edits/control/`, the image each was made from under the same
-   name (`control/photo.png`). More references per target: `control_2/`, `control_3/`.
-2. Models, as ComfyUI's Qwen-Image-Edit 2511 template names them (the bf16 model to train on):
-   `diffusion_models/qwen_image_edit_2511_bf16.safetensors` (or 2509's),
-   `text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors`, `vae/qwen_image_vae.safetensors`.
-3. Put a test image in `ComfyUI/input/` and pick it in Load Image: it becomes the reference latent of the
-   validation prompt and its empty negative (ReferenceLatent), so samples show the edit: the same call as
-   training's, bitwise (captions are encoded as text alone; TextEncodeQwenImageEditPlus works too).
-""",
-    )
-    loaders = model_loaders(g, QWEN_EDIT)
-    unet, clip, vae = loaders
-    data = dataset_chain(g, clip, vae, "my_qwen_edits", "", resolutions="512, 768, 1024")
-    options = options_for(g, "concept", ema=True)
-    image = g.add("LoadImage", title="Validation reference", image="example.png")
-    encoded = g.add("VAEEncode", pixels=image.out("IMAGE"), vae=vae.out("VAE"))
-    positive, negative = prompts(g, clip, "make it a watercolour painting", title="Validation instruction")
-    # cfg 2.5 needs the negative to see the reference too, as the edit templates' empty edit prompt does
-    reference, negative_reference = (
-        g.add("ReferenceLatent", title=f"Reference on the {name}", conditioning=cond.out("CONDITIONING"), latent=latent)
-        for name, cond, latent in (
-            ("instruction", positive, encoded.out("LATENT")),
-            ("negative", negative, encoded.out("LATENT")),
-        )
-    )
-    validation = g.add(
-        "KilnValidationSettings",
-        positive=reference.out("CONDITIONING"),
-        negative=negative_reference.out("CONDITIONING"),
-        vae=vae.out("VAE"),
-        seed=42,
-        steps=20,
-        cfg=2.5,
-        sampler_name="euler",
-        scheduler="simple",
-        width=1024,
-        height=1024,
-        every=250,
-    )
-    train = g.add(
-        "KilnTrainLoRA",
-        model=unet.out("MODEL"),
-        dataset=data[-1].out("dataset"),
-        steps=2000,
-        learning_rate=1e-4,
-        rank=16,
-        alpha=16.0,
-        preset="concept",
-        seed=42,
-        options=options.out("options"),
-        validation=validation.out("validation"),
-    )
-    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_qwen_edits", state=train.out("state"))
-    sampler_node, decode, saved = sample_chain(
-        g,
-        train.out("model"),
-        reference,
-        negative_reference,
-        encoded,
-        steps=20,
-        sampler="euler",
-        prefix="kiln/my_qwen_edits",
-        cfg=2.5,
-    )
-    # Loaders folded (the template's files, offered by the missing-models dialog): the test group fits under them
-    g.layout = [
-        g.box("1. Models", "models", 0, [fold(node) for node in loaders]),
-        g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
-        g.box("3. Train", "train", 2, [fold(options), train]),
-        g.box("4. Save", "save", 3, [save]),
-        g.box(
-            "5. Test: validation samples",
-            "test",
-            0,
-            [
-                image,
-                fold(encoded),
-                fold(reference),
-                fold(negative_reference),
-                positive,
-                fold(negative),
-                fold(validation),
-            ],
-        ),
+        g.box("5. Test: validation samples", "test", 0, [image, fold(encoded)], [positive, fold(negative)]),
         g.box("6. Test the LoRA", "test", 3, [fold(sampler_node), fold(decode), saved]),
         g.box(None, "", 2, [NOTE]),
     ]
@@ -849,7 +769,8 @@ EXAMPLE_GRAPHS = [
     chained_training,
     resume_from_run_folder,
     flux2_klein_edit_lora,
-    qwen_image_edit_lora,
+    *edit_workflows.examples(sys.modules[__name__]),  # Qwen-Image-Edit, built with this module's helpers
+    *video_workflows.examples(sys.modules[__name__]),  # the Wan examples, built with this module's helpers
 ]
 
 # ---- tiny graphs for tests/nodes/test_server.py (files the test writes into a temporary ComfyUI base dir)

@@ -13,6 +13,7 @@ import torch
 
 from ...trainer.archs import get_arch
 from ...trainer.data import MappedLatents
+from ...trainer.samples.plan import SAMPLE_FRAMES
 
 # Called through their modules, so a test can wrap one (a forward that fails at step N, a counted free).
 from . import encoders, session, ui
@@ -90,6 +91,7 @@ class Sample:
     scheduler: str
     width: int
     height: int
+    frames: int = 1  # a video model's clip length (image models ignore it)
 
 
 def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
@@ -124,9 +126,10 @@ def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
                     scheduler=s.scheduler,
                     width=s.width,
                     height=s.height,
+                    frames=s.frames,
                 )
             on_sample(step, index, images)
-            drawn += [image.float().cpu().numpy() for image in images]
+            drawn.append(images[0].float().cpu().numpy())  # a clip's first frame stands for it in the sinks
         return drawn  # [H,W,3] in 0..1 each: the loop's TensorBoard / W&B sinks log them
 
     return validate
@@ -171,6 +174,7 @@ def prompt_samples(plan, clip, vae) -> list[Sample]:
             scheduler=p.scheduler,
             width=p.width,
             height=p.height,
+            frames=SAMPLE_FRAMES,
         )
         for p in plan
     ]

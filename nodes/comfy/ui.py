@@ -42,19 +42,16 @@ def sample(
     scheduler: str,
     width: int,
     height: int,
+    frames: int = 1,
     reload_after=None,
 ) -> torch.Tensor:
-    """One image through ComfyUI's own sampler (comfy.sample.sample) and vae.decode: IMAGE [1,H,W,3].
+    """One image through ComfyUI's own sampler (comfy.sample.sample) and vae.decode: IMAGE [1,H,W,3]; a video
+    model's clip of `frames` frames (image models ignore it): IMAGE [T,H,W,3].
 
     Runs in session.sampling (no grad, in_training off, the stop button live; the training model
     loaded again afterwards) on ComfyUI's own code paths; LoRA side branches installed in the module
     forwards take part."""
-    fmt = model.get_model_object("latent_format")
-    down = getattr(fmt, "spacial_downscale_ratio", 8)
-    if width % down or height % down:
-        raise ValueError(f"sample size {width}x{height} must be a multiple of {down} px for this model")
-    latent = torch.zeros([1, fmt.latent_channels, height // down, width // down])
-    latent = comfy.sample.fix_empty_latent_channels(model, latent)
+    latent = empty_latent(model, vae, width, height, frames)
     noise = comfy.sample.prepare_noise(latent, seed)
     with session.sampling(reload_after), comfy_paths.sampling(model):
         samples = comfy.sample.sample(
@@ -73,6 +70,23 @@ def sample(
         )
         images = vae.decode(samples)
     return images.reshape(-1, *images.shape[-3:])[..., :3]
+
+
+def empty_latent(model, vae, width: int, height: int, frames: int) -> torch.Tensor:
+    """The empty latent ComfyUI's own nodes make for this model: EmptySD3LatentImage's [1,C,h,w] for an image
+    model; for a video model (a 3-D latent format) EmptyHunyuanLatentVideo's / Wan22ImageToVideoLatent's
+    [1,C,(T-1)/4+1,h,w] (48 channels at /16 for Wan 2.2 5B: the latent format says which)."""
+    fmt = model.get_model_object("latent_format")
+    down = getattr(fmt, "spacial_downscale_ratio", 8)
+    if width % down or height % down:
+        raise ValueError(f"sample size {width}x{height} must be a multiple of {down} px for this model")
+    size = [height // down, width // down]
+    if getattr(fmt, "latent_dimensions", 2) == 3:
+        # 0.17's latent formats lack temporal_downscale_ratio; the VAE's own decode ratio says it there.
+        ratio = getattr(fmt, "temporal_downscale_ratio", None) or vae.temporal_compression_decode() or 4
+        size = [(max(frames, 1) - 1) // ratio + 1, *size]
+    latent = torch.zeros([1, fmt.latent_channels, *size])
+    return comfy.sample.fix_empty_latent_channels(model, latent)
 
 
 def check_sampling(samplers, schedulers, what: str = "sample_") -> None:

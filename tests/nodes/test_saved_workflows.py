@@ -55,7 +55,9 @@ WORKFLOWS = sorted(p for p in SAVED.glob("*.json") if p.name != "widget_order.js
 AFTER_SHIPPING = {
     "flux2_klein_edit_lora",
     "qwen_image_edit_lora",
-}  # examples added since the shipped ones: no saved copy
+    "wan21_t2v_lora",
+    "wan22_ti2v_5b_lora",
+}  # examples added since the shipped ones: no saved copy to keep
 EXAMPLES = REPO / "example_workflows"
 
 

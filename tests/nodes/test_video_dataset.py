@@ -15,26 +15,13 @@ comfy_env.require_comfy()
 
 from helpers import tiny_comfy as tc
 from helpers.clips import write_clip
+from helpers.tiny_wan import tiny_wan_vae
 
 import kiln_pack.nodes.comfy.bridge as bridge
 import kiln_pack.nodes.dataset_nodes as dn
 from kiln_pack.trainer.data.encoding import clip_samples
 
 CLIP_INPUTS = ["frames", "fps", "frame_extraction", "frame_windows"]
-
-
-def tiny_wan_vae(seed: int = 0):
-    """ComfyUI's Wan 2.1 VAE, detected from a state dict of a WanVAE with tiny dims (dim 8: the head's gamma)."""
-    import comfy.ldm.wan.vae
-    import comfy.sd
-
-    config = dict(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
-    shapes = tc._meta_shapes(lambda: comfy.ldm.wan.vae.WanVAE(**config))
-    sd = tc.random_state_dict(shapes, seed)
-    with torch.inference_mode():
-        vae = comfy.sd.VAE(sd=sd)
-    assert vae.latent_dim == 3 and vae.latent_channels == 16
-    return vae
 
 
 def out(result, index=0):

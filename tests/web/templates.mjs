@@ -14,24 +14,27 @@ async function openPackPage(page, pack) {
 }
 
 async function cardsOf(page, names) {
-  // A picture that failed to load is replaced by the frontend's placeholder: wait until each settled.
-  await page.waitForFunction((names) => names.every((name) => {
-    const img = document.querySelector(`[data-testid="template-workflow-${CSS.escape(name)}"] img`);
-    return img && img.complete;
-  }), names, { timeout: 30000, polling: 250 });
-  return page.evaluate((names) => {
-    const cards = {};
-    for (const name of names) {
+  // Frontend 1.41 renders a card's picture only while the card is in view (three cards a row, two rows shown):
+  // bring each into view and read it there. A picture that failed to load is replaced by the frontend's
+  // placeholder: wait until each settled.
+  const cards = {};
+  for (const name of names) {
+    await page.locator(`[data-testid="template-workflow-${name}"]`).first().scrollIntoViewIfNeeded();
+    await page.waitForFunction((name) => {
+      const img = document.querySelector(`[data-testid="template-workflow-${CSS.escape(name)}"] img`);
+      return img && img.complete;
+    }, name, { timeout: 30000, polling: 250 });
+    cards[name] = await page.evaluate((name) => {
       const card = document.querySelector(`[data-testid="template-workflow-${CSS.escape(name)}"]`);
       const img = card?.querySelector("img");
       // 1.49 shows the picture through a blob: URL of what it fetched; 1.41 by its address
       const picture = { src: img?.src ?? null, width: img?.naturalWidth ?? 0, height: img?.naturalHeight ?? 0 };
-      cards[name] = { found: Boolean(card), title: card?.querySelector("h3")?.textContent?.trim() ?? null,
+      return { found: Boolean(card), title: card?.querySelector("h3")?.textContent?.trim() ?? null,
         // frontend 1.41 prints a description line under the title; 1.49 prints none (tags only)
         description: card?.querySelector("p")?.textContent?.trim() ?? null, picture };
-    }
-    return cards;
-  }, names);
+    }, name);
+  }
+  return cards;
 }
 
 const signature = (nodes) => nodes.map((node) => `${node.id}:${node.type}`).sort().join(",");

@@ -3,7 +3,8 @@
 `<run>/samples/grid.png` is rewritten (atomically) at each sampling step from every sample so far, so
 one look shows how each prompt changed as training went on. Cells are thumbnails (CELL_PX, aspect
 kept); the labels are drawn with Pillow's built-in font (nothing downloaded). A resumed run starts its
-grid from the sample files already in the folder (`step-NNNNNN-pK.png`, trainer/samples/plan.py).
+grid from the sample files already in the folder (`step-NNNNNN-pK.png`, trainer/samples/plan.py; a video
+model's `.webp` clips show their first frame).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import atomic_write_bytes
+from . import clips
 from .plan import SAMPLES_DIR
 
 GRID_NAME = "grid.png"
@@ -24,14 +26,16 @@ HEADER_PX = 36  # the prompts' row
 LABEL_PX = 96  # the steps' column
 GAP_PX = 4
 BACKGROUND, INK = (24, 24, 24), (230, 230, 230)
-_SAMPLE_FILE = re.compile(r"^step-(\d{6,})-p(\d+)\.png$")
+_SAMPLE_FILE = re.compile(r"^step-(\d{6,})-p(\d+)\.(png|webp)$")
 
 
 def _thumbnail_source(image):
-    """A PIL image, or an IMAGE array [H,W,3] in 0..1, as an RGB PIL image."""
+    """A PIL image (an animated one's first frame), or an IMAGE array [H,W,3] in 0..1 (a clip [T,H,W,3]: its
+    first frame), as an RGB PIL image."""
     from PIL import Image
 
     if not isinstance(image, Image.Image):
+        image = image[0] if np.ndim(image) == 4 else image
         pixels = np.clip(255.0 * np.asarray(image, dtype=np.float32), 0, 255).round().astype(np.uint8)
         image = Image.fromarray(pixels)
     return image.convert("RGB")
@@ -74,7 +78,7 @@ class SampleGrid:
         """The sample files already in <run>/samples/ (a resumed run's earlier steps)."""
         from PIL import Image
 
-        for path in sorted(self.folder.glob("step-*-p*.png")) if self.folder.is_dir() else []:
+        for path in sorted(self.folder.glob("step-*-p*.*")) if self.folder.is_dir() else []:
             match = _SAMPLE_FILE.match(path.name)
             if match and int(match.group(2)) < len(self.prompts):
                 with Image.open(path) as image:
@@ -113,9 +117,12 @@ class SampleGrid:
         return grid
 
     def save_sample(self, step: int, index: int, image) -> Path:
-        """A sample without a prompt's settings (a graph's Validation Settings) as its own PNG, atomically."""
+        """A sample without a prompt's settings (a graph's Validation Settings) as its own PNG, atomically; a
+        video model's clip ([T,H,W,3]) as an animated WebP of the same name."""
         from .plan import sample_path
 
+        if clips.is_clip(image):
+            return clips.save_clip(sample_path(self.folder.parent, step, index, len(self.prompts), ".webp"), image)
         buffer = io.BytesIO()
         _thumbnail_source(image).save(buffer, format="PNG", compress_level=4)
         path = sample_path(self.folder.parent, step, index, len(self.prompts))

@@ -17,6 +17,8 @@ from ..config import TrainConfig
 from ..config.checks import parse_prompt
 
 SAMPLES_DIR = "samples"
+# A video model's sample length (the node's default; headless runs'): 4k+1 frames, as Wan's VAE packs them in 9.
+SAMPLE_FRAMES = 33
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,20 @@ def sample_plan(cfg: TrainConfig) -> list[SamplePrompt]:
     return plan
 
 
-def sample_path(run_dir: str | Path, step: int, index: int, count: int) -> Path:
-    """<run>/samples/step-000250-p0.png: by step, then prompt (numbered to sort: p00..p11 for 12 prompts)."""
-    return Path(run_dir) / SAMPLES_DIR / f"step-{step:06d}-p{index:0{len(str(max(count - 1, 0)))}d}.png"
+def sample_path(run_dir: str | Path, step: int, index: int, count: int, suffix: str = ".png") -> Path:
+    """<run>/samples/step-000250-p0.png: by step, then prompt (numbered to sort: p00..p11 for 12 prompts);
+    a video model's clip has the same name with suffix .webp."""
+    return Path(run_dir) / SAMPLES_DIR / f"step-{step:06d}-p{index:0{len(str(max(count - 1, 0)))}d}{suffix}"
+
+
+def parameters(prompt: SamplePrompt, step: int) -> str:
+    """The A1111 `parameters` line most image viewers and sites read."""
+    negative = f"\nNegative prompt: {prompt.negative}" if prompt.negative else ""
+    return (
+        f"{prompt.prompt}{negative}\nSteps: {prompt.steps}, Sampler: {prompt.sampler_name} "
+        f"{prompt.scheduler}, CFG scale: {prompt.cfg:g}, Seed: {prompt.seed}, "
+        f"Size: {prompt.width}x{prompt.height}, Kiln step: {step}"
+    )
 
 
 def save_sample(path: str | Path, image: np.ndarray, prompt: SamplePrompt, *, step: int, arch: str) -> Path:
@@ -74,13 +87,7 @@ def save_sample(path: str | Path, image: np.ndarray, prompt: SamplePrompt, *, st
 
     pixels = np.clip(255.0 * np.asarray(image, dtype=np.float32), 0, 255).astype(np.uint8)
     info = PngInfo()
-    negative = f"\nNegative prompt: {prompt.negative}" if prompt.negative else ""
-    info.add_text(
-        "parameters",
-        f"{prompt.prompt}{negative}\nSteps: {prompt.steps}, Sampler: {prompt.sampler_name} "
-        f"{prompt.scheduler}, CFG scale: {prompt.cfg:g}, Seed: {prompt.seed}, "
-        f"Size: {prompt.width}x{prompt.height}, Kiln step: {step}",
-    )
+    info.add_text("parameters", parameters(prompt, step))
     info.add_text("kiln.sample", json.dumps({"step": step, "arch": arch, **asdict(prompt)}, ensure_ascii=False))
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG", pnginfo=info, compress_level=4)  # SaveImage's level

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
 
 import comfy.model_management as mm  # noqa: E402
-from helpers import tiny_comfy as tc  # noqa: E402
+from helpers.tiny_wan import DIM, FFN, LAYERS, TEXT_DIM, caption, cond, load, write_wan_file  # noqa: E402
 import torch  # noqa: E402
 from helpers.bridge_calls import (  # noqa: E402
     Calls,
@@ -39,30 +39,6 @@ import kiln_pack.trainer.data as data_module
 import kiln_pack.trainer.lora.files as lf
 import kiln_pack.trainer.run.loop as loop
 
-TEXT_DIM = 4096  # umT5-XXL's width: WanModel's text_dim, which ComfyUI does not read off the file
-DIM, FFN, LAYERS = 256, 256, 2  # 2 heads of 128 (ComfyUI: heads = dim / 128)
-
-
-def write_wan_file(path, *, model_type="t2v", in_dim=16, out_dim=16, seed=0):
-    """A ComfyUI-format Wan diffusion-model file; UNETLoader's detection (model_detection.py) reads it."""
-    import comfy.ops
-    import safetensors.torch
-    from comfy.ldm.wan.model import WanModel
-
-    config = dict(model_type=model_type, in_dim=in_dim, out_dim=out_dim, dim=DIM, ffn_dim=FFN, num_heads=DIM // 128)
-    with torch.device("meta"):
-        module = WanModel(**config, num_layers=LAYERS, text_dim=TEXT_DIM, operations=comfy.ops.disable_weight_init)
-    tensors = tc.random_state_dict({k: v.shape for k, v in module.state_dict().items()}, seed)
-    safetensors.torch.save_file(tensors, str(path))
-    return path
-
-
-def load(path):
-    import comfy.sd
-
-    with torch.inference_mode():
-        return comfy.sd.load_diffusion_model(str(path))
-
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -77,17 +53,6 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def wan(models):
     return models["t2v"]
-
-
-def caption(tokens: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((tokens, TEXT_DIM)).astype(np.float32)
-
-
-def cond(embedding: np.ndarray):
-    """CONDITIONING as CLIPTextEncode gives it for one Wan prompt: umT5 pads to 512 tokens with zeros."""
-    padded = np.zeros((512, TEXT_DIM), np.float32)
-    padded[: len(embedding)] = embedding
-    return [[torch.from_numpy(padded)[None], {}]]
 
 
 def test_each_variant_is_detected(models):

@@ -77,3 +77,16 @@ def test_tall_samples_keep_their_aspect(tmp_path):
     grid.add(1, 0, solid(1.0, height=512, width=256))
     cell = grid.cells[1][0]
     assert (cell.width, cell.height) == (CELL_PX // 2, CELL_PX)
+
+
+def test_a_clip_is_saved_as_an_animated_webp_and_read_back_as_its_first_frame(tmp_path):
+    """A video model's sample [T,H,W,3] goes where a PNG would, as an animated WebP; a resumed grid reads it."""
+    rng = np.random.default_rng(0)
+    clip = rng.random((5, 24, 40, 3), dtype=np.float32)
+    grid = SampleGrid(tmp_path, ["a", "b"])
+    path = grid.save_sample(250, 1, clip)
+    assert path == tmp_path / "samples" / "step-000250-p1.webp"
+    with Image.open(path) as saved:
+        assert (saved.n_frames, saved.size, saved.is_animated) == (5, (40, 24), True)
+    assert grid.save_sample(250, 0, clip[0]).suffix == ".png"  # one frame is an image
+    assert set(SampleGrid(tmp_path, ["a", "b"]).load_existing().cells[250]) == {0, 1}

@@ -1,0 +1,146 @@
+"""The Wan video examples of scripts/make_workflows.py (their own file: the script's budget): a Wan LoRA on a folder
+of clips, its validation samples clips, and a KSampler on the trained model into a video file. `examples(mw)`
+hands make_workflows.py the definitions, built with its helpers (`mw`: that module, whatever name it runs under)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def examples(mw) -> list:
+    """The Wan example definitions, each info → Graph as make_workflows.EXAMPLE_GRAPHS holds them."""
+    return [lambda info: wan21_t2v_lora(mw, info), lambda info: wan22_ti2v_5b_lora(mw, info)]
+
+
+@dataclass(frozen=True)
+class Video:
+    """A Wan example's video settings: the sample size, frame rate and ComfyUI's sampling for the model."""
+
+    width: int = 832
+    height: int = 480
+    frames: int = 33  # 4k+1: 9 latent frames
+    fps: float = 16.0
+    steps: int = 30
+    cfg: float = 6.0
+
+
+def wan_video_lora(mw, g, files: dict, video: Video, *, prompt: str, name: str, start_image: bool):
+    """A Wan LoRA on a folder of clips: validation samples as clips, Save LoRA, and a KSampler on the trained
+    model into a video file (from a start image through Wan22ImageToVideoLatent when start_image)."""
+    loaders = mw.model_loaders(g, files)
+    unet, clip, vae = loaders
+    data = mw.dataset_chain(
+        g, clip, vae, f"{name}_clips", "ohwx", resolutions="480", frames=video.frames, fps=video.fps
+    )
+    options = mw.options_for(g, "concept", ema=True)
+    positive, negative = mw.prompts(g, clip, prompt)
+    sampling = dict(steps=video.steps, cfg=video.cfg, sampler_name="uni_pc", scheduler="simple")
+    size = dict(width=video.width, height=video.height)
+    validation = g.add(
+        "KilnValidationSettings",
+        positive=positive.out("CONDITIONING"),
+        negative=negative.out("CONDITIONING"),
+        vae=vae.out("VAE"),
+        seed=42,
+        **sampling,
+        **size,
+        every=250,
+        frames=video.frames,
+    )
+    train = g.add(
+        "KilnTrainLoRA",
+        model=unet.out("MODEL"),
+        dataset=data[-1].out("dataset"),
+        steps=2000,
+        learning_rate=1e-4,
+        rank=32,
+        alpha=32.0,
+        preset="concept",
+        seed=42,
+        options=options.out("options"),
+        validation=validation.out("validation"),
+    )
+    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name=f"kiln/{name}", state=train.out("state"))
+    first = [g.add("LoadImage", title="Start image", image="example.png")] if start_image else []
+    latent = (
+        g.add(
+            "Wan22ImageToVideoLatent",
+            vae=vae.out("VAE"),
+            **size,
+            length=video.frames,
+            start_image=first[0].out("IMAGE"),
+        )
+        if start_image
+        else g.add("EmptyHunyuanLatentVideo", **size, length=video.frames, batch_size=1)
+    )
+    sampler_node, decode = mw.sample_chain(
+        g,
+        train.out("model"),
+        positive,
+        negative,
+        latent,
+        steps=video.steps,
+        sampler="uni_pc",
+        prefix="",
+        cfg=video.cfg,
+        save=False,
+    )  # then SaveWEBM: a clip file whose inputs are the same in every supported ComfyUI (0.33's SaveVideo is not)
+    clip_out = g.add("SaveWEBM", images=decode.out("IMAGE"), filename_prefix=f"kiln/{name}", codec="vp9", fps=video.fps)
+    folded = [mw.fold(n) for n in (negative, validation, latent, sampler_node, decode)]
+    models = g.box("1. Models", "models", 0, loaders)
+    dataset = g.box("2. Dataset", "dataset", 1, [data[0], mw.fold(data[1]), mw.fold(data[2])])
+    training = g.box("3. Train", "train", 2, [mw.fold(options), train])
+    if first:  # the start image takes the test's first column: the clip goes beside Save, no loss graph there
+        g.layout = [
+            *(models, dataset, training),
+            g.box("4. Save", "save", 3, [save]),
+            g.box("5. Test", "test", 0, first, [positive, folded[0]], folded[1:]),
+            g.box("6. Test clip", "test", 3, [clip_out]),
+            g.box(None, "", 3, [mw.NOTE]),
+        ]
+        return g
+    loss = g.add("KilnLossGraph", state=train.out("state"))
+    g.layout = [
+        *(models, dataset, training),
+        g.box("4. Save", "save", 3, [save, mw.fold(loss), g.add("PreviewImage", images=loss.out("image"))]),
+        g.box("5. Test", "test", 0, [positive, folded[0]], folded[1:], [clip_out]),
+        g.box(None, "", 3, [mw.NOTE]),
+    ]
+    return g
+
+
+def wan21_t2v_lora(mw, info: dict):
+    g = mw.Graph(
+        "wan21_t2v_lora",
+        info,
+        """\
+## Wan 2.1 text-to-video LoRA (1.3B)
+
+1. Put 10-40 short clips (mp4, webm, mov, gif), each with a same-name `.txt` caption, in
+   `ComfyUI/input/my_motion_clips/` (still images may sit beside them). Load Dataset takes 33 frames of each
+   at 16 fps (its `frames`, `fps`, `frame_extraction` inputs); the trigger word `ohwx` goes in front.
+2. Models, as ComfyUI's Wan 2.1 template names them: `diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors`,
+   `text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors`, `vae/wan_2.1_vae.safetensors`.
+3. Queue. Validation samples are 33-frame clips (animated WebP) every 250 steps, in the run folder and on the
+   dashboard. The LoRA is written to `models/loras/kiln/my_motion.safetensors`.
+""",
+    )
+    prompt = "ohwx, a red fox running through fresh snow"
+    return wan_video_lora(mw, g, mw.WAN21_T2V, Video(), prompt=prompt, name="my_motion", start_image=False)
+
+
+def wan22_ti2v_5b_lora(mw, info: dict):
+    g = mw.Graph(
+        "wan22_ti2v_5b_lora",
+        info,
+        """\
+## Wan 2.2 TI2V 5B image-to-video LoRA
+
+Clips with `.txt` captions in `input/my_i2v_clips/` (33 frames each, 24 fps). It trains as text-to-video: the
+5B starts a clip from an image by its first latent frame alone, so the LoRA animates the start image of the
+test (Wan22ImageToVideoLatent). Models as ComfyUI's Wan 2.2 5B template names them.
+""",
+    )
+    video = Video(width=832, height=480, fps=24.0, steps=20, cfg=5.0)
+    prompt = "ohwx, the camera slowly pushes in as the subject turns and smiles"
+    return wan_video_lora(mw, g, mw.WAN22_TI2V, video, prompt=prompt, name="my_i2v", start_image=True)
