@@ -406,7 +406,11 @@ def test_a_base_stored_in_fp8_streamed_trains_the_same_lora_as_resident(
     results = []
     for stream in (0, 2):
         cfg = make_config(
-            steps=3, mixed_precision="bf16", fp8_compute=True, stream_blocks=stream, gradient_checkpointing=checkpointing
+            steps=3,
+            mixed_precision="bf16",
+            fp8_compute=True,
+            stream_blocks=stream,
+            gradient_checkpointing=checkpointing,
         )
         model = _stored_in_fp8(make_model())
         before = {k: v.clone() for k, v in model.state_dict().items()}
