@@ -324,9 +324,9 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
         "flux2_klein_edit_lora",
         "resume_from_run_folder",
     ]  # the graphs' names; their files are named by their titles
-    # The Wan examples need a tiny umT5 text encoder and a clip dataset here (next); the checks above
-    # (node definitions, ComfyUI's /prompt validation) cover them.
-    not_run = {"wan21_t2v_lora", "wan22_ti2v_5b_lora"}
+    # The Wan examples need a tiny umT5 text encoder and a clip dataset here, Qwen-Image-Edit a tiny Qwen2.5-VL
+    # (next); the checks above (node definitions, ComfyUI's /prompt validation) cover them.
+    not_run = {"wan21_t2v_lora", "wan22_ti2v_5b_lora", "qwen_image_edit_lora"}
     assert sorted(order) == sorted(set(mw.TEMPLATE_TITLES) - not_run)
     kiln_runs = server.base / "output" / "kiln"  # runs of the module's earlier tests are not these workflows'
     runs: set[Path] = {p for p in kiln_runs.iterdir() if p.is_dir()} if kiln_runs.is_dir() else set()
