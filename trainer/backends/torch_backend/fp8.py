@@ -303,7 +303,7 @@ class Fp8Base:
     def remove(self) -> None:
         for module, previous in self.replaced:
             restore_forward(module, previous)
-        self.replaced = []
+        self.replaced, self.weights = [], {}
 
 
 def _forward(module: nn.Linear, weight: Fp8Weight, own_forward):
