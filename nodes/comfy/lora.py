@@ -4,6 +4,8 @@ does not fit, and applies nothing. Re-exported by bridge.py, the door's surface.
 
 from __future__ import annotations
 
+import weakref
+
 import comfy.lora
 import comfy.lora_convert
 import comfy.utils
@@ -175,4 +177,14 @@ def training_adapter_merged(model, adapter: dict[str, torch.Tensor]):
     """A clone with the (Z-Image Turbo) training adapter as +1 weight patches, every key matched.
     ComfyUI merges when it loads the clone; inside a training session it does so in full precision
     (W + ΔW summed in fp32, rounded once to the weight dtype: see _fp32_patches)."""
-    return apply_lora(model, adapter, 1.0, strict=True)
+    merged = apply_lora(model, adapter, 1.0, strict=True)
+    _MERGED[merged] = adapter  # what was merged, for a streamed run's samples without it (training.py)
+    return merged
+
+
+_MERGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def merged_adapter(model) -> dict[str, LoraWeights]:
+    """The training adapter training_adapter_merged merged into `model`, as Kiln LoRA weights by module path."""
+    return lora_weights_from(_MERGED[model])

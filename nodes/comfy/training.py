@@ -6,6 +6,7 @@ validation sampling both front ends hand the loop (`validation`)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -103,52 +104,53 @@ def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
     images) takes each IMAGE. Sampling leaves torch's random state as it was, so a run's LoRA dropout
     draws are the same with or without samples."""
 
-    said: list = []  # the log line about a streamed run's samples, once a run
-
     def validate(step: int, lora: Callable | None = None) -> list:
-        sampler_model = (
-            _unstreamed(model, said)
+        sampler_model, plain = (
+            _unstreamed(model)
             if cfg.backend == "torch" or lora is None
-            else comfy_lora.apply_lora(model, comfy_lora.lora_model_from(lora(), cfg.arch), 1.0)
+            else (
+                comfy_lora.apply_lora(model, comfy_lora.lora_model_from(lora(), cfg.arch), 1.0),
+                contextlib.nullcontext(),
+            )
         )
         drawn = []
-        for index, s in enumerate(samples):
-            with torch.random.fork_rng(devices=_rng_devices()):
-                images = ui.sample(
-                    sampler_model,
-                    s.positive,
-                    s.negative,
-                    s.vae,
-                    seed=s.seed,
-                    steps=s.steps,
-                    cfg=s.cfg,
-                    sampler_name=s.sampler_name,
-                    scheduler=s.scheduler,
-                    width=s.width,
-                    height=s.height,
-                    frames=s.frames,
-                )
-            on_sample(step, index, images)
-            drawn.append(images[0].float().cpu().numpy())  # a clip's first frame stands for it in the sinks
+        with plain:
+            for index, s in enumerate(samples):
+                with torch.random.fork_rng(devices=_rng_devices()):
+                    images = ui.sample(
+                        sampler_model,
+                        s.positive,
+                        s.negative,
+                        s.vae,
+                        seed=s.seed,
+                        steps=s.steps,
+                        cfg=s.cfg,
+                        sampler_name=s.sampler_name,
+                        scheduler=s.scheduler,
+                        width=s.width,
+                        height=s.height,
+                        frames=s.frames,
+                    )
+                on_sample(step, index, images)
+                drawn.append(images[0].float().cpu().numpy())  # a clip's first frame stands for it in the sinks
         return drawn  # [H,W,3] in 0..1 each: the loop's TensorBoard / W&B sinks log them
 
     return validate
 
 
-def _unstreamed(model, said: list):
-    """The patcher to sample on: `model`, unless the training model is another clone of it (the training adapter
-    merged) whose blocks stream from host memory: loading `model` would have ComfyUI re-patch the shared weights,
-    which the stream holds in its GPU ring. Then the samples are drawn on the training model, adapter included,
-    said once in the log (issue 44: sampling without the adapter while streaming is next)."""
+def _unstreamed(model):
+    """(the patcher to sample on, the context to sample in): `model`, unless the training model is another clone
+    of it (the training adapter merged) whose blocks stream from host memory: loading `model` would have ComfyUI
+    re-patch the shared weights, which the stream holds in its GPU ring. Then the samples are drawn on the
+    training model with the adapter taken out by live branches of −ΔW (torch_backend.lora.subtracted): the
+    model without the adapter up to the rounding of the merged weights."""
+    from ...trainer.backends.torch_backend.lora import subtracted
     from ...trainer.backends.torch_backend.streaming import streams
 
     training = session.training_model()
     if training is None or training is model or not streams(training.model.diffusion_model):
-        return model
-    if not said:
-        said.append(True)
-        print("[Kiln] validation samples include the training adapter while blocks stream from host memory")
-    return training
+        return model, contextlib.nullcontext()
+    return training, subtracted(training.model.diffusion_model, comfy_lora.merged_adapter(training))
 
 
 def _rng_devices() -> list[int]:

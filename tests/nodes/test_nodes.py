@@ -169,10 +169,9 @@ def test_stop_then_resume_equals_an_uninterrupted_run(comfy_dirs, tmp_path_facto
         np.testing.assert_array_equal(w.B, resumed.lora[path].B)
 
 
-def test_validation_samples_and_adapter_never_saved(comfy_dirs):
-    model, vae, clip = tc.tiny_zimage(), tc.tiny_vae(flux2=False), tc.tiny_zimage_clip()
-    ds = encoded_dataset(comfy_dirs, vae, clip, "ds_val")
-    # A "training adapter": a small LoRA on the same modules, saved as a file under loras/.
+def _adapter_and_validation(comfy_dirs, model, ds, vae, clip):
+    """A "training adapter" (a small LoRA on the same modules, saved under loras/) and Validation Settings that
+    sample every 3 steps."""
     adapter_weights = {
         p: w
         for p, w in bridge.lora_weights_from(out(train(model, ds, steps=2, options={"run_name": "adapter"}), 1)).items()
@@ -182,7 +181,7 @@ def test_validation_samples_and_adapter_never_saved(comfy_dirs):
     adapter = bridge.lora_model_from(adapter_weights, "zimage")
     safetensors_io.write(comfy_dirs / "loras" / "adapter.safetensors", {k: v.numpy() for k, v in adapter.items()})
     bridge.refresh_loras()
-    validation = out(
+    return out(
         tn.KilnValidationSettings.execute(
             positive=tc.conditioning(clip, "kiln"),
             negative=tc.conditioning(clip, ""),
@@ -197,6 +196,12 @@ def test_validation_samples_and_adapter_never_saved(comfy_dirs):
             every=3,
         )
     )
+
+
+def test_validation_samples_and_adapter_never_saved(comfy_dirs):
+    model, vae, clip = tc.tiny_zimage(), tc.tiny_vae(flux2=False), tc.tiny_zimage_clip()
+    ds = encoded_dataset(comfy_dirs, vae, clip, "ds_val")
+    validation = _adapter_and_validation(comfy_dirs, model, ds, vae, clip)
     result = train(
         model, ds, steps=6, training_adapter="adapter.safetensors", validation=validation, options={"run_name": "val"}
     )
@@ -214,6 +219,31 @@ def test_validation_samples_and_adapter_never_saved(comfy_dirs):
     metadata = lora_format.load_lora(saved)[1]
     assert state.config["trigger_word"] == "kiln" and json.loads(metadata["kiln.trigger_words"]) == ["kiln"]
     assert metadata["modelspec.trigger_phrase"] == "kiln"
+
+
+def test_validation_samples_while_the_base_streams(comfy_dirs):
+    """stream_blocks with a training adapter and validation samples mid-run: the base blocks stream through the
+    ring while ComfyUI's sampler draws the samples without the adapter: the streamed run trains the resident
+    run's LoRA bit for bit and samples its images (up to the rounding of the merged adapter), and the model
+    ComfyUI gave comes back as it was."""
+    model, vae, clip = tc.tiny_zimage(), tc.tiny_vae(flux2=False), tc.tiny_zimage_clip()
+    ds = encoded_dataset(comfy_dirs, vae, clip, "ds_stream_val")
+    validation = _adapter_and_validation(comfy_dirs, model, ds, vae, clip)
+    reference = _output(model)
+    runs = {}
+    for blocks in (0, 2):
+        options = {"run_name": f"stream{blocks}", "stream_blocks": blocks, "gradient_checkpointing": True}
+        result = train(
+            model, ds, steps=6, training_adapter="adapter.safetensors", validation=validation, options=options
+        )
+        runs[blocks] = result.result
+        assert torch.equal(_output(model), reference), blocks  # the model ComfyUI gave comes back as it was
+    (_, resident, _, _, resident_images), (_, streamed, state, _, streamed_images) = runs[0], runs[2]
+    assert set(resident) == set(streamed) and all(torch.equal(resident[k], streamed[k]) for k in resident)
+    assert any(float(v.abs().sum()) > 0 for v in streamed.values())
+    # the samples without the adapter: the resident run's, up to the merged weights' rounding (live −ΔW branches)
+    assert streamed_images.shape[0] == 2
+    torch.testing.assert_close(streamed_images, resident_images, atol=2e-3, rtol=0)
 
 
 def option_node(node_id: str):

@@ -359,10 +359,11 @@ def test_training_adapter_merge_then_plain_model(zimage, zimage_clip):
     assert torch.equal(model_output(zimage, "zimage", x, sigma, emb), base)
 
 
-def test_a_streamed_run_with_the_training_adapter_samples_on_the_training_model(zimage, zimage_clip, flux_vae, capsys):
+def test_a_streamed_run_samples_without_the_training_adapter(zimage, zimage_clip, flux_vae):
     """The training adapter merged into another clone and blocks streamed: a sample on the plain model would have
-    ComfyUI re-patch the weights the stream holds in its ring. It is drawn on the training model instead, said
-    once, and equals a sample on the training model without the stream."""
+    ComfyUI re-patch the weights the stream holds in its ring. It is drawn on the training model with the adapter
+    taken out by live −ΔW branches: the plain model's sample (up to the merged weights' rounding), not the
+    adapter's, and the modules get their own forwards back."""
     from kiln_pack.trainer.backends.torch_backend import streaming
     from kiln_pack.trainer.backends.torch_backend.checkpointing import find_blocks
 
@@ -372,8 +373,9 @@ def test_a_streamed_run_with_the_training_adapter_samples_on_the_training_model(
     sample = bridge.Sample(cond, cond, flux_vae, 1, 1, 1.0, "euler", "simple", 32, 32)
     cfg = small_config("zimage")
     drawn = lambda on: on(1)[0]  # noqa: E731
+    plain = drawn(bridge.validation(cfg, zimage, [sample], lambda *a: None))
     with bridge.training_session(merged) as (dm, _device):
-        expected = drawn(bridge.validation(cfg, merged, [sample], lambda *a: None))
+        with_adapter = drawn(bridge.validation(cfg, merged, [sample], lambda *a: None))
         blocks = find_blocks(dm, archs.get_arch("zimage").block_lists)
         stream = streaming.for_blocks(blocks, [0, len(blocks) - 1], "cpu")
         stream.hook()
@@ -384,8 +386,11 @@ def test_a_streamed_run_with_the_training_adapter_samples_on_the_training_model(
         finally:
             stream.remove()
         assert not streaming.streams(dm)
-    assert all(np.array_equal(image, expected) for image in got)
-    assert capsys.readouterr().out.count("validation samples include the training adapter") == 1
+        assert not any("forward" in m.__dict__ for m in dm.modules())
+    assert np.abs(with_adapter - plain).max() > 1e-3  # the adapter changes the sample
+    for image in got:
+        np.testing.assert_allclose(image, plain, atol=2e-3)
+        assert np.abs(image - plain).max() < np.abs(with_adapter - plain).max() / 4
 
 
 # ---------------------------------------------------------------- sampling, encoders, plumbing

@@ -18,6 +18,7 @@ from torch import nn
 
 from ...lora.files import LoraWeights
 from ...lora.targets import init_lora_A, select_targets
+from ..base import restore_forward
 from . import adapters
 
 # A/B switches for bench/ (both on in every run): the weights cast once per step under autocast, and no
@@ -256,3 +257,37 @@ def _unhook(item: Injected) -> None:
         item.module.forward = item.previous_forward
     else:
         item.module.__dict__.pop("forward", None)
+
+
+@contextmanager
+def subtracted(model: nn.Module, weights: dict[str, LoraWeights]):
+    """Within the block each module of `weights` (paths in `model`) answers as if that LoRA were not merged into
+    its weight: a live branch adds −(α/r)·B·A·x to its output. How a streamed base samples without the training
+    adapter merged into it: un-merging by re-patching would rewrite the weights the stream holds in its ring. Equal
+    to the unmerged model up to the rounding of the merged weight (fp32 sum, rounded once to the weight dtype)."""
+    hooked = []
+    try:
+        for path, lora in weights.items():
+            module = model.get_submodule(path)
+            A = torch.as_tensor(lora.A, dtype=torch.float32)
+            B = torch.as_tensor(lora.B, dtype=torch.float32) * -lora.scale
+            hooked.append((module, module.__dict__.get("forward")))
+            module.forward = _minus(module.forward, A, B)
+        yield
+    finally:
+        for module, previous in reversed(hooked):
+            restore_forward(module, previous)
+
+
+def _minus(base_forward, A: torch.Tensor, B: torch.Tensor):
+    placed: dict = {}  # (device, dtype) -> the pair there, made once per context
+
+    def forward(x, *args, **kwargs):
+        out = base_forward(x, *args, **kwargs)
+        key = (x.device, x.dtype)
+        if key not in placed:
+            placed[key] = (A.to(x.device, x.dtype), B.to(x.device, x.dtype))
+        a, b = placed[key]
+        return out + nn.functional.linear(nn.functional.linear(x, a), b).to(out.dtype)
+
+    return forward
