@@ -44,7 +44,7 @@ def cmd_estimate(args) -> int:
     if getattr(args, "frames", 1) > 1 and backend != "torch":
         raise SystemExit("--frames: only the torch backend trains video models (Wan); give --backend torch")
     estimate = backend_rules(backend).estimate
-    base = args.base_dtype or (cfg.base_quantize if cfg.base_quantize != "none" else "bf16")  # torch: int8 only
+    base = args.base_dtype or (cfg.base_quantize if cfg.base_quantize not in ("auto", "none") else "bf16")
     references = reference_count(cfg.dataset_dir)  # edit datasets' control folders (both backends train them)
 
     def estimated(resolution: int, budget: float):
@@ -79,12 +79,20 @@ def cmd_estimate(args) -> int:
         print(format_estimate(estimated(resolution, budget), device_memory_gb=args.memory_gb))
     _step_graphs_note(estimated, cfg, backend, budget, latent_frames(get_dims(variant), getattr(args, "frames", 1)))
     if args.memory_gb and backend == "torch":  # after today's output, which stays as it was
-        from ..estimate.cards import plan_lines
+        from ..estimate.cards import card_plan, plan_lines
 
         settings = estimated(max(cfg.resolutions), 0.0).settings
         every = getattr(args, "cards", None) == "all"
         budget = cfg.checkpoint_budget if cfg.compile_blocks is not False else 0.0  # auto needs compiled blocks
         print("\n".join(plan_lines(settings, args.memory_gb, budget, every)))
+        if (
+            cfg.base_quantize == "auto"
+            and settings["base_dtype"] == "bf16"
+            and card_plan(settings, args.memory_gb).streamed is None
+        ):
+            # as a run's base_quantize auto decides (memory_plan.storage): int8 where bf16 cannot fit even streamed
+            print(f"base_quantize auto → int8 (in bf16 the run does not fit {args.memory_gb:g} GiB even streamed):")
+            print("\n".join(plan_lines({**settings, "base_dtype": "int8"}, args.memory_gb, budget, every)))
     return 0
 
 

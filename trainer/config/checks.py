@@ -216,9 +216,9 @@ def _backend_problems(cfg: TrainConfig) -> list[str]:
             "cuda_graphs replays compiled blocks: it needs backend 'torch' with compile_blocks on (or "
             "auto); turn cuda_graphs off"
         )
-    if cfg.backend == "torch" and cfg.base_quantize not in ("none", "int8"):
+    if cfg.backend == "torch" and cfg.base_quantize not in ("auto", "none", "int8"):
         problems.append(
-            f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; PyTorch takes none or int8 (or load the "
+            f"base_quantize {cfg.base_quantize!r} is for backend 'mlx'; PyTorch takes auto, none or int8 (or load the "
             "model with weight_dtype fp8_e4m3fn in Load Diffusion Model for a smaller base)"
         )
     # one quantized forward per Linear: fp8_compute copies a bf16 weight that int8 has already replaced

@@ -65,13 +65,15 @@ class ModelFields:
         choices=("bf16", "no"),
     )
     base_quantize: str = setting(
-        "none",
-        "store the frozen base's block Linears quantized. MLX: int8 or int4 (QLoRA-style), for a base that does "
-        "not fit in memory otherwise. PyTorch: int8 (W8A8: int8 weights and int8 matmuls, for Ampere/Ada "
-        "cards), halves the base's GPU memory; int4 is MLX-only",
+        "auto",
+        "store the frozen base's block Linears quantized. auto: as stored (none), unless on a CUDA GPU the run "
+        "cannot fit even with the base streamed from host memory (or the host lacks the RAM to stream it): then "
+        "int8, said in the log. PyTorch: int8 (W8A8: int8 weights and int8 matmuls, for Ampere/Ada cards) "
+        "halves the base's memory. MLX: int8 or int4 (QLoRA-style), for a base that does not fit otherwise "
+        "(auto: none); int4 is MLX-only",
         "speed",
         advanced=True,
-        choices=("none", "int8", "int4"),
+        choices=("auto", "none", "int8", "int4"),
     )
     training_adapter: str = setting(
         "", "Z-Image Turbo: adapter LoRA merged at +1 for training, never saved", "model", node="none"

@@ -232,7 +232,10 @@ def require_lora(lora, what: str, source: str = "this LoRA") -> None:
 def check_config(cfg) -> list[str]:
     """Problems with the adapter settings of a TrainConfig (one of config_checks.py's combination checks)."""
     problems = []
-    if cfg.adapter == "dora" and cfg.base_quantize != "none":  # either backend stores it quantized
+    if cfg.adapter == "dora" and cfg.base_quantize not in (
+        "auto",
+        "none",
+    ):  # auto stays none under dora  # either backend stores it quantized
         problems.append(
             "adapter 'dora' reads the base weight, which base_quantize stores quantized; set "
             "base_quantize to none or use adapter lokr/loha"

@@ -84,7 +84,7 @@ def out_of_memory_message(
     if not cfg.gradient_checkpointing:
         fixes.append("turn gradient_checkpointing on")
     if cfg.backend == "mlx":
-        if cfg.base_quantize == "none":
+        if cfg.base_quantize in ("auto", "none"):
             fixes.append("set base_quantize to int8 or int4 (a quantized base)")
     else:
         fixes.append("load the base with weight_dtype fp8_e4m3fn (Load Diffusion Model) for a smaller base")

@@ -180,7 +180,7 @@ CHOICES = {
     "lora_format": ("comfy", "diffusers", "kohya"),
     "crop": ("center", "random"),
     "frame_extraction": ("head", "uniform", "windows"),
-    "base_quantize": ("none", "int8", "int4"),
+    "base_quantize": ("auto", "none", "int8", "int4"),
     "attention": ("auto", "torch", "cudnn", "flash", "efficient", "math"),
     "wandb_mode": ("offline", "online"),
 }

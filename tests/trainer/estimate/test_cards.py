@@ -120,3 +120,20 @@ def test_a_clips_step_counts_its_frames():
     plan = card_plan(settings, 24)
     assert plan.streamed is not None  # the 1.3B fits a 24 GiB card
     assert predict_plan(card, settings, plan).seconds > predict_plan(card, {**settings, "frames": 1}, plan).seconds
+
+
+def test_the_cli_shows_base_quantize_autos_int8_plan_where_bf16_cannot_fit(tmp_path):
+    """base_quantize auto (the default) stores the base in int8 where the run does not fit in bf16 even with every
+    block streamed (memory_plan.storage); the estimate shows that plan after the bf16 one, and only then."""
+    small, chosen = tmp_path / "auto.toml", tmp_path / "none.toml"
+    small.write_text('arch = "qwen_image"\nresolutions = [1024]\n')
+    chosen.write_text('arch = "qwen_image"\nresolutions = [1024]\nbase_quantize = "none"\n')
+    auto, none, roomy = (
+        _cli("estimate", small, "--memory-gb", 4),
+        _cli("estimate", chosen, "--memory-gb", 4),
+        _cli("estimate", small, "--memory-gb", 80),
+    )
+    assert auto.returncode == none.returncode == roomy.returncode == 0, auto.stderr
+    assert "base_quantize auto → int8 (in bf16 the run does not fit 4 GiB even streamed)" in auto.stdout
+    assert auto.stdout.count("the plan on a 4 GiB card") == 2
+    assert "base_quantize auto" not in none.stdout and "base_quantize auto" not in roomy.stdout

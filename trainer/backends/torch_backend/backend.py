@@ -49,8 +49,7 @@ class TorchBackend:
         self.dtype = devices.model_dtype(model)
         self.autocast = cfg.mixed_precision == "bf16"
         self.attention = attention.resolve(cfg.attention, self.device)
-        # Remember requires_grad so teardown leaves the model exactly as it came.
-        self.frozen = [(p, p.requires_grad) for p in model.parameters()]
+        self.frozen = [(p, p.requires_grad) for p in model.parameters()]  # teardown gives the model back as it came
         model.requires_grad_(False)
         try:
             self._place(model, cfg, arch)
@@ -84,6 +83,8 @@ class TorchBackend:
     def _place(self, model, cfg, arch) -> None:
         """The LoRA on the model, the memory plan (what streams) and the levers decided, the blocks wrapped."""
         self.blocks = find_blocks(model, arch.block_lists)
+        cfg, storage_note = memory_plan.storage(model, cfg, self.device, self.blocks)  # base_quantize auto
+        self.cfg = cfg
         fp8_note = self._add_lora()
         self.parallel = distributed.current().world > 1  # auto levers never fall back mid-step on one rank alone
         self.memory = memory_plan.decide(model, cfg, self.device, self.blocks)
@@ -91,7 +92,7 @@ class TorchBackend:
             model,
             cfg,
             self.device,
-            notes=(fp8_note, self.memory.note),
+            notes=(storage_note, fp8_note, self.memory.note),
             parallel=self.parallel,
             blocks_write_norm_inputs=arch.blocks_write_norm_inputs,
             memory=self.memory,

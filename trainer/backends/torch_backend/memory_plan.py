@@ -5,8 +5,9 @@ stream_blocks auto, on a CUDA GPU: the fewest blocks (spread over the model) who
 estimated step (trainer/estimate/torch_step.py at checkpoint budget 0, times AUTO_SAFETY) room beside the
 resident weights, less a margin; 0 where the model fits, which costs a resident run nothing. Streaming
 never changes what trains (the same products, bitwise on CPU; tests/trainer/backends/torch_backend), only
-how fast: so auto streams and never quantizes. Storing the base smaller (base_quantize int8, a ComfyUI fp8
-checkpoint) rounds what trains, and stays the user's choice, which the plan names when memory is short.
+how fast: so stream_blocks auto streams, and base_quantize auto (`storage`) stores the base in int8 only where
+streaming cannot make the run fit (every block streamed and the step still too large, or the host short of RAM
+for the pinned copy): rounding the base beats a run that cannot start. A ComfyUI fp8 checkpoint is already small.
 checkpoint_budget auto is then decided in the memory the plan leaves (levers.decide gets `after`); a step that
 runs out of memory anyway streams more (fallbacks.py).
 
@@ -41,6 +42,7 @@ class MemoryPlan:
     slot_sizes: tuple[int, ...] = ()  # each block's in a ring slot (every weight aligned as the allocator would)
     free_and_total: tuple[int, int] | None = None  # the GPU's then (CUDA only)
     note: str = ""  # what auto chose and why ("" when nothing was auto)
+    fits: bool = True  # False: auto streamed every block and the estimated step still does not fit
 
     @property
     def blocks(self) -> int:
@@ -92,8 +94,8 @@ class MemoryPlan:
         )
         return free + self.host_new_bytes - arriving - self.ring_bytes, total
 
-    def with_stream(self, count: int, note: str = "") -> MemoryPlan:
-        return replace(self, stream=min(count, self.blocks), note=note)
+    def with_stream(self, count: int, note: str = "", fits: bool = True) -> MemoryPlan:
+        return replace(self, stream=min(count, self.blocks), note=note, fits=fits)
 
     def summary(self) -> str:
         """The plan in one line: what sits on the GPU, what streams, the host RAM it takes."""
@@ -184,6 +186,25 @@ def decide(
     return plan
 
 
+def storage(model: nn.Module, cfg: TrainConfig, device: torch.device, blocks: list[nn.Module]):
+    """base_quantize auto decided: (cfg with none or int8, the log note). none wherever the run fits as the base is
+    stored (resident, or streamed by `decide`), off CUDA, and where int8 cannot serve (adapter dora reads the base
+    weight; fp8_compute on; a base already stored in 8 bits); int8 where it does not fit."""
+    if cfg.base_quantize != AUTO:
+        return cfg, ""
+    plain = replace(cfg, base_quantize="none")
+    stored_small = any(p.element_size() == 1 for block in blocks for _, p in frozen_weights(block))
+    if device.type not in STREAMS_ON or not blocks or cfg.adapter == "dora" or cfg.fp8_compute is True or stored_small:
+        return plain, ""
+    try:
+        if decide(model, plain, device, blocks).fits:
+            return plain, ""
+        why = "streaming every block, the step still does not fit the GPU"
+    except ConfigError:
+        why = "the host lacks the RAM to stream it from pinned memory"
+    return replace(cfg, base_quantize="int8"), f"base_quantize auto → int8 (in bf16 {why}; int8 halves its bytes)"
+
+
 def _auto(model, cfg, plan: MemoryPlan) -> MemoryPlan:
     """stream_blocks auto: the fewest blocks that make the step fit."""
     from ...estimate.torch_step import step_fits
@@ -200,6 +221,7 @@ def _auto(model, cfg, plan: MemoryPlan) -> MemoryPlan:
             plan.blocks,
             f"stream_blocks auto → all {plan.blocks} blocks, and the step (~{need / GIB:.1f} GiB estimated) may "
             "still not fit: lower the resolution or the batch, or store the base smaller (base_quantize int8)",
+            fits=False,
         )
     if not count:
         return plan.with_stream(0, f"stream_blocks auto → 0 (the step, ~{need / GIB:.1f} GiB, fits beside the base)")

@@ -185,7 +185,7 @@ def test_the_streamer_streams_the_int8_weights():
 @pytest.mark.parametrize(
     ("settings", "words"),
     [
-        ({"base_quantize": "int4"}, "PyTorch takes none or int8"),
+        ({"base_quantize": "int4"}, "PyTorch takes auto, none or int8"),
         ({"base_quantize": "int8", "fp8_compute": True}, "pick one"),
         ({"base_quantize": "int8", "adapter": "dora"}, "adapter 'dora' reads the base weight"),
     ],

@@ -136,3 +136,41 @@ def test_out_of_memory_streams_more_and_redoes_the_step(
     for key, weights in results[0].lora.items():
         assert np.array_equal(weights.A, results[1].lora[key].A), key
         assert np.array_equal(weights.B, results[1].lora[key].B), key
+
+
+def storage_for(make_config, monkeypatch, *, need, free, host=64 * GIB, **settings):
+    """base_quantize as `storage` decides it for eight alike frozen blocks, the step's estimate `need` bytes."""
+    blocks = [torch.nn.Linear(16, 16).requires_grad_(False) for _ in range(8)]
+    monkeypatch.setattr(levers, "estimated_step_bytes", lambda *a: need)
+    monkeypatch.setattr(levers, "free_bytes", lambda device: (free, 8 * GIB))
+    monkeypatch.setattr(memory_plan, "host_available_bytes", lambda: host)
+    cfg, note = memory_plan.storage(torch.nn.ModuleList(blocks), make_config(**settings), torch.device("cpu"), blocks)
+    return cfg.base_quantize, note
+
+
+def test_base_quantize_auto_keeps_the_base_as_stored_where_streaming_makes_it_fit(make_config, monkeypatch, cpu_as_gpu):
+    assert make_config().base_quantize == "auto"  # the default
+    assert storage_for(make_config, monkeypatch, need=1000, free=4 * GIB) == ("none", "")  # resident
+    size = 16 * 16 * 4 + 16 * 4  # a block's frozen bytes; short by 1.5 blocks: streaming some makes it fit
+    free = int(AUTO_SAFETY * 1000) + stream_margin(8 * GIB) - int(1.5 * size)
+    assert storage_for(make_config, monkeypatch, need=1000, free=free) == ("none", "")
+
+
+def test_base_quantize_auto_picks_int8_where_the_run_cannot_fit_otherwise(make_config, monkeypatch, cpu_as_gpu):
+    quantize, note = storage_for(make_config, monkeypatch, need=64 * GIB, free=GIB)
+    assert quantize == "int8" and "base_quantize auto → int8" in note and "streaming every block" in note
+    quantize, note = storage_for(make_config, monkeypatch, need=1000, free=4 * GIB, host=0, stream_blocks=2)
+    assert quantize == "int8" and "lacks the RAM" in note
+
+
+@pytest.mark.parametrize(
+    "settings", [{"base_quantize": "none"}, {"adapter": "dora"}, {"fp8_compute": True, "mixed_precision": "bf16"}]
+)
+def test_base_quantize_auto_never_overrides_a_choice_or_what_int8_cannot_serve(
+    make_config, monkeypatch, cpu_as_gpu, settings
+):
+    assert storage_for(make_config, monkeypatch, need=64 * GIB, free=GIB, **settings) == ("none", "")
+
+
+def test_base_quantize_auto_is_none_off_a_gpu(make_config, monkeypatch):
+    assert storage_for(make_config, monkeypatch, need=64 * GIB, free=GIB) == ("none", "")

@@ -24,7 +24,8 @@ def builder(arch_name: str):
 
 
 # base_quantize → bits of mlx.nn.quantize (affine, per group of GROUP_SIZE input values)
-QUANTIZE_BITS = {"none": None, "int8": 8, "int4": 4}
+# auto: none (a Mac's unified memory holds the base as stored; int8/int4 stay the user's choice)
+QUANTIZE_BITS = {"auto": None, "none": None, "int8": 8, "int4": 4}
 GROUP_SIZE = 64
 
 
