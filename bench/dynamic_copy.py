@@ -13,7 +13,7 @@ RssFile: mapped file pages) and on the machine (MemAvailable):
   4. Kiln's training session on it with a step room that leaves part of the model on the host (ComfyUI's partial
      load, as on a small card: --room-gb), the weights Kiln would stream pinned where they lie.
 
-    bash bench/gpu_env.sh python bench/dynamic_copy.py --model zimage --room-gb 130 --out $OUT/dynamic.json
+    bash bench/gpu_env.sh python bench/dynamic_copy.py --model klein4b --room-gb 131 --out $OUT/dynamic.json
 """
 
 from __future__ import annotations
@@ -66,13 +66,14 @@ def dynamic_vram_on() -> bool:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="zimage", help="a bench/gpu_train.py model: zimage, klein4b, ...")
+    parser.add_argument("--model", default="klein4b", help="a bench/gpu_train.py model: zimage, klein4b, ...")
     parser.add_argument(
         "--room-gb", type=float, default=130.0, help="the GPU room the session keeps free (an H200 has ~139 GiB)"
     )
-    parser.add_argument("--file", default="/tmp/kiln_dynamic_model.safetensors")
+    parser.add_argument("--file", default="", help="default: /tmp/kiln_dynamic_<model>.safetensors")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
+    args.file = args.file or f"/tmp/kiln_dynamic_{args.model}.safetensors"
     import gpu_train
 
     gpu_train.prepare_comfy("cuda")
