@@ -170,7 +170,12 @@ def write_av_stub(site: Path) -> None:
     """`import av` and the from-imports ComfyUI makes at load time succeed; using any of it raises."""
     body = (
         '"""A stand-in for PyAV on a GPU bench machine (bench/gpu_folder.py): imports succeed, use raises."""\n\n\n'
-        "class _Missing:\n"
+        "class _Names(type):  # class attributes too (ComfyUI 0.33 reads ColorTrc.ARIB_STD_B67 at import)\n"
+        "    def __getattr__(cls, name):\n"
+        '        if name.startswith("__"):\n'
+        "            raise AttributeError(name)\n"
+        "        return cls\n\n\n"
+        "class _Missing(metaclass=_Names):\n"
         "    def __init__(self, *args, **kwargs):\n"
         '        raise RuntimeError("PyAV is stubbed on this machine: build runs/gpu with --video")\n\n\n'
         "def __getattr__(name):\n"
