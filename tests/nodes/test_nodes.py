@@ -40,7 +40,9 @@ def prediction(model, x, sigma, context, **extras):
 
 
 def _output(model):
-    """The model's prediction through ComfyUI's own apply_model on fixed inputs (LoRA patches loaded)."""
+    """The model's prediction through ComfyUI's own apply_model on fixed inputs (LoRA patches loaded), under
+    inference mode as ComfyUI runs a prompt: a model a prompt loaded holds inference tensors (on a GPU its forward
+    then refuses to run outside inference mode: "Inference tensors do not track version counter")."""
     import comfy.model_management as mm
 
     mm.load_models_gpu([model])
@@ -56,7 +58,7 @@ def _output(model):
         else base.diffusion_model.cap_embedder[1].in_features,
     )
     extra = {"num_tokens": 8} if hasattr(base.diffusion_model, "cap_embedder") else {}
-    with torch.no_grad():
+    with torch.inference_mode():
         return (
             base.apply_model(x, torch.tensor([0.5], device=x.device), c_crossattn=context.to(x.device), **extra)
             .clone()
