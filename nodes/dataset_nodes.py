@@ -161,16 +161,27 @@ class KilnEncodeImages(io.ComfyNode):
                     optional=True,
                     tooltip="Images per VAE call within one bucket; raise it if VRAM allows",
                 ),
+                io.Boolean.Input(
+                    "start_images",
+                    default=False,
+                    optional=True,
+                    tooltip="Image-to-video (Wan I2V): also encode each clip's first frame as its start image, as "
+                    "WanImageToVideo does (the first frame, then grey frames); images ignore it",
+                ),
             ],
             outputs=[DATASET.Output(display_name="dataset", tooltip="The dataset with latents cached")],
         )
 
     @classmethod
-    def execute(cls, dataset: Dataset, vae, batch_size=1):
+    def execute(cls, dataset: Dataset, vae, batch_size=1, start_images=False):
         encode, identity = bridge.vae_encoder(vae)
         bar = bridge.progress(max(1, len(dataset.plan.entries)))
         encoded = dataset.encode_images(
-            encode, identity, batch_size=batch_size, progress=lambda done, total: bar.update(done)
+            encode,
+            identity,
+            batch_size=batch_size,
+            progress=lambda done, total: bar.update(done),
+            start_images=bool(start_images),
         )
         items = encoded.report.items
         edits, masks = sum(bool(i.controls) for i in items), sum(bool(i.mask_file) for i in items)

@@ -53,33 +53,48 @@ def _vae_encode(vae, pixels: np.ndarray):
 
 
 def text_encoder(clip):
-    """(encode, identity): encode(text) -> [T,D] float32, CLIPTextEncode's cond tensor for that text.
+    """(encode, identity): encode(text) -> {"context": [T,D], key: array}, float32: CLIPTextEncode's cond tensor
+    for that text and every other tensor of its conditioning (SD 3.5's and HiDream's pooled_output [P], HiDream's
+    conditioning_llama3 [L,T',D]), each without its batch axis of one. The model's extra_conds reads them.
 
-    The conditioning's other keys need not be kept: pooled_output is None for the Qwen/Mistral
-    encoders, and attention_mask is unused by Flux2 (ComfyUI reads it only with
-    attention_mask_img_shape) and all ones for one Z-Image prompt (so only num_tokens = T counts).
+    Left out: None values (pooled_output of the Qwen/Mistral encoders) and attention_mask (Flux2 reads it only
+    with attention_mask_img_shape; one Z-Image or Qwen-Image prompt's is all ones, so its length, kept in the
+    context's tokens, says everything ComfyUI takes from it).
     """
 
-    def encode(text: str) -> np.ndarray:
+    def encode(text: str) -> dict[str, np.ndarray]:
         with torch.inference_mode():
             conds = clip.encode_from_tokens_scheduled(clip.tokenize(text))
         if len(conds) != 1:
             raise ValueError(f"this CLIP gives {len(conds)} scheduled conds (CLIP hooks); Kiln caches one per caption")
-        return conds[0][0][0].float().cpu().numpy()
+        cond, others = conds[0]
+        out = {"context": cond[0].float().cpu().numpy()}
+        for key, value in others.items():
+            if torch.is_tensor(value) and key not in NOT_CACHED:
+                out[key] = value[0].float().cpu().numpy()
+        return out
 
-    identity = _remembered(
-        clip,
-        lambda: _identity(
-            "clip",
+    def facts() -> tuple:
+        # The names of the conditioning it gives beside the embedding are part of an encoder's identity where it
+        # gives any: caption caches written before Kiln kept them (SD 3.5's came without its pooled output) are
+        # then never read, and encoded again; an encoder of the embedding alone keeps the identity it had.
+        extra = sorted(set(encode("")) - {"context"})
+        return (
             type(clip.cond_stage_model).__name__,
             type(clip.tokenizer).__name__,
             clip.layer_idx,
             sorted(getattr(clip, "tokenizer_options", {}).items()),
-            tensors=_weights(clip.patcher),
-            patches=clip.patcher.patches,
-        ),
+            *([("conditioning", extra)] if extra else []),
+        )
+
+    identity = _remembered(
+        clip, lambda: _identity("clip", *facts(), tensors=_weights(clip.patcher), patches=clip.patcher.patches)
     )
     return encode, identity
+
+
+# Conditioning keys the caption cache leaves out (why: text_encoder's docstring).
+NOT_CACHED = frozenset({"attention_mask"})
 
 
 def conditioning(clip, text: str):

@@ -47,6 +47,39 @@ def _model_facts(model):
     return {c.__name__ for c in type(base).__mro__}, type(base.model_config).__name__, read
 
 
+# Conditioning beside the cross-attention tensor that a model's extra_conds reads (comfy/model_base.py of both
+# trees), by its exact comfy.model_base class: without it ComfyUI's model still runs (SD3's MMDiT leaves `y` out)
+# but not as it was trained or as it samples, so training refuses rather than run silently without it.
+NEEDED_CONDITIONING = {
+    "SD3": ("SD 3.5", ("pooled_output",), "clip_l, clip_g and t5xxl (Triple CLIP Loader)"),
+    "HiDream": (
+        "HiDream",
+        ("pooled_output", "conditioning_llama3"),
+        "clip_l, clip_g, t5xxl and llama 3.1 (Quadruple CLIP Loader)",
+    ),
+}
+
+
+def check_conditioning(model, names) -> None:
+    """Refuse a caption cache without the conditioning this model's extra_conds reads (`names`: what the cache
+    holds beside the embedding), and a model that reads what Kiln cannot feed yet (Wan 2.1 I2V's CLIP vision)."""
+    if getattr(model.model.diffusion_model, "img_emb", None) is not None:  # WanModel of model_type i2v
+        raise ValueError(
+            "Kiln Train LoRA: Wan 2.1 I2V reads the start image's CLIP vision features (WanImageToVideo's "
+            "clip_vision_output, from CLIP Vision Encode with clip_vision_h) beside the start image, and Kiln does "
+            "not feed them yet; training without them would not be the model ComfyUI samples. Train Wan 2.2 I2V "
+            "A14B's experts or Wan 2.1 T2V instead"
+        )
+    family, needed, encoders = NEEDED_CONDITIONING.get(type(model.model).__name__, ("", (), ""))
+    missing = [name for name in needed if name not in names]
+    if missing:
+        raise ValueError(
+            f"Kiln Train LoRA: {family} takes {' and '.join(missing)} from its text encoder beside the caption "
+            f"embedding, and the dataset's caption cache does not hold it (encoded with another text encoder, "
+            f"or by an older Kiln): run Kiln Encode Captions again with {family}'s text encoder ({encoders})"
+        )
+
+
 def diffusion_model(model) -> torch.nn.Module:
     """The nn.Module the trainer injects LoRA into (module paths as in LoRA keys, minus 'diffusion_model.')."""
     return model.model.diffusion_model

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from ...trainer.archs import get_arch
-from ...trainer.data import MappedLatents
+from ...trainer.data import MappedLatents, text_conds
 from ...trainer.samples.plan import SAMPLE_FRAMES
 
 # Called through their modules, so a test can wrap one (a forward that fails at step N, a counted free).
@@ -40,6 +40,7 @@ def train(cfg, model, dataset, *, run: Callable, adapter=None, setup: Callable |
     model = session.trainable(model)  # dynamic VRAM: ComfyUI's fully loadable delegate (outputs use the original)
     # Caches hold raw VAE latents; the model sees them in its latent format (Z-Image: shift and scale).
     data = MappedLatents(dataset.training_data(), lambda raw: comfy_model.item_latent_in(model, raw))
+    comfy_model.check_conditioning(model, text_conds.read(data, "empty_conds"))
     front = setup(model, data) if setup is not None else {}
     train_model = comfy_lora.training_adapter_merged(model, adapter) if adapter is not None else model
     try:

@@ -104,7 +104,7 @@ def same_call(ours, theirs):
 
 
 def embedding(clip, text):
-    return bridge.text_encoder(clip)[0](text)
+    return bridge.text_encoder(clip)[0](text)["context"]
 
 
 def random_lora(model, arch_name, seed=0, rank=4):

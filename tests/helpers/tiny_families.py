@@ -32,7 +32,7 @@ class Family:
     latent: tuple[int, int]  # (latent channels, pixels per latent cell)
     targets: tuple[str, ...]  # block Linears a LoRA trains (generic: the user's patterns)
     arch: str = "generic"  # what Kiln detects it as
-    # cond keys beyond the cross-attention tensor, per batch size (Kiln's caption cache keeps only that tensor)
+    # cond keys beyond the cross-attention tensor, per batch size (what Encode Captions caches beside it)
     extra_conds: Callable[[int], dict] = field(default=lambda batch: {})
 
 
@@ -57,7 +57,7 @@ def _loaded_file(path: Path, module_class, config: dict, seed: int):
 # ---------------------------------------------------------------- the families
 
 
-def sd35(tmp: Path, seed: int = 0):
+def sd35(tmp: Path, seed: int = 0, *, context_dim: int = CONTEXT_DIM, pooled_dim: int = POOLED_DIM):
     """SD 3.5 Medium's shape (MMDiT-X: a second self-attention in the first x block, q/k RMS norms), depth 2 =
     hidden 128, 2 heads of 64; model_detection reads all of it back from the file."""
     from comfy.ldm.modules.diffusionmodules.mmdit import MMDiT
@@ -67,10 +67,10 @@ def sd35(tmp: Path, seed: int = 0):
         patch_size=2,
         depth=2,
         out_channels=16,
-        adm_in_channels=POOLED_DIM,
+        adm_in_channels=pooled_dim,
         context_embedder_config={
             "target": "torch.nn.Linear",
-            "params": {"in_features": CONTEXT_DIM, "out_features": 128},
+            "params": {"in_features": context_dim, "out_features": 128},
         },
         num_patches=16 * 16,
         pos_embed_max_size=16,
@@ -173,7 +173,7 @@ def lumina2(tmp: Path, seed: int = 0):
 HIDREAM_LLAMA_LAYERS = 2
 
 
-def hidream(tmp: Path, seed: int = 0):
+def hidream(tmp: Path, seed: int = 0, *, caption_channels=(CONTEXT_DIM, CONTEXT_DIM), pooled_dim: int = POOLED_DIM):
     """model_detection.py's HiDream config at 2 heads of 64: one double and one single block, 2 routed experts."""
     import comfy.supported_models
     from comfy.ldm.hidream.model import HiDreamImageTransformer2DModel
@@ -187,8 +187,8 @@ def hidream(tmp: Path, seed: int = 0):
         num_single_layers=1,
         attention_head_dim=64,
         num_attention_heads=2,
-        caption_channels=[CONTEXT_DIM, CONTEXT_DIM],
-        text_emb_dim=POOLED_DIM,
+        caption_channels=list(caption_channels),
+        text_emb_dim=pooled_dim,
         num_routed_experts=2,
         num_activated_experts=1,
         axes_dims_rope=(32, 16, 16),

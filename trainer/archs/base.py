@@ -109,6 +109,9 @@ class Arch:
     sigma_range: tuple[float, float] = (0.0, 1.0)
     # Video frames per latent frame after the first (the VAE's temporal compression; 1: an image model).
     frames_per_latent: int = 1
+    # Image-to-video: a clip trains with its first frame as the start image, fed as ComfyUI's WanImageToVideo
+    # feeds it (data/companion_batch.py: start_extras).
+    start_image: bool = False
 
     def collate_context(self, contexts: list[np.ndarray]) -> np.ndarray:
         """Rows [T_i,D] → [B,T,D], T = max(context_tokens, longest), zeros on the padded side."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from .base import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths
+from .flux2 import DOUBLE_ATTENTION_RULES
 from .layout import BlockGroup, HeaderSpec, Layout, ModelDims
 
 # ai-toolkit, musubi-tuner and SimpleTuner train every Linear of the double and single blocks (Chroma's blocks
@@ -34,20 +35,7 @@ HIDDEN, MLP_HIDDEN = 3072, 4 * 3072  # Chroma's one size: single-block linear1 =
 
 # ComfyUI path → diffusers ChromaTransformer2DModel names (Flux.1's layout: comfy/utils.py flux_to_diffusers).
 DIFFUSERS_RULES = (
-    DiffusersRule(
-        r"double_blocks\.(\d+)\.img_attn\.qkv",
-        ("transformer_blocks.{0}.attn.to_q", "transformer_blocks.{0}.attn.to_k", "transformer_blocks.{0}.attn.to_v"),
-    ),
-    DiffusersRule(
-        r"double_blocks\.(\d+)\.txt_attn\.qkv",
-        (
-            "transformer_blocks.{0}.attn.add_q_proj",
-            "transformer_blocks.{0}.attn.add_k_proj",
-            "transformer_blocks.{0}.attn.add_v_proj",
-        ),
-    ),
-    DiffusersRule(r"double_blocks\.(\d+)\.img_attn\.proj", ("transformer_blocks.{0}.attn.to_out.0",)),
-    DiffusersRule(r"double_blocks\.(\d+)\.txt_attn\.proj", ("transformer_blocks.{0}.attn.to_add_out",)),
+    *DOUBLE_ATTENTION_RULES,
     DiffusersRule(r"double_blocks\.(\d+)\.img_mlp\.0", ("transformer_blocks.{0}.ff.net.0.proj",)),
     DiffusersRule(r"double_blocks\.(\d+)\.img_mlp\.2", ("transformer_blocks.{0}.ff.net.2",)),
     DiffusersRule(r"double_blocks\.(\d+)\.txt_mlp\.0", ("transformer_blocks.{0}.ff_context.net.0.proj",)),

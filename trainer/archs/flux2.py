@@ -40,8 +40,8 @@ DEFAULT_TARGETS = (
     "linear2",
 )
 
-# ComfyUI path → diffusers Flux2Transformer2DModel names (comfy/utils.py flux2 map).
-DIFFUSERS_RULES = (
+# A double block's attention in diffusers, Flux.1's names, which Flux2 and Chroma (chroma.py) keep.
+DOUBLE_ATTENTION_RULES = (
     DiffusersRule(
         r"double_blocks\.(\d+)\.img_attn\.qkv",
         ("transformer_blocks.{0}.attn.to_q", "transformer_blocks.{0}.attn.to_k", "transformer_blocks.{0}.attn.to_v"),
@@ -56,6 +56,11 @@ DIFFUSERS_RULES = (
     ),
     DiffusersRule(r"double_blocks\.(\d+)\.img_attn\.proj", ("transformer_blocks.{0}.attn.to_out.0",)),
     DiffusersRule(r"double_blocks\.(\d+)\.txt_attn\.proj", ("transformer_blocks.{0}.attn.to_add_out",)),
+)
+
+# ComfyUI path → diffusers Flux2Transformer2DModel names (comfy/utils.py flux2 map).
+DIFFUSERS_RULES = (
+    *DOUBLE_ATTENTION_RULES,
     DiffusersRule(r"double_blocks\.(\d+)\.img_mlp\.0", ("transformer_blocks.{0}.ff.linear_in",)),
     DiffusersRule(r"double_blocks\.(\d+)\.img_mlp\.2", ("transformer_blocks.{0}.ff.linear_out",)),
     DiffusersRule(r"double_blocks\.(\d+)\.txt_mlp\.0", ("transformer_blocks.{0}.ff_context.linear_in",)),

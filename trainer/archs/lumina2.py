@@ -10,6 +10,7 @@ CONST flow convention holds. Told apart from Z-Image by its config class: suppor
 
 from __future__ import annotations
 
+from . import nextdit
 from .base import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths
 from .layout import BlockGroup, HeaderSpec, Layout, ModelDims, ceil_to
 
@@ -66,33 +67,9 @@ def model_dims(variant: str, hidden: int, layers: int, context_dim: int) -> Mode
 
 
 def linear_layers(dims: ModelDims, io: int) -> dict[str, tuple[int, int]]:
-    D, F, kv, T = dims.hidden, dims.mlp_hidden, KV_HEADS * HEAD_DIM, min(dims.hidden, 1024)
-
-    def blocks(group, count, modulated):
-        for i in range(count):
-            p = f"{group}.{i}"
-            yield from {
-                f"{p}.attention.qkv": (D, D + 2 * kv),
-                f"{p}.attention.out": (D, D),
-                f"{p}.feed_forward.w1": (D, F),
-                f"{p}.feed_forward.w2": (F, D),
-                f"{p}.feed_forward.w3": (D, F),
-            }.items()
-            if modulated:  # after a SiLU, from the min(D, 1024)-wide t embedding
-                yield f"{p}.adaLN_modulation.1", (T, 4 * D)
-
-    # In ComfyUI's module order: the embedders sit between the refiners and the main layers.
-    return {
-        "x_embedder": (io, D),
-        **dict(blocks("noise_refiner", dims.refiner_blocks, True)),
-        **dict(blocks("context_refiner", dims.refiner_blocks, False)),
-        "t_embedder.mlp.0": (256, T),
-        "t_embedder.mlp.2": (T, T),
-        "cap_embedder.1": (dims.context_dim, D),
-        **dict(blocks("layers", dims.single_blocks, True)),
-        "final_layer.linear": (D, io),
-        "final_layer.adaLN_modulation.1": (T, D),
-    }
+    T = min(dims.hidden, 1024)  # the t embedding's width; each adaLN Linear reads it after a SiLU
+    shape = nextdit.NextDiTShape(kv_width=KV_HEADS * HEAD_DIM, modulation="adaLN_modulation.1", t_width=T, t_hidden=T)
+    return nextdit.linear_layers(dims, io, shape)
 
 
 def extra_params(dims: ModelDims, layers: dict[str, tuple[int, int]]) -> int:
@@ -106,13 +83,8 @@ def extra_params(dims: ModelDims, layers: dict[str, tuple[int, int]]) -> int:
 def blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGroup]:
     """Derived from Z-Image's measured NextDiT block (zimage.py) with grouped k/v heads, not yet measured on a GPU:
     per token, qkv's output is D + 2kv instead of 3D:    13D + 2kv + 4M."""
-    D, M, kv = dims.hidden, dims.mlp_hidden, KV_HEADS * HEAD_DIM
-    per_token = 13 * D + 2 * kv + 4 * M
-    return [
-        BlockGroup(per_token, 0, dims.refiner_blocks, image_tokens),
-        BlockGroup(per_token, 0, dims.refiner_blocks, text_tokens),
-        BlockGroup(per_token, 0, dims.single_blocks, image_tokens + text_tokens),
-    ]
+    per_token = 13 * dims.hidden + 2 * KV_HEADS * HEAD_DIM + 4 * dims.mlp_hidden
+    return nextdit.block_groups(dims, per_token, image_tokens, text_tokens)
 
 
 LAYOUT = Layout(

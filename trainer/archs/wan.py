@@ -179,6 +179,7 @@ _I2V = dict(
     default_targets=DEFAULT_TARGETS + IMAGE_ATTENTION,
     comfy=ComfyModel("WAN21", config_class="WAN21_I2V"),
     layout=LAYOUT_I2V,
+    start_image=True,  # a clip's first frame, as WanImageToVideo feeds it (concat latent and mask)
     **_WAN21,
 )
 T2V_MODELSPEC = ("Wan2.1-T2V/lora", "https://github.com/Wan-Video/Wan2.1")
@@ -212,7 +213,7 @@ ARCHS = (
         modelspec=("Wan2.1-I2V/lora", "https://github.com/Wan-Video/Wan2.1"),
         # ComfyUI's image_to_video_wan template (ModelSamplingSD3 8).
         sampling=Sampling(steps=20, cfg=6.0, sampler="uni_pc", scheduler="simple"),
-        description="Wan 2.1 image-to-video 14B (umT5-XXL); trains without the start image (docs/features.md: Wan)",
+        description="Wan 2.1 image-to-video 14B (umT5-XXL); a clip's first frame is its start image",
         **_I2V,
     ),
     Arch(
@@ -236,7 +237,9 @@ ARCHS = (
         # divisor); ComfyUI's WanModel pads an odd latent side to the patch and crops it back, in sampling too.
         bucket_divisor=16,
         modelspec=("Wan2.2-TI2V-5B/lora", "https://github.com/Wan-Video/Wan2.2"),
-        # ComfyUI's video_wan2_2_5B_ti2v template (ModelSamplingSD3 8).
+        # ComfyUI's video_wan2_2_5B_ti2v template: 20 uni_pc steps at cfg 5 after ModelSamplingSD3 shift 8, which
+        # is WAN22_T2V's own shift in both trees, so samples drawn on the model as loaded take it (test_wan checks
+        # both). Wan 2.2's own config samples the 5B at shift 5 (diffusers' flow_shift); Kiln follows ComfyUI.
         sampling=Sampling(steps=20, cfg=5.0, sampler="uni_pc", scheduler="simple"),
         description="Wan 2.2 TI2V 5B (48-channel /16 latents, umT5-XXL); text-to-video",
         **_COMMON,

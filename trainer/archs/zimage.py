@@ -9,6 +9,7 @@ for validation samples, never saved.
 
 from __future__ import annotations
 
+from . import nextdit
 from .base import Arch, ComfyModel, DiffusersRule, Sampling, caption_lengths
 from .layout import BlockGroup, HeaderSpec, Layout, ModelDims, ceil_to
 
@@ -58,34 +59,12 @@ def model_dims(
     )
 
 
+# z_image_modulation: adaLN from the 256-wide t embedding, no SiLU before it.
+NEXTDIT = nextdit.NextDiTShape(modulation="adaLN_modulation.0", t_width=256, t_hidden=1024)
+
+
 def linear_layers(dims: ModelDims, io: int) -> dict[str, tuple[int, int]]:
-    D, F = dims.hidden, dims.mlp_hidden
-
-    def blocks(group, count, modulated):
-        for i in range(count):
-            p = f"{group}.{i}"
-            yield from {
-                f"{p}.attention.qkv": (D, 3 * D),
-                f"{p}.attention.out": (D, D),
-                f"{p}.feed_forward.w1": (D, F),
-                f"{p}.feed_forward.w2": (F, D),
-                f"{p}.feed_forward.w3": (D, F),
-            }.items()
-            if modulated:  # z_image_modulation: from the 256-wide t embedding, no SiLU
-                yield f"{p}.adaLN_modulation.0", (256, 4 * D)
-
-    # In ComfyUI's module order: the embedders sit between the refiners and the main layers.
-    return {
-        "x_embedder": (io, D),
-        **dict(blocks("noise_refiner", dims.refiner_blocks, True)),
-        **dict(blocks("context_refiner", dims.refiner_blocks, False)),
-        "t_embedder.mlp.0": (256, 1024),
-        "t_embedder.mlp.2": (1024, 256),
-        "cap_embedder.1": (dims.context_dim, D),
-        **dict(blocks("layers", dims.single_blocks, True)),
-        "final_layer.linear": (D, io),
-        "final_layer.adaLN_modulation.1": (256, D),
-    }
+    return nextdit.linear_layers(dims, io, NEXTDIT)
 
 
 def extra_params(dims: ModelDims, layers: dict[str, tuple[int, int]]) -> int:
@@ -104,13 +83,7 @@ def blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGr
             out 3M, w2 in M, ffn_norm2 in D                 = 15D + 4M
     (w1 and w3 now share their input: D per token less than counted, ~4 % of a block.)
     """
-    D, M = dims.hidden, dims.mlp_hidden
-    per_token = 15 * D + 4 * M
-    return [
-        BlockGroup(per_token, 0, dims.refiner_blocks, image_tokens),
-        BlockGroup(per_token, 0, dims.refiner_blocks, text_tokens),
-        BlockGroup(per_token, 0, dims.single_blocks, image_tokens + text_tokens),
-    ]
+    return nextdit.block_groups(dims, 15 * dims.hidden + 4 * dims.mlp_hidden, image_tokens, text_tokens)
 
 
 LAYOUT = Layout(

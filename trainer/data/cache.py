@@ -12,7 +12,9 @@ the least recently used entries first.
                                              [C,h',w'] where the image has them; data/companions.py);
                                              a clip's window: {"latent": [C,t,h,w]}, t = (T-1)/4+1
     <cache>/text/ab/abcdef….safetensors      {"context": [T,D]} in bf16 (text encoders run in bf16,
-                                             and Flux2 Klein's 512×7680 rows are 15 MB each in fp32)
+                                             and Flux2 Klein's 512×7680 rows are 15 MB each in fp32),
+                                             + the encoder's other conditioning ("pooled_output": [P], …;
+                                             data/text_conds.py)
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import numpy as np
 
 from . import DatasetError
 from .cache import text_key
+from .text_conds import CONTEXT, others
 
 
 class CachedData:
@@ -45,9 +46,8 @@ class CachedData:
             self._held -= sum(array.nbytes for array in old.values())
         return tensors
 
-    def _read(self, kind: str, key: str, name: str, what: str) -> np.ndarray:
-        tensors = self._read_all(kind, key, name, what)
-        return tensors[next(iter(tensors))]
+    def _text(self, text: str, what: str) -> dict[str, np.ndarray]:
+        return self._read_all("text", text_key(text, self.dataset.text_identity), text, what)
 
     def _entry(self, index: int) -> dict[str, np.ndarray]:
         entry = self.entries[index]
@@ -65,26 +65,44 @@ class CachedData:
         tensors = self._entry(index)
         return [tensors[f"control.{n}"] for n in range(len(self.items[self.entries[index].item].controls))]
 
+    def start(self, index: int) -> np.ndarray | None:
+        """A clip's start image [C,t,h,w] (raw VAE latents; Encode Images' start_images), else None."""
+        return self._entry(index).get("start")
+
     def variants(self, index: int) -> int:
         return len(self.dataset.captions[self.entries[index].item])
 
+    def _caption(self, index: int, variant: int) -> str:
+        return self.dataset.captions[self.entries[index].item][variant]
+
     def context(self, index: int, variant: int = 0) -> np.ndarray:
-        text = self.dataset.captions[self.entries[index].item][variant]
-        return self._read("text", text_key(text, self.dataset.text_identity), text, "text embedding")
+        return self._text(self._caption(index, variant), "text embedding")[CONTEXT]
 
     def empty_context(self) -> np.ndarray:
-        return self._read("text", text_key("", self.dataset.text_identity), "", "empty-caption embedding")
+        return self._text("", "empty-caption embedding")[CONTEXT]
+
+    def conds(self, index: int, variant: int = 0) -> dict[str, np.ndarray]:
+        """The caption's conditioning beside its embedding (SD 3.5's pooled output; {} for most encoders)."""
+        return others(self._text(self._caption(index, variant), "text embedding"))
+
+    def empty_conds(self) -> dict[str, np.ndarray]:
+        return others(self._text("", "empty-caption embedding"))
 
     def name(self, index: int) -> str:
         return self.items[self.entries[index].item].path
 
+    def _class_caption(self, index: int, variant: int) -> str | None:
+        captions = self.dataset.preservation_captions()
+        return captions[self.entries[index].item][variant] if captions else None
+
     def preservation_context(self, index: int, variant: int = 0) -> np.ndarray | None:
         """DOP: the embedding of the caption with the class word for the trigger word; None when off."""
-        captions = self.dataset.preservation_captions()
-        if not captions:
-            return None
-        text = captions[self.entries[index].item][variant]
-        return self._read("text", text_key(text, self.dataset.text_identity), text, "class-word caption embedding")
+        text = self._class_caption(index, variant)
+        return None if text is None else self._text(text, "class-word caption embedding")[CONTEXT]
+
+    def preservation_conds(self, index: int, variant: int = 0) -> dict[str, np.ndarray]:
+        text = self._class_caption(index, variant)
+        return {} if text is None else others(self._text(text, "class-word caption embedding"))
 
     def caption(self, index: int, variant: int = 0) -> str:
         return self.dataset.captions[self.entries[index].item][variant]

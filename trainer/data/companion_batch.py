@@ -64,9 +64,41 @@ def reference_extras(controls: list[list[np.ndarray]], arch: Arch, names: list[s
     return {arch.reference_latents: slots}
 
 
+# The extras that hold raw VAE latents (WanImageToVideo's start image and its mask): fp32 on the device, as
+# ComfyUI's conds hold them until extra_conds has put them through the latent format (device_batch.py).
+START_LATENT, START_MASK = "concat_latent_image", "concat_mask"
+LATENT_EXTRAS = frozenset({START_LATENT, START_MASK})
+
+
+def starts(data, indices: list[int]) -> list[np.ndarray | None]:
+    """Rows' cached start images (clips under start_images), None where the data keeps none (images, in-memory)."""
+    read = getattr(data, "start", None)
+    return [read(i) if read is not None else None for i in indices]
+
+
+def start_extras(starts: list[np.ndarray | None], arch: Arch) -> dict:
+    """Rows' start images ([C,t,h,w] raw latents, None for an image) → WanImageToVideo's conds: the latents and
+    a mask [B,1,t,h,w] that is 0 on the start frame's latent frame, 1 after it. {} for a family without a start
+    image, and for images (a still trains as ComfyUI samples an I2V model given no start image)."""
+    if not arch.start_image or all(start is None for start in starts):
+        return {}
+    latents = np.stack(starts).astype(np.float32, copy=False)  # one bucket: all clips of one size
+    mask = np.ones((latents.shape[0], 1, *latents.shape[2:]), np.float32)
+    mask[:, :, :1] = 0.0
+    return {START_LATENT: latents, START_MASK: mask}
+
+
 def check(cfg: TrainConfig, data, arch: Arch) -> None:
     """Refuse, before the first step, what a backend or family cannot train (one item per bucket tells:
     an edit dataset's every item has its controls)."""
+    clips = [indices[0] for indices in data.buckets.values() if indices and data.latent(indices[0]).ndim == 4]
+    start = getattr(data, "start", None)
+    if arch.start_image and clips and (start is None or start(clips[0]) is None):
+        raise ConfigError(
+            f"{arch.name} trains a clip with its first frame as the start image (WanImageToVideo's "
+            "concat_latent_image and concat_mask), which the dataset's latent cache does not hold: turn "
+            "start_images on in Kiln Encode Images (headless training encodes them by itself)"
+        )
     edit = any(data.controls(indices[0]) for indices in data.buckets.values() if indices)
     if not edit:
         return

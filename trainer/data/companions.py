@@ -207,14 +207,29 @@ class Sample:
     pixels: np.ndarray
     controls: tuple[np.ndarray, ...] = ()
     mask: np.ndarray | None = None
+    start: np.ndarray | None = None  # a clip's start-image frames [T,H,W,3] (image-to-video: start_pixels)
+
+    def stack(self) -> list[np.ndarray]:
+        """What the VAE encodes for this sample, in the order `tensors` reads the latents back."""
+        return [self.pixels, *self.controls, *([] if self.start is None else [self.start])]
 
     def tensors(self, latents: np.ndarray) -> dict[str, np.ndarray]:
-        """The cache entry from this sample's latents (image first, then controls)."""
+        """The cache entry from this sample's latents (image first, then controls, then the start image)."""
         out = {"latent": latents[0]}
         if self.mask is not None:
             out["mask"] = to_latent_grid(self.mask, *latents[0].shape[-2:])
-        out.update({f"control.{n}": latent for n, latent in enumerate(latents[1:])})
+        out.update({f"control.{n}": latents[1 + n] for n in range(len(self.controls))})
+        if self.start is not None:
+            out["start"] = latents[-1]
         return out
+
+
+def start_pixels(frames: np.ndarray) -> np.ndarray:
+    """A clip's start image as WanImageToVideo encodes it: its first frame, then grey (0.5) for the rest of its
+    length, one VAE call of the clip's frame count [T,H,W,3]."""
+    out = np.full_like(frames, 0.5)
+    out[0] = frames[0]
+    return out
 
 
 @lru_cache(maxsize=16)  # one image's mask and controls serve every resolution it trains at

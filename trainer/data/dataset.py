@@ -7,7 +7,7 @@ The VAE and the text encoder come in as plain functions with an identity
 string, so this layer never imports ComfyUI:
 
     encode_images(pixels [B,H,W,3] float32 in 0..1) -> latents [B,C,h,w]
-    encode_text(caption: str) -> embedding [T,D]
+    encode_text(caption: str) -> embedding [T,D], or {"context": [T,D], other conditioning} (text_conds.py)
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from . import DatasetError  # noqa: F401  (raised here; callers import it from here too)
+from . import text_conds
 from .buckets import BucketPlan, Entry, plan_buckets
 from .cache import Cache, latent_key, text_key
 from .cached import CachedData
@@ -30,7 +31,7 @@ from .folder.report import DatasetMeta, Item, Problem, ScanReport, format_report
 from .frames import FrameSettings, clip_windows
 from .regularised import RegularisedData
 
-TextEncoder = Callable[[str], np.ndarray]
+TextEncoder = Callable[[str], np.ndarray | dict[str, np.ndarray]]
 
 CACHE_FOLDER = ".kiln_cache"
 
@@ -103,6 +104,7 @@ class Dataset:
     encode_problems: tuple[Problem, ...] = ()
     preservation_class: str = ""  # DOP: class word for the trigger word (with_preservation)
     regularisation: Dataset | None = None  # regularisation images trained beside (with_regularisation)
+    start_images: bool = False  # clips' start images cached too (image-to-video: encode_images)
 
     # --- building -------------------------------------------------------------------
     @classmethod
@@ -158,7 +160,7 @@ class Dataset:
             entry.resized,
             entry.offset,
             self.latent_identity or "",
-            companions_key(item),
+            companions_key(item) + ("|start" if self.start_images and entry.frames else ""),
             entry.frames,
         )
 
@@ -193,10 +195,17 @@ class Dataset:
         return dataclasses.replace(self, regularisation=reg)
 
     def encode_images(
-        self, encode: ImageEncoder, identity: str, *, batch_size: int = 4, progress: Progress | None = None
+        self,
+        encode: ImageEncoder,
+        identity: str,
+        *,
+        batch_size: int = 4,
+        progress: Progress | None = None,
+        start_images: bool = False,
     ) -> "Dataset":
-        """Cache a latent per entry; images that fail to decode are skipped and named, not fatal."""
-        ds = dataclasses.replace(self, latent_identity=identity)
+        """Cache a latent per entry; images that fail to decode are skipped and named, not fatal. start_images:
+        each clip's start image is encoded beside it (image-to-video; companions.start_pixels)."""
+        ds = dataclasses.replace(self, latent_identity=identity, start_images=start_images)
         failed, problems = encode_latents(ds, encode, batch_size=batch_size, progress=progress)
         if len(failed) == len(self.report.items):
             raise DatasetError(
@@ -205,20 +214,27 @@ class Dataset:
         return dataclasses.replace(ds, failed_items=frozenset(failed), encode_problems=tuple(problems))
 
     def encode_captions(self, encode: TextEncoder, identity: str, *, progress: Progress | None = None) -> "Dataset":
+        """Cache every text's entry: its embedding and the encoder's other conditioning (data/text_conds.py)."""
         ds = dataclasses.replace(self, text_identity=identity)
         cache, texts = ds.cache, self.texts()
-        width = None
+        width, names = None, None
         for done, text in enumerate(texts, 1):
             key = text_key(text, identity)
             if not cache.has("text", key):
-                embedding = np.asarray(encode(text), dtype=np.float32)
+                tensors = text_conds.entry(encode(text))
+                embedding = tensors[text_conds.CONTEXT]
                 if embedding.ndim != 2 or (width is not None and embedding.shape[1] != width):
                     raise DatasetError(
                         f"the text encoder returned shape {embedding.shape} for {text!r}; "
                         "expected [tokens, dim] with one dim for every caption"
                     )
-                width = embedding.shape[1]
-                cache.put("text", key, {"context": embedding}, {"text": text}, dtype="BF16")
+                if names is not None and set(tensors) != names:
+                    raise DatasetError(
+                        f"the text encoder gave {sorted(tensors)} for {text!r} but {sorted(names)} for another "
+                        "caption; Kiln caches one kind of conditioning per encoder"
+                    )
+                width, names = embedding.shape[1], set(tensors)
+                cache.put("text", key, tensors, {"text": text}, dtype="BF16")
             if progress is not None:
                 progress(done, len(texts))
         return ds

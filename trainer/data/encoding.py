@@ -11,7 +11,7 @@ from PIL import Image
 
 from . import DatasetError
 from .buckets import Entry
-from .companions import Sample, entry_sample
+from .companions import Sample, entry_sample, start_pixels
 from .folder.clips import read_frames
 from .folder.images import ImageProblem, load_rgb
 from .folder.report import Problem
@@ -55,7 +55,7 @@ def _decoder(ds):
         item, samples = ds.report.items[index], []
         try:
             if item.is_clip:
-                return index, clip_samples(root / item.path, [(n, entries[n]) for n in ns]), None
+                return index, clip_samples(root / item.path, [(n, entries[n]) for n in ns], ds.start_images), None
             image = Image.fromarray(load_rgb(root / item.path))
             for n in ns:
                 samples.append((n, entry_sample(root, item, image, entries[n], crop_pixels)))
@@ -88,7 +88,7 @@ class _Batches:
         if not rows:
             return
         # One encoder call for the images and their control images (all cropped to this bucket).
-        stack = [pixels for _, sample in rows for pixels in (sample.pixels, *sample.controls)]
+        stack = [pixels for _, sample in rows for pixels in sample.stack()]
         pixels = np.stack(stack)  # images [B,H,W,3], clips [B,T,H,W,3]
         latents = np.asarray(self.encode(pixels), dtype=np.float32)
         if latents.ndim != pixels.ndim or latents.shape[0] != len(stack):
@@ -98,7 +98,7 @@ class _Batches:
             )
         start = 0
         for n, sample in rows:
-            count = 1 + len(sample.controls)
+            count = len(sample.stack())
             self.ds.cache.put(
                 "latents",
                 self.ds.entry_key(entries[n]),
@@ -108,11 +108,16 @@ class _Batches:
             start += count
 
 
-def clip_samples(path: Path, entries: list[tuple[int, Entry]]) -> list[tuple[int, Sample]]:
-    """A clip's entries: each window's frames decoded once, resized and cropped like an image → [T,H,W,3]."""
+def clip_samples(path: Path, entries: list[tuple[int, Entry]], start: bool = False) -> list[tuple[int, Sample]]:
+    """A clip's entries: each window's frames decoded once, resized and cropped like an image → [T,H,W,3]; with
+    `start`, each window's start image beside it (its first frame, then grey: companions.start_pixels)."""
     frames = read_frames(path, sorted({index for _, entry in entries for index in entry.frames}))
     images = {index: Image.fromarray(frame) for index, frame in frames.items()}
-    return [(n, Sample(np.stack([crop_pixels(images[i], entry) for i in entry.frames]))) for n, entry in entries]
+    samples = []
+    for n, entry in entries:
+        pixels = np.stack([crop_pixels(images[i], entry) for i in entry.frames])
+        samples.append((n, Sample(pixels, start=start_pixels(pixels) if start else None)))
+    return samples
 
 
 def crop_pixels(image: Image.Image, entry: Entry) -> np.ndarray:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import DatasetError, TrainingData
+from .text_conds import read
 
 PREFIX = "reg/"  # bucket keys and image names of the regularisation set
 
@@ -65,6 +66,11 @@ class RegularisedData:
         data, own = self._source(index)
         return data.controls(own)
 
+    def start(self, index: int) -> np.ndarray | None:
+        data, own = self._source(index)
+        read_start = getattr(data, "start", None)
+        return read_start(own) if read_start is not None else None
+
     def variants(self, index: int) -> int:
         data, own = self._source(index)
         return data.variants(own)
@@ -76,6 +82,13 @@ class RegularisedData:
     def empty_context(self) -> np.ndarray:
         return self.main.empty_context()
 
+    def conds(self, index: int, variant: int = 0) -> dict[str, np.ndarray]:
+        data, own = self._source(index)
+        return read(data, "conds", own, variant)
+
+    def empty_conds(self) -> dict[str, np.ndarray]:
+        return read(self.main, "empty_conds")
+
     def name(self, index: int) -> str:
         data, own = self._source(index)
         return (PREFIX if data is self.reg else "") + data.name(own)
@@ -84,8 +97,11 @@ class RegularisedData:
         """DOP's class-word caption: the training set's only (a regularisation image has no trigger word)."""
         if self.is_regularisation(index):
             return None
-        read = getattr(self.main, "preservation_context", None)
-        return read(index, variant) if read is not None else None
+        read_context = getattr(self.main, "preservation_context", None)
+        return read_context(index, variant) if read_context is not None else None
+
+    def preservation_conds(self, index: int, variant: int = 0) -> dict[str, np.ndarray]:
+        return {} if self.is_regularisation(index) else read(self.main, "preservation_conds", index, variant)
 
 
 def regularisation_settings(cfg, settings):

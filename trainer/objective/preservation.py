@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..archs import Arch
+from ..archs import Arch, get_arch
 from ..config import ConfigError, TrainConfig
+from ..data import text_conds
 
 
 @dataclass
@@ -84,10 +85,11 @@ def complete(
     scale: float,
     arch: Arch,
     chosen: Settings,
+    conds: list[dict] | None = None,
 ):
     """A Batch with the regularisation weight on its rows and, with DOP on, its Preservation inputs.
-    `indices`, `variants` and `contexts` (caption dropout applied) are this rank's rows; `scale` their loss
-    scale under torchrun (1 alone)."""
+    `indices`, `variants`, `contexts` and `conds` (the captions' other conditioning; caption dropout applied)
+    are this rank's rows; `scale` their loss scale under torchrun (1 alone)."""
     is_reg = getattr(data, "is_regularisation", None)
     reg = [bool(is_reg(i)) if is_reg is not None else False for i in indices]
     if any(reg):
@@ -98,12 +100,20 @@ def complete(
         contexts[row] if reg[row] else data.preservation_context(i, v)
         for row, (i, v) in enumerate(zip(indices, variants))
     ]
-    rows, lengths = len(indices), [c.shape[0] for c in kept]
+    conds = conds or [{} for _ in indices]
+    kept_conds = [
+        conds[row] if reg[row] else text_conds.read(data, "preservation_conds", i, v)
+        for row, (i, v) in enumerate(zip(indices, variants))
+    ]
+    rows, lengths, names = len(indices), [c.shape[0] for c in kept], batch.items
     batch.preservation = Preservation(
         context=arch.collate_context(kept),
-        extras=arch.model_extras(rows, lengths),
+        extras={**arch.model_extras(rows, lengths), **text_conds.stacked(kept_conds, names)},
         joint_context=arch.collate_context(list(contexts) + kept),
-        joint_extras=arch.model_extras(2 * rows, [c.shape[0] for c in contexts] + lengths),
+        joint_extras={
+            **arch.model_extras(2 * rows, [c.shape[0] for c in contexts] + lengths),
+            **text_conds.stacked(list(conds) + kept_conds, names),
+        },
         weights=(np.where(reg, 0.0, chosen.weight) * scale).astype(np.float32),
     )
     return batch
@@ -126,8 +136,10 @@ def encoded_datasets(
     dataset = Dataset.load(folder, settings, cache_dir=cache_dir)
     if cfg.preservation_weight > 0:
         dataset = dataset.with_preservation(cfg.preservation_class)
-    dataset = dataset.encode_images(*image_encoder).encode_captions(*text_encoder)
+    start = get_arch(cfg.arch).start_image  # image-to-video: each clip's start image (data/companion_batch.py)
+    dataset = dataset.encode_images(*image_encoder, start_images=start).encode_captions(*text_encoder)
     if not cfg.reg_dataset_dir:
         return dataset
     reg = Dataset.load(cfg.reg_dataset_dir, regularisation_settings(cfg, settings), cache_dir=cache_dir)
-    return dataset.with_regularisation(reg.encode_images(*image_encoder).encode_captions(*text_encoder))
+    reg = reg.encode_images(*image_encoder, start_images=start).encode_captions(*text_encoder)
+    return dataset.with_regularisation(reg)

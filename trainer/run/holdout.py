@@ -76,7 +76,8 @@ def batches(data, held: list[int], cfg: TrainConfig, arch: Arch) -> list:
     """The held-out Batches: per image its holdout_sigmas rows, in chunks of batch_size rows (no more than a
     training micro-batch, so an evaluation needs no more memory than a step); same draws every call."""
     from ..backends.base import Batch
-    from ..data.companion_batch import mask_weights, reference_extras
+    from ..data import text_conds
+    from ..data.companion_batch import mask_weights, reference_extras, start_extras, starts
 
     out = []
     for index in held:
@@ -85,15 +86,19 @@ def batches(data, held: list[int], cfg: TrainConfig, arch: Arch) -> list:
             (cfg.holdout_sigmas, *latent.shape), dtype=np.float32
         )  # [K,C,H,W]
         levels, context = sigmas(cfg.holdout_sigmas), data.context(index, 0)
+        conds = text_conds.read(data, "conds", index, 0)  # the caption's other conditioning (SD 3.5: pooled)
         # The image's loss mask and reference latents (edit datasets), as its training batches carry them.
         mask = mask_weights([data.mask(index)], (1, *latent.shape), cfg.unmasked_weight)  # [1,1,H,W] or None
         references = reference_extras([data.controls(index)], arch, [data.name(index)])  # {key: [[1,C,h,w]]}
+        start_image = start_extras(starts(data, [index]), arch)  # image-to-video: {key: [1,...]}
         for start in range(0, cfg.holdout_sigmas, cfg.batch_size):
             rows = slice(start, min(start + cfg.batch_size, cfg.holdout_sigmas))
             count = rows.stop - rows.start
             extras = {
                 **arch.model_extras(count, [context.shape[0]] * count),
+                **text_conds.stacked([conds] * count, [data.name(index)]),
                 **{key: [np.repeat(a, count, axis=0) for a in slots] for key, slots in references.items()},
+                **{key: np.repeat(a, count, axis=0) for key, a in start_image.items()},
             }
             out.append(
                 Batch(

@@ -24,7 +24,7 @@ from ..archs import Arch, get_arch
 from ..atomic import fault_point
 from ..backends import get_backend
 from ..config import TrainConfig
-from ..data import TrainingData, companion_batch
+from ..data import TrainingData, companion_batch, text_conds
 from ..data.sampler import BATCHING, BucketSampler
 from ..lora.files import LoraWeights, lora_metadata
 from ..objective import flow as objective
@@ -100,11 +100,19 @@ def build_batch(
     contexts = [
         data.empty_context() if draws.drop_caption[row] else data.context(indices[row], variants[row]) for row in rows
     ]
+    conds = [  # the captions' other conditioning (SD 3.5's pooled output), dropped with them
+        text_conds.read(data, "empty_conds")
+        if draws.drop_caption[row]
+        else text_conds.read(data, "conds", indices[row], variants[row])
+        for row in rows
+    ]
     lengths = [c.shape[0] for c in contexts]
     names = [data.name(i) for i in indices]
     extras = {
         **arch.model_extras(len(rows), lengths),
+        **text_conds.stacked(conds, names),
         **companion_batch.reference_extras([data.controls(i) for i in mine], arch, names),
+        **companion_batch.start_extras(companion_batch.starts(data, mine), arch),
     }
     batch = Batch(
         latents=latents,
@@ -117,7 +125,9 @@ def build_batch(
         mask=companion_batch.mask_weights([data.mask(i) for i in mine], shape, settings.unmasked_weight),
     )
     # Regularisation rows' loss weight; DOP's class-word captions (trainer/objective/preservation.py). No draws.
-    return preservation.complete(batch, data, mine, [variants[row] for row in rows], contexts, scale, arch, preserve)
+    return preservation.complete(
+        batch, data, mine, [variants[row] for row in rows], contexts, scale, arch, preserve, conds=conds
+    )
 
 
 def latent_tokens(shape: tuple, arch: Arch) -> int:

@@ -158,7 +158,8 @@ def test_timestep_and_velocity_convention(klein, zimage):
 
 def training_data(model, vae, clip, texts, size):
     encode_image, _ = bridge.vae_encoder(vae)
-    encode_text, _ = bridge.text_encoder(clip)
+    encode, _ = bridge.text_encoder(clip)
+    encode_text = lambda text: encode(text)["context"]  # these encoders give no other conditioning
     rng = np.random.default_rng(0)
     pixels = rng.random((len(texts), size, size, 3), dtype=np.float32)
     latents = bridge.latents_in(model, encode_image(pixels))
@@ -685,12 +686,14 @@ def test_vae_encoder(flux2_vae, flux_vae, zimage, klein):
 
 def test_text_encoder(klein_clip, zimage_clip):
     encode, identity = bridge.text_encoder(zimage_clip)
-    emb = encode("a photo of a cat")
+    encoded = encode("a photo of a cat")
+    assert list(encoded) == ["context"]  # no pooled output, and the attention mask is left out
+    emb = encoded["context"]
     cond = tc.conditioning(zimage_clip, "a photo of a cat")
     np.testing.assert_array_equal(emb, cond[0][0][0].numpy())
     assert cond[0][1]["pooled_output"] is None and bool(cond[0][1]["attention_mask"].all())  # so only T counts
     assert emb.dtype == np.float32 and emb.shape[1] == tc.ZIMAGE_TE_HIDDEN
-    assert encode("").shape[0] > 0  # the chat template makes the empty caption a few tokens
+    assert encode("")["context"].shape[0] > 0  # the chat template makes the empty caption a few tokens
     assert identity == bridge.text_encoder(zimage_clip)[1] != bridge.text_encoder(klein_clip)[1]
 
 

@@ -29,7 +29,8 @@ import kiln_pack.trainer.backends.torch_backend.checkpointing as checkpointing
 def _two_bucket_data(model, vae, clip):
     """Two images at 32 px and two at 96 px: 4 and 36 image tokens, which Z-Image pads to 32 and 64."""
     encode_image, _ = bridge.vae_encoder(vae)
-    encode_text, _ = bridge.text_encoder(clip)
+    encode, _ = bridge.text_encoder(clip)
+    encode_text = lambda text: encode(text)["context"]  # these encoders give no other conditioning
     rng = np.random.default_rng(0)
     latents = [
         latent

@@ -10,7 +10,10 @@ with ComfyUI's own classes (tests/helpers/tiny_families.py), in whichever tree r
     of different lengths runs one call per length, the shift is ComfyUI's schedule, the text encoder type and
     sampler names exist, the diffusers names round-trip.
 SD 3.5 and HiDream take conds beyond the cross-attention tensor (pooled CLIP output; HiDream also Llama 3.1's
-layers): these tests hand them to the bridge as extras, which Kiln's caption cache does not yet keep.
+layers): the tests on tiny_families' models hand them to the bridge as extras; the last tests encode them with
+tiny SD 3.5 and HiDream text encoders (tests/helpers/tiny_pooled.py) through Encode Captions → Train LoRA, the
+caption cache keeping them and the training forward bitwise the sampler's call with them, and a cache without
+them refused by name.
 """
 
 from __future__ import annotations
@@ -24,16 +27,19 @@ comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
 
 import comfy.model_management as mm  # noqa: E402
 import comfy.supported_models  # noqa: E402
+from helpers import node_runs  # noqa: E402
 from helpers import tiny_comfy as tc  # noqa: E402
 from helpers import tiny_families as tf  # noqa: E402
+from helpers import tiny_pooled as tp  # noqa: E402
 import torch  # noqa: E402
-from helpers.bridge_calls import comfy_sampling_calls, our_call, same_call, small_config  # noqa: E402
+from helpers.bridge_calls import Calls, comfy_sampling_calls, our_call, same_call, small_config  # noqa: E402
 
 import kiln_pack.nodes.comfy.bridge as bridge
 import kiln_pack.trainer.archs as archs
 import kiln_pack.trainer.data as data_module
 import kiln_pack.trainer.lora.files as lf
 import kiln_pack.trainer.run.loop as loop
+from kiln_pack.trainer.data import text_conds
 from kiln_pack.trainer.lora.targets import select_targets
 
 ARCH_FILES = [name for name, family in tf.FAMILIES.items() if family.arch != "generic"]
@@ -216,3 +222,75 @@ def _rules(arch, path):
     import re
 
     return [rule for rule in arch.diffusers_rules if re.fullmatch(rule.comfy, path)]
+
+
+# ---------------------------------------------------------------- conditioning beside the embedding, through the nodes
+
+POOLED = {  # family → (tiny model, tiny text encoder, the conditioning its extra_conds reads beside the embedding)
+    "sd35": (tp.sd35, tp.tiny_sd3_clip, ("pooled_output",)),
+    "hidream": (tp.hidream, tp.tiny_hidream_clip, ("pooled_output", "conditioning_llama3")),
+}
+
+
+@pytest.fixture(scope="module", params=list(POOLED))
+def pooled(request, tmp_path_factory, comfy_dirs):
+    family = tf.FAMILIES[request.param]
+    if not hasattr(comfy.supported_models, family.config_class):
+        pytest.skip(f"this ComfyUI has no supported_models.{family.config_class}")
+    build, make_clip, names = POOLED[request.param]
+    model, clip = build(tmp_path_factory.mktemp(request.param)), make_clip()
+    ds = node_runs.encoded_dataset(comfy_dirs, tc.tiny_vae(flux2=False), clip, f"ds_pooled_{request.param}")
+    return family, model, clip, ds, names
+
+
+def test_encode_captions_caches_the_conditioning_comfy_gives(pooled):
+    _fam, _model, clip, ds, names = pooled
+    data = ds.training_data()
+    conds = data.conds(0)
+    assert sorted(conds) == sorted(names) and sorted(data.empty_conds()) == sorted(names)
+    _, theirs = tc.conditioning(clip, data.caption(0))[0]
+    for name in names:  # CLIPTextEncode's tensor without its batch axis, as the cache's bf16 holds it
+        np.testing.assert_array_equal(conds[name], theirs[name][0].to(torch.bfloat16).float().numpy())
+    # An encoder that gives such conditioning has another identity than one of the embedding alone: caption
+    # caches written before Kiln kept it are never read, they are encoded again.
+    assert ds.text_identity != bridge.text_encoder(tc.tiny_zimage_clip())[1]
+
+
+def test_forward_with_cached_conditioning_equals_comfy_sampling(pooled):
+    _fam, model, _clip, ds, _names = pooled
+    data = ds.training_data()
+    context, conds = data.context(0), data.conds(0)
+    cond = [[torch.from_numpy(context)[None], {k: torch.from_numpy(v)[None] for k, v in conds.items()}]]
+    theirs = comfy_sampling_calls(model, cond, (1, 16, 4, 4))
+    args, kwargs, output = theirs[0]
+    assert kwargs["y"] is not None  # the pooled vector reaches the model as ComfyUI's `y`
+    extras = {k: torch.from_numpy(v) for k, v in text_conds.stacked([conds], ["img0"]).items()}
+    forward, dm = bridge.make_forward(model, "generic"), bridge.diffusion_model(model)
+    with Calls(dm) as calls, torch.inference_mode():
+        sigma = kwargs["transformer_options"]["sigmas"]  # the model's timestep is σ·1000 for these two
+        ours = forward(dm, args[0], sigma, torch.from_numpy(context[None]), extras)
+    same_call(calls[0], theirs[0])
+    assert torch.equal(ours, output)
+
+
+def test_train_lora_node_feeds_the_cached_conditioning(pooled, comfy_dirs):
+    fam, model, _clip, ds, names = pooled
+    dm = bridge.diffusion_model(model)
+    with Calls(dm) as calls:
+        result = node_runs.train(model, ds, steps=2, options={"targets": list(fam.targets), "run_name": fam.name})
+    _trained, lora, state, loss_map, _images = result.result
+    assert state.step == 2 and all(np.isfinite(loss_map["loss"]))
+    assert any(np.abs(w.B).max() > 0 for w in bridge.lora_weights_from(lora).values())
+    y = calls[0][1]["y"]  # each training call carries the pooled vector, one row per caption
+    assert y is not None and y.shape == (calls[0][0][0].shape[0], tp.POOLED)
+    if "conditioning_llama3" in names:
+        llama = calls[0][1]["encoder_hidden_states_llama3"]  # [B, layers, tokens, width]
+        assert llama.shape[0] == y.shape[0] and llama.shape[1] == tp.LLAMA_LAYERS
+
+
+def test_train_lora_refuses_a_cache_without_the_conditioning(pooled, comfy_dirs):
+    fam, model, _clip, _ds, names = pooled
+    plain = node_runs.encoded_dataset(comfy_dirs, tc.tiny_vae(flux2=False), tc.tiny_zimage_clip(), f"plain_{fam.name}")
+    with pytest.raises(ValueError, match=f"{names[0]}.*Encode Captions") as error:
+        node_runs.train(model, plain, steps=1, options={"targets": list(fam.targets), "run_name": f"no_{fam.name}"})
+    assert {"sd35": "SD 3.5", "hidream": "HiDream"}[fam.name] in str(error.value)

@@ -34,6 +34,7 @@ from helpers.bridge_calls import (  # noqa: E402
 )
 
 import kiln_pack.nodes.comfy.bridge as bridge
+import kiln_pack.nodes.comfy.model as bridge_model
 import kiln_pack.trainer.archs as archs
 import kiln_pack.trainer.data as data_module
 import kiln_pack.trainer.lora.files as lf
@@ -107,6 +108,45 @@ def test_i2v_start_image_conditioning_passes_through_as_comfy_gives_it(models):
         assert not torch.equal(args[0][:, 16:20], torch.zeros_like(args[0][:, 16:20]))  # the mask went in
         same_call(calls[0], (args, kwargs, output))
         assert torch.equal(ours, output)
+
+
+def test_i2v_start_image_from_a_clips_first_frame_is_wanimagetovideos(models):
+    """Kiln's start image for a clip (its first frame then grey, through the VAE encoder Encode Images uses, fed by
+    the training batch's start_extras) reaches the model bitwise as ComfyUI's sampler gives WanImageToVideo's conds
+    for that first frame (the clip already at its bucket's size, so the node's resize keeps it)."""
+    from comfy_extras.nodes_wan import WanImageToVideo
+    from helpers.tiny_wan import tiny_wan_vae
+
+    from kiln_pack.trainer.data.companion_batch import start_extras
+    from kiln_pack.trainer.data.companions import start_pixels
+
+    model, vae, emb, length = models["i2v"], tiny_wan_vae(), caption(6, 9), 5
+    clip = np.random.default_rng(7).random((length, 32, 32, 3), dtype=np.float32)
+    encode, _identity = bridge.vae_encoder(vae)
+    start = encode(start_pixels(clip)[None])[0]  # [16, 2, 4, 4]: what Encode Images caches as "start"
+    arch = archs.get_arch("wan22_i2v_low")
+    extras = {k: torch.from_numpy(v) for k, v in start_extras([start], arch).items()}
+    extras["num_tokens"] = torch.tensor([len(emb)])
+    with torch.inference_mode():  # as ComfyUI runs a node
+        node = WanImageToVideo.execute(
+            cond(emb), cond(emb), vae, 32, 32, length, 1, start_image=torch.from_numpy(clip[:1])
+        )
+    positive, _negative, latent = node.result if hasattr(node, "result") else node
+    run = comfy_sampling_calls(model, positive, tuple(latent["samples"].shape), seed=3)
+    context = torch.from_numpy(arch.collate_context([emb]))
+    dm, forward = bridge.diffusion_model(model), bridge.make_forward(model, arch.name)
+    for args, kwargs, output in run:
+        with Calls(dm) as calls, torch.inference_mode():
+            ours = forward(dm, args[0][:, :16], kwargs["transformer_options"]["sigmas"], context, extras)
+        same_call(calls[0], (args, kwargs, output))
+        assert torch.equal(ours, output)
+
+
+def test_train_lora_refuses_wan21_i2v_without_clip_vision(models, tmp_path):
+    """Wan 2.1 I2V (img_emb: it reads CLIP vision features) cannot be fed them yet: the error names them."""
+    with pytest.raises(ValueError, match="clip_vision_output"):
+        bridge_model.check_conditioning(models["i2v"], set())
+    bridge_model.check_conditioning(models["t2v"], set())  # T2V reads no such thing
 
 
 @pytest.mark.parametrize("frames", [3, None])
@@ -250,3 +290,30 @@ def test_text_encoder_shift_and_expert_sigma_ranges(wan):
     assert archs.get_arch("wan22_t2v_low").sigma_range == (0.0, 0.875)
     assert archs.get_arch("wan22_i2v_high").sigma_range == (0.9, 1.0)
     assert archs.get_arch("wan21_t2v").sigma_range == (0.0, 1.0)
+
+
+def test_ti2v_5b_samples_with_the_shift_of_comfys_template(models):
+    """The TI2V 5B's samples: Kiln samples the model as ComfyUI loads it, whose shift is the one ComfyUI's
+    video_wan2_2_5B_ti2v template sets with ModelSamplingSD3 (8), and the one the arch trains with."""
+    import json
+
+    arch, t = archs.get_arch("wan22_ti2v_5b"), torch.tensor([0.1, 0.3, 0.7])
+    sigmas = models["ti2v"].get_model_object("model_sampling").sigma(t * 1000)
+    torch.testing.assert_close(sigmas, arch.shift * t / (1 + (arch.shift - 1) * t), rtol=1e-5, atol=1e-6)
+    assert arch.shift == 8.0
+    assert (arch.sampling.steps, arch.sampling.cfg, arch.sampling.sampler) == (20, 5.0, "uni_pc")
+    templates = pytest.importorskip("comfyui_workflow_templates_json")  # installed with the 0.33 tree's frontend
+    from pathlib import Path
+
+    template = Path(templates.__file__).parent / "templates" / "video_wan2_2_5B_ti2v.json"
+    if not template.is_file():
+        pytest.skip(f"{template} is not in this templates package")
+    nodes = json.loads(template.read_text())["nodes"]
+    assert [n["widgets_values"][0] for n in nodes if n["type"] == "ModelSamplingSD3"] == [arch.shift]
+    sampler = next(n["widgets_values"] for n in nodes if n["type"] == "KSampler")
+    assert (sampler[2], sampler[3], sampler[4], sampler[5]) == (
+        arch.sampling.steps,
+        arch.sampling.cfg,
+        arch.sampling.sampler,
+        arch.sampling.scheduler,
+    )

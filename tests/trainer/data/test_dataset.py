@@ -133,3 +133,44 @@ def test_folder_fingerprint_follows_edits(folder):
     (folder / ".kiln_cache").mkdir(exist_ok=True)
     (folder / ".kiln_cache" / "x").write_text("cache files do not count")
     assert folder_fingerprint(folder) == second
+
+
+def pooled_encoder(text):
+    """An encoder that gives conditioning beside the embedding, as SD 3.5's does (its pooled CLIP vector)."""
+    return {
+        "context": np.full((len(text.split()) + 1, 4), len(text), np.float32),
+        "pooled_output": np.full(3, len(text) + 0.5, np.float32),
+    }
+
+
+def test_conditioning_beside_the_embedding_is_cached_and_batched(folder):
+    from trainer.archs import get_arch
+    from trainer.objective.flow import ObjectiveSettings
+    from trainer.run import holdout
+    from trainer.run.loop import build_batch
+
+    ds = Dataset.load(folder, DataSettings(resolutions=(128,))).encode_images(Counting("vae"), "vae-1")
+    data = ds.encode_captions(pooled_encoder, "te-pooled").training_data()
+    index = data.buckets["128x128"][0]
+    assert list(data.conds(index)) == ["pooled_output"]
+    assert data.conds(index)["pooled_output"][0] == len(data.caption(index)) + 0.5
+    assert np.array_equal(data.context(index), pooled_encoder(data.caption(index))["context"])
+    assert data.empty_conds()["pooled_output"].tolist() == [0.5] * 3
+    # One row per caption, the dropped captions' from the empty caption (caption dropout drops both).
+    rows = [index, index]
+    arch, settings = get_arch("generic"), ObjectiveSettings()
+    kept = build_batch(data, rows, np.random.default_rng(0), settings, arch, 0.0)
+    assert kept.extras["pooled_output"].shape == (2, 3)
+    assert kept.extras["pooled_output"][:, 0].tolist() == [len(data.caption(index)) + 0.5] * 2
+    dropped = build_batch(data, rows, np.random.default_rng(0), settings, arch, 1.0)
+    assert dropped.extras["pooled_output"].tolist() == [[0.5] * 3] * 2
+    # The held-out loss's rows carry the caption's too.
+    config = type("Config", (), {"seed": 0, "holdout_sigmas": 2, "batch_size": 2, "unmasked_weight": 1.0})
+    (held,) = holdout.batches(data, [index], config, arch)
+    assert held.extras["pooled_output"][:, 0].tolist() == [len(data.caption(index)) + 0.5] * 2
+    # An embedding-only encoder's cache gives none, and its batches no extra.
+    plain = ds.encode_captions(Counting("text"), "te-1").training_data()
+    assert (
+        plain.conds(index) == {}
+        and build_batch(plain, rows, np.random.default_rng(0), settings, arch, 0.0).extras == {}
+    )

@@ -115,3 +115,39 @@ def test_in_memory_clips_of_different_lengths_fall_in_different_buckets():
     context = np.zeros((2, 8), np.float32)
     data = InMemoryData.from_arrays(latents, [context] * 3, ["a.mp4", "b.mp4", "c.png"], context)
     assert data.buckets == {"8x6x3t": [0], "8x6x5t": [1], "8x6": [2]}
+
+
+def test_start_images_are_each_clips_first_frame_then_grey_and_feed_an_i2v_batch(tmp_path):
+    """Encode Images' start_images: each clip window's start image (its first frame, then grey: WanImageToVideo's
+    pixels) encoded beside it under another key; an I2V arch's batch carries it with its mask, and an I2V run on
+    clips without it is refused."""
+    from trainer.archs import get_arch
+    from trainer.config import ConfigError, from_dict
+    from trainer.data.companion_batch import check
+    from trainer.objective.flow import ObjectiveSettings
+    from trainer.run.loop import build_batch
+
+    write_clip(tmp_path / "a.mp4", codec="mpeg4", frames=20, fps=16)
+    frames = FrameSettings(frames=9, fps=16, extraction="windows", windows=2)
+    loaded = Dataset.load(tmp_path, DataSettings(resolutions=(64,), divisor=16, frames=frames))
+    seen = []
+    plain = loaded.encode_images(fake_video_vae(seen), "fake-vae")
+    ds = loaded.encode_images(fake_video_vae(seen), "fake-vae", start_images=True)
+    assert plain.entry_key(plain.plan.entries[0]) != ds.entry_key(ds.plan.entries[0])
+    data = ds.encode_captions(lambda text: np.zeros((2, 8), np.float32), "fake-text").training_data()
+    start, latent = data.start(1), data.latent(1)  # the second window: frames 11..19
+    assert start.shape == latent.shape == (4, 3, 6, 8)
+    assert np.array_equal(start[:, 0], latent[:, 0])  # the first latent frame: the window's first frame
+    assert np.all(start[:, 1:] == 0.5)  # then grey (the stand-in VAE reads each latent frame's first frame)
+    arch, rows = get_arch("wan22_i2v_low"), data.buckets["64x48x9f"]
+    batch = build_batch(data, rows, np.random.default_rng(0), ObjectiveSettings(), arch, 0.0)
+    assert np.array_equal(batch.extras["concat_latent_image"], np.stack([data.start(n) for n in rows]))
+    mask = batch.extras["concat_mask"]  # WanImageToVideo's: 0 on the start frame's latent frame
+    assert mask.shape == (2, 1, 3, 6, 8) and mask[:, :, 0].max() == 0 and mask[:, :, 1:].min() == 1
+    t2v = build_batch(data, rows, np.random.default_rng(0), ObjectiveSettings(), get_arch("wan21_t2v"), 0.0)
+    assert "concat_latent_image" not in t2v.extras
+    cfg = from_dict({"arch": "wan22_i2v_low"})
+    check(cfg, data, arch)
+    without = plain.encode_captions(lambda text: np.zeros((2, 8), np.float32), "fake-text").training_data()
+    with pytest.raises(ConfigError, match="start_images on in Kiln Encode Images"):
+        check(cfg, without, arch)

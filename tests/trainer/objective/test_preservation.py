@@ -309,6 +309,28 @@ def test_class_captions_are_encoded_and_cached(tmp_path):
     dataset.encode_captions(encode_text, "te")  # cached: nothing encoded again
     assert seen == again and len(seen) == 5
 
+    # An encoder's conditioning beside the embedding (SD 3.5's pooled vector) comes with the class-word captions:
+    # the DOP forward takes the class captions', the joint forward the rows' then theirs.
+    def pooled(text):
+        return {"context": encode_text(text), "pooled_output": np.full(2, len(text), np.float32)}
+
+    data = dataset.encode_images(lambda px: px[:, ::8, ::8].transpose(0, 3, 1, 2), "vae")
+    data = data.encode_captions(pooled, "te-pooled").training_data()
+    rows, arch = [0, 1], get_arch("generic")
+    batch = build_batch(
+        data,
+        rows,
+        np.random.default_rng(0),
+        objective_settings(config.from_dict({}), arch),
+        arch,
+        0.0,
+        preserve=Settings(weight=1.0),
+    )
+    class_lengths = [len(class_caption(data.caption(i), "ohwx", "person")) for i in rows]
+    assert batch.preservation.extras["pooled_output"][:, 0].tolist() == class_lengths
+    joint = batch.preservation.joint_extras["pooled_output"][:, 0].tolist()
+    assert joint == [len(data.caption(i)) for i in rows] + class_lengths
+
 
 # --------------------------------------------------------------------------- MLX
 
