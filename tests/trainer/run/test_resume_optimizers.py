@@ -20,8 +20,9 @@ OPTIMIZERS = {
     "lion": ("lion_pytorch", {"learning_rate": 3e-4, "adam_beta2": 0.99}, ".exp_avg"),
     "came": ("came_pytorch", {}, ".exp_avg_res_row"),
     "schedulefree": ("schedulefree", {"lr_schedule": "constant"}, ".z"),
-    # rank 64: the MLP's lora_A [64, 128] reaches torchao's 4096 entries, under which it keeps fp32 moments
-    "adamw8bit_torchao": ("torchao", {"rank": 64, "alpha": 64.0}, ".exp_avg~codes"),
+    # rank 64: linear1's lora_B [160, 64] and linear2's lora_A [64, 96] reach torchao's 4096 entries, under which
+    # it keeps fp32 moments; two targets only, as each new shape recompiles its step (the test's cost)
+    "adamw8bit_torchao": ("torchao", {"rank": 64, "alpha": 64.0, "targets": ["linear1", "linear2"]}, ".exp_avg~codes"),
     "adamw8bit": (None, {}, ".exp_avg_sq"),  # on CPU: fp32 AdamW, said in the log
 }
 
