@@ -128,12 +128,14 @@ def widget(
 
 
 def preset_input():
-    """The preset combo of the train nodes: the config's presets, or none."""
+    """The preset combo of the train nodes: the config's presets, or none; the tooltip gives each one's reason."""
+    reasons = "\n".join(f"{name}: {line}" for name, line in cfg_module.PRESET_LINES.items())
     return io.Combo.Input(
         "preset",
         options=["none", *cfg_module.PRESETS],
         default="none",
-        tooltip="Fills the settings that neither this node nor a connected option node sets (README: Presets)",
+        tooltip="Fills the settings that neither this node nor a connected option node sets (docs/command-line.md: "
+        f"Presets; `python -m trainer presets` lists what each sets)\n{reasons}",
     )
 
 

@@ -77,6 +77,15 @@ def test_every_node_is_registered():
             assert i.tooltip and i.tooltip.lower() not in (i.id, i.id.replace("_", " ")), f"{node.__name__}.{i.id}"
 
 
+def test_the_preset_tooltip_gives_each_presets_reason():
+    inputs = {i.id: i for i in tn.KilnTrainLoRA.define_schema().inputs}
+    preset = inputs["preset"]
+    assert preset.options == ["none", *tn.cfg_module.PRESETS]
+    for name, line in tn.cfg_module.PRESET_LINES.items():
+        assert f"\n{name}: {line}" in preset.tooltip
+    assert "lion" in inputs["optimizer"].tooltip and "3-10x smaller" in inputs["learning_rate"].tooltip
+
+
 def test_load_dataset_shows_the_bucket_plan_on_the_node(comfy_dirs):
     """The node's text is check-dataset's report with the buckets: per resolution, each bucket with its
     images and the crop an image gets."""

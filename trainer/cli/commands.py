@@ -1,4 +1,4 @@
-"""The small commands: check-dataset, caption, export, cache, inspect (the LoRA tools: lora_commands.py)."""
+"""The small commands: check-dataset, caption, export, cache, inspect, presets (the LoRA tools: lora_commands.py)."""
 
 from __future__ import annotations
 
@@ -99,3 +99,10 @@ def _arch(name: str):
     from ..archs import get_arch
 
     return get_arch(name)
+
+
+def cmd_presets(args) -> int:
+    from ..config.presets import preset_table
+
+    print(preset_table())
+    return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .commands import cmd_cache, cmd_caption, cmd_check_dataset, cmd_export, cmd_inspect
+from .commands import cmd_cache, cmd_caption, cmd_check_dataset, cmd_export, cmd_inspect, cmd_presets
 from .estimate import cmd_estimate
 from .lora_commands import add_commands, add_convert_command
 from .train import cmd_demo, cmd_train
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (_add_demo, _add_train, _add_check_dataset, _add_caption, _add_estimate, _add_lora_files, _add_cache):
         add(commands)
+    _add_presets(commands)
     add_commands(commands)  # merge, resize, extract
     return parser
 
@@ -201,3 +202,8 @@ def _add_cache(commands) -> None:
     cache.add_argument("--max-gb", type=float, help="delete least recently used entries until it fits")
     cache.add_argument("--clear", action="store_true", help="delete every cached entry")
     cache.set_defaults(func=cmd_cache)
+
+
+def _add_presets(commands) -> None:
+    presets = commands.add_parser("presets", help="list the presets: each one's reason in a line, the settings it sets")
+    presets.set_defaults(func=cmd_presets)

@@ -18,6 +18,7 @@ from ..objective.flow import parse_sigma_range
 from .declaration import AUTO, ConfigError
 from .fields import AUTO_FIELDS, BOUNDS, CHOICES, KIND, TrainConfig
 from .prompts import PROMPT_FLAGS, PROMPT_KEYS
+from .training import MLX_OPTIMIZER_NAMES
 
 _KINDS = {
     "str": str,
@@ -173,6 +174,11 @@ def _schedule_problems(cfg: TrainConfig) -> list[str]:
         problems.append("lr_schedule 'cosine' has no warm-up; use 'cosine_with_warmup' or set warmup_steps = 0")
     if cfg.lr_schedule == "cosine_with_warmup" and cfg.warmup_steps == 0:
         problems.append("lr_schedule 'cosine_with_warmup' needs warmup_steps > 0")
+    if cfg.optimizer == "schedulefree" and cfg.lr_schedule != "constant":
+        problems.append(
+            f"optimizer schedulefree replaces the lr schedule (it averages its weights instead of decaying the lr); "
+            f"set lr_schedule to constant (got {cfg.lr_schedule!r}; warmup_steps still warms it up)"
+        )
     if cfg.optimizer == "prodigy" and cfg.learning_rate < 0.1:
         problems.append(f"prodigy finds its own step size; set learning_rate to 1.0 (got {cfg.learning_rate:g})")
     return problems
@@ -184,8 +190,12 @@ def _backend_problems(cfg: TrainConfig) -> list[str]:
         problems.append(
             f"arch {cfg.arch!r} has no MLX port (it trains ComfyUI's own PyTorch model); use backend 'torch'"
         )
-    if cfg.backend == "mlx" and cfg.optimizer in ("adamw8bit", "prodigy"):
-        problems.append(f"optimizer {cfg.optimizer!r} is PyTorch-only; use adamw or adafactor with backend 'mlx'")
+    # adamw8bit is allowed: the MLX backend trains it as fp32 AdamW and says so in the log
+    if cfg.backend == "mlx" and cfg.optimizer not in MLX_OPTIMIZER_NAMES:
+        problems.append(
+            f"optimizer {cfg.optimizer!r} is PyTorch-only; use one of {', '.join(MLX_OPTIMIZER_NAMES)} with "
+            "backend 'mlx'"
+        )
     if cfg.backend == "mlx" and cfg.attention != "auto":
         problems.append(
             f"attention {cfg.attention!r} picks a PyTorch kernel; MLX has one (mx.fast.scaled_dot_product_attention): "

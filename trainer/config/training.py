@@ -15,6 +15,7 @@ from ..objective.schedules import SCHEDULES
 from .declaration import AUTO, setting
 
 __all__ = [
+    "MLX_OPTIMIZER_NAMES",
     "OPTIMIZER_NAMES",
     "AdapterKindFields",
     "EmaFields",
@@ -25,7 +26,10 @@ __all__ = [
     "SpeedFields",
 ]
 
-OPTIMIZER_NAMES = ("adamw", "adamw8bit", "adafactor", "prodigy")  # backends register each
+# backends register each; new names go last (a saved workflow's combo keeps its value either way)
+OPTIMIZER_NAMES = ("adamw", "adamw8bit", "adafactor", "prodigy", "lion", "came", "schedulefree", "adamw8bit_torchao")
+# What backend 'mlx' builds (adamw8bit falls back to fp32 AdamW there: bitsandbytes is CUDA-only)
+MLX_OPTIMIZER_NAMES = ("adamw", "adamw8bit", "adafactor")
 
 
 @dataclass
@@ -145,36 +149,52 @@ class OptimiserFields:
         choices=tuple(BATCHING),
     )
     learning_rate: float = setting(
-        1e-4, "peak learning rate (prodigy: 1.0)", "training", bounds=(1e-7, 10.0), node="train", slot=1
+        1e-4,
+        "peak learning rate. adamw, adamw8bit, came: 1e-4 for a LoRA; lion: 3-10x smaller (1e-5 to 3e-5); "
+        "schedulefree: 1e-4 to 1e-3; prodigy: 1.0 (it finds its own step size)",
+        "training",
+        bounds=(1e-7, 10.0),
+        node="train",
+        slot=1,
     )
     optimizer: str = setting(
         "adamw",
-        "adamw, adamw8bit (bitsandbytes), adafactor, prodigy (prodigyopt)",
+        "adamw; adamw8bit (bitsandbytes, NVIDIA; elsewhere fp32 adamw, said in the log); adafactor; prodigy "
+        "(prodigyopt); lion (lion-pytorch: sign updates, one moment, lr 3-10x smaller, weight decay 3-10x "
+        "larger); came (came-pytorch: factored second moment, adafactor's memory with adam's stability); "
+        "schedulefree (schedulefree: AdamW without a schedule, lr_schedule constant; samples and saves use its "
+        "averaged weights); adamw8bit_torchao (torchao's 8-bit AdamW, any CUDA GPU, no bitsandbytes)",
         "training",
         choices=OPTIMIZER_NAMES,
         node="train",
         slot=4,
     )
     weight_decay: float = setting(
-        1e-4, "decoupled weight decay on LoRA weights", "training", step=1e-6, bounds=(0.0, 1.0)
+        1e-4,
+        "decoupled weight decay on LoRA weights (lion: 3-10x the adamw value)",
+        "training",
+        step=1e-6,
+        bounds=(0.0, 1.0),
     )
     adam_beta1: float = setting(
         0.9,
-        "adamw, adamw8bit, prodigy: decay of the gradient average (momentum)",
+        "decay of the gradient average (momentum): adamw, adamw8bit(_torchao), prodigy, lion, came, "
+        "schedulefree (its interpolation between the average and the fast iterate)",
         "training",
         advanced=True,
         bounds=(0.0, 0.9999),
     )
     adam_beta2: float = setting(
         0.999,
-        "adamw, adamw8bit, prodigy: decay of the squared-gradient average",
+        "decay of the squared-gradient average: adamw, adamw8bit(_torchao), prodigy, came, schedulefree; lion: "
+        "decay of its one moment (lion's paper uses 0.99)",
         "training",
         advanced=True,
         bounds=(0.0, 0.99999),
     )
     adam_eps: float = setting(
         1e-8,
-        "adamw, adamw8bit, prodigy: added to the denominator for stability",
+        "added to the denominator for stability: adamw, adamw8bit(_torchao), prodigy, schedulefree",
         "training",
         advanced=True,
         bounds=(1e-12, 1e-3),

@@ -35,17 +35,34 @@ INT8_SCALE_BYTES = 4  # base_dtype int8 (torch base_quantize int8): an fp32 scal
 ACTIVATION_BYTES = {"bf16": 2, "no": 4}  # mixed_precision, as in TrainConfig
 
 
-def _per_param(nbytes: int):
-    return lambda shapes, rank: nbytes * sum(rank * (i + o) for i, o in shapes)
-
-
-# Optimizer state in bytes, from the targeted (in, out) shapes and the rank.
-OPTIMIZER_STATE = {
-    "adamw": _per_param(8),
-    "adamw8bit": _per_param(2),
-    "adafactor": lambda shapes, rank: 4 * sum((rank + i) + (o + rank) for i, o in shapes),  # A [r,in], B [out,r]
-    "prodigy": _per_param(16),
+# Optimizer state per trainable entry, in bytes (torchao's 8-bit AdamW: plus a 4 B scale per 256 entries, left
+# out as bitsandbytes' block scales are). adafactor and came also keep row and column statistics of each 2-D
+# tensor: adafactor its second moment's, came those and its confidence's.
+STATE_BYTES = {
+    "adamw": 8,
+    "adamw8bit": 2,
+    "adafactor": 0,
+    "prodigy": 16,
+    "lion": 4,
+    "came": 4,
+    "schedulefree": 8,
+    "adamw8bit_torchao": 2,
 }
+FACTORED = {"adafactor": 1, "came": 2}
+
+
+def state_bytes(optimizer: str, tensors) -> int:
+    """Optimizer state of the trainable 2-D tensors [(rows, columns), ...]."""
+    per, factored = STATE_BYTES[optimizer], FACTORED.get(optimizer, 0)
+    return sum(per * r * c + 4 * factored * (r + c) for r, c in tensors)
+
+
+def _lora_state(optimizer: str):
+    return lambda shapes, rank: state_bytes(optimizer, [t for i, o in shapes for t in ((rank, i), (o, rank))])
+
+
+# Optimizer state in bytes, from the targeted (in, out) shapes and the rank (A [r,in], B [out,r]).
+OPTIMIZER_STATE = {name: _lora_state(name) for name in STATE_BYTES}
 
 
 def adapter_costs(
@@ -67,10 +84,7 @@ def adapter_costs(
     (taken as the targeted layers' share of one block, an approximation)."""
     per_layer = [adapters.tensor_shapes(kind, i, o, rank, lokr_factor, lokr_full_w2) for i, o in shapes]
     params = sum(r * c for layer in per_layer for r, c in layer)
-    if optimizer == "adafactor":  # factored second moment of each 2-D tensor: rows + columns
-        optimizer_bytes = 4 * sum(r + c for layer in per_layer for r, c in layer)
-    else:
-        optimizer_bytes = {"adamw": 8, "adamw8bit": 2, "prodigy": 16}[optimizer] * params
+    optimizer_bytes = state_bytes(optimizer, [shape for layer in per_layer for shape in layer])
     extra = {"loha": sum(14 * i * o for i, o in shapes), "dora": sum(act * tokens * i for i, _ in shapes)}.get(kind, 0)
     if checkpointing:
         extra = extra // max(blocks, 1)

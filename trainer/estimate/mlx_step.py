@@ -57,7 +57,8 @@ MLX_BASE_BYTES = {"bf16": 2, "fp32": 4, **QUANT_BYTES}
 MLX_OVERHEAD = GIB // 2
 ATTENTION_KEPT = 6.6  # per block: bf16 and fp32 softmax probabilities, kept for backward (measured)
 BACKWARD_FACTOR = 1.0  # the block in backward: its internals' gradients, as large as they are (fitted)
-MLX_OPTIMIZERS = ("adamw", "adafactor")
+MLX_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # config.MLX_OPTIMIZER_NAMES
+MLX_RUNS = {"adamw8bit": "adamw"}  # what the MLX backend trains instead (bitsandbytes is CUDA-only)
 
 
 def working_set_gib(ram_gb: float) -> float:
@@ -112,11 +113,14 @@ def estimate_mlx(
     text_tokens = dims.context_tokens
     tokens = rows * (image_tokens + text_tokens)
     shapes = lora_shapes(dims, targets)
-    lora_params, optimizer_bytes, adapter_workspace, adapter_note = trainable_costs(settings, dims, shapes, tokens, act)
+    runs = {**settings, "optimizer": MLX_RUNS.get(optimizer, optimizer)}  # the state of the optimizer that runs
+    lora_params, optimizer_bytes, adapter_workspace, adapter_note = trainable_costs(runs, dims, shapes, tokens, act)
     activations = _activations(
         dims, image_tokens, target_tokens, text_tokens, act, gradient_checkpointing, skip_checkpoint_blocks
     )
     notes = _notes(image_tokens, text_tokens, reference_images, preservation) + ([adapter_note] if adapter_note else [])
+    if optimizer in MLX_RUNS:
+        notes.append(f"optimizer {optimizer} trains as fp32 {MLX_RUNS[optimizer]} on MLX (bitsandbytes is CUDA-only)")
     return Estimate.summed(
         weights=_weight_bytes(dims, base_dtype),
         lora_params=lora_params,

@@ -11,7 +11,9 @@ beforehand (cached latents and embeddings) or offloaded.
                  (bitsandbytes; block scales ignored), prodigy 16 B (exp_avg,
                  exp_avg_sq, s, p0; p0 of a zero lora_B is a scalar, so ~14 B real);
                  adafactor 4 B x (rows + cols) per LoRA matrix (torch.optim.Adafactor:
-                 factored second moment, no momentum)
+                 factored second moment, no momentum); lion 4 B (one moment); came 4 B +
+                 8 B x (rows + cols) per matrix; schedulefree 8 B (z, exp_avg_sq);
+                 adamw8bit_torchao 2 B (common.STATE_BYTES)
     activations  what autograd keeps: the block model below
     workspace    1 GiB (CUDA context, cuBLAS workspace, allocator slack) + 2x the
                  widest Linear output (it and its gradient in backward) + for fp8

@@ -325,3 +325,18 @@ def test_check_dataset_on_the_demo_folder(demo_run):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["usable"] == 12 and report["ok"] is True
+
+
+def test_presets_lists_each_preset_its_line_and_the_settings_it_sets():
+    from trainer.config import PRESET_LINES, PRESETS
+
+    done = cli("presets")
+    assert done.returncode == 0, done.stderr
+    blocks = done.stdout.strip().split("\n\n")
+    assert [block.splitlines()[0] for block in blocks] == list(PRESETS)  # every preset, in order, by name
+    for block, (name, settings) in zip(blocks, PRESETS.items()):
+        _, line, sets = block.splitlines()
+        assert line.strip() == PRESET_LINES[name]
+        assert sets.strip().startswith("sets: ") and all(f"{key} " in sets for key in settings)
+    assert "learning_rate 0.0001" in blocks[list(PRESETS).index("klein_base")]
+    assert "training_adapter" in blocks[list(PRESETS).index("zimage_turbo")]  # says to connect the adapter

@@ -42,10 +42,16 @@ def test_mlx_differs_from_cuda_where_it_should():
     assert mlx.workspace < cuda.workspace  # no CUDA context
 
 
-@pytest.mark.parametrize("setting,match", [({"base_dtype": "fp8"}, "decoded"), ({"optimizer": "adamw8bit"}, "one of")])
+@pytest.mark.parametrize("setting,match", [({"base_dtype": "fp8"}, "decoded"), ({"optimizer": "lion"}, "one of")])
 def test_torch_only_settings_are_refused(setting, match):
     with pytest.raises(ValueError, match=match):
         estimate_mlx("zimage", resolution=512, **setting)
+
+
+def test_adamw8bit_on_mlx_counts_the_fp32_adamw_that_runs():
+    adamw, adam8 = (estimate_mlx("zimage", resolution=512, optimizer=o) for o in ("adamw", "adamw8bit"))
+    assert adam8.optimizer == adamw.optimizer == 8 * adamw.lora_params
+    assert any("trains as fp32 adamw on MLX" in note for note in adam8.notes)
 
 
 def test_mac_working_sets():

@@ -152,6 +152,12 @@ def test_optimizer_and_dtype_bytes():
     assert adamw.optimizer == 8 * adamw.lora_params == 4 * adam8.optimizer
     assert prodigy.optimizer == 2 * adamw.optimizer
     assert 0 < adafactor.optimizer < adamw.optimizer / 20  # factored: rows + cols per matrix
+    lion, came, free, ao8 = (
+        estimate("flux2-klein-9b", resolution=512, optimizer=o)
+        for o in ("lion", "came", "schedulefree", "adamw8bit_torchao")
+    )
+    assert 2 * lion.optimizer == free.optimizer == adamw.optimizer and ao8.optimizer == adam8.optimizer
+    assert lion.optimizer + 2 * adafactor.optimizer == came.optimizer  # its moment, two factored statistics
     fp8 = estimate("flux2-klein-9b", resolution=512, base_dtype="fp8")
     assert 2 * fp8.weights == adamw.weights == 2 * param_count(VARIANTS["flux2-klein-9b"])
     fp32 = estimate("flux2-klein-9b", resolution=512, mixed_precision="no")

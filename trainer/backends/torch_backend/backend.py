@@ -15,7 +15,7 @@ from ...lora.files import LoraWeights
 from ...objective.flow import interpolate, velocity_target
 from ...run import distributed
 from ..base import StepStats, parameter_name, saved_name
-from . import attention, devices, fallbacks, levers, lora, memory_plan, streaming
+from . import attention, devices, fallbacks, levers, lora, memory_plan, optim, streaming
 from .checkpointing import (  # noqa: F401 (CompileFailed: imported from here)
     BlockCheckpointing,
     CompileFailed,
@@ -25,12 +25,6 @@ from .checkpointing import (  # noqa: F401 (CompileFailed: imported from here)
 from .device_batch import extras_on_device, flow_tensors, to_device
 from .ema import Ema
 from .lora import LoraSet
-from .optim import (
-    build_optimizer,
-    clip_global_norm,
-    load_optimizer_arrays,
-    optimizer_arrays,
-)
 from .step_graphs import StepGraphs
 
 
@@ -58,7 +52,7 @@ class TorchBackend:
             raise
         self.params = dict(self.lora.named_parameters())
         self.graphs = self._step_graphs()
-        self.optimizer = build_optimizer(
+        self.optimizer = optim.build_optimizer(
             list(self.params.values()),
             cfg.optimizer,
             lr=cfg.learning_rate,
@@ -232,8 +226,12 @@ class TorchBackend:
         return (trained * weights).mean() + (preserved * self._to_device(kept.weights, torch.float32)).mean()
 
     def step(self, micro_batches, lr: float):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        # a schedule-free optimizer's training point is in the weights only inside a step (optim.training_mode)
+        with optim.training_mode(self.optimizer):
+            return self._step(micro_batches, lr)
+
+    def _step(self, micro_batches, lr: float):
+        optim.set_lr(self.optimizer, lr)
         total = torch.zeros((), device=self.device)
         if self.levers.cuda_graphs:  # a new step: the CUDA graphs' outputs of the last one may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
@@ -251,7 +249,7 @@ class TorchBackend:
             return self._again(micro_batches, lr)
         total = distributed.mean(total)  # the global mean loss; the gradients were averaged in backward
         grads = [p.grad for p in self.params.values() if p.grad is not None]
-        grad_norm = clip_global_norm(grads, self.cfg.max_grad_norm)
+        grad_norm = optim.clip_global_norm(grads, self.cfg.max_grad_norm)
         # A NaN/inf loss or gradient skips the update (weights, moments, step count, EMA unchanged).
         finite = torch.isfinite(total) & torch.isfinite(grad_norm)  # device bool, no sync
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
@@ -334,10 +332,10 @@ class TorchBackend:
             self.ema.load_state({parameter_name(k): torch.from_numpy(v) for k, v in tensors.items()})
 
     def optimizer_state(self):
-        return optimizer_arrays(self.optimizer, list(self.params))
+        return optim.optimizer_arrays(self.optimizer, list(self.params))
 
     def load_optimizer_state(self, tensors, meta) -> None:
-        load_optimizer_arrays(self.optimizer, list(self.params), tensors, meta)
+        optim.load_optimizer_arrays(self.optimizer, list(self.params), tensors, meta)
 
     def rng_state(self) -> dict[str, np.ndarray]:
         return devices.rng_state(self.device)

@@ -5,7 +5,10 @@ uses those its optimizer has; the backend reads them off the config."""
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+import logging
+from collections.abc import Callable
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -18,6 +21,28 @@ class OptimizerUnavailable(RuntimeError):
 
 
 Betas = tuple[float, float]
+log = logging.getLogger("kiln")
+
+# The pinned versions the tests run (pyproject's test extra); the error gives the command that installs them.
+PACKAGES = {
+    "bitsandbytes": "bitsandbytes",
+    "prodigyopt": "prodigyopt",
+    "lion_pytorch": "lion-pytorch==0.2.5",
+    "came_pytorch": "came-pytorch==0.1.3",
+    "schedulefree": "schedulefree==1.4.1",
+    "torchao": "torchao==0.18.0",
+}
+
+
+def _package(module: str, optimizer: str):
+    """The optimizer's package, imported when it is chosen (none of them loads with the trainer)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise OptimizerUnavailable(
+            f"optimizer {optimizer!r} needs the {module} package: pip install {PACKAGES[module]} "
+            "(in ComfyUI's Python), or choose optimizer 'adamw'"
+        ) from err
 
 
 def _adamw(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
@@ -35,14 +60,25 @@ def _adamw(params, lr: float, betas: Betas, eps: float, weight_decay: float, dev
 
 
 def _adamw8bit(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
-    try:
-        import bitsandbytes
-    except ImportError as err:
-        raise OptimizerUnavailable(
-            "optimizer 'adamw8bit' needs bitsandbytes (NVIDIA GPUs): pip install bitsandbytes, "
-            "or choose optimizer 'adamw'"
-        ) from err
-    return bitsandbytes.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    # Falls back rather than fails: a LoRA's fp32 AdamW state is small (~0.3 GB for Klein 4B at rank 32), so a
+    # workflow made on an NVIDIA card still trains on a Mac or CPU; the one log line says so.
+    reason = "runs on CUDA only" if device.type != "cuda" else None
+    if reason is None:
+        try:
+            import bitsandbytes
+
+            return bitsandbytes.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        except Exception as err:  # noqa: BLE001 — missing, or present without a usable CUDA build (it raises many kinds)
+            reason = f"is not usable here ({type(err).__name__}: {str(err)[:120]})"
+    state_mb = 8 * sum(p.numel() for p in params) / 2**20
+    log.warning(
+        "[Kiln] optimizer adamw8bit: bitsandbytes %s on %s; training with fp32 AdamW instead (its state is "
+        "%.0f MB for this LoRA; pip install bitsandbytes on an NVIDIA GPU for the 8-bit one)",
+        reason,
+        device.type,
+        state_mb,
+    )
+    return _adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, device=device)
 
 
 def _adafactor(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
@@ -50,13 +86,36 @@ def _adafactor(params, lr: float, betas: Betas, eps: float, weight_decay: float,
 
 
 def _prodigy(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
-    try:
-        from prodigyopt import Prodigy
-    except ImportError as err:
-        raise OptimizerUnavailable(
-            "optimizer 'prodigy' needs prodigyopt: pip install prodigyopt, or choose optimizer 'adamw'"
-        ) from err
-    return Prodigy(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+    prodigy = _package("prodigyopt", "prodigy")
+    return prodigy.Prodigy(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+
+
+def _lion(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
+    # lion-pytorch's weight decay is decoupled (p *= 1 - lr * wd), as AdamW's; no eps (sign updates)
+    return _package("lion_pytorch", "lion").Lion(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+def _came(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
+    # CAME's third beta (its confidence average) and its two epsilons keep the paper's values: adam_eps is
+    # scaled for Adam's denominator, not for CAME's factored statistics
+    came = _package("came_pytorch", "came")
+    return came.CAME(params, lr=lr, betas=(*betas, 0.9999), weight_decay=weight_decay)
+
+
+def _schedulefree(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
+    # its own warmup stays 0: the loop's constant schedule with warmup_steps scales the lr it reads each step,
+    # which is what its warmup does (checks.py keeps lr_schedule constant)
+    schedulefree = _package("schedulefree", "schedulefree")
+    return schedulefree.AdamWScheduleFree(
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, warmup_steps=0, foreach=True
+    )
+
+
+def _adamw8bit_torchao(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
+    _package("torchao", "adamw8bit_torchao")
+    return importlib.import_module("torchao.optim").AdamW8bit(
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+    )
 
 
 OPTIMIZERS: dict[str, Callable] = {
@@ -64,6 +123,10 @@ OPTIMIZERS: dict[str, Callable] = {
     "adamw8bit": _adamw8bit,
     "adafactor": _adafactor,
     "prodigy": _prodigy,
+    "lion": _lion,
+    "came": _came,
+    "schedulefree": _schedulefree,
+    "adamw8bit_torchao": _adamw8bit_torchao,
 }
 assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "config.OPTIMIZER_NAMES and the torch registry must agree"
 
@@ -79,6 +142,30 @@ def build_optimizer(
     device: torch.device,
 ):
     return OPTIMIZERS[name](params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, device=device)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The step's learning rate; torchao keeps it as a tensor (its compiled step would recompile on a float)."""
+    for group in optimizer.param_groups:
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+@contextmanager
+def training_mode(optimizer):
+    """Schedule-free optimizers keep two points: train() puts the one gradients are taken at into the parameters,
+    eval() the averaged one samples and saves should see. Only a step is in train mode, so validation, the
+    held-out loss, the EMA and every saved LoRA or checkpoint read the averaged weights; others pass through."""
+    if not callable(getattr(optimizer, "train", None)):
+        yield
+        return
+    optimizer.train()
+    try:
+        yield
+    finally:
+        optimizer.eval()
 
 
 @torch.no_grad()
@@ -100,21 +187,27 @@ def clip_global_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor
 
 def optimizer_arrays(optimizer: torch.optim.Optimizer, names: list[str]):
     """The optimizer's state as tensors keyed '<param name>.<state key>' (`names` in parameter order);
-    everything else as JSON-able meta."""
+    everything else as JSON-able meta. A quantized state (torchao's 8-bit moments) is kept as its inner tensors,
+    '<param name>.<state key>~<inner>', and the class and values that rebuild it in meta["packed"]."""
     index_to_name = dict(enumerate(names))
     state = optimizer.state_dict()
-    tensors, scalars = {}, {}
+    tensors, scalars, packed = {}, {}, {}
     for index, entries in state["state"].items():
         name = index_to_name[index]
         for key, value in entries.items():
-            if torch.is_tensor(value):
-                tensors[f"{name}.{key}"] = value.detach().cpu().numpy()
+            if _is_packed(value):
+                inner, context = value.__tensor_flatten__()
+                tensors.update({f"{name}.{key}~{part}": _array(getattr(value, part)) for part in inner})
+                packed[f"{name}.{key}"] = {"class": _class_path(value), "inner": inner, "context": _json(context)}
+            elif torch.is_tensor(value):
+                tensors[f"{name}.{key}"] = _array(value)
             else:
                 scalars[f"{name}.{key}"] = value
     meta = {
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
+        "param_groups": [{k: _json(v) for k, v in g.items() if k != "params"} for g in state["param_groups"]],
         "scalars": scalars,
         "names": list(names),
+        **({"packed": packed} if packed else {}),  # absent for every other optimizer: their checkpoints as before
     }
     return tensors, meta
 
@@ -128,12 +221,65 @@ def load_optimizer_arrays(optimizer: torch.optim.Optimizer, names: list[str], te
     state: dict[int, dict] = {}
     # Keys are '<param name>.<state key>'; state keys hold no dots.
     for key, array in tensors.items():
+        if "~" not in key:
+            name, entry = key.rsplit(".", 1)
+            state.setdefault(index_of[name], {})[entry] = torch.from_numpy(np.array(array))
+    for key, spec in meta.get("packed", {}).items():
         name, entry = key.rsplit(".", 1)
-        state.setdefault(index_of[name], {})[entry] = torch.from_numpy(np.array(array))
+        state.setdefault(index_of[name], {})[entry] = _unpack(spec, {p: tensors[f"{key}~{p}"] for p in spec["inner"]})
     for key, value in meta["scalars"].items():
         name, entry = key.rsplit(".", 1)
         state.setdefault(index_of[name], {})[entry] = value
     groups = [
-        {**saved, "params": group["params"]} for saved, group in zip(meta["param_groups"], template["param_groups"])
+        {**{k: _like(group.get(k), v) for k, v in saved.items()}, "params": group["params"]}
+        for saved, group in zip(meta["param_groups"], template["param_groups"])
     ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().cpu().numpy()
+
+
+def _is_packed(value) -> bool:
+    return torch.is_tensor(value) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__")
+
+
+def _class_path(value) -> str:
+    return f"{type(value).__module__}:{type(value).__qualname__}"
+
+
+def _json(value):
+    """A param group's or a packed state's value as JSON: a 0-d tensor (torchao's lr) as its float, a dtype by
+    its name; lists and tuples item by item."""
+    if torch.is_tensor(value):
+        return value.item()
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, (list, tuple)):
+        return [_json(item) for item in value]
+    return value
+
+
+def _from_json(value):
+    if isinstance(value, dict) and set(value) == {"dtype"}:
+        return getattr(torch, value["dtype"])
+    return value
+
+
+def _like(current, saved):
+    """A saved group value in the type the live optimizer holds it (torchao's lr stays a tensor)."""
+    if torch.is_tensor(current):
+        return torch.tensor(saved, dtype=current.dtype)
+    return tuple(saved) if isinstance(current, tuple) else saved
+
+
+def _unpack(spec: dict, inner: dict[str, np.ndarray]) -> torch.Tensor:
+    module, qualname = spec["class"].split(":")
+    cls = importlib.import_module(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    parts = {name: torch.from_numpy(np.array(array)) for name, array in inner.items()}
+    context = [_from_json(item) for item in spec["context"]]
+    first = parts[spec["inner"][0]]
+    return cls.__tensor_unflatten__(parts, context, first.shape, first.stride())

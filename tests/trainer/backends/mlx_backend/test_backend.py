@@ -13,6 +13,7 @@ on, and checks it against the eager one: compiled = eager = torch.
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 torch = pytest.importorskip("torch")
 
+from helpers.resume import assert_bitwise_resume
 from mlx.utils import tree_flatten
 
 from trainer import safetensors_io
@@ -31,8 +33,6 @@ from trainer.backends.mlx_backend.models import build
 from trainer.backends.mlx_backend.models.tiny import demo_model, demo_weights
 from trainer.backends.torch_backend.backend import TorchBackend
 from trainer.run.loop import train
-
-from helpers.resume import assert_bitwise_resume
 
 SIZES = dict(hidden=32, heads=2, double_blocks=1, single_blocks=1, in_channels=16, context_dim=32)  # conftest's
 
@@ -342,7 +342,17 @@ def test_adafactor_steps_and_other_optimizers_are_refused(make_config):
     backend.step([fixed_batch()], 1e-3)
     assert any(not np.array_equal(before[p].B, w.B) for p, w in backend.lora_state().items())
     with pytest.raises(ValueError, match="backend 'mlx'"):
-        mlx_optim.build_optimizer("adamw8bit", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        mlx_optim.build_optimizer("lion", lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+
+
+def test_adamw8bit_on_mlx_is_fp32_adamw_said_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        built = mlx_optim.build_optimizer("adamw8bit", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    assert type(built) is type(
+        mlx_optim.build_optimizer("adamw", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0)
+    )
+    (line,) = [r.getMessage() for r in caplog.records if "adamw8bit" in r.getMessage()]
+    assert "CUDA only" in line and "fp32 AdamW instead" in line
 
 
 def test_a_run_started_from_a_lora_matches_torch(tmp_path, make_model, make_data, make_config, monkeypatch):

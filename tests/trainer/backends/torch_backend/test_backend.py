@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import re
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from trainer.archs import get_arch
 from trainer.backends.torch_backend.backend import TorchBackend
-from trainer.backends.torch_backend.optim import OptimizerUnavailable, clip_global_norm
+from trainer.backends.torch_backend.optim import OptimizerUnavailable, clip_global_norm, training_mode
 
 from helpers.torch_batches import fixed_batch, inplace_net_with_lora, split
 
@@ -157,12 +161,40 @@ def test_builtin_optimizers_step(make_model, make_config, optimizer):
     assert any(not torch.equal(before[n], p) for n, p in backend.params.items())
 
 
-@pytest.mark.parametrize("optimizer,package", [("adamw8bit", "bitsandbytes"), ("prodigy", "prodigyopt")])
-def test_optional_optimizers_say_what_to_install(make_model, make_config, optimizer, package):
-    pytest.importorskip("importlib").util.find_spec(package) and pytest.skip(f"{package} is installed")
+@pytest.mark.parametrize(
+    "optimizer,module,pip",
+    [
+        ("prodigy", "prodigyopt", "pip install prodigyopt"),
+        ("lion", "lion_pytorch", "pip install lion-pytorch==0.2.5"),
+        ("came", "came_pytorch", "pip install came-pytorch==0.1.3"),
+        ("schedulefree", "schedulefree", "pip install schedulefree==1.4.1"),
+        ("adamw8bit_torchao", "torchao", "pip install torchao==0.18.0"),
+    ],
+)
+def test_optional_optimizers_say_what_to_install(make_model, make_config, monkeypatch, optimizer, module, pip):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it raises ImportError
     lr = 1.0 if optimizer == "prodigy" else 1e-4
-    with pytest.raises(OptimizerUnavailable, match=f"pip install {package}"):
+    with pytest.raises(OptimizerUnavailable, match=re.escape(pip)):
         backend_for(make_model, make_config, optimizer=optimizer, learning_rate=lr)
+
+
+def test_adamw8bit_without_cuda_trains_fp32_adamw_and_says_so(make_model, make_config, caplog):
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        backend = backend_for(make_model, make_config, optimizer="adamw8bit")
+    assert type(backend.optimizer) is torch.optim.AdamW
+    (line,) = [r.getMessage() for r in caplog.records if "adamw8bit" in r.getMessage()]
+    assert "runs on CUDA only on cpu" in line and "fp32 AdamW instead" in line and " MB " in line
+
+
+def test_schedulefree_weights_hold_its_average_outside_a_step(make_model, make_config):
+    pytest.importorskip("schedulefree")
+    backend = backend_for(make_model, make_config, optimizer="schedulefree", learning_rate=1e-2)
+    for step in range(3):
+        backend.step([fixed_batch(seed=step)], 1e-2)
+    assert backend.optimizer.param_groups[0]["train_mode"] is False  # samples, saves and the EMA read x
+    averaged = {n: p.detach().clone() for n, p in backend.params.items()}
+    with training_mode(backend.optimizer):  # the point gradients are taken at differs from the average
+        assert any(not torch.equal(averaged[n], p) for n, p in backend.params.items())
 
 
 def test_optimizer_state_round_trip(make_model, make_config):
