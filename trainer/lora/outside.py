@@ -21,7 +21,7 @@ def _same(*paths: str) -> tuple[DiffusersRule, ...]:
 
 def _template(path: str) -> str:
     count = iter(range(path.count("(")))
-    return re.sub(r"\((?!\?)[^()]*\)", lambda _: "{%d}" % next(count), path).replace("\\.", ".")
+    return re.sub(r"\((?!\?)[^()]*\)", lambda _: f"{{{next(count)}}}", path).replace("\\.", ".")
 
 
 # comfy/utils.py z_image_to_diffusers (block adaLN, x/cap/t embedders, the final layer's `all_..._2-1` names)
