@@ -34,6 +34,10 @@ def read(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], source:
     trainers' LoKr/LoHa (any naming) are lora_sources.py's pass-through; None here."""
     if not any(adapters.is_adapter_key(key) for key in tensors):
         return None
+    if not all(key.endswith((*adapters.FILE_SUFFIXES, ".alpha")) for key in tensors) or any(
+        key.endswith(".dora_scale") and np.shape(value)[:1] != (1,) for key, value in tensors.items()
+    ):  # another trainer's LoKr/LoHa/DoRA (lora_down + dora_scale, a per-row DoRA, ...): lora_sources.py's
+        return None
     if all(key.startswith(COMFY_PREFIX) for key in tensors):
         return adapters.from_file_tensors(tensors, COMFY_PREFIX, source), "comfy"
     paths = module_paths(metadata, source) if all(key.startswith(KOHYA_PREFIX) for key in tensors) else None

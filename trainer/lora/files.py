@@ -78,10 +78,12 @@ def from_tensors(
             "is the LoRA for another model (pass arch=), or are these not LoRA weights?"
         )
     if converted.passthrough:
+        kinds = "/".join(sorted(k.upper() if k != "diff" else k for k in converted.kinds - {"lora"}))
+        example = next(keys for path, keys in converted.origins.items() if path not in converted.lora)
         raise ValueError(
-            f"{source}: {len(converted.passthrough)} tensor(s) are LoKr/LoHa/diff weights, not LoRA "
-            f"pairs (e.g. {next(iter(converted.passthrough))}); ComfyUI applies them, but Kiln trains "
-            "and edits only LoRA pairs"
+            f"{source}: {len(converted.origins) - len(converted.lora)} module(s) are {kinds} weights, not LoRA "
+            f"pairs (e.g. {', '.join(example)}); ComfyUI applies them (`python -m trainer convert` writes them "
+            "under its names), but Kiln trains and edits only LoRA pairs"
         )
     found = {name for key in tensors for name, f in FORMATS.items() if key.startswith(f.key_prefix)}
     return converted.lora, found.pop() if len(found) == 1 and native_keys(tensors) else "foreign"
@@ -203,7 +205,9 @@ def convert_file(
             "pass the arch the LoRA was trained for, or allow unplaced keys to write the rest"
         )
     header, _ = safetensors_io.read_header(src)
-    weight_dtypes = {e["dtype"] for key, e in header.items() if not key.endswith(".alpha")}
+    weight_dtypes = {
+        e["dtype"] for key, e in header.items() if not key.endswith((".alpha", *lora_sources.DORA_SUFFIXES))
+    }
     dtype = {"BF16": "bf16", "F16": "fp16"}.get(weight_dtypes.pop(), "fp32") if len(weight_dtypes) == 1 else "fp32"
     kept = {k: v for k, v in metadata.items() if not k.startswith("kiln.") and k != "lora_adapter_metadata"}
     kept["kiln.converted_from"] = json.dumps(lora_sources.file_identity(src))

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..archs import ARCHS, Arch, DiffusersRule, get_arch
+from . import outside
 
 
 @dataclass
@@ -143,8 +144,8 @@ def _require_rules(arch: Arch | None, source: str) -> Arch:
 
 
 def diffusers_targets(arch: Arch, path: str) -> tuple[DiffusersRule, list[str]] | None:
-    """The first rule matching a ComfyUI path, and its diffusers names."""
-    for rule in arch.diffusers_rules:
+    """The first rule matching a ComfyUI path (per-module rules, then outside.py's), and its diffusers names."""
+    for rule in outside.rules(arch):
         match = re.fullmatch(rule.comfy, path)
         if match:
             return rule, [target.format(*match.groups()) for target in rule.targets]
@@ -173,6 +174,12 @@ def _diffusers_to(lora: Lora, arch: Arch | None) -> dict[str, np.ndarray]:
                 "export as comfy or kohya, or leave it out of the targets"
             )
         rule, names = found
+        if not names:  # a module outside the per-module rules that diffusers renames past a plain name
+            raise ValueError(
+                f"{path}: no plain diffusers name for this module in arch {arch.name!r} "
+                f"({outside.NO_NAME_WHY.get(arch.family, 'diffusers has none')}); export as comfy or kohya, "
+                "or leave it out of the targets"
+            )
         # Scale folded into B, no .alpha keys: diffusers' load_lora_weights refuses (Flux2) or mis-converts
         # (Z-Image) `.alpha` keys and load_lora_adapter ignores them; scale 1 is what every reader assumes
         # without them (ComfyUI, diffusers/PEFT, Kiln), while safetensors metadata ComfyUI would not read.

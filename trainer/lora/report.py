@@ -9,14 +9,15 @@ from collections.abc import Mapping
 
 from .. import safetensors_io
 from ..config import TrainConfig
-from . import adapter_files
+from . import adapter_files, stock
 from . import adapters as adapter_kinds
-from .files import from_tensors
+from . import sources as lora_sources
 from .keys import (
     COMFY_PREFIX,
     FORMATS,
     KOHYA_PREFIX,
     Lora,
+    arch_of,
     detect_format,
     module_paths,
     native_keys,
@@ -30,9 +31,29 @@ _DTYPE_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 
 def describe(path) -> dict:
-    """What `python -m trainer inspect` prints; works without arch or module names."""
+    """What `python -m trainer inspect` prints; works without arch or module names: the modules, who wrote the
+    file, the arch it fits, its adapter kinds, and the keys stock ComfyUI would leave unmatched."""
     tensors, metadata = safetensors_io.read(path)
     header, _ = safetensors_io.read_header(path)
+    info = _modules_of(path, tensors, metadata, header)
+    try:
+        fit = lora_sources.read(
+            tensors, arch=arch_of(None, metadata), module_names=module_paths(metadata, str(path)), metadata=metadata
+        ).arch
+    except ValueError:
+        fit = None
+    unmatched = stock.unmatched(tensors, fit)
+    return {
+        **info,
+        "writer": stock.writer(metadata, tensors),
+        "arch_fit": fit.name if fit else None,
+        "kinds": sorted({row.get("kind", "lora") for row in info["module_table"]}),
+        "comfyui_unmatched": len(unmatched),
+        "comfyui_unmatched_keys": unmatched,
+    }
+
+
+def _modules_of(path, tensors, metadata, header) -> dict:
     own_adapters = adapter_files.read(tensors, metadata, str(path))
     if own_adapters is not None:
         return _describe_adapters(path, *own_adapters, metadata, header)
@@ -61,24 +82,68 @@ def describe(path) -> dict:
 
 
 def _describe_foreign(path, tensors, metadata, header) -> dict:
-    """Another trainer's file, as Kiln reads it (fused, in ComfyUI paths)."""
-    lora = from_tensors(tensors, metadata=metadata, source=str(path))[0]
-    table = [
-        {"name": name, "rank": w.rank, "alpha": w.alpha, "parameters": w.A.size + w.B.size, "dtype": "F32"}
-        for name, w in lora.items()
-    ]
-    return summary(path, "foreign (read as comfy paths)", lora, table, metadata, header)
+    """Another trainer's file as `convert` reads it (fused, in ComfyUI paths): LoRA pairs, and LoKr/LoHa/DoRA/diff
+    modules as they pass through; dtypes as stored, names and examples from the file's own keys."""
+    converted = lora_sources.read(
+        tensors,
+        arch=arch_of(None, metadata),
+        module_names=module_paths(metadata, str(path)),
+        metadata=metadata,
+        source=str(path),
+    )
+    if not converted.lora and not converted.passthrough:
+        raise ValueError(
+            f"{path}: no LoRA, LoKr or LoHa weights Kiln can place (keys such as "
+            f"{', '.join(converted.unplaced[:5]) or 'none'}); is this a LoRA for the diffusion model?"
+        )
+    table = [_foreign_row(name, keys, converted, tensors, header) for name, keys in converted.origins.items()]
+    info = summary(path, "foreign (read as comfy paths)", {row["name"]: row for row in table}, table, metadata, header)
+    return {**info, "arch_fit": converted.arch.name if converted.arch else None, "unplaced": converted.unplaced}
+
+
+def _foreign_row(name: str, keys: list[str], converted, tensors, header) -> dict:
+    weights = [k for k in keys if not k.endswith(".alpha")]
+    if name in converted.lora:
+        w = converted.lora[name]
+        kind, rank, alpha = "lora", w.rank, w.alpha
+    else:
+        kind = next(
+            (k for s, (k, role) in lora_sources.SUFFIXES.items() for key in keys if key.endswith(s) and k != "lora"),
+            "dora",
+        )
+        by_role = {role: tensors[k] for k in keys for s, (_, role) in lora_sources.SUFFIXES.items() if k.endswith(s)}
+        rank = _rank(kind, by_role)
+        alpha = float(by_role["alpha"].reshape(-1)[0]) if "alpha" in by_role else float(rank or 1)
+    return {
+        "name": name,
+        "kind": kind,
+        "rank": rank,
+        "alpha": alpha,
+        "parameters": sum(int(tensors[k].size) for k in weights),
+        "dtype": header[weights[0]]["dtype"],
+        "keys": keys,
+    }
+
+
+def _rank(kind: str, roles: dict) -> int | None:
+    """A module's rank as its file stores it; None for full matrices (a full-matrix LoKr, a diff)."""
+    for role in {"lokr": ("lokr_w2_b", "lokr_w2_a"), "loha": ("hada_w1_b",), "dora": ("A",)}.get(kind, ()):
+        if role in roles:
+            return int(roles[role].shape[0] if role != "lokr_w2_a" else roles[role].shape[1])
+    return None
 
 
 def summary(path, fmt: str, weights: Mapping, table: list[dict], metadata, header) -> dict:
     """describe()'s dict (lora_report.py prints it) from a file's modules (anything with rank and alpha) and
     their table rows."""
+    rank_of = {name: (row["rank"] if isinstance(row, dict) else row.rank) for name, row in weights.items()}
+    alpha_of = [row["alpha"] if isinstance(row, dict) else row.alpha for row in weights.values()]
     return {
         "path": str(path),
         "format": fmt,
         "modules": len(weights),
-        "ranks": sorted({w.rank for w in weights.values()}),
-        "alphas": sorted({w.alpha for w in weights.values()}),
+        "ranks": sorted({r for r in rank_of.values()}, key=lambda r: (r is None, r or 0)),
+        "alphas": sorted(set(alpha_of)),
         "dtypes": sorted({entry["dtype"] for entry in header.values()}),
         "metadata": dict(metadata),
         "parameters": sum(row["parameters"] for row in table),
@@ -150,22 +215,50 @@ def format_description(info: dict) -> str:
     if others:
         lines.append("metadata:")
         lines += [f"  {key} = {value}" for key, value in sorted(others.items())]
+    lines += _provenance(info)
     lines.append("modules by block:")
     for group, rows in module_groups(info["module_table"]).items():
         lines.append(
             f"  {group}: "
             + ", ".join(
-                f"{row['name']} {row['kind'] + ' ' if 'kind' in row else ''}r{row['rank']} α{_number(row['alpha'])} "
+                f"{row['name']} {row['kind'] + ' ' if 'kind' in row else ''}{_rank_text(row['rank'])} α{_number(row['alpha'])} "
                 f"{_DTYPE_NAMES.get(row['dtype'], row['dtype'])}"
                 for row in rows
             )
         )
     lines.append(
         f"totals: {info['modules']} modules, {info['parameters']:,} parameters, "
-        f"ranks {', '.join(map(str, info['ranks']))}, alphas {', '.join(map(_number, info['alphas']))}, "
+        f"ranks {', '.join(_rank_text(r)[1:] if r is not None else 'full' for r in info['ranks'])}, alphas {', '.join(map(_number, info['alphas']))}, "
         f"dtypes {', '.join(info['dtypes'])}"
     )
     return "\n".join(lines)
+
+
+def _rank_text(rank) -> str:
+    return "full" if rank is None else f"r{rank}"
+
+
+def _provenance(info: dict) -> list[str]:
+    """Who wrote the file, what it fits, and what stock ComfyUI would make of it."""
+    lines = [
+        f"  written by     {info.get('writer', 'unknown')}",
+        f"  fits arch      {info.get('arch_fit') or '(none known)'}",
+        f"  adapters       {', '.join(info.get('kinds', [])) or '(none)'}",
+    ]
+    missed = info.get("comfyui_unmatched", 0)
+    if missed:
+        examples = ", ".join(info["comfyui_unmatched_keys"][:3])
+        lines.append(
+            f"  ComfyUI        would leave {missed} key(s) unmatched as is (e.g. {examples}); "
+            "`python -m trainer convert` writes a file it loads key for key"
+        )
+    else:
+        lines.append("  ComfyUI        loads every key as is")
+    if info.get("unplaced"):
+        lines.append(
+            f"  not placed     {len(info['unplaced'])} key(s) fit no module: {', '.join(info['unplaced'][:5])}"
+        )
+    return lines
 
 
 def _describe_adapters(path, lora: Lora, fmt: str, metadata, header) -> dict:
@@ -175,7 +268,7 @@ def _describe_adapters(path, lora: Lora, fmt: str, metadata, header) -> dict:
         {
             "name": name,
             "kind": w.kind,
-            "rank": w.rank,
+            "rank": w.rank or None,  # a full-matrix LoKr has no rank
             "alpha": w.alpha,
             "parameters": w.size,
             "dtype": header[

@@ -36,6 +36,7 @@ import numpy as np
 from .. import safetensors_io
 from ..archs import ARCHS, Arch, DiffusersRule
 from . import keys as lf
+from . import outside
 
 
 class KeyForm(NamedTuple):
@@ -80,7 +81,14 @@ SUFFIXES: dict[str, tuple[str, str]] = {
     ".diff": ("diff", "diff"),
     ".diff_b": ("diff", "diff_b"),
     ".alpha": ("", "alpha"),  # belongs to whichever kind the module has
+    # DoRA beside a LoRA pair: LyCORIS/kohya dora_scale, PEFT's magnitude (get_peft_model_state_dict's name,
+    # and the live module's)
+    ".dora_scale": ("", "dora_scale"),
+    ".lora_magnitude_vector": ("", "dora_scale"),
+    ".lora_magnitude_vector.default.weight": ("", "dora_scale"),
 }
+DORA_SUFFIXES = tuple(s for s, (_, role) in SUFFIXES.items() if role == "dora_scale")  # kept F32 as ComfyUI's
+DORA_KEYS = {"A": "lora_down.weight", "B": "lora_up.weight", "alpha": "alpha", "dora_scale": "dora_scale"}
 
 
 @dataclass
@@ -89,6 +97,8 @@ class Converted:
 
     lora: lf.Lora
     passthrough: dict[str, np.ndarray] = field(default_factory=dict)
+    origins: dict[str, list[str]] = field(default_factory=dict)  # ComfyUI path → the file's keys placed there
+    kinds: set[str] = field(default_factory=set)  # adapter kinds read: lora, dora, lokr, loha, diff
     unplaced: list[str] = field(default_factory=list)  # keys no rule could place: never dropped silently
     notes: list[str] = field(default_factory=list)  # how the file was read, one line each
     arch: Arch | None = None
@@ -170,7 +180,7 @@ def place(
             continue
         found = {
             p
-            for pattern, rule, part in _name_patterns(arch.diffusers_rules, loose)
+            for pattern, rule, part in _name_patterns(outside.rules(arch), loose)
             if (m := pattern.fullmatch(name)) and (p := _from_match(arch, m, rule, part)) is not None
         }
         if len(found) == 1:
@@ -288,11 +298,17 @@ def read(
             unplaced.extend(entry.keys.values())
             continue
         writers.add(entry.form.writers if entry.form else "unprefixed names")
+        converted.origins.setdefault(where.path, []).extend(entry.keys.values())
         roles = {role: np.asarray(tensors[key]) for role, key in entry.keys.items()}
-        if "lora" not in entry.kinds:
-            converted.passthrough.update(_renamed(arch, where, roles, source, module))
+        if "lora" in entry.kinds:
+            roles = _with_alpha(roles, metadata or {}, entry.name, converted.notes)
+        converted.kinds.add("dora" if "dora_scale" in roles else next(iter(entry.kinds)))
+        if "lora" not in entry.kinds or "dora_scale" in roles:  # passed through, exact, under ComfyUI's names
+            converted.passthrough.update(
+                _renamed(arch, where, _dora(roles) if "lora" in entry.kinds else roles, source, module)
+            )
             continue
-        weights = lf.checked_weights(source, module, _with_alpha(roles, metadata or {}, entry.name, converted.notes))
+        weights = lf.checked_weights(source, module, roles)
         if where.part is not None:
             parts.setdefault(where.path, (where.rule, {}))[1][where.part] = weights
         elif where.path in converted.lora:
@@ -321,6 +337,14 @@ def _with_alpha(roles: dict[str, np.ndarray], metadata, name: str, notes: list[s
     if not any(n.startswith("alpha from") for n in notes):
         notes.append(f"alpha from the file's {found[1]} (ComfyUI alone would not read it; written as .alpha)")
     return {**roles, "alpha": np.array(found[0], np.float32)}
+
+
+def _dora(roles: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A DoRA module under the names ComfyUI's LoRA adapter reads; PEFT's magnitude [out] as dora_scale [out, 1]
+    (per output row, as LyCORIS's default writes it; ComfyUI tells the axis by the shape)."""
+    scale = roles["dora_scale"]
+    roles = {**roles, "dora_scale": scale.reshape(-1, 1) if scale.ndim == 1 else scale}
+    return {DORA_KEYS[role]: value for role, value in roles.items()}
 
 
 def _renamed(

@@ -71,3 +71,29 @@ def test_diffusers_names_fit_the_diffusers_model(arch, model_class, layers):
     assert found == "diffusers" and sorted(back) == sorted(lora)
     for path, weights in lora.items():  # alpha = rank: nothing folded into B
         np.testing.assert_allclose(back[path].B @ back[path].A, weights.B @ weights.A, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "arch,model_class,config",
+    [
+        ("zimage", "ZImageTransformer2DModel", {}),
+        ("flux2_klein", "Flux2Transformer2DModel", {"num_layers": 1, "num_single_layers": 1}),
+    ],
+)
+def test_modules_outside_the_block_rules_have_their_diffusers_names(arch, model_class, config):
+    """trainer/lora/outside.py: every diffusers name it gives an embedder, modulation or final layer is a Linear
+    of diffusers' own model (#47), and the names it gives none are refused with the module named."""
+    from trainer.archs import get_arch
+    from trainer.lora import keys, outside
+
+    with torch.device("meta"):
+        model = getattr(diffusers, model_class)(**config)
+    modules = dict(model.named_modules())
+    rules = outside.OUTSIDE[get_arch(arch).family]
+    named = [target.format(*["0"] * target.count("{")) for rule in rules for target in rule.targets]
+    missing = [n for n in named if not isinstance(modules.get(n), torch.nn.Linear)]
+    assert named and not missing, missing
+    for rule in (r for r in rules if not r.targets):
+        path = keys.fill_groups(rule.comfy, ["0"] * rule.comfy.count("("))
+        with pytest.raises(ValueError, match=f"{path}: no plain diffusers name"):
+            lf.to_tensors(_lora({path: (8, 8)}), "diffusers", arch)

@@ -171,8 +171,27 @@ def test_split_sizes_and_rules_without_groups():
 def test_diffusers_export_needs_rules():
     with pytest.raises(ValueError, match="diffusers export needs an arch with diffusers names"):
         lf.to_tensors(make_lora(FLUX2_MODULES), "diffusers", "generic")
+    with pytest.raises(ValueError, match=r"final_layer\.adaLN_modulation\.1: no plain diffusers name.*scale, shift"):
+        lf.to_tensors(make_lora({"final_layer.adaLN_modulation.1": (HIDDEN, 128)}), "diffusers", "flux2_klein")
     with pytest.raises(ValueError, match="no diffusers name"):
-        lf.to_tensors(make_lora({"img_in": (HIDDEN, 128)}), "diffusers", "flux2_klein")
+        lf.to_tensors(make_lora({"not_a_module": (HIDDEN, 128)}), "diffusers", "flux2_klein")
+
+
+def test_diffusers_export_names_modules_outside_the_block_rules():
+    """Embedders, modulation and final layers go out under their diffusers names and come back (#47)."""
+    modules = {"img_in": (HIDDEN, 128), "double_stream_modulation_img.lin": (6 * HIDDEN, HIDDEN)}
+    tensors = lf.to_tensors(make_lora(modules), "diffusers", "flux2_klein")
+    assert {k.rsplit(".lora_", 1)[0] for k in tensors} == {
+        "transformer.x_embedder",
+        "transformer.double_stream_modulation_img.linear",
+    }
+    assert sorted(lf.from_tensors(tensors, arch="flux2_klein")[0]) == sorted(modules)
+    zimage = {"layers.0.adaLN_modulation.0": (4 * HIDDEN, HIDDEN), "x_embedder": (HIDDEN, 64)}
+    tensors = lf.to_tensors(make_lora(zimage), "diffusers", "zimage")
+    assert {k.rsplit(".lora_", 1)[0] for k in tensors} == {
+        "transformer.layers.0.adaLN_modulation.0",
+        "transformer.all_x_embedder.2-1",
+    }
 
 
 def test_diffusers_split_needs_divisible_rows():

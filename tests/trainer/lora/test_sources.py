@@ -137,3 +137,26 @@ def test_ambiguous_and_foreign_names_are_not_guessed():
     )
     assert ls.place(arch, "double_blocks_0_img_mod_lin", None, flat=True, verbatim=False) is None
     assert ls.place(arch, "layers.0.attention.to_q", None, flat=False, verbatim=False) is None  # Z-Image's
+
+
+@pytest.mark.parametrize("family,name", fx.cases())
+def test_inspect_reads_what_convert_reads(tmp_path, family, name):
+    """`inspect` describes every fixture convert reads (LoKr and LoHa included), names only the file's own keys
+    and its stored dtype, and says who wrote it; musubi's converted `img_attn_proj` names are counted as keys stock
+    ComfyUI leaves unmatched, which the converted file no longer has (#47)."""
+    from trainer import safetensors_io
+    from trainer.lora import files, report
+
+    fixture = fx.build(family, name, SHAPES[family])
+    src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    safetensors_io.write(src, fixture.tensors, fixture.metadata, dtype={k: "F16" for k in fixture.tensors})
+    info = report.describe(src)
+    assert info["module_table"] and info["writer"] and info["kinds"]
+    assert {row["dtype"] for row in info["module_table"]} == {"F16"}
+    assert set(info["comfyui_unmatched_keys"]) <= set(fixture.tensors)
+    assert info["arch_fit"] is not None and info["arch_fit"].split("_")[0] == family.split("_")[0]
+    if name == "musubi-tuner convert_lora.py" and family == "flux2":
+        assert any("img_attn_proj" in key for key in info["comfyui_unmatched_keys"])
+    files.convert_file(src, dst)
+    assert report.describe(dst)["comfyui_unmatched"] == 0
+    assert "written by" in report.format_description(info)

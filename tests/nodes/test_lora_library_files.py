@@ -1,0 +1,120 @@
+"""LoRA files written by the real libraries (tests/helpers/library_loras.py: LyCORIS LoKr, full-matrix LoKr,
+LoHa, LoCon and DoRA; PEFT with DoRA; diffusers' save_lora_weights) on a tiny Z-Image's Linears under their
+diffusers names (ComfyUI's own comfy.utils.z_image_to_diffusers, embedders and modulation included), converted
+by `python -m trainer convert`'s convert_file and loaded by ComfyUI's loader: nothing unmatched, and the weight
+change of the library's own merge (#47). Also: `inspect`'s count of keys stock ComfyUI leaves unmatched in the
+original file equals what ComfyUI's loader reports for it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import comfy_env
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfyui
+comfy_env.require_comfy()
+
+import comfy.lora  # noqa: E402
+import comfy.utils  # noqa: E402
+from helpers import library_loras, tiny_comfy  # noqa: E402
+
+from trainer import safetensors_io  # noqa: E402
+from trainer.lora import files as lora_format  # noqa: E402
+from trainer.lora import report  # noqa: E402
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """(patcher, {diffusers name: (ComfyUI weight key, row offset or None)}, folder with the files)."""
+    with torch.inference_mode():
+        patcher = tiny_comfy.tiny_zimage()
+    state = patcher.model.state_dict()
+    names = {}
+    for key, to in comfy.utils.z_image_to_diffusers(
+        tiny_comfy.zimage_unet_config(), output_prefix="diffusion_model."
+    ).items():
+        target, offset = (to, None) if isinstance(to, str) else (to[0], to[1])
+        if key.endswith(".weight") and target in state and state[target].ndim == 2:
+            names[key[: -len(".weight")]] = (target, offset)
+    shapes = {
+        name: [offset[2] if offset else state[target].shape[0], state[target].shape[1]]
+        for name, (target, offset) in names.items()
+    }
+    folder = tmp_path_factory.mktemp("library_loras")
+    (folder / "spec.json").write_text(json.dumps({"shapes": shapes, "seed": 3}))
+    # The base interpreter: a ComfyUI tree's venv may hold a transformers PEFT cannot import.
+    python = getattr(sys, "_base_executable", sys.executable)
+    run = subprocess.run(
+        [python, "-m", "helpers.library_loras", str(folder / "spec.json"), str(folder)],
+        cwd=TESTS,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return patcher, names, folder
+
+
+def _assembled(names, tensors: dict, prefix: str, like: dict) -> dict[str, torch.Tensor]:
+    """{ComfyUI weight key: tensor} from per-diffusers-name tensors (q/k/v slices stacked into qkv)."""
+    out = {key: torch.zeros_like(value, dtype=torch.float64) for key, value in like.items()}
+    for name, (target, offset) in names.items():
+        value = torch.as_tensor(np.asarray(tensors[prefix + name]), dtype=torch.float64)
+        if offset:
+            out[target][offset[1] : offset[1] + offset[2]] = value
+        else:
+            out[target][:] = value
+    return out
+
+
+def _comfy_loads(patcher, path, caplog) -> tuple[dict, int]:
+    """ComfyUI's loader on a file: ({weight key: patches}, keys it reports as not loaded)."""
+    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        patches = comfy.lora.load_lora(comfy.utils.load_torch_file(str(path), safe_load=True), key_map)
+    unloaded = sum("lora key not loaded" in r.getMessage() for r in caplog.records)
+    by_weight: dict[str, list] = {}
+    for target, adapter in patches.items():  # as ModelPatcher.add_patches stores them
+        key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
+        by_weight.setdefault(key, []).append((1.0, adapter, 1.0, offset, None))
+    return by_weight, unloaded
+
+
+@pytest.mark.parametrize("case", list(library_loras.CASES))
+def test_library_file_converts_into_comfyui_with_the_same_weight_change(written, tmp_path, case, caplog):
+    patcher, names, folder = written
+    src, dst = folder / f"{case}.safetensors", tmp_path / "converted.safetensors"
+    tensors, _ = safetensors_io.read(src)
+    _, stock_unloaded = _comfy_loads(patcher, src, caplog)
+    info = report.describe(src)
+    assert info["comfyui_unmatched"] == stock_unloaded, (case, info["comfyui_unmatched"], stock_unloaded)
+    converted = lora_format.convert_file(src, dst, arch="zimage")
+    assert converted.unplaced == []
+    by_weight, unloaded = _comfy_loads(patcher, dst, caplog)
+    assert unloaded == 0 and not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert len(by_weight) == len({target for target, _ in names.values()})
+    assert report.describe(dst)["comfyui_unmatched"] == 0
+    delta, _ = safetensors_io.read(folder / f"{case}.delta.safetensors")
+    state = {key: patcher.model.state_dict()[key] for key in by_weight}
+    base = _assembled(names, delta, "base.", state)
+    truth = _assembled(names, delta, "", state)
+    for key, entries in by_weight.items():
+        got = comfy.lora.calculate_weight(entries, base[key].clone().float(), key).double()
+        if "dora" not in case:
+            error = float((got - base[key] - truth[key]).abs().max())
+            assert error <= 1e-4 * float(truth[key].abs().max()), (case, key, error)
+            continue
+        # DoRA: ComfyUI divides W + ΔW by the base weight's row norms, the library by its own (docs/lora-files.md):
+        # the same rows in direction, lengths apart by ‖W + ΔW‖ / ‖W‖
+        ours, theirs = got, base[key] + truth[key]
+        cosine = (ours * theirs).sum(1) / (ours.norm(dim=1) * theirs.norm(dim=1))
+        assert float((1 - cosine).abs().max()) < 1e-6, (case, key)

@@ -1,0 +1,101 @@
+"""What stock ComfyUI makes of a LoRA file, from Kiln's own knowledge of its key forms (never importing it), and
+who wrote the file. ComfyUI's map (comfy/lora.py model_lora_keys_unet, the same forms in 0.17 and 0.33):
+  every model      diffusion_model.<ComfyUI path>, lora_unet_<ComfyUI path, '.'→'_'>
+  Z-Image, Lumina2 diffusers names (comfy/utils.py z_image_to_diffusers) under diffusion_model., transformer.,
+                   lycoris_ (flattened) and bare
+  Qwen-Image       the ComfyUI path bare, under transformer. and lycoris_ (flattened)
+  Flux, Flux2, Chroma   Flux.1's diffusers names (flux_to_diffusers) under transformer., lycoris_,
+                   lora_transformer_ (flattened) and bare: Flux2's attention names are among them, its MLP ones not
+and its weight adapters read the suffixes lora_sources.SUFFIXES lists, except PEFT's lora_magnitude_vector.
+tests/nodes/test_lora_library_files.py checks the count against ComfyUI's own loader."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+from ..archs import Arch
+from . import keys, sources
+
+# Flux2's diffusers names that Flux.1's map (comfy/utils.py flux_to_diffusers) also has
+_FLUX1_NAMES = r"transformer_blocks\.\d+\.attn\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|x_embedder|context_embedder|proj_out"
+# family → (prefix under which ComfyUI maps diffusers names, flattened?)
+_DIFFUSERS_FORMS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "zimage": (("diffusion_model.", False), ("transformer.", False), ("lycoris_", True), ("", False)),
+    "lumina2": (("diffusion_model.", False), ("transformer.", False), ("lycoris_", True), ("", False)),
+    "qwen_image": (("transformer.", False), ("lycoris_", True), ("", False)),
+    "flux2": (("transformer.", False), ("lycoris_", True), ("lora_transformer_", True), ("", False)),
+    "chroma": (("transformer.", False), ("lycoris_", True), ("lora_transformer_", True), ("", False)),
+}
+_KNOWN = {"flux2": _FLUX1_NAMES, "chroma": _FLUX1_NAMES}  # families whose diffusers names ComfyUI knows in part
+_UNREAD = (".lora_magnitude_vector", ".lora_magnitude_vector.default.weight")  # PEFT's DoRA magnitude
+
+
+def _suffix(key: str) -> str | None:
+    return next((s for s in sorted(sources.SUFFIXES, key=len, reverse=True) if key.endswith(s)), None)
+
+
+def _comfy_path(arch: Arch | None, name: str) -> bool:
+    """A dotted name ComfyUI's model has: the one place() finds without loosening, or one nothing else claims."""
+    found = sources.place(arch, name, None, flat=False, verbatim=True)
+    return found is not None and found.path == name and found.part is None
+
+
+def _diffusers_name(arch: Arch, name: str, flat: bool) -> bool:
+    """A diffusers name (flattened or not) ComfyUI's map for the family holds."""
+    found = sources.place(arch, name, None, flat=flat, verbatim=False)
+    targets = keys.diffusers_targets(arch, found.path) if found else None
+    dotted = next((n for n in (targets[1] if targets else []) if (n.replace(".", "_") if flat else n) == name), None)
+    known = _KNOWN.get(arch.family)
+    return dotted is not None and (known is None or re.fullmatch(known, dotted) is not None)
+
+
+def loaded(arch: Arch | None, module: str) -> bool:
+    """Whether stock ComfyUI's key map holds a module name (a key without its suffix)."""
+    if module.startswith(keys.COMFY_PREFIX) and _comfy_path(arch, module[len(keys.COMFY_PREFIX) :]):
+        return True
+    if module.startswith(keys.KOHYA_PREFIX) and arch is not None:
+        flat = module[len(keys.KOHYA_PREFIX) :]
+        found = sources.place(arch, flat, None, flat=True, verbatim=False)
+        if found is not None and found.path.replace(".", "_") == flat:
+            return True
+    forms = _DIFFUSERS_FORMS.get(arch.family, ()) if arch is not None else ()
+    return any(module.startswith(p) and _diffusers_name(arch, module[len(p) :], flat) for p, flat in forms)
+
+
+def unmatched(keys: Iterable[str], arch: Arch | None) -> list[str]:
+    """The keys stock ComfyUI's loader would report as not loaded."""
+    out = []
+    for key in keys:
+        suffix = _suffix(key)
+        if suffix is None or suffix in _UNREAD or not loaded(arch, key[: -len(suffix)]):
+            out.append(key)
+    return sorted(out)
+
+
+def writer(metadata: Mapping[str, str], keys: Iterable[str]) -> str:
+    """Which tool wrote a file: its metadata first, else its key layout."""
+    values = " ".join(metadata.values()).lower()
+    module = metadata.get("ss_network_module", "").lower()
+    by_metadata = [
+        ("kiln.version" in metadata, "Kiln"),
+        ("ai-toolkit" in values or "ai_toolkit" in values, "ai-toolkit"),
+        (
+            "musubi" in values or module.startswith("networks.lora_") and "modelspec.architecture" in metadata,
+            "musubi-tuner",
+        ),
+        ("lycoris" in module, "LyCORIS"),
+        ("simpletuner" in values, "SimpleTuner"),
+        ("onetrainer" in values, "OneTrainer"),
+        ("lora_adapter_metadata" in metadata, "diffusers/PEFT (SimpleTuner, diffusers' scripts)"),
+        (bool(module), "Kohya/sd-scripts"),
+    ]
+    found = next((name for hit, name in by_metadata if hit), None)
+    if found:
+        return f"{found} (from metadata)"
+    keys = list(keys)
+    forms = sorted(
+        {f.writers for f in sources.KEY_FORMS.values() for k in keys if k.startswith(f.prefix)}
+        | ({"PEFT"} if any(k.endswith(_UNREAD) for k in keys) else set())
+    )
+    return f"{' or '.join(forms) or 'unknown'} (from the key layout)"
