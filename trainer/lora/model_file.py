@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import safetensors_io
 
+RUN_FILE = "diffusion_model.safetensors"  # in a node run's folder: what Kiln Save Diffusion Model copies
 STORED = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 
 

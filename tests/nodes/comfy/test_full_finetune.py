@@ -14,17 +14,19 @@ comfy_env.require_comfy()  # skips this whole module without COMFYUI_PATH
 
 import comfy.sample  # noqa: E402
 import comfy.sd  # noqa: E402
+import folder_paths  # noqa: E402
 from helpers import tiny_comfy as tc  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import kiln_pack.nodes.comfy.bridge as bridge
+import kiln_pack.nodes.lora_nodes as ln
+import kiln_pack.nodes.run as node_run
 import kiln_pack.trainer.data as data_module
 import kiln_pack.trainer.run.loop as loop
 from kiln_pack.trainer import safetensors_io
 from kiln_pack.trainer.lora.extract import ModelFile, extract
 from kiln_pack.trainer.lora.files import save_lora
-from kiln_pack.trainer.lora.model_file import save_diffusion_model
 from kiln_pack.trainer.lora.tools import RankRule
 from helpers.bridge_calls import small_config
 
@@ -49,19 +51,37 @@ def sampled(model, cond, latent_shape) -> torch.Tensor:
         ).float()
 
 
-def test_a_full_fine_tune_loads_in_comfy_and_samples_differently(tmp_path):
+def test_a_full_fine_tune_loads_in_comfy_and_samples_differently(tmp_path, comfy_dirs):
     (tmp_path / "base").mkdir()
     klein, clip, vae = tc.tiny_flux2(tmp_path / "base"), tc.tiny_klein_clip(), tc.tiny_vae(flux2=True)
     data = training_data(klein, vae, clip, ["a cat", "a dog on a beach", "moss"], 32)
     base = {k: v.float().clone() for k, v in bridge.diffusion_model(klein).state_dict().items()}
-    cfg = small_config("flux2_klein", steps=3, adapter="full", learning_rate=1e-2)
+    cfg = small_config("flux2_klein", steps=3, adapter="full", learning_rate=1e-2, save_dtype="fp32")
     with bridge.training_session(klein) as (dm, _):
         result = loop.train(cfg, dm, data, run_dir=tmp_path / "run", forward=bridge.make_forward(klein, "flux2_klein"))
     assert result.model is not None and result.lora == {}
     for name, tensor in bridge.diffusion_model(klein).state_dict().items():  # the input MODEL as it came
         assert torch.equal(tensor.float(), base[name]), name
-    path = tmp_path / "klein_full.safetensors"
-    save_diffusion_model(path, result.model, dtype="fp32", metadata={})
+    # Train LoRA's state carries the run folder's file; Save Diffusion Model copies it where UNETLoader looks
+    state = node_run.KilnState(
+        run_dir=str(tmp_path / "run"),
+        checkpoint=str(result.checkpoint),
+        step=result.step,
+        arch="flux2_klein",
+        config=cfg.to_dict(),
+        lora={},
+        ema_lora=None,
+        model_file=node_run.full_model_file(cfg, result, tmp_path / "run"),
+    )
+    folder = comfy_dirs / "diffusion_models"
+    folder_paths.folder_names_and_paths["diffusion_models"] = ([str(folder)], folder_paths.supported_pt_extensions)
+    saved = ln.KilnSaveDiffusionModel.execute(state, "kiln/klein_full", False)
+    path = folder / "kiln" / "klein_full.safetensors"
+    assert saved.result[0] == str(path) and "kiln/klein_full.safetensors" in folder_paths.get_filename_list(
+        "diffusion_models"
+    )
+    with pytest.raises(ValueError, match="exists; choose another name or turn on overwrite"):
+        ln.KilnSaveDiffusionModel.execute(state, "kiln/klein_full", False)
 
     with torch.inference_mode():
         loaded = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float32})
@@ -80,7 +100,7 @@ def test_a_full_fine_tune_loads_in_comfy_and_samples_differently(tmp_path):
     original = tmp_path / "base" / next(p.name for p in (tmp_path / "base").glob("*.safetensors"))
     lora, _ = extract(ModelFile(original), ModelFile(path), RankRule(rank=4096), svd="full")
     tuned = safetensors_io.read(path)[0]
-    for module, weights in lora.items():
+    for module, weights in lora.items():  # fp32 file: the delta exactly as trained
         delta = tuned[f"{module}.weight"] - ModelFile(original)[f"{module}.weight"].float().numpy()
         rebuilt = weights.B @ weights.A * (weights.alpha / weights.A.shape[0])
         assert np.allclose(rebuilt, delta, atol=1e-5 * max(1.0, float(np.abs(delta).max()))), module
@@ -88,3 +108,17 @@ def test_a_full_fine_tune_loads_in_comfy_and_samples_differently(tmp_path):
     save_lora(lora_path, lora, arch="flux2_klein", fmt="comfy", dtype="fp32", metadata={})
     patched = bridge.apply_lora(klein, load_file(str(lora_path)), strict=True)  # strict: raises on an unmatched key
     assert len(patched.patches) == len(lora)
+
+
+def test_save_diffusion_model_refuses_a_lora_run(tmp_path):
+    state = node_run.KilnState(
+        run_dir=str(tmp_path),
+        checkpoint="",
+        step=1,
+        arch="flux2_klein",
+        config={"adapter": "lora"},
+        lora={},
+        ema_lora=None,
+    )
+    with pytest.raises(ValueError, match="Kiln Save Diffusion Model: this run trained adapter 'lora'.*Kiln Save LoRA"):
+        ln.KilnSaveDiffusionModel.execute(state, "kiln/x", False)

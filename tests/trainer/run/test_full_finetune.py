@@ -49,27 +49,18 @@ def run(tmp_path, name, model, make_data, cfg, *, stop_at=None, resume=False):
     )
 
 
-BLOCKS = ("double_blocks.", "single_blocks.")  # the demo arch's block_lists
-
-
-def block_names(model) -> list[str]:
-    return [name for name, _ in model.named_parameters() if name.startswith(BLOCKS)]
-
-
-def test_every_block_weight_trains_and_the_model_comes_back(tmp_path, make_model, make_data, full_config):
+def test_every_weight_trains_and_the_model_comes_back(tmp_path, make_model, make_data, full_config):
     model = make_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = run(tmp_path, "full", model, make_data, full_config)
-    assert result.trainable_parameters == sum(p.numel() for n, p in model.named_parameters() if n.startswith(BLOCKS))
+    assert result.trainable_parameters == sum(p.numel() for p in model.parameters())
     assert result.lora == {} and result.model is not None and set(result.model) == set(before)
-    for name in block_names(model):  # every block weight moved (EMA weights in the result)
+    for name in before:  # blocks, embedders and final layer alike (EMA weights in the result)
         assert not np.array_equal(result.model[name], before[name].numpy()), name
-    outside = [k for k in before if not k.startswith(BLOCKS)]
-    assert outside and all(np.array_equal(result.model[k], before[k].numpy()) for k in outside)
     for name, tensor in model.state_dict().items():  # the model handed back is the base, bit for bit
         assert torch.equal(tensor, before[name]), name
     state, _ = safetensors_io.read(result.checkpoint / "state.safetensors")
-    assert {f"full.{n}" for n in block_names(model)} <= set(state)
+    assert {f"full.{n}" for n in before} == {k for k in state if k.startswith("full.")}
 
 
 def test_resume_is_bitwise_exact(tmp_path, make_model, make_data, full_config):
@@ -110,3 +101,45 @@ def test_extract_at_full_rank_reproduces_the_delta(tmp_path, make_model, make_da
 def test_full_refuses_what_it_cannot_train_with(make_config, overrides, named):
     with pytest.raises(ConfigError, match=named):
         make_config(adapter="full", **overrides)
+
+
+def test_bf16_updates_round_stochastically():
+    """An update below bf16's resolution still moves the weight on average (round-to-nearest would drop it)."""
+    from trainer.backends.torch_backend.full import round_bf16_updates
+
+    weight = torch.nn.Parameter(torch.ones(8192, dtype=torch.bfloat16))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    round_bf16_updates(optimizer, [weight])
+    weight.grad = torch.full_like(weight, 5e-4)  # 1 − 5e-4: nearest is 1.0; the next bf16 below is 1 − 2⁻⁸
+    torch.manual_seed(0)
+    optimizer.step()
+    assert weight.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    assert set(weight.detach().float().unique().tolist()) == {1 - 2**-8, 1.0}
+    assert abs(float(weight.detach().float().mean()) - (1 - 5e-4)) < 1e-4
+
+
+def test_headless_train_writes_the_model_file_and_extract_reads_it(tmp_path):
+    from trainer.cli.main import main
+    from trainer.demo.run import demo_config, make_dataset, model_for
+
+    make_dataset(tmp_path / "data", seed=0)
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 2\nadapter = "full"\nsave_dtype = "fp32"\n'
+        f'dataset_dir = "{tmp_path / "data"}"\noutput_dir = "{tmp_path / "runs"}"\n'
+        f'run_name = "mine"\nresolutions = [128]\ncheckpoint_every = 0\n'
+    )
+    assert main(["train", str(config)]) == 0
+    tuned_path = tmp_path / "runs" / "mine" / "mine.safetensors"
+    tuned, metadata = safetensors_io.read(tuned_path)
+    assert metadata["kiln.kind"] == "diffusion_model"
+    base = {k: v.numpy() for k, v in model_for(demo_config()).state_dict().items()}
+    assert set(tuned) == set(base) and any(not np.array_equal(tuned[k], base[k]) for k in base)
+    base_path = tmp_path / "base.safetensors"
+    save_diffusion_model(base_path, base, dtype="fp32", metadata={})
+    out = tmp_path / "extracted.safetensors"
+    assert main(["extract", str(base_path), str(tuned_path), str(out), "--rank", "4"]) == 0
+    from trainer.lora.files import load_lora
+
+    lora, _ = load_lora(out, arch="demo")
+    assert lora and all(w.A.shape[0] <= 4 for w in lora.values())

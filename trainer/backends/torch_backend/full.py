@@ -1,7 +1,7 @@
-"""Full fine-tune (adapter "full"): every weight of the arch's blocks trained in place, no adapter.
+"""Full fine-tune (adapter "full"): every weight of the diffusion model trained in place, no adapter.
 
-The trainable set is a plain list of the blocks' own nn.Parameters (no copies, no flattening), so FSDP2's
-fully_shard over the blocks can later shard weights, gradients and optimizer state as they are. Weights keep the
+The trainable set is a plain list of the model's own nn.Parameters (no copies, no flattening), so FSDP2's
+fully_shard over the blocks (and the root for the rest) can later shard weights, gradients and optimizer state as they are. Weights keep the
 model's dtype; a bf16 weight takes each optimizer update with stochastic rounding (round_bf16_updates), as
 OneTrainer and ai-toolkit do for bf16 full fine-tunes: half the memory of fp32 masters, and updates far below
 bf16's resolution still move the weight on average instead of rounding away."""
@@ -28,12 +28,17 @@ def settings(cfg):
 
 
 class FullSet:
-    """The blocks' weights made trainable, keyed by their names in the diffusion model's state dict (the names
-    ComfyUI's Load Diffusion Model reads back); the base weights kept on the host to give the model back."""
+    """Every weight of the diffusion model made trainable: the blocks' and the embedders' and final layer's, as
+    musubi-tuner's and ai-toolkit's full fine-tunes of Klein and Z-Image train the whole transformer. Keyed by
+    their names in the model's state dict (what ComfyUI's Load Diffusion Model reads back); the base weights kept
+    on the host to give the model back. The blocks' weights come first (FSDP2 shards block by block)."""
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module]):
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
-        self.named = [(name, p) for name, p in model.named_parameters() if id(p) in in_blocks]
+        named = list(model.named_parameters())
+        self.named = [(n, p) for n, p in named if id(p) in in_blocks] + [
+            (n, p) for n, p in named if id(p) not in in_blocks
+        ]
         self.base = [p.detach().to("cpu", copy=True) for _, p in self.named]
         for _, param in self.named:
             param.requires_grad_(True)
