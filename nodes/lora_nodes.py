@@ -1,12 +1,15 @@
-"""What to do with a trained LoRA: Apply EMA, Save LoRA, Invert Adapter, Loss Graph, Convert LoRA."""
+"""What to do with a trained LoRA: Apply EMA, Save LoRA, Invert Adapter, Loss Graph, Convert LoRA; a full fine-tune's
+Save Diffusion Model."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from comfy_api.latest import io, ui
 
 from ..trainer import paths, safetensors_io
+from ..trainer.atomic import atomic_write
 from ..trainer.archs import ARCHS, guess_arch
 from ..trainer.config import CHOICES
 from ..trainer.lora import files as lora_format
@@ -310,4 +313,50 @@ class KilnConvertLoRA(io.ComfyNode):
         return io.NodeOutput(bridge.load_lora_file(path), str(path), report, ui=ui.PreviewText(report))
 
 
-NODES = [KilnApplyEMA, KilnSaveLoRA, KilnInvertAdapter, KilnLossGraph, KilnConvertLoRA]
+class KilnSaveDiffusionModel(io.ComfyNode):
+    """Save LoRA's sibling for a full fine-tune (Training Options: adapter full)."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnSaveDiffusionModel",
+            display_name="Kiln Save Diffusion Model",
+            category=f"{CATEGORY}/lora",
+            is_output_node=True,
+            description="A full fine-tune's model (adapter full; EMA weights when on) as "
+            "models/diffusion_models/<name>.safetensors, in ComfyUI's own layout: Load Diffusion Model lists it "
+            "at once. Kiln Extract LoRA turns it and its base into a LoRA.",
+            inputs=[
+                STATE.Input("state", tooltip="From Kiln Train LoRA (or Load Run) of a run with adapter full"),
+                io.String.Input(
+                    "name",
+                    default="kiln/my_model",
+                    tooltip="File name under models/diffusion_models/ (sub-folders with /; no .. or absolute paths)",
+                ),
+                io.Boolean.Input("overwrite", default=False, tooltip="Replace a file of that name"),
+            ],
+            outputs=[io.String.Output(display_name="path", tooltip="The written file")],
+        )
+
+    @classmethod
+    def execute(cls, state: run.KilnState, name, overwrite):
+        node = "Kiln Save Diffusion Model"
+        if not state.model_file:
+            raise ValueError(
+                f"{node}: this run trained adapter {state.config.get('adapter')!r}, not a full "
+                "fine-tune; save it with Kiln Save LoRA, or set adapter to full in Training Options"
+            )
+        folder = bridge.folders()["diffusion_models"]
+        path = paths.inside(
+            folder, name.strip().removesuffix(".safetensors"), f"{node}: name", subfolders=True, suffix=".safetensors"
+        )
+        if path.exists() and not overwrite:
+            raise ValueError(f"{node}: {path} exists; choose another name or turn on overwrite")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(state.model_file, "rb") as source:  # atomic: a reader never sees half a model
+            atomic_write(path, lambda out: shutil.copyfileobj(source, out))
+        bridge.refresh_models("diffusion_models")
+        return io.NodeOutput(str(path), ui=ui.PreviewText(f"saved {path} (step {state.step})"))
+
+
+NODES = [KilnApplyEMA, KilnSaveLoRA, KilnInvertAdapter, KilnLossGraph, KilnConvertLoRA, KilnSaveDiffusionModel]

@@ -35,7 +35,9 @@ from ..trainer import config as cfg_module
 from ..trainer import paths
 from ..trainer.data.dataset import Dataset
 from ..trainer.errors import did_you_mean
-from ..trainer.lora.files import LoraWeights
+from ..trainer.archs import get_arch
+from ..trainer.lora.files import LoraWeights, lora_metadata
+from ..trainer.lora.model_file import RUN_FILE, save_diffusion_model
 from ..trainer.run import folders as run_folders
 from ..trainer.run import state as state_module
 from ..trainer.run.callbacks import Callbacks
@@ -58,6 +60,7 @@ class KilnState:
     lora: dict[str, LoraWeights]
     ema_lora: dict[str, LoraWeights] | None
     history: state_module.History = field(default_factory=state_module.History)
+    model_file: str = ""  # adapter full: the diffusion-model file in the run folder (Kiln Save Diffusion Model)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> "KilnState":
@@ -73,6 +76,7 @@ class KilnState:
             lora=state_module.checkpoint_lora(checkpoint),
             ema_lora=state_module.checkpoint_lora(checkpoint, ema=True) if has_ema else None,
             history=state_module.checkpoint_history(checkpoint),
+            model_file=str(full) if (full := checkpoint.path.parent / RUN_FILE).is_file() else "",
         )
 
     def best_lora(self) -> dict[str, LoraWeights]:
@@ -183,9 +187,21 @@ def execute(
         lora=result.lora,
         ema_lora=result.ema_lora,
         history=result.history,
+        model_file=full_model_file(cfg, result, run_dir),
     )
     summary = summary_line(cfg, result, blocked)
     return Outcome(state, front.samples, "\n".join(lines + [summary, f"checkpoint: {result.checkpoint}"]), blocked)
+
+
+def full_model_file(cfg, result: RunResult, run_dir: Path) -> str:
+    """A full fine-tune's diffusion model (EMA weights when on) written once into the run folder, so the state
+    carries a path, not the model's weights; "" for an adapter run."""
+    if result.model is None:
+        return ""
+    path = run_dir / RUN_FILE
+    metadata = lora_metadata(cfg, get_arch(cfg.arch), result.step)
+    save_diffusion_model(path, result.model, dtype=cfg.save_dtype, metadata=metadata)
+    return str(path)
 
 
 class TrainNode(Callbacks):

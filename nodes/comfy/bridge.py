@@ -73,6 +73,7 @@ from .ui import (  # noqa: F401
     prompt_server,
     raise_if_interrupted,
     refresh_loras,
+    refresh_models,
     sample,
     sampler_names,
     scheduler_names,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -191,7 +192,14 @@ def folders() -> dict[str, str]:
         "output": folder_paths.get_output_directory(),
         "temp": folder_paths.get_temp_directory(),
         "loras": folder_paths.get_folder_paths("loras")[0],
+        "diffusion_models": _diffusion_models_folder(),
     }
+
+
+def _diffusion_models_folder() -> str:
+    """models/diffusion_models (ComfyUI lists models/unet first, its legacy name, under the same key)."""
+    found = folder_paths.get_folder_paths("diffusion_models")
+    return next((f for f in found if os.path.basename(f.rstrip("/\\")) == "diffusion_models"), found[0])
 
 
 def lora_names() -> list[str]:
@@ -227,6 +235,14 @@ def interrupt_requested() -> bool:
 def raise_if_interrupted() -> None:
     """ComfyUI's stop button, as Progress.update honours it: raises Interrupted (clearing the request)."""
     mm.throw_exception_if_processing_interrupted()
+
+
+def refresh_models(kind: str) -> None:
+    """Forget the cached file list of a models folder (`kind`: diffusion_models, ...), as refresh_loras does."""
+    folder_paths.filename_list_cache.pop(kind, None)
+    helper = getattr(folder_paths, "cache_helper", None)
+    if helper is not None:
+        helper.cache.pop(kind, None)
 
 
 def refresh_loras() -> None:

@@ -18,6 +18,7 @@ KILN_NODE_IDS = {
     "KilnResizeLoRA",
     "KilnExtractLoRA",
     "KilnConvertLoRA",
+    "KilnSaveDiffusionModel",
     "KilnTrainLoRATorchrun",
     "KilnOptimizerOptions",
     "KilnNoiseLossOptions",

@@ -217,15 +217,15 @@ def finish(cfg, result, run_dir: Path, name: str) -> None:
     from ..samples.plan import SAMPLES_DIR
 
     lora = result.ema_lora if result.ema_lora is not None else result.lora
-    lora_path = run_dir / f"{name}.safetensors"
-    save_lora(
-        lora_path,
-        lora,
-        arch=get_arch(cfg.arch),
-        fmt=cfg.lora_format,
-        dtype=cfg.save_dtype,
-        metadata=lora_metadata(cfg, get_arch(cfg.arch), result.step),
-    )
+    lora_path, metadata = run_dir / f"{name}.safetensors", lora_metadata(cfg, get_arch(cfg.arch), result.step)
+    if result.model is not None:  # adapter full: a diffusion-model file (Load Diffusion Model), not a LoRA
+        from ..lora.model_file import save_diffusion_model
+
+        save_diffusion_model(lora_path, result.model, dtype=cfg.save_dtype, metadata=metadata)
+    else:
+        save_lora(
+            lora_path, lora, arch=get_arch(cfg.arch), fmt=cfg.lora_format, dtype=cfg.save_dtype, metadata=metadata
+        )
     curve = save_loss_curve(run_dir / "loss.png", result.history.loss, result.history.lr, title=f"{name}: loss")
     losses = [v for v in result.history.loss if v == v and abs(v) != float("inf")]
     print(
@@ -237,7 +237,8 @@ def finish(cfg, result, run_dir: Path, name: str) -> None:
     if losses:
         head, tail = losses[: max(1, len(losses) // 10)], losses[-max(1, len(losses) // 10) :]
         print(f"loss: first 10% mean {sum(head) / len(head):.4f} -> last 10% mean {sum(tail) / len(tail):.4f}")
-    print(f"LoRA ({'EMA' if result.ema_lora is not None else 'raw'} weights): {lora_path}")
+    kind = "diffusion model" if result.model is not None else "LoRA"
+    print(f"{kind} ({'EMA' if cfg.ema else 'raw'} weights): {lora_path}")
     print(f"loss curve: {curve}")
     if result.best is not None:
         early = "stopped early (early_stop_patience); " if result.early_stopped else ""

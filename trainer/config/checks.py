@@ -289,6 +289,27 @@ def _preservation_problems(cfg: TrainConfig) -> list[str]:
     return []
 
 
+def _full_problems(cfg: TrainConfig) -> list[str]:
+    """A full fine-tune trains the blocks' own weights on PyTorch: nothing may quantize, stream or stand in for them."""
+    if cfg.adapter != "full":
+        return []
+    problems = []
+    if cfg.backend != "torch":
+        problems.append(
+            "adapter 'full' (full fine-tune) runs on backend 'torch' only; set backend to torch or choose lora"
+        )
+    if cfg.preservation_weight > 0:
+        problems.append("adapter 'full' keeps no base model beside the trained one; set preservation_weight to 0")
+    if cfg.base_quantize != "none" or cfg.fp8_compute is True:
+        problems.append("adapter 'full' trains the base weights: set base_quantize to none and fp8_compute off")
+    if cfg.stream_blocks not in (0, AUTO) or cfg.cuda_graphs or cfg.step_graphs is True:
+        problems.append(
+            "adapter 'full' keeps every trained block on the device: set stream_blocks, cuda_graphs and "
+            "step_graphs to 0/off/auto"
+        )
+    return problems
+
+
 def _holdout_problems(cfg: TrainConfig) -> list[str]:
     problems = []
     if cfg.holdout >= 1 and cfg.holdout != int(cfg.holdout):
@@ -341,6 +362,7 @@ _COMBINATION_CHECKS: tuple[Callable[[TrainConfig], list[str]], ...] = (
     _sample_problems,
     _preservation_problems,
     adapters.check_config,
+    _full_problems,
     _holdout_problems,
     _target_problems,
     _sigma_range_problems,

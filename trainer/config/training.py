@@ -373,14 +373,17 @@ class EmaFields:
 
 # trainer/lora/adapters.py. After every shipped Training Options field: the node lists fields not shipped in
 # FIELDS order, and saved workflows are positional.
+# "full" is one more choice of `adapter`, not a second setting: a run trains either one adapter kind or every
+# weight, so one choice cannot be set to a contradiction (a separate train = full beside adapter = lokr could).
 @dataclass
 class AdapterKindFields:
     adapter: str = setting(
         "lora",
         "lora; lokr (Kronecker: w1 ⊗ w2, LyCORIS); loha (Hadamard of two low-rank pairs); dora (LoRA + a "
-        "magnitude per input column). docs/lora-files.md: Adapter kinds",
+        "magnitude per input column); full (full fine-tune: every weight of the blocks, PyTorch only, saved as a "
+        "diffusion-model file). docs/lora-files.md: Adapter kinds; docs/features.md: Full fine-tune",
         "adapter",
-        choices=ADAPTER_KINDS,
+        choices=(*ADAPTER_KINDS, "full"),
     )
     lokr_factor: int = setting(
         -1,

@@ -109,8 +109,10 @@ def save_checkpoint(
 def _state_tensors(
     backend, lora: dict[str, LoraWeights], optimizer_tensors: dict[str, np.ndarray], rank_rng
 ) -> dict[str, np.ndarray]:
-    """state.safetensors: exact LoRA, EMA shadow, optimizer moments, every rank's RNG states."""
+    """state.safetensors: exact LoRA (a full fine-tune's weights), EMA shadow, optimizer moments, every rank's RNG
+    states."""
     tensors = _lora_tensors(lora, "lora.")
+    tensors.update({f"full.{k}": v for k, v in getattr(backend, "full_state", dict)().items()})  # torch only
     tensors.update({f"ema.{k}": v for k, v in backend.ema_state().items()})
     tensors.update({f"optim.{k}": v for k, v in optimizer_tensors.items()})
     tensors.update({f"rng.{k}": v for k, v in backend.rng_state().items()})

@@ -50,6 +50,7 @@ class RunResult:
     best: holdout.Best | None = None  # the best held-out evaluation (holdout > 0)
     best_lora: Path | None = None  # <run>/best/lora.safetensors: that step's LoRA
     early_stopped: bool = False  # ended by early_stop_patience
+    model: dict[str, np.ndarray] | None = None  # adapter full: the diffusion model's weights (EMA ones when on)
 
 
 def objective_settings(cfg: TrainConfig, arch: Arch) -> objective.ObjectiveSettings:
@@ -180,6 +181,12 @@ def best_lora(backend, ema: bool) -> dict[str, LoraWeights]:
         return backend.lora_state()
     with backend.ema_weights():
         return backend.lora_state()
+
+
+def full_model(backend) -> dict[str, np.ndarray]:
+    """A full fine-tune's whole diffusion model as a user keeps it: the EMA weights when EMA is on."""
+    with backend.ema_weights():
+        return backend.model_state()
 
 
 @dataclass
@@ -328,6 +335,7 @@ def result(run: Setup, log: StepLog, vote: distributed.StopVote, end: Ending, ju
     log.flush()
     backend, history = run.backend, log.history
     ema_lora = best_lora(backend, True) if run.cfg.ema else None
+    model = full_model(backend) if run.cfg.adapter == "full" else None
     return RunResult(
         run_dir=run.run_dir,
         step=len(history.lr),
@@ -341,6 +349,7 @@ def result(run: Setup, log: StepLog, vote: distributed.StopVote, end: Ending, ju
         best=judge.best(),
         best_lora=judge.best_lora,
         early_stopped=end.early_stopped,
+        model=model,
     )
 
 

@@ -265,6 +265,8 @@ def restore(
 
     try:
         backend.load_lora_state(_lora_from(tensors, "lora."))
+        if section("full."):  # a full fine-tune's weights (adapter full, backend torch)
+            backend.load_full_state(section("full."))
         backend.load_ema_state(section("ema."))
         backend.load_optimizer_state(section("optim."), checkpoint.info["optimizer"])
         backend.load_rng_state(section("rng." if rank == 0 else f"rng.rank{rank}."))

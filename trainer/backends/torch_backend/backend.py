@@ -15,7 +15,7 @@ from ...lora.files import LoraWeights
 from ...objective.flow import interpolate, velocity_target
 from ...run import distributed
 from ..base import StepStats, parameter_name, saved_name
-from . import attention, devices, fallbacks, levers, lora, memory_plan, optim, streaming
+from . import attention, devices, fallbacks, full, levers, lora, memory_plan, optim, preserving, streaming
 from .checkpointing import (  # noqa: F401 (CompileFailed: imported from here)
     BlockCheckpointing,
     CompileFailed,
@@ -37,6 +37,7 @@ class TorchBackend:
     name = "torch"
 
     def setup(self, model: nn.Module, cfg: TrainConfig, arch: Arch, forward=None) -> None:
+        cfg = full.settings(cfg)  # a full fine-tune: nothing streams, quantizes or records the trained blocks
         self.cfg, self.arch, self.model = cfg, arch, model
         self.forward = forward or default_forward
         self.device = devices.pick_device(cfg.device)
@@ -61,6 +62,7 @@ class TorchBackend:
             weight_decay=cfg.weight_decay,
             device=self.device,
         )
+        full.round_bf16_updates(self.optimizer, list(self.params.values()))  # a no-op for fp32 or LoRA weights
         self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None
         # The model call; under torchrun a DDP module averaging the LoRA gradients over the ranks.
         # self.forward read at each call (a test, or a later wrapper, may replace it after setup)
@@ -105,6 +107,9 @@ class TorchBackend:
         # the quantized base's forwards (int8, else fp8: self.fp8 holds either) go in first, so the LoRA
         # branches wrap them (removed in the reverse order)
         self.fp8, fp8_note = levers.quantized_base(model, cfg, self.device, self.blocks, arch.fp8_quantize_kernel)
+        if cfg.adapter == full.FULL:  # the blocks' own weights, not branches (full.py)
+            self.lora = full.FullSet(model, self.blocks)
+            return fp8_note
         self.lora = LoraSet(
             model,
             targets,
@@ -200,30 +205,7 @@ class TorchBackend:
         return extras_on_device(extras, self.device, self.dtype)
 
     def _preserving_loss(self, batch) -> torch.Tensor:
-        """Differential output preservation (trainer/objective/preservation.py): the base model's prediction on the
-        class-word captions (LoRA off, no grad; a compiled block runs eagerly without grad, so nothing
-        recompiles) is the target of the LoRA's, from one forward of the rows and their class-word rows."""
-        kept, amp, flow = batch.preservation, self._amp(), flow_tensors(batch, self.device)
-        x0, noise, sigmas, weights, mask = (flow[k] for k in ("x0", "noise", "sigmas", "weights", "mask"))
-        x_t, target = interpolate(x0, noise, sigmas), velocity_target(x0, noise)
-        x_in, rows = x_t.to(self.dtype), x_t.shape[0]
-        with torch.no_grad(), amp, self.lora.disabled():  # not through DDP: no gradient to average
-            base = self.forward(
-                self.model, x_in, sigmas, self._to_device(kept.context, self.dtype), self._extras(kept.extras)
-            ).float()
-        with amp:
-            prediction = self.call(
-                torch.cat([x_in, x_in]),
-                torch.cat([sigmas, sigmas]),
-                self._to_device(kept.joint_context, self.dtype),
-                self._extras(kept.joint_extras),
-            )
-        squared = (prediction[:rows].float() - target).square()
-        if mask is not None:  # masked training weighs the trained rows' cells; the preserved rows stay whole
-            squared = squared * mask
-        trained = squared.flatten(1).mean(dim=1)  # [B]
-        preserved = (prediction[rows:].float() - base).square().flatten(1).mean(dim=1)  # [B]
-        return (trained * weights).mean() + (preserved * self._to_device(kept.weights, torch.float32)).mean()
+        return preserving.loss(self, batch)
 
     def step(self, micro_batches, lr: float):
         # a schedule-free optimizer's training point is in the weights only inside a step (optim.training_mode)
@@ -321,6 +303,15 @@ class TorchBackend:
             raise ValueError(f"LoRA state lacks {len(missing)} module(s), e.g. {missing[:3]}")
         for path, branch in branches.items():
             branch.load(lora[path], path)
+
+    def full_state(self) -> dict[str, np.ndarray]:
+        return full.state(self.lora)
+
+    def load_full_state(self, tensors: dict[str, np.ndarray]) -> None:
+        full.load_state(self.lora, tensors)
+
+    def model_state(self) -> dict[str, np.ndarray]:
+        return full.model_tensors(self.model)
 
     def ema_state(self) -> dict[str, np.ndarray]:
         if self.ema is None:

@@ -1,0 +1,145 @@
+"""Full fine-tune (adapter "full"): every block weight trains, resume is bitwise exact, the model goes back as it
+came, the run writes a diffusion-model file, and extract turns it into a LoRA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainer import config as config
+from trainer import safetensors_io
+from trainer.config import ConfigError
+from trainer.lora.extract import extract
+from trainer.lora.model_file import save_diffusion_model
+from trainer.lora.tools import RankRule
+from trainer.run.loop import train
+
+from helpers.resume import assert_bitwise_resume
+
+
+@pytest.fixture
+def full_config(make_config):
+    return make_config(
+        adapter="full",
+        steps=8,
+        checkpoint_every=4,
+        caption_dropout=0.3,
+        ema=True,
+        ema_decay=0.9,
+        grad_accum=2,
+        lr_schedule="cosine_with_warmup",
+        warmup_steps=2,
+        gradient_checkpointing=True,
+        learning_rate=1e-3,
+    )
+
+
+def run(tmp_path, name, model, make_data, cfg, *, stop_at=None, resume=False):
+    run_dir, progress = tmp_path / name, []
+    stop = (lambda: len(progress) >= stop_at) if stop_at else None
+    return train(
+        cfg,
+        model,
+        make_data(),
+        run_dir=run_dir,
+        resume=run_dir if resume else None,
+        on_step=progress.append,
+        should_stop=stop,
+    )
+
+
+def test_every_weight_trains_and_the_model_comes_back(tmp_path, make_model, make_data, full_config):
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = run(tmp_path, "full", model, make_data, full_config)
+    assert result.trainable_parameters == sum(p.numel() for p in model.parameters())
+    assert result.lora == {} and result.model is not None and set(result.model) == set(before)
+    for name in before:  # blocks, embedders and final layer alike (EMA weights in the result)
+        assert not np.array_equal(result.model[name], before[name].numpy()), name
+    for name, tensor in model.state_dict().items():  # the model handed back is the base, bit for bit
+        assert torch.equal(tensor, before[name]), name
+    state, _ = safetensors_io.read(result.checkpoint / "state.safetensors")
+    assert {f"full.{n}" for n in before} == {k for k in state if k.startswith("full.")}
+
+
+def test_resume_is_bitwise_exact(tmp_path, make_model, make_data, full_config):
+    straight = run(tmp_path, "straight", make_model(), make_data, full_config)
+    first = run(tmp_path, "stopped", make_model(), make_data, full_config, stop_at=3)
+    assert first.stopped and first.step == 3
+    resumed = run(tmp_path, "stopped", make_model(), make_data, full_config, resume=True)
+    assert resumed.step == 8
+    assert_bitwise_resume(straight, resumed, holds=("full.", "ema.", "optim."))
+    assert all(np.array_equal(straight.model[k], resumed.model[k]) for k in straight.model)
+
+
+def test_extract_at_full_rank_reproduces_the_delta(tmp_path, make_model, make_data, full_config):
+    base_model = make_model()
+    base = {k: v.float().numpy() for k, v in base_model.state_dict().items()}
+    result = run(tmp_path, "full", base_model, make_data, config.replace(full_config, ema=False, steps=4))
+    path = tmp_path / "tuned.safetensors"
+    save_diffusion_model(path, result.model, dtype="fp32", metadata={})
+    tuned, metadata = safetensors_io.read(path)
+    assert metadata["kiln.kind"] == "diffusion_model"
+    assert all(np.array_equal(tuned[k], result.model[k]) for k in result.model)
+    lora, _ = extract(base, tuned, RankRule(rank=4096), svd="full")
+    assert lora
+    for path_, weights in lora.items():
+        delta = tuned[f"{path_}.weight"] - base[f"{path_}.weight"]
+        rebuilt = weights.B @ weights.A * (weights.alpha / weights.A.shape[0])
+        assert np.allclose(rebuilt, delta, atol=1e-5 * max(1.0, float(np.abs(delta).max()))), path_
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"backend": "mlx"}, "backend 'torch' only"),
+        ({"preservation_weight": 0.5, "preservation_class": "person"}, "preservation_weight to 0"),
+        ({"base_quantize": "int8"}, "base_quantize to none"),
+    ],
+)
+def test_full_refuses_what_it_cannot_train_with(make_config, overrides, named):
+    with pytest.raises(ConfigError, match=named):
+        make_config(adapter="full", **overrides)
+
+
+def test_bf16_updates_round_stochastically():
+    """An update below bf16's resolution still moves the weight on average (round-to-nearest would drop it)."""
+    from trainer.backends.torch_backend.full import round_bf16_updates
+
+    weight = torch.nn.Parameter(torch.ones(8192, dtype=torch.bfloat16))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    round_bf16_updates(optimizer, [weight])
+    weight.grad = torch.full_like(weight, 5e-4)  # 1 − 5e-4: nearest is 1.0; the next bf16 below is 1 − 2⁻⁸
+    torch.manual_seed(0)
+    optimizer.step()
+    assert weight.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    assert set(weight.detach().float().unique().tolist()) == {1 - 2**-8, 1.0}
+    assert abs(float(weight.detach().float().mean()) - (1 - 5e-4)) < 1e-4
+
+
+def test_headless_train_writes_the_model_file_and_extract_reads_it(tmp_path):
+    from trainer.cli.main import main
+    from trainer.demo.run import demo_config, make_dataset, model_for
+
+    make_dataset(tmp_path / "data", seed=0)
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'arch = "demo"\ndevice = "cpu"\nmixed_precision = "no"\nsteps = 2\nadapter = "full"\nsave_dtype = "fp32"\n'
+        f'dataset_dir = "{tmp_path / "data"}"\noutput_dir = "{tmp_path / "runs"}"\n'
+        f'run_name = "mine"\nresolutions = [128]\ncheckpoint_every = 0\n'
+    )
+    assert main(["train", str(config)]) == 0
+    tuned_path = tmp_path / "runs" / "mine" / "mine.safetensors"
+    tuned, metadata = safetensors_io.read(tuned_path)
+    assert metadata["kiln.kind"] == "diffusion_model"
+    base = {k: v.numpy() for k, v in model_for(demo_config()).state_dict().items()}
+    assert set(tuned) == set(base) and any(not np.array_equal(tuned[k], base[k]) for k in base)
+    base_path = tmp_path / "base.safetensors"
+    save_diffusion_model(base_path, base, dtype="fp32", metadata={})
+    out = tmp_path / "extracted.safetensors"
+    assert main(["extract", str(base_path), str(tuned_path), str(out), "--rank", "4"]) == 0
+    from trainer.lora.files import load_lora
+
+    lora, _ = load_lora(out, arch="demo")
+    assert lora and all(w.A.shape[0] <= 4 for w in lora.values())

@@ -1,0 +1,130 @@
+"""Full fine-tune (adapter "full"): every weight of the diffusion model trained in place, no adapter.
+
+The trainable set is a plain list of the model's own nn.Parameters (no copies, no flattening), so FSDP2's
+fully_shard over the blocks (and the root for the rest) can later shard weights, gradients and optimizer state as they are. Weights keep the
+model's dtype; a bf16 weight takes each optimizer update with stochastic rounding (round_bf16_updates), as
+OneTrainer and ai-toolkit do for bf16 full fine-tunes: half the memory of fp32 masters, and updates far below
+bf16's resolution still move the weight on average instead of rounding away."""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from torch import nn
+
+FULL = "full"
+
+
+def settings(cfg):
+    """The config a full fine-tune runs with: the levers that stream, quantize or record a frozen base are off
+    (every block weight trains, on the device). The same config for any other adapter."""
+    if cfg.adapter != FULL:
+        return cfg
+    off = {"stream_blocks": 0, "fp8_compute": False, "base_quantize": "none", "cuda_graphs": False}
+    return dataclasses.replace(cfg, **off, step_graphs=False)
+
+
+class FullSet:
+    """Every weight of the diffusion model made trainable: the blocks' and the embedders' and final layer's, as
+    musubi-tuner's and ai-toolkit's full fine-tunes of Klein and Z-Image train the whole transformer. Keyed by
+    their names in the model's state dict (what ComfyUI's Load Diffusion Model reads back); the base weights kept
+    on the host to give the model back. The blocks' weights come first (FSDP2 shards block by block)."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module]):
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        named = list(model.named_parameters())
+        self.named = [(n, p) for n, p in named if id(p) in in_blocks] + [
+            (n, p) for n, p in named if id(p) not in in_blocks
+        ]
+        self.base = [p.detach().to("cpu", copy=True) for _, p in self.named]
+        for _, param in self.named:
+            param.requires_grad_(True)
+
+    def branches(self) -> dict[str, nn.Module]:
+        return {}  # no adapter: nothing hooked, nothing for DDP or a LoRA file
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.named)
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for _, p in self.named)
+
+    @contextmanager
+    def step_weights(self, dtype: torch.dtype):
+        yield  # autocast casts the block weights itself
+
+    @contextmanager
+    def disabled(self):
+        raise ValueError("a full fine-tune has no base model beside it to compare with (set preservation_weight 0)")
+        yield  # pragma: no cover
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The trained weights, exact (fp32 holds every bf16 value), by state-dict name."""
+        return {name: p.detach().float().cpu().numpy().copy() for name, p in self.named}  # not a view
+
+    @torch.no_grad()
+    def load(self, tensors: dict[str, np.ndarray]) -> None:
+        missing = [name for name, _ in self.named if name not in tensors]
+        if missing:
+            raise ValueError(f"full fine-tune state lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+        for name, param in self.named:
+            param.copy_(torch.from_numpy(tensors[name]))
+
+    @torch.no_grad()
+    def remove(self) -> None:
+        """The base weights back: a ComfyUI MODEL is used again after the run."""
+        for (_, param), base in zip(self.named, self.base):
+            param.copy_(base)
+        self.named, self.base = [], []
+
+
+def state(trainable) -> dict[str, np.ndarray]:
+    """A full fine-tune's trained weights; {} for an adapter's set (its weights go through lora_state)."""
+    return trainable.state() if isinstance(trainable, FullSet) else {}
+
+
+def load_state(trainable, tensors: dict[str, np.ndarray]) -> None:
+    if isinstance(trainable, FullSet):
+        trainable.load(tensors)
+
+
+def model_tensors(model: nn.Module) -> dict[str, np.ndarray]:
+    """The whole diffusion model's state dict in fp32 numpy, keys as ComfyUI's Load Diffusion Model reads them."""
+    return {name: t.detach().float().cpu().numpy().copy() for name, t in model.state_dict().items()}
+
+
+def stochastic_round_(target: torch.Tensor, value: torch.Tensor) -> None:
+    """target (bf16) ← value (fp32) rounded up or down at random, in proportion to the distance: a random 16-bit
+    integer added below bf16's mantissa, then the low half cut (torch's global RNG: resume restores it)."""
+    bits = value.contiguous().view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    target.copy_(((bits + noise) & -65536).view(torch.float32))
+
+
+def round_bf16_updates(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    """optimizer.step() on fp32 copies of the bf16 weights (and their gradients), stochastically rounded back.
+    Nothing changes for fp32 weights (the demo model, CPU tests)."""
+    low = [p for p in params if p.dtype == torch.bfloat16]
+    if not low:
+        return
+    step = optimizer.step
+
+    def rounded_step(*args, **kwargs):
+        stored = [p.data for p in low]
+        for p in low:
+            grad = p.grad
+            p.data = p.data.float()
+            p.grad = None if grad is None else grad.float()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            for p, kept in zip(low, stored):
+                stochastic_round_(kept, p.data)
+                grad = p.grad
+                p.data = kept
+                p.grad = None if grad is None else grad.to(torch.bfloat16)
+
+    optimizer.step = rounded_step
