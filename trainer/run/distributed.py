@@ -278,23 +278,46 @@ def _lora_forward_module():
     return LoraForward
 
 
+# DDP's bucket size: the LoRA's gradient cut into about this many buckets, each at most DDP's default 25 MB and
+# at least 1 MB. A LoRA's gradient is small (a few MB to a few hundred): in DDP's default 25 MB buckets a small
+# one is one bucket, whose all-reduce can start only when the whole backward is done; several buckets start
+# while backward still runs (PyTorch's DDP notes: smaller buckets, more overlap, more calls).
+BUCKETS = 8
+BUCKET_MB = (1.0, 25.0)
+
+
+def bucket_mb(gradient_bytes: int) -> float:
+    """The bucket size (MB) for a gradient of `gradient_bytes`: about BUCKETS buckets, within BUCKET_MB."""
+    low, high = BUCKET_MB
+    return min(high, max(low, gradient_bytes / BUCKETS / 2**20))
+
+
+def ddp_options(branches: list) -> dict:
+    """What DDP is given (besides the module): the bucket size from the LoRA's gradient bytes, and
+    gradient_as_bucket_view (each .grad a view into its bucket: no copy in or out of the bucket, and one
+    gradient's memory less). find_unused_parameters stays off (every targeted Linear runs each step; no graph
+    walk per step); static_graph stays off (with no_sync it skips all-reduces in torch 2.x, pytorch#187732).
+    device_ids None: inputs are already on the rank's device and integer extras must stay on the host."""
+    size = sum(p.numel() * p.element_size() for branch in branches for p in branch.parameters() if p.requires_grad)
+    return dict(
+        device_ids=None, find_unused_parameters=False, bucket_cap_mb=bucket_mb(size), gradient_as_bucket_view=True
+    )
+
+
 def data_parallel(call: Callable, branches: list) -> Callable:
     """`call(*inputs)` (the model's forward) with the LoRA gradients averaged over the ranks.
 
     One process: `call` itself. Several: a DistributedDataParallel module over the LoRA branches, whose
     forward is `call`: DDP's hooks on the LoRA parameters start a bucket's all-reduce as soon as backward
-    has its gradients (overlapped with the rest of backward; torch.compile'd blocks and non-reentrant
-    checkpointing produce ordinary leaf gradients, so the hooks fire the same). find_unused_parameters
-    stays off (every targeted Linear runs each step; no graph walk per step); static_graph stays off
-    (with no_sync it skips all-reduces in torch 2.x, pytorch#187732). device_ids None: inputs are already on
-    the rank's device and integer extras must stay on the host."""
+    has its gradients (overlapped with the rest of backward; torch.compile'd blocks, non-reentrant
+    checkpointing and FSDP2-sharded blocks (trainer/backends/torch_backend/sharding.py) produce ordinary leaf
+    gradients on the branches, so the hooks fire the same). The options: ddp_options."""
     if current().world == 1:
         return call
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(
-        _lora_forward_module()(call, list(branches)), device_ids=None, find_unused_parameters=False
-    )
+    branches = list(branches)
+    return DistributedDataParallel(_lora_forward_module()(call, branches), **ddp_options(branches))
 
 
 def accumulating(call: Callable, final: bool):
