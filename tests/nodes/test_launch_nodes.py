@@ -76,6 +76,8 @@ def test_the_node_declares_file_inputs_and_refuses_a_missing_model(comfy_dirs):
     schema = launch_nodes.KilnTrainLoRATorchrun.define_schema()
     names = [i.id for i in schema.inputs]
     assert names[:4] == ["arch", "model_file", "vae_file", "text_encoder_file"] and "gpus" in names
+    sharding = schema.inputs[-1]  # new inputs go last (saved workflows' widgets_values are positional)
+    assert sharding.id == "sharding" and sharding.options == ["auto", "replicate", "shard"] and sharding.optional
     assert all(i.tooltip for i in schema.inputs)
     with pytest.raises(ValueError, match=r"arch 'flux2_klein' trains ComfyUI's model from files; choose model_file"):
         launch_nodes.KilnTrainLoRATorchrun.execute(
@@ -284,8 +286,10 @@ def test_a_launched_run_feeds_the_dashboard_and_returns_rank_0s_samples(comfy_di
         options=options,
         sample_prompts=PROMPTS,
         sample_every=2,
+        sharding="shard",  # ComfyUI's Flux2 blocks split over the two ranks (FSDP2 over gloo)
     )
     lora, run_dir, images = out(result), Path(out(result, 1)), out(result, 2)
+    assert 'sharding = "shard"' in (run_dir / "launch.toml").read_text()  # as set: shard never falls back
 
     # Rank 0 loaded the VAE and text encoder; rank 1 the diffusion model alone.
     assert json.loads((run_dir / "loaded-rank0.json").read_text()) == {"encoders": True}
@@ -304,6 +308,8 @@ def test_a_launched_run_feeds_the_dashboard_and_returns_rank_0s_samples(comfy_di
     # The dashboard: every step with its loss, every sample, the run finished; Save now refused with the reason.
     progress = [data for name, data in events if name == "kiln.progress"]
     assert [d["step"] for d in progress] == [1, 2, 3, 4] and all(d["loss"] is not None for d in progress)
+    # each GPU's peak (here the CPU's: 0) rides the ranks' stop vote, which answers from step 3 on
+    assert [len(d["peak_memory_per_gpu"]) for d in progress] == [0, 0, 2, 2]
     assert [d["step"] for name, d in events if name == "kiln.sample"] == [0, 0, 2, 2, 4, 4]
     run_id = progress[0]["run_id"]
     status, detail = dashboard.REGISTRY.answer("GET", run_id)

@@ -204,12 +204,13 @@ def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(
 RESUME = {**EQUAL, "steps": 6, "lora_dropout": 0.2}  # LoRA dropout: each rank's own torch RNG stream
 
 
-def test_two_ranks_resume_bitwise_on_two_and_are_refused_on_one(tmp_path, make_model, make_data, make_config):
+@pytest.mark.parametrize("sharding", ["replicate", "shard"])
+def test_two_ranks_resume_bitwise_on_two_and_are_refused_on_one(tmp_path, make_model, make_data, make_config, sharding):
     """The stop is asked on rank 0 only (as a stop file seen by one rank before the other): the ranks' vote
-    stops both after the same step, one step after the request, with that step's checkpoint."""
-    tiny = (make_model, make_data, make_config)
-    straight = two_ranks(tmp_path / "a", RESUME, [("run", False, None)], tiny)
-    resumed = two_ranks(tmp_path / "b", RESUME, [("run", False, {0: 2}), ("run", True, None)], tiny)
+    stops both after the same step, one step after the request, with that step's checkpoint. Sharded the same."""
+    tiny, settings = (make_model, make_data, make_config), {**RESUME, "sharding": sharding}
+    straight = two_ranks(tmp_path / "a", settings, [("run", False, None)], tiny)
+    resumed = two_ranks(tmp_path / "b", settings, [("run", False, {0: 2}), ("run", True, None)], tiny)
     assert [list(r["ended.0"]) for r in resumed] == [[3, 1], [3, 1]]  # both stopped after step 3
     assert [list(r["ended.1"]) for r in resumed] == [[6, 0], [6, 0]]
     # step 3's checkpoint is the stop's (checkpoint_every 2 writes 2, 4, 6), and the resume started from it
@@ -294,3 +295,39 @@ def _command_rank(rank: int, world: int, port: int, config: str) -> None:
         assert main(["train", config]) == 0
     finally:
         distributed.stop()
+
+
+def _vote_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Three votes with this rank's peak memory (100·(rank+1) bytes, then 10 more each step); what it read."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        distributed.start("cpu")
+        peaks = iter(range(100 * (rank + 1), 1000, 10))
+        vote = distributed.StopVote(lambda: next(peaks))
+        read = []
+        for step in range(3):
+            stop = vote(rank == 1 and step == 0)  # rank 1 asks to stop at the first vote
+            read.append([int(stop), *vote.peaks])
+        stop, _ = vote.agree(False, False)  # a synchronous vote reads them too, and the stop still in flight
+        read.append([int(stop), *vote.peaks])
+        vote.close()
+        np.save(Path(out) / f"vote{rank}.npy", np.asarray([r + [0] * (3 - len(r)) for r in read]))
+    finally:
+        distributed.stop()
+
+
+def test_the_stop_vote_carries_every_ranks_peak_memory_a_step_late(tmp_path):
+    torch.multiprocessing.start_processes(
+        _vote_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="fork"
+    )
+    for rank in range(2):
+        # [stop, peak of rank 0, peak of rank 1]: the first vote answers nothing yet; each later one the previous
+        # vote's peaks and stop (rank 1's stop at the first vote, agreed by both at the second)
+        assert np.load(tmp_path / f"vote{rank}.npy").tolist() == [
+            [0, 0, 0],
+            [1, 100, 200],
+            [0, 110, 210],
+            [0, 130, 230],
+        ]
