@@ -20,7 +20,8 @@ Passes of one row, in one job (the model built once per process):
 Record fields beyond a one-process record's: world_size, sharding (replicate | shard: what the base was),
 global_batch, images_per_s, one_gpu_images_per_s, scaling_efficiency (images/s on N over N x one GPU's),
 baseline, peak_alloc_gb_per_gpu and peak_reserved_gb_per_gpu (every rank's, gathered), one_process_loss_curve
-and loss_rel_diff_vs_one_process. Native, peer and --uncapped are one-process comparisons: not run here.
+and loss_rel_diff_vs_one_process, host_noise_ms_share / _global (rank 0's host drawing its share's noise, and the
+whole global batch's as every rank does: where a shortfall from N x one GPU may go). Native, peer and --uncapped are one-process comparisons: not run here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -131,6 +134,22 @@ def sharded(patcher) -> str:
     return "shard" if any(hasattr(m, "unshard") for m in patcher.model.diffusion_model.modules()) else "replicate"
 
 
+def noise_ms(arch_name: str, resolution: int, count: int, reps: int = 10) -> float:
+    """Host milliseconds to draw the noise of `count` latents (the median of `reps`): what every rank pays per
+    step to draw the whole global batch's noise (trainer/run/loop.build_batch keeps one numpy stream in lockstep
+    on every rank, and a normal draw cannot skip ahead), against its own share's."""
+    from trainer.archs import get_arch
+
+    arch = get_arch(arch_name)
+    side = resolution // arch.latent_downscale
+    rng, times = np.random.default_rng(0), []
+    for _ in range(reps):
+        started = time.perf_counter()
+        rng.standard_normal((count, arch.latent_channels, side, side), dtype=np.float32)
+        times.append(time.perf_counter() - started)
+    return round(statistics.median(times) * 1e3, 3)
+
+
 def record_of(together: dict, row, ranks: int, solo: dict | None, curve: dict | None, baseline: str) -> dict:
     """The N-rank pass's record with the several-GPU figures (pure: the CPU tests build it from figures)."""
     batch = row.batch * ranks
@@ -177,7 +196,13 @@ def run_row(row, dims, models: dict, key: str, opts, run_row_once) -> dict | Non
     if together["sharding"] == "shard":
         models.pop(key)
     baseline = "alone" if opts.baseline == "alone" else f"file:{opts.baseline}"
-    return record_of(together, row, ranks, solo, curve, baseline) if main else None
+    if not main:
+        return None
+    host = {
+        f"host_noise_ms_{k}": noise_ms(dims.arch, row.resolution, n)
+        for k, n in (("share", row.batch), ("global", row.batch * ranks))
+    }
+    return {**record_of(together, row, ranks, solo, curve, baseline), **host}
 
 
 def _alone(distributed, main: bool, run):

@@ -96,6 +96,7 @@ def test_the_harness_under_torchrun_records_two_ranks_against_one_process(tmp_pa
         assert record["kiln_error"] is None and record["images_per_s"] > 0
         assert record["scaling_efficiency"] > 0 and record["baseline"] == "alone"
         assert len(record["peak_alloc_gb_per_gpu"]) == 2  # None on a CPU, every rank's on GPUs
+        assert record["host_noise_ms_share"] >= 0 and record["host_noise_ms_global"] >= 0
         # two ranks at batch 1 train what one process at batch 2 trains (the curve: means of 10 steps)
         assert record["loss_rel_diff_vs_one_process"] < 1e-4, (
             record["kiln_loss_curve"],
