@@ -9,7 +9,8 @@ rank under DDP (trainer/run/distributed.data_parallel), and optimizer, EMA, chec
 replicated run's, unchanged. The base is frozen, so FSDP reduces no gradient: its traffic is all-gathers only.
 
 auto shards where the memory plan found the base does not fit one card beside the step (it would stream
-blocks from the host), else replicates; one process never shards. Sharding and streaming are two answers to
+blocks from the host), else replicates; one process never shards. Validation samples keep the base whole:
+rank 0 samples alone while the others wait, and a sharded block's forward needs every rank's all-gather. Sharding and streaming are two answers to
 the same shortage: a sharded run streams nothing.
 """
 
@@ -37,6 +38,11 @@ def decide(cfg: TrainConfig, plan: MemoryPlan, quantized: bool) -> tuple[bool, s
         return False, f"sharding replicate: the whole base ({base:.1f} GiB of blocks) on each of {world} ranks"
     if cfg.sharding == AUTO and not plan.stream:
         return False, f"sharding auto → replicate (the base, {base:.1f} GiB of blocks, fits one card beside the step)"
+    if cfg.sharding == AUTO and cfg.sample_prompts:  # shard itself refuses them (trainer/config/checks.py)
+        return False, (
+            "sharding auto → replicate, the base streaming instead: rank 0 samples sample_prompts alone, which a "
+            "sharded base cannot (leave sample_prompts empty to shard it)"
+        )
     if quantized:
         raise ConfigError(
             "sharding shard splits a bf16/fp32 base over the GPUs; the quantized base (base_quantize int8, or "

@@ -7,7 +7,7 @@ import pytest
 
 from trainer.backends.torch_backend import sharding
 from trainer.backends.torch_backend.memory_plan import GIB, MemoryPlan
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import ConfigError, TrainConfig, from_dict
 from trainer.run import distributed
 
 PLAN = MemoryPlan(0, sizes=(4 * GIB,) * 8)  # 32 GiB of blocks, all resident
@@ -43,3 +43,13 @@ def test_shard_refuses_a_quantized_base_and_explicit_streaming(two_ranks):
 @pytest.mark.parametrize(("size", "mb"), [(0, 1.0), (4 * 2**20, 1.0), (80 * 2**20, 10.0), (2**30, 25.0)])
 def test_ddp_buckets_cut_a_lora_gradient_into_several(size, mb):
     assert distributed.bucket_mb(size) == mb
+
+
+def test_validation_samples_keep_the_base_whole(two_ranks):
+    """Rank 0 samples alone, and a sharded block's forward needs every rank: auto replicates (the base streams),
+    shard is refused before the run starts."""
+    prompts = {"arch": "flux2_klein", "sample_prompts": ["a cat"]}
+    shard, note = sharding.decide(TrainConfig(**prompts), PLAN.with_stream(3), False)
+    assert not shard and "the base streaming instead" in note
+    with pytest.raises(ConfigError, match="sample_prompts with sharding shard"):
+        from_dict({**prompts, "sharding": "shard"})
