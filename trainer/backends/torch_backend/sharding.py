@@ -48,6 +48,11 @@ def decide(cfg: TrainConfig, plan: MemoryPlan, quantized: bool) -> tuple[bool, s
             "sharding shard splits a bf16/fp32 base over the GPUs; the quantized base (base_quantize int8, or "
             "fp8_compute) is not sharded: set base_quantize none and fp8_compute off, or sharding replicate"
         )
+    if cfg.cuda_graphs:
+        raise ConfigError(
+            "cuda_graphs replays each compiled block with its weights where they lay when recorded, and a sharded "
+            "block gathers its weights anew each step: turn cuda_graphs off, or set sharding replicate"
+        )
     if cfg.stream_blocks not in (AUTO, 0):
         raise ConfigError(
             f"stream_blocks {cfg.stream_blocks} and sharding shard both answer a base too large for one card: "

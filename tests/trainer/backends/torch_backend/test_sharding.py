@@ -37,6 +37,8 @@ def test_shard_refuses_a_quantized_base_and_explicit_streaming(two_ranks):
         sharding.decide(TrainConfig(sharding="shard"), PLAN, True)
     with pytest.raises(ConfigError, match="stream_blocks 4 and sharding shard"):
         sharding.decide(TrainConfig(sharding="shard", stream_blocks=4), PLAN, False)
+    with pytest.raises(ConfigError, match="turn cuda_graphs off, or set sharding replicate"):
+        sharding.decide(TrainConfig(sharding="shard", cuda_graphs=True), PLAN, False)
     assert sharding.decide(TrainConfig(sharding="replicate"), PLAN, True)[0] is False  # replicate: as before
 
 
