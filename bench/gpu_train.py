@@ -130,6 +130,7 @@ for _folder in (ROOT, ROOT / "tests", ROOT / "bench"):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 
+import gpu_ranks  # noqa: E402
 import torch  # noqa: E402
 from step_profile import StepProfiler  # noqa: E402
 
@@ -157,7 +158,7 @@ TINY["klein9b"] = TINY["klein4b"]
 TINY["qwen"] = qwen_image.model_dims("qwen-image-tiny", hidden=256, blocks=2, context_dim=64, context_tokens=32)
 FLUX2_TEXT_TOKENS = 512
 QWEN_TEXT_TOKENS = 256  # a long caption, as Z-Image's default (ComfyUI runs Qwen-Image's caption unpadded)
-TIMED_CODE = ("trainer", "nodes", "headless.py", "__init__.py", "bench/gpu_train.py")
+TIMED_CODE = ("trainer", "nodes", "headless.py", "__init__.py", "bench/gpu_train.py", "bench/gpu_ranks.py")
 
 
 # ---------------------------------------------------------------- setup
@@ -1304,7 +1305,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"), help="JSON list to append to")
     parser.add_argument("--merge", nargs="+", metavar="FILE", help="append these files' records to --out and exit")
+    gpu_ranks.add_arguments(parser, _bool)
     args = parser.parse_args(argv)
+    ranks = gpu_ranks.check_arguments(parser, args)
     if args.uncapped and not args.card_gb:
         parser.error("--uncapped runs each row without the cap too: it needs --card-gb")
 
@@ -1326,19 +1329,12 @@ def main(argv=None) -> int:
         raise SystemExit("full-size rows need a CUDA GPU; use --tiny on a CPU")
     rows = plan_rows(args)
 
+    gpu_ranks.pick_device(device_kind)  # under torchrun, each rank its GPU before ComfyUI picks one
     prepare = prepare_comfy(device_kind)
     import comfy.ldm.modules.attention as comfy_attention
     import comfy.model_management as mm
 
-    pack = {
-        "bridge": prepare.import_pack("nodes.comfy.bridge"),
-        "config": prepare.import_pack("trainer.config"),
-        "loop": prepare.import_pack("trainer.run.loop"),
-        "data": prepare.import_pack("trainer.data"),
-        "checkpointing": prepare.import_pack("trainer.backends.torch_backend.checkpointing"),
-        "attention": prepare.import_pack("trainer.backends.torch_backend.attention"),
-        "streaming": prepare.import_pack("trainer.backends.torch_backend.streaming"),
-    }
+    pack = import_pack(prepare, device_kind if ranks > 1 else None)
     archs_module = prepare.import_pack("trainer.archs")
     device = mm.get_torch_device()
     dtype_name = args.dtype or ("fp32" if args.tiny and device.type == "cpu" else "bf16")
@@ -1391,7 +1387,8 @@ def main(argv=None) -> int:
         device=device,
         dtype=dtype_name,
         native_lora_dtype=native_lora_dtype,
-        no_native=args.no_native,
+        no_native=args.no_native or ranks > 1,  # native is a one-process trainer
+        **gpu_ranks.options(args),
         native_ckpt_depth=args.native_ckpt_depth,
         profile=args.profile,
         rate=rate,
@@ -1410,12 +1407,39 @@ def main(argv=None) -> int:
             release(device)
             models[key] = build_model(dims, device, dtype, base=base, host=host)
             print(f"[bench] built {dims.variant} ({base}): {models[key][1]}", flush=True)
-        record = run_capped(row, dims, models[key], opts, args.card_gb if args.uncapped else None)
+        record = (
+            gpu_ranks.run_row(row, dims, models, key, opts, run_row)
+            if ranks > 1
+            else run_capped(row, dims, models[key], opts, args.card_gb if args.uncapped else None)
+        )
+        if record is None:  # under torchrun rank 0 writes the record
+            continue
         record.update(compile_counts(compile_workers))
         append_records(out_path, [record])
         print(summary(record), file=sys.stderr, flush=True)
         print(json.dumps(record), flush=True)
     return 0
+
+
+def import_pack(prepare, group_device: str | None = None) -> dict:
+    """The pack's modules the harness drives, imported as ComfyUI imports the pack; with `group_device`
+    (torchrun) this rank joins the job's process group (NCCL on cuda, gloo on cpu)."""
+    pack = {
+        name: prepare.import_pack(module)
+        for name, module in {
+            "bridge": "nodes.comfy.bridge",
+            "config": "trainer.config",
+            "loop": "trainer.run.loop",
+            "data": "trainer.data",
+            "checkpointing": "trainer.backends.torch_backend.checkpointing",
+            "attention": "trainer.backends.torch_backend.attention",
+            "streaming": "trainer.backends.torch_backend.streaming",
+            "distributed": "trainer.run.distributed",
+        }.items()
+    }
+    if group_device is not None:
+        pack["distributed"].start(group_device)
+    return pack
 
 
 def compile_counts(compile_workers: list[int] | None) -> dict:

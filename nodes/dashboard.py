@@ -146,6 +146,8 @@ def progress_payload(run: Run, report) -> dict:
         "eta_s": _number(report.eta_s),
         "peak_memory_bytes": int(report.peak_memory_bytes or 0),
         "holdout_loss": _number(getattr(report, "holdout_loss", None)),
+        # several GPUs (the torchrun node): each GPU's peak, in rank order; [] for one process
+        "peak_memory_per_gpu": [int(b) for b in getattr(report, "peak_memory_per_rank", None) or []],
     }
     return {
         "run_id": run.id,
@@ -218,7 +220,8 @@ class Registry:
                 run.loss.append(_number(report.loss))
             payload = progress_payload(run, report)
             run.figures = {
-                k: payload[k] for k in ("lr", "loss", "loss_smooth", "it_per_s", "eta_s", "peak_memory_bytes")
+                k: payload[k]
+                for k in ("lr", "loss", "loss_smooth", "it_per_s", "eta_s", "peak_memory_bytes", "peak_memory_per_gpu")
             }
             if report.loss is None:  # a step without a loss reading keeps the last one shown
                 run.figures.update(loss=_number(run.loss[-1]) if run.loss else None)

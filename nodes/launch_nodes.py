@@ -95,6 +95,7 @@ def report_of(fields: dict) -> Report:
         loss=fields["loss"],
         loss_smooth=fields.get("loss_smooth"),
         skipped_steps=fields.get("skipped_steps", 0),
+        peak_memory_per_rank=list(fields.get("peak_memory_per_gpu") or []),
     )
 
 
@@ -260,6 +261,8 @@ def launch_extras() -> list:
             optional=True,
             tooltip="Steps between validation samples (and at the last step); 0: only at the end",
         ),
+        # last: saved workflows' widgets_values are positional
+        widget("sharding", optional=True),
     ]
 
 
@@ -310,6 +313,7 @@ class KilnTrainLoRATorchrun(io.ComfyNode):
         training_adapter="none",
         sample_prompts="",
         sample_every=250,
+        sharding="auto",
     ):
         if not dataset_dir.strip():
             raise ValueError(f"{WHERE}: dataset_dir is empty; name a folder of images with .txt captions")
@@ -322,6 +326,7 @@ class KilnTrainLoRATorchrun(io.ComfyNode):
             "rank": rank,
             "alpha": alpha,
             "seed": seed,
+            "sharding": sharding,
         }
         prompts = [line.strip() for line in (sample_prompts or "").splitlines() if line.strip()]
         if prompts:  # output settings: not part of the run folder's hash

@@ -245,7 +245,7 @@ export class RunStore {
     const keep = run.figures.loss;
     run.figures = { lr: p.lr, loss: p.loss ?? keep, loss_smooth: p.loss_smooth ?? run.figures.loss_smooth,
       it_per_s: p.it_per_s, eta_s: p.eta_s, peak_memory_bytes: p.peak_memory_bytes,
-      holdout_loss: run.holdout.at(-1) ?? null };
+      peak_memory_per_gpu: p.peak_memory_per_gpu ?? [], holdout_loss: run.holdout.at(-1) ?? null };
     run.updated = Date.now() / 1000;
     this.changed(run);
     return run;
@@ -323,6 +323,16 @@ export class RunStore {
   }
 }
 
+/** Peak memory: the one device's, or under torchrun each GPU's in rank order (the ranks' vote carries them). */
+export function memoryFigure(f) {
+  const perGpu = (f.peak_memory_per_gpu ?? []).filter(finite);
+  if (perGpu.length > 1) {
+    return { key: "memory", label: `peak memory, ${perGpu.length} GPUs`, value: perGpu.map(formatBytes).join(" · "),
+      hint: "each GPU's peak accelerator memory, GPU 0 first (rank order; a step behind the step shown)" };
+  }
+  return { key: "memory", label: "peak memory", value: formatBytes(f.peak_memory_bytes), hint: "peak accelerator memory (CPU: none)" };
+}
+
 /** The figures a view prints for a run: label, value text, and a hint (title). */
 export function figures(run) {
   const f = run?.figures ?? {};
@@ -334,7 +344,7 @@ export function figures(run) {
     { key: "rate", label: "speed", value: formatRate(f.it_per_s), hint: "optimizer steps per second since the start" },
     { key: "eta", label: run?.status === "running" ? "ETA" : "left", value: run?.status === "running" ? formatDuration(left) : "—",
       hint: "time to the last step at the current speed" },
-    { key: "memory", label: "peak memory", value: formatBytes(f.peak_memory_bytes), hint: "peak accelerator memory (CPU: none)" },
+    memoryFigure(f),
     ...(run?.holdout?.length ? [{ key: "holdout", label: "held-out loss", value: formatLoss(run.holdout.at(-1)),
       hint: "loss on the images kept out of training, at fixed noise (lower is better; compares between steps)" }] : []),
   ];

@@ -295,3 +295,18 @@ def test_pause_route_on_aiohttp():
         return paused.status, was, resumed.status, (await resumed.json())["run"]["pause_requested"]
 
     assert on_aiohttp(registry, scenario) == (202, True, 202, False)
+
+
+@dataclass
+class RanksReport(Report):  # a torchrun child's step (nodes/launch_nodes.report_of)
+    peak_memory_per_rank: list = None
+
+
+def test_a_several_gpu_step_carries_each_gpus_peak_to_the_event_and_the_run():
+    registry = dashboard.Registry()
+    run = started(registry)
+    assert registry.record(run, Report(1))["peak_memory_per_gpu"] == []  # one process: none
+    payload = registry.record(run, RanksReport(2, peak_memory_bytes=5, peak_memory_per_rank=[5, 7]))
+    assert payload["peak_memory_per_gpu"] == [5, 7]
+    status, detail = registry.answer("GET", run.id)
+    assert status == 200 and detail["figures"]["peak_memory_per_gpu"] == [5, 7]

@@ -76,7 +76,14 @@ def test_the_node_declares_file_inputs_and_refuses_a_missing_model(comfy_dirs):
     schema = launch_nodes.KilnTrainLoRATorchrun.define_schema()
     names = [i.id for i in schema.inputs]
     assert names[:4] == ["arch", "model_file", "vae_file", "text_encoder_file"] and "gpus" in names
+    sharding = schema.inputs[-1]  # new inputs go last (saved workflows' widgets_values are positional)
+    assert sharding.id == "sharding" and sharding.options == ["auto", "replicate", "shard"] and sharding.optional
     assert all(i.tooltip for i in schema.inputs)
+    args = ("flux2_klein", "none", "none", "none", str(comfy_dirs), "64", "", 10, 1e-4, 4, 4.0, "none", 0, 2, "")
+    with pytest.raises(ValueError, match=r"(?s)Kiln Train LoRA \(several GPUs\): .*sample_prompts with sharding shard"):
+        launch_nodes.KilnTrainLoRATorchrun.execute(
+            "demo", *args[1:], sample_prompts="a cat", sharding="shard"
+        )  # refused before anything starts: rank 0 samples alone
     with pytest.raises(ValueError, match=r"arch 'flux2_klein' trains ComfyUI's model from files; choose model_file"):
         launch_nodes.KilnTrainLoRATorchrun.execute(
             "flux2_klein", "none", "none", "none", str(comfy_dirs), "64", "", 10, 1e-4, 4, 4.0, "none", 0, 2, ""
@@ -304,6 +311,8 @@ def test_a_launched_run_feeds_the_dashboard_and_returns_rank_0s_samples(comfy_di
     # The dashboard: every step with its loss, every sample, the run finished; Save now refused with the reason.
     progress = [data for name, data in events if name == "kiln.progress"]
     assert [d["step"] for d in progress] == [1, 2, 3, 4] and all(d["loss"] is not None for d in progress)
+    # each GPU's peak (here the CPU's: 0) rides the ranks' stop vote, which answers from step 3 on
+    assert [len(d["peak_memory_per_gpu"]) for d in progress] == [0, 0, 2, 2]
     assert [d["step"] for name, d in events if name == "kiln.sample"] == [0, 0, 2, 2, 4, 4]
     run_id = progress[0]["run_id"]
     status, detail = dashboard.REGISTRY.answer("GET", run_id)

@@ -305,3 +305,14 @@ test("the sample grid: the newest one is kept, an older event never replaces it,
   run = store.applySnapshot({ id: "r1", status: "running", step: 6, total: 10, grid: { step: 6, image: image(6) } });
   assert.deepEqual(run.grid, { step: 6, image: image(6) });
 });
+
+test("a torchrun run's memory figure shows each GPU's peak in rank order; one process its one peak", () => {
+  const store = new RunStore();
+  let run = store.applyProgress(progress(1, { peak_memory_bytes: 2 ** 30 }));
+  assert.deepEqual(figures(run).find((f) => f.key === "memory"),
+    { key: "memory", label: "peak memory", value: formatBytes(2 ** 30), hint: "peak accelerator memory (CPU: none)" });
+  run = store.applyProgress(progress(2, { peak_memory_bytes: 2 ** 30, peak_memory_per_gpu: [2 ** 30, 3 * 2 ** 30] }));
+  const memory = figures(run).find((f) => f.key === "memory");
+  assert.equal(memory.label, "peak memory, 2 GPUs");
+  assert.equal(memory.value, `${formatBytes(2 ** 30)} · ${formatBytes(3 * 2 ** 30)}`);
+});

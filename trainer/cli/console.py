@@ -128,6 +128,7 @@ class Console(Callbacks):
                     "eta_s": report.eta_s,
                     "peak_memory_bytes": report.peak_memory_bytes,
                     "skipped_steps": report.skipped_steps,
+                    **({"peak_memory_per_gpu": report.peak_memory_per_rank} if report.peak_memory_per_rank else {}),
                 },
             )
 

@@ -260,6 +260,11 @@ def _sample_problems(cfg: TrainConfig) -> list[str]:
             f"samples need one of {[a.name for a in ARCHS.values() if a.clip_type]}); "
             "leave sample_prompts empty"
         )
+    if cfg.sample_prompts and cfg.sharding == "shard":  # rank 0 samples alone; a sharded block needs every rank
+        problems.append(
+            "sample_prompts with sharding shard: rank 0 samples alone and a sharded base needs every rank; leave "
+            "sample_prompts empty (sample from the saved LoRA) or set sharding auto or replicate"
+        )
     sizes = [("sample_width", cfg.sample_width), ("sample_height", cfg.sample_height)]
     for number, entry in enumerate(cfg.sample_prompts):
         values = parse_prompt(entry)

@@ -62,6 +62,16 @@ class ModelFields:
     device: str = setting(
         "auto", "auto picks cuda, then mps, then cpu", "speed", choices=("auto", "cpu", "cuda", "mps")
     )
+    sharding: str = setting(
+        "auto",
+        "several GPUs (torchrun): replicate keeps the whole frozen base on every GPU; shard splits its blocks "
+        "over the GPUs (FSDP2), so a model larger than one card trains across several (the LoRA stays whole on "
+        "each); auto shards when the base does not fit one card beside the step. One process: ignored",
+        "speed",
+        choices=("auto", "replicate", "shard"),
+        identity=False,  # how the base is held, not what trains: the same LoRA either way
+        node="none",  # Kiln Train LoRA (several GPUs) shows it; one process has nothing to shard
+    )
     mixed_precision: str = setting(
         "bf16",
         '"bf16": autocast with fp32 LoRA parameters; "no": everything fp32',

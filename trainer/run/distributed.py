@@ -145,31 +145,45 @@ class StopVote:
     the same step, and no rank waits for the others (nor the GPU) at a step boundary. A stop asked for at
     step k is honoured after step k + 1. One process: the flags themselves, at once. While the ranks are
     paused, `agree` takes short synchronous votes (trainer/run/pause.py polls with it). `close()` waits for the
-    last posted vote (before the group ends)."""
+    last posted vote (before the group ends).
 
-    def __init__(self):
+    `memory` (this rank's peak accelerator bytes) rides the same all-reduce, each rank in its own slot (the
+    others post 0, MAX keeps it): `peaks` is every rank's peak, in rank order, as of the previous answer, for
+    the several-GPU dashboard; no extra collective. One process: empty."""
+
+    def __init__(self, memory: Callable[[], int] | None = None):
         self.pending = None
         self.paused = False  # the agreed pause of the last answer
+        self.memory = memory
+        self.peaks: list[int] = []
+
+    def _posted(self, flag: bool, pause: bool):
+        import torch
+
+        group = current()
+        value = torch.zeros(2 + group.world, dtype=torch.int64)
+        value[0], value[1] = int(bool(flag)), int(bool(pause))
+        value[2 + group.rank] = int(self.memory()) if self.memory is not None else 0
+        return value
 
     def __call__(self, flag: bool, pause: bool = False) -> bool:
         if current().world == 1:
             self.paused = bool(pause)
             return bool(flag)
-        import torch
         import torch.distributed as dist
 
-        value = torch.tensor([int(bool(flag)), int(bool(pause))], dtype=torch.int32)
+        value = self._posted(flag, pause)
         work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_host(), async_op=True)
         previous, self.pending = self.pending, (work, value)
         stop, self.paused = self._answer(previous)
         return stop
 
-    @staticmethod
-    def _answer(posted) -> tuple[bool, bool]:
+    def _answer(self, posted) -> tuple[bool, bool]:
         if posted is None:
             return False, False
         posted[0].wait()
-        stop, pause = posted[1].tolist()
+        stop, pause, *peaks = posted[1].tolist()
+        self.peaks = peaks if self.memory is not None else []
         return bool(stop), bool(pause)
 
     def agree(self, flag: bool, pause: bool) -> tuple[bool, bool]:
@@ -178,20 +192,26 @@ class StopVote:
         pause). A stop still in flight from the last step counts."""
         if current().world == 1:
             return bool(flag), bool(pause)
-        import torch
         import torch.distributed as dist
 
         stopped, _ = self._answer(self.pending)
         self.pending = None
-        value = torch.tensor([int(bool(flag)), int(bool(pause))], dtype=torch.int32)
+        value = self._posted(flag, pause)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_host())
-        stop, pause = value.tolist()
-        return stopped or bool(stop), bool(pause)
+        stop, pause = self._answer((_Done(), value))
+        return stopped or stop, pause
 
     def close(self) -> None:
         if self.pending is not None:
             self.pending[0].wait()
             self.pending = None
+
+
+class _Done:
+    """A completed collective's handle (a synchronous all-reduce's answer read as a posted one's)."""
+
+    def wait(self) -> None:
+        pass
 
 
 def gather_arrays(arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
@@ -278,23 +298,46 @@ def _lora_forward_module():
     return LoraForward
 
 
+# DDP's bucket size: the LoRA's gradient cut into about this many buckets, each at most DDP's default 25 MB and
+# at least 1 MB. A LoRA's gradient is small (a few MB to a few hundred): in DDP's default 25 MB buckets a small
+# one is one bucket, whose all-reduce can start only when the whole backward is done; several buckets start
+# while backward still runs (PyTorch's DDP notes: smaller buckets, more overlap, more calls).
+BUCKETS = 8
+BUCKET_MB = (1.0, 25.0)
+
+
+def bucket_mb(gradient_bytes: int) -> float:
+    """The bucket size (MB) for a gradient of `gradient_bytes`: about BUCKETS buckets, within BUCKET_MB."""
+    low, high = BUCKET_MB
+    return min(high, max(low, gradient_bytes / BUCKETS / 2**20))
+
+
+def ddp_options(branches: list) -> dict:
+    """What DDP is given (besides the module): the bucket size from the LoRA's gradient bytes, and
+    gradient_as_bucket_view (each .grad a view into its bucket: no copy in or out of the bucket, and one
+    gradient's memory less). find_unused_parameters stays off (every targeted Linear runs each step; no graph
+    walk per step); static_graph stays off (with no_sync it skips all-reduces in torch 2.x, pytorch#187732).
+    device_ids None: inputs are already on the rank's device and integer extras must stay on the host."""
+    size = sum(p.numel() * p.element_size() for branch in branches for p in branch.parameters() if p.requires_grad)
+    return dict(
+        device_ids=None, find_unused_parameters=False, bucket_cap_mb=bucket_mb(size), gradient_as_bucket_view=True
+    )
+
+
 def data_parallel(call: Callable, branches: list) -> Callable:
     """`call(*inputs)` (the model's forward) with the LoRA gradients averaged over the ranks.
 
     One process: `call` itself. Several: a DistributedDataParallel module over the LoRA branches, whose
     forward is `call`: DDP's hooks on the LoRA parameters start a bucket's all-reduce as soon as backward
-    has its gradients (overlapped with the rest of backward; torch.compile'd blocks and non-reentrant
-    checkpointing produce ordinary leaf gradients, so the hooks fire the same). find_unused_parameters
-    stays off (every targeted Linear runs each step; no graph walk per step); static_graph stays off
-    (with no_sync it skips all-reduces in torch 2.x, pytorch#187732). device_ids None: inputs are already on
-    the rank's device and integer extras must stay on the host."""
+    has its gradients (overlapped with the rest of backward; torch.compile'd blocks, non-reentrant
+    checkpointing and FSDP2-sharded blocks (trainer/backends/torch_backend/sharding.py) produce ordinary leaf
+    gradients on the branches, so the hooks fire the same). The options: ddp_options."""
     if current().world == 1:
         return call
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(
-        _lora_forward_module()(call, list(branches)), device_ids=None, find_unused_parameters=False
-    )
+    branches = list(branches)
+    return DistributedDataParallel(_lora_forward_module()(call, branches), **ddp_options(branches))
 
 
 def accumulating(call: Callable, final: bool):

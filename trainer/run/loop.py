@@ -378,7 +378,7 @@ def train(
         sinks = logging_sinks.open_sinks(cfg, run.run_dir, start, group.is_main)
         log = StepLog(backend, history, start, cfg.steps, sinks)
         judge, save = run.judge(history, sinks), functools.partial(save_run, run=run, log=log)
-        guard, vote = faults.Guard(cfg, save, group.world, start), distributed.StopVote()
+        guard, vote = faults.Guard(cfg, save, group.world, start), distributed.StopVote(backend.peak_memory_bytes)
         weights = functools.partial(best_lora, backend, cfg.ema)
         end = Ending.at_start(judge, run.run_dir, start)  # a resumed run that had stopped early ends at once
         front.on_start(backend.plan())
@@ -394,7 +394,7 @@ def train(
             guard.non_finite(log.streak, done)
             holdout_loss = judge.maybe(done, backend, weights)  # the held-out evaluation, when due
             with guard.front_end(done):  # an error in the front end's calls saves this step first
-                front.on_step(log.report(done, lr, logged, weights, holdout_loss))
+                front.on_step(log.report(done, lr, logged, weights, holdout_loss, vote.peaks))
                 validate_if_due(done, front, run, sinks)
                 waited, stop = pause.between_steps(vote, front.should_pause, front.should_stop, front.on_pause)
             log.started += waited  # paused: not counted in speed or ETA

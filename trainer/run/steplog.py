@@ -30,6 +30,8 @@ class Report:
     grad_norm: float | None = None
     skipped_steps: int = 0  # steps skipped so far for a NaN/inf loss or gradient (as read)
     holdout_loss: float | None = None  # on steps with a held-out evaluation (trainer/run/holdout.py)
+    # several ranks: each rank's peak accelerator bytes, in rank order (a step late: distributed.StopVote)
+    peak_memory_per_rank: list[int] = field(default_factory=list)
     weights: Callable[[], dict[str, LoraWeights]] | None = field(
         default=None, repr=False, compare=False
     )  # best LoRA now
@@ -88,6 +90,7 @@ class StepLog:
         logged: bool,
         weights: Callable[[], dict[str, LoraWeights]],
         holdout_loss: float | None = None,
+        peaks: list[int] | None = None,
     ) -> Report:
         """Speed and ETA over the steps of this call; loss figures only where `logged` (just flushed)."""
         elapsed = time.perf_counter() - self.started
@@ -106,4 +109,5 @@ class StepLog:
             skipped_steps=len(history.skipped),
             weights=weights,
             holdout_loss=holdout_loss,
+            peak_memory_per_rank=list(peaks or []),
         )

@@ -19,6 +19,7 @@ FIELD_ORDER = (
     "text_encoder_path",
     "backend",
     "device",
+    "sharding",
     "mixed_precision",
     "base_quantize",
     "training_adapter",
@@ -175,6 +176,7 @@ BOUNDS = {
 CHOICES = {
     "backend": ("torch", "mlx"),
     "device": ("auto", "cpu", "cuda", "mps"),
+    "sharding": ("auto", "replicate", "shard"),
     "mixed_precision": ("bf16", "no"),
     "save_dtype": ("bf16", "fp16", "fp32"),
     "lora_format": ("comfy", "diffusers", "kohya"),
@@ -192,6 +194,7 @@ GROUP = {
     "text_encoder_path": "model",
     "backend": "model",
     "device": "speed",
+    "sharding": "speed",
     "mixed_precision": "speed",
     "base_quantize": "speed",
     "training_adapter": "model",
@@ -326,6 +329,7 @@ AUTO_FIELDS = ("compile_blocks", "checkpoint_budget", "stream_blocks", "fp8_comp
 
 NOT_IDENTITY = (
     "stream_blocks",
+    "sharding",
     "attention",
     "cache_dir",
     "cache_max_gb",
@@ -398,6 +402,7 @@ NOT_IN_GRAPH = (
     "model_path",
     "vae_path",
     "text_encoder_path",
+    "sharding",
     "training_adapter",
     "init_lora",
     "init_lora_sha256",

@@ -21,6 +21,8 @@ import torch
 
 from trainer import safetensors_io
 from trainer.archs import get_arch
+from trainer.backends.torch_backend import sharding
+from trainer.backends.torch_backend.checkpointing import find_blocks
 from trainer.run import checkpoint_writer, distributed, state
 from trainer.run.loop import build_batch, objective_settings, train
 
@@ -101,9 +103,10 @@ def _rank(rank: int, world: int, port: int, out: str, settings: dict, runs: list
             progress: list = []
             stop_at = stop_at.get(rank) if isinstance(stop_at, dict) else stop_at
             stop = functools.partial(_reached, progress, stop_at) if stop_at else None
+            model = tiny_model()
             result = train(
                 cfg,
-                tiny_model(),
+                model,
                 tiny_data(),
                 run_dir=run_dir,
                 resume=run_dir if resume else None,
@@ -113,6 +116,8 @@ def _rank(rank: int, world: int, port: int, out: str, settings: dict, runs: list
             ended[f"ended.{number}"] = np.asarray([result.step, result.stopped], np.int64)
         tensors = {f"written.{i}": np.asarray([c["epoch"], c["position"]]) for i, c in enumerate(writes)}
         tensors.update(ended)
+        # the blocks' weight bytes this rank held at the end, and the whole blocks' (a sharded base stays sharded)
+        tensors["held"] = np.asarray(sharding.local_bytes(find_blocks(model, get_arch(cfg.arch).block_lists)))
         tensors.update(flat_state(result, _ema_and_moments(result)))
         safetensors_io.write(Path(out) / f"rank{rank}.safetensors", tensors)
     finally:
@@ -156,28 +161,37 @@ EQUAL = {
 }
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    ("compiled", "sharded"),
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["eager", "compiled", "eager-sharded", "compiled-sharded"],
+)
 def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(
-    tmp_path, make_model, make_data, make_config, monkeypatch, compiled
+    tmp_path, make_model, make_data, make_config, monkeypatch, compiled, sharded
 ):
     """Compiled: blocks under torch.compile ("aot_eager": the same graphs, no C++ build), whose backward gives
-    DDP's hooks ordinary leaf gradients; one bucket of 8 there, so each process compiles one shape."""
+    DDP's hooks ordinary leaf gradients; one bucket of 8 there, so each process compiles one shape.
+    Sharded: sharding shard, each block of the base an FSDP2 unit over the two ranks (gloo's all-gathers),
+    each rank holding half the blocks' bytes; the same LoRA as one process with the doubled batch."""
     from trainer.backends.torch_backend import checkpointing
 
     monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")
     settings = {**EQUAL, "compile_blocks": compiled, **({"steps": 2} if compiled else {})}
+    settings["sharding"] = "shard" if sharded else "replicate"
     data = functools.partial(make_data, count=8, shapes=((4, 4),)) if compiled else make_data
     ranks = two_ranks(tmp_path, settings, [("two", False, None)], (make_model, data, make_config))
     single = train(make_config(**{**settings, "batch_size": 4}), make_model(), data(), run_dir=tmp_path / "one")
     one = flat_state(single, {})
     for key, value in one.items():
         np.testing.assert_allclose(ranks[0][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    for held, whole in (r["held"] for r in ranks):
+        assert held == (whole // 2 if sharded else whole), (held, whole)  # the tiny blocks' shapes split evenly
     # Every rank ends with the same LoRA, EMA and optimizer state (all-reduced gradients, same updates).
     assert set(ranks[0]) - {k for k in ranks[0] if k.startswith("written.")} == set(ranks[1]) - {
         k for k in ranks[1] if k.startswith("written.")
     }
     for key in ranks[0]:
-        if not key.startswith(("written.", "ended.")):
+        if not key.startswith(("written.", "ended.", "held")):
             assert np.array_equal(ranks[0][key], ranks[1][key]), key
     assert any(k.startswith("ema.") for k in ranks[0])
     # Rank 0 alone wrote the checkpoints (every 2 steps); rank 1 called no writer.
@@ -190,12 +204,13 @@ def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(
 RESUME = {**EQUAL, "steps": 6, "lora_dropout": 0.2}  # LoRA dropout: each rank's own torch RNG stream
 
 
-def test_two_ranks_resume_bitwise_on_two_and_are_refused_on_one(tmp_path, make_model, make_data, make_config):
+@pytest.mark.parametrize("sharding", ["replicate", "shard"])
+def test_two_ranks_resume_bitwise_on_two_and_are_refused_on_one(tmp_path, make_model, make_data, make_config, sharding):
     """The stop is asked on rank 0 only (as a stop file seen by one rank before the other): the ranks' vote
-    stops both after the same step, one step after the request, with that step's checkpoint."""
-    tiny = (make_model, make_data, make_config)
-    straight = two_ranks(tmp_path / "a", RESUME, [("run", False, None)], tiny)
-    resumed = two_ranks(tmp_path / "b", RESUME, [("run", False, {0: 2}), ("run", True, None)], tiny)
+    stops both after the same step, one step after the request, with that step's checkpoint. Sharded the same."""
+    tiny, settings = (make_model, make_data, make_config), {**RESUME, "sharding": sharding}
+    straight = two_ranks(tmp_path / "a", settings, [("run", False, None)], tiny)
+    resumed = two_ranks(tmp_path / "b", settings, [("run", False, {0: 2}), ("run", True, None)], tiny)
     assert [list(r["ended.0"]) for r in resumed] == [[3, 1], [3, 1]]  # both stopped after step 3
     assert [list(r["ended.1"]) for r in resumed] == [[6, 0], [6, 0]]
     # step 3's checkpoint is the stop's (checkpoint_every 2 writes 2, 4, 6), and the resume started from it
@@ -280,3 +295,39 @@ def _command_rank(rank: int, world: int, port: int, config: str) -> None:
         assert main(["train", config]) == 0
     finally:
         distributed.stop()
+
+
+def _vote_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Three votes with this rank's peak memory (100·(rank+1) bytes, then 10 more each step); what it read."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        distributed.start("cpu")
+        peaks = iter(range(100 * (rank + 1), 1000, 10))
+        vote = distributed.StopVote(lambda: next(peaks))
+        read = []
+        for step in range(3):
+            stop = vote(rank == 1 and step == 0)  # rank 1 asks to stop at the first vote
+            read.append([int(stop), *vote.peaks])
+        stop, _ = vote.agree(False, False)  # a synchronous vote reads them too, and the stop still in flight
+        read.append([int(stop), *vote.peaks])
+        vote.close()
+        np.save(Path(out) / f"vote{rank}.npy", np.asarray([r + [0] * (3 - len(r)) for r in read]))
+    finally:
+        distributed.stop()
+
+
+def test_the_stop_vote_carries_every_ranks_peak_memory_a_step_late(tmp_path):
+    torch.multiprocessing.start_processes(
+        _vote_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="fork"
+    )
+    for rank in range(2):
+        # [stop, peak of rank 0, peak of rank 1]: the first vote answers nothing yet; each later one the previous
+        # vote's peaks and stop (rank 1's stop at the first vote, agreed by both at the second)
+        assert np.load(tmp_path / f"vote{rank}.npy").tolist() == [
+            [0, 0, 0],
+            [1, 100, 200],
+            [0, 110, 210],
+            [0, 130, 230],
+        ]

@@ -15,7 +15,7 @@ from ...lora.files import LoraWeights
 from ...objective.flow import interpolate, velocity_target
 from ...run import distributed
 from ..base import StepStats, parameter_name, saved_name
-from . import attention, devices, fallbacks, full, levers, lora, memory_plan, optim, preserving, streaming
+from . import attention, devices, fallbacks, full, levers, lora, memory_plan, optim, preserving, sharding, streaming
 from .checkpointing import (  # noqa: F401 (CompileFailed: imported from here)
     BlockCheckpointing,
     CompileFailed,
@@ -83,7 +83,8 @@ class TorchBackend:
         self.cfg = cfg
         fp8_note = self._add_lora()
         self.parallel = distributed.current().world > 1  # auto levers never fall back mid-step on one rank alone
-        self.memory = memory_plan.decide(model, cfg, self.device, self.blocks)
+        plan = memory_plan.decide(model, cfg, self.device, self.blocks)
+        self.memory = sharding.place(cfg, plan, self.blocks, self.device, quantized=self.fp8 is not None)
         self.levers = levers.decide(
             model,
             cfg,
