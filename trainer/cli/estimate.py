@@ -79,21 +79,22 @@ def cmd_estimate(args) -> int:
         print(format_estimate(estimated(resolution, budget), device_memory_gb=args.memory_gb))
     _step_graphs_note(estimated, cfg, backend, budget, latent_frames(get_dims(variant), getattr(args, "frames", 1)))
     if args.memory_gb and backend == "torch":  # after today's output, which stays as it was
-        from ..estimate.cards import card_plan, plan_lines
+        _card_plans(estimated(max(cfg.resolutions), 0.0).settings, cfg, args)
+    return 0
 
-        settings = estimated(max(cfg.resolutions), 0.0).settings
-        every = getattr(args, "cards", None) == "all"
-        budget = cfg.checkpoint_budget if cfg.compile_blocks is not False else 0.0  # auto needs compiled blocks
-        print("\n".join(plan_lines(settings, args.memory_gb, budget, every)))
-        if (
-            cfg.base_quantize == "auto"
-            and settings["base_dtype"] == "bf16"
-            and card_plan(settings, args.memory_gb).streamed is None
-        ):
-            # as a run's base_quantize auto decides (memory_plan.storage): int8 where bf16 cannot fit even streamed
+
+def _card_plans(settings: dict, cfg, args) -> None:
+    """`--memory-gb`: the plan on that card and the predicted step on named cards; where the run does not fit in
+    bf16 even streamed, the int8 plan too, as a run's base_quantize auto takes it (memory_plan.storage)."""
+    from ..estimate.cards import card_plan, plan_lines
+
+    every = getattr(args, "cards", None) == "all"
+    budget = cfg.checkpoint_budget if cfg.compile_blocks is not False else 0.0  # auto needs compiled blocks
+    print("\n".join(plan_lines(settings, args.memory_gb, budget, every)))
+    if cfg.base_quantize == "auto" and settings["base_dtype"] == "bf16":
+        if card_plan(settings, args.memory_gb).streamed is None:
             print(f"base_quantize auto → int8 (in bf16 the run does not fit {args.memory_gb:g} GiB even streamed):")
             print("\n".join(plan_lines({**settings, "base_dtype": "int8"}, args.memory_gb, budget, every)))
-    return 0
 
 
 def _step_graphs_note(estimated, cfg, backend: str, budget: float, frames: int = 1) -> None:

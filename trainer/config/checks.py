@@ -17,8 +17,8 @@ from ..lora import adapters
 from ..objective.flow import parse_sigma_range
 from .declaration import AUTO, ConfigError
 from .fields import AUTO_FIELDS, BOUNDS, CHOICES, KIND, TrainConfig
+from .optimiser import MLX_OPTIMIZER_NAMES
 from .prompts import PROMPT_FLAGS, PROMPT_KEYS
-from .training import MLX_OPTIMIZER_NAMES
 
 _KINDS = {
     "str": str,

@@ -15,6 +15,7 @@ from typing import Any
 
 from .data import DataFields, PreservationFields
 from .declaration import Tables
+from .optimiser import OptimiserFields
 from .output import HoldoutFields, OutputFields, SampleFields
 from .training import (
     AdapterKindFields,
@@ -22,7 +23,6 @@ from .training import (
     LoraFields,
     ModelFields,
     ObjectiveFields,
-    OptimiserFields,
     SpeedFields,
 )
 

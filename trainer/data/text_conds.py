@@ -36,6 +36,14 @@ def read(data, method: str, *args) -> dict[str, np.ndarray]:
     return reader(*args) if reader is not None else {}
 
 
+def of_rows(data, rows, indices, variants, dropped) -> list[dict[str, np.ndarray]]:
+    """Each of `rows`' captions' other conditioning (SD 3.5's pooled output): the empty caption's where its
+    caption drops (`dropped[row]`), else its item's (`indices[row]`, caption variant `variants[row]`)."""
+    return [
+        read(data, "empty_conds") if dropped[row] else read(data, "conds", indices[row], variants[row]) for row in rows
+    ]
+
+
 def stacked(rows: list[dict[str, np.ndarray]], names: list[str]) -> dict[str, np.ndarray]:
     """Rows' conditioning → {key: [B,...]}, the model extras ComfyUI's extra_conds takes under those keys."""
     keys = {frozenset(row) for row in rows}

@@ -101,12 +101,7 @@ def build_batch(
     contexts = [
         data.empty_context() if draws.drop_caption[row] else data.context(indices[row], variants[row]) for row in rows
     ]
-    conds = [  # the captions' other conditioning (SD 3.5's pooled output), dropped with them
-        text_conds.read(data, "empty_conds")
-        if draws.drop_caption[row]
-        else text_conds.read(data, "conds", indices[row], variants[row])
-        for row in rows
-    ]
+    conds = text_conds.of_rows(data, rows, indices, variants, draws.drop_caption)  # dropped with the captions
     lengths = [c.shape[0] for c in contexts]
     names = [data.name(i) for i in indices]
     extras = {
@@ -181,12 +176,6 @@ def best_lora(backend, ema: bool) -> dict[str, LoraWeights]:
         return backend.lora_state()
     with backend.ema_weights():
         return backend.lora_state()
-
-
-def full_model(backend) -> dict[str, np.ndarray]:
-    """A full fine-tune's whole diffusion model as a user keeps it: the EMA weights when EMA is on."""
-    with backend.ema_weights():
-        return backend.model_state()
 
 
 @dataclass
@@ -335,7 +324,10 @@ def result(run: Setup, log: StepLog, vote: distributed.StopVote, end: Ending, ju
     log.flush()
     backend, history = run.backend, log.history
     ema_lora = best_lora(backend, True) if run.cfg.ema else None
-    model = full_model(backend) if run.cfg.adapter == "full" else None
+    model = None
+    if run.cfg.adapter == "full":  # the whole diffusion model as a user keeps it: the EMA weights when EMA is on
+        with backend.ema_weights():
+            model = backend.model_state()
     return RunResult(
         run_dir=run.run_dir,
         step=len(history.lr),
