@@ -180,17 +180,15 @@ def test_stop_then_resume_equals_an_uninterrupted_run(comfy_dirs, tmp_path_facto
         np.testing.assert_array_equal(w.B, resumed.lora[path].B)
 
 
-def _adapter_and_validation(comfy_dirs, model, ds, vae, clip):
-    """A "training adapter" (a small LoRA on the same modules, saved under loras/) and Validation Settings that
-    sample every 3 steps."""
-    adapter_weights = {
-        p: w
-        for p, w in bridge.lora_weights_from(out(train(model, ds, steps=2, options={"run_name": "adapter"}), 1)).items()
-    }
+def _adapter_and_validation(comfy_dirs, model, ds, vae, clip, name="adapter"):
+    """A "training adapter" (a small LoRA on the same modules, saved under loras/ as <name>.safetensors) and
+    Validation Settings that sample every 3 steps."""
+    trained = out(train(model, ds, steps=2, options={"run_name": name}), 1)
+    adapter_weights = dict(bridge.lora_weights_from(trained).items())
     for w in adapter_weights.values():
         w.B[:] = 0.01
     adapter = bridge.lora_model_from(adapter_weights, "zimage")
-    safetensors_io.write(comfy_dirs / "loras" / "adapter.safetensors", {k: v.numpy() for k, v in adapter.items()})
+    safetensors_io.write(comfy_dirs / "loras" / f"{name}.safetensors", {k: v.numpy() for k, v in adapter.items()})
     bridge.refresh_loras()
     return out(
         tn.KilnValidationSettings.execute(
@@ -239,13 +237,13 @@ def test_validation_samples_while_the_base_streams(comfy_dirs):
     ComfyUI gave comes back as it was."""
     model, vae, clip = tc.tiny_zimage(), tc.tiny_vae(flux2=False), tc.tiny_zimage_clip()
     ds = encoded_dataset(comfy_dirs, vae, clip, "ds_stream_val")
-    validation = _adapter_and_validation(comfy_dirs, model, ds, vae, clip)
+    validation = _adapter_and_validation(comfy_dirs, model, ds, vae, clip, name="stream_adapter")
     reference = _output(model)
     runs = {}
     for blocks in (0, 2):
         options = {"run_name": f"stream{blocks}", "stream_blocks": blocks, "gradient_checkpointing": True}
         result = train(
-            model, ds, steps=6, training_adapter="adapter.safetensors", validation=validation, options=options
+            model, ds, steps=6, training_adapter="stream_adapter.safetensors", validation=validation, options=options
         )
         runs[blocks] = result.result
         assert torch.equal(_output(model), reference), blocks  # the model ComfyUI gave comes back as it was
