@@ -9,7 +9,8 @@ One block kind: self-attention over the video's tokens, cross-attention to umT5-
 Wan 2.2 TI2V 5B's have 48 at /16 (latent_formats.Wan22, supported_models.WAN22_T2V).
 
 Wan 2.2 A14B is two Wan 2.1-shaped 14B models, one for high noise and one for low: ComfyUI loads each as
-WAN21_T2V (or WAN21_I2V), so nothing in the file tells them apart from Wan 2.1 14B; the arch says which,
+WAN21_T2V (image-to-video too: it has no CLIP-vision layers), so nothing in the file tells an expert apart from
+Wan 2.1 14B, or the high expert from the low; the arch says which,
 and with it the σ range the expert trains on (the Wan 2.2 boundary ai-toolkit and musubi-tuner use:
 0.875 for text-to-video, 0.9 for image-to-video).
 """
@@ -174,7 +175,14 @@ _COMMON = dict(
     frames_per_latent=4,  # the Wan VAEs' temporal compression: frames 4k+1 → k+1 latent frames
 )
 _WAN21 = dict(latent_channels=16, latent_downscale=8, bucket_divisor=16, **_COMMON)
-_T2V = dict(default_targets=DEFAULT_TARGETS, comfy=ComfyModel("WAN21", config_class="WAN21_T2V"), **_WAN21)
+# The patch embedding's input channels: 16 (the latent) for text-to-video; 36 (16 more of the start image's latent
+# and 4 of mask) for image-to-video.
+IN_DIM = "diffusion_model.patch_embedding.in_channels"
+_T2V = dict(
+    default_targets=DEFAULT_TARGETS,
+    comfy=ComfyModel("WAN21", config_class="WAN21_T2V", attributes=((IN_DIM, 16),)),
+    **_WAN21,
+)
 _I2V = dict(
     default_targets=DEFAULT_TARGETS + IMAGE_ATTENTION,
     comfy=ComfyModel("WAN21", config_class="WAN21_I2V"),
@@ -184,6 +192,17 @@ _I2V = dict(
 )
 T2V_MODELSPEC = ("Wan2.1-T2V/lora", "https://github.com/Wan-Video/Wan2.1")
 A14B_MODELSPEC = ("Wan2.2-A14B/lora", "https://github.com/Wan-Video/Wan2.2")
+# Wan 2.2 A14B image-to-video reads no CLIP vision (no img_emb, no k_img/v_img): only the start image, concatenated
+# (in_dim 36). ComfyUI's detection names "i2v" only a model with img_emb, so it loads these experts as WAN21_T2V,
+# whose concat_cond feeds WanImageToVideo's start image all the same; the patch embedding's width tells them from
+# text-to-video. Their layout is the 14B's (the 20 more patch channels are 0.4 M weights).
+_I2V22 = dict(
+    default_targets=DEFAULT_TARGETS,
+    comfy=ComfyModel("WAN21", config_class="WAN21_T2V", attributes=((IN_DIM, 36),)),
+    layout=LAYOUT_A14B,
+    start_image=True,
+    **_WAN21,
+)
 # ComfyUI's video_wan2_2_14B templates sample each expert with euler/simple over half the steps, with 4-step
 # lightx2v LoRAs at cfg 1; without those (Wan 2.2's own: 40 steps, cfg 3-4), a preview is Kiln's choice of
 # 20 euler steps at cfg 3.5. One expert samples the whole schedule here: a preview, not the paired result.
@@ -245,5 +264,5 @@ ARCHS = (
         **_COMMON,
     ),
     *_experts("t2v", 0.875, {**_T2V, "layout": LAYOUT_A14B}),
-    *_experts("i2v", 0.9, _I2V),
+    *_experts("i2v", 0.9, _I2V22),
 )

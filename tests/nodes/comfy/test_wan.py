@@ -47,6 +47,8 @@ def models(tmp_path_factory):
     return {
         "t2v": load(write_wan_file(folder / "t2v.safetensors")),
         "i2v": load(write_wan_file(folder / "i2v.safetensors", model_type="i2v", in_dim=36)),
+        # Wan 2.2 A14B image-to-video: the start image concatenated (in_dim 36), no CLIP-vision layers
+        "i2v22": load(write_wan_file(folder / "i2v22.safetensors", in_dim=36)),
         "ti2v": load(write_wan_file(folder / "ti2v.safetensors", in_dim=48, out_dim=48)),
     }
 
@@ -59,7 +61,10 @@ def wan(models):
 def test_each_variant_is_detected(models):
     assert bridge.matching_archs(models["t2v"]) == ["wan21_t2v", "wan22_t2v_high", "wan22_t2v_low"]
     assert bridge.detect_arch(models["t2v"]) == "wan21_t2v"  # the experts are the same model: chosen by name
-    assert bridge.matching_archs(models["i2v"]) == ["wan21_i2v", "wan22_i2v_high", "wan22_i2v_low"]
+    assert bridge.matching_archs(models["i2v"]) == ["wan21_i2v"]
+    # ComfyUI loads Wan 2.2's I2V experts as WAN21_T2V (no img_emb); the patch embedding's width tells them apart
+    assert type(models["i2v22"].model.model_config).__name__ == "WAN21_T2V"
+    assert bridge.matching_archs(models["i2v22"]) == ["wan22_i2v_high", "wan22_i2v_low"]
     assert bridge.matching_archs(models["ti2v"]) == ["wan22_ti2v_5b"]
     for model, arch in ((models["t2v"], "wan21_t2v"), (models["ti2v"], "wan22_ti2v_5b")):
         fmt = model.get_model_object("latent_format")
@@ -68,7 +73,10 @@ def test_each_variant_is_detected(models):
     assert archs.guess_arch(random_lora(models["i2v"], "wan21_i2v")) == "wan21_i2v"
 
 
-@pytest.mark.parametrize("kind,arch", [("t2v", "wan21_t2v"), ("ti2v", "wan22_ti2v_5b"), ("i2v", "wan21_i2v")])
+@pytest.mark.parametrize(
+    "kind,arch",
+    [("t2v", "wan21_t2v"), ("ti2v", "wan22_ti2v_5b"), ("i2v", "wan21_i2v"), ("i2v22", "wan22_i2v_low")],
+)
 @pytest.mark.parametrize("frames", [1, 3])
 def test_forward_equals_comfy_sampling(models, kind, arch, frames):
     model, emb = models[kind], caption(7, frames)
@@ -120,7 +128,7 @@ def test_i2v_start_image_from_a_clips_first_frame_is_wanimagetovideos(models):
     from kiln_pack.trainer.data.companion_batch import start_extras
     from kiln_pack.trainer.data.companions import start_pixels
 
-    model, vae, emb, length = models["i2v"], tiny_wan_vae(), caption(6, 9), 5
+    model, vae, emb, length = models["i2v22"], tiny_wan_vae(), caption(6, 9), 5
     clip = np.random.default_rng(7).random((length, 32, 32, 3), dtype=np.float32)
     encode, _identity = bridge.vae_encoder(vae)
     start = encode(start_pixels(clip)[None])[0]  # [16, 2, 4, 4]: what Encode Images caches as "start"
@@ -217,7 +225,7 @@ def test_comfy_reads_no_diffusers_wan_names(wan, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", COMFY_FORMATS)
-@pytest.mark.parametrize("kind,arch", [("t2v", "wan21_t2v"), ("i2v", "wan21_i2v")])
+@pytest.mark.parametrize("kind,arch", [("t2v", "wan21_t2v"), ("i2v", "wan21_i2v"), ("i2v22", "wan22_i2v_high")])
 def test_every_comfy_format_loads_through_comfy_with_no_unmatched_key(models, tmp_path, fmt, kind, arch):
     model = models[kind]
     tensors = bridge.load_lora_file(save(tmp_path, random_lora(model, arch), arch, fmt))
