@@ -78,7 +78,9 @@ def _adamw8bit(params, lr: float, betas: Betas, eps: float, weight_decay: float,
         device.type,
         state_mb,
     )
-    return _adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, device=device)
+    fallback = _adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, device=device)
+    fallback.kiln_fell_back = "adamw8bit"  # its checkpoints say so: their state is fp32 AdamW's, not 8-bit
+    return fallback
 
 
 def _adafactor(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
@@ -208,6 +210,7 @@ def optimizer_arrays(optimizer: torch.optim.Optimizer, names: list[str]):
         "scalars": scalars,
         "names": list(names),
         **({"packed": packed} if packed else {}),  # absent for every other optimizer: their checkpoints as before
+        **({"fell_back": optimizer.kiln_fell_back} if hasattr(optimizer, "kiln_fell_back") else {}),
     }
     return tensors, meta
 
@@ -216,6 +219,13 @@ def load_optimizer_arrays(optimizer: torch.optim.Optimizer, names: list[str], te
     """optimizer_arrays' output back into `optimizer`, whose parameters must be the same `names`."""
     if meta.get("names") != names:
         raise ValueError("optimizer state belongs to other LoRA parameters (targets or rank changed)")
+    saved, here = meta.get("fell_back"), getattr(optimizer, "kiln_fell_back", None)
+    if saved != here:  # adamw8bit ran as fp32 AdamW on one machine and as bitsandbytes' 8-bit one on the other
+        kinds = {None: "bitsandbytes' 8-bit AdamW", "adamw8bit": "fp32 AdamW (adamw8bit's fallback off CUDA)"}
+        raise ValueError(
+            f"optimizer adamw8bit: this checkpoint's state is {kinds[saved]}'s, and here it builds {kinds[here]}; "
+            "resume on the kind of machine the run was saved on (with or without bitsandbytes on CUDA)"
+        )
     template = optimizer.state_dict()
     index_of = {name: index for index, name in enumerate(names)}
     state: dict[int, dict] = {}

@@ -186,6 +186,26 @@ def test_adamw8bit_without_cuda_trains_fp32_adamw_and_says_so(make_model, make_c
     assert "runs on CUDA only on cpu" in line and "fp32 AdamW instead" in line and " MB " in line
 
 
+def test_adamw8bits_fallback_state_is_not_loaded_into_the_8bit_optimizer_or_back(make_model, make_config):
+    """A checkpoint says when adamw8bit ran as fp32 AdamW (off CUDA); resuming it where bitsandbytes' 8-bit AdamW
+    is built (or the other way round) is refused with a clear message, not a state that does not fit."""
+    from trainer.backends.torch_backend.optim import load_optimizer_arrays, optimizer_arrays
+
+    fell_back = backend_for(make_model, make_config, optimizer="adamw8bit")
+    fell_back.step([fixed_batch()], 1e-4)
+    names = list(fell_back.params)
+    tensors, meta = optimizer_arrays(fell_back.optimizer, names)
+    assert meta["fell_back"] == "adamw8bit"
+    load_optimizer_arrays(fell_back.optimizer, names, tensors, meta)  # the same kind: loads
+    plain = backend_for(make_model, make_config, optimizer="adamw")  # stands for the 8-bit one: no fallback mark
+    with pytest.raises(ValueError, match="adamw8bit's fallback off CUDA.*bitsandbytes' 8-bit AdamW"):
+        load_optimizer_arrays(plain.optimizer, names, tensors, meta)
+    plain_tensors, plain_meta = optimizer_arrays(plain.optimizer, names)
+    assert "fell_back" not in plain_meta  # every other optimizer's checkpoint as before
+    with pytest.raises(ValueError, match="state is bitsandbytes' 8-bit AdamW's"):
+        load_optimizer_arrays(fell_back.optimizer, names, plain_tensors, plain_meta)
+
+
 def test_schedulefree_weights_hold_its_average_outside_a_step(make_model, make_config):
     pytest.importorskip("schedulefree")
     backend = backend_for(make_model, make_config, optimizer="schedulefree", learning_rate=1e-2)
