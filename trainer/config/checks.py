@@ -305,7 +305,7 @@ def _full_problems(cfg: TrainConfig) -> list[str]:
         )
     if cfg.preservation_weight > 0:
         problems.append("adapter 'full' keeps no base model beside the trained one; set preservation_weight to 0")
-    if cfg.base_quantize != "none" or cfg.fp8_compute is True:
+    if cfg.base_quantize not in ("auto", "none") or cfg.fp8_compute is True:  # auto: none for a full run
         problems.append("adapter 'full' trains the base weights: set base_quantize to none and fp8_compute off")
     if cfg.stream_blocks not in (0, AUTO) or cfg.cuda_graphs or cfg.step_graphs is True:
         problems.append(

@@ -189,12 +189,14 @@ def decide(
 def storage(model: nn.Module, cfg: TrainConfig, device: torch.device, blocks: list[nn.Module]):
     """base_quantize auto decided: (cfg with none or int8, the log note). none wherever the run fits as the base is
     stored (resident, or streamed by `decide`), off CUDA, and where int8 cannot serve (adapter dora reads the base
-    weight; fp8_compute on; a base already stored in 8 bits); int8 where it does not fit."""
+    weight, full trains it; fp8_compute on; a base already stored in 8 bits; sharding shard splits the bf16 base
+    over the GPUs instead); int8 where it does not fit."""
     if cfg.base_quantize != AUTO:
         return cfg, ""
     plain = replace(cfg, base_quantize="none")
     stored_small = any(p.element_size() == 1 for block in blocks for _, p in frozen_weights(block))
-    if device.type not in STREAMS_ON or not blocks or cfg.adapter == "dora" or cfg.fp8_compute is True or stored_small:
+    cannot = cfg.adapter in ("dora", "full") or cfg.fp8_compute is True or cfg.sharding == "shard" or stored_small
+    if device.type not in STREAMS_ON or not blocks or cannot:
         return plain, ""
     try:
         if decide(model, plain, device, blocks).fits:

@@ -164,7 +164,14 @@ def test_base_quantize_auto_picks_int8_where_the_run_cannot_fit_otherwise(make_c
 
 
 @pytest.mark.parametrize(
-    "settings", [{"base_quantize": "none"}, {"adapter": "dora"}, {"fp8_compute": True, "mixed_precision": "bf16"}]
+    "settings",
+    [
+        {"base_quantize": "none"},
+        {"adapter": "dora"},
+        {"adapter": "full"},
+        {"fp8_compute": True, "mixed_precision": "bf16"},
+        {"sharding": "shard"},
+    ],
 )
 def test_base_quantize_auto_never_overrides_a_choice_or_what_int8_cannot_serve(
     make_config, monkeypatch, cpu_as_gpu, settings
