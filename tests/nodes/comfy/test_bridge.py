@@ -768,9 +768,9 @@ def test_folders_and_lora_listing(tmp_path):
     import folder_paths
 
     found = bridge.folders()
-    assert set(found) == {"input", "output", "temp", "loras"} and found["loras"] in folder_paths.get_folder_paths(
-        "loras"
-    )
+    assert set(found) == {"input", "output", "temp", "loras", "diffusion_models"}
+    assert found["diffusion_models"] in folder_paths.get_folder_paths("diffusion_models")
+    assert found["loras"] in folder_paths.get_folder_paths("loras")
     assert found["temp"] == folder_paths.get_temp_directory()
     folder_paths.add_model_folder_path("loras", str(tmp_path), is_default=True)
     assert bridge.folders()["loras"] == str(tmp_path)

@@ -33,7 +33,8 @@ from helpers.bridge_calls import small_config
 
 def training_data(model, vae, clip, texts, size):
     encode_image, _ = bridge.vae_encoder(vae)
-    encode_text, _ = bridge.text_encoder(clip)
+    encode, _ = bridge.text_encoder(clip)
+    encode_text = lambda text: encode(text)["context"]  # noqa: E731 (Klein's encoder gives no other conditioning)
     pixels = np.random.default_rng(0).random((len(texts), size, size, 3), dtype=np.float32)
     latents = bridge.latents_in(model, encode_image(pixels))
     return data_module.InMemoryData.from_arrays(
