@@ -134,7 +134,7 @@ import gpu_ranks  # noqa: E402
 import torch  # noqa: E402
 from step_profile import StepProfiler  # noqa: E402
 
-from trainer.archs import flux2, get_arch, qwen_image, zimage  # noqa: E402
+from trainer.archs import flux2, get_arch, qwen_image, wan, zimage  # noqa: E402
 from trainer.archs.layout import ModelDims  # noqa: E402
 from trainer.estimate.common import VARIANTS  # noqa: E402
 
@@ -145,6 +145,9 @@ ARCH_VARIANTS = {
     "klein9b": "flux2-klein-9b",
     "dev": "flux2-dev",
     "qwen": "qwen-image",
+    "wan14b": "wan2.1-t2v-14b",
+    "wan5b": "wan2.2-ti2v-5b",
+    "wan1b": "wan2.1-t2v-1.3b",
 }
 # --tiny: the same classes at test size (head dim 128 as in the real models; Flux2 1+1 blocks because its
 # 512 text tokens make every block costly on a CPU).
@@ -156,6 +159,8 @@ TINY = {
 }
 TINY["klein9b"] = TINY["klein4b"]
 TINY["qwen"] = qwen_image.model_dims("qwen-image-tiny", hidden=256, blocks=2, context_dim=64, context_tokens=32)
+TINY["wan14b"] = TINY["wan1b"] = wan.model_dims("wan-tiny", "wan21_t2v", 256, 2, 256)
+TINY["wan5b"] = wan.model_dims("wan-5b-tiny", "wan22_ti2v_5b", 256, 2, 256)
 FLUX2_TEXT_TOKENS = 512
 QWEN_TEXT_TOKENS = 256  # a long caption, as Z-Image's default (ComfyUI runs Qwen-Image's caption unpadded)
 TIMED_CODE = ("trainer", "nodes", "headless.py", "__init__.py", "bench/gpu_train.py", "bench/gpu_ranks.py")
@@ -374,12 +379,36 @@ def qwen_config(dims: ModelDims) -> dict:
     )
 
 
-# family → (ComfyUI module and class of the diffusion model, comfy.supported_models class)
+def wan_config(dims: ModelDims) -> dict:
+    """The unet_config ComfyUI's detection derives from a Wan file (model_detection.py's wan2.1 branch: dim, ffn_dim,
+    blocks, in/out channels read off the file; text-to-video: no img_emb). Wan 2.2 TI2V 5B: 48 channels."""
+    channels = get_arch(dims.arch).latent_channels
+    return dict(
+        image_model="wan2.1",
+        model_type="t2v",
+        dim=dims.hidden,
+        out_dim=channels,
+        in_dim=channels,
+        num_heads=dims.hidden // 128,
+        ffn_dim=dims.mlp_hidden,
+        num_layers=dims.single_blocks,
+        patch_size=(1, 2, 2),
+        freq_dim=256,
+        window_size=(-1, -1),
+        qk_norm=True,
+        cross_attn_norm=True,
+        eps=1e-6,
+    )
+
+
+# family → (ComfyUI module and class of the diffusion model, comfy.supported_models class: None = the arch's)
 MODEL_CLASSES = {
     "flux2": ("comfy.ldm.flux.model", "Flux", "Flux2"),
     "zimage": ("comfy.ldm.lumina.model", "NextDiT", "ZImage"),
     "qwen_image": ("comfy.ldm.qwen_image.model", "QwenImageTransformer2DModel", "QwenImage"),
+    "wan": ("comfy.ldm.wan.model", "WanModel", None),
 }
+CONFIGS = {"qwen_image": qwen_config, "wan": wan_config}  # the rest: unet_config
 
 
 def _model_class(family: str):
@@ -396,11 +425,11 @@ def model_config_for(dims: ModelDims):
     import comfy.supported_models
 
     family = family_of(dims)
-    config = qwen_config(dims) if family == "qwen_image" else unet_config(dims)
+    config = CONFIGS.get(family, unet_config)(dims)
     cls = _model_class(family)
     with torch.device("meta"):
         shapes = cls(**config, operations=comfy.ops.disable_weight_init).state_dict()
-    wanted = getattr(comfy.supported_models, MODEL_CLASSES[family][2])
+    wanted = getattr(comfy.supported_models, MODEL_CLASSES[family][2] or get_arch(dims.arch).comfy.config_class)
     detected = comfy.model_detection.model_config_from_unet(shapes, "")
     if type(detected) is wanted and _same_shapes(cls, detected.unet_config, shapes):
         return detected, "comfy.model_detection (shapes of a meta-device build)"
@@ -552,16 +581,23 @@ def _pad(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def token_counts(dims: ModelDims, resolution: int, text_tokens: int) -> tuple[int, int]:
-    """(image tokens, text tokens) per sample, as the model runs them (Z-Image pads both to 32)."""
+def token_counts(
+    dims: ModelDims, resolution: int, text_tokens: int, size: tuple[int, int] | None = None, frames: int = 1
+) -> tuple[int, int]:
+    """(image tokens, text tokens) per sample, as the model runs them (Z-Image pads both to 32); `size` (height,
+    width) for a frame other than resolution², `frames` a clip's (4k+1: k+1 latent frames)."""
     arch = get_arch(dims.arch)
-    side = resolution // (arch.latent_downscale * arch.patch)
+    height, width = size or (resolution, resolution)
+    per = arch.latent_downscale * arch.patch
+    latent_frames = 1 + (frames - 1) // arch.frames_per_latent
     multiple = arch.layout.token_multiple
-    return _pad(side * side, multiple), _pad(text_tokens, multiple)
+    return _pad(latent_frames * (height // per) * (width // per), multiple), _pad(text_tokens, multiple)
 
 
 def _linear_tokens(family: str, name: str, img: int, txt: int) -> int:
     parts = name.split(".")
+    if family == "wan" and _wan_tokens(name, img, txt) is not None:
+        return _wan_tokens(name, img, txt)
     if family == "qwen_image":
         if parts[0] == "transformer_blocks":
             if parts[2] in ("img_mod", "txt_mod"):
@@ -595,17 +631,30 @@ def _linear_tokens(family: str, name: str, img: int, txt: int) -> int:
     raise ValueError(f"no token count for Linear {name!r}: extend _linear_tokens")
 
 
-def _attention_layers(dims: ModelDims, img: int, txt: int) -> list[tuple[str, int]]:
-    """(block list, sequence length) per attention layer."""
+def _wan_tokens(name: str, img: int, txt: int) -> int | None:
+    """Wan: a block's attention and MLP run the video's tokens, its cross-attention keys/values the caption's."""
+    parts = name.split(".")
+    if parts[0] == "blocks":
+        return txt if parts[2] == "cross_attn" and parts[3] in ("k", "v") else img
+    return {"text_embedding": txt, "time_embedding": 1, "time_projection": 1, "head": img}.get(parts[0])
+
+
+def _attention_layers(dims: ModelDims, img: int, txt: int) -> list[tuple[str, int, int, int]]:
+    """(block list, block index, query length, key length) per attention layer."""
+    if family_of(dims) == "wan":  # self-attention over the video, cross-attention to the caption
+        return [("blocks", i, img, keys) for i in range(dims.single_blocks) for keys in (img, txt)]
+    both = img + txt
     if family_of(dims) == "qwen_image":
-        return [("transformer_blocks", img + txt)] * dims.double_blocks
-    if family_of(dims) == "flux2":
-        return [("double_blocks", img + txt)] * dims.double_blocks + [("single_blocks", img + txt)] * dims.single_blocks
-    return (
-        [("noise_refiner", img)] * dims.refiner_blocks
-        + [("context_refiner", txt)] * dims.refiner_blocks
-        + [("layers", img + txt)] * dims.single_blocks
-    )
+        groups = [("transformer_blocks", dims.double_blocks, both)]
+    elif family_of(dims) == "flux2":
+        groups = [("double_blocks", dims.double_blocks, both), ("single_blocks", dims.single_blocks, both)]
+    else:
+        groups = [
+            ("noise_refiner", dims.refiner_blocks, img),
+            ("context_refiner", dims.refiner_blocks, txt),
+            ("layers", dims.single_blocks, both),
+        ]
+    return [(name, i, length, length) for name, count, length in groups for i in range(count)]
 
 
 def recomputed_blocks(
@@ -652,10 +701,8 @@ def model_flops(
         if ".".join(name.split(".")[:2]) in again:
             recompute += base + low_rank
     attention = 0
-    seen: dict[str, int] = {}
-    for block_list, length in _attention_layers(dims, img, txt):
-        index = seen[block_list] = seen.get(block_list, -1) + 1
-        flops = 4 * length * length * dims.hidden
+    for block_list, index, queries, keys in _attention_layers(dims, img, txt):
+        flops = 4 * queries * keys * dims.hidden
         attention += flops
         fwd += flops
         bwd += 2 * flops
@@ -675,16 +722,29 @@ class Inputs:
     txt_tokens: int
 
 
-def make_inputs(dims: ModelDims, resolution: int, batch: int, text_tokens: int, seed: int = 0) -> Inputs:
+def make_inputs(
+    dims: ModelDims,
+    resolution: int,
+    batch: int,
+    text_tokens: int,
+    seed: int = 0,
+    size: tuple[int, int] | None = None,
+    frames: int = 1,
+) -> Inputs:
+    """Latents [C, h, w] per image, [C, t, h, w] per clip for a video model (t = 1 for an image); `size` (height,
+    width) for a frame other than resolution²."""
     arch = get_arch(dims.arch)
     down = arch.latent_downscale
-    if resolution % (down * arch.patch):
-        raise ValueError(f"resolution {resolution} is not a multiple of {down * arch.patch} px for {dims.variant}")
-    rng = np.random.default_rng([seed, resolution, batch])
-    side = resolution // down
-    latents = [rng.standard_normal((arch.latent_channels, side, side)).astype(np.float32) for _ in range(batch)]
+    height, width = size or (resolution, resolution)
+    if height % (down * arch.patch) or width % (down * arch.patch):
+        raise ValueError(f"{height}x{width} is not a multiple of {down * arch.patch} px for {dims.variant}")
+    rng = np.random.default_rng([seed, resolution, batch] + ([height, width, frames] if size or frames > 1 else []))
+    shape = (arch.latent_channels, height // down, width // down)
+    if arch.frames_per_latent > 1:
+        shape = (shape[0], 1 + (frames - 1) // arch.frames_per_latent, *shape[1:])
+    latents = [rng.standard_normal(shape).astype(np.float32) for _ in range(batch)]
     contexts = [rng.standard_normal((text_tokens, dims.context_dim)).astype(np.float32) for _ in range(batch)]
-    img, txt = token_counts(dims, resolution, text_tokens)
+    img, txt = token_counts(dims, resolution, text_tokens, size, frames)
     return Inputs(latents, contexts, img, txt)
 
 
@@ -1139,6 +1199,9 @@ def _settings(text: str) -> dict:
             continue
         if key in ("native", "fp8_bwd", "fp8_matmul", "bench_dop", "bench_mask", "host"):  # bench only (see above)
             out[key] = _bool(value)
+            continue
+        if key == "size":  # bench only: a frame of height x width other than resolution² (e.g. 480x832)
+            out[key] = tuple(int(v) for v in value.split("x"))
             continue
         for kind in (int, float, _bool, str):  # e.g. 7, 0.4, on, cudnn
             try:
@@ -1635,14 +1698,20 @@ def summary(r: dict) -> str:
 def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     """Kiln then native on one model and one set of inputs → the record."""
     text_tokens = {"zimage": opts.zimage_tokens, "qwen_image": QWEN_TEXT_TOKENS}.get(family_of(dims), FLUX2_TEXT_TOKENS)
+    text_tokens = dims.context_tokens if family_of(dims) == "wan" else text_tokens  # umT5 pads to 512
     # bench_images=N: N images instead of one per batch row (a held-out split needs images to hold out)
-    inputs = make_inputs(dims, row.resolution, max(row.batch, int(row.settings.get("bench_images", 0))), text_tokens)
+    count = max(row.batch, int(row.settings.get("bench_images", 0)))
+    # frames (Kiln's dataset setting, also given to the run) and size: a clip's latents [C, t, h, w]
+    size, frames = row.settings.get("size"), int(row.settings.get("frames", 1))
+    inputs = make_inputs(dims, row.resolution, count, text_tokens, size=size, frames=frames)
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **opts.common,
         "arch": row.arch,
         "variant": dims.variant,
         "resolution": row.resolution,
+        **({"size": list(size)} if size else {}),
+        **({"frames": frames} if frames > 1 else {}),
         "batch": row.batch,
         "targets": row.targets,
         "checkpointing": row.checkpointing,
@@ -1656,6 +1725,7 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
     started = time.perf_counter()
     settings = dict(row.settings)
     settings.pop("bench_images", None)
+    settings.pop("size", None)
     saved_attention = settings.pop("saved_attention", True)
     with_native = settings.pop("native", True) and not opts.no_native
     record["base_dtype"] = settings.pop("base", "bf16")

@@ -37,7 +37,10 @@ PEER_TARGETS = {
         r".*(layers|noise_refiner|context_refiner)\.\d+\.(attention\.(to_q|to_k|to_v|to_out\.0)"
         r"|feed_forward\.(w1|w2|w3))"
     ),
+    # Wan's block Linears (trainer/archs/wan.py DEFAULT_TARGETS) under diffusers' WanTransformer3DModel names
+    "wan": r".*blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|attn2\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))",
 }
+PEER_TARGETS["wan21_t2v"] = PEER_TARGETS["wan22_ti2v_5b"] = PEER_TARGETS.pop("wan")
 
 
 def build_peer(dims):
@@ -62,6 +65,19 @@ def build_peer(dims):
             n_kv_heads=dims.hidden // 128,
             cap_feat_dim=dims.context_dim,
         )
+    if dims.arch in ("wan21_t2v", "wan22_ti2v_5b"):
+        from diffusers import WanTransformer3DModel
+
+        channels = 48 if dims.arch == "wan22_ti2v_5b" else 16
+        return WanTransformer3DModel(
+            num_attention_heads=dims.hidden // 128,
+            attention_head_dim=128,
+            in_channels=channels,
+            out_channels=channels,
+            text_dim=dims.context_dim,
+            ffn_dim=dims.mlp_hidden,
+            num_layers=dims.single_blocks,
+        )
     raise ValueError(f"no diffusers peer for {dims.arch}")
 
 
@@ -80,6 +96,13 @@ def peer_inputs(dims, latents, contexts, device):
             timestep=torch.full((batch,), 0.5, device=device),
             img_ids=img_ids[None].expand(batch, -1, -1).to(device),
             txt_ids=txt_ids[None].expand(batch, -1, -1).to(device),
+            return_dict=False,
+        )
+    if dims.arch in ("wan21_t2v", "wan22_ti2v_5b"):  # latents [C, t, h, w]: the video as diffusers takes it
+        return dict(
+            hidden_states=torch.stack([torch.from_numpy(x) for x in latents]).to(device, torch.bfloat16),
+            timestep=torch.full((batch,), 500.0, device=device),
+            encoder_hidden_states=torch.stack([torch.from_numpy(t) for t in contexts]).to(device, torch.bfloat16),
             return_dict=False,
         )
     return dict(

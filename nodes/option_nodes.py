@@ -76,6 +76,7 @@ OPTIONS_SINCE_0_1 = (
     "cuda_graphs",
     "step_graphs",
     "stream_blocks",
+    "offload_activations",
 )
 # The settings an option node shows: those declared node="options" (trainer/config).
 _OPTION_NAMES = [name for name, node in cfg_module.NODE.items() if node == "options"]
@@ -166,6 +167,7 @@ SHIPPED_GROUP_ORDER = {
         "attention",
         "base_quantize",
         "stream_blocks",
+        "offload_activations",
     ),
     "output": (
         "run_name",

@@ -65,6 +65,7 @@ def cmd_estimate(args) -> int:
             **({"fp8_compute": True} if cfg.fp8_compute is True else {}),  # auto: no copies
             **({"reference_images": references} if references else {}),
             **({"frames": args.frames} if getattr(args, "frames", 1) > 1 else {}),  # torch only
+            **({"offload_activations": True} if cfg.offload_activations is True else {}),  # torch only
             **(
                 {"adapter": cfg.adapter, "lokr_factor": cfg.lokr_factor, "lokr_full_w2": cfg.lokr_full_w2}
                 if cfg.adapter != "lora"
@@ -84,17 +85,36 @@ def cmd_estimate(args) -> int:
 
 
 def _card_plans(settings: dict, cfg, args) -> None:
-    """`--memory-gb`: the plan on that card and the predicted step on named cards; where the run does not fit in
-    bf16 even streamed, the int8 plan too, as a run's base_quantize auto takes it (memory_plan.storage)."""
+    """`--memory-gb`: the plan on that card and the predicted step on named cards; where the run does not fit even
+    streamed, the plan a run's auto then takes (memory_plan.py): the blocks' kept inputs on the host
+    (offload_activations auto), else the base in int8 (base_quantize auto), with the inputs on the host if need be."""
     from ..estimate.cards import card_plan, plan_lines
 
     every = getattr(args, "cards", None) == "all"
     budget = cfg.checkpoint_budget if cfg.compile_blocks is not False else 0.0  # auto needs compiled blocks
     print("\n".join(plan_lines(settings, args.memory_gb, budget, every)))
-    if cfg.base_quantize == "auto" and settings["base_dtype"] == "bf16":
-        if card_plan(settings, args.memory_gb).streamed is None:
-            print(f"base_quantize auto → int8 (in bf16 the run does not fit {args.memory_gb:g} GiB even streamed):")
-            print("\n".join(plan_lines({**settings, "base_dtype": "int8"}, args.memory_gb, budget, every)))
+
+    def fits(chosen: dict) -> bool:
+        return card_plan(chosen, args.memory_gb).streamed is not None
+
+    offload = cfg.offload_activations == "auto" and cfg.gradient_checkpointing and cfg.compile_blocks is not True
+    moved = " with the blocks' kept inputs in pinned host memory (offload_activations auto → on; their copies, two a "
+    moved += "block a step, are not in the predicted times)"
+    if fits(settings):
+        return
+    if offload and fits({**settings, "offload_activations": True}):  # blocks run eager: no budget
+        print(f"the step fits{moved}:")
+        print("\n".join(plan_lines({**settings, "offload_activations": True}, args.memory_gb, 0.0, every)))
+    elif cfg.base_quantize == "auto" and settings["base_dtype"] == "bf16":
+        small = {**settings, "base_dtype": "int8"}
+        inputs = offload and not fits(small) and fits({**small, "offload_activations": True})
+        print(
+            f"base_quantize auto → int8 (in bf16 the run does not fit {args.memory_gb:g} GiB even streamed)"
+            + (moved if inputs else "")
+            + ":"
+        )
+        small = {**small, "offload_activations": True} if inputs else small
+        print("\n".join(plan_lines(small, args.memory_gb, 0.0 if inputs else budget, every)))
 
 
 def _step_graphs_note(estimated, cfg, backend: str, budget: float, frames: int = 1) -> None:

@@ -294,6 +294,17 @@ def _preservation_problems(cfg: TrainConfig) -> list[str]:
     return []
 
 
+def _offload_problems(cfg: TrainConfig) -> list[str]:
+    if cfg.offload_activations is not True or (
+        cfg.backend == "torch" and cfg.gradient_checkpointing and cfg.compile_blocks is not True
+    ):
+        return []
+    return [
+        "offload_activations true moves the inputs gradient checkpointing keeps to host memory and runs the blocks "
+        "eager: it needs backend torch, gradient_checkpointing on and compile_blocks off or auto"
+    ]
+
+
 def _full_problems(cfg: TrainConfig) -> list[str]:
     """A full fine-tune trains the blocks' own weights on PyTorch: nothing may quantize, stream or stand in for them."""
     if cfg.adapter != "full":
@@ -368,6 +379,7 @@ _COMBINATION_CHECKS: tuple[Callable[[TrainConfig], list[str]], ...] = (
     _preservation_problems,
     adapters.check_config,
     _full_problems,
+    _offload_problems,
     _holdout_problems,
     _target_problems,
     _sigma_range_problems,

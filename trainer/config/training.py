@@ -175,6 +175,18 @@ class SpeedFields:
         identity=False,
         auto=True,
     )
+    offload_activations: bool | Literal["auto"] = setting(
+        AUTO,
+        "PyTorch, gradient checkpointing on: each block's kept input waits in pinned host memory until the "
+        "backward needs it, instead of on the GPU (a long clip's inputs are GBs: Wan 14B at 480p x 81 frames "
+        "keeps 13 GiB). Blocks then run eager (no compile_blocks). auto: on a CUDA GPU, only where the step "
+        "does not fit even with every block streamed; true: always; false: never",
+        "speed",
+        advanced=True,
+        identity=False,
+        auto=True,
+        tristate=True,
+    )
     attention: str = setting(
         "auto",
         "PyTorch attention kernel tried first: auto (the fastest measured on this GPU), torch (its own order), "

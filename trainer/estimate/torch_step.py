@@ -84,14 +84,22 @@ BUDGET_KEPT = 0.6  # share of checkpointing's savings a compiled block keeps per
 
 
 def _activations(
-    dims: ModelDims, image_tokens: int, text_tokens: int, act: int, checkpointing: bool, skip: int = 0
+    dims: ModelDims,
+    image_tokens: int,
+    text_tokens: int,
+    act: int,
+    checkpointing: bool,
+    skip: int = 0,
+    offload: bool = False,
 ) -> int:
     D = dims.hidden
     groups = block_bytes(dims, image_tokens, text_tokens, act)
     head = 2 * D * act * image_tokens  # final layer: norm input and modulated output
     if not checkpointing:
         return sum(per_token * n * t for per_token, n, t in groups) + head
-    boundaries = sum(n * t * D * act for _, n, t in groups)  # each block's input
+    inputs = [t * D * act for _, n, t in groups for _ in range(n)]  # each block's input
+    # offload_activations: the inputs wait on the host; two on the GPU (the one coming back, the one going out)
+    boundaries = sum(sorted(inputs)[-2:]) if offload else sum(inputs)
     kept = kept_by_last_blocks([(per_token * t, n) for per_token, n, t in groups], skip)
     return boundaries + kept + max(per_token * t for per_token, _, t in groups) + head
 
@@ -117,6 +125,7 @@ def estimate(
     lokr_full_w2: bool = False,
     stream_blocks: int = 0,
     frames: int = 1,
+    offload_activations: bool = False,
 ) -> Estimate:
     """Bytes one training step needs at square `resolution` (the largest bucket) and `frames` video frames
     (an image: 1). `preservation`: DOP on.
@@ -134,7 +143,7 @@ def estimate(
     shapes = lora_shapes(dims, targets)
     lora_params, optimizer_bytes, adapter_workspace, adapter_note = trainable_costs(settings, dims, shapes, tokens, act)
     activations = rows * _activations(
-        dims, image_tokens, text_tokens, act, gradient_checkpointing, skip_checkpoint_blocks
+        dims, image_tokens, text_tokens, act, gradient_checkpointing, skip_checkpoint_blocks, offload_activations
     )
     if gradient_checkpointing and checkpoint_budget > 0:
         activations += _budget_kept(

@@ -49,6 +49,7 @@ FIELD_ORDER = (
     "compile_blocks",
     "checkpoint_budget",
     "stream_blocks",
+    "offload_activations",
     "attention",
     "fp8_compute",
     "cuda_graphs",
@@ -224,6 +225,7 @@ GROUP = {
     "compile_blocks": "speed",
     "checkpoint_budget": "speed",
     "stream_blocks": "speed",
+    "offload_activations": "speed",
     "attention": "speed",
     "fp8_compute": "speed",
     "cuda_graphs": "speed",
@@ -298,6 +300,7 @@ GROUP = {
 ADVANCED = (
     "sigma_range",
     "stream_blocks",
+    "offload_activations",
     "adam_beta1",
     "adam_beta2",
     "adam_eps",
@@ -325,10 +328,18 @@ ADVANCED = (
 
 STEPS = {"weight_decay": 1e-06, "early_stop_min_delta": 1e-05}
 
-AUTO_FIELDS = ("compile_blocks", "checkpoint_budget", "stream_blocks", "fp8_compute", "step_graphs")
+AUTO_FIELDS = (
+    "compile_blocks",
+    "checkpoint_budget",
+    "stream_blocks",
+    "offload_activations",
+    "fp8_compute",
+    "step_graphs",
+)
 
 NOT_IDENTITY = (
     "stream_blocks",
+    "offload_activations",
     "sharding",
     "attention",
     "cache_dir",
@@ -444,7 +455,7 @@ def test_derived_tables_equal_the_snapshot():
     assert set(config.CHOICES) == set(CHOICES) | set(REGISTRY_CHOICES)
     assert config.CHOICES["arch"] == tuple(ARCHS) and config.CHOICES["optimizer"] == config.OPTIMIZER_NAMES
     assert config.GROUP == GROUP and config.ADVANCED == frozenset(ADVANCED) and config.STEPS == STEPS
-    assert config.AUTO_FIELDS == AUTO_FIELDS and config.TRISTATE_FIELDS == ("fp8_compute", "step_graphs")
+    assert config.AUTO_FIELDS == AUTO_FIELDS and config.TRISTATE_FIELDS == ("offload_activations", "fp8_compute", "step_graphs")
     assert set(config.NOT_IDENTITY) == set(NOT_IDENTITY)
     assert config.TRAIN_WIDGETS == TRAIN_WIDGETS
     assert config.DATASET_FIELDS == DATASET_FIELDS and config.NOT_IN_GRAPH == NOT_IN_GRAPH

@@ -137,6 +137,7 @@ class TorchBackend:
             budget=chosen.budget,
             cuda_graphs=chosen.cuda_graphs,
             compile_key=f"attention={self.attention}|fp8={self.fp8.mode if self.fp8 else 'off'}",
+            offload=self.memory.offload,
         )
         if self.stream is not None:
             self.stream.hook()  # outside the checkpoint and the compiled region: the copies are not traced

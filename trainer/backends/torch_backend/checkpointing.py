@@ -4,7 +4,8 @@ Each checkpointed block's activations are dropped after forward and recomputed i
 block inputs stay alive. `skip` blocks at the end keep their activations (faster backward, more
 memory). `compile` wraps each block in torch.compile (regional compilation: the blocks of one list
 share their compiled code), with the checkpoint inside the compiled region, where it keeps the
-attention outputs (selective checkpointing). Removal restores every block exactly.
+attention outputs (selective checkpointing). `offload` moves the inputs a checkpointed block keeps to pinned
+host memory until its backward (offload_activations). Removal restores every block exactly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from ...run.faults import first_line
 from ..base import checkpointed, restore_forward
+from .offload import offloaded
 
 
 class CompileFailed(RuntimeError):
@@ -231,10 +233,14 @@ def _wrapped(
     key: str = "",
     pure: bool = False,
     cuda_graphs: bool = False,
+    offload: bool = False,
 ):
-    """The block's forward under training: eager (recomputed, or keeping its residuals) or compiled."""
+    """The block's forward under training: eager (recomputed, or keeping its residuals) or compiled; `offload`
+    (recomputed, eager): its kept inputs on the host."""
     fresh_inputs = _on_copies(block_forward)
-    if compile:
+    if offload and recompute:
+        training = offloaded(fresh_inputs)
+    elif compile:
         training = _compiled_training(block_forward, fresh_inputs, recompute, budget, key, pure, cuda_graphs)
     else:
         training = _checkpointed(fresh_inputs) if recompute else _keeping_residuals(block_forward)
@@ -327,6 +333,7 @@ class BlockCheckpointing:
         budget: float = 0.0,
         compile_key: str = "",
         cuda_graphs: bool = False,
+        offload: bool = False,
     ):
         """`compile` compiles every block; `pure_blocks` False (blocks that write into their inputs, Flux2)
         gives each block compiled whole copies of its inputs first. `budget` > 0 (compiled blocks): a
@@ -335,6 +342,8 @@ class BlockCheckpointing:
         attention kernel)."""
         if budget > 0 and not compile:
             raise ValueError("checkpoint_budget needs compile_blocks (the compiler chooses what to keep)")
+        if offload and compile:
+            raise ValueError("offload_activations runs the blocks eager: compile_blocks off")
         self.recompute = recompute
         self.blocks = find_blocks(model, block_lists)
         self.previous = []
@@ -346,7 +355,9 @@ class BlockCheckpointing:
             keep_compiled()
         for block, recomputed in zip(self.blocks, plan):
             self.previous.append(block.__dict__.get("forward"))
-            block.forward = _wrapped(block.forward, recomputed, compile, budget, compile_key, pure_blocks, cuda_graphs)
+            block.forward = _wrapped(
+                block.forward, recomputed, compile, budget, compile_key, pure_blocks, cuda_graphs, offload
+            )
 
     def remove(self) -> None:
         for block, previous in zip(self.blocks, self.previous):

@@ -61,9 +61,19 @@ def base_dtype(model: nn.Module) -> str:
     return "fp8" if dtypes & fp8 else "int8" if torch.int8 in dtypes else "bf16"
 
 
-def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> int | None:
+def clip_frames(cfg: TrainConfig) -> int:
+    """The frames of the run's longest clip as the estimate counts them: the dataset's `frames` snapped down to the
+    arch's 4k+1 for a video model (an image-only run is then over-counted: more streams, nothing fails); 1 else."""
+    from ...archs import get_arch
+
+    per = get_arch(cfg.arch).frames_per_latent
+    return 1 + (cfg.frames - 1) // per * per if per > 1 else 1
+
+
+def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float, offload: bool | None = None) -> int | None:
     """What one training step adds to the resident weights at the largest bucket, by trainer/estimate/torch_step.py;
-    None for a model it does not know."""
+    None for a model it does not know. `offload`: with the kept block inputs on the host (default: the setting's
+    explicit true)."""
     from ...estimate.common import variant_from_header
     from ...estimate.torch_step import estimate
 
@@ -85,6 +95,8 @@ def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> i
             adapter=cfg.adapter,
             lokr_factor=cfg.lokr_factor,
             lokr_full_w2=cfg.lokr_full_w2,
+            frames=clip_frames(cfg),
+            offload_activations=cfg.offload_activations is True if offload is None else offload,
         )
         # fp8_compute's copies are resident already (counted in `free`); edit training's reference tokens
         # are not known here (the data is not read): auto's margin covers the rest
@@ -289,6 +301,8 @@ def decide(
             " (this model's blocks write into what their norms keep for backward: compiled, they trace only "
             "under mixed_precision bf16 on a CUDA GPU)"
         )
+    if not why_not and memory is not None and memory.offload:
+        why_not = " (offload_activations runs the blocks eager)"
     compile = cfg.compile_blocks is True or (cfg.compile_blocks == AUTO and not why_not)
     if cfg.compile_blocks == AUTO:
         notes.append(f"compile_blocks auto → {'on' if compile else 'off'}" + ("" if compile else why_not))

@@ -43,6 +43,7 @@ class MemoryPlan:
     free_and_total: tuple[int, int] | None = None  # the GPU's then (CUDA only)
     note: str = ""  # what auto chose and why ("" when nothing was auto)
     fits: bool = True  # False: auto streamed every block and the estimated step still does not fit
+    offload: bool = False  # the blocks' kept inputs wait in pinned host memory (offload_activations)
 
     @property
     def blocks(self) -> int:
@@ -94,19 +95,20 @@ class MemoryPlan:
         )
         return free + self.host_new_bytes - arriving - self.ring_bytes, total
 
-    def with_stream(self, count: int, note: str = "", fits: bool = True) -> MemoryPlan:
-        return replace(self, stream=min(count, self.blocks), note=note, fits=fits)
+    def with_stream(self, count: int, note: str = "", fits: bool = True, offload: bool = False) -> MemoryPlan:
+        return replace(self, stream=min(count, self.blocks), note=note, fits=fits, offload=offload)
 
     def summary(self) -> str:
         """The plan in one line: what sits on the GPU, what streams, the host RAM it takes."""
         resident = sum(self.sizes) - self.streamed_bytes
+        kept = "; the blocks' kept inputs in pinned host memory" if self.offload else ""
         if not self.stream:
             where = "on the GPU" if self.free_and_total is not None else "in memory"
-            return f"frozen base {where} ({resident / GIB:.1f} GiB of block weights); nothing streams"
+            return f"frozen base {where} ({resident / GIB:.1f} GiB of block weights); nothing streams{kept}"
         return (
             f"{self.blocks - self.stream} of {self.blocks} blocks on the GPU ({resident / GIB:.1f} GiB), "
             f"{self.stream} streamed from pinned host memory ({self.streamed_bytes / GIB:.1f} GiB of RAM, "
-            f"{self.host_new_bytes / GIB:.1f} GiB of it new) through a {self.ring_bytes / GIB:.2f} GiB GPU ring"
+            f"{self.host_new_bytes / GIB:.1f} GiB of it new) through a {self.ring_bytes / GIB:.2f} GiB GPU ring" + kept
         )
 
 
@@ -182,6 +184,8 @@ def decide(
         plan = plan.with_stream(int(cfg.stream_blocks))
     elif cuda and blocks:
         plan = _auto(model, cfg, plan)
+    if cfg.offload_activations is True:
+        plan = replace(plan, offload=True)
     _check_host(plan, host, cfg)
     return plan
 
@@ -208,29 +212,62 @@ def storage(model: nn.Module, cfg: TrainConfig, device: torch.device, blocks: li
 
 
 def _auto(model, cfg, plan: MemoryPlan) -> MemoryPlan:
-    """stream_blocks auto: the fewest blocks that make the step fit."""
-    from ...estimate.torch_step import step_fits
+    """stream_blocks auto: the fewest blocks that make the step fit (with offload_activations auto, the kept block
+    inputs moved to the host where no count does)."""
     from . import levers
 
     need = levers.estimated_step_bytes(model, cfg, 0.0)
     if need is None:
         return plan.with_stream(0, "stream_blocks auto → 0 (no memory estimate for this model)")
-    for count in range(plan.blocks + 1):
-        if step_fits(need, *plan.with_stream(count).after):
-            break
-    else:
+    count = _fewest(plan, need)
+    offload, kept = cfg.offload_activations is True, ""
+    if count is None and _may_offload(cfg):  # offload_activations auto: the kept inputs to the host, then stream
+        smaller = levers.estimated_step_bytes(model, cfg, 0.0, offload=True)
+        count = _fewest(plan, smaller)
+        if count is not None:
+            offload, need = True, smaller
+            kept = (
+                "; offload_activations auto → on (the blocks' kept inputs in host memory: the step fits no other way)"
+            )
+    if count is None:
         return plan.with_stream(
             plan.blocks,
             f"stream_blocks auto → all {plan.blocks} blocks, and the step (~{need / GIB:.1f} GiB estimated) may "
-            "still not fit: lower the resolution or the batch, or store the base smaller (base_quantize int8)",
+            "still not fit: lower the resolution, the frames or the batch, or store the base smaller (base_quantize "
+            "int8)",
             fits=False,
+            offload=offload,
         )
     if not count:
-        return plan.with_stream(0, f"stream_blocks auto → 0 (the step, ~{need / GIB:.1f} GiB, fits beside the base)")
+        note = f"stream_blocks auto → 0 (the step, ~{need / GIB:.1f} GiB, fits beside the base)"
+        return plan.with_stream(0, note + kept, offload=offload)
     return plan.with_stream(
         count,
         f"stream_blocks auto → {count} of {plan.blocks} (so the step, ~{need / GIB:.1f} GiB, fits beside "
-        f"{plan.blocks - count} resident blocks)",
+        f"{plan.blocks - count} resident blocks)" + kept,
+        offload=offload,
+    )
+
+
+def _fewest(plan: MemoryPlan, need: int | None) -> int | None:
+    """The fewest streamed blocks that leave `need` bytes room; None where even all do not."""
+    from ...estimate.torch_step import step_fits
+
+    if need is None:
+        return None
+    return next((n for n in range(plan.blocks + 1) if step_fits(need, *plan.with_stream(n).after)), None)
+
+
+def _may_offload(cfg: TrainConfig) -> bool:
+    """offload_activations auto may turn on: checkpointing on, blocks not compiled by request, one process (under
+    DDP the reentrant checkpoint it needs is untested)."""
+    from ...run import distributed
+
+    return (
+        cfg.offload_activations == AUTO
+        and cfg.gradient_checkpointing
+        and cfg.compile_blocks is not True
+        and distributed.current().world == 1
     )
 
 

@@ -21,10 +21,15 @@ def cpu_as_gpu(monkeypatch):
     monkeypatch.setattr(memory_plan, "STREAMS_ON", ("cuda", "cpu"))
 
 
-def plan_for(make_model, make_config, monkeypatch, *, need, free, total=8 * GIB, host=64 * GIB, **settings):
-    """The plan for eight alike frozen blocks (a Linear each), the step's estimate `need` bytes."""
+def plan_for(
+    make_model, make_config, monkeypatch, *, need, free, total=8 * GIB, host=64 * GIB, offloaded=None, **settings
+):
+    """The plan for eight alike frozen blocks (a Linear each), the step's estimate `need` bytes (`offloaded` with
+    the kept block inputs on the host; default: the same)."""
     blocks = [torch.nn.Linear(16, 16).requires_grad_(False) for _ in range(8)]
-    monkeypatch.setattr(levers, "estimated_step_bytes", lambda *a: need)
+    monkeypatch.setattr(
+        levers, "estimated_step_bytes", lambda *a, offload=None: offloaded if offload and offloaded else need
+    )
     cfg = make_config(**settings)
     return memory_plan.decide(
         torch.nn.ModuleList(blocks), cfg, torch.device("cpu"), blocks, (free, total), host
@@ -58,6 +63,35 @@ def test_auto_streams_nothing_where_the_step_fits(make_model, make_config, monke
 def test_auto_streams_everything_and_says_so_where_nothing_fits(make_model, make_config, monkeypatch, cpu_as_gpu):
     plan, _ = plan_for(make_model, make_config, monkeypatch, need=64 * GIB, free=GIB)
     assert plan.stream == plan.blocks and "may still not fit" in plan.note and "base_quantize int8" in plan.note
+
+
+def test_offload_activations_auto_turns_on_only_where_nothing_else_fits(
+    make_model, make_config, monkeypatch, cpu_as_gpu
+):
+    """Streaming every block cannot make a 64 GiB step fit; with the kept inputs on the host it needs 1000 bytes:
+    auto moves them, says so, and streams as few blocks as then fit. Where streaming alone fits, it stays off."""
+    checkpointed = {"gradient_checkpointing": True}
+    plan, _ = plan_for(
+        make_model, make_config, monkeypatch, need=64 * GIB, offloaded=1000, free=4 * GIB, **checkpointed
+    )
+    assert plan.offload and plan.fits and plan.stream == 0
+    assert "offload_activations auto → on" in plan.note and "kept inputs in pinned host memory" in plan.summary()
+    plan, _ = plan_for(make_model, make_config, monkeypatch, need=1000, offloaded=10, free=4 * GIB, **checkpointed)
+    assert not plan.offload and "offload_activations" not in plan.note
+    for settings in ({"offload_activations": False, **checkpointed}, {"gradient_checkpointing": False}):
+        plan, _ = plan_for(make_model, make_config, monkeypatch, need=64 * GIB, offloaded=1000, free=GIB, **settings)
+        assert not plan.offload and not plan.fits  # never where the setting or checkpointing says no
+    plan, _ = plan_for(
+        make_model,
+        make_config,
+        monkeypatch,
+        need=1000,
+        free=4 * GIB,
+        stream_blocks=2,
+        offload_activations=True,
+        **checkpointed,
+    )
+    assert plan.offload and plan.stream == 2  # true stands beside an explicit count
 
 
 def test_a_model_without_an_estimate_streams_nothing(make_model, make_config, monkeypatch, cpu_as_gpu):
