@@ -97,12 +97,13 @@ def _card_plans(settings: dict, cfg, args) -> None:
     def fits(chosen: dict) -> bool:
         return card_plan(chosen, args.memory_gb).streamed is not None
 
-    offload = cfg.offload_activations == "auto" and cfg.gradient_checkpointing and cfg.compile_blocks is not True
+    offload = cfg.offload_activations == "auto" and cfg.gradient_checkpointing and cfg.checkpoint_budget in (0, "auto")
+    offload = offload and not cfg.cuda_graphs
     moved = " with the blocks' kept inputs in pinned host memory (offload_activations auto → on; their copies, two a "
     moved += "block a step, are not in the predicted times)"
     if fits(settings):
         return
-    if offload and fits({**settings, "offload_activations": True}):  # blocks run eager: no budget
+    if offload and fits({**settings, "offload_activations": True}):  # each block recomputed whole: no budget
         print(f"the step fits{moved}:")
         print("\n".join(plan_lines({**settings, "offload_activations": True}, args.memory_gb, 0.0, every)))
     elif cfg.base_quantize == "auto" and settings["base_dtype"] == "bf16":

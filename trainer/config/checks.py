@@ -296,12 +296,16 @@ def _preservation_problems(cfg: TrainConfig) -> list[str]:
 
 def _offload_problems(cfg: TrainConfig) -> list[str]:
     if cfg.offload_activations is not True or (
-        cfg.backend == "torch" and cfg.gradient_checkpointing and cfg.compile_blocks is not True
+        cfg.backend == "torch"
+        and cfg.gradient_checkpointing
+        and cfg.checkpoint_budget in (0, AUTO)
+        and not cfg.cuda_graphs
     ):
         return []
     return [
-        "offload_activations true moves the inputs gradient checkpointing keeps to host memory and runs the blocks "
-        "eager: it needs backend torch, gradient_checkpointing on and compile_blocks off or auto"
+        "offload_activations true moves the inputs gradient checkpointing keeps to host memory and recomputes each "
+        "block whole from its input: it needs backend torch, gradient_checkpointing on, checkpoint_budget 0 (or auto) "
+        "and cuda_graphs off"
     ]
 
 

@@ -179,8 +179,8 @@ class SpeedFields:
         AUTO,
         "PyTorch, gradient checkpointing on: each block's kept input waits in pinned host memory until the "
         "backward needs it, instead of on the GPU (a long clip's inputs are GBs: Wan 14B at 480p x 81 frames "
-        "keeps 13 GiB). Blocks then run eager (no compile_blocks). auto: on a CUDA GPU, only where the step "
-        "does not fit even with every block streamed; true: always; false: never",
+        "keeps 13 GiB); each block is then recomputed whole from its input (no checkpoint_budget). auto: on a CUDA "
+        "GPU, only where the step does not fit even with every block streamed; true: always; false: never",
         "speed",
         advanced=True,
         identity=False,

@@ -5,7 +5,8 @@ block inputs stay alive. `skip` blocks at the end keep their activations (faster
 memory). `compile` wraps each block in torch.compile (regional compilation: the blocks of one list
 share their compiled code), with the checkpoint inside the compiled region, where it keeps the
 attention outputs (selective checkpointing). `offload` moves the inputs a checkpointed block keeps to pinned
-host memory until its backward (offload_activations). Removal restores every block exactly.
+host memory until its backward (offload_activations; a compiled block is then compiled whole inside the
+checkpoint). Removal restores every block exactly.
 """
 
 from __future__ import annotations
@@ -239,7 +240,10 @@ def _wrapped(
     (recomputed, eager): its kept inputs on the host."""
     fresh_inputs = _on_copies(block_forward)
     if offload and recompute:
-        training = offloaded(fresh_inputs)
+        # compiled whole inside the checkpoint (one block's activations live at a time, in its recompute); a pure
+        # block's copies are made inside the compiled region (see _compiled_training)
+        kept = _whole(block_forward) if pure else fresh_inputs
+        training = offloaded(_compiled(kept, f"{key}|offload|pure={pure}") if compile else fresh_inputs)
     elif compile:
         training = _compiled_training(block_forward, fresh_inputs, recompute, budget, key, pure, cuda_graphs)
     else:
@@ -253,6 +257,15 @@ def _wrapped(
         return training(*args, **kwargs)
 
     return forward
+
+
+def _whole(block_forward):
+    """A plain function around a (bound) forward: _compiled copies its code object, which a method's would not bind."""
+
+    def whole(*args, **kwargs):
+        return block_forward(*args, **kwargs)
+
+    return whole
 
 
 def _on_copies(block_forward):
@@ -298,9 +311,7 @@ def _compiled_training(block_forward, fresh_inputs, recompute, budget, key, pure
     keep_attention = functools.partial(create_selective_checkpoint_contexts, list(SAVED_OPS))
     key = f"{key}|saved={sorted(str(op) for op in SAVED_OPS)}|pure={pure}"
 
-    def whole(*args, **kwargs):
-        return block_forward(*args, **kwargs)
-
+    whole = _whole(block_forward)
     # A block compiled whole (it keeps its activations, or the partitioner chooses within a budget)
     # is made pure first: a block that writes into its inputs (Flux2's `img += ...`) gets copies of
     # them inside the compiled region, where functionalisation turns the writes into new tensors.
@@ -342,8 +353,10 @@ class BlockCheckpointing:
         attention kernel)."""
         if budget > 0 and not compile:
             raise ValueError("checkpoint_budget needs compile_blocks (the compiler chooses what to keep)")
-        if offload and compile:
-            raise ValueError("offload_activations runs the blocks eager: compile_blocks off")
+        if offload and (budget > 0 or cuda_graphs):
+            raise ValueError(
+                "offload_activations recomputes each block from its input: no checkpoint_budget, no CUDA graphs"
+            )
         self.recompute = recompute
         self.blocks = find_blocks(model, block_lists)
         self.previous = []

@@ -301,22 +301,22 @@ def decide(
             " (this model's blocks write into what their norms keep for backward: compiled, they trace only "
             "under mixed_precision bf16 on a CUDA GPU)"
         )
-    if not why_not and memory is not None and memory.offload:
-        why_not = " (offload_activations runs the blocks eager)"
     compile = cfg.compile_blocks is True or (cfg.compile_blocks == AUTO and not why_not)
     if cfg.compile_blocks == AUTO:
         notes.append(f"compile_blocks auto → {'on' if compile else 'off'}" + ("" if compile else why_not))
-    budget = cfg.checkpoint_budget
+    budget, offload = cfg.checkpoint_budget, memory is not None and memory.offload
     if budget == AUTO:
-        if compile and cfg.gradient_checkpointing and device.type == "cuda":
+        if offload:
+            budget, why = 0.0, "0 (offload_activations: each block recomputed whole from its input)"
+        elif compile and cfg.gradient_checkpointing and device.type == "cuda":
             budget, why = auto_budget(model, cfg, device, after)
         else:
             budget, why = 0.0, "0 (needs compiled blocks with checkpointing on a GPU)"
         notes.append(f"checkpoint_budget auto → {why}")
-    graphs = bool(cfg.cuda_graphs) and compile and device.type == "cuda"
+    graphs = bool(cfg.cuda_graphs) and compile and device.type == "cuda" and not offload
     if cfg.cuda_graphs and not graphs:
-        notes.append("cuda_graphs → off (needs compiled blocks on a CUDA GPU)")
-    recorded, why = step_graphs(model, cfg, device, float(budget), graphs, parallel, after, streaming)
+        notes.append("cuda_graphs → off (needs compiled blocks on a CUDA GPU, kept inputs on it)")
+    recorded, why = step_graphs(model, cfg, device, float(budget), graphs, parallel, after, streaming or offload)
     notes.append(why)
     return Levers(
         compile=compile,

@@ -259,14 +259,15 @@ def _fewest(plan: MemoryPlan, need: int | None) -> int | None:
 
 
 def _may_offload(cfg: TrainConfig) -> bool:
-    """offload_activations auto may turn on: checkpointing on, blocks not compiled by request, one process (under
-    DDP the reentrant checkpoint it needs is untested)."""
+    """offload_activations auto may turn on: checkpointing on, no checkpoint_budget or CUDA graphs asked for, one
+    process (under DDP the reentrant checkpoint it needs is untested)."""
     from ...run import distributed
 
     return (
         cfg.offload_activations == AUTO
         and cfg.gradient_checkpointing
-        and cfg.compile_blocks is not True
+        and cfg.checkpoint_budget in (0, AUTO)
+        and not cfg.cuda_graphs
         and distributed.current().world == 1
     )
 

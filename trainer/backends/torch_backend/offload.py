@@ -29,8 +29,8 @@ def _from_host(packed):
     return packed if torch.is_tensor(packed) else packed[1].to(packed[0], non_blocking=True)
 
 
-def offloaded(fresh_inputs):
-    """The block under torch's reentrant checkpoint, whose kept inputs are saved tensors of its autograd node and
+def offloaded(block):
+    """`block` (eager on copies of its inputs, or compiled) under torch's reentrant checkpoint, whose kept inputs are saved tensors of its autograd node and
     so pass saved_tensors_hooks: on the host until the backward needs them (as OneTrainer's activation offloading
     and musubi-tuner's --gradient_checkpointing_cpu_offload). The non-reentrant checkpoint keeps its inputs in a
     closure no hook sees. Reentrant takes tensors positionally: keyword arguments ride along by name; one input
@@ -40,7 +40,7 @@ def offloaded(fresh_inputs):
         names, count = list(kwargs), len(args)
 
         def run(*flat):
-            return fresh_inputs(*flat[:count], **dict(zip(names, flat[count:])))
+            return block(*flat[:count], **dict(zip(names, flat[count:])))
 
         flat = [*args, *kwargs.values()]
         if not any(torch.is_tensor(t) and t.requires_grad for t in flat):

@@ -63,6 +63,25 @@ def test_offloaded_blocks_train_as_checkpointed_ones(monkeypatch):
     assert packed.count((2, 16, 64)) == 3  # each block's input went to the "host"; e ([2, 8]) stayed
 
 
-def test_offload_needs_eager_blocks():
-    with pytest.raises(ValueError, match="compile_blocks off"):
-        BlockCheckpointing(Model(), ("blocks",), recompute=True, offload=True, compile=True)
+def test_offload_takes_no_checkpoint_budget():
+    with pytest.raises(ValueError, match="no checkpoint_budget"):
+        BlockCheckpointing(Model(), ("blocks",), recompute=True, offload=True, compile=True, budget=0.5)
+
+
+def test_compiled_offloaded_blocks_train_as_checkpointed_ones(monkeypatch):
+    """Compiled whole inside the reentrant checkpoint (aot_eager: the graphs torch.compile builds, no C++ build)."""
+    from trainer.backends.torch_backend import checkpointing
+
+    plain, _ = grads(False, monkeypatch)
+    monkeypatch.setattr(checkpointing, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(offload, "OFFLOAD_FROM", ("cpu",))
+    model = Model()
+    for name, p in model.blocks.named_parameters():
+        p.requires_grad_(name.endswith("proj.weight"))
+    wrapped = BlockCheckpointing(model, ("blocks",), recompute=True, offload=True, compile=True, pure_blocks=True)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+    e = torch.randn(2, 8, generator=torch.Generator().manual_seed(2))
+    model(x, e).square().mean().backward()
+    wrapped.remove()
+    for name, grad in plain.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-5, atol=1e-6)
