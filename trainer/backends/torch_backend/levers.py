@@ -63,9 +63,11 @@ def base_dtype(model: nn.Module) -> str:
 
 def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> int | None:
     """What one training step adds to the resident weights at the largest bucket, by trainer/estimate/torch_step.py;
-    None for a model it does not know."""
+    None for a model it does not know. The plan is for a CUDA device: adamw8bit counts as the fp32 AdamW it falls
+    back to where bitsandbytes cannot run there (optim.adamw8bit_fallback)."""
     from ...estimate.common import variant_from_header
     from ...estimate.torch_step import estimate
+    from .optim import optimizer_that_runs
 
     try:
         variant = variant_from_header({name: list(t.shape) for name, t in model.state_dict().items()})
@@ -75,7 +77,7 @@ def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float) -> i
             batch_size=cfg.batch_size,
             rank=cfg.rank,
             targets=tuple(cfg.targets) or None,
-            optimizer=cfg.optimizer,
+            optimizer=optimizer_that_runs(cfg.optimizer, torch.device("cuda")),
             gradient_checkpointing=True,
             base_dtype=base_dtype(model),
             mixed_precision=cfg.mixed_precision,
