@@ -19,9 +19,7 @@ from helpers import comfy_env
 pytestmark = pytest.mark.comfyui
 comfy_env.require_comfy()
 
-import comfy.lora
-import comfy.utils
-from helpers import tiny_comfy, tiny_families, tiny_wan
+from helpers import comfy_lora, tiny_comfy, tiny_families, tiny_wan
 
 from trainer import safetensors_io
 from trainer.lora import files as lf
@@ -112,21 +110,9 @@ def _exported(arch: str, path: str, rows: int) -> bool:
 
 def _comfy_deltas(patcher, path, caplog) -> tuple[dict[str, torch.Tensor], list[str]]:
     """ComfyUI's loader on a file: ({ComfyUI path: ΔW}, its warnings)."""
-    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
-    state = patcher.model.state_dict()
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        patches = comfy.lora.load_lora(comfy.utils.load_torch_file(str(path), safe_load=True), key_map)
-        by_weight: dict[str, list] = {}
-        for target, adapter in patches.items():  # as ModelPatcher.add_patches stores them
-            key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
-            by_weight.setdefault(key, []).append((1.0, adapter, 1.0, offset, None))
-        deltas = {
-            key[len("diffusion_model.") : -len(".weight")]: comfy.lora.calculate_weight(
-                entries, torch.zeros_like(state[key], dtype=torch.float32), key
-            )
-            for key, entries in by_weight.items()
-        }
+        deltas = comfy_lora.deltas(patcher, comfy_lora.patches(patcher, path))
     return deltas, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 

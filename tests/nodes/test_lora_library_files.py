@@ -24,7 +24,7 @@ comfy_env.require_comfy()
 
 import comfy.lora  # noqa: E402
 import comfy.utils  # noqa: E402
-from helpers import library_loras, tiny_comfy  # noqa: E402
+from helpers import comfy_lora, library_loras, tiny_comfy  # noqa: E402
 
 from trainer import safetensors_io  # noqa: E402
 from trainer.lora import files as lora_format  # noqa: E402
@@ -131,16 +131,10 @@ def _assembled(names, tensors: dict, prefix: str, like: dict) -> dict[str, torch
 
 def _comfy_loads(patcher, path, caplog) -> tuple[dict, int]:
     """ComfyUI's loader on a file: ({weight key: patches}, keys it reports as not loaded)."""
-    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        patches = comfy.lora.load_lora(comfy.utils.load_torch_file(str(path), safe_load=True), key_map)
-    unloaded = sum("lora key not loaded" in r.getMessage() for r in caplog.records)
-    by_weight: dict[str, list] = {}
-    for target, adapter in patches.items():  # as ModelPatcher.add_patches stores them
-        key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
-        by_weight.setdefault(key, []).append((1.0, adapter, 1.0, offset, None))
-    return by_weight, unloaded
+        by_weight = comfy_lora.patches(patcher, path)
+    return by_weight, sum("lora key not loaded" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("case", list(library_loras.CASES))
