@@ -2,8 +2,10 @@
 diffusers names the arch's Linears, and the weight change each library's own merge gives (#47).
 
 Run as `python -m helpers.library_loras SPEC OUT` (from tests/) with a Python that has lycoris-lora, peft and
-diffusers (the `test` extra): SPEC is JSON {"shapes": {diffusers name: [out, in]}, "seed": n}; OUT gets one
-.safetensors per case and <case>.delta.safetensors ({name: ΔW}, and "base.<name>": the base weights used).
+diffusers (the `test` extra): SPEC is JSON {family: {"shapes": {diffusers name: [out, in]}, "seed": n, "pipeline":
+the diffusers pipeline whose save_lora_weights writes the diffusers case}}; OUT/<family> gets one .safetensors per
+case and <case>.delta.safetensors ({name: ΔW}, and "base.<name>": the base weights used). One process for every
+family: the libraries' imports are most of its time.
 A separate process, because a ComfyUI tree's venv may hold a transformers that PEFT cannot import."""
 
 from __future__ import annotations
@@ -86,10 +88,10 @@ def peft(shapes, seed: int, out: Path, options: dict) -> dict[str, torch.Tensor]
     _perturb([p for n, p in wrapped.named_parameters() if "lora_" in n], seed + 1)
     state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(wrapped).items()}
     if options.get("diffusers"):
-        from diffusers import ZImagePipeline
+        import diffusers
 
         state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
-        ZImagePipeline.save_lora_weights(
+        getattr(diffusers, options["diffusers"]).save_lora_weights(
             out.parent, state, weight_name=out.name, transformer_lora_adapter_metadata=config.to_dict()
         )
     else:  # PEFT's own file: alpha lives in adapter_config.json, not here, so alpha = rank keeps scale 1 as read
@@ -107,15 +109,16 @@ def peft(shapes, seed: int, out: Path, options: dict) -> dict[str, torch.Tensor]
 def main(spec_path: str, out_dir: str) -> None:
     from safetensors.torch import save_file
 
-    spec = json.loads(Path(spec_path).read_text())
-    out = Path(out_dir)
-    for index, (case, options) in enumerate(CASES.items()):
-        write = peft if options.get("peft") else lycoris
-        options = {k: v for k, v in options.items() if k not in ("peft", "diffusers")} | (
-            {"diffusers": True} if options.get("diffusers") else {}
-        )
-        delta = write(spec["shapes"], spec["seed"] + index, out / f"{case}.safetensors", options)
-        save_file({k: v.float().contiguous() for k, v in delta.items()}, str(out / f"{case}.delta.safetensors"))
+    for family, spec in json.loads(Path(spec_path).read_text()).items():
+        out = Path(out_dir) / family
+        out.mkdir(parents=True, exist_ok=True)
+        for index, (case, options) in enumerate(CASES.items()):
+            write = peft if options.get("peft") else lycoris
+            options = {k: v for k, v in options.items() if k not in ("peft", "diffusers")} | (
+                {"diffusers": spec["pipeline"]} if options.get("diffusers") else {}
+            )
+            delta = write(spec["shapes"], spec["seed"] + index, out / f"{case}.safetensors", options)
+            save_file({k: v.float().contiguous() for k, v in delta.items()}, str(out / f"{case}.delta.safetensors"))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import numpy as np
 
 from trainer import config as config_module
 from trainer.data import InMemoryData
+from trainer.run.loop import train
 
 
 def tiny_model(seed: int = 0):
@@ -64,3 +65,13 @@ def companion_data(masks=True, controls=False, count=6, seed=0) -> InMemoryData:
     if controls:
         data.control_latents = [[rng.standard_normal(l.shape).astype(np.float32)] for l in latents]
     return data
+
+
+def train_until(run_dir, model, data, cfg, *, stop_at: int | None = None, resume: bool = False):
+    """train() into run_dir: stopped after `stop_at` steps (as a dashboard Stop would), or resumed from run_dir's
+    last checkpoint; the resume tests run one straight, one stopped, then resumed."""
+    progress = []
+    stop = (lambda: len(progress) >= stop_at) if stop_at else None
+    return train(
+        cfg, model, data, run_dir=run_dir, resume=run_dir if resume else None, on_step=progress.append, should_stop=stop
+    )

@@ -16,9 +16,8 @@ import torch
 pytestmark = pytest.mark.comfyui  # --comfyui only|without selects on it
 comfy_env.require_comfy()
 
-import comfy.lora  # noqa: E402
 import comfy.sd  # noqa: E402
-import comfy.utils  # noqa: E402
+from helpers import comfy_lora  # noqa: E402
 from helpers import lora_fixtures as fx  # noqa: E402
 from helpers import tiny_comfy  # noqa: E402
 
@@ -50,21 +49,8 @@ def models(tmp_path_factory):
 
 def _deltas(patcher, path, caplog) -> dict[str, torch.Tensor]:
     """ComfyUI's loader on a file: {ComfyUI path: ΔW}, with no key left unloaded."""
-    tensors = comfy.utils.load_torch_file(str(path), safe_load=True)
-    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
-    state = patcher.model.state_dict()
     with caplog.at_level(logging.WARNING):
-        patches = comfy.lora.load_lora(tensors, key_map)
-        by_weight: dict[str, list] = {}
-        for target, adapter in patches.items():  # as ModelPatcher.add_patches stores them
-            key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
-            by_weight.setdefault(key, []).append((1.0, adapter, 1.0, offset, None))
-        deltas = {
-            key[len("diffusion_model.") : -len(".weight")]: comfy.lora.calculate_weight(
-                entries, torch.zeros_like(state[key], dtype=torch.float32), key
-            )
-            for key, entries in by_weight.items()
-        }
+        deltas = comfy_lora.deltas(patcher, comfy_lora.patches(patcher, path))
     # ComfyUI only logs a key it did not load, or a patch whose shape does not fit (and skips it)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     return deltas

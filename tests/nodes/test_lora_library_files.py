@@ -1,6 +1,7 @@
 """LoRA files written by the real libraries (tests/helpers/library_loras.py: LyCORIS LoKr, full-matrix LoKr,
-LoHa, LoCon and DoRA; PEFT with DoRA; diffusers' save_lora_weights) on a tiny Z-Image's Linears under their
-diffusers names (ComfyUI's own comfy.utils.z_image_to_diffusers, embedders and modulation included), converted
+LoHa, LoCon and DoRA; PEFT with DoRA; diffusers' save_lora_weights) on the Linears of a tiny Z-Image, Flux2 Klein
+and Qwen-Image under their diffusers names (embedders, modulation and final layers included; each name traced to
+ComfyUI's weight by ComfyUI's own map, diffusers' own checkpoint converter, or the shared names), converted
 by `python -m trainer convert`'s convert_file and loaded by ComfyUI's loader: nothing unmatched, and the weight
 change of the library's own merge (#47). Also: `inspect`'s count of keys stock ComfyUI leaves unmatched in the
 original file equals what ComfyUI's loader reports for it."""
@@ -23,7 +24,7 @@ comfy_env.require_comfy()
 
 import comfy.lora  # noqa: E402
 import comfy.utils  # noqa: E402
-from helpers import library_loras, tiny_comfy  # noqa: E402
+from helpers import comfy_lora, library_loras, tiny_comfy  # noqa: E402
 
 from trainer import safetensors_io  # noqa: E402
 from trainer.lora import files as lora_format  # noqa: E402
@@ -32,11 +33,8 @@ from trainer.lora import report  # noqa: E402
 TESTS = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    """(patcher, {diffusers name: (ComfyUI weight key, row offset or None)}, folder with the files)."""
-    with torch.inference_mode():
-        patcher = tiny_comfy.tiny_zimage()
+def _zimage_names(patcher) -> dict:
+    """ComfyUI's own map (comfy.utils.z_image_to_diffusers, embedders and modulation included)."""
     state = patcher.model.state_dict()
     names = {}
     for key, to in comfy.utils.z_image_to_diffusers(
@@ -45,12 +43,68 @@ def written(tmp_path_factory):
         target, offset = (to, None) if isinstance(to, str) else (to[0], to[1])
         if key.endswith(".weight") and target in state and state[target].ndim == 2:
             names[key[: -len(".weight")]] = (target, offset)
-    shapes = {
-        name: [offset[2] if offset else state[target].shape[0], state[target].shape[1]]
-        for name, (target, offset) in names.items()
+    return names
+
+
+def _flux2_names(patcher) -> dict:
+    """diffusers' own Flux2 checkpoint converter (single_file_utils), run on weights whose values name their key
+    and row: each diffusers Linear traced back to a ComfyUI weight and its rows. A weight whose rows it reorders
+    (the final adaLN's shift, scale) has no plain name and is left out."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    weights = [k for k, v in patcher.model.state_dict().items() if k.endswith(".weight") and v.ndim == 2]
+    shapes = {k: patcher.model.state_dict()[k].shape for k in weights}
+    tagged = {
+        k.removeprefix("diffusion_model."): (i * 1_000_000 + torch.arange(shapes[k][0], dtype=torch.float64))[
+            :, None
+        ].expand(shapes[k])
+        for i, k in enumerate(weights)
     }
+    names = {}
+    for name, value in convert_flux2_transformer_checkpoint_to_diffusers(tagged).items():
+        source, rows = weights[int(value[0, 0]) // 1_000_000], (value[:, 0] % 1_000_000).long()
+        if not torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows))):
+            continue
+        whole = len(rows) == shapes[source][0]
+        names[name.removesuffix(".weight")] = (source, None if whole else (0, int(rows[0]), len(rows)))
+    return names
+
+
+def _qwen_image_names(patcher) -> dict:
+    """ComfyUI's Qwen-Image holds diffusers' names (comfy/ldm/qwen_image; its LoRA key map reads them bare)."""
+    return {
+        k[len("diffusion_model.") : -len(".weight")]: (k, None)
+        for k, v in patcher.model.state_dict().items()
+        if k.startswith("diffusion_model.") and k.endswith(".weight") and v.ndim == 2
+    }
+
+
+# family → (Kiln arch, the tiny model, {diffusers name: (ComfyUI weight key, row offset or None)}, the pipeline
+# whose save_lora_weights writes the diffusers case)
+FAMILIES = {
+    "zimage": ("zimage", lambda tmp: tiny_comfy.tiny_zimage(), _zimage_names, "ZImagePipeline"),
+    "flux2": ("flux2_klein", tiny_comfy.tiny_flux2, _flux2_names, "Flux2KleinPipeline"),
+    "qwen_image": ("qwen_image", lambda tmp: tiny_comfy.tiny_qwen_image(), _qwen_image_names, "QwenImagePipeline"),
+}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """family → (patcher, {diffusers name: (ComfyUI weight key, row offset or None)}, folder with the files)."""
     folder = tmp_path_factory.mktemp("library_loras")
-    (folder / "spec.json").write_text(json.dumps({"shapes": shapes, "seed": 3}))
+    made, spec = {}, {}
+    for family, (_, build, naming, pipeline) in FAMILIES.items():
+        with torch.inference_mode():
+            patcher = build(folder)
+        state = patcher.model.state_dict()
+        names = naming(patcher)
+        shapes = {
+            name: [offset[2] if offset else state[target].shape[0], state[target].shape[1]]
+            for name, (target, offset) in names.items()
+        }
+        spec[family] = {"shapes": shapes, "seed": 3, "pipeline": pipeline}
+        made[family] = patcher, names, folder / family
+    (folder / "spec.json").write_text(json.dumps(spec))
     # The base interpreter: a ComfyUI tree's venv may hold a transformers PEFT cannot import.
     python = getattr(sys, "_base_executable", sys.executable)
     run = subprocess.run(
@@ -60,7 +114,7 @@ def written(tmp_path_factory):
         text=True,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    return patcher, names, folder
+    return made
 
 
 def _assembled(names, tensors: dict, prefix: str, like: dict) -> dict[str, torch.Tensor]:
@@ -77,27 +131,22 @@ def _assembled(names, tensors: dict, prefix: str, like: dict) -> dict[str, torch
 
 def _comfy_loads(patcher, path, caplog) -> tuple[dict, int]:
     """ComfyUI's loader on a file: ({weight key: patches}, keys it reports as not loaded)."""
-    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        patches = comfy.lora.load_lora(comfy.utils.load_torch_file(str(path), safe_load=True), key_map)
-    unloaded = sum("lora key not loaded" in r.getMessage() for r in caplog.records)
-    by_weight: dict[str, list] = {}
-    for target, adapter in patches.items():  # as ModelPatcher.add_patches stores them
-        key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
-        by_weight.setdefault(key, []).append((1.0, adapter, 1.0, offset, None))
-    return by_weight, unloaded
+        by_weight = comfy_lora.patches(patcher, path)
+    return by_weight, sum("lora key not loaded" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("case", list(library_loras.CASES))
-def test_library_file_converts_into_comfyui_with_the_same_weight_change(written, tmp_path, case, caplog):
-    patcher, names, folder = written
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_library_file_converts_into_comfyui_with_the_same_weight_change(written, tmp_path, family, case, caplog):
+    patcher, names, folder = written[family]
     src, dst = folder / f"{case}.safetensors", tmp_path / "converted.safetensors"
     tensors, _ = safetensors_io.read(src)
     _, stock_unloaded = _comfy_loads(patcher, src, caplog)
     info = report.describe(src)
     assert info["comfyui_unmatched"] == stock_unloaded, (case, info["comfyui_unmatched"], stock_unloaded)
-    converted = lora_format.convert_file(src, dst, arch="zimage")
+    converted = lora_format.convert_file(src, dst, arch=FAMILIES[family][0])
     assert converted.unplaced == []
     by_weight, unloaded = _comfy_loads(patcher, dst, caplog)
     assert unloaded == 0 and not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

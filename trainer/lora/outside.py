@@ -49,7 +49,42 @@ _FLUX2 = (
     DiffusersRule(r"final_layer\.adaLN_modulation\.1", ()),
 )
 
-OUTSIDE: dict[str, tuple[DiffusersRule, ...]] = {"zimage": _ZIMAGE, "flux2": _FLUX2}
+# diffusers ChromaTransformer2DModel: a Flux without modulation Linears; the approximator (ComfyUI's
+# distilled_guidance_layer) gives every block its modulation, and its MLPEmbedders are PixArt text projections.
+_CHROMA = (
+    DiffusersRule(r"img_in", ("x_embedder",)),
+    DiffusersRule(r"txt_in", ("context_embedder",)),
+    DiffusersRule(r"final_layer\.linear", ("proj_out",)),
+    *_same(r"distilled_guidance_layer\.in_proj", r"distilled_guidance_layer\.out_proj"),
+    DiffusersRule(
+        r"distilled_guidance_layer\.layers\.(\d+)\.in_layer", ("distilled_guidance_layer.layers.{0}.linear_1",)
+    ),
+    DiffusersRule(
+        r"distilled_guidance_layer\.layers\.(\d+)\.out_layer", ("distilled_guidance_layer.layers.{0}.linear_2",)
+    ),
+)
+
+# diffusers Lumina2Transformer2DModel (its lora_conversion_utils.py reads Lumina 2's LoRAs so): Lumina 2's adaLN
+# is (SiLU, Linear), its Linear adaLN_modulation.1 where Z-Image's is .0; the final layer's scale-only modulation
+# and its projection are norm_out's linear_1 and linear_2.
+_LUMINA2 = (
+    DiffusersRule(r"layers\.(\d+)\.adaLN_modulation\.1", ("layers.{0}.norm1.linear",)),
+    DiffusersRule(r"noise_refiner\.(\d+)\.adaLN_modulation\.1", ("noise_refiner.{0}.norm1.linear",)),
+    *_same(r"x_embedder"),
+    DiffusersRule(r"t_embedder\.mlp\.0", ("time_caption_embed.timestep_embedder.linear_1",)),
+    DiffusersRule(r"t_embedder\.mlp\.2", ("time_caption_embed.timestep_embedder.linear_2",)),
+    DiffusersRule(r"cap_embedder\.1", ("time_caption_embed.caption_embedder.1",)),
+    DiffusersRule(r"final_layer\.adaLN_modulation\.1", ("norm_out.linear_1",)),
+    DiffusersRule(r"final_layer\.linear", ("norm_out.linear_2",)),
+)
+
+# Qwen-Image and Wan list their top-level Linears among their own rules (archs/qwen_image.py, archs/wan.py).
+OUTSIDE: dict[str, tuple[DiffusersRule, ...]] = {
+    "zimage": _ZIMAGE,
+    "flux2": _FLUX2,
+    "chroma": _CHROMA,
+    "lumina2": _LUMINA2,
+}
 
 NO_NAME_WHY = {
     "flux2": "diffusers' norm_out.linear holds these rows as (scale, shift), ComfyUI's as (shift, scale)",

@@ -5,7 +5,7 @@ who wrote the file. ComfyUI's map (comfy/lora.py model_lora_keys_unet, the same 
                    lycoris_ (flattened) and bare
   Qwen-Image       the ComfyUI path bare, under transformer. and lycoris_ (flattened)
   Flux, Flux2, Chroma   Flux.1's diffusers names (flux_to_diffusers) under transformer., lycoris_,
-                   lora_transformer_ (flattened) and bare: Flux2's attention names are among them, its MLP ones not
+                   lora_transformer_ (flattened) and bare, with Flux2's block names; not its embedders' and modulation's
 and its weight adapters read the suffixes lora_sources.SUFFIXES lists, except PEFT's lora_magnitude_vector.
 tests/nodes/test_lora_library_files.py checks the count against ComfyUI's own loader."""
 
@@ -17,8 +17,15 @@ from collections.abc import Iterable, Mapping
 from ..archs import Arch
 from . import keys, sources
 
-# Flux2's diffusers names that Flux.1's map (comfy/utils.py flux_to_diffusers) also has
-_FLUX1_NAMES = r"transformer_blocks\.\d+\.attn\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|x_embedder|context_embedder|proj_out"
+# The diffusers names ComfyUI's Flux map (comfy/utils.py flux_to_diffusers, 0.17 and 0.33) holds: Flux.1's, and
+# Flux2's MLP and single-block ones (ff.linear_in, attn.to_qkv_mlp_proj, ...); not Flux2's time_guidance_embed,
+# its *_modulation Linears, or Chroma's approximator
+_FLUX_MAP_NAMES = (
+    r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|norm1(_context)?\.linear"
+    r"|ff(_context)?\.(net\.0\.proj|net\.2|linear_in|linear_out))"
+    r"|single_transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_qkv_mlp_proj|to_out)|proj_mlp|proj_out|norm\.linear)"
+    r"|x_embedder|context_embedder|proj_out|time_text_embed\.(timestep|text|guidance)_embedder\.linear_[12]"
+)
 # family → (prefix under which ComfyUI maps diffusers names, flattened?)
 _DIFFUSERS_FORMS: dict[str, tuple[tuple[str, bool], ...]] = {
     "zimage": (("diffusion_model.", False), ("transformer.", False), ("lycoris_", True), ("", False)),
@@ -27,7 +34,7 @@ _DIFFUSERS_FORMS: dict[str, tuple[tuple[str, bool], ...]] = {
     "flux2": (("transformer.", False), ("lycoris_", True), ("lora_transformer_", True), ("", False)),
     "chroma": (("transformer.", False), ("lycoris_", True), ("lora_transformer_", True), ("", False)),
 }
-_KNOWN = {"flux2": _FLUX1_NAMES, "chroma": _FLUX1_NAMES}  # families whose diffusers names ComfyUI knows in part
+_KNOWN = {"flux2": _FLUX_MAP_NAMES, "chroma": _FLUX_MAP_NAMES}  # families whose diffusers names ComfyUI knows in part
 _UNREAD = (".lora_magnitude_vector", ".lora_magnitude_vector.default.weight")  # PEFT's DoRA magnitude
 
 

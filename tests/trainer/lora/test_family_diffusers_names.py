@@ -78,6 +78,8 @@ def test_diffusers_names_fit_the_diffusers_model(arch, model_class, layers):
     [
         ("zimage", "ZImageTransformer2DModel", {}),
         ("flux2_klein", "Flux2Transformer2DModel", {"num_layers": 1, "num_single_layers": 1}),
+        ("chroma", "ChromaTransformer2DModel", {"num_layers": 1, "num_single_layers": 1}),
+        ("lumina2", "Lumina2Transformer2DModel", {"num_layers": 1, "num_refiner_layers": 1}),
     ],
 )
 def test_modules_outside_the_block_rules_have_their_diffusers_names(arch, model_class, config):

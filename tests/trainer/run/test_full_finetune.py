@@ -13,9 +13,9 @@ from trainer.config import ConfigError
 from trainer.lora.extract import extract
 from trainer.lora.model_file import save_diffusion_model
 from trainer.lora.tools import RankRule
-from trainer.run.loop import train
 
 from helpers.resume import assert_bitwise_resume
+from helpers.tiny_runs import train_until
 
 
 @pytest.fixture
@@ -35,24 +35,10 @@ def full_config(make_config):
     )
 
 
-def run(tmp_path, name, model, make_data, cfg, *, stop_at=None, resume=False):
-    run_dir, progress = tmp_path / name, []
-    stop = (lambda: len(progress) >= stop_at) if stop_at else None
-    return train(
-        cfg,
-        model,
-        make_data(),
-        run_dir=run_dir,
-        resume=run_dir if resume else None,
-        on_step=progress.append,
-        should_stop=stop,
-    )
-
-
 def test_every_weight_trains_and_the_model_comes_back(tmp_path, make_model, make_data, full_config):
     model = make_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = run(tmp_path, "full", model, make_data, full_config)
+    result = train_until(tmp_path / "full", model, make_data(), full_config)
     assert result.trainable_parameters == sum(p.numel() for p in model.parameters())
     assert result.lora == {} and result.model is not None and set(result.model) == set(before)
     for name in before:  # blocks, embedders and final layer alike (EMA weights in the result)
@@ -64,10 +50,10 @@ def test_every_weight_trains_and_the_model_comes_back(tmp_path, make_model, make
 
 
 def test_resume_is_bitwise_exact(tmp_path, make_model, make_data, full_config):
-    straight = run(tmp_path, "straight", make_model(), make_data, full_config)
-    first = run(tmp_path, "stopped", make_model(), make_data, full_config, stop_at=3)
+    straight = train_until(tmp_path / "straight", make_model(), make_data(), full_config)
+    first = train_until(tmp_path / "stopped", make_model(), make_data(), full_config, stop_at=3)
     assert first.stopped and first.step == 3
-    resumed = run(tmp_path, "stopped", make_model(), make_data, full_config, resume=True)
+    resumed = train_until(tmp_path / "stopped", make_model(), make_data(), full_config, resume=True)
     assert resumed.step == 8
     assert_bitwise_resume(straight, resumed, holds=("full.", "ema.", "optim."))
     assert all(np.array_equal(straight.model[k], resumed.model[k]) for k in straight.model)
@@ -76,7 +62,7 @@ def test_resume_is_bitwise_exact(tmp_path, make_model, make_data, full_config):
 def test_extract_at_full_rank_reproduces_the_delta(tmp_path, make_model, make_data, full_config):
     base_model = make_model()
     base = {k: v.float().numpy() for k, v in base_model.state_dict().items()}
-    result = run(tmp_path, "full", base_model, make_data, config.replace(full_config, ema=False, steps=4))
+    result = train_until(tmp_path / "full", base_model, make_data(), config.replace(full_config, ema=False, steps=4))
     path = tmp_path / "tuned.safetensors"
     save_diffusion_model(path, result.model, dtype="fp32", metadata={})
     tuned, metadata = safetensors_io.read(path)

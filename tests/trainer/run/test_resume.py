@@ -13,21 +13,7 @@ from trainer.run import state
 from trainer.run.loop import train
 
 from helpers.resume import assert_bitwise_resume
-
-
-def run(tmp_path, name, make_model, make_data, cfg, *, stop_at=None, resume=False):
-    run_dir = tmp_path / name
-    stop = (lambda: len(progress) >= stop_at) if stop_at else None
-    progress = []
-    return train(
-        cfg,
-        make_model(),
-        make_data(),
-        run_dir=run_dir,
-        resume=run_dir if resume else None,
-        on_step=progress.append,
-        should_stop=stop,
-    )
+from helpers.tiny_runs import train_until
 
 
 @pytest.fixture
@@ -52,10 +38,10 @@ def resume_config(make_config):
 @pytest.mark.parametrize("batch_by", ["images", "tokens"])
 def test_resume_is_bitwise_exact(tmp_path, make_model, make_data, resume_config, batch_by):
     resume_config = config.replace(resume_config, batch_by=batch_by)  # tokens: 3 images a batch in the small bucket
-    straight = run(tmp_path, "straight", make_model, make_data, resume_config)
-    first = run(tmp_path, "stopped", make_model, make_data, resume_config, stop_at=5)
+    straight = train_until(tmp_path / "straight", make_model(), make_data(), resume_config)
+    first = train_until(tmp_path / "stopped", make_model(), make_data(), resume_config, stop_at=5)
     assert first.stopped and first.step == 5
-    resumed = run(tmp_path, "stopped", make_model, make_data, resume_config, resume=True)
+    resumed = train_until(tmp_path / "stopped", make_model(), make_data(), resume_config, resume=True)
     assert resumed.step == 12 and not resumed.stopped
     assert_bitwise_resume(straight, resumed, holds=("ema.", "optim."))
     assert straight.history.loss == resumed.history.loss  # the loss history carries over too
@@ -63,18 +49,18 @@ def test_resume_is_bitwise_exact(tmp_path, make_model, make_data, resume_config,
 
 
 def test_second_resume_does_not_drift(tmp_path, make_model, make_data, resume_config):
-    straight = run(tmp_path, "straight", make_model, make_data, resume_config)
-    run(tmp_path, "twice", make_model, make_data, resume_config, stop_at=3)
-    run(tmp_path, "twice", make_model, make_data, resume_config, stop_at=4, resume=True)  # 3 → 7
-    resumed = run(tmp_path, "twice", make_model, make_data, resume_config, resume=True)
+    straight = train_until(tmp_path / "straight", make_model(), make_data(), resume_config)
+    train_until(tmp_path / "twice", make_model(), make_data(), resume_config, stop_at=3)
+    train_until(tmp_path / "twice", make_model(), make_data(), resume_config, stop_at=4, resume=True)  # 3 → 7
+    resumed = train_until(tmp_path / "twice", make_model(), make_data(), resume_config, resume=True)
     assert_bitwise_resume(straight, resumed)
 
 
 def test_a_checkpoint_with_the_old_ema_names_still_resumes(tmp_path, make_model, make_data, resume_config):
     """Checkpoints written before the EMA shadow took the trained LoRA's naming hold it as
     ema.<path>.lora_A/.lora_B: one loads with the same EMA and resumes to an uninterrupted run's state."""
-    straight = run(tmp_path, "straight", make_model, make_data, resume_config)
-    run(tmp_path, "old", make_model, make_data, resume_config, stop_at=5)
+    straight = train_until(tmp_path / "straight", make_model(), make_data(), resume_config)
+    train_until(tmp_path / "old", make_model(), make_data(), resume_config, stop_at=5)
     folder = state.list_checkpoints(tmp_path / "old")[-1][1]
     tensors, metadata = safetensors_io.read(folder / "state.safetensors")
     ema = {k: v for k, v in tensors.items() if k.startswith("ema.")}
@@ -85,13 +71,13 @@ def test_a_checkpoint_with_the_old_ema_names_still_resumes(tmp_path, make_model,
     assert {k: v for k, v in loaded.tensors.items() if k.startswith("ema.")}.keys() == ema.keys()
     for path, weights in state.checkpoint_lora(loaded, ema=True).items():
         assert np.array_equal(weights.A, ema[f"ema.{path}.A"]) and np.array_equal(weights.B, ema[f"ema.{path}.B"])
-    resumed = run(tmp_path, "old", make_model, make_data, resume_config, resume=True)
+    resumed = train_until(tmp_path / "old", make_model(), make_data(), resume_config, resume=True)
     assert_bitwise_resume(straight, resumed)
 
 
 def test_checkpoints_pruned_to_newest_k_and_complete(tmp_path, make_model, make_data, make_config):
     cfg = make_config(steps=10, checkpoint_every=2, keep_checkpoints=2)
-    result = run(tmp_path, "prune", make_model, make_data, cfg)
+    result = train_until(tmp_path / "prune", make_model(), make_data(), cfg)
     steps = [step for step, _ in state.list_checkpoints(result.run_dir)]
     assert steps == [8, 10]
     folder = result.run_dir / "step-000010"
@@ -103,7 +89,7 @@ def test_checkpoints_pruned_to_newest_k_and_complete(tmp_path, make_model, make_
 
 def test_partial_checkpoints_are_never_chosen(tmp_path, make_model, make_data, make_config):
     cfg = make_config(steps=4, checkpoint_every=2)
-    result = run(tmp_path, "partial", make_model, make_data, cfg)
+    result = train_until(tmp_path / "partial", make_model(), make_data(), cfg)
     broken = result.run_dir / "step-000006"  # newer, but run.json never written
     broken.mkdir()
     (broken / "state.safetensors").write_bytes(b"\x00" * 10)
@@ -112,7 +98,7 @@ def test_partial_checkpoints_are_never_chosen(tmp_path, make_model, make_data, m
 
 
 def test_stop_request_saves_a_resumable_checkpoint(tmp_path, make_model, make_data, make_config):
-    result = run(tmp_path, "stop", make_model, make_data, make_config(steps=10), stop_at=3)
+    result = train_until(tmp_path / "stop", make_model(), make_data(), make_config(steps=10), stop_at=3)
     assert result.stopped and result.checkpoint.name == "step-000003"
 
 
@@ -135,7 +121,7 @@ def test_an_error_raised_by_the_ui_callback_saves_then_propagates(tmp_path, make
 
 
 def test_resume_with_other_rank_is_refused_clearly(tmp_path, make_model, make_data, make_config):
-    run(tmp_path, "rank", make_model, make_data, make_config(steps=2, checkpoint_every=2))
+    train_until(tmp_path / "rank", make_model(), make_data(), make_config(steps=2, checkpoint_every=2))
     with pytest.raises(ValueError, match="rank"):
         train(
             make_config(steps=4, rank=8), make_model(), make_data(), run_dir=tmp_path / "rank", resume=tmp_path / "rank"

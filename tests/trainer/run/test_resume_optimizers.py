@@ -9,11 +9,10 @@ import logging
 
 import pytest
 
-from trainer import config
 from trainer.run import state
-from trainer.run.loop import train
 
 from helpers.resume import assert_bitwise_resume
+from helpers.tiny_runs import train_until
 
 # optimizer: (its package, settings it needs, a state tensor only it keeps: "optim.<param>.<this>")
 OPTIMIZERS = {
@@ -27,21 +26,6 @@ OPTIMIZERS = {
 }
 
 
-def run(tmp_path, name, make_model, make_data, cfg, *, stop_at=None, resume=False):
-    run_dir = tmp_path / name
-    progress = []
-    stop = (lambda: len(progress) >= stop_at) if stop_at else None
-    return train(
-        cfg,
-        make_model(),
-        make_data(),
-        run_dir=run_dir,
-        resume=run_dir if resume else None,
-        on_step=progress.append,
-        should_stop=stop,
-    )
-
-
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_each_optimizer_resumes_bitwise(tmp_path, make_model, make_data, make_config, optimizer, caplog):
     package, settings, own_state = OPTIMIZERS[optimizer]
@@ -51,10 +35,10 @@ def test_each_optimizer_resumes_bitwise(tmp_path, make_model, make_data, make_co
     base = dict(steps=8, checkpoint_every=3, lora_dropout=0.1, ema=True, ema_decay=0.9, grad_accum=2, warmup_steps=2)
     cfg = make_config(optimizer=optimizer, **{**base, "lr_schedule": "cosine_with_warmup", **settings})
     with caplog.at_level(logging.WARNING, logger="kiln"):
-        straight = run(tmp_path, "straight", make_model, make_data, cfg)
-        first = run(tmp_path, "stopped", make_model, make_data, cfg, stop_at=3)
+        straight = train_until(tmp_path / "straight", make_model(), make_data(), cfg)
+        first = train_until(tmp_path / "stopped", make_model(), make_data(), cfg, stop_at=3)
         assert first.stopped and first.step == 3
-        resumed = run(tmp_path, "stopped", make_model, make_data, cfg, resume=True)
+        resumed = train_until(tmp_path / "stopped", make_model(), make_data(), cfg, resume=True)
     assert resumed.step == 8
     tensors = assert_bitwise_resume(straight, resumed, holds=("ema.", "optim."))
     assert any(key.startswith("optim.") and key.endswith(own_state) for key in tensors), sorted(tensors)[:8]

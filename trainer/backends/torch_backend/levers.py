@@ -73,9 +73,11 @@ def clip_frames(cfg: TrainConfig) -> int:
 def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float, offload: bool | None = None) -> int | None:
     """What one training step adds to the resident weights at the largest bucket, by trainer/estimate/torch_step.py;
     None for a model it does not know. `offload`: with the kept block inputs on the host (default: the setting's
-    explicit true)."""
+    explicit true). The plan is for a CUDA device: adamw8bit counts as the fp32 AdamW it falls back to where
+    bitsandbytes cannot run there (optim.adamw8bit_fallback)."""
     from ...estimate.common import variant_from_header
     from ...estimate.torch_step import estimate
+    from .optim import optimizer_that_runs
 
     try:
         variant = variant_from_header({name: list(t.shape) for name, t in model.state_dict().items()})
@@ -85,7 +87,7 @@ def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float, offl
             batch_size=cfg.batch_size,
             rank=cfg.rank,
             targets=tuple(cfg.targets) or None,
-            optimizer=cfg.optimizer,
+            optimizer=optimizer_that_runs(cfg.optimizer, torch.device("cuda")),
             gradient_checkpointing=True,
             base_dtype=base_dtype(model),
             mixed_precision=cfg.mixed_precision,

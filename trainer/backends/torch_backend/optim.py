@@ -59,16 +59,35 @@ def _adamw(params, lr: float, betas: Betas, eps: float, weight_decay: float, dev
     )
 
 
+def adamw8bit_fallback(device: torch.device) -> str | None:
+    """Why bitsandbytes' 8-bit AdamW cannot run on `device` (adamw8bit then trains as fp32 AdamW), or None: the one
+    predicate the optimizer and the memory plan (levers.estimated_step_bytes) share."""
+    if device.type != "cuda":
+        return "runs on CUDA only"
+    try:
+        import bitsandbytes
+
+        bitsandbytes.optim.AdamW8bit  # noqa: B018 — present only in a build that loaded
+    except Exception as err:  # noqa: BLE001 — missing, or present without a usable CUDA build (it raises many kinds)
+        return f"is not usable here ({type(err).__name__}: {str(err)[:120]})"
+    return None
+
+
+def optimizer_that_runs(name: str, device: torch.device) -> str:
+    """The optimizer whose state a run of `name` on `device` keeps: adamw where adamw8bit falls back."""
+    return "adamw" if name == "adamw8bit" and adamw8bit_fallback(device) else name
+
+
 def _adamw8bit(params, lr: float, betas: Betas, eps: float, weight_decay: float, device: torch.device):
     # Falls back rather than fails: a LoRA's fp32 AdamW state is small (~0.3 GB for Klein 4B at rank 32), so a
     # workflow made on an NVIDIA card still trains on a Mac or CPU; the one log line says so.
-    reason = "runs on CUDA only" if device.type != "cuda" else None
+    reason = adamw8bit_fallback(device)
     if reason is None:
         try:
             import bitsandbytes
 
             return bitsandbytes.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        except Exception as err:  # noqa: BLE001 — missing, or present without a usable CUDA build (it raises many kinds)
+        except Exception as err:  # noqa: BLE001 — loaded, yet its optimizer refuses these parameters
             reason = f"is not usable here ({type(err).__name__}: {str(err)[:120]})"
     state_mb = 8 * sum(p.numel() for p in params) / 2**20
     log.warning(

@@ -676,3 +676,31 @@ def test_a_block_that_writes_into_what_a_norm_kept_fails_to_compile_with_the_fix
         net(torch.randn(1, 3, 8)).sum().backward()
     hooks.remove()
     assert "modified by an inplace operation" in str(caught.value) and "C++ compiler" not in str(caught.value)
+
+
+def test_the_memory_plan_counts_adamw8bit_as_the_fp32_adamw_it_falls_back_to(monkeypatch):
+    """Where bitsandbytes' 8-bit AdamW cannot run (optim.adamw8bit_fallback: missing, or off CUDA) a step counts
+    fp32 AdamW's 8 B a LoRA weight, not 2 B; where it runs, 2 B (#47)."""
+    from trainer.backends.torch_backend import optim
+
+    model = HeaderModel("zimage")
+
+    def step(optimizer: str) -> int:
+        cfg = config_module.from_dict({"arch": "zimage", "resolutions": [512], "optimizer": optimizer})
+        return levers.estimated_step_bytes(model, cfg, 0.0)
+
+    state = {name: estimate("zimage", resolution=512, optimizer=name).optimizer for name in ("adamw", "adamw8bit")}
+    assert state["adamw"] == 4 * state["adamw8bit"] > 0
+    monkeypatch.setattr(optim, "adamw8bit_fallback", lambda device: "runs on CUDA only")
+    assert step("adamw8bit") == step("adamw")
+    monkeypatch.setattr(optim, "adamw8bit_fallback", lambda device: None)
+    assert step("adamw") - step("adamw8bit") == state["adamw"] - state["adamw8bit"]
+    assert optim.optimizer_that_runs("prodigy", torch.device("cpu")) == "prodigy"
+
+
+def test_adamw8bit_falls_back_where_bitsandbytes_cannot_run():
+    from trainer.backends.torch_backend import optim
+
+    assert optim.adamw8bit_fallback(torch.device("cpu")) == "runs on CUDA only"
+    assert optim.optimizer_that_runs("adamw8bit", torch.device("cpu")) == "adamw"
+    assert optim.optimizer_that_runs("adamw8bit", torch.device("meta")) == "adamw"
