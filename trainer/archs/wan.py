@@ -188,6 +188,7 @@ _I2V = dict(
     comfy=ComfyModel("WAN21", config_class="WAN21_I2V"),
     layout=LAYOUT_I2V,
     start_image=True,  # a clip's first frame, as WanImageToVideo feeds it (concat latent and mask)
+    clip_vision=True,  # and its CLIP vision features (clip_vision_h's penultimate states) through img_emb
     **_WAN21,
 )
 T2V_MODELSPEC = ("Wan2.1-T2V/lora", "https://github.com/Wan-Video/Wan2.1")
@@ -232,7 +233,8 @@ ARCHS = (
         modelspec=("Wan2.1-I2V/lora", "https://github.com/Wan-Video/Wan2.1"),
         # ComfyUI's image_to_video_wan template (ModelSamplingSD3 8).
         sampling=Sampling(steps=20, cfg=6.0, sampler="uni_pc", scheduler="simple"),
-        description="Wan 2.1 image-to-video 14B (umT5-XXL); a clip's first frame is its start image",
+        description="Wan 2.1 image-to-video 14B (umT5-XXL); a clip's first frame is its start image, with its "
+        "CLIP vision features (clip_vision_h)",
         **_I2V,
     ),
     Arch(
