@@ -67,6 +67,7 @@ DIFFUSERS_RULES = tuple(
 CAPTION_TOKENS = 512  # umT5's prompt padded to 512 (comfy/text_encoders/wan.py min_length)
 TEXT_DIM = 4096  # umT5-XXL
 CLIP_VISION_DIM = 1280  # the I2V models' img_emb takes CLIP ViT-H's penultimate states
+CLIP_VISION_TOKENS = 257  # clip_vision_h at 224 px: 16 x 16 patches and the class token
 
 
 def model_dims(variant: str, arch: str, hidden: int, blocks: int, ffn: int) -> ModelDims:
@@ -122,6 +123,12 @@ def blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGr
     return [BlockGroup(14 * D + 2 * F, 3 * D, dims.single_blocks, image_tokens + text_tokens)]
 
 
+def i2v_blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGroup]:
+    """Wan 2.1 I2V's blocks: as blocks, with the start image's 257 CLIP vision tokens beside the caption's
+    (cross_attn's k_img/v_img read them), counted as video tokens too: an upper bound, as for the caption."""
+    return blocks(dims, image_tokens, text_tokens + CLIP_VISION_TOKENS)
+
+
 def _layout(name: str, variants: tuple[ModelDims, ...], *, image: bool) -> Layout:
     markers = ("blocks.0.self_attn.q.weight", "time_projection.1.weight", "head.head.weight")
     markers += ("img_emb.proj.1.weight",) if image else ()
@@ -130,14 +137,14 @@ def _layout(name: str, variants: tuple[ModelDims, ...], *, image: bool) -> Layou
         variants=variants,
         linear_layers=i2v_linear_layers if image else linear_layers,
         extra_params=extra_params,
-        blocks=blocks,
+        blocks=i2v_blocks if image else blocks,
         widest_output=lambda dims: dims.mlp_hidden,  # ffn.0
         header=HeaderSpec(
             markers=markers,
             sizes={"hidden": ("head.head.weight", 1), "mlp_hidden": ("blocks.0.ffn.0.weight", 0)},
             counts={"single_blocks": "blocks."},
         ),
-        text_note=" (umT5's 512 caption tokens, cross-attended)",
+        text_note=" (umT5's 512 caption tokens" + (" and CLIP vision's 257" if image else "") + ", cross-attended)",
         measured=False,
     )
 
