@@ -42,6 +42,12 @@ def train_command(run, resume: bool, loaders=comfy_loaders.load_models) -> int:
     """Train `run` (trainer/cli/train.py's Prepared: the config read with its init LoRA's rank and alpha, this
     rank of torchrun's joined, the dataset folder checked, the run folder named) on a ComfyUI architecture."""
     cfg, group, run_dir, config_path = run.cfg, run.group, run.run_dir, run.source
+    if get_arch(cfg.arch).clip_vision:  # checked before any model loads
+        raise SystemExit(
+            f"{config_path}: {cfg.arch} reads each start image's CLIP vision features, which headless training does "
+            "not encode (it loads no CLIP vision model): train it in ComfyUI, with a CLIP Vision Loader "
+            "(clip_vision_h.safetensors) on Kiln Encode Images' clip_vision input"
+        )
     comfy_loaders.start(cpu=cfg.device == "cpu")  # before the bridge imports ComfyUI's model management
     from .nodes.comfy import bridge
 

@@ -168,13 +168,22 @@ class KilnEncodeImages(io.ComfyNode):
                     tooltip="Image-to-video (Wan I2V): also encode each clip's first frame as its start image, as "
                     "WanImageToVideo does (the first frame, then grey frames); images ignore it",
                 ),
+                io.ClipVision.Input(
+                    "clip_vision",
+                    optional=True,
+                    tooltip="Wan 2.1 image-to-video only: a CLIP Vision Loader with clip_vision_h.safetensors. Each "
+                    "clip's start image is encoded as CLIP Vision Encode (crop none) does for WanImageToVideo, and "
+                    "cached beside it (start images are encoded then, whatever start_images says). Other models "
+                    "ignore the features",
+                ),
             ],
             outputs=[DATASET.Output(display_name="dataset", tooltip="The dataset with latents cached")],
         )
 
     @classmethod
-    def execute(cls, dataset: Dataset, vae, batch_size=1, start_images=False):
+    def execute(cls, dataset: Dataset, vae, batch_size=1, start_images=False, clip_vision=None):
         encode, identity = bridge.vae_encoder(vae)
+        vision = bridge.clip_vision_encoder(clip_vision) if clip_vision is not None else None
         bar = bridge.progress(max(1, len(dataset.plan.entries)))
         encoded = dataset.encode_images(
             encode,
@@ -182,6 +191,7 @@ class KilnEncodeImages(io.ComfyNode):
             batch_size=batch_size,
             progress=lambda done, total: bar.update(done),
             start_images=bool(start_images),
+            clip_vision=vision,
         )
         items = encoded.report.items
         edits, masks = sum(bool(i.controls) for i in items), sum(bool(i.mask_file) for i in items)

@@ -99,6 +99,7 @@ def dataset_identity(dataset: Dataset) -> str:
             sorted(dataset.failed_items),
             # A clip's entry adds its frames (the frames/fps/frame_extraction settings): an image's is as it was.
             [[e.item, e.bucket, e.resized, e.offset, *([e.frames] if e.frames else [])] for e in dataset.plan.entries],
+            *([dataset.vision_identity] if dataset.vision_identity else []),  # Wan 2.1 I2V's CLIP vision
         ],
     )
     if dataset.preservation_class or dataset.regularisation is not None:  # DOP's class word, the reg set's content

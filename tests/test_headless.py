@@ -292,3 +292,15 @@ def test_a_sampler_comfyui_does_not_know_is_refused_before_loading(tmp_path):
         SystemExit, match="bad.toml: sample_sampler 'eulerr' is not a sampler of this ComfyUI; choose one of \\['euler'"
     ):
         train_config(str(config), False, loaders=loaders)
+
+
+def test_wan21_i2v_is_refused_before_loading_with_the_comfyui_route(tmp_path):
+    """Headless training loads no CLIP vision model, so it cannot give Wan 2.1 I2V its start images' features."""
+    config = klein_run(tmp_path, "i2v")
+    config.write_text(config.read_text().replace('arch = "flux2_klein"', 'arch = "wan21_i2v"'), encoding="utf-8")
+
+    def loaders(cfg):
+        raise AssertionError("loaded models for a run headless training cannot feed")
+
+    with pytest.raises(SystemExit, match="i2v.toml: wan21_i2v reads .* Kiln Encode Images' clip_vision input"):
+        train_config(str(config), False, loaders=loaders)

@@ -5,7 +5,7 @@ nodes/comfy/ imports ComfyUI (tests/test_imports.py holds that), and trainer/ ne
 
     model.py     what a MODEL is (arch detection) and the training forward (ComfyUI's own conds)
     session.py   a training session: fully loaded, grad on, normal tensors, stop at step boundaries
-    encoders.py  VAE and CLIP as the dataset's encoders, with cache identities
+    encoders.py  VAE, CLIP and CLIP vision as the dataset's encoders, with cache identities
     captioning.py  CLIP's generate as a captioner, models/LLM/ for transformers captioners
     lora.py      LoRAs in and out through ComfyUI's own loader, every key checked
     paths.py     which of ComfyUI's code paths training takes (attention, quantized matmuls)
@@ -23,7 +23,7 @@ from .captioning import (  # noqa: F401
     clip_loader_choices,
     device_captioner,
 )
-from .encoders import conditioning, text_encoder, vae_encoder  # noqa: F401
+from .encoders import clip_vision_encoder, conditioning, text_encoder, vae_encoder  # noqa: F401
 from .lora import (  # noqa: F401
     apply_lora,
     load_lora_file,

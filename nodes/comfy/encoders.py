@@ -52,6 +52,38 @@ def _vae_encode(vae, pixels: np.ndarray):
     return vae.encode(torch.from_numpy(np.ascontiguousarray(pixels[..., :3])))
 
 
+def clip_vision_encoder(clip_vision):
+    """(encode, identity): encode(images [B,H,W,3] float32 in [0,1]) -> [B,T,D] float32, each image's
+    penultimate_hidden_states as CLIPVisionEncode gives them with crop "none" (the crop of ComfyUI's Wan
+    image-to-video templates, and what WAN21.extra_conds feeds as clip_fea). Each image is its own call, as the
+    node encodes the one start image a workflow gives it (a batch could round otherwise)."""
+
+    def encode(images: np.ndarray) -> np.ndarray:
+        images = np.asarray(images, dtype=np.float32)
+        if images.ndim != 4 or images.shape[-1] < 3:
+            raise ValueError(f"expected images [B,H,W,3], got {list(images.shape)}")
+        with torch.inference_mode():
+            parts = [
+                clip_vision.encode_image(torch.from_numpy(np.ascontiguousarray(image[None, ..., :3])), crop=False)
+                for image in images
+            ]
+        return torch.cat([part.penultimate_hidden_states for part in parts]).float().cpu().numpy()
+
+    identity = _remembered(
+        clip_vision,
+        lambda: _identity(
+            "clip_vision",
+            type(clip_vision.model).__name__,
+            getattr(clip_vision, "model_type", ""),
+            clip_vision.image_size,
+            "crop none",
+            tensors=_weights(clip_vision.patcher),
+            patches=clip_vision.patcher.patches,
+        ),
+    )
+    return encode, identity
+
+
 def text_encoder(clip):
     """(encode, identity): encode(text) -> {"context": [T,D], key: array}, float32: CLIPTextEncode's cond tensor
     for that text and every other tensor of its conditioning (SD 3.5's and HiDream's pooled_output [P], HiDream's

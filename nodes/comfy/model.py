@@ -11,6 +11,7 @@ Facts this relies on (read in ComfyUI 0.17 and 0.33):
 
 from __future__ import annotations
 
+import comfy.clip_vision
 import comfy.model_base
 import comfy.model_management as mm
 import comfy.model_sampling
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from ...trainer import archs
+from ...trainer.data.companion_batch import CLIP_VISION
 
 # ---------------------------------------------------------------- what the model is
 
@@ -62,14 +64,8 @@ NEEDED_CONDITIONING = {
 
 def check_conditioning(model, names) -> None:
     """Refuse a caption cache without the conditioning this model's extra_conds reads (`names`: what the cache
-    holds beside the embedding), and a model that reads what Kiln cannot feed yet (Wan 2.1 I2V's CLIP vision)."""
-    if getattr(model.model.diffusion_model, "img_emb", None) is not None:  # WanModel of model_type i2v
-        raise ValueError(
-            "Kiln Train LoRA: Wan 2.1 I2V reads the start image's CLIP vision features (WanImageToVideo's "
-            "clip_vision_output, from CLIP Vision Encode with clip_vision_h) beside the start image, and Kiln does "
-            "not feed them yet; training without them would not be the model ComfyUI samples. Train Wan 2.2 I2V "
-            "A14B's experts or Wan 2.1 T2V instead"
-        )
+    holds beside the embedding). Wan 2.1 I2V's CLIP vision features are the dataset's latent cache's, checked with
+    the start images (trainer/data/companion_batch.py: check)."""
     family, needed, encoders = NEEDED_CONDITIONING.get(type(model.model).__name__, ("", (), ""))
     missing = [name for name in needed if name not in names]
     if missing:
@@ -185,6 +181,10 @@ def _call(base, sampling, dm, options: dict, x, sigma, context, extras: dict):
             raise ValueError(f"one guidance value per batch is supported, got {values.tolist()}")
         kwargs["guidance"] = float(values[0])
     kwargs.update(extras)
+    vision = kwargs.get(CLIP_VISION)
+    if torch.is_tensor(vision):  # WAN21.extra_conds reads CLIPVisionEncode's output object, not a tensor
+        kwargs[CLIP_VISION] = comfy.clip_vision.Output()
+        kwargs[CLIP_VISION]["penultimate_hidden_states"] = vision
     conds = {k: c.process_cond(batch_size=x.shape[0], area=None).cond for k, c in base.extra_conds(**kwargs).items()}
     dtype = base.get_dtype_inference()
     xc = sampling.calculate_input(sigma, x)

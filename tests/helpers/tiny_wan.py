@@ -57,3 +57,37 @@ def tiny_wan_vae(seed: int = 0):
         vae = comfy.sd.VAE(sd=sd)
     assert vae.latent_dim == 3 and vae.latent_channels == 16
     return vae
+
+
+# A CLIP ViT of clip_vision_h's width (Wan 2.1 I2V's img_emb reads 1280-wide penultimate states), two layers and
+# 28 px images (4 patches + the class token): comfy/clip_model.py's CLIPVisionModelProjection under ComfyUI's
+# ClipVisionModel, as CLIP Vision Loader gives it.
+CLIP_VISION_CONFIG = dict(
+    hidden_act="gelu",
+    hidden_size=1280,
+    image_size=28,
+    intermediate_size=64,
+    layer_norm_eps=1e-05,
+    model_type="clip_vision_model",
+    num_attention_heads=2,
+    num_channels=3,
+    num_hidden_layers=2,
+    patch_size=14,
+    projection_dim=32,
+)
+
+
+def tiny_clip_vision(folder, seed: int = 0):
+    """ComfyUI's ClipVisionModel (the CLIP_VISION CLIP Vision Loader gives) with tiny seeded weights. Its config
+    goes through a file: 0.17's ClipVisionModel reads only a path."""
+    import json
+
+    import comfy.clip_vision
+
+    path = folder / "tiny_clip_vision.json"
+    path.write_text(json.dumps(CLIP_VISION_CONFIG))
+    model = comfy.clip_vision.ClipVisionModel(str(path))
+    shapes = {key: value.shape for key, value in model.get_sd().items()}
+    missing, unexpected = model.load_sd(tc.random_state_dict(shapes, seed))
+    assert not missing and not unexpected
+    return model

@@ -112,6 +112,9 @@ class Arch:
     # Image-to-video: a clip trains with its first frame as the start image, fed as ComfyUI's WanImageToVideo
     # feeds it (data/companion_batch.py: start_extras).
     start_image: bool = False
+    # Image-to-video that also reads the start image's CLIP vision features (Wan 2.1 I2V's img_emb): fed as
+    # WanImageToVideo's clip_vision_output (data/companion_batch.py: start_extras).
+    clip_vision: bool = False
 
     def collate_context(self, contexts: list[np.ndarray]) -> np.ndarray:
         """Rows [T_i,D] → [B,T,D], T = max(context_tokens, longest), zeros on the padded side."""

@@ -67,6 +67,7 @@ DIFFUSERS_RULES = tuple(
 CAPTION_TOKENS = 512  # umT5's prompt padded to 512 (comfy/text_encoders/wan.py min_length)
 TEXT_DIM = 4096  # umT5-XXL
 CLIP_VISION_DIM = 1280  # the I2V models' img_emb takes CLIP ViT-H's penultimate states
+CLIP_VISION_TOKENS = 257  # clip_vision_h at 224 px: 16 x 16 patches and the class token
 
 
 def model_dims(variant: str, arch: str, hidden: int, blocks: int, ffn: int) -> ModelDims:
@@ -122,6 +123,12 @@ def blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGr
     return [BlockGroup(14 * D + 2 * F, 3 * D, dims.single_blocks, image_tokens + text_tokens)]
 
 
+def i2v_blocks(dims: ModelDims, image_tokens: int, text_tokens: int) -> list[BlockGroup]:
+    """Wan 2.1 I2V's blocks: as blocks, with the start image's 257 CLIP vision tokens beside the caption's
+    (cross_attn's k_img/v_img read them), counted as video tokens too: an upper bound, as for the caption."""
+    return blocks(dims, image_tokens, text_tokens + CLIP_VISION_TOKENS)
+
+
 def _layout(name: str, variants: tuple[ModelDims, ...], *, image: bool) -> Layout:
     markers = ("blocks.0.self_attn.q.weight", "time_projection.1.weight", "head.head.weight")
     markers += ("img_emb.proj.1.weight",) if image else ()
@@ -130,14 +137,14 @@ def _layout(name: str, variants: tuple[ModelDims, ...], *, image: bool) -> Layou
         variants=variants,
         linear_layers=i2v_linear_layers if image else linear_layers,
         extra_params=extra_params,
-        blocks=blocks,
+        blocks=i2v_blocks if image else blocks,
         widest_output=lambda dims: dims.mlp_hidden,  # ffn.0
         header=HeaderSpec(
             markers=markers,
             sizes={"hidden": ("head.head.weight", 1), "mlp_hidden": ("blocks.0.ffn.0.weight", 0)},
             counts={"single_blocks": "blocks."},
         ),
-        text_note=" (umT5's 512 caption tokens, cross-attended)",
+        text_note=" (umT5's 512 caption tokens" + (" and CLIP vision's 257" if image else "") + ", cross-attended)",
         measured=False,
     )
 
@@ -188,6 +195,7 @@ _I2V = dict(
     comfy=ComfyModel("WAN21", config_class="WAN21_I2V"),
     layout=LAYOUT_I2V,
     start_image=True,  # a clip's first frame, as WanImageToVideo feeds it (concat latent and mask)
+    clip_vision=True,  # and its CLIP vision features (clip_vision_h's penultimate states) through img_emb
     **_WAN21,
 )
 T2V_MODELSPEC = ("Wan2.1-T2V/lora", "https://github.com/Wan-Video/Wan2.1")
@@ -232,7 +240,8 @@ ARCHS = (
         modelspec=("Wan2.1-I2V/lora", "https://github.com/Wan-Video/Wan2.1"),
         # ComfyUI's image_to_video_wan template (ModelSamplingSD3 8).
         sampling=Sampling(steps=20, cfg=6.0, sampler="uni_pc", scheduler="simple"),
-        description="Wan 2.1 image-to-video 14B (umT5-XXL); a clip's first frame is its start image",
+        description="Wan 2.1 image-to-video 14B (umT5-XXL); a clip's first frame is its start image, with its "
+        "CLIP vision features (clip_vision_h)",
         **_I2V,
     ),
     Arch(

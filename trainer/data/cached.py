@@ -9,6 +9,7 @@ import numpy as np
 
 from . import DatasetError
 from .cache import text_key
+from .companions import VISION
 from .text_conds import CONTEXT, others
 
 
@@ -68,6 +69,10 @@ class CachedData:
     def start(self, index: int) -> np.ndarray | None:
         """A clip's start image [C,t,h,w] (raw VAE latents; Encode Images' start_images), else None."""
         return self._entry(index).get("start")
+
+    def clip_vision(self, index: int) -> np.ndarray | None:
+        """A clip's start image's CLIP vision features [T,D] (Encode Images' clip_vision), else None."""
+        return self._entry(index).get(VISION)
 
     def variants(self, index: int) -> int:
         return len(self.dataset.captions[self.entries[index].item])

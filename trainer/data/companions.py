@@ -200,6 +200,10 @@ def companions_key(item: Item) -> str:
     return item.companions_sha256 + ("|alpha-mask" if alpha else "")
 
 
+# A clip's cache entry key for its start image's CLIP vision features [T,D] (Encode Images' clip_vision).
+VISION = "clip_vision"
+
+
 @dataclass
 class Sample:
     """One entry's pixels to encode: the image, its controls (each [H,W,3] in 0..1) and its mask [H,W]."""
@@ -213,14 +217,17 @@ class Sample:
         """What the VAE encodes for this sample, in the order `tensors` reads the latents back."""
         return [self.pixels, *self.controls, *([] if self.start is None else [self.start])]
 
-    def tensors(self, latents: np.ndarray) -> dict[str, np.ndarray]:
-        """The cache entry from this sample's latents (image first, then controls, then the start image)."""
+    def tensors(self, latents: np.ndarray, vision: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The cache entry from this sample's latents (image first, then controls, then the start image) and its
+        start image's CLIP vision features."""
         out = {"latent": latents[0]}
         if self.mask is not None:
             out["mask"] = to_latent_grid(self.mask, *latents[0].shape[-2:])
         out.update({f"control.{n}": latents[1 + n] for n in range(len(self.controls))})
         if self.start is not None:
             out["start"] = latents[-1]
+        if vision is not None:
+            out[VISION] = vision
         return out
 
 

@@ -105,6 +105,7 @@ class Dataset:
     preservation_class: str = ""  # DOP: class word for the trigger word (with_preservation)
     regularisation: Dataset | None = None  # regularisation images trained beside (with_regularisation)
     start_images: bool = False  # clips' start images cached too (image-to-video: encode_images)
+    vision_identity: str | None = None  # and their CLIP vision features, by this encoder (Wan 2.1 I2V)
 
     # --- building -------------------------------------------------------------------
     @classmethod
@@ -160,9 +161,15 @@ class Dataset:
             entry.resized,
             entry.offset,
             self.latent_identity or "",
-            companions_key(item) + ("|start" if self.start_images and entry.frames else ""),
+            companions_key(item) + (self._start_key() if entry.frames else ""),
             entry.frames,
         )
+
+    def _start_key(self) -> str:
+        """A clip's key part for its start image and the CLIP vision model that encoded it (a change re-encodes)."""
+        if not self.start_images:
+            return ""
+        return "|start" + (f"|clip_vision:{self.vision_identity}" if self.vision_identity else "")
 
     def texts(self) -> list[str]:
         """Every distinct text to encode, the empty caption (for caption dropout) first, then the class-word
@@ -202,11 +209,20 @@ class Dataset:
         batch_size: int = 4,
         progress: Progress | None = None,
         start_images: bool = False,
+        clip_vision: tuple[ImageEncoder, str] | None = None,
     ) -> "Dataset":
         """Cache a latent per entry; images that fail to decode are skipped and named, not fatal. start_images:
-        each clip's start image is encoded beside it (image-to-video; companions.start_pixels)."""
-        ds = dataclasses.replace(self, latent_identity=identity, start_images=start_images)
-        failed, problems = encode_latents(ds, encode, batch_size=batch_size, progress=progress)
+        each clip's start image is encoded beside it (image-to-video; companions.start_pixels). clip_vision
+        ((encode, identity): start images [B,H,W,3] → [B,T,D]): their CLIP vision features too (implies
+        start_images: Wan 2.1 I2V reads both)."""
+        vision, vision_identity = clip_vision if clip_vision is not None else (None, None)
+        ds = dataclasses.replace(
+            self,
+            latent_identity=identity,
+            start_images=start_images or vision is not None,
+            vision_identity=vision_identity,
+        )
+        failed, problems = encode_latents(ds, encode, batch_size=batch_size, progress=progress, vision=vision)
         if len(failed) == len(self.report.items):
             raise DatasetError(
                 f"{self.report.root}: no image could be decoded:\n" + "\n".join(p.line() for p in problems)

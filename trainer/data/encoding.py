@@ -22,9 +22,10 @@ Progress = Callable[[int, int], None]
 
 
 def encode_latents(
-    ds, encode: ImageEncoder, *, batch_size: int, progress: Progress | None
+    ds, encode: ImageEncoder, *, batch_size: int, progress: Progress | None, vision: ImageEncoder | None = None
 ) -> tuple[set[int], list[Problem]]:
-    """Cache the latents `ds` (a Dataset) still lacks; the items that failed to decode so far, and why."""
+    """Cache the latents `ds` (a Dataset) still lacks; the items that failed to decode so far, and why. `vision`:
+    start images [B,H,W,3] → their CLIP vision features [B,T,D], cached beside each clip's start image."""
     entries = ds.plan.entries
     todo = [n for n in ds.usable_entries() if not ds.cache.has("latents", ds.entry_key(entries[n]))]
     failed, problems = set(ds.failed_items), list(ds.encode_problems)
@@ -32,7 +33,7 @@ def encode_latents(
     for n in sorted(todo, key=lambda n: entries[n].item):
         if entries[n].item not in failed:
             by_item.setdefault(entries[n].item, []).append(n)
-    batches, done = _Batches(ds, encode, batch_size), 0
+    batches, done = _Batches(ds, encode, batch_size, vision), 0
     for index, samples, problem in in_order(by_item.items(), _decoder(ds)):
         for n, sample in samples:
             batches.add(n, sample)
@@ -69,8 +70,8 @@ def _decoder(ds):
 class _Batches:
     """Decoded samples waiting per bucket; a full bucket goes to the encoder and into the cache."""
 
-    def __init__(self, ds, encode: ImageEncoder, batch_size: int):
-        self.ds, self.encode, self.batch_size = ds, encode, batch_size
+    def __init__(self, ds, encode: ImageEncoder, batch_size: int, vision: ImageEncoder | None = None):
+        self.ds, self.encode, self.batch_size, self.vision = ds, encode, batch_size, vision
         self.pending: dict[tuple[int, int], list] = {}
 
     def add(self, n: int, sample) -> None:
@@ -96,16 +97,29 @@ class _Batches:
             raise DatasetError(
                 f"the VAE returned shape {list(latents.shape)} for pixels {list(pixels.shape)}; expected {expected}"
             )
-        start = 0
+        features, start = self.features(rows), 0
         for n, sample in rows:
             count = len(sample.stack())
             self.ds.cache.put(
                 "latents",
                 self.ds.entry_key(entries[n]),
-                sample.tensors(latents[start : start + count]),
+                sample.tensors(latents[start : start + count], features.get(n)),
                 {"image": self.ds.report.items[entries[n].item].path, "bucket": entries[n].key},
             )
             start += count
+
+    def features(self, rows) -> dict[int, np.ndarray]:
+        """The CLIP vision features of the rows' start images (their first frames), {} without a vision encoder."""
+        starts = [(n, sample.start[0]) for n, sample in rows if sample.start is not None]
+        if self.vision is None or not starts:
+            return {}
+        out = np.asarray(self.vision(np.stack([frame for _, frame in starts])), dtype=np.float32)
+        if out.ndim != 3 or out.shape[0] != len(starts):
+            raise DatasetError(
+                f"the CLIP vision encoder returned shape {list(out.shape)} for {len(starts)} start images; "
+                "expected [B,tokens,dim] (its penultimate hidden states)"
+            )
+        return {n: out[row] for row, (n, _) in enumerate(starts)}
 
 
 def clip_samples(path: Path, entries: list[tuple[int, Entry]], start: bool = False) -> list[tuple[int, Sample]]:

@@ -71,6 +71,11 @@ class RegularisedData:
         read_start = getattr(data, "start", None)
         return read_start(own) if read_start is not None else None
 
+    def clip_vision(self, index: int) -> np.ndarray | None:
+        data, own = self._source(index)
+        read_vision = getattr(data, "clip_vision", None)
+        return read_vision(own) if read_vision is not None else None
+
     def variants(self, index: int) -> int:
         data, own = self._source(index)
         return data.variants(own)

@@ -77,7 +77,7 @@ def batches(data, held: list[int], cfg: TrainConfig, arch: Arch) -> list:
     training micro-batch, so an evaluation needs no more memory than a step); same draws every call."""
     from ..backends.base import Batch
     from ..data import text_conds
-    from ..data.companion_batch import mask_weights, reference_extras, start_extras, starts
+    from ..data.companion_batch import mask_weights, reference_extras, start_conds
 
     out = []
     for index in held:
@@ -90,7 +90,7 @@ def batches(data, held: list[int], cfg: TrainConfig, arch: Arch) -> list:
         # The image's loss mask and reference latents (edit datasets), as its training batches carry them.
         mask = mask_weights([data.mask(index)], (1, *latent.shape), cfg.unmasked_weight)  # [1,1,H,W] or None
         references = reference_extras([data.controls(index)], arch, [data.name(index)])  # {key: [[1,C,h,w]]}
-        start_image = start_extras(starts(data, [index]), arch)  # image-to-video: {key: [1,...]}
+        start_image = start_conds(data, [index], arch)  # image-to-video: {key: [1,...]}
         for start in range(0, cfg.holdout_sigmas, cfg.batch_size):
             rows = slice(start, min(start + cfg.batch_size, cfg.holdout_sigmas))
             count = rows.stop - rows.start

@@ -108,7 +108,7 @@ def build_batch(
         **arch.model_extras(len(rows), lengths),
         **text_conds.stacked(conds, names),
         **companion_batch.reference_extras([data.controls(i) for i in mine], arch, names),
-        **companion_batch.start_extras(companion_batch.starts(data, mine), arch),
+        **companion_batch.start_conds(data, mine, arch),
     }
     batch = Batch(
         latents=latents,

@@ -34,7 +34,6 @@ from helpers.bridge_calls import (  # noqa: E402
 )
 
 import kiln_pack.nodes.comfy.bridge as bridge
-import kiln_pack.nodes.comfy.model as bridge_model
 import kiln_pack.trainer.archs as archs
 import kiln_pack.trainer.data as data_module
 import kiln_pack.trainer.lora.files as lf
@@ -121,7 +120,8 @@ def test_i2v_start_image_conditioning_passes_through_as_comfy_gives_it(models):
 def test_i2v_start_image_from_a_clips_first_frame_is_wanimagetovideos(models):
     """Kiln's start image for a clip (its first frame then grey, through the VAE encoder Encode Images uses, fed by
     the training batch's start_extras) reaches the model bitwise as ComfyUI's sampler gives WanImageToVideo's conds
-    for that first frame (the clip already at its bucket's size, so the node's resize keeps it)."""
+    for that first frame (the clip already at its bucket's size, so the node's resize keeps it). Wan 2.1 I2V's CLIP
+    vision beside it: test_wan_clip_vision.py."""
     from comfy_extras.nodes_wan import WanImageToVideo
     from helpers.tiny_wan import tiny_wan_vae
 
@@ -148,13 +148,6 @@ def test_i2v_start_image_from_a_clips_first_frame_is_wanimagetovideos(models):
             ours = forward(dm, args[0][:, :16], kwargs["transformer_options"]["sigmas"], context, extras)
         same_call(calls[0], (args, kwargs, output))
         assert torch.equal(ours, output)
-
-
-def test_train_lora_refuses_wan21_i2v_without_clip_vision(models, tmp_path):
-    """Wan 2.1 I2V (img_emb: it reads CLIP vision features) cannot be fed them yet: the error names them."""
-    with pytest.raises(ValueError, match="clip_vision_output"):
-        bridge_model.check_conditioning(models["i2v"], set())
-    bridge_model.check_conditioning(models["t2v"], set())  # T2V reads no such thing
 
 
 @pytest.mark.parametrize("frames", [3, None])

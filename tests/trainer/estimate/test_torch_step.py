@@ -288,3 +288,14 @@ def test_frames_count_a_clips_latent_frames():
         estimate("wan2.1-t2v-14b", resolution=480, frames=80)
     with pytest.raises(ValueError, match="image model"):
         estimate("zimage", resolution=512, frames=5)
+
+
+def test_wan21_i2v_counts_its_image_layers_and_clip_vision_tokens():
+    """Wan 2.1 I2V: img_emb and each block's k_img/v_img in the weights and LoRA (default targets), and the start
+    image's 257 CLIP vision tokens beside the caption's in the blocks' activations."""
+    i2v = estimate("wan2.1-i2v-14b", resolution=480, frames=81, gradient_checkpointing=False)
+    t2v = estimate("wan2.1-t2v-14b", resolution=480, frames=81, gradient_checkpointing=False)
+    assert i2v.weights > t2v.weights and i2v.lora > t2v.lora
+    per_block_tokens = 21 * 30 * 30 + 512
+    assert i2v.activations / t2v.activations == pytest.approx((per_block_tokens + 257) / per_block_tokens, rel=0.01)
+    assert "CLIP vision's 257" in format_estimate(i2v)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...data.companion_batch import LATENT_EXTRAS
+from ...data.companion_batch import RAW_EXTRAS
 
 
 def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -42,13 +42,14 @@ def extras_on_device(extras: dict, device: torch.device, dtype: torch.dtype) -> 
     # per-row float (Dev's guidance) as a Python number; on the GPU either would be read back once a
     # step, stalling the host (bench/RESULTS.md, lever "no host sync") and any step graph's recording.
     # Other float extras go to the device in the model dtype. Reference latents (edit training, a
-    # list) and a start image's (image-to-video, LATENT_EXTRAS): raw fp32 VAE latents, as ComfyUI's conds hold them.
+    # list) and a start image's (image-to-video, RAW_EXTRAS): raw fp32 VAE latents and CLIP vision features, as
+    # ComfyUI's conds hold them.
     return {
         k: (
             torch.from_numpy(np.ascontiguousarray(v))
             if np.issubdtype(v.dtype, np.integer)
             else to_device(v, device, torch.float32)
-            if k in LATENT_EXTRAS
+            if k in RAW_EXTRAS
             else torch.from_numpy(np.ascontiguousarray(v)).to(dtype)
             if v.ndim == 1
             else to_device(v, device, dtype)
