@@ -693,83 +693,12 @@ the name the Train LoRA node printed (e.g. `zimage_turbo-1a2b3c4d5e`) or an abso
     return g
 
 
-def flux2_klein_edit_lora(info: dict) -> Graph:
-    g = Graph(
-        "flux2_klein_edit_lora",
-        info,
-        """\
-## Flux.2 Klein 4B edit LoRA (control → target pairs)
-
-1. In `ComfyUI/input/my_edits/` put the targets (`photo.png`, each with a `.txt` instruction such as
-   "make it a watercolour") and, in `my_edits/control/`, the image each was made from under the same name
-   (`control/photo.png`; any image extension). More references per target: `control_2/`, `control_3/`.
-   Optional loss masks: `photo.mask.png` beside a target (white trains).
-2. Models, as ComfyUI's Flux.2 Klein template names them: `diffusion_models/flux-2-klein-4b.safetensors`,
-   `text_encoders/qwen_3_4b.safetensors`, `vae/flux2-vae.safetensors`.
-3. Put a test image in `ComfyUI/input/` and pick it in Load Image: it becomes the reference latent of the
-   validation prompt (ReferenceLatent, as ComfyUI's Klein edit template does), so samples show the edit.
-   Kiln feeds the control latents to the model exactly so while training (the same call, bitwise).
-""",
-    )
-    loaders = model_loaders(g, KLEIN)
-    unet, clip, vae = loaders
-    data = dataset_chain(g, clip, vae, "my_edits", "", resolutions="512, 768, 1024")
-    options = options_for(g, "concept", ema=True)
-    image = g.add("LoadImage", title="Validation reference", image="example.png")
-    encoded = g.add("VAEEncode", pixels=image.out("IMAGE"), vae=vae.out("VAE"))
-    positive, negative = prompts(g, clip, "make it a watercolour painting", title="Validation instruction")
-    reference = g.add("ReferenceLatent", conditioning=positive.out("CONDITIONING"), latent=encoded.out("LATENT"))
-    validation = g.add(
-        "KilnValidationSettings",
-        positive=reference.out("CONDITIONING"),
-        negative=negative.out("CONDITIONING"),
-        vae=vae.out("VAE"),
-        seed=42,
-        steps=4,
-        cfg=1.0,
-        sampler_name="euler",
-        scheduler="simple",
-        width=1024,
-        height=1024,
-        every=250,
-    )
-    train = g.add(
-        "KilnTrainLoRA",
-        model=unet.out("MODEL"),
-        dataset=data[-1].out("dataset"),
-        steps=2000,
-        learning_rate=1e-4,
-        rank=16,
-        alpha=16.0,
-        preset="concept",
-        seed=42,
-        options=options.out("options"),
-        validation=validation.out("validation"),
-    )
-    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_edits", state=train.out("state"))
-    sampler_node, decode, saved = sample_chain(
-        g, train.out("model"), reference, negative, encoded, steps=4, sampler="euler", prefix="kiln/my_edits"
-    )
-    g.layout = [
-        g.box("1. Models", "models", 0, loaders),
-        g.box("2. Dataset", "dataset", 1, [data[0], fold(data[1]), fold(data[2])]),
-        # The validation's plumbing sits folded under Train LoRA: Load Dataset's clip inputs left no room below.
-        g.box("3. Train", "train", 2, [fold(options), train, fold(reference), fold(validation)]),
-        g.box("4. Save", "save", 3, [save]),
-        g.box("5. Test: validation samples", "test", 0, [image, fold(encoded)], [positive, fold(negative)]),
-        g.box("6. Test the LoRA", "test", 3, [fold(sampler_node), fold(decode), saved]),
-        g.box(None, "", 2, [NOTE]),
-    ]
-    return g
-
-
 EXAMPLE_GRAPHS = [
     zimage_turbo_character_lora,
     flux2_klein_style_lora,
     chained_training,
     resume_from_run_folder,
-    flux2_klein_edit_lora,
-    *edit_workflows.examples(sys.modules[__name__]),  # Qwen-Image-Edit, built with this module's helpers
+    *edit_workflows.examples(sys.modules[__name__]),  # Klein and Qwen-Image-Edit, built with this module's helpers
     *video_workflows.examples(sys.modules[__name__]),  # the Wan examples, built with this module's helpers
 ]
 

@@ -61,6 +61,16 @@ def make_edit_dataset(folder: Path, reference: Path) -> None:
     Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(reference)
 
 
+def make_clip_dataset(folder: Path, count: int = 2) -> None:
+    """A tiny captioned clip dataset (64x64 mp4s of 12 frames at 24 fps, written with PyAV) for a server's input/."""
+    from helpers.clips import write_clip
+
+    folder.mkdir(parents=True)
+    for i in range(count):
+        write_clip(folder / f"clip{i}.mp4", frames=12, fps=24, size=(64, 64))
+        (folder / f"clip{i}.txt").write_text(f"{{trigger}}, a moving bar number {i}", encoding="utf-8")
+
+
 # Tiny model files in a test server's models/ (scripts/make_workflows.py's TINY names the Flux2 ones).
 TINY_FILES = {
     "flux2_unet": "kiln_tiny_flux2_klein.safetensors",
@@ -70,15 +80,21 @@ TINY_FILES = {
     "dataset": "kiln_tiny_dataset",
     "edit_dataset": "kiln_tiny_edits",
     "reference": "kiln_tiny_reference.png",
+    "wan21_unet": "kiln_tiny_wan21_t2v.safetensors",
+    "wan22_unet": "kiln_tiny_wan22_ti2v_5b.safetensors",
+    "wan21_vae": "kiln_tiny_wan21_vae.safetensors",  # also Qwen-Image's VAE (the same architecture)
+    "clip_dataset": "kiln_tiny_clips",
 }
 
 
 def tiny_base(base: Path) -> Path:
     """A --base-directory for a test server: the pack and the test-only nodes (tests/nodes/server_nodes)
     linked into custom_nodes/, a tiny Flux2 Klein file (UNETLoader detects it from its shapes), tiny Flux2
-    and Flux (Z-Image's) VAE files, a tiny Z-Image training adapter in loras/, a captioned dataset in input/,
-    and a returning user's settings (no first-run tutorial over the canvas)."""
+    and Flux (Z-Image's) VAE files, tiny Wan 2.1 T2V and Wan 2.2 TI2V 5B files and a Wan 2.1 VAE file (detected
+    likewise), a tiny Z-Image training adapter in loras/, captioned image, edit and clip datasets in input/, and a
+    returning user's settings (no first-run tutorial over the canvas)."""
     from helpers import tiny_comfy as tc
+    from helpers import tiny_encoders, tiny_wan
 
     for sub in (
         "custom_nodes",
@@ -97,6 +113,10 @@ def tiny_base(base: Path) -> Path:
     tc.write_vae_file(base / "models" / "vae" / TINY_FILES["flux2_vae"], flux2=True)
     tc.write_vae_file(base / "models" / "vae" / TINY_FILES["flux_vae"], flux2=False)
     tc.write_zimage_adapter_file(base / "models" / "loras" / TINY_FILES["zimage_adapter"])
+    tiny_wan.write_wan_file(base / "models" / "diffusion_models" / TINY_FILES["wan21_unet"])
+    tiny_wan.write_wan_file(base / "models" / "diffusion_models" / TINY_FILES["wan22_unet"], in_dim=48, out_dim=48)
+    tiny_encoders.write_wan21_vae_file(base / "models" / "vae" / TINY_FILES["wan21_vae"])
+    make_clip_dataset(base / "input" / TINY_FILES["clip_dataset"])
     make_dataset(base / "input" / TINY_FILES["dataset"])
     make_edit_dataset(base / "input" / TINY_FILES["edit_dataset"], base / "input" / TINY_FILES["reference"])
     (base / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))

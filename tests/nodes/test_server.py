@@ -4,23 +4,24 @@ One server per module, on a temporary base directory (`--base-directory`), start
 tests/helpers/comfy_server.py (ComfyUI's own main.py, CPU, with comfy_env's torchvision workaround):
 
   custom_nodes/kiln               → this repository (a symlink), imported by ComfyUI as any pack
-  custom_nodes/kiln_test_nodes    → tests/nodes/server_nodes: a test-only node with a tiny text encoder
-  models/diffusion_models/        a tiny Flux2 Klein file (tiny_comfy.write_flux2_file): UNETLoader
-                                  detects it from its shapes like a real one
-  models/vae/                     a tiny Flux2 VAE file (tiny_comfy.write_vae_file): VAELoader detects it
-  input/kiln_tiny_dataset/        four generated images with captions
+  custom_nodes/kiln_test_nodes    → tests/nodes/server_nodes: test-only nodes with tiny models (below)
+  models/diffusion_models/        tiny Flux2 Klein, Wan 2.1 T2V and Wan 2.2 TI2V 5B files (tiny_comfy, tiny_wan):
+                                  UNETLoader detects them from their shapes like real ones
+  models/vae/                     tiny Flux2, Flux and Wan 2.1 VAE files: VAELoader detects them
+  input/                          generated images, edit pairs and clips (PyAV) with captions
 
-Text encoders are the one part ComfyUI cannot load tiny from a file: CLIPLoader recognises Qwen3-4B
-by its keys and builds it at full size from a fixed config. So the test workflows take their CLIP
-from the test-only node KilnTestTinyCLIP (tests/nodes/server_nodes), which returns ComfyUI's own Klein
-text encoder at a tiny size; everything else goes through ComfyUI's own loaders.
+Some models ComfyUI cannot load tiny from a file: CLIPLoader recognises a text encoder (Qwen3-4B, umT5-XXL,
+Qwen2.5-VL) by its keys and builds it at full size from a fixed config, UNETLoader detects Z-Image and Qwen-Image
+only at full size, VAELoader builds the Wan 2.2 VAE at full size. So the test workflows take those from test-only
+nodes (KilnTestTinyCLIP, KilnTestTinyZImage, KilnTestTinyQwenImage, KilnTestTinyWan22VAE), which return ComfyUI's
+own classes at a tiny size; everything else goes through ComfyUI's own loaders.
 
 Checks: the pack imports with no failure; every Kiln node is in GET /object_info with a tooltip on
 every input; the example workflows are served as templates and are valid against the live node
 definitions (API and UI files, and ComfyUI's own /prompt validation finds nothing but the missing model
 files); an API prompt trains a LoRA (Load Dataset → Encode Images → Encode Captions → Train LoRA 20
 steps → Save LoRA) and a second prompt loads it with ComfyUI's LoraLoaderModelOnly and samples with it,
-with no "lora key not loaded" in the log.
+with no "lora key not loaded" in the log; every example workflow runs through comfy-cli on the tiny models.
 """
 
 from __future__ import annotations
@@ -243,28 +244,54 @@ def test_mistyped_names_are_refused_before_anything_loads(server):
 # ---------------------------------------------------------------- the example workflows through comfy-cli
 
 
+# An example's family (its CLIPLoader's type; Wan 2.2 5B by its model file) → its loaders on the tiny models: UNETLoader's
+# file or the test node built in its place, KilnTestTinyCLIP's family, VAELoader's file or test node; and the arch
+# its LoRAs name. A test node stands in where ComfyUI builds the model at full size whatever the file holds.
+def _node(class_type: str) -> dict:
+    return {"class_type": class_type, "inputs": {"seed": 0}}
+
+
+TINY_MODELS = {
+    "lumina2": (_node("KilnTestTinyZImage"), "zimage", TINY_FILES["flux_vae"], "zimage_turbo"),
+    "flux2": (TINY_FILES["flux2_unet"], "flux2_klein", TINY_FILES["flux2_vae"], "flux2_klein"),
+    "wan": (TINY_FILES["wan21_unet"], "wan", TINY_FILES["wan21_vae"], "wan21_t2v"),
+    "wan22": (TINY_FILES["wan22_unet"], "wan", _node("KilnTestTinyWan22VAE"), "wan22_ti2v_5b"),
+    "qwen_image": (_node("KilnTestTinyQwenImage"), "qwen_image", TINY_FILES["wan21_vae"], "qwen_image"),
+}
+VIDEO_FRAMES = 5  # Wan's 4k+1: two latent frames
+
+
+def family(api: dict) -> str:
+    (clip_type,) = {n["inputs"]["type"] for n in api.values() if n["class_type"] == "CLIPLoader"}
+    ti2v = any("ti2v" in n["inputs"].get("unet_name", "") for n in api.values())
+    return "wan22" if clip_type == "wan" and ti2v else clip_type
+
+
+def _loader(node: dict, tiny, file_input: str) -> None:
+    node.update(tiny) if isinstance(tiny, dict) else node["inputs"].update({file_input: tiny})
+
+
 def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
-    """An example API workflow on the tiny models: Z-Image's UNETLoader becomes the test node that builds a
-    tiny Z-Image, CLIPLoader the tiny text encoder of that family, the VAEs and the training adapter tiny
-    files; 64 px, a few steps (steps / 250, so chained and resumed runs keep their order), on the CPU
-    (with KILN_COMFY_GPU=1 on the GPU, with the workflow's own device and precision).
+    """An example API workflow on the tiny models (TINY_MODELS: the loaders become tiny files or the test nodes that
+    build tiny models); 64 px, 5-frame clips, a few steps (steps / 250, so chained and resumed runs keep their order),
+    on the CPU (with KILN_COMFY_GPU=1 on the GPU, with the workflow's own device and precision).
     Every Kiln node and every link stays as shipped."""
-    api, zimage = json.loads(json.dumps(api)), any(n["inputs"].get("type") == "lumina2" for n in api.values())
-    edit = any(n["class_type"] == "LoadImage" for n in api.values())  # the edit workflow's reference image
+    api, kind_of = json.loads(json.dumps(api)), family(api)
+    unet, clip, vae, _arch = TINY_MODELS[kind_of]
+    video = kind_of in ("wan", "wan22")
+    edit = not video and any(n["class_type"] == "LoadImage" for n in api.values())  # the edit workflows' reference
+    dataset = TINY_FILES["clip_dataset" if video else "edit_dataset" if edit else "dataset"]
+    clip_length = {"frames": VIDEO_FRAMES} if video else {}
     for node in api.values():
         kind, inputs = node["class_type"], node["inputs"]
         if kind == "UNETLoader":
-            node.update(class_type="KilnTestTinyZImage", inputs={"seed": 0}) if zimage else inputs.update(
-                unet_name=TINY_FILES["flux2_unet"]
-            )
+            _loader(node, unet, "unet_name")
         elif kind == "CLIPLoader":
-            node.update(
-                class_type="KilnTestTinyCLIP", inputs={"family": "zimage" if zimage else "flux2_klein", "seed": 0}
-            )
+            node.update(class_type="KilnTestTinyCLIP", inputs={"family": clip, "seed": 0})
         elif kind == "VAELoader":
-            inputs.update(vae_name=TINY_FILES["flux_vae" if zimage else "flux2_vae"])
+            _loader(node, vae, "vae_name")
         elif kind == "KilnLoadDataset":
-            inputs.update(folder=TINY_FILES["edit_dataset" if edit else "dataset"], resolutions="64")
+            inputs.update(folder=dataset, resolutions="64", **clip_length)
         elif kind == "LoadImage":
             inputs.update(image=TINY_FILES["reference"])
         elif kind == "KilnTrainingOptions":
@@ -277,14 +304,17 @@ def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
             if inputs.get("training_adapter", "none") != "none":
                 inputs["training_adapter"] = TINY_FILES["zimage_adapter"]
         elif kind == "KilnValidationSettings":
-            inputs.update(steps=2, width=64, height=64, every=2)
+            # every 4: the 8-step runs sample twice, each chained stage once (a sample costs more than a step)
+            inputs.update(steps=2, width=64, height=64, every=4, **clip_length)
         elif kind == "KSampler":
             inputs.update(steps=2)
         elif kind.startswith("Empty") and kind.endswith("LatentImage"):
             inputs.update(width=64, height=64)
+        elif kind in ("EmptyHunyuanLatentVideo", "Wan22ImageToVideoLatent"):
+            inputs.update(width=64, height=64, length=VIDEO_FRAMES)
         elif kind == "KilnSaveLoRA":
             inputs.update(name=f"kiln_cli/{name}_{inputs['name'].rsplit('/', 1)[-1]}", overwrite=True)
-        elif kind == "SaveImage":
+        elif kind in ("SaveImage", "SaveWEBM"):
             inputs.update(filename_prefix=f"kiln_cli/{name}")
         elif kind == "KilnLoadRun":
             inputs.update(run_folder=run_folder)
@@ -310,10 +340,13 @@ def comfy_run(server, workflow: Path) -> subprocess.CompletedProcess:
 
 def test_example_workflows_run_through_comfy_cli(server, tmp_path):
     """`comfy run --workflow FILE --wait` (comfy-cli, the client users script ComfyUI with) runs each example
-    workflow on the tiny models against the live server: LoRAs saved with ComfyUI keys and the right arch,
-    images saved, and the resume workflow continues the Z-Image run the first workflow left."""
+    workflow on the tiny models against the live server (the Wan ones on a clip dataset, Qwen-Image-Edit on control →
+    target pairs): LoRAs saved with ComfyUI keys and the right arch, images and clips saved as the workflow's save
+    nodes say, and the resume workflow continues the Z-Image run the first workflow left."""
     if shutil.which("comfy") is None:
         pytest.fail("comfy-cli is not installed: pip install -e '.[test]' installs it", pytrace=False)
+    from safetensors import safe_open
+
     from trainer.lora import files as lora_format
 
     loras, images = server.base / "models" / "loras" / "kiln_cli", server.base / "output" / "kiln_cli"
@@ -323,14 +356,15 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
         "chained_training",
         "flux2_klein_edit_lora",
         "resume_from_run_folder",
+        "wan21_t2v_lora",
+        "wan22_ti2v_5b_lora",
+        "qwen_image_edit_lora",
     ]  # the graphs' names; their files are named by their titles
-    # The Wan examples need a tiny umT5 text encoder and a clip dataset here, Qwen-Image-Edit a tiny Qwen2.5-VL
-    # (next); the checks above (node definitions, ComfyUI's /prompt validation) cover them.
-    not_run = {"wan21_t2v_lora", "wan22_ti2v_5b_lora", "qwen_image_edit_lora"}
-    assert sorted(order) == sorted(set(mw.TEMPLATE_TITLES) - not_run)
+    assert sorted(order) == sorted(mw.TEMPLATE_TITLES)
     kiln_runs = server.base / "output" / "kiln"  # runs of the module's earlier tests are not these workflows'
     runs: set[Path] = {p for p in kiln_runs.iterdir() if p.is_dir()} if kiln_runs.is_dir() else set()
     made: dict[str, set[Path]] = {}
+    seconds: dict[str, float] = {}
     for name in order:
         api = json.loads(
             (REPO / "example_workflows" / "api" / f"{mw.TEMPLATE_TITLES[name]}.json").read_text(encoding="utf-8")
@@ -341,27 +375,32 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
             run_folder = character.name
         workflow = tmp_path / f"{name}.json"
         workflow.write_text(json.dumps(tiny_example(api, name, run_folder)), encoding="utf-8")
+        started = time.monotonic()
         done = comfy_run(server, workflow)
+        seconds[name] = round(time.monotonic() - started, 1)
         assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{server.log_tail(60)}"
         saved = sorted(loras.glob(f"{name}_*.safetensors"))
         assert len(saved) == sum(n["class_type"] == "KilnSaveLoRA" for n in api.values()), (name, saved)
+        arch = TINY_MODELS[family(api)][3]
         for path in saved:
             weights, metadata = lora_format.load_lora(path)
-            assert weights and metadata["kiln.arch"] == (
-                "flux2_klein" if "klein" in name or "chained" in name else "zimage_turbo"
-            ), (path.name, metadata["kiln.arch"])
-        wanted_images = sum(n["class_type"] == "SaveImage" for n in api.values())
-        assert len(list(images.glob(f"{name}_*.png"))) == wanted_images, name
+            with safe_open(str(path), "pt") as f:
+                keys = list(f.keys())
+            assert weights and all(k.startswith("diffusion_model.") for k in keys), (path.name, keys[:3])
+            assert metadata["kiln.arch"] == arch, (path.name, metadata["kiln.arch"])
+        for save, suffix in (("SaveImage", "png"), ("SaveWEBM", "webm")):
+            wanted = sum(n["class_type"] == save for n in api.values())
+            assert len(list(images.glob(f"{name}_*.{suffix}"))) == wanted, (name, save)
         new_runs = {p for p in (server.base / "output" / "kiln").iterdir() if p.is_dir()} - runs
         runs |= new_runs
         made[name] = new_runs
     # Resuming from a loaded run trains on in a run folder of its own (its identity names where it started):
     # steps 9-12 after the character run's 8, with the loss history carried over.
-    (resumed_dir,) = new_runs
+    (resumed_dir,) = made["resume_from_run_folder"]
     resumed = json.loads(sorted(resumed_dir.glob("step-*/run.json"))[-1].read_text(encoding="utf-8"))
-    first = json.loads(
-        sorted((server.base / "output" / "kiln" / run_folder).glob("step-*/run.json"))[-1].read_text(encoding="utf-8")
-    )
+    (character,) = made["zimage_turbo_character_lora"]
+    first = json.loads(sorted(character.glob("step-*/run.json"))[-1].read_text(encoding="utf-8"))
     assert (first["step"], resumed["step"]) == (8, 12)  # 2000 // 250, then 3000 // 250
     assert resumed["history"]["loss"][:8] == first["history"]["loss"] and len(resumed["history"]["loss"]) == 12
     assert "lora key not loaded" not in server.log()
+    print(f"\ncomfy run seconds: {seconds}")

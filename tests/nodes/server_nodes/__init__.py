@@ -1,12 +1,13 @@
-"""Test-only ComfyUI custom nodes for tests/nodes/test_server.py: a tiny text encoder and a tiny Z-Image.
-Never shipped.
+"""Test-only ComfyUI custom nodes for tests/nodes/test_server.py: tiny text encoders, a tiny Z-Image and Qwen-Image,
+and a tiny Wan 2.2 VAE. Never shipped.
 
 Why a node: ComfyUI's CLIPLoader reads a text-encoder file, recognises Qwen3-4B from its keys and then
 builds the model at its real size (hidden 2560, 36 layers) from a fixed config, so a tiny Qwen3 file
 cannot be loaded through it. This node returns the tiny Klein / Z-Image text encoders of
 tests/helpers/tiny_comfy.py instead: ComfyUI's own Qwen3 text-encoder classes and tokenizers with a tiny
-config, i.e. a real comfy.sd.CLIP. (The tiny VAE needs no node: ComfyUI's VAELoader detects it from
-its file, which the test writes.)
+config, i.e. a real comfy.sd.CLIP; likewise Wan's umT5 and Qwen-Image's Qwen2.5-VL (tests/helpers/tiny_encoders.py).
+(The tiny Flux, Flux2 and Wan 2.1 VAEs need no node: ComfyUI's VAELoader detects them from their files, which the
+test writes; its Wan 2.2 VAE it builds at full size, hence KilnTestTinyWan22VAE.)
 
 The server test links this folder into the temporary ComfyUI's custom_nodes/; scripts/make_workflows.py
 reads its definition to write tests/nodes/workflows/*.json. V3 API, like the pack (DESIGN.md).
@@ -22,6 +23,21 @@ from comfy_api.latest import ComfyExtension, io
 _TESTS = str(Path(__file__).resolve().parents[2])  # tests/, for helpers (resolve: this folder is symlinked)
 
 
+# family → (tests/helpers module, builder); new families go last (the combo's options)
+_CLIPS = {
+    "flux2_klein": ("tiny_comfy", "tiny_klein_clip"),
+    "zimage": ("tiny_comfy", "tiny_zimage_clip"),
+    "wan": ("tiny_encoders", "tiny_umt5_clip"),
+    "qwen_image": ("tiny_encoders", "tiny_qwen25vl_clip"),
+}
+
+
+def _seed_input():
+    return io.Int.Input(
+        "seed", default=0, min=0, max=2**31 - 1, control_after_generate=False, tooltip="Seed of the random weights"
+    )
+
+
 class KilnTestTinyCLIP(io.ComfyNode):
     """A tiny Qwen3 text encoder (ComfyUI's Klein or Z-Image classes), seeded random weights."""
 
@@ -31,11 +47,9 @@ class KilnTestTinyCLIP(io.ComfyNode):
             node_id="KilnTestTinyCLIP",
             display_name="Kiln Test Tiny CLIP",
             category="Kiln/testing",
-            description="Test only: ComfyUI's Flux.2 Klein or Z-Image text encoder at a tiny size (random weights).",
+            description="Test only: ComfyUI's Flux.2 Klein, Z-Image, Wan or Qwen-Image text encoder, tiny (random weights).",
             inputs=[
-                io.Combo.Input(
-                    "family", options=["flux2_klein", "zimage"], tooltip="Which ComfyUI text encoder to build tiny"
-                ),
+                io.Combo.Input("family", options=list(_CLIPS), tooltip="Which ComfyUI text encoder to build tiny"),
                 io.Int.Input(
                     "seed",
                     default=0,
@@ -52,12 +66,10 @@ class KilnTestTinyCLIP(io.ComfyNode):
     def execute(cls, family: str, seed: int = 0):
         if _TESTS not in sys.path:
             sys.path.insert(0, _TESTS)
-        from helpers import tiny_comfy
+        import importlib
 
-        clip = (
-            tiny_comfy.tiny_klein_clip(seed=seed) if family == "flux2_klein" else tiny_comfy.tiny_zimage_clip(seed=seed)
-        )
-        return io.NodeOutput(clip)
+        module, function = _CLIPS[family]
+        return io.NodeOutput(getattr(importlib.import_module(f"helpers.{module}"), function)(seed=seed))
 
 
 class KilnTestTinyZImage(io.ComfyNode):
@@ -93,7 +105,54 @@ class KilnTestTinyZImage(io.ComfyNode):
         return io.NodeOutput(tiny_comfy.tiny_zimage(seed=seed))
 
 
-NODES = [KilnTestTinyCLIP, KilnTestTinyZImage]
+class KilnTestTinyQwenImage(io.ComfyNode):
+    """A tiny Qwen-Image-Edit 2511 MODEL: ComfyUI detects Qwen-Image only at 24 heads of 128 (tiny_comfy.tiny_qwen_image,
+    with 2511's index_timestep_zero reference method)."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnTestTinyQwenImage",
+            display_name="Kiln Test Tiny Qwen-Image-Edit",
+            category="Kiln/testing",
+            description="Test only: ComfyUI's Qwen-Image-Edit 2511 at a tiny size (random weights).",
+            inputs=[_seed_input()],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, seed: int = 0):
+        if _TESTS not in sys.path:
+            sys.path.insert(0, _TESTS)
+        from helpers import tiny_comfy
+
+        return io.NodeOutput(tiny_comfy.tiny_qwen_image(seed=seed, default_ref_method="index_timestep_zero"))
+
+
+class KilnTestTinyWan22VAE(io.ComfyNode):
+    """ComfyUI's Wan 2.2 VAE (48 channels) at a tiny size: VAELoader builds it at dim 160 whatever the file holds."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnTestTinyWan22VAE",
+            display_name="Kiln Test Tiny Wan 2.2 VAE",
+            category="Kiln/testing",
+            description="Test only: ComfyUI's Wan 2.2 VAE at a tiny size (random weights).",
+            inputs=[_seed_input()],
+            outputs=[io.Vae.Output()],
+        )
+
+    @classmethod
+    def execute(cls, seed: int = 0):
+        if _TESTS not in sys.path:
+            sys.path.insert(0, _TESTS)
+        from helpers import tiny_encoders
+
+        return io.NodeOutput(tiny_encoders.tiny_wan22_vae(seed=seed))
+
+
+NODES = [KilnTestTinyCLIP, KilnTestTinyZImage, KilnTestTinyQwenImage, KilnTestTinyWan22VAE]
 
 
 class _TestExtension(ComfyExtension):
