@@ -76,6 +76,7 @@ OPTIONS_SINCE_0_1 = (
     "cuda_graphs",
     "step_graphs",
     "stream_blocks",
+    "sigma_range",
     "offload_activations",
 )
 # The settings an option node shows: those declared node="options" (trainer/config).
