@@ -259,9 +259,9 @@ def one_step(run: Setup, step: int, guard: faults.Guard) -> tuple[float, list[st
 def save_run(step: int, *, run: Setup, log: StepLog) -> Path:
     """A resumable checkpoint at `step`; pending step figures are read first so its history is whole.
     Under torchrun every rank calls it: their RNG states go into rank 0's checkpoint, which only rank 0
-    writes; the others wait until it is complete."""
+    writes; the others wait until it is complete (a sharded full run's state is gathered whole on every rank)."""
     log.flush()
-    cfg, arch, backend = run.cfg, run.arch, run.backend
+    cfg, arch, backend = run.cfg, run.arch, getattr(run.backend, "gathered", lambda: run.backend)()
     rng_states = distributed.gather_arrays(backend.rng_state())
     path = state.step_dir(run.run_dir, step)
     if distributed.current().is_main:
