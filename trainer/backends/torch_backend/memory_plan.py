@@ -43,6 +43,7 @@ class MemoryPlan:
     free_and_total: tuple[int, int] | None = None  # the GPU's then (CUDA only)
     note: str = ""  # what auto chose and why ("" when nothing was auto)
     fits: bool = True  # False: auto streamed every block and the estimated step still does not fit
+    shards: int = 1  # sharding shard: the ranks each block is split over (sharding.py); a rank holds 1/shards
 
     @property
     def blocks(self) -> int:
@@ -89,8 +90,11 @@ class MemoryPlan:
         if self.free_and_total is None:
             return None
         free, total = self.free_and_total
+        # a sharded block leaves only its share on this rank's GPU (what lay there whole is freed)
         arriving = sum(
-            size - on for i, (size, on) in enumerate(zip(self.sizes, self.on_device)) if i not in self.chosen
+            size // self.shards - on
+            for i, (size, on) in enumerate(zip(self.sizes, self.on_device))
+            if i not in self.chosen
         )
         return free + self.host_new_bytes - arriving - self.ring_bytes, total
 
@@ -102,7 +106,8 @@ class MemoryPlan:
         resident = sum(self.sizes) - self.streamed_bytes
         if not self.stream:
             where = "on the GPU" if self.free_and_total is not None else "in memory"
-            return f"frozen base {where} ({resident / GIB:.1f} GiB of block weights); nothing streams"
+            split = f", 1/{self.shards} on each of {self.shards} ranks" if self.shards > 1 else ""
+            return f"frozen base {where} ({resident / GIB:.1f} GiB of block weights{split}); nothing streams"
         return (
             f"{self.blocks - self.stream} of {self.blocks} blocks on the GPU ({resident / GIB:.1f} GiB), "
             f"{self.stream} streamed from pinned host memory ({self.streamed_bytes / GIB:.1f} GiB of RAM, "

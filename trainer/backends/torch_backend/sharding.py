@@ -25,6 +25,7 @@ under DDP.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -148,7 +149,7 @@ def place(
             log.info("[Kiln] %s", note)
         return plan
     shard_blocks(blocks, device, trained.model if full_run else None)
-    return plan.with_stream(0, note)
+    return replace(plan.with_stream(0, note), shards=distributed.current().world)  # `after` counts 1/N of the base
 
 
 def is_sharded(params) -> bool:
