@@ -147,3 +147,41 @@ def test_a_sharded_full_run_resumes_exactly_on_two_and_is_refused_on_one(tmp_pat
         ValueError, match=r"trained on 2 process\(es\) and is resumed on 1.*torchrun --nproc_per_node 2"
     ):
         train(make_config(**settings), make_model(), make_data(), run_dir=tmp_path / "c", resume=tmp_path / "b" / "run")
+
+
+def _rounding_rank(rank: int, world: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.set_num_threads(1)  # a forked child of a parent whose thread pool ran can hang in its first parallel op
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8192, bias=False)).to(torch.bfloat16)
+        with torch.no_grad():
+            model[0].weight.fill_(1.0)
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model, mesh=mesh)
+        weight = model[0].weight
+        optimizer = torch.optim.SGD([weight], lr=1.0)
+        full.round_bf16_updates(optimizer, [weight])
+        weight.grad = distribute_tensor(torch.full((8192, 8), 5e-4, dtype=torch.bfloat16), mesh, weight.placements)
+        torch.manual_seed(rank)
+        optimizer.step()
+        assert optimizer.param_groups[0]["params"][0] is weight and weight.grad.dtype == torch.bfloat16
+        shard = weight.detach().to_local().float().numpy()
+        safetensors_io.write(Path(out) / f"rank{rank}.safetensors", {"shard": shard})
+    finally:
+        distributed.stop()
+
+
+def test_sharded_bf16_weights_take_updates_stochastically_rounded(tmp_path):
+    """FSDP2's DTensor parameters: the update below bf16's resolution still moves each rank's shard on average."""
+    torch.multiprocessing.start_processes(
+        _rounding_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="fork"
+    )
+    for rank in range(2):
+        shard = safetensors_io.read(tmp_path / f"rank{rank}.safetensors")[0]["shard"]
+        assert shard.shape == (4096, 8) and set(np.unique(shard).tolist()) == {1 - 2**-8, 1.0}
+        assert abs(float(shard.mean()) - (1 - 5e-4)) < 1e-4

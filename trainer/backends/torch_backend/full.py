@@ -10,6 +10,7 @@ bf16's resolution still move the weight on average instead of rounding away."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import contextmanager
 
 import numpy as np
@@ -152,6 +153,9 @@ def round_bf16_updates(optimizer: torch.optim.Optimizer, params: list[nn.Paramet
     low = [p for p in params if p.dtype == torch.bfloat16]
     if not low:
         return
+    if any(hasattr(p, "device_mesh") for p in low):  # sharded by FSDP2: its DTensor parameters take no .data swap
+        optimizer.step = functools.partial(_masters_step, optimizer, optimizer.step, low)
+        return
     step = optimizer.step
 
     def rounded_step(*args, **kwargs):
@@ -164,9 +168,35 @@ def round_bf16_updates(optimizer: torch.optim.Optimizer, params: list[nn.Paramet
             return step(*args, **kwargs)
         finally:
             for p, kept in zip(low, stored):
-                stochastic_round_(local(kept), local(p.data))  # a sharded weight: this rank's shard
+                stochastic_round_(kept, p.data)
                 grad = p.grad
                 p.data = kept
                 p.grad = None if grad is None else grad.to(torch.bfloat16)
 
     optimizer.step = rounded_step
+
+
+def _masters_step(optimizer: torch.optim.Optimizer, step, low: list[nn.Parameter], *args, **kwargs):
+    """round_bf16_updates for sharded (DTensor) weights: assigning .data to a DTensor parameter changes its dtype
+    label but not its shard (torch 2.13), so the optimizer steps fp32 copies put in the weights' places (their
+    state moved with them), and each rank rounds its shard back stochastically into the bf16 weight."""
+    slots = {id(p): (group, i) for group in optimizer.param_groups for i, p in enumerate(group["params"])}
+    masters = []
+    for p in low:
+        master = nn.Parameter(p.detach().float())
+        master.grad = None if p.grad is None else p.grad.float()
+        group, i = slots[id(p)]
+        group["params"][i] = master
+        if p in optimizer.state:
+            optimizer.state[master] = optimizer.state.pop(p)
+        masters.append((p, master, group, i))
+    try:
+        return step(*args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for p, master, group, i in masters:
+                stochastic_round_(local(p), local(master.detach()))
+                group["params"][i] = p
+                if master in optimizer.state:
+                    optimizer.state[p] = optimizer.state.pop(master)
+                p.grad = None if master.grad is None else master.grad.to(torch.bfloat16)
