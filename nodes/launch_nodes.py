@@ -113,6 +113,18 @@ def newest_samples(run_dir: Path) -> list[Path]:
     return [path for path in found if path.name.split("-p")[0] == newest]
 
 
+def _lora_output(config: dict, path) -> object:
+    """The run's LoRA; a full fine-tune's file is a diffusion model (ComfyUI's layout), not a LoRA: a node reading
+    the lora output fails saying where the model is."""
+    if config.get("adapter") != "full":
+        return bridge.load_lora_file(path)
+    return bridge.blocked(
+        f"Kiln Train LoRA (several GPUs): this run trained every weight (adapter full), so it has no LoRA; its model "
+        f"is {path}: put it in models/diffusion_models and load it with Load Diffusion Model, or make a LoRA of it "
+        "with Kiln Extract LoRA"
+    )
+
+
 def outputs_images(run_dir: Path):
     """The IMAGE output: the newest step's samples, else the run's loss curve (as Train LoRA's)."""
     files = newest_samples(run_dir) or [run_dir / "loss.png"]
@@ -343,7 +355,7 @@ class KilnTrainLoRATorchrun(io.ComfyNode):
         lora_file, summary, blocked = train(config, run_dir, processes, gpus)
         # As Train LoRA's: after a dashboard Stop nothing downstream saves (or loads) the unfinished run.
         lora, folder = (
-            (bridge.blocked(), bridge.blocked()) if blocked else (bridge.load_lora_file(lora_file), str(run_dir))
+            (bridge.blocked(), bridge.blocked()) if blocked else (_lora_output(config, lora_file), str(run_dir))
         )
         return io.NodeOutput(
             lora,

@@ -21,6 +21,7 @@ from PIL import Image
 from ..trainer.archs import get_arch
 from ..trainer.lora import files as lora_format
 from ..trainer.lora.files import lora_metadata
+from ..trainer.lora.model_file import save_diffusion_model
 from ..trainer.run import folders as run_folders
 from ..trainer.run import state
 from ..trainer.samples import clips
@@ -96,8 +97,10 @@ class Tracker:
     def on_step(self, report) -> None:
         bridge.send_event("kiln.progress", self.registry.record(self.run, report))
         cfg, step = self.cfg, report.step
-        at_checkpoint = cfg.checkpoint_loras and (
-            step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+        at_checkpoint = (  # not for a full fine-tune: its checkpoint holds the model; a file of it each is large
+            cfg.checkpoint_loras
+            and cfg.adapter != "full"
+            and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0))
         )
         if report.weights is None:  # no weights on this side (a torchrun child's relay): a request stays pending
             return
@@ -107,7 +110,7 @@ class Tracker:
 
     def save_latest(self) -> None:
         step, weights = self.latest
-        name = self.save_lora(step, weights())
+        name = (self.save_model if self.cfg.adapter == "full" else self.save_lora)(step, weights())
         bridge.send_event("kiln.run", self.registry.add_saved(self.run, step, name))
 
     def should_stop(self) -> bool:
@@ -180,6 +183,18 @@ class Tracker:
             metadata={**lora_metadata(cfg, get_arch(cfg.arch), step), run_folders.RUN_KEY: self.run_key},
         )
         bridge.refresh_loras()
+        print(f"[Kiln] saved {name} (step {step})")
+        return name
+
+    def save_model(self, step: int, tensors) -> str:
+        """Save now of a full fine-tune: the diffusion model as of this step (EMA weights when on) in ComfyUI's
+        layout into models/diffusion_models/kiln/ (atomic write), where Load Diffusion Model lists it; its name."""
+        name = f"{SAVED_SUBFOLDER}/{self.run.name}-step{step:06d}.safetensors"
+        metadata = {**lora_metadata(self.cfg, get_arch(self.cfg.arch), step), run_folders.RUN_KEY: self.run_key}
+        path = Path(bridge.folders()["diffusion_models"]) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_diffusion_model(path, tensors, dtype=self.cfg.save_dtype, metadata=metadata)
+        bridge.refresh_models("diffusion_models")
         print(f"[Kiln] saved {name} (step {step})")
         return name
 

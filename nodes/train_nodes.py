@@ -154,6 +154,12 @@ def start_from(cfg, lora_model, file_name: str, resume):
         raise ValueError(f"{where}: {error}") from None
 
 
+FULL_HAS_NO_LORA = (
+    "Kiln Train LoRA: this run trained every weight (adapter full), so it has no LoRA output: save the model "
+    "with Kiln Save Diffusion Model from its state output, or make a LoRA of it with Kiln Extract LoRA"
+)
+
+
 def trained_outputs(model, outcome: run.Outcome) -> tuple:
     """(model, lora, state): what leads to a saved LoRA, blocked after a dashboard Stop (the run is not done, so
     Save LoRA and every other node downstream is skipped). loss_map and samples still flow: they show how far the
@@ -161,6 +167,8 @@ def trained_outputs(model, outcome: run.Outcome) -> tuple:
     if outcome.blocked:
         return bridge.blocked(), bridge.blocked(), bridge.blocked()
     state = outcome.state
+    if state.model_file:  # adapter full: the trained model itself, and no LoRA to save
+        return bridge.with_weights(model, state.model_file), bridge.blocked(FULL_HAS_NO_LORA), state
     lora_model = bridge.lora_model_from(state.best_lora(), state.arch)
     return bridge.apply_lora(model, lora_model, 1.0), lora_model, state
 
@@ -250,9 +258,14 @@ class KilnTrainLoRA(io.ComfyNode):
             outputs=[
                 io.Model.Output(
                     display_name="model",
-                    tooltip="The input model with the trained LoRA (EMA weights when EMA is on), ready for KSampler",
+                    tooltip="The input model with the trained LoRA (EMA weights when EMA is on), ready for KSampler; "
+                    "of a full fine-tune (adapter full) the trained model itself",
                 ),
-                io.LoraModel.Output(display_name="lora", tooltip="The trained LoRA (ComfyUI's LORA_MODEL)"),
+                io.LoraModel.Output(
+                    display_name="lora",
+                    tooltip="The trained LoRA (ComfyUI's LORA_MODEL); none of a full fine-tune (save its state with "
+                    "Kiln Save Diffusion Model)",
+                ),
                 STATE.Output(display_name="state", tooltip="The resumable run (KILN_STATE)"),
                 io.LossMap.Output(display_name="loss_map", tooltip="Loss per step (ComfyUI's LOSS_MAP)"),
                 io.Image.Output(display_name="samples", tooltip="Validation samples, else the loss curve"),

@@ -11,7 +11,7 @@ nodes/comfy/ imports ComfyUI (tests/test_imports.py holds that), and trainer/ ne
     paths.py     which of ComfyUI's code paths training takes (attention, quantized matmuls)
     training.py  the one training sequence of the node and headless training, and their validation sampling
     ui.py        sampling, progress, server events, folders, blocked outputs
-    weights.py   a MODEL's effective (patched) weights, one at a time, for extracting a LoRA
+    weights.py   a MODEL's effective (patched) weights, one at a time, for extracting a LoRA; a full fine-tune's set
     loaders.py   headless: ComfyUI started as a library, models loaded from files
 """
 
@@ -79,4 +79,4 @@ from .ui import (  # noqa: F401
     scheduler_names,
     send_event,
 )
-from .weights import EffectiveWeights, compute_device  # noqa: F401
+from .weights import EffectiveWeights, compute_device, with_weights  # noqa: F401

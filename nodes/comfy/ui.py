@@ -160,10 +160,10 @@ def add_routes(name: str, register) -> None:
     _ROUTES_ADDED.add(name)
 
 
-def blocked():
+def blocked(message: str | None = None):
     """An output ComfyUI does not pass on: the nodes that read it are skipped, without an error (ComfyUI's
-    ExecutionBlocker with no message)."""
-    return ExecutionBlocker(None)
+    ExecutionBlocker with no message); with a message, a node that reads it fails with that message."""
+    return ExecutionBlocker(message)
 
 
 def is_blocked(value) -> bool:

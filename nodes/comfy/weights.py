@@ -1,4 +1,5 @@
-"""A MODEL's effective weights as a lazy state dict: what extracting a LoRA from two models reads.
+"""A MODEL's effective weights as a lazy state dict: what extracting a LoRA from two models reads; and a MODEL with
+a full fine-tune's weights set (Train LoRA's model output of an adapter-full run).
 
 Each key's weight is its original (ModelPatcher.get_key_patches: the backup where a clone has patched
 it in place) plus every patch the patcher holds (LoRAs loaded onto it, model merges), summed in fp32
@@ -12,6 +13,7 @@ from collections.abc import Iterator, Mapping
 
 import comfy.lora
 import comfy.model_management as mm
+import comfy.utils
 import torch
 
 _PREFIX = "diffusion_model."
@@ -42,3 +44,20 @@ class EffectiveWeights(Mapping):
 def compute_device():
     """ComfyUI's torch device (the GPU it runs on), for SVDs."""
     return mm.get_torch_device()
+
+
+def with_weights(model, path: str):
+    """A clone of MODEL whose diffusion-model weights are those of the file at `path` (a full fine-tune's, in
+    ComfyUI's layout): one "set" patch per key, ComfyUI's own patch kind (its loader's for a full weight in a
+    LoRA file), so the input MODEL stays the base and the clone samples the trained model. Every key of the file
+    must be the model's: a file of another model is refused, naming the keys."""
+    tensors = comfy.utils.load_torch_file(path, safe_load=True)
+    clone = model.clone()
+    loaded = clone.add_patches({_PREFIX + key: ("set", (value,)) for key, value in tensors.items()}, 1.0)
+    missing = sorted(set(tensors) - {key[len(_PREFIX) :] for key in loaded})
+    if missing:
+        raise ValueError(
+            f"{len(missing)} of {len(tensors)} weights of {path} are not in this {type(model.model).__name__} "
+            f"model (e.g. {missing[:3]}): connect the model the run trained"
+        )
+    return clone

@@ -322,3 +322,10 @@ def test_a_launched_run_feeds_the_dashboard_and_returns_rank_0s_samples(comfy_di
     # The LoRA, read by ComfyUI's loader, places every key on the model.
     model = comfy.sd.load_diffusion_model(str(files["tiny_flux2.safetensors"]))
     assert lora and bridge.unmatched_lora_keys(model, lora) == []
+
+
+def test_a_full_runs_lora_output_names_its_model_file(tmp_path):
+    """A full fine-tune's headless file is a diffusion model: the lora output stops a reader with where it is."""
+    path = tmp_path / "run.safetensors"
+    output = launch_nodes._lora_output({"adapter": "full"}, path)
+    assert bridge.is_blocked(output) and str(path) in output.message and "Load Diffusion Model" in output.message

@@ -43,6 +43,9 @@ def cmd_estimate(args) -> int:
     backend = args.backend or cfg.backend
     if getattr(args, "frames", 1) > 1 and backend != "torch":
         raise SystemExit("--frames: only the torch backend trains video models (Wan); give --backend torch")
+    if cfg.adapter == "full" and backend != "torch":
+        raise SystemExit("adapter full (full fine-tune) trains on the torch backend only; give --backend torch")
+    shards = _shards(cfg, getattr(args, "processes", 1))
     estimate = backend_rules(backend).estimate
     base = args.base_dtype or (cfg.base_quantize if cfg.base_quantize not in ("auto", "none") else "bf16")
     references = reference_count(cfg.dataset_dir)  # edit datasets' control folders (both backends train them)
@@ -71,6 +74,8 @@ def cmd_estimate(args) -> int:
                 if cfg.adapter != "lora"
                 else {}
             ),
+            **({"ema": cfg.ema} if cfg.adapter == "full" else {}),  # a LoRA's EMA is a few MB: not counted
+            **({"shards": shards} if shards > 1 else {}),  # torch only
         )
 
     budget = cfg.checkpoint_budget
@@ -84,12 +89,28 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+def _shards(cfg, processes: int) -> int:
+    """The ranks the base (a full run: weights, gradients, optimizer state, EMA) is split over per GPU: --processes
+    under sharding shard; auto decides at the start of a run, so it is estimated whole (said in a note)."""
+    if processes > 1 and cfg.sharding == "auto":
+        print(
+            f"note: sharding auto decides at the run's start; estimated whole on each of {processes} GPUs "
+            "(set sharding shard to see the split)"
+        )
+    return processes if processes > 1 and cfg.sharding == "shard" else 1
+
+
 def _card_plans(settings: dict, cfg, args) -> None:
     """`--memory-gb`: the plan on that card and the predicted step on named cards; where the run does not fit even
     streamed, the plan a run's auto then takes (memory_plan.py): the blocks' kept inputs on the host
     (offload_activations auto), else the base in int8 (base_quantize auto), with the inputs on the host if need be."""
     from ..estimate.cards import card_plan, plan_lines
 
+    if cfg.adapter == "full":  # nothing streams or quantizes: the table above is the plan
+        print(
+            f"a full fine-tune keeps every trained block on the GPU: the table above is its plan on {args.memory_gb:g} GiB"
+        )
+        return
     every = getattr(args, "cards", None) == "all"
     budget = cfg.checkpoint_budget if cfg.compile_blocks is not False else 0.0  # auto needs compiled blocks
     print("\n".join(plan_lines(settings, args.memory_gb, budget, every)))

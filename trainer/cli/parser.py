@@ -177,6 +177,13 @@ def _add_estimate(commands) -> None:
         default=1,
         help="video frames per clip (Wan: 4k+1, e.g. 81); 1 = an image, the only size an image model takes",
     )
+    est.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="GPUs of a torchrun run (torchrun --nproc_per_node); with sharding shard each holds 1/N of the base "
+        "(and of a full fine-tune's gradients, optimizer state and EMA)",
+    )
     est.set_defaults(func=cmd_estimate)
 
 

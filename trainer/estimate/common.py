@@ -99,6 +99,8 @@ def trainable_costs(settings: dict, dims: ModelDims, shapes, tokens: int, act: i
     """(trainable params, optimizer bytes, extra step bytes, note or None) of the estimate's `settings`
     (its arguments by name): a plain LoRA's, or its adapter's (adapter_costs)."""
     kind, rank, optimizer = settings["adapter"], settings["rank"], settings["optimizer"]
+    if kind == "full":  # no adapter: every weight trains (full_step.py counts it)
+        return 0, 0, 0, None
     if kind == "lora":
         return sum(rank * (i + o) for i, o in shapes), OPTIMIZER_STATE[optimizer](shapes, rank), 0, None
     return adapter_costs(
@@ -280,12 +282,14 @@ def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> 
     """A readable table; with device memory (GiB as nvidia-smi shows; for MLX the Mac's RAM in GB):
     fits or not, and what to change."""
     s = est.settings
+    full = bool(s) and s.get("adapter") == "full"
     title = (
         (
             f"Memory estimate: {get_dims(s['variant']).variant}, {s['resolution']} px"
             + (f" × {s['frames']} frames" if s.get("frames", 1) > 1 else "")
             + f", batch {s['batch_size']}, "
-            f"rank {s['rank']}, {s['optimizer']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
+            + ("full fine-tune" if s.get("adapter") == "full" else f"rank {s['rank']}")
+            + f", {s['optimizer']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
             + "".join(
                 f" ({key.replace('_', ' ')} {s[key]:g})"
                 for key in ("skip_checkpoint_blocks", "checkpoint_budget")
@@ -300,7 +304,7 @@ def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> 
     )
     rows = [
         ("weights", est.weights),
-        ("LoRA (fp32)", est.lora),
+        ("EMA (fp32)" if full else "LoRA (fp32)", est.lora),
         ("gradients", est.gradients),
         ("optimizer state", est.optimizer),
         ("activations", est.activations),
@@ -308,7 +312,8 @@ def format_estimate(est: Estimate, *, device_memory_gb: float | None = None) -> 
         ("total", est.total),
     ]
     lines = [title] + [f"  {name:<16}{size / GIB:8.2f} GiB" for name, size in rows]
-    lines.append(f"  LoRA params {est.lora_params / 1e6:.1f} M, {est.tokens} tokens per step")
+    trained = "trained params (every weight)" if full else "LoRA params"
+    lines.append(f"  {trained} {est.lora_params / 1e6:.1f} M, {est.tokens} tokens per step")
     lines += [f"  note: {note}" for note in est.notes]
     if device_memory_gb is None:
         return "\n".join(lines)

@@ -55,6 +55,7 @@ step): totals within -7%..+9% of peak reserved memory plus context for Klein 4B/
 from __future__ import annotations
 
 from ..archs.layout import ModelDims
+from . import full_step
 from .common import (
     ACTIVATION_BYTES,
     BASE_DTYPE_BYTES,
@@ -80,6 +81,7 @@ from .common import (
 )
 
 CUDA_CONTEXT_BYTES = GIB  # context (~0.25 GiB on an H200, more beside a desktop) + slack
+PRODIGY_NOTE = "prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)"
 BUDGET_KEPT = 0.6  # share of checkpointing's savings a compiled block keeps per unit of checkpoint_budget
 
 
@@ -126,12 +128,16 @@ def estimate(
     stream_blocks: int = 0,
     frames: int = 1,
     offload_activations: bool = False,
+    ema: bool = False,
+    shards: int = 1,
 ) -> Estimate:
     """Bytes one training step needs at square `resolution` (the largest bucket) and `frames` video frames
     (an image: 1). `preservation`: DOP on.
     reference_images: edit training's control images per sample, each cropped to the target's bucket, so
     each adds the target's image tokens to the joint sequence (their loss is not computed, their
-    activations are kept). adapter: the kind (trainer/lora/adapters.py) with its LoKr settings."""
+    activations are kept). adapter: the kind (trainer/lora/adapters.py) with its LoKr settings, or full (every weight
+    trained: full_step.py; `ema` counts its fp32 shadow). shards: the ranks a base under sharding shard is split
+    over (a full run's gradients, optimizer state and EMA too)."""
     settings = dict(locals())  # every argument by name, first thing: advice re-estimates with a few changed
     dims = get_dims(variant)
     side = check_settings(dims, resolution, batch_size, rank, optimizer, base_dtype, mixed_precision)
@@ -142,28 +148,42 @@ def estimate(
     tokens = rows * (image_tokens + text_tokens)
     shapes = lora_shapes(dims, targets)
     lora_params, optimizer_bytes, adapter_workspace, adapter_note = trainable_costs(settings, dims, shapes, tokens, act)
-    activations = rows * _activations(
-        dims, image_tokens, text_tokens, act, gradient_checkpointing, skip_checkpoint_blocks, offload_activations
-    )
-    if gradient_checkpointing and checkpoint_budget > 0:
-        activations += _budget_kept(
-            rows * _activations(dims, image_tokens, text_tokens, act, False), activations, checkpoint_budget
-        )
+    activations = _kept(settings, dims, rows, image_tokens, text_tokens, act)
     notes = _notes(dims, image_tokens, text_tokens, reference_images, preservation)
     notes += [adapter_note] if adapter_note else []
-    if optimizer == "prodigy":
-        notes.append("prodigy counted at 16 B/param; its p0 of the zero-initialised lora_B is a scalar (~14 B real)")
+    notes += [PRODIGY_NOTE] if optimizer == "prodigy" else []
     weights, stream_note = _on_the_gpu(dims, base_dtype, stream_blocks)
+    blocks, workspace = block_weight_bytes(dims, base_dtype), _workspace(dims, tokens, act, base_dtype)
+    if adapter == "full":  # every weight trained (full_step.py)
+        return full_step.full_estimate(settings, dims, activations, workspace, tokens, notes, blocks)
     return Estimate.summed(
-        weights=_weights(dims, base_dtype, fp8_compute) - weights,
+        weights=full_step.on_each_rank(_weights(dims, base_dtype, fp8_compute) - weights, blocks, shards),
         lora_params=lora_params,
         optimizer=optimizer_bytes,
         activations=activations,
-        workspace=_workspace(dims, tokens, act, base_dtype) + adapter_workspace,
+        workspace=workspace + adapter_workspace,
         tokens=tokens,
         notes=notes + stream_note,
         settings=settings,
     )
+
+
+def _kept(s: dict, dims: ModelDims, rows: int, image_tokens: int, text_tokens: int, act: int) -> int:
+    """What autograd keeps over the step's rows (the block model), with checkpoint_budget's share kept on top."""
+    kept = rows * _activations(
+        dims,
+        image_tokens,
+        text_tokens,
+        act,
+        s["gradient_checkpointing"],
+        s["skip_checkpoint_blocks"],
+        s["offload_activations"],
+    )
+    if s["gradient_checkpointing"] and s["checkpoint_budget"] > 0:
+        kept += _budget_kept(
+            rows * _activations(dims, image_tokens, text_tokens, act, False), kept, s["checkpoint_budget"]
+        )
+    return kept
 
 
 def _on_the_gpu(dims: ModelDims, base_dtype: str, stream_blocks: int) -> tuple[int, list[str]]:
@@ -330,7 +350,11 @@ def advice(settings: dict) -> list[tuple[str, dict]]:
                 {"optimizer": "adamw8bit"},
                 settings["optimizer"] in ("adamw", "prodigy"),
             ),
-            ("base weights fp8", {"base_dtype": "fp8"}, settings["base_dtype"] not in ("fp8", "int8")),
+            (
+                "base weights fp8",
+                {"base_dtype": "fp8"},
+                settings["base_dtype"] not in ("fp8", "int8") and settings.get("adapter") != "full",  # trains them
+            ),
             ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
             ("fp8_compute off (its fp8 weight copies)", {"fp8_compute": False}, settings.get("fp8_compute", False)),
         ],
@@ -353,8 +377,9 @@ def fewest_streamed(settings: dict, budget: float, fits=None) -> tuple[int, Esti
 
 
 def stream_advice(settings: dict, budget: float) -> str | None:
-    """The fewest blocks streamed from host memory (stream_blocks) for the step to fit, every other setting kept."""
-    found = fewest_streamed(settings, budget)
+    """The fewest blocks streamed from host memory (stream_blocks) for the step to fit, every other setting kept.
+    None for a full fine-tune: its trained blocks stay on the GPU."""
+    found = None if settings.get("adapter") == "full" else fewest_streamed(settings, budget)
     if found is None:
         return None
     (count, step), dims = found, get_dims(settings["variant"])

@@ -332,11 +332,11 @@ def data_parallel(call: Callable, branches: list) -> Callable:
     has its gradients (overlapped with the rest of backward; torch.compile'd blocks, non-reentrant
     checkpointing and FSDP2-sharded blocks (trainer/backends/torch_backend/sharding.py) produce ordinary leaf
     gradients on the branches, so the hooks fire the same). The options: ddp_options."""
-    if current().world == 1:
+    branches = list(branches)
+    if current().world == 1 or not branches:  # none: FSDP2 averages a sharded full fine-tune's gradients itself
         return call
     from torch.nn.parallel import DistributedDataParallel
 
-    branches = list(branches)
     return DistributedDataParallel(_lora_forward_module()(call, branches), **ddp_options(branches))
 
 

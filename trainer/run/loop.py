@@ -170,12 +170,11 @@ def resumed(
     return history, checkpoint.step
 
 
-def best_lora(backend, ema: bool) -> dict[str, LoraWeights]:
-    """What a user keeps (a UI's "save now"): the EMA weights when EMA is on, else the trained ones."""
-    if not ema:
-        return backend.lora_state()
-    with backend.ema_weights():
-        return backend.lora_state()
+def best_lora(backend, ema: bool, full: bool = False) -> dict[str, LoraWeights]:
+    """What a user keeps (a UI's "save now"): the EMA weights when EMA is on, else the trained ones; of a full
+    fine-tune (`full`) the whole diffusion model's tensors by state-dict name, the file's layout."""
+    with backend.ema_weights() if ema else contextlib.nullcontext():
+        return backend.model_state() if full else backend.lora_state()
 
 
 @dataclass
@@ -259,9 +258,9 @@ def one_step(run: Setup, step: int, guard: faults.Guard) -> tuple[float, list[st
 def save_run(step: int, *, run: Setup, log: StepLog) -> Path:
     """A resumable checkpoint at `step`; pending step figures are read first so its history is whole.
     Under torchrun every rank calls it: their RNG states go into rank 0's checkpoint, which only rank 0
-    writes; the others wait until it is complete."""
+    writes; the others wait until it is complete (a sharded full run's state is gathered whole on every rank)."""
     log.flush()
-    cfg, arch, backend = run.cfg, run.arch, run.backend
+    cfg, arch, backend = run.cfg, run.arch, getattr(run.backend, "gathered", lambda: run.backend)()
     rng_states = distributed.gather_arrays(backend.rng_state())
     path = state.step_dir(run.run_dir, step)
     if distributed.current().is_main:
@@ -324,10 +323,7 @@ def result(run: Setup, log: StepLog, vote: distributed.StopVote, end: Ending, ju
     log.flush()
     backend, history = run.backend, log.history
     ema_lora = best_lora(backend, True) if run.cfg.ema else None
-    model = None
-    if run.cfg.adapter == "full":  # the whole diffusion model as a user keeps it: the EMA weights when EMA is on
-        with backend.ema_weights():
-            model = backend.model_state()
+    model = best_lora(backend, True, full=True) if run.cfg.adapter == "full" else None  # EMA's, where it is on
     return RunResult(
         run_dir=run.run_dir,
         step=len(history.lr),
@@ -371,7 +367,7 @@ def train(
         log = StepLog(backend, history, start, cfg.steps, sinks)
         judge, save = run.judge(history, sinks), functools.partial(save_run, run=run, log=log)
         guard, vote = faults.Guard(cfg, save, group.world, start), distributed.StopVote(backend.peak_memory_bytes)
-        weights = functools.partial(best_lora, backend, cfg.ema)
+        weights = functools.partial(best_lora, backend, cfg.ema, cfg.adapter == "full")
         end = Ending.at_start(judge, run.run_dir, start)  # a resumed run that had stopped early ends at once
         front.on_start(backend.plan())
         if start == 0:  # the start, logged as step 0 (validate_first)

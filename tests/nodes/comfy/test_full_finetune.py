@@ -22,6 +22,7 @@ from safetensors.torch import load_file  # noqa: E402
 import kiln_pack.nodes.comfy.bridge as bridge
 import kiln_pack.nodes.lora_nodes as ln
 import kiln_pack.nodes.run as node_run
+import kiln_pack.nodes.train_nodes as train_nodes
 import kiln_pack.trainer.data as data_module
 import kiln_pack.trainer.run.loop as loop
 from kiln_pack.trainer import safetensors_io
@@ -76,6 +77,8 @@ def test_a_full_fine_tune_loads_in_comfy_and_samples_differently(tmp_path, comfy
     )
     folder = comfy_dirs / "diffusion_models"
     folder_paths.folder_names_and_paths["diffusion_models"] = ([str(folder)], folder_paths.supported_pt_extensions)
+    state_of_run = state
+    safetensors_io.write(tmp_path / "other.safetensors", {"not_a_layer.weight": np.zeros(2, np.float32)})
     saved = ln.KilnSaveDiffusionModel.execute(state, "kiln/klein_full", False)
     path = folder / "kiln" / "klein_full.safetensors"
     assert saved.result[0] == str(path) and "kiln/klein_full.safetensors" in folder_paths.get_filename_list(
@@ -96,6 +99,15 @@ def test_a_full_fine_tune_loads_in_comfy_and_samples_differently(tmp_path, comfy
     cond, latent_shape = tc.conditioning(clip, "a cat"), (1, *data.latent(0).shape)
     tuned_image, base_image = sampled(loaded, cond, latent_shape), sampled(klein, cond, latent_shape)
     assert torch.isfinite(tuned_image).all() and not torch.equal(tuned_image, base_image)
+
+    # Train LoRA's outputs of a full run: the model output samples the trained model (the input stays the base),
+    # and the lora output stops a node that reads it with what to use instead
+    trained, lora_out, _ = train_nodes.trained_outputs(klein, node_run.Outcome(state_of_run, [], ""))
+    torch.testing.assert_close(sampled(trained, cond, latent_shape), tuned_image, rtol=1e-5, atol=1e-5)
+    assert torch.equal(sampled(klein, cond, latent_shape), base_image)
+    assert bridge.is_blocked(lora_out) and "Kiln Save Diffusion Model" in lora_out.message
+    with pytest.raises(ValueError, match="are not in this .* connect the model the run trained"):
+        bridge.with_weights(klein, str(tmp_path / "other.safetensors"))
 
     # extract at full rank: the LoRA reproduces the delta and ComfyUI's loader matches every key
     original = tmp_path / "base" / next(p.name for p in (tmp_path / "base").glob("*.safetensors"))
@@ -123,3 +135,24 @@ def test_save_diffusion_model_refuses_a_lora_run(tmp_path):
     )
     with pytest.raises(ValueError, match="Kiln Save Diffusion Model: this run trained adapter 'lora'.*Kiln Save LoRA"):
         ln.KilnSaveDiffusionModel.execute(state, "kiln/x", False)
+
+
+def test_save_now_of_a_full_run_writes_a_diffusion_model_that_comfy_loads(tmp_path, comfy_dirs):
+    """The dashboard's Save now of a full fine-tune (live.Tracker.save_model): the model as of that step in
+    models/diffusion_models/kiln/, listed at once, every weight as given."""
+    import types
+
+    import kiln_pack.nodes.live as live
+
+    klein = tc.tiny_flux2(tmp_path)
+    tensors = {k: v.float().numpy() + 0.5 for k, v in bridge.diffusion_model(klein).state_dict().items()}
+    folder = comfy_dirs / "diffusion_models"
+    folder_paths.folder_names_and_paths["diffusion_models"] = ([str(folder)], folder_paths.supported_pt_extensions)
+    cfg = small_config("flux2_klein", adapter="full", save_dtype="fp32")
+    tracker = types.SimpleNamespace(cfg=cfg, run=types.SimpleNamespace(name="myrun"), run_key="abc")
+    name = live.Tracker.save_model(tracker, 7, tensors)
+    assert name == "kiln/myrun-step000007.safetensors" and name in folder_paths.get_filename_list("diffusion_models")
+    with torch.inference_mode():
+        loaded = comfy.sd.load_diffusion_model(str(folder / name), model_options={"dtype": torch.float32})
+    for key, value in bridge.diffusion_model(loaded).state_dict().items():
+        assert np.array_equal(value.float().numpy(), tensors[key]), key

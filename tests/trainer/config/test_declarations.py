@@ -455,7 +455,11 @@ def test_derived_tables_equal_the_snapshot():
     assert set(config.CHOICES) == set(CHOICES) | set(REGISTRY_CHOICES)
     assert config.CHOICES["arch"] == tuple(ARCHS) and config.CHOICES["optimizer"] == config.OPTIMIZER_NAMES
     assert config.GROUP == GROUP and config.ADVANCED == frozenset(ADVANCED) and config.STEPS == STEPS
-    assert config.AUTO_FIELDS == AUTO_FIELDS and config.TRISTATE_FIELDS == ("offload_activations", "fp8_compute", "step_graphs")
+    assert config.AUTO_FIELDS == AUTO_FIELDS and config.TRISTATE_FIELDS == (
+        "offload_activations",
+        "fp8_compute",
+        "step_graphs",
+    )
     assert set(config.NOT_IDENTITY) == set(NOT_IDENTITY)
     assert config.TRAIN_WIDGETS == TRAIN_WIDGETS
     assert config.DATASET_FIELDS == DATASET_FIELDS and config.NOT_IN_GRAPH == NOT_IN_GRAPH

@@ -299,3 +299,50 @@ def test_wan21_i2v_counts_its_image_layers_and_clip_vision_tokens():
     per_block_tokens = 21 * 30 * 30 + 512
     assert i2v.activations / t2v.activations == pytest.approx((per_block_tokens + 257) / per_block_tokens, rel=0.01)
     assert "CLIP vision's 257" in format_estimate(i2v)
+
+
+# ---------------------------------------------------------------- a full fine-tune (adapter full)
+
+
+def test_a_full_fine_tune_counts_every_weight_its_gradient_optimizer_state_and_ema_by_hand():
+    """Z-Image's weights (ComfyUI's module holds P): bf16 weights and gradients 2 B each, AdamW 8 B, EMA 4 B;
+    the optimizer step's fp32 copies (6 B) and AdamW's temporary (4 B) where larger than the forward's."""
+    p = COMFYUI_COUNTS["zimage"]
+    est = estimate("zimage", resolution=1024, adapter="full", ema=True)
+    assert (est.weights, est.lora, est.gradients, est.optimizer) == (2 * p, 4 * p, 2 * p, 8 * p)
+    assert est.workspace == 10 * p - est.activations  # the step's transient is the larger here
+    assert est.total == 26 * p and est.lora_params == p
+    assert estimate("zimage", resolution=1024, adapter="full").lora == 0  # EMA off
+    assert estimate("zimage", resolution=1024, adapter="full", optimizer="adamw8bit").optimizer == 2 * p
+    lora = estimate("zimage", resolution=1024)
+    assert lora.activations == est.activations and lora.weights == 2 * p  # the same step, the base frozen
+    text = format_estimate(est)
+    assert "full fine-tune, adamw" in text and "EMA (fp32)" in text and "trained params (every weight) 6154.9 M" in text
+    with pytest.raises(ValueError, match="adapter full trains the base weights"):
+        estimate("zimage", resolution=1024, adapter="full", base_dtype="int8")
+
+
+def test_under_shard_each_gpu_holds_a_share_and_one_gathered_block():
+    from trainer.estimate.torch_step import block_weight_bytes
+    from trainer.estimate.variants import get_dims
+
+    p, block = COMFYUI_COUNTS["zimage"], max(block_weight_bytes(get_dims("zimage"), "bf16"))
+    one = estimate("zimage", resolution=1024, adapter="full", ema=True)
+    two = estimate("zimage", resolution=1024, adapter="full", ema=True, shards=2)
+    assert (two.weights, two.lora, two.gradients, two.optimizer) == (p + block, 2 * p, p, 4 * p)
+    assert two.activations == one.activations  # each rank its own rows
+    lora, sharded = estimate("zimage", resolution=1024), estimate("zimage", resolution=1024, shards=4)
+    assert sharded.weights == lora.weights // 4 + block and sharded.lora == lora.lora  # the LoRA stays whole
+
+
+def test_the_estimate_command_reads_a_full_run_and_its_ranks(tmp_path, capsys):
+    from trainer.cli.main import main
+
+    config = tmp_path / "full.toml"
+    config.write_text('arch = "zimage"\nadapter = "full"\nema = true\nsharding = "shard"\nresolutions = [1024]\n')
+    assert main(["estimate", str(config), "--processes", "2", "--memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "each part 1/2 per GPU (sharding shard over 2 ranks)" in out and "fits in 80 GiB" in out
+    assert "stream_blocks" not in out  # a full run streams nothing: no such advice
+    with pytest.raises(SystemExit, match="torch backend only"):
+        main(["estimate", str(config), "--backend", "mlx"])

@@ -67,7 +67,7 @@ class TorchBackend:
         # The model call; under torchrun a DDP module averaging the LoRA gradients over the ranks.
         # self.forward read at each call (a test, or a later wrapper, may replace it after setup)
         self.call = distributed.data_parallel(
-            lambda *inputs: self.forward(self.model, *inputs), self.lora.branches().values()
+            lambda *inputs: self.forward(self.model, *inputs), full.replicated(self.lora, self.sharded)
         )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -84,7 +84,8 @@ class TorchBackend:
         fp8_note = self._add_lora()
         self.parallel = distributed.current().world > 1  # auto levers never fall back mid-step on one rank alone
         plan = memory_plan.decide(model, cfg, self.device, self.blocks)
-        self.memory = sharding.place(cfg, plan, self.blocks, self.device, quantized=self.fp8 is not None)
+        self.memory = sharding.place(cfg, plan, self.blocks, self.device, self.fp8 is not None, self.lora)
+        self.sharded = sharding.is_sharded(p for _, p in self.lora.named_parameters())  # a sharded full run
         self.levers = levers.decide(
             model,
             cfg,
@@ -233,7 +234,7 @@ class TorchBackend:
             return self._again(micro_batches, lr)
         total = distributed.mean(total)  # the global mean loss; the gradients were averaged in backward
         grads = [p.grad for p in self.params.values() if p.grad is not None]
-        grad_norm = optim.clip_global_norm(grads, self.cfg.max_grad_norm)
+        grad_norm = (sharding if self.sharded else optim).clip_global_norm(grads, self.cfg.max_grad_norm)
         # A NaN/inf loss or gradient skips the update (weights, moments, step count, EMA unchanged).
         finite = torch.isfinite(total) & torch.isfinite(grad_norm)  # device bool, no sync
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
@@ -313,12 +314,12 @@ class TorchBackend:
         full.load_state(self.lora, tensors)
 
     def model_state(self) -> dict[str, np.ndarray]:
-        return full.model_tensors(self.model)
+        return full.model_tensors(self.model, self.sharded)
 
     def ema_state(self) -> dict[str, np.ndarray]:
         if self.ema is None:
             return {}
-        return {saved_name(name): t.cpu().numpy() for name, t in self.ema.state().items()}
+        return {saved_name(name): full.whole(t).cpu().numpy() for name, t in self.ema.state().items()}
 
     def load_ema_state(self, tensors: dict[str, np.ndarray]) -> None:
         if self.ema is not None and tensors:
@@ -329,6 +330,11 @@ class TorchBackend:
 
     def load_optimizer_state(self, tensors, meta) -> None:
         optim.load_optimizer_arrays(self.optimizer, list(self.params), tensors, meta)
+        sharding.shard_optimizer_state(self.optimizer)  # whole tensors back to the shards of a sharded full run
+
+    def gathered(self):
+        """What a checkpoint writes, on every rank before rank 0 writes it (sharding.Gathered)."""
+        return sharding.gathered(self)
 
     def rng_state(self) -> dict[str, np.ndarray]:
         return devices.rng_state(self.device)

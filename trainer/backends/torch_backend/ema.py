@@ -1,10 +1,13 @@
-"""EMA of the LoRA weights: an fp32 shadow, updated after each real optimizer step."""
+"""EMA of the LoRA weights (a full fine-tune's: the model's, sharded as they are): an fp32 shadow, updated after
+each real optimizer step."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
+
+from .full import shard_like
 
 
 class Ema:
@@ -62,4 +65,4 @@ class Ema:
                     f"EMA tensor {name}: shape {tuple(tensors[name].shape)} in the checkpoint, "
                     f"{tuple(self.shadow[name].shape)} in this run"
                 )
-            self.shadow[name].copy_(tensors[name])
+            self.shadow[name].copy_(shard_like(self.shadow[name], tensors[name], torch.float32))

@@ -1,14 +1,16 @@
 """Full fine-tune (adapter "full"): every weight of the diffusion model trained in place, no adapter.
 
-The trainable set is a plain list of the model's own nn.Parameters (no copies, no flattening), so FSDP2's
-fully_shard over the blocks (and the root for the rest) can later shard weights, gradients and optimizer state as they are. Weights keep the
-model's dtype; a bf16 weight takes each optimizer update with stochastic rounding (round_bf16_updates), as
+The trainable set is the model's own nn.Parameters by name (no copies, no flattening), so FSDP2's fully_shard over
+the blocks and the root (sharding.py, sharding shard under torchrun) shards weights, gradients and optimizer state
+as they are: the set looks its parameters up by name, since fully_shard puts DTensor parameters in their place.
+Weights keep the model's dtype; a bf16 weight takes each optimizer update with stochastic rounding (round_bf16_updates), as
 OneTrainer and ai-toolkit do for bf16 full fine-tunes: half the memory of fp32 masters, and updates far below
 bf16's resolution still move the weight on average instead of rounding away."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import contextmanager
 
 import numpy as np
@@ -36,12 +38,16 @@ class FullSet:
     def __init__(self, model: nn.Module, blocks: list[nn.Module]):
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         named = list(model.named_parameters())
-        self.named = [(n, p) for n, p in named if id(p) in in_blocks] + [
-            (n, p) for n, p in named if id(p) not in in_blocks
-        ]
+        self.model = model
+        self.names = [n for n, p in named if id(p) in in_blocks] + [n for n, p in named if id(p) not in in_blocks]
         self.base = [p.detach().to("cpu", copy=True) for _, p in self.named]
         for _, param in self.named:
             param.requires_grad_(True)
+
+    @property
+    def named(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) now: after fully_shard a name holds a DTensor parameter, not the one first seen."""
+        return [(name, self.model.get_parameter(name)) for name in self.names]
 
     def branches(self) -> dict[str, nn.Module]:
         return {}  # no adapter: nothing hooked, nothing for DDP or a LoRA file
@@ -62,8 +68,9 @@ class FullSet:
         yield  # pragma: no cover
 
     def state(self) -> dict[str, np.ndarray]:
-        """The trained weights, exact (fp32 holds every bf16 value), by state-dict name."""
-        return {name: p.detach().float().cpu().numpy().copy() for name, p in self.named}  # not a view
+        """The trained weights, exact (fp32 holds every bf16 value), by state-dict name. Sharded: every rank
+        calls it (each weight all-gathered whole)."""
+        return {name: whole(p.detach()).float().cpu().numpy().copy() for name, p in self.named}  # not a view
 
     @torch.no_grad()
     def load(self, tensors: dict[str, np.ndarray]) -> None:
@@ -71,14 +78,43 @@ class FullSet:
         if missing:
             raise ValueError(f"full fine-tune state lacks {len(missing)} weight(s), e.g. {missing[:3]}")
         for name, param in self.named:
-            param.copy_(torch.from_numpy(tensors[name]))
+            param.copy_(shard_like(param, torch.from_numpy(tensors[name])))
 
     @torch.no_grad()
     def remove(self) -> None:
         """The base weights back: a ComfyUI MODEL is used again after the run."""
         for (_, param), base in zip(self.named, self.base):
-            param.copy_(base)
-        self.named, self.base = [], []
+            param.copy_(shard_like(param, base))
+        self.names, self.base = [], []
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (an all-gather: every rank calls it), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank, or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def shard_like(ref: torch.Tensor, value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`value` (whole, the same on every rank) laid out as `ref`: this rank's shard cut locally, no
+    communication (src_data_rank None), where `ref` is a DTensor; else `value`. In `dtype`, else ref's."""
+    if not hasattr(ref, "device_mesh"):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    value = value.to(device=local(ref).device, dtype=dtype or ref.dtype)
+    return distribute_tensor(value, ref.device_mesh, ref.placements, src_data_rank=None)
+
+
+def replicated(trainable, sharded: bool) -> list[nn.Module]:
+    """What DDP averages the gradients of under torchrun: an adapter's branches; a full fine-tune's whole model
+    (replicated); nothing where FSDP2 shards it (its reduce-scatter averages the gradients)."""
+    if not isinstance(trainable, FullSet):
+        return list(trainable.branches().values())
+    return [] if sharded else [trainable.model]
 
 
 def state(trainable) -> dict[str, np.ndarray]:
@@ -91,8 +127,15 @@ def load_state(trainable, tensors: dict[str, np.ndarray]) -> None:
         trainable.load(tensors)
 
 
-def model_tensors(model: nn.Module) -> dict[str, np.ndarray]:
-    """The whole diffusion model's state dict in fp32 numpy, keys as ComfyUI's Load Diffusion Model reads them."""
+def model_tensors(model: nn.Module, sharded: bool = False) -> dict[str, np.ndarray]:
+    """The whole diffusion model's state dict in fp32 numpy, keys as ComfyUI's Load Diffusion Model reads them.
+    Sharded (every rank calls it): torch.distributed.checkpoint's full state dict, gathered onto rank 0's host
+    (the other ranks get {}: only rank 0 writes the file), keys as one process's."""
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {name: t.float().numpy().copy() for name, t in get_model_state_dict(model, options=options).items()}
     return {name: t.detach().float().cpu().numpy().copy() for name, t in model.state_dict().items()}
 
 
@@ -109,6 +152,9 @@ def round_bf16_updates(optimizer: torch.optim.Optimizer, params: list[nn.Paramet
     Nothing changes for fp32 weights (the demo model, CPU tests)."""
     low = [p for p in params if p.dtype == torch.bfloat16]
     if not low:
+        return
+    if any(hasattr(p, "device_mesh") for p in low):  # sharded by FSDP2: its DTensor parameters take no .data swap
+        optimizer.step = functools.partial(_masters_step, optimizer, optimizer.step, low)
         return
     step = optimizer.step
 
@@ -128,3 +174,29 @@ def round_bf16_updates(optimizer: torch.optim.Optimizer, params: list[nn.Paramet
                 p.grad = None if grad is None else grad.to(torch.bfloat16)
 
     optimizer.step = rounded_step
+
+
+def _masters_step(optimizer: torch.optim.Optimizer, step, low: list[nn.Parameter], *args, **kwargs):
+    """round_bf16_updates for sharded (DTensor) weights: assigning .data to a DTensor parameter changes its dtype
+    label but not its shard (torch 2.13), so the optimizer steps fp32 copies put in the weights' places (their
+    state moved with them), and each rank rounds its shard back stochastically into the bf16 weight."""
+    slots = {id(p): (group, i) for group in optimizer.param_groups for i, p in enumerate(group["params"])}
+    masters = []
+    for p in low:
+        master = nn.Parameter(p.detach().float())
+        master.grad = None if p.grad is None else p.grad.float()
+        group, i = slots[id(p)]
+        group["params"][i] = master
+        if p in optimizer.state:
+            optimizer.state[master] = optimizer.state.pop(p)
+        masters.append((p, master, group, i))
+    try:
+        return step(*args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for p, master, group, i in masters:
+                stochastic_round_(local(p), local(master.detach()))
+                group["params"][i] = p
+                if master in optimizer.state:
+                    optimizer.state[p] = optimizer.state.pop(master)
+                p.grad = None if master.grad is None else master.grad.to(torch.bfloat16)

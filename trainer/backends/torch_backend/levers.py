@@ -99,6 +99,7 @@ def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float, offl
             lokr_full_w2=cfg.lokr_full_w2,
             frames=clip_frames(cfg),
             offload_activations=cfg.offload_activations is True if offload is None else offload,
+            **({"ema": cfg.ema, "shards": _shards(model)} if cfg.adapter == "full" else {}),  # a full run's state
         )
         # fp8_compute's copies are resident already (counted in `free`); edit training's reference tokens
         # are not known here (the data is not read): auto's margin covers the rest
@@ -106,6 +107,11 @@ def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float, offl
     except (ValueError, KeyError):
         return None
     return est.total - est.weights
+
+
+def _shards(model: nn.Module) -> int:
+    """The ranks a sharded full run's weights are split over (1 where none is a DTensor)."""
+    return max((p.device_mesh.size() for p in model.parameters() if hasattr(p, "device_mesh")), default=1)
 
 
 def free_bytes(device: torch.device) -> tuple[int, int]:

@@ -44,6 +44,7 @@ class MemoryPlan:
     note: str = ""  # what auto chose and why ("" when nothing was auto)
     fits: bool = True  # False: auto streamed every block and the estimated step still does not fit
     offload: bool = False  # the blocks' kept inputs wait in pinned host memory (offload_activations)
+    shards: int = 1  # sharding shard: the ranks each block is split over (sharding.py); a rank holds 1/shards
 
     @property
     def blocks(self) -> int:
@@ -90,12 +91,16 @@ class MemoryPlan:
         if self.free_and_total is None:
             return None
         free, total = self.free_and_total
+        # a sharded block leaves only its share on this rank's GPU (what lay there whole is freed)
         arriving = sum(
-            size - on for i, (size, on) in enumerate(zip(self.sizes, self.on_device)) if i not in self.chosen
+            size // self.shards - on
+            for i, (size, on) in enumerate(zip(self.sizes, self.on_device))
+            if i not in self.chosen
         )
         return free + self.host_new_bytes - arriving - self.ring_bytes, total
 
-    def with_stream(self, count: int, note: str = "", fits: bool = True, offload: bool = False) -> MemoryPlan:
+    def with_stream(self, count: int, note: str = "", fits: bool = True, offload: bool | None = None) -> MemoryPlan:
+        offload = self.offload if offload is None else offload
         return replace(self, stream=min(count, self.blocks), note=note, fits=fits, offload=offload)
 
     def summary(self) -> str:
@@ -104,7 +109,8 @@ class MemoryPlan:
         kept = "; the blocks' kept inputs in pinned host memory" if self.offload else ""
         if not self.stream:
             where = "on the GPU" if self.free_and_total is not None else "in memory"
-            return f"frozen base {where} ({resident / GIB:.1f} GiB of block weights); nothing streams{kept}"
+            split = f", 1/{self.shards} on each of {self.shards} ranks" if self.shards > 1 else ""
+            return f"frozen base {where} ({resident / GIB:.1f} GiB of block weights{split}); nothing streams{kept}"
         return (
             f"{self.blocks - self.stream} of {self.blocks} blocks on the GPU ({resident / GIB:.1f} GiB), "
             f"{self.stream} streamed from pinned host memory ({self.streamed_bytes / GIB:.1f} GiB of RAM, "

@@ -267,11 +267,14 @@ def load_optimizer_arrays(optimizer: torch.optim.Optimizer, names: list[str], te
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:
+    if hasattr(tensor, "full_tensor"):  # a sharded full fine-tune's moment: gathered whole (every rank calls it)
+        tensor = tensor.full_tensor()
     return tensor.detach().cpu().numpy()
 
 
 def _is_packed(value) -> bool:
-    return torch.is_tensor(value) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__")
+    subclass = torch.is_tensor(value) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__")
+    return subclass and not hasattr(value, "device_mesh")  # a DTensor (sharded full run) is gathered whole instead
 
 
 def _class_path(value) -> str:

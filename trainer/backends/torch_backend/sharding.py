@@ -12,27 +12,43 @@ auto shards where the memory plan found the base does not fit one card beside th
 blocks from the host), else replicates; one process never shards. Validation samples keep the base whole:
 rank 0 samples alone while the others wait, and a sharded block's forward needs every rank's all-gather. Sharding and streaming are two answers to
 the same shortage: a sharded run streams nothing.
+
+A full fine-tune (adapter full) trains the blocks' own weights: shard puts each block AND the root (the embedders,
+the final layer) under FSDP2, so each rank keeps 1/N of every weight, its gradient (reduce-scattered, averaged
+over the ranks as DDP would) and its optimizer state (the optimizer is built over the sharded DTensor
+parameters); EMA shadows the shards. A checkpoint gathers them whole on every rank (`gathered`) and rank 0 writes
+one process's layout, so a resume cuts its shards again. auto shards a full run where one card cannot hold the
+weights, their gradients, the optimizer state and EMA (`full_bytes`); replicate keeps the whole model on each rank
+under DDP.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from ...config import AUTO, ConfigError, TrainConfig
 from ...run import distributed
+from . import full
 from .memory_plan import GIB, MemoryPlan
+
+# Bytes per trained weight of the optimizer's state (a full run's auto decision; the estimate counts the same):
+# AdamW's two fp32 moments, adamw8bit's two 8-bit ones; others as AdamW (an upper bound: Lion and SGD keep less).
+OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "adamw_torchao8bit": 2, "adafactor": 4, "lion": 4, "sgd": 4}
 
 log = logging.getLogger("kiln")
 
 
-def decide(cfg: TrainConfig, plan: MemoryPlan, quantized: bool) -> tuple[bool, str]:
+def decide(cfg: TrainConfig, plan: MemoryPlan, quantized: bool, need: int = 0) -> tuple[bool, str]:
     """(shard the base?, the log line saying what sharding chose and why; "" on one process)."""
     world = distributed.current().world
     if world == 1:
         return False, ""
+    if cfg.adapter == full.FULL:
+        return _decide_full(cfg, plan, world, need)
     base = sum(plan.sizes) / GIB
     if cfg.sharding == "replicate":
         return False, f"sharding replicate: the whole base ({base:.1f} GiB of blocks) on each of {world} ranks"
@@ -65,7 +81,36 @@ def decide(cfg: TrainConfig, plan: MemoryPlan, quantized: bool) -> tuple[bool, s
     )
 
 
-def shard_blocks(blocks: list[nn.Module], device: torch.device) -> None:
+def full_bytes(params: list[nn.Parameter], cfg: TrainConfig) -> int:
+    """A full run's resident training state: the weights, their gradients (the weights' dtype), the optimizer's
+    state (OPTIMIZER_BYTES per weight) and the fp32 EMA shadow where EMA is on."""
+    weights = sum(p.numel() * p.element_size() for p in params)
+    count = sum(p.numel() for p in params)
+    return 2 * weights + count * (OPTIMIZER_BYTES.get(cfg.optimizer, 8) + (4 if cfg.ema else 0))
+
+
+def _decide_full(cfg: TrainConfig, plan: MemoryPlan, world: int, need: int) -> tuple[bool, str]:
+    """A full fine-tune: shard as set, or (auto) where the training state does not fit the card's free memory."""
+    state, free = need / GIB, (plan.free_and_total or (None, None))[0]
+    if cfg.sharding == "replicate" or (cfg.sharding == AUTO and (free is None or need <= free)):
+        why = "as set" if cfg.sharding == "replicate" else "it fits one card"
+        return False, (
+            f"sharding {cfg.sharding} (full fine-tune, {why}): the whole model, {state:.1f} GiB of weights, "
+            f"gradients and optimizer state, on each of {world} ranks"
+        )
+    if cfg.sample_prompts:
+        raise ConfigError(
+            "a full fine-tune sharded over the ranks cannot sample sample_prompts on rank 0 alone: leave "
+            "sample_prompts empty (sample the saved model), or set sharding replicate"
+        )
+    why = "it does not fit one card" if cfg.sharding == AUTO else "as set"
+    return True, (
+        f"sharding {cfg.sharding}{' → shard' if cfg.sharding == AUTO else ''} (full fine-tune, {why}): weights, "
+        f"gradients and optimizer state ({state:.1f} GiB) split over {world} ranks, ~{state / world:.1f} GiB each"
+    )
+
+
+def shard_blocks(blocks: list[nn.Module], device: torch.device, root: nn.Module | None = None) -> None:
     """Each block an FSDP2 unit over all ranks; its shard on `device`. Each block is a root of its own (the
     model's forward is ComfyUI's, not ours to wrap), so every block reshards after its forward explicitly
     (a root would keep its gathered weights otherwise). No explicit prefetch: across roots it fails (each root
@@ -76,6 +121,8 @@ def shard_blocks(blocks: list[nn.Module], device: torch.device) -> None:
     mesh = init_device_mesh(device.type, (distributed.current().world,))
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    if root is not None:  # a full fine-tune: the root's own weights (embedders, final layer) sharded too
+        fully_shard(root, mesh=mesh, reshard_after_forward=True)
 
 
 def local_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
@@ -89,12 +136,59 @@ def local_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
     return held, whole
 
 
-def place(cfg: TrainConfig, plan: MemoryPlan, blocks: list[nn.Module], device: torch.device, quantized: bool):
-    """The memory plan after the sharding decision: a sharded base's (nothing streams), or `plan` itself."""
-    shard, note = decide(cfg, plan, quantized)
+def place(
+    cfg: TrainConfig, plan: MemoryPlan, blocks: list[nn.Module], device: torch.device, quantized: bool, trained=None
+):
+    """The memory plan after the sharding decision: a sharded base's (nothing streams), or `plan` itself.
+    `trained`: a full fine-tune's FullSet (its model's root is sharded with the blocks)."""
+    full_run = isinstance(trained, full.FullSet)
+    need = full_bytes([p for _, p in trained.named], cfg) if full_run else 0
+    shard, note = decide(cfg, plan, quantized, need)
     if not shard:
         if note:
             log.info("[Kiln] %s", note)
         return plan
-    shard_blocks(blocks, device)
-    return plan.with_stream(0, note)
+    shard_blocks(blocks, device, trained.model if full_run else None)
+    return replace(plan.with_stream(0, note), shards=distributed.current().world)  # `after` counts 1/N of the base
+
+
+def is_sharded(params) -> bool:
+    return any(hasattr(p, "device_mesh") for p in params)
+
+
+def clip_global_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """optim.clip_global_norm for sharded gradients: the squares of each rank's shards summed over the ranks."""
+    import torch.distributed as dist
+
+    shards = [full.local(g) for g in grads]
+    squares = torch.stack(torch._foreach_norm(shards)).square().sum() if shards else torch.zeros(())
+    dist.all_reduce(squares)
+    total = squares.sqrt()
+    if max_norm > 0:
+        torch._foreach_mul_(shards, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+class Gathered:
+    """What a checkpoint reads of a backend whose full fine-tune is sharded, gathered whole on every rank
+    (all-gathers: every rank builds it; rank 0 alone writes it): one process's layout, resumable on N ranks."""
+
+    def __init__(self, backend):
+        self.name = backend.name
+        self.lora_state, self.rng_state = backend.lora_state, backend.rng_state
+        held = backend.full_state(), backend.ema_state(), backend.optimizer_state()
+        self.full_state, self.ema_state, self.optimizer_state = (lambda value=v: value for v in held)
+
+
+def gathered(backend):
+    """`backend` itself, or (a sharded full fine-tune) its state gathered whole: see Gathered."""
+    return Gathered(backend) if backend.sharded else backend
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """After a resume loaded whole tensors: each state tensor shaped as its DTensor parameter cut to its shard."""
+    for param, entries in optimizer.state.items():
+        for key, value in entries.items():
+            whole = torch.is_tensor(value) and not hasattr(value, "device_mesh") and value.shape == param.shape
+            if hasattr(param, "device_mesh") and whole:
+                entries[key] = full.shard_like(param, value, value.dtype)

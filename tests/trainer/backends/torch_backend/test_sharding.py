@@ -3,6 +3,8 @@ equality with one process and each rank's half of the blocks: tests/trainer/run/
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from trainer.backends.torch_backend import sharding
@@ -55,3 +57,36 @@ def test_validation_samples_keep_the_base_whole(two_ranks):
     assert not shard and "the base streaming instead" in note
     with pytest.raises(ConfigError, match="sample_prompts with sharding shard"):
         from_dict({**prompts, "sharding": "shard"})
+
+
+def test_a_sharded_plan_counts_a_ranks_share_of_the_base_arriving():
+    """note27: the memory plan counted the whole base arriving on each GPU under shard; a rank holds 1/N."""
+    host = MemoryPlan(0, sizes=(4 * GIB,) * 8, on_device=(0,) * 8, free_and_total=(100 * GIB, 141 * GIB))
+    assert host.after == (100 * GIB - 32 * GIB, 141 * GIB)  # one process: the whole base arrives
+    assert replace(host, shards=2).after == (100 * GIB - 16 * GIB, 141 * GIB)
+    whole = replace(host, on_device=(4 * GIB,) * 8, shards=4)  # loaded whole on the GPU, then sharded: 3/4 freed
+    assert whole.after == (100 * GIB + 24 * GIB, 141 * GIB)
+    assert "1/4 on each of 4 ranks" in whole.summary()
+
+
+def test_a_full_run_shards_where_its_training_state_does_not_fit_the_card(two_ranks):
+    need = 60 * GIB  # weights, gradients, optimizer state, EMA
+    card = replace(PLAN, free_and_total=(50 * GIB, 80 * GIB))
+    full = TrainConfig(adapter="full")
+    shard, note = sharding.decide(full, card, False, need)
+    assert shard and "full fine-tune, it does not fit one card" in note and "~30.0 GiB each" in note
+    assert not sharding.decide(full, replace(card, free_and_total=(70 * GIB, 80 * GIB)), False, need)[0]
+    assert not sharding.decide(full, PLAN, False, need)[0]  # off CUDA (no free memory known): replicate
+    assert sharding.decide(TrainConfig(adapter="full", sharding="shard"), PLAN, False, need)[0]
+    assert not sharding.decide(TrainConfig(adapter="full", sharding="replicate"), card, False, need)[0]
+
+
+def test_a_full_runs_training_state_by_hand():
+    """bf16 weights: 2 B + a 2 B gradient each; AdamW 8 B, adamw8bit 2 B; EMA's fp32 shadow 4 B."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.zeros(10, 3, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(5))]
+    # 30 bf16 + 5 fp32 weights: weights 60 + 20 B, gradients the same
+    assert sharding.full_bytes(params, TrainConfig(adapter="full", ema=False)) == 2 * 80 + 35 * 8
+    assert sharding.full_bytes(params, TrainConfig(adapter="full", ema=True)) == 2 * 80 + 35 * (8 + 4)
+    assert sharding.full_bytes(params, TrainConfig(adapter="full", optimizer="adamw8bit")) == 2 * 80 + 35 * 2
