@@ -7,6 +7,7 @@ validation sampling both front ends hand the loop (`validation`)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -105,6 +106,10 @@ def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
     images) takes each IMAGE. Sampling leaves torch's random state as it was, so a run's LoRA dropout
     draws are the same with or without samples."""
 
+    note = start_image_note(cfg.arch, samples)
+    if note:
+        logging.getLogger("kiln").warning("[Kiln] %s", note)
+
     def validate(step: int, lora: Callable | None = None) -> list:
         sampler_model, plain = (
             _unstreamed(model)
@@ -137,6 +142,21 @@ def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
         return drawn  # [H,W,3] in 0..1 each: the loop's TensorBoard / W&B sinks log them
 
     return validate
+
+
+def start_image_note(arch_name: str, samples: Sequence) -> str:
+    """For an image-to-video model whose sample prompts carry no start image (ComfyUI's sampler reads it from the
+    conditioning WanImageToVideo returns: concat_latent_image), what to wire; "" otherwise."""
+    if not get_arch(arch_name).start_image or not samples:
+        return ""
+    if all(any("concat_latent_image" in extra for _, extra in s.positive) for s in samples):
+        return ""
+    return (
+        f"{arch_name} is an image-to-video model and its samples have no start image: they are drawn from the "
+        "prompt alone. To sample from a start image, feed Kiln Validation Settings the positive and negative "
+        "outputs of WanImageToVideo (its start_image; for Wan 2.1 I2V also clip_vision_output from CLIP Vision "
+        "Encode)"
+    )
 
 
 def _unstreamed(model):

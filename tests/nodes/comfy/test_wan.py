@@ -150,6 +150,28 @@ def test_i2v_start_image_from_a_clips_first_frame_is_wanimagetovideos(models):
         assert torch.equal(ours, output)
 
 
+def test_i2v_samples_without_wanimagetovideos_conditioning_say_what_to_wire():
+    """An image-to-video model's samples read the start image from WanImageToVideo's conditioning (ComfyUI's
+    sampler, concat_latent_image); fed the text encoder's instead, the run says once what to wire."""
+    from types import SimpleNamespace
+
+    from comfy_extras.nodes_wan import WanImageToVideo
+    from helpers.tiny_wan import tiny_wan_vae
+
+    from kiln_pack.nodes.comfy.training import start_image_note
+
+    emb = caption(6, 9)
+    with torch.inference_mode():
+        node = WanImageToVideo.execute(
+            cond(emb), cond(emb), tiny_wan_vae(), 32, 32, 5, 1, start_image=torch.rand(1, 32, 32, 3)
+        )
+    positive, negative, _latent = node.result if hasattr(node, "result") else node
+    wired, plain = SimpleNamespace(positive=positive), SimpleNamespace(positive=cond(emb))
+    assert start_image_note("wan22_i2v_low", [wired]) == start_image_note("wan21_t2v", [plain]) == ""
+    note = start_image_note("wan21_i2v", [wired, plain])
+    assert "no start image" in note and "WanImageToVideo" in note and "Validation Settings" in note
+
+
 @pytest.mark.parametrize("frames", [3, None])
 def test_training_steps_learn_and_leave_model_unchanged(wan, tmp_path, frames):
     """Clips [C,t,h,w] and still images [C,h,w] (a video model trained on images) alike."""
