@@ -84,7 +84,7 @@ same run: CUDA events around 50 back-to-back products after a warm-up, best of 3
 
 Model FLOPs per step (the numerator of MFU; B = batch, per Linear its own token count T, i.e.
 image tokens, text tokens, both, or 1 for modulation/timestep layers):
-    linear      forward 2*in*out*T; backward 2*in*out*T (activation gradient only: base frozen)
+    linear      forward 2*in*out*T; backward 2*in*out*T (activation gradient only: base frozen; adapter full: 4*in*out*T)
     LoRA        forward 2*r*(in+out)*T; backward 4*r*(in+out)*T (activation + weight gradients)
     attention   forward 4*L^2*D per attention layer (QK^T and AV; L its sequence, D = heads*128);
                 backward 8*L^2*D
@@ -681,6 +681,7 @@ def model_flops(
     skip: int = 0,
     attention_saved: bool = False,
     budgeted: bool = False,
+    full: bool = False,
 ) -> dict:
     """Model FLOPs of one training step (module docstring), from the built model's own Linear shapes.
     Recompute counts the blocks that are checkpointed (all but `skip`), without attention when its
@@ -697,7 +698,7 @@ def model_flops(
         base = 2 * module.in_features * module.out_features * tokens
         low_rank = 2 * rank * (module.in_features + module.out_features) * tokens if name in lora else 0
         fwd += base + low_rank
-        bwd += base + 2 * low_rank
+        bwd += base * (2 if full else 1) + 2 * low_rank  # adapter full: the weight's gradient too
         if ".".join(name.split(".")[:2]) in again:
             recompute += base + low_rank
     attention = 0
@@ -1801,6 +1802,7 @@ def run_row(row: Row, dims: ModelDims, patcher, build_info: dict, opts) -> dict:
         skip=settings.get("skip_checkpoint_blocks", 0),
         attention_saved=record["saved_attention"],
         budgeted=budget > 0,
+        full=settings.get("adapter") == "full",
     )
     record["mfu_counts_recompute"] = not budget > 0
     kiln_s = record["kiln_s_per_step"]
