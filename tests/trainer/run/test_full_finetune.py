@@ -36,7 +36,7 @@ def full_config(make_config):
 
 
 def test_every_weight_trains_and_the_model_comes_back(tmp_path, make_model, make_data, full_config):
-    model = make_model()
+    model = make_model().requires_grad_(False)  # frozen, as a ComfyUI MODEL is
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = train_until(tmp_path / "full", model, make_data(), full_config)
     assert result.trainable_parameters == sum(p.numel() for p in model.parameters())
@@ -45,6 +45,7 @@ def test_every_weight_trains_and_the_model_comes_back(tmp_path, make_model, make
         assert not np.array_equal(result.model[name], before[name].numpy()), name
     for name, tensor in model.state_dict().items():  # the model handed back is the base, bit for bit
         assert torch.equal(tensor, before[name]), name
+    assert not any(p.requires_grad for p in model.parameters())  # and frozen again: a LoRA run may follow
     state, _ = safetensors_io.read(result.checkpoint / "state.safetensors")
     assert {f"full.{n}" for n in before} == {k for k in state if k.startswith("full.")}
 

@@ -137,7 +137,8 @@ class TorchBackend:
             pure_blocks=self.arch.pure_blocks,
             budget=chosen.budget,
             cuda_graphs=chosen.cuda_graphs,
-            compile_key=f"attention={self.attention}|fp8={self.fp8.mode if self.fp8 else 'off'}",
+            # the adapter kind: a full run's blocks train their weights, graphs of their own (never a LoRA run's)
+            compile_key=f"attention={self.attention}|fp8={self.fp8.mode if self.fp8 else 'off'}|{cfg.adapter}",
             offload=self.memory.offload,
         )
         if self.stream is not None:
