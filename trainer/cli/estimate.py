@@ -127,6 +127,11 @@ def _card_plans(settings: dict, cfg, args) -> None:
     if offload and fits({**settings, "offload_activations": True}):  # each block recomputed whole: no budget
         print(f"the step fits{moved}:")
         print("\n".join(plan_lines({**settings, "offload_activations": True}, args.memory_gb, 0.0, every)))
+        small = {**settings, "base_dtype": "int8"}
+        if settings["base_dtype"] == "bf16" and cfg.base_quantize in ("auto", "int8") and fits(small):
+            # auto keeps the base exact; the int8 plan beside it streams half the bytes (faster where copies bound)
+            print("or with the base rounded to int8 instead (set base_quantize int8; half the bytes to stream):")
+            print("\n".join(plan_lines(small, args.memory_gb, budget, every)))
     elif cfg.base_quantize == "auto" and settings["base_dtype"] == "bf16":
         small = {**settings, "base_dtype": "int8"}
         inputs = offload and not fits(small) and fits({**small, "offload_activations": True})

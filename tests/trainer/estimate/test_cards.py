@@ -137,3 +137,23 @@ def test_the_cli_shows_base_quantize_autos_int8_plan_where_bf16_cannot_fit(tmp_p
     assert "base_quantize auto → int8 (in bf16 the run does not fit 4 GiB even streamed)" in auto.stdout
     assert auto.stdout.count("the plan on a 4 GiB card") == 2
     assert "base_quantize auto" not in none.stdout and "base_quantize auto" not in roomy.stdout
+
+
+def test_the_cli_shows_the_plan_with_the_block_inputs_on_the_host_where_nothing_else_fits(tmp_path):
+    """Wan 14B at 640 px x 81 frames on 24 GiB: 43 GiB even with every block streamed, under 24 with the kept
+    inputs on the host (offload_activations auto, as the memory plan decides); off, the plan says it does not fit.
+    Where the exact plan fits, the int8 alternative beside it (Flux2 Dev on 16 GiB) is shown too."""
+    wan, off, dev = tmp_path / "wan.toml", tmp_path / "off.toml", tmp_path / "dev.toml"
+    wan.write_text('arch = "wan21_t2v"\nresolutions = [640]\n')
+    off.write_text('arch = "wan21_t2v"\nresolutions = [640]\noffload_activations = false\nbase_quantize = "none"\n')
+    dev.write_text('arch = "flux2_dev"\nresolutions = [512]\nrank = 64\noptimizer = "adamw8bit"\n')
+    common = ("--variant", "wan2.1-t2v-14b", "--frames", 81, "--memory-gb", 24)
+    auto, none, both = (
+        _cli("estimate", wan, *common),
+        _cli("estimate", off, *common),
+        _cli("estimate", dev, "--memory-gb", 16),
+    )
+    assert auto.returncode == none.returncode == both.returncode == 0, auto.stderr
+    assert "offload_activations auto → on" in auto.stdout and auto.stdout.count("the plan on a 24 GiB card") == 2
+    assert "offload_activations" not in none.stdout and "does not fit even with every block streamed" in none.stdout
+    assert "offload_activations auto → on" in both.stdout and "or with the base rounded to int8 instead" in both.stdout
