@@ -31,6 +31,15 @@ from trainer.lora import files as lora_format  # noqa: E402
 from trainer.lora import report  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
+KINDS = {  # the adapter kind each case's library writes (helpers/library_loras.CASES)
+    "lycoris_lokr": "lokr",
+    "lycoris_lokr_full": "lokr",
+    "lycoris_loha": "loha",
+    "lycoris_locon": "lora",
+    "lycoris_dora": "dora",
+    "peft_dora": "dora",
+    "diffusers_lora": "lora",
+}
 
 
 def _zimage_names(patcher) -> dict:
@@ -146,6 +155,8 @@ def test_library_file_converts_into_comfyui_with_the_same_weight_change(written,
     _, stock_unloaded = _comfy_loads(patcher, src, caplog)
     info = report.describe(src)
     assert info["comfyui_unmatched"] == stock_unloaded, (case, info["comfyui_unmatched"], stock_unloaded)
+    assert info["kinds"] == [KINDS[case]], (case, info["kinds"])  # inspect names the kind the library wrote
+    assert all(row["rank"] for row in info["module_table"]) or case == "lycoris_lokr_full"  # and its rank
     converted = lora_format.convert_file(src, dst, arch=FAMILIES[family][0])
     assert converted.unplaced == []
     by_weight, unloaded = _comfy_loads(patcher, dst, caplog)

@@ -108,7 +108,12 @@ def _foreign_row(name: str, keys: list[str], converted, tensors, header) -> dict
         kind, rank, alpha = "lora", w.rank, w.alpha
     else:
         kind = next(
-            (k for s, (k, role) in lora_sources.SUFFIXES.items() for key in keys if key.endswith(s) and k != "lora"),
+            (
+                k
+                for s, (k, _role) in lora_sources.SUFFIXES.items()
+                for key in keys
+                if key.endswith(s) and k not in ("lora", "")
+            ),
             "dora",
         )
         by_role = {role: tensors[k] for k in keys for s, (_, role) in lora_sources.SUFFIXES.items() if k.endswith(s)}

@@ -151,7 +151,9 @@ def test_inspect_reads_what_convert_reads(tmp_path, family, name):
     src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
     safetensors_io.write(src, fixture.tensors, fixture.metadata, dtype={k: "F16" for k in fixture.tensors})
     info = report.describe(src)
-    assert info["module_table"] and info["writer"] and info["kinds"]
+    assert info["module_table"] and info["writer"] and info["kinds"] and all(info["kinds"])  # each kind named
+    if any(k.endswith((".dora_scale", ".lora_magnitude_vector")) for k in fixture.tensors):  # DoRA, with its rank
+        assert "dora" in info["kinds"] and all(row["rank"] for row in info["module_table"] if row["kind"] == "dora")
     assert {row["dtype"] for row in info["module_table"]} == {"F16"}
     assert set(info["comfyui_unmatched_keys"]) <= set(fixture.tensors)
     assert info["arch_fit"] is not None and info["arch_fit"].split("_")[0] == family.split("_")[0]
