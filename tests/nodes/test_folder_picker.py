@@ -33,6 +33,7 @@ from helpers.comfy_server import (  # noqa: E402
 
 DATASET = TINY_FILES["dataset"]
 EDITS = TINY_FILES["edit_dataset"]
+CLIPS = TINY_FILES["clip_dataset"]
 
 
 def fake_checkpoint(run_dir: Path, step: int, total: int | None = None) -> None:
@@ -65,10 +66,11 @@ def server(tmp_path_factory):
 
 def test_the_routes_list_datasets_and_runs_by_name(server):
     datasets = server.get("/kiln/folders/datasets")
-    # The test server's two datasets (tiny_base); an edit dataset's control/ images are not counted as its own.
+    # The test server's three datasets (tiny_base); an edit dataset's control/ images are not counted as its own.
     assert datasets == {
         "root": "input",
         "folders": [
+            {"name": CLIPS, "detail": "2 images, 2 captions"},
             {"name": DATASET, "detail": "4 images, 4 captions"},
             {"name": EDITS, "detail": "2 images, 2 captions"},
         ],
@@ -116,6 +118,7 @@ def test_the_choose_button_types_the_picked_folder(server, tmp_path):
         assert seen["serialized"][[s.removesuffix(".control") for s in slots].index(field)] == name
         assert seen["prompt"][field] == name and seen["label"] not in seen["prompt"], seen["prompt"]
     assert report["nodes"]["KilnLoadDataset"]["menu"] == [
+        f"{CLIPS}   (2 images, 2 captions)",
         f"{DATASET}   (4 images, 4 captions)",
         f"{EDITS}   (2 images, 2 captions)",
     ]

@@ -385,12 +385,13 @@ def test_training_options_default_to_the_auto_levers_and_keep_saved_values():
     )
 
 
-@pytest.mark.parametrize("name", ["fp8_compute", "step_graphs"])
+@pytest.mark.parametrize("name", ["fp8_compute", "step_graphs", "offload_activations"])
 def test_auto_levers_are_three_way_choices_defaulting_to_auto(name):
     """fp8_compute auto (on for a base stored in fp8 on a capable GPU), on (also a bf16 base, with its fp8
     copies), off; step_graphs likewise (auto: on for one process on a CUDA GPU where their memory fits): combos
     whose words reach the config as "auto", True and False; the post-0.1 options keep their positions ahead
-    of anything added later (cuda_graphs, step_graphs, stream_blocks, then sigma_range, last)."""
+    of anything added later (cuda_graphs, step_graphs, stream_blocks, sigma_range, then offload_activations,
+    last); offload_activations likewise (auto: only where the step fits no other way)."""
     inputs = {i.id: i for i in tn.KilnTrainingOptions.define_schema().inputs}
     assert inputs[name].options == ["auto", "on", "off"] and inputs[name].default == "auto"
     values = {i.id: i.default for i in inputs.values()}
@@ -398,7 +399,7 @@ def test_auto_levers_are_three_way_choices_defaulting_to_auto(name):
         assert out(tn.KilnTrainingOptions.execute(**{**values, name: word}))[name] == expected
     order = list(inputs)
     assert order.index("fp8_compute") < order.index("reg_weight") < order.index("cuda_graphs")
-    assert order[-4:] == ["cuda_graphs", "step_graphs", "stream_blocks", "sigma_range"]
+    assert order[-5:] == ["cuda_graphs", "step_graphs", "stream_blocks", "sigma_range", "offload_activations"]
 
 
 def test_invert_adapter_and_loss_graph(comfy_dirs, tmp_path_factory):

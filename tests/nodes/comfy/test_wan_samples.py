@@ -69,7 +69,7 @@ def test_a_wan_runs_validation_sample_is_an_animated_webp_of_the_frame_count(wan
         grid.save_sample(step, index, images.float().cpu().numpy())
         grid.add(step, index, images.float().cpu().numpy())
 
-    sinks = bridge.validation(SimpleNamespace(backend="torch"), wan, chain.samples, on_sample)(5)
+    sinks = bridge.validation(SimpleNamespace(backend="torch", arch="wan21_t2v"), wan, chain.samples, on_sample)(5)
     (images,) = drawn
     assert tuple(images.shape) == (9, 32, 48, 3)  # [T,H,W,C]: 9 frames = 3 latent frames through the Wan VAE
     assert len(sinks) == 1 and sinks[0].shape == (32, 48, 3)  # the sinks log a clip's first frame
