@@ -30,9 +30,9 @@ def _from_host(packed):
 
 
 def offloaded(block):
-    """`block` (eager on copies of its inputs, or compiled) under torch's reentrant checkpoint, whose kept inputs are saved tensors of its autograd node and
-    so pass saved_tensors_hooks: on the host until the backward needs them (as OneTrainer's activation offloading
-    and musubi-tuner's --gradient_checkpointing_cpu_offload). The non-reentrant checkpoint keeps its inputs in a
+    """`block` (eager on copies of its inputs, or compiled) under torch's reentrant checkpoint, whose kept inputs are
+    saved tensors of its autograd node and so pass saved_tensors_hooks: on the host until the backward needs them
+    (as OneTrainer's activation offloading and musubi-tuner's --gradient_checkpointing_cpu_offload). The non-reentrant checkpoint keeps its inputs in a
     closure no hook sees. Reentrant takes tensors positionally: keyword arguments ride along by name; one input
     requires grad so the block's LoRA gets its gradient where nothing upstream is trained (the first block)."""
 
