@@ -84,7 +84,7 @@ same run: CUDA events around 50 back-to-back products after a warm-up, best of 3
 
 Model FLOPs per step (the numerator of MFU; B = batch, per Linear its own token count T, i.e.
 image tokens, text tokens, both, or 1 for modulation/timestep layers):
-    linear      forward 2*in*out*T; backward 2*in*out*T (activation gradient only: base frozen; adapter full: 4*in*out*T)
+    linear      forward 2*in*out*T; backward 2*in*out*T (activation gradient only: base frozen; full: 4*in*out*T)
     LoRA        forward 2*r*(in+out)*T; backward 4*r*(in+out)*T (activation + weight gradients)
     attention   forward 4*L^2*D per attention layer (QK^T and AV; L its sequence, D = heads*128);
                 backward 8*L^2*D

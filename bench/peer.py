@@ -38,7 +38,10 @@ PEER_TARGETS = {
         r"|feed_forward\.(w1|w2|w3))"
     ),
     # Wan's block Linears (trainer/archs/wan.py DEFAULT_TARGETS) under diffusers' WanTransformer3DModel names
-    "wan": r".*blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|attn2\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))",
+    "wan": (
+        r".*blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|attn2\.(to_q|to_k|to_v|to_out\.0)"
+        r"|ffn\.net\.(0\.proj|2))"
+    ),
 }
 PEER_TARGETS["wan21_t2v"] = PEER_TARGETS["wan22_ti2v_5b"] = PEER_TARGETS.pop("wan")
 
