@@ -104,6 +104,7 @@ def _card_plans(settings: dict, cfg, args) -> None:
     """`--memory-gb`: the plan on that card and the predicted step on named cards; where the run does not fit even
     streamed, the plan a run's auto then takes (memory_plan.py): the blocks' kept inputs on the host
     (offload_activations auto), else the base in int8 (base_quantize auto), with the inputs on the host if need be."""
+    from ..config.checks import offload_possible
     from ..estimate.cards import card_plan, plan_lines
 
     if cfg.adapter == "full":  # nothing streams or quantizes: the table above is the plan
@@ -118,8 +119,7 @@ def _card_plans(settings: dict, cfg, args) -> None:
     def fits(chosen: dict) -> bool:
         return card_plan(chosen, args.memory_gb).streamed is not None
 
-    offload = cfg.offload_activations == "auto" and cfg.gradient_checkpointing and cfg.checkpoint_budget in (0, "auto")
-    offload = offload and not cfg.cuda_graphs
+    offload = cfg.offload_activations == "auto" and offload_possible(cfg)  # as memory_plan._may_offload
     moved = " with the blocks' kept inputs in pinned host memory (offload_activations auto → on; their copies, two a "
     moved += "block a step, are not in the predicted times)"
     if fits(settings):

@@ -294,13 +294,14 @@ def _preservation_problems(cfg: TrainConfig) -> list[str]:
     return []
 
 
+def offload_possible(cfg: TrainConfig) -> bool:
+    """Whether the blocks' kept inputs can wait on the host (offload_activations): checkpointing keeps them, and each
+    block is recomputed whole, so no checkpoint_budget and no CUDA graphs. The run's auto and the estimate ask it too."""
+    return cfg.gradient_checkpointing and cfg.checkpoint_budget in (0, AUTO) and not cfg.cuda_graphs
+
+
 def _offload_problems(cfg: TrainConfig) -> list[str]:
-    if cfg.offload_activations is not True or (
-        cfg.backend == "torch"
-        and cfg.gradient_checkpointing
-        and cfg.checkpoint_budget in (0, AUTO)
-        and not cfg.cuda_graphs
-    ):
+    if cfg.offload_activations is not True or (cfg.backend == "torch" and offload_possible(cfg)):
         return []
     return [
         "offload_activations true moves the inputs gradient checkpointing keeps to host memory and recomputes each "

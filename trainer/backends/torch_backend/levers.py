@@ -65,9 +65,9 @@ def clip_frames(cfg: TrainConfig) -> int:
     """The frames of the run's longest clip as the estimate counts them: the dataset's `frames` snapped down to the
     arch's 4k+1 for a video model (an image-only run is then over-counted: more streams, nothing fails); 1 else."""
     from ...archs import get_arch
+    from ...data.frames import snap
 
-    per = get_arch(cfg.arch).frames_per_latent
-    return 1 + (cfg.frames - 1) // per * per if per > 1 else 1
+    return snap(cfg.frames) if get_arch(cfg.arch).frames_per_latent > 1 else 1
 
 
 def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float, offload: bool | None = None) -> int | None:

@@ -226,7 +226,7 @@ def _auto(model, cfg, plan: MemoryPlan) -> MemoryPlan:
     if need is None:
         return plan.with_stream(0, "stream_blocks auto → 0 (no memory estimate for this model)")
     count = _fewest(plan, need)
-    offload, kept = cfg.offload_activations is True, ""
+    offload, kept = False, ""  # offload_activations true: decide() sets it whatever streams
     if count is None and _may_offload(cfg):  # offload_activations auto: the kept inputs to the host, then stream
         smaller = levers.estimated_step_bytes(model, cfg, 0.0, offload=True)
         count = _fewest(plan, smaller)
@@ -267,15 +267,10 @@ def _fewest(plan: MemoryPlan, need: int | None) -> int | None:
 def _may_offload(cfg: TrainConfig) -> bool:
     """offload_activations auto may turn on: checkpointing on, no checkpoint_budget or CUDA graphs asked for, one
     process (under DDP the reentrant checkpoint it needs is untested)."""
+    from ...config.checks import offload_possible
     from ...run import distributed
 
-    return (
-        cfg.offload_activations == AUTO
-        and cfg.gradient_checkpointing
-        and cfg.checkpoint_budget in (0, AUTO)
-        and not cfg.cuda_graphs
-        and distributed.current().world == 1
-    )
+    return cfg.offload_activations == AUTO and offload_possible(cfg) and distributed.current().world == 1
 
 
 def step_room(model: nn.Module, cfg: TrainConfig, total: int) -> int | None:
