@@ -884,27 +884,29 @@ def run_kiln(
     settings = dict(settings or {})
     data = BenchCompanions.wrap(data, inputs, settings)
     cfg = config.from_dict(
-        dict(
-            arch=arch_name,
-            device="auto",
-            mixed_precision="bf16" if dtype == "bf16" else "no",
-            rank=32,
-            alpha=32.0,
-            targets=["re:.*"] if targets == "all" else [],
-            optimizer="adamw",
-            learning_rate=1e-4,
-            steps=steps + profile_steps,
-            batch_size=batch,
-            gradient_checkpointing=checkpointing,
-            caption_dropout=0.0,
-            resolutions=[resolution],  # what the row trains at (checkpoint_budget auto reads it, as from a dataset)
-            checkpoint_every=0,
-            keep_checkpoints=1,
-            log_every=10,
-            ema=False,
-            seed=0,
-            **(settings or {}),
-        )
+        {
+            **dict(
+                arch=arch_name,
+                device="auto",
+                mixed_precision="bf16" if dtype == "bf16" else "no",
+                rank=32,
+                alpha=32.0,
+                targets=["re:.*"] if targets == "all" else [],
+                optimizer="adamw",
+                learning_rate=1e-4,
+                steps=steps + profile_steps,
+                batch_size=batch,
+                gradient_checkpointing=checkpointing,
+                caption_dropout=0.0,
+                resolutions=[resolution],  # what the row trains at (checkpoint_budget auto reads it, as from a dataset)
+                checkpoint_every=0,
+                keep_checkpoints=1,
+                log_every=10,
+                ema=False,
+                seed=0,
+            ),
+            **settings,  # a row's settings win over the bench's defaults (optimizer=adamw8bit_torchao)
+        }
     )
     clock = StepClock(device, timing)
     # Profiled steps come after the timed ones (the profiler's own host cost stays out of the timing).
