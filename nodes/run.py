@@ -37,7 +37,7 @@ from ..trainer.data.dataset import Dataset
 from ..trainer.errors import did_you_mean
 from ..trainer.archs import get_arch
 from ..trainer.lora.files import LoraWeights, lora_metadata
-from ..trainer.lora.model_file import RUN_FILE, save_diffusion_model
+from ..trainer.lora.model_file import RUN_FILE, run_model_file, save_diffusion_model
 from ..trainer.run import folders as run_folders
 from ..trainer.run import state as state_module
 from ..trainer.run.callbacks import Callbacks
@@ -76,7 +76,7 @@ class KilnState:
             lora=state_module.checkpoint_lora(checkpoint),
             ema_lora=state_module.checkpoint_lora(checkpoint, ema=True) if has_ema else None,
             history=state_module.checkpoint_history(checkpoint),
-            model_file=str(full) if (full := checkpoint.path.parent / RUN_FILE).is_file() else "",
+            model_file=run_model_file(checkpoint.path.parent),
         )
 
     def best_lora(self) -> dict[str, LoraWeights]:

@@ -100,6 +100,8 @@ def _encode(path, key: str, array, target: str | None) -> tuple[str, np.ndarray]
     if not isinstance(key, str) or key == "__metadata__":
         raise SafetensorsError(f"{path}: tensor name {key!r} is not allowed; use a str other than '__metadata__'")
     array = np.asarray(array)
+    if target == "BF16" and array.dtype == np.uint16:  # a bf16 tensor's own bits (no float copy made of them)
+        return "BF16", np.require(array, np.dtype("<u2"), ["C"])
     if target is not None and array.dtype.kind == "f":
         if target not in _FLOAT_TARGETS:
             raise SafetensorsError(
@@ -140,7 +142,8 @@ def write(
     dtype: str | Mapping[str, str] | None = None,
 ) -> None:
     """Write atomically, after checking the disk has room. `dtype` converts floating arrays ("BF16",
-    "F16", "F32"); a mapping gives the stored dtype per key (keys not in it keep their own dtype)."""
+    "F16", "F32"; "BF16" also takes uint16 arrays as bf16 bits); a mapping gives the stored dtype per key (keys
+    not in it keep their own dtype)."""
     encoded = {}
     for key, array in tensors.items():
         target = dtype.get(key) if isinstance(dtype, Mapping) else dtype

@@ -21,3 +21,22 @@ def save_diffusion_model(path, tensors: Mapping[str, np.ndarray], *, dtype: str,
         key: STORED[dtype] for key, array in tensors.items() if np.issubdtype(np.asarray(array).dtype, np.floating)
     }
     safetensors_io.write(path, tensors, {**metadata, "kiln.kind": "diffusion_model"}, dtype=stored)
+
+
+def run_model_file(run_dir) -> str:
+    """A full fine-tune's diffusion-model file in its run folder: RUN_FILE (a node run's), else the newest
+    `*.safetensors` there whose metadata says kiln.kind diffusion_model (a headless run names it `<name>.safetensors`);
+    "" for an adapter run's folder."""
+    from pathlib import Path
+
+    folder = Path(run_dir)
+    if (folder / RUN_FILE).is_file():
+        return str(folder / RUN_FILE)
+    for path in sorted(folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            _, metadata = safetensors_io.read_header(path)
+        except (OSError, safetensors_io.SafetensorsError):
+            continue  # not a file Kiln wrote: not the run's model
+        if metadata.get("kiln.kind") == "diffusion_model":
+            return str(path)
+    return ""

@@ -138,7 +138,9 @@ def _write_folder(
         lora_format.save_lora(
             temp / "lora.safetensors", lora, arch=arch, fmt="comfy", dtype=save_dtype, metadata=lora_metadata
         )
-        safetensors_io.write(temp / "state.safetensors", tensors, {"kiln.format": RUN_FORMAT})
+        # a full fine-tune's bf16 weights come as their bits (full.exact): stored as BF16, read back as fp32
+        bits = {k: "BF16" for k, v in tensors.items() if k.startswith("full.") and v.dtype == np.uint16}
+        safetensors_io.write(temp / "state.safetensors", tensors, {"kiln.format": RUN_FORMAT}, dtype=bits)
         atomic_write_text(temp / "run.json", run_json)
         fsync_dir(temp)
     except BaseException:

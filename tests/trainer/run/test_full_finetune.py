@@ -11,7 +11,7 @@ from trainer import config as config
 from trainer import safetensors_io
 from trainer.config import ConfigError
 from trainer.lora.extract import extract
-from trainer.lora.model_file import save_diffusion_model
+from trainer.lora.model_file import RUN_FILE, run_model_file, save_diffusion_model
 from trainer.lora.tools import RankRule
 
 from helpers.resume import assert_bitwise_resume
@@ -57,6 +57,25 @@ def test_resume_is_bitwise_exact(tmp_path, make_model, make_data, full_config):
     resumed = train_until(tmp_path / "stopped", make_model(), make_data(), full_config, resume=True)
     assert resumed.step == 8
     assert_bitwise_resume(straight, resumed, holds=("full.", "ema.", "optim."))
+    assert all(np.array_equal(straight.model[k], resumed.model[k]) for k in straight.model)
+
+
+def test_bf16_weights_are_checkpointed_as_bf16_and_resume_bitwise(tmp_path, make_model, make_data, full_config):
+    """A bf16 model's weights go into the checkpoint as their own bits (BF16: half of fp32's bytes, as a 6B model's
+    12 GB against 24), and a resume from it equals the run that never stopped."""
+    cfg = config.replace(full_config, ema=False, mixed_precision="no")
+
+    def bf16_model():
+        return make_model().to(torch.bfloat16)
+
+    straight = train_until(tmp_path / "straight", bf16_model(), make_data(), cfg)
+    first = train_until(tmp_path / "stopped", bf16_model(), make_data(), cfg, stop_at=3)
+    entries, _ = safetensors_io.read_header(first.checkpoint / "state.safetensors")
+    full_entries = {k: e["dtype"] for k, e in entries.items() if k.startswith("full.")}
+    assert full_entries and set(full_entries.values()) == {"BF16"}
+    resumed = train_until(tmp_path / "stopped", bf16_model(), make_data(), cfg, resume=True)
+    assert resumed.step == 8
+    assert_bitwise_resume(straight, resumed, holds=("full.", "optim."))
     assert all(np.array_equal(straight.model[k], resumed.model[k]) for k in straight.model)
 
 
@@ -130,3 +149,18 @@ def test_headless_train_writes_the_model_file_and_extract_reads_it(tmp_path):
 
     lora, _ = load_lora(out, arch="demo")
     assert lora and all(w.A.shape[0] <= 4 for w in lora.values())
+
+
+def test_the_run_folders_model_file_is_found_under_either_name(tmp_path, make_model, make_data, full_config):
+    """Load Run's state carries a full run's model file: a node run's diffusion_model.safetensors, or the
+    `<name>.safetensors` a headless run writes (kiln.kind diffusion_model); a LoRA beside it is not the model."""
+    run = tmp_path / "run"
+    result = train_until(run, make_model(), make_data(), config.replace(full_config, ema=False, steps=3))
+    assert run_model_file(run) == ""  # the checkpoint alone: no model file yet
+    safetensors_io.write(run / "notes.safetensors", {"x": np.zeros(2, np.float32)}, {"kiln.kind": "lora"})
+    (run / "broken.safetensors").write_bytes(b"not a safetensors file")
+    headless = run / "run.safetensors"
+    save_diffusion_model(headless, result.model, dtype="fp32", metadata={})
+    assert run_model_file(run) == str(headless)
+    save_diffusion_model(run / RUN_FILE, result.model, dtype="fp32", metadata={})
+    assert run_model_file(run) == str(run / RUN_FILE)

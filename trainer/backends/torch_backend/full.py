@@ -68,9 +68,10 @@ class FullSet:
         yield  # pragma: no cover
 
     def state(self) -> dict[str, np.ndarray]:
-        """The trained weights, exact (fp32 holds every bf16 value), by state-dict name. Sharded: every rank
-        calls it (each weight all-gathered whole)."""
-        return {name: whole(p.detach()).float().cpu().numpy().copy() for name, p in self.named}  # not a view
+        """The trained weights, exact, by state-dict name: a bf16 weight as its own bits (uint16: the checkpoint
+        stores it as BF16, half the bytes of fp32 on disk and on the host while saving), others in fp32. Sharded:
+        every rank calls it (each weight all-gathered whole)."""
+        return {name: exact(whole(p.detach())) for name, p in self.named}
 
     @torch.no_grad()
     def load(self, tensors: dict[str, np.ndarray]) -> None:
@@ -86,6 +87,13 @@ class FullSet:
         for (_, param), base in zip(self.named, self.base):
             param.copy_(shard_like(param, base))
         self.names, self.base = [], []
+
+
+def exact(tensor: torch.Tensor) -> np.ndarray:
+    """A weight on the host, exact and not a view: bf16 as its bits (uint16), anything else as fp32."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.cpu().view(torch.int16).numpy().view(np.uint16).copy()
+    return tensor.float().cpu().numpy().copy()
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

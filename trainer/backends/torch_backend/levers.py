@@ -26,11 +26,18 @@ import torch
 from torch import nn
 
 from ...config import AUTO, TrainConfig
+from . import full
 from . import step_graphs as step_graphs_module
 
 log = logging.getLogger("kiln")
 
 GIB = 2**30
+# Measured on an H200 (torch 2.11, ComfyUI 0.33, Klein 4B at 1024 px; runs/gpu_next.sh full, fulldiag, cachediag): an
+# adapter run with compiled blocks after a full fine-tune's compiled run in the same process failed at its first step
+# with "CUDA error: an illegal memory access" (3 of 3), which ends the process's CUDA context (ComfyUI must restart).
+# The same run with eager blocks trained, as did the compiled run in a fresh process reading the full run's compile
+# cache; at test size it did not fail. Until the cause is found, "auto" compiles no adapter run after a full one.
+FULL_COMPILED_HERE: list[str] = []  # the device of each full fine-tune that compiled its blocks on CUDA here
 
 
 @dataclass(frozen=True)
@@ -309,7 +316,14 @@ def decide(
             " (this model's blocks write into what their norms keep for backward: compiled, they trace only "
             "under mixed_precision bf16 on a CUDA GPU)"
         )
+    if not why_not and device.type == "cuda" and cfg.adapter != full.FULL and FULL_COMPILED_HERE:
+        why_not = (
+            " (a full fine-tune compiled its blocks in this process, and compiled blocks after it failed on CUDA: "
+            "restart ComfyUI, or run the full fine-tune headless, for compiled speed)"
+        )
     compile = cfg.compile_blocks is True or (cfg.compile_blocks == AUTO and not why_not)
+    if compile and device.type == "cuda" and cfg.adapter == full.FULL:
+        FULL_COMPILED_HERE.append(str(device))
     if cfg.compile_blocks == AUTO:
         notes.append(f"compile_blocks auto → {'on' if compile else 'off'}" + ("" if compile else why_not))
     budget, offload = cfg.checkpoint_budget, memory is not None and memory.offload

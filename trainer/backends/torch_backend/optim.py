@@ -264,6 +264,21 @@ def load_optimizer_arrays(optimizer: torch.optim.Optimizer, names: list[str], te
         for saved, group in zip(meta["param_groups"], template["param_groups"])
     ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    _keep_saved_dtypes(optimizer, state)
+
+
+def _keep_saved_dtypes(optimizer: torch.optim.Optimizer, saved: dict[int, dict]) -> None:
+    """torch's load_state_dict casts floating state to its parameter's dtype; a full fine-tune's bf16 weights keep
+    fp32 moments (their step runs on fp32 copies: full.round_bf16_updates), so each such tensor is put back as
+    saved, not cast back from bf16 (a bf16 full run's resume met "expected dtype BFloat16" at its first step, and
+    moments rounded to bf16 would end it elsewhere than the run that never stopped)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entries in saved.items():
+        live = optimizer.state[params[index]]
+        for entry, value in entries.items():
+            held = live.get(entry)
+            if torch.is_tensor(value) and torch.is_tensor(held) and not _is_packed(value) and held.dtype != value.dtype:
+                live[entry] = value.to(held.device)  # plain: a sharded run cuts it after (shard_optimizer_state)
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:

@@ -35,10 +35,6 @@ from ...run import distributed
 from . import full
 from .memory_plan import GIB, MemoryPlan
 
-# Bytes per trained weight of the optimizer's state (a full run's auto decision; the estimate counts the same):
-# AdamW's two fp32 moments, adamw8bit's two 8-bit ones; others as AdamW (an upper bound: Lion and SGD keep less).
-OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "adamw_torchao8bit": 2, "adafactor": 4, "lion": 4, "sgd": 4}
-
 log = logging.getLogger("kiln")
 
 
@@ -83,10 +79,14 @@ def decide(cfg: TrainConfig, plan: MemoryPlan, quantized: bool, need: int = 0) -
 
 def full_bytes(params: list[nn.Parameter], cfg: TrainConfig) -> int:
     """A full run's resident training state: the weights, their gradients (the weights' dtype), the optimizer's
-    state (OPTIMIZER_BYTES per weight) and the fp32 EMA shadow where EMA is on."""
+    state (the estimate's own count: 2-D weights factored where adafactor and came factor them) and the fp32 EMA
+    shadow where EMA is on."""
+    from ...estimate.common import state_bytes
+
     weights = sum(p.numel() * p.element_size() for p in params)
     count = sum(p.numel() for p in params)
-    return 2 * weights + count * (OPTIMIZER_BYTES.get(cfg.optimizer, 8) + (4 if cfg.ema else 0))
+    shapes = [(p.shape[0], p.numel() // p.shape[0]) if p.dim() >= 2 else (1, p.numel()) for p in params]
+    return 2 * weights + state_bytes(cfg.optimizer, shapes) + count * (4 if cfg.ema else 0)
 
 
 def _decide_full(cfg: TrainConfig, plan: MemoryPlan, world: int, need: int) -> tuple[bool, str]:

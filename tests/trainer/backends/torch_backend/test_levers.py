@@ -339,6 +339,27 @@ def test_auto_leaves_blocks_that_write_into_a_norms_input_uncompiled_outside_bf1
     assert decided("flux2_klein", "no", compile_blocks=True).compile  # explicit: tried (its error names the fix)
 
 
+def test_auto_compiles_no_adapter_run_after_a_full_fine_tune_compiled_in_the_process(monkeypatch):
+    """On an H200 a compiled LoRA run after a compiled full fine-tune in one process failed with an illegal memory
+    access (the process's CUDA context lost); eager, it trained. So auto leaves the blocks eager after one, says
+    why, and an explicit compile_blocks is taken as it is."""
+    monkeypatch.setattr(levers, "can_compile", lambda device: True)  # a CUDA GPU with Triton
+    monkeypatch.setattr(levers, "FULL_COMPILED_HERE", [])
+
+    def decided(adapter: str, device="cuda", compile_blocks="auto") -> levers.Levers:
+        cfg = config_module.from_dict(
+            {"adapter": adapter, "checkpoint_budget": 0.0, "compile_blocks": compile_blocks, "step_graphs": False}
+        )
+        return levers.decide(torch.nn.Linear(2, 2), cfg, torch.device(device))
+
+    assert decided("lora").compile and not levers.FULL_COMPILED_HERE  # a LoRA run leaves no mark
+    assert decided("full").compile and levers.FULL_COMPILED_HERE == ["cuda"]
+    after = decided("lora")
+    assert not after.compile and "compile_blocks auto → off (a full fine-tune compiled its blocks" in after.note
+    assert decided("full").compile  # another full run compiles as the first did
+    assert decided("lokr", compile_blocks=True).compile  # explicit: taken as it is
+
+
 @pytest.mark.parametrize("variant, arch", [("zimage", "zimage"), ("flux2-klein-4b", "flux2_klein")])
 def test_auto_budget_is_the_largest_that_leaves_the_margin(variant, arch):
     model, cfg = HeaderModel(variant), config_module.from_dict({"arch": arch, "resolutions": [512, 1024]})

@@ -90,3 +90,8 @@ def test_a_full_runs_training_state_by_hand():
     assert sharding.full_bytes(params, TrainConfig(adapter="full", ema=False)) == 2 * 80 + 35 * 8
     assert sharding.full_bytes(params, TrainConfig(adapter="full", ema=True)) == 2 * 80 + 35 * (8 + 4)
     assert sharding.full_bytes(params, TrainConfig(adapter="full", optimizer="adamw8bit")) == 2 * 80 + 35 * 2
+    # torchao's 8-bit AdamW as bitsandbytes' (the table once misspelt its name and counted 8 B); prodigy 16 B;
+    # adafactor factors the 10x3 weight (row and column statistics: 4 B x 13) and the 5-vector (4 B x 6)
+    assert sharding.full_bytes(params, TrainConfig(adapter="full", optimizer="adamw8bit_torchao")) == 2 * 80 + 35 * 2
+    assert sharding.full_bytes(params, TrainConfig(adapter="full", optimizer="prodigy")) == 2 * 80 + 35 * 16
+    assert sharding.full_bytes(params, TrainConfig(adapter="full", optimizer="adafactor")) == 2 * 80 + 4 * (13 + 6)
