@@ -50,7 +50,11 @@ LEAVE_OUT = {
     "comfy-angle",
     "pydantic-settings",
 }
-KILN_NEEDS = ["diffusers==0.42.1", "importlib_metadata", "torchao==0.18.0"]  # bench/peer.py; torchao: adamw8bit_torchao (a full run's 8-bit states); peft is on the machine
+KILN_NEEDS = [
+    "diffusers==0.42.1",
+    "importlib_metadata",
+    "torchao==0.18.0",
+]  # bench/peer.py; torchao: adamw8bit_torchao (a full run's 8-bit states); peft is on the machine
 # av's modules ComfyUI imports at load time (comfy_api.latest); the stub answers any name with a placeholder.
 AV_STUB_MODULES = (
     "av",
