@@ -17,7 +17,8 @@ from .option_nodes import OPTION_FIELDS, KilnTrainingOptions, option_values  # n
 from .widgets import CATEGORY, DATASET, OPTIONS, STATE, STEPS_TOOLTIP, VALIDATION, checked, preset_input, widget
 
 TRAIN_WIDGETS = cfg_module.TRAIN_WIDGETS  # the settings declared node="train", in slot order
-# Validation Settings' last input (added after the shipped ones: saved workflows keep their values).
+# Validation Settings' last inputs, frames then start_latent (added after the shipped ones: saved workflows keep
+# their values).
 FRAMES_INPUT = io.Int.Input(
     "frames",
     default=SAMPLE_FRAMES,
@@ -26,6 +27,14 @@ FRAMES_INPUT = io.Int.Input(
     step=4,  # as ComfyUI's own video latents (EmptyHunyuanLatentVideo's length): 1, 5, ..., 33
     tooltip="Video models (Wan): frames per sample clip (4k+1: 33 = 2 s at 16 fps), saved as an animated WebP; "
     "image models ignore it",
+)
+
+START_LATENT_INPUT = io.Latent.Input(
+    "start_latent",
+    optional=True,
+    tooltip="A LATENT to start each sample from, as KSampler takes it: Wan22ImageToVideoLatent's for Wan 2.2 5B "
+    "image-to-video samples (the start image stays as the first frame). Its size replaces width, height and "
+    "frames. Unset: an empty latent of that size",
 )
 
 
@@ -77,6 +86,7 @@ class KilnValidationSettings(io.ComfyNode):
                     "prompts are sampled first, then this one (one column of the sample grid each)",
                 ),
                 FRAMES_INPUT,
+                START_LATENT_INPUT,
             ],
             outputs=[
                 VALIDATION.Output(

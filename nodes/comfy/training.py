@@ -95,6 +95,7 @@ class Sample:
     width: int
     height: int
     frames: int = 1  # a video model's clip length (image models ignore it)
+    start_latent: object = None  # a LATENT to start from (Wan22ImageToVideoLatent's), else an empty one
 
 
 def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
@@ -136,6 +137,7 @@ def validation(cfg, model, samples: Sequence, on_sample: Callable) -> Callable:
                         width=s.width,
                         height=s.height,
                         frames=s.frames,
+                        start_latent=s.start_latent,
                     )
                 on_sample(step, index, images)
                 drawn.append(images[0].float().cpu().numpy())  # a clip's first frame stands for it in the sinks

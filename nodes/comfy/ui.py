@@ -45,14 +45,21 @@ def sample(
     height: int,
     frames: int = 1,
     reload_after=None,
+    start_latent: dict | None = None,
 ) -> torch.Tensor:
     """One image through ComfyUI's own sampler (comfy.sample.sample) and vae.decode: IMAGE [1,H,W,3]; a video
     model's clip of `frames` frames (image models ignore it): IMAGE [T,H,W,3].
 
     Runs in session.sampling (no grad, in_training off, the stop button live; the training model
     loaded again afterwards) on ComfyUI's own code paths; LoRA side branches installed in the module
-    forwards take part."""
-    latent = empty_latent(model, vae, width, height, frames)
+    forwards take part. `start_latent`: a LATENT to start from instead of the empty one, as KSampler takes it
+    (Wan22ImageToVideoLatent's: the start image in the first frame, kept by its noise_mask); its size wins over
+    width, height and frames."""
+    latent, mask = empty_latent(model, vae, width, height, frames), None
+    if start_latent is not None:
+        latent = comfy.sample.fix_empty_latent_channels(model, start_latent["samples"][:1])
+        mask = start_latent.get("noise_mask")
+        mask = mask[:1] if mask is not None else None  # one sample per prompt, as the empty latent's batch of 1
     noise = comfy.sample.prepare_noise(latent, seed)
     with session.sampling(reload_after), comfy_paths.sampling(model):
         samples = comfy.sample.sample(
@@ -66,6 +73,7 @@ def sample(
             negative,
             latent,
             denoise=1.0,
+            noise_mask=mask,
             disable_pbar=True,
             seed=seed,
         )

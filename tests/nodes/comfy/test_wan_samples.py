@@ -42,10 +42,11 @@ def webp_frames(path) -> tuple[int, tuple[int, int], str]:
         return clip.n_frames, clip.size, clip.format
 
 
-def test_validation_settings_takes_frames_last_with_a_tooltip():
+def test_validation_settings_takes_frames_then_start_latent_last_with_tooltips():
     inputs = tn.KilnValidationSettings.define_schema().inputs
-    assert inputs[-1].id == "frames" and inputs[-1].tooltip and inputs[-1].default == 33
-    assert [i.id for i in inputs[-3:-1]] == ["every", "validation"]  # the shipped inputs keep their places
+    assert inputs[-2].id == "frames" and inputs[-2].tooltip and inputs[-2].default == 33
+    assert inputs[-1].id == "start_latent" and inputs[-1].optional and "Wan22ImageToVideoLatent" in inputs[-1].tooltip
+    assert [i.id for i in inputs[-4:-2]] == ["every", "validation"]  # the shipped inputs keep their places
 
 
 def test_a_wan_runs_validation_sample_is_an_animated_webp_of_the_frame_count(wan, wan_vae, tmp_path):
@@ -111,3 +112,48 @@ def test_an_image_models_sample_ignores_frames(tmp_path):
     assert tuple(one.shape) == (1, 32, 32, 3) and torch.equal(one, many)
     grid = SampleGrid(tmp_path, ["kiln"])
     assert grid.save_sample(1, 0, one[0].numpy()).suffix == ".png"
+
+
+def test_a_5b_sample_starts_from_wan22imagetovideolatents_latent_as_ksampler_does(tmp_path):
+    """Validation Settings' start_latent: Wan 2.2 TI2V 5B's image-to-video latent (the start image encoded in the
+    first frame, a noise_mask keeping it) sampled as ComfyUI's own KSampler samples it, bit for bit; without it the
+    sample is the prompt's alone."""
+    import nodes as comfy_nodes
+    from comfy_extras.nodes_wan import Wan22ImageToVideoLatent
+    from helpers.tiny_encoders import tiny_wan22_vae
+
+    ti2v, vae = load(write_wan_file(tmp_path / "ti2v.safetensors", in_dim=48, out_dim=48)), tiny_wan22_vae()
+    positive, negative = cond(caption(7, 1)), cond(caption(0, 2))
+    with torch.inference_mode():
+        made = Wan22ImageToVideoLatent.execute(vae, 64, 32, 9, 1, start_image=torch.rand(1, 32, 64, 3))
+    (latent,) = made.result if hasattr(made, "result") else made
+    assert "noise_mask" in latent
+    chain = out(
+        tn.KilnValidationSettings.execute(
+            positive=positive,
+            negative=negative,
+            vae=vae,
+            **SETTINGS,
+            width=512,
+            height=512,
+            every=1,
+            frames=33,
+            start_latent=latent,
+        )
+    )
+    drawn = []
+    validate = bridge.validation(
+        SimpleNamespace(backend="torch", arch="wan22_ti2v_5b"), ti2v, chain.samples, lambda *a: drawn.append(a[2])
+    )
+    validate(1)
+    (ours,) = drawn
+    s = SETTINGS
+    with torch.inference_mode():
+        (theirs,) = comfy_nodes.common_ksampler(
+            ti2v, s["seed"], s["steps"], s["cfg"], s["sampler_name"], s["scheduler"], positive, negative, latent
+        )
+        decoded = vae.decode(theirs["samples"])
+    assert tuple(ours.shape) == (9, 32, 64, 3)  # the latent's size, not the widgets' 512x512 x 33
+    assert torch.equal(ours, decoded.reshape(-1, *decoded.shape[-3:])[..., :3])
+    plain = bridge.sample(ti2v, positive, negative, vae, **SETTINGS, width=64, height=32, frames=9)
+    assert not torch.equal(plain, ours)  # the start image counts
