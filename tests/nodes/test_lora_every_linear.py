@@ -4,7 +4,8 @@ other trainers write: `diffusion_model.<path>` (ai-toolkit), `lora_unet_<flat pa
 `transformer.<diffusers name>` (diffusers, PEFT) and `lycoris_<flat diffusers name>` (SimpleTuner's LyCORIS).
 `convert` places every key, and ComfyUI's loader reads the result with no key unmatched and each module's ΔW (#47).
 The diffusers names are Kiln's export (tests/trainer/lora/test_family_diffusers_names.py holds them to diffusers'
-own models); a module diffusers has no plain name for (Flux2's final adaLN) is in the ComfyUI forms only."""
+own models); a module diffusers has no plain name for (Flux2's final adaLN) is in the ComfyUI forms only.
+`inspect`'s count of the keys stock ComfyUI loads from each file as is equals what ComfyUI's loader takes."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from helpers import comfy_lora, tiny_comfy, tiny_families, tiny_wan
 
 from trainer import safetensors_io
 from trainer.lora import files as lf
-from trainer.lora import keys
+from trainer.lora import keys, report
 
 RANK = 2
 # family → (Kiln arch, the tiny model)
@@ -141,3 +142,66 @@ def test_every_linear_in_every_key_form_converts_into_comfyui(models, tmp_path, 
         truth = (w.B.astype(np.float64) @ w.A.astype(np.float64)) * w.scale
         error = float(np.abs(got[path].double().numpy().reshape(truth.shape) - truth).max())
         assert error <= 1e-5 * float(np.abs(truth).max()), (family, form, path, error)
+
+
+def _comfy_loaded_keys(patcher, path, caplog) -> int:
+    """How many of a file's keys ComfyUI's loader takes onto the model: those load_lora reads (it warns 'lora key
+    not loaded' of each other key), less those whose patch add_patches drops (a weight the model lacks: NOT LOADED)."""
+    import comfy.lora
+    import comfy.utils
+
+    lora = comfy.utils.load_torch_file(str(path), safe_load=True)
+    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        patches = comfy.lora.load_lora(lora, key_map)
+    told = "lora key not loaded: "
+    left = {m[len(told) :] for r in caplog.records if (m := r.getMessage()).startswith(told)}
+    kept = {k if isinstance(k, str) else k[0] for k in patcher.clone().add_patches(patches, 1.0)}
+
+    def target(key: str) -> str:  # the weight of the key map's entry that read the key (the longest name it starts)
+        to = key_map[max((n for n in key_map if key.startswith(n + ".")), key=len)]
+        return to if isinstance(to, str) else to[0]
+
+    return sum(key not in left and target(key) in kept for key in lora)
+
+
+# The files stock ComfyUI loads no key of as they are: it maps Lumina 2 with Z-Image's diffusers names
+# (comfy/lora.py → comfy/utils.py z_image_to_diffusers), not diffusers' Lumina2 ones, and Wan with none.
+NOTHING_LOADED = {("lumina2", "transformer"), ("lumina2", "lycoris"), ("wan", "transformer"), ("wan", "lycoris")}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_inspect_counts_the_keys_comfyui_loads_from_the_file_as_is(models, tmp_path, family, form, caplog):
+    patcher = models(family)
+    tensors = _file(_every_linear(patcher), form, FAMILIES[family][0])
+    src = tmp_path / f"{form}.safetensors"
+    safetensors_io.write(src, tensors, {}, dtype={k: "F32" for k in tensors})
+    info = report.describe(src)
+    loaded = _comfy_loaded_keys(patcher, src, caplog)
+    assert len(tensors) - info["comfyui_unmatched"] == loaded, (family, form, info["comfyui_unmatched_keys"][:4])
+    assert (loaded == 0) == ((family, form) in NOTHING_LOADED), (family, form, loaded)
+
+
+def test_inspect_counts_zimage_names_comfyui_maps_onto_lumina2(models, tmp_path, caplog):
+    """A Lumina 2 file in Z-Image's diffusers names loads in ComfyUI, but for a name of a weight Lumina 2 lacks
+    (Z-Image's adaLN_modulation.0; Lumina 2's is .1: its patch is dropped) and diffusers' own Lumina2 names."""
+    patcher = models("lumina2")
+    lora = _every_linear(patcher)
+    zimage = keys.arch_of("zimage")
+    # q/k/v left out: Z-Image's map splits qkv in equal thirds, which Lumina 2's grouped k/v heads are not
+    named = {p: w for p, w in lora.items() if keys.diffusers_targets(zimage, p) and not p.endswith(".qkv")}
+    ada, out = lora["layers.0.adaLN_modulation.1"], lora["layers.0.attention.out"]
+    dropped = {
+        "transformer.layers.0.adaLN_modulation.0.lora_A.weight": ada.A,
+        "transformer.layers.0.adaLN_modulation.0.lora_B.weight": ada.B,
+        **lf.to_tensors({"layers.0.attention.out": out}, "diffusers", "lumina2"),  # attn.to_out.0
+    }
+    tensors = {**lf.to_tensors(named, "diffusers", "zimage"), **dropped}
+    src = tmp_path / "zimage_names.safetensors"
+    safetensors_io.write(src, tensors, {"kiln.arch": "lumina2"}, dtype={k: "F32" for k in tensors})
+    info = report.describe(src)
+    assert info["arch_fit"] == "lumina2"
+    assert info["comfyui_unmatched_keys"] == sorted(dropped)
+    assert _comfy_loaded_keys(patcher, src, caplog) == len(tensors) - len(dropped)

@@ -159,6 +159,9 @@ def test_library_file_converts_into_comfyui_with_the_same_weight_change(written,
     assert all(row["rank"] for row in info["module_table"]) or case == "lycoris_lokr_full"  # and its rank
     converted = lora_format.convert_file(src, dst, arch=FAMILIES[family][0])
     assert converted.unplaced == []
+    name = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}[KINDS[case]]
+    n = converted.total  # every module counted, by the kind the library wrote (DoRA too): N of N
+    assert f"{n} of {n} module(s) converted: {n} {name}" in converted.report(), converted.report()
     by_weight, unloaded = _comfy_loads(patcher, dst, caplog)
     assert unloaded == 0 and not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert len(by_weight) == len({target for target, _ in names.values()})

@@ -78,7 +78,7 @@ def from_tensors(
             "is the LoRA for another model (pass arch=), or are these not LoRA weights?"
         )
     if converted.passthrough:
-        kinds = "/".join(sorted(k.upper() if k != "diff" else k for k in converted.kinds - {"lora"}))
+        kinds = "/".join(sorted(k.upper() if k != "diff" else k for k in converted.kinds.keys() - {"lora"}))
         example = next(keys for path, keys in converted.origins.items() if path not in converted.lora)
         raise ValueError(
             f"{source}: {len(converted.origins) - len(converted.lora)} module(s) are {kinds} weights, not LoRA "

@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,7 @@ SUFFIXES: dict[str, tuple[str, str]] = {
     ".lora_magnitude_vector.default.weight": ("", "dora_scale"),
 }
 DORA_SUFFIXES = tuple(s for s, (_, role) in SUFFIXES.items() if role == "dora_scale")  # kept F32 as ComfyUI's
+_KIND_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa", "diff": "diff"}
 DORA_KEYS = {"A": "lora_down.weight", "B": "lora_up.weight", "alpha": "alpha", "dora_scale": "dora_scale"}
 
 
@@ -98,13 +100,16 @@ class Converted:
     lora: lf.Lora
     passthrough: dict[str, np.ndarray] = field(default_factory=dict)
     origins: dict[str, list[str]] = field(default_factory=dict)  # ComfyUI path → the file's keys placed there
-    kinds: set[str] = field(default_factory=set)  # adapter kinds read: lora, dora, lokr, loha, diff
+    kinds: Counter[str] = field(default_factory=Counter)  # adapter kind (lora, dora, lokr, loha, diff) → modules read
+    total: int = 0  # the file's modules, placed or not
     unplaced: list[str] = field(default_factory=list)  # keys no rule could place: never dropped silently
     notes: list[str] = field(default_factory=list)  # how the file was read, one line each
     arch: Arch | None = None
 
     def report(self) -> str:
-        lines = [*self.notes, f"{len(self.lora)} LoRA module(s), {len(self.passthrough)} tensor(s) passed through"]
+        """How the file was read; a DoRA, LoKr, LoHa or diff module (exact as it is) counts as a LoRA's does."""
+        counts = ", ".join(f"{self.kinds[kind]} {name}" for kind, name in _KIND_NAMES.items() if self.kinds[kind])
+        lines = [*self.notes, f"{sum(self.kinds.values())} of {self.total} module(s) converted: {counts or 'none'}"]
         if self.unplaced:
             lines.append(f"{len(self.unplaced)} key(s) not placed: " + ", ".join(self.unplaced))
         return "\n".join(lines)
@@ -279,7 +284,7 @@ def read(
     modules, unplaced = _modules(tensors, source)
     arch = _choose_arch(arch, modules)
     names = frozenset(module_names) if module_names is not None else None
-    converted = Converted({}, arch=arch)
+    converted = Converted({}, arch=arch, total=len(modules))
     parts: dict[str, tuple[DiffusersRule, dict[int, lf.LoraWeights]]] = {}
     writers = set()
     for module, entry in modules.items():
@@ -302,7 +307,7 @@ def read(
         roles = {role: np.asarray(tensors[key]) for role, key in entry.keys.items()}
         if "lora" in entry.kinds:
             roles = _with_alpha(roles, metadata or {}, entry.name, converted.notes)
-        converted.kinds.add("dora" if "dora_scale" in roles else next(iter(entry.kinds)))
+        converted.kinds["dora" if "dora_scale" in roles else next(iter(entry.kinds))] += 1
         if "lora" not in entry.kinds or "dora_scale" in roles:  # passed through, exact, under ComfyUI's names
             converted.passthrough.update(
                 _renamed(arch, where, _dora(roles) if "lora" in entry.kinds else roles, source, module)

@@ -1,8 +1,9 @@
 """What stock ComfyUI makes of a LoRA file, from Kiln's own knowledge of its key forms (never importing it), and
 who wrote the file. ComfyUI's map (comfy/lora.py model_lora_keys_unet, the same forms in 0.17 and 0.33):
   every model      diffusion_model.<ComfyUI path>, lora_unet_<ComfyUI path, '.'→'_'>
-  Z-Image, Lumina2 diffusers names (comfy/utils.py z_image_to_diffusers) under diffusion_model., transformer.,
-                   lycoris_ (flattened) and bare
+  Z-Image, Lumina2 Z-Image's diffusers names (comfy/utils.py z_image_to_diffusers) under diffusion_model.,
+                   transformer., lycoris_ (flattened) and bare; for Lumina 2 too, never diffusers' Lumina2 names
+                   (attn.to_q, feed_forward.linear_1, ...), and only onto weights a Lumina 2 model has
   Qwen-Image       the ComfyUI path bare, under transformer. and lycoris_ (flattened)
   Flux, Flux2, Chroma   Flux.1's diffusers names (flux_to_diffusers) under transformer., lycoris_,
                    lora_transformer_ (flattened) and bare, with Flux2's block names; not its embedders' and modulation's
@@ -14,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from ..archs import Arch
+from ..archs import Arch, get_arch
 from . import keys, sources
 
 # The diffusers names ComfyUI's Flux map (comfy/utils.py flux_to_diffusers, 0.17 and 0.33) holds: Flux.1's, and
@@ -34,6 +35,9 @@ _DIFFUSERS_FORMS: dict[str, tuple[tuple[str, bool], ...]] = {
     "flux2": (("transformer.", False), ("lycoris_", True), ("lora_transformer_", True), ("", False)),
     "chroma": (("transformer.", False), ("lycoris_", True), ("lora_transformer_", True), ("", False)),
 }
+# family → the arch whose diffusers names ComfyUI's map reads for it: comfy/lora.py maps model_base.Lumina2 with
+# z_image_to_diffusers (0.17 and 0.33), so a Lumina 2 file in diffusers' own Lumina2 names loads nothing there
+_NAMES_OF = {"lumina2": "zimage"}
 _KNOWN = {"flux2": _FLUX_MAP_NAMES, "chroma": _FLUX_MAP_NAMES}  # families whose diffusers names ComfyUI knows in part
 _UNREAD = (".lora_magnitude_vector", ".lora_magnitude_vector.default.weight")  # PEFT's DoRA magnitude
 
@@ -49,12 +53,17 @@ def _comfy_path(arch: Arch | None, name: str) -> bool:
 
 
 def _diffusers_name(arch: Arch, name: str, flat: bool) -> bool:
-    """A diffusers name (flattened or not) ComfyUI's map for the family holds."""
-    found = sources.place(arch, name, None, flat=flat, verbatim=False)
-    targets = keys.diffusers_targets(arch, found.path) if found else None
+    """A diffusers name (flattened or not) ComfyUI's map for the family holds, onto a weight the family's model has."""
+    named_by = get_arch(_NAMES_OF[arch.family]) if arch.family in _NAMES_OF else arch
+    found = sources.place(named_by, name, None, flat=flat, verbatim=False)
+    targets = keys.diffusers_targets(named_by, found.path) if found else None
     dotted = next((n for n in (targets[1] if targets else []) if (n.replace(".", "_") if flat else n) == name), None)
     known = _KNOWN.get(arch.family)
-    return dotted is not None and (known is None or re.fullmatch(known, dotted) is not None)
+    # The family's own rules name each Linear its model has: Z-Image's adaLN_modulation.0 is no Lumina 2 weight
+    # (ComfyUI takes the key, then drops its patch: NOT LOADED)
+    if dotted is None or named_by is not arch and keys.diffusers_targets(arch, found.path) is None:
+        return False
+    return known is None or re.fullmatch(known, dotted) is not None
 
 
 def loaded(arch: Arch | None, module: str) -> bool:

@@ -162,3 +162,35 @@ def test_inspect_reads_what_convert_reads(tmp_path, family, name):
     files.convert_file(src, dst)
     assert report.describe(dst)["comfyui_unmatched"] == 0
     assert "written by" in report.format_description(info)
+
+
+@pytest.mark.parametrize(
+    "dora_key,scale_shape",
+    [
+        ("lora_unet_layers_0_attention_out.dora_scale", (HIDDEN, 1)),
+        ("lora_unet_layers_0_attention_out.lora_magnitude_vector", (HIDDEN,)),
+    ],
+    ids=["lycoris", "peft"],
+)
+def test_convert_counts_dora_modules_among_the_files_modules(tmp_path, capsys, dora_key, scale_shape):
+    """A DoRA module goes in as it is (exact under ComfyUI's names), and convert's summary counts it among the file's
+    modules, named DoRA: a whole file reads N of N modules."""
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for name, (out, fan_in) in SHAPES["zimage"].items():
+        if name.endswith("norm1"):
+            continue
+        flat = "lora_unet_" + name.replace(".", "_")
+        tensors[flat + ".lora_down.weight"] = rng.standard_normal((4, fan_in), dtype=np.float32)
+        tensors[flat + ".lora_up.weight"] = rng.standard_normal((out, 4), dtype=np.float32)
+        tensors[flat + ".alpha"] = np.array(2.0, np.float32)
+    tensors[dora_key] = rng.random(scale_shape, dtype=np.float32) + 0.5  # on layers.0.attention.out
+    src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    safetensors_io.write(src, tensors, {})
+    assert main(["convert", str(src), str(dst)]) == 0
+    out = capsys.readouterr().out
+    assert "5 of 5 module(s) converted: 4 LoRA, 1 DoRA" in out, out
+    assert "passed through" not in out
+    written, metadata = safetensors_io.read(dst)
+    assert "diffusion_model.layers.0.attention.out.dora_scale" in written
+    assert "5 of 5 module(s) converted: 4 LoRA, 1 DoRA" in metadata["kiln.convert_report"]
