@@ -192,20 +192,8 @@ def wan21_i2v_lora(mw, info: dict):
     captions = g.add("KilnEncodeCaptions", dataset=images.out("dataset"), clip=clip.out("CLIP"))
     options = mw.options_for(g, "concept", ema=True)
     text, negative = mw.prompts(g, clip, "ohwx, the subject turns towards the camera and smiles")
-    first = g.add("LoadImage", title="Start image", image="example.png")
-    encoded = g.add("CLIPVisionEncode", clip_vision=vision.out("CLIP_VISION"), image=first.out("IMAGE"), crop="none")
+    first, encoded, i2v = start_image_conds(g, vision, vae, text, negative, video)
     size = dict(width=video.width, height=video.height)
-    i2v = g.add(
-        "WanImageToVideo",
-        positive=text.out("CONDITIONING"),
-        negative=negative.out("CONDITIONING"),
-        vae=vae.out("VAE"),
-        **size,
-        length=video.frames,
-        batch_size=1,
-        clip_vision_output=encoded.out("CLIP_VISION_OUTPUT"),
-        start_image=first.out("IMAGE"),
-    )
     positive, negative_i2v, latent = i2v.out("positive"), i2v.out("negative"), i2v.out("latent")
     sampling = dict(steps=video.steps, cfg=video.cfg, sampler_name="uni_pc", scheduler="simple")
     validation = g.add(
@@ -265,3 +253,23 @@ def wan21_i2v_lora(mw, info: dict):
         g.box(None, "", 3, [mw.NOTE]),
     ]
     return g
+
+
+def start_image_conds(g, vision, vae, positive, negative, video: Video) -> list:
+    """Load Image → CLIP Vision Encode (crop none) → WanImageToVideo with the prompt's conds, as ComfyUI's Wan 2.1
+    image-to-video template wires them: [Load Image, CLIP Vision Encode, WanImageToVideo]."""
+    first = g.add("LoadImage", title="Start image", image="example.png")
+    encoded = g.add("CLIPVisionEncode", clip_vision=vision.out("CLIP_VISION"), image=first.out("IMAGE"), crop="none")
+    i2v = g.add(
+        "WanImageToVideo",
+        positive=positive.out("CONDITIONING"),
+        negative=negative.out("CONDITIONING"),
+        vae=vae.out("VAE"),
+        width=video.width,
+        height=video.height,
+        length=video.frames,
+        batch_size=1,
+        clip_vision_output=encoded.out("CLIP_VISION_OUTPUT"),
+        start_image=first.out("IMAGE"),
+    )
+    return [first, encoded, i2v]
