@@ -77,6 +77,7 @@ WAN21_T2V = dict(
     vae="wan_2.1_vae.safetensors",
 )
 WAN22_TI2V = {**WAN21_T2V, "unet": "wan2.2_ti2v_5B_fp16.safetensors", "vae": "wan2.2_vae.safetensors"}
+WAN21_I2V = {**WAN21_T2V, "unet": "wan2.1_i2v_480p_14B_fp16.safetensors", "clip_vision": "clip_vision_h.safetensors"}
 _HF = "https://huggingface.co"
 _WAN21, _WAN22 = f"{_HF}/Comfy-Org/Wan_2.1_ComfyUI_repackaged", f"{_HF}/Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
 MODEL_URLS = {  # file → (models folder, download address), for the frontend's missing-models dialog
@@ -104,6 +105,14 @@ MODEL_URLS = {  # file → (models folder, download address), for the frontend's
         f"{_WAN21}/resolve/main/split_files/diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors",
     ),
     "wan_2.1_vae.safetensors": ("vae", f"{_WAN21}/resolve/main/split_files/vae/wan_2.1_vae.safetensors"),
+    "wan2.1_i2v_480p_14B_fp16.safetensors": (
+        "diffusion_models",
+        f"{_WAN21}/resolve/main/split_files/diffusion_models/wan2.1_i2v_480p_14B_fp16.safetensors",
+    ),
+    "clip_vision_h.safetensors": (
+        "clip_vision",
+        f"{_WAN21}/resolve/main/split_files/clip_vision/clip_vision_h.safetensors",
+    ),
     "wan2.2_ti2v_5B_fp16.safetensors": (
         "diffusion_models",
         f"{_WAN22}/resolve/main/split_files/diffusion_models/wan2.2_ti2v_5B_fp16.safetensors",
@@ -134,6 +143,7 @@ TEMPLATE_TITLES = {
     "qwen_image_edit_lora": "Qwen-Image-Edit LoRA",
     "wan21_t2v_lora": "Wan 2.1 text-to-video LoRA",
     "wan22_ti2v_5b_lora": "Wan 2.2 5B image-to-video LoRA",
+    "wan21_i2v_lora": "Wan 2.1 image-to-video LoRA",
 }
 # Rows the frontend draws beyond the node's own widgets: Kiln's folder picker button, LoadImage's upload one.
 EXTRA_WIDGET_ROWS = {"KilnLoadDataset": 1, "KilnLoadRun": 1, "LoadImage": 1}

@@ -1,5 +1,6 @@
 """The Wan video examples of scripts/make_workflows.py (their own file: the script's budget): a Wan LoRA on a folder
-of clips, its validation samples clips, and a KSampler on the trained model into a video file. `examples(mw)`
+of clips, its validation samples clips, and a KSampler on the trained model into a video file; Wan 2.1 I2V 14B with
+CLIP vision, its samples drawn from a start image. `examples(mw)`
 hands make_workflows.py the definitions, built with its helpers (`mw`: that module, whatever name it runs under)."""
 
 from __future__ import annotations
@@ -9,7 +10,11 @@ from dataclasses import dataclass
 
 def examples(mw) -> list:
     """The Wan example definitions, each info → Graph as make_workflows.EXAMPLE_GRAPHS holds them."""
-    return [lambda info: wan21_t2v_lora(mw, info), lambda info: wan22_ti2v_5b_lora(mw, info)]
+    return [
+        lambda info: wan21_t2v_lora(mw, info),
+        lambda info: wan22_ti2v_5b_lora(mw, info),
+        lambda info: wan21_i2v_lora(mw, info),
+    ]
 
 
 @dataclass(frozen=True)
@@ -144,3 +149,127 @@ test (Wan22ImageToVideoLatent). Models as ComfyUI's Wan 2.2 5B template names th
     video = Video(width=832, height=480, fps=24.0, steps=20, cfg=5.0)
     prompt = "ohwx, the camera slowly pushes in as the subject turns and smiles"
     return wan_video_lora(mw, g, mw.WAN22_TI2V, video, prompt=prompt, name="my_i2v", start_image=True)
+
+
+def wan21_i2v_lora(mw, info: dict):
+    """Wan 2.1 I2V 14B: CLIP Vision Loader into Encode Images (each clip's start frame cached with its CLIP vision
+    states), and the validation samples and the test clip drawn from one start image through WanImageToVideo (CLIP
+    Vision Encode, crop none, as ComfyUI's Wan 2.1 image-to-video template)."""
+    g = mw.Graph(
+        "wan21_i2v_lora",
+        info,
+        """\
+## Wan 2.1 image-to-video LoRA (I2V 14B, CLIP vision)
+
+1. Clips with `.txt` captions in `input/my_i2v14b_clips/` (33 frames each, 16 fps). Each clip trains from its
+   first frame as the start image, which Encode Images also reads through CLIP vision (`clip_vision_h`).
+2. Models as ComfyUI's Wan 2.1 image-to-video template names them: `wan2.1_i2v_480p_14B_fp16.safetensors`,
+   `umt5_xxl_fp8_e4m3fn_scaled.safetensors`, `wan_2.1_vae.safetensors`, `clip_vision/clip_vision_h.safetensors`.
+3. Put your test image in Load Image: the validation samples (every 250 steps) and the test clip after training
+   start from it (WanImageToVideo, its positive and negative into Validation Settings).
+""",
+    )
+    video = Video(steps=20)
+    files = mw.WAN21_I2V
+    loaders = mw.model_loaders(g, files)
+    unet, clip, vae = loaders
+    vision = g.add("CLIPVisionLoader", clip_name=files["clip_vision"])
+    load = g.add(
+        "KilnLoadDataset",
+        folder="my_i2v14b_clips",
+        trigger_word="ohwx",
+        resolutions="480",
+        frames=video.frames,
+        fps=video.fps,
+    )
+    images = g.add(  # start_images on for the reader: a wired clip_vision encodes them whatever it says
+        "KilnEncodeImages",
+        dataset=load.out("dataset"),
+        vae=vae.out("VAE"),
+        start_images=True,
+        clip_vision=vision.out("CLIP_VISION"),
+    )
+    captions = g.add("KilnEncodeCaptions", dataset=images.out("dataset"), clip=clip.out("CLIP"))
+    options = mw.options_for(g, "concept", ema=True)
+    text, negative = mw.prompts(g, clip, "ohwx, the subject turns towards the camera and smiles")
+    first, encoded, i2v = start_image_conds(g, vision, vae, text, negative, video)
+    size = dict(width=video.width, height=video.height)
+    positive, negative_i2v, latent = i2v.out("positive"), i2v.out("negative"), i2v.out("latent")
+    sampling = dict(steps=video.steps, cfg=video.cfg, sampler_name="uni_pc", scheduler="simple")
+    validation = g.add(
+        "KilnValidationSettings",
+        positive=positive,
+        negative=negative_i2v,
+        vae=vae.out("VAE"),
+        seed=42,
+        **sampling,
+        **size,
+        every=250,
+        frames=video.frames,
+    )
+    train = g.add(
+        "KilnTrainLoRA",
+        model=unet.out("MODEL"),
+        dataset=captions.out("dataset"),
+        steps=2000,
+        learning_rate=1e-4,
+        rank=32,
+        alpha=32.0,
+        preset="concept",
+        seed=42,
+        options=options.out("options"),
+        validation=validation.out("validation"),
+    )
+    save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_i2v14b", state=train.out("state"))
+    sampler = g.add(
+        "KSampler",
+        model=train.out("model"),
+        seed=42,
+        **sampling,
+        positive=positive,
+        negative=negative_i2v,
+        latent_image=latent,
+        denoise=1.0,
+    )
+    decode = g.add("VAEDecode", samples=sampler.out("LATENT"), vae=vae.out("VAE"))
+    clip_out = g.add(
+        "SaveWEBM", images=decode.out("IMAGE"), filename_prefix="kiln/my_i2v14b", codec="vp9", fps=video.fps
+    )
+    fold = mw.fold
+    g.layout = [
+        g.box("1. Models", "models", 0, [*loaders, vision]),
+        g.box("2. Dataset", "dataset", 1, [load, fold(images), fold(captions)]),
+        g.box("3. Train", "train", 2, [fold(options), train]),
+        g.box("4. Save", "save", 3, [save]),
+        g.box(
+            "5. Test",
+            "test",
+            0,
+            [first],
+            [text, fold(negative)],
+            [*map(fold, (encoded, i2v, validation, sampler, decode))],
+        ),
+        g.box("6. Test clip", "test", 3, [clip_out]),
+        g.box(None, "", 3, [mw.NOTE]),
+    ]
+    return g
+
+
+def start_image_conds(g, vision, vae, positive, negative, video: Video) -> list:
+    """Load Image → CLIP Vision Encode (crop none) → WanImageToVideo with the prompt's conds, as ComfyUI's Wan 2.1
+    image-to-video template wires them: [Load Image, CLIP Vision Encode, WanImageToVideo]."""
+    first = g.add("LoadImage", title="Start image", image="example.png")
+    encoded = g.add("CLIPVisionEncode", clip_vision=vision.out("CLIP_VISION"), image=first.out("IMAGE"), crop="none")
+    i2v = g.add(
+        "WanImageToVideo",
+        positive=positive.out("CONDITIONING"),
+        negative=negative.out("CONDITIONING"),
+        vae=vae.out("VAE"),
+        width=video.width,
+        height=video.height,
+        length=video.frames,
+        batch_size=1,
+        clip_vision_output=encoded.out("CLIP_VISION_OUTPUT"),
+        start_image=first.out("IMAGE"),
+    )
+    return [first, encoded, i2v]

@@ -82,6 +82,7 @@ TINY_FILES = {
     "reference": "kiln_tiny_reference.png",
     "wan21_unet": "kiln_tiny_wan21_t2v.safetensors",
     "wan22_unet": "kiln_tiny_wan22_ti2v_5b.safetensors",
+    "wan21_i2v_unet": "kiln_tiny_wan21_i2v.safetensors",  # WAN21_I2V: in_dim 36 and img_emb (CLIP vision)
     "wan21_vae": "kiln_tiny_wan21_vae.safetensors",  # also Qwen-Image's VAE (the same architecture)
     "clip_dataset": "kiln_tiny_clips",
 }
@@ -90,9 +91,9 @@ TINY_FILES = {
 def tiny_base(base: Path) -> Path:
     """A --base-directory for a test server: the pack and the test-only nodes (tests/nodes/server_nodes)
     linked into custom_nodes/, a tiny Flux2 Klein file (UNETLoader detects it from its shapes), tiny Flux2
-    and Flux (Z-Image's) VAE files, tiny Wan 2.1 T2V and Wan 2.2 TI2V 5B files and a Wan 2.1 VAE file (detected
-    likewise), a tiny Z-Image training adapter in loras/, captioned image, edit and clip datasets in input/, and a
-    returning user's settings (no first-run tutorial over the canvas)."""
+    and Flux (Z-Image's) VAE files, tiny Wan 2.1 T2V, Wan 2.1 I2V and Wan 2.2 TI2V 5B files and a Wan 2.1 VAE file
+    (detected likewise), a tiny Z-Image training adapter in loras/, captioned image, edit and clip datasets in
+    input/, and a returning user's settings (no first-run tutorial over the canvas)."""
     from helpers import tiny_comfy as tc
     from helpers import tiny_encoders, tiny_wan
 
@@ -115,6 +116,9 @@ def tiny_base(base: Path) -> Path:
     tc.write_zimage_adapter_file(base / "models" / "loras" / TINY_FILES["zimage_adapter"])
     tiny_wan.write_wan_file(base / "models" / "diffusion_models" / TINY_FILES["wan21_unet"])
     tiny_wan.write_wan_file(base / "models" / "diffusion_models" / TINY_FILES["wan22_unet"], in_dim=48, out_dim=48)
+    tiny_wan.write_wan_file(
+        base / "models" / "diffusion_models" / TINY_FILES["wan21_i2v_unet"], model_type="i2v", in_dim=36
+    )
     tiny_encoders.write_wan21_vae_file(base / "models" / "vae" / TINY_FILES["wan21_vae"])
     make_clip_dataset(base / "input" / TINY_FILES["clip_dataset"])
     make_dataset(base / "input" / TINY_FILES["dataset"])

@@ -70,7 +70,7 @@ def test_the_routes_list_datasets_and_runs_by_name(server):
     assert datasets == {
         "root": "input",
         "folders": [
-            {"name": CLIPS, "detail": "2 images, 2 captions"},
+            {"name": CLIPS, "detail": "2 clips, 2 captions"},
             {"name": DATASET, "detail": "4 images, 4 captions"},
             {"name": EDITS, "detail": "2 images, 2 captions"},
         ],
@@ -118,7 +118,7 @@ def test_the_choose_button_types_the_picked_folder(server, tmp_path):
         assert seen["serialized"][[s.removesuffix(".control") for s in slots].index(field)] == name
         assert seen["prompt"][field] == name and seen["label"] not in seen["prompt"], seen["prompt"]
     assert report["nodes"]["KilnLoadDataset"]["menu"] == [
-        f"{CLIPS}   (2 images, 2 captions)",
+        f"{CLIPS}   (2 clips, 2 captions)",
         f"{DATASET}   (4 images, 4 captions)",
         f"{EDITS}   (2 images, 2 captions)",
     ]

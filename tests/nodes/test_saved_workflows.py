@@ -57,6 +57,7 @@ AFTER_SHIPPING = {
     "qwen_image_edit_lora",
     "wan21_t2v_lora",
     "wan22_ti2v_5b_lora",
+    "wan21_i2v_lora",
 }  # examples added since the shipped ones: no saved copy to keep
 EXAMPLES = REPO / "example_workflows"
 

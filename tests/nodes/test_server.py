@@ -5,16 +5,17 @@ tests/helpers/comfy_server.py (ComfyUI's own main.py, CPU, with comfy_env's torc
 
   custom_nodes/kiln               → this repository (a symlink), imported by ComfyUI as any pack
   custom_nodes/kiln_test_nodes    → tests/nodes/server_nodes: test-only nodes with tiny models (below)
-  models/diffusion_models/        tiny Flux2 Klein, Wan 2.1 T2V and Wan 2.2 TI2V 5B files (tiny_comfy, tiny_wan):
+  models/diffusion_models/        tiny Flux2 Klein, Wan 2.1 T2V / I2V and Wan 2.2 TI2V 5B files (tiny_comfy, tiny_wan):
                                   UNETLoader detects them from their shapes like real ones
   models/vae/                     tiny Flux2, Flux and Wan 2.1 VAE files: VAELoader detects them
   input/                          generated images, edit pairs and clips (PyAV) with captions
 
 Some models ComfyUI cannot load tiny from a file: CLIPLoader recognises a text encoder (Qwen3-4B, umT5-XXL,
 Qwen2.5-VL) by its keys and builds it at full size from a fixed config, UNETLoader detects Z-Image and Qwen-Image
-only at full size, VAELoader builds the Wan 2.2 VAE at full size. So the test workflows take those from test-only
-nodes (KilnTestTinyCLIP, KilnTestTinyZImage, KilnTestTinyQwenImage, KilnTestTinyWan22VAE), which return ComfyUI's
-own classes at a tiny size; everything else goes through ComfyUI's own loaders.
+only at full size, VAELoader builds the Wan 2.2 VAE at full size, CLIPVisionLoader builds CLIP vision at full size.
+So the test workflows take those from test-only nodes (KilnTestTinyCLIP, KilnTestTinyZImage, KilnTestTinyQwenImage,
+KilnTestTinyWan22VAE, KilnTestTinyCLIPVision), which return ComfyUI's own classes at a tiny size; everything else goes
+through ComfyUI's own loaders.
 
 Checks: the pack imports with no failure; every Kiln node is in GET /object_info with a tooltip on
 every input; the example workflows are served as templates and are valid against the live node
@@ -244,9 +245,10 @@ def test_mistyped_names_are_refused_before_anything_loads(server):
 # ---------------------------------------------------------------- the example workflows through comfy-cli
 
 
-# An example's family (its CLIPLoader's type; Wan 2.2 5B by its model file) → its loaders on the tiny models: UNETLoader's
-# file or the test node built in its place, KilnTestTinyCLIP's family, VAELoader's file or test node; and the arch
-# its LoRAs name. A test node stands in where ComfyUI builds the model at full size whatever the file holds.
+# An example's family (its CLIPLoader's type; Wan 2.2 5B and Wan 2.1 I2V by their model files) → its loaders on the
+# tiny models: UNETLoader's file or the test node built in its place, KilnTestTinyCLIP's family, VAELoader's file or
+# test node; and the arch its LoRAs name. A test node stands in where ComfyUI builds the model at full size whatever
+# the file holds (CLIP Vision Loader: always KilnTestTinyCLIPVision).
 def _node(class_type: str) -> dict:
     return {"class_type": class_type, "inputs": {"seed": 0}}
 
@@ -256,15 +258,23 @@ TINY_MODELS = {
     "flux2": (TINY_FILES["flux2_unet"], "flux2_klein", TINY_FILES["flux2_vae"], "flux2_klein"),
     "wan": (TINY_FILES["wan21_unet"], "wan", TINY_FILES["wan21_vae"], "wan21_t2v"),
     "wan22": (TINY_FILES["wan22_unet"], "wan", _node("KilnTestTinyWan22VAE"), "wan22_ti2v_5b"),
+    "wan21_i2v": (TINY_FILES["wan21_i2v_unet"], "wan", TINY_FILES["wan21_vae"], "wan21_i2v"),
     "qwen_image": (_node("KilnTestTinyQwenImage"), "qwen_image", TINY_FILES["wan21_vae"], "qwen_image"),
 }
 VIDEO_FRAMES = 5  # Wan's 4k+1: two latent frames
+# Examples whose validation samples take WanImageToVideo's conds (a start image, CLIP vision): Kiln must not warn.
+START_IMAGE_SAMPLES = {"wan21_i2v_lora"}
+
+
+WAN_FILES = {"ti2v": "wan22", "i2v": "wan21_i2v"}  # a word of the Wan model file's name → its family
 
 
 def family(api: dict) -> str:
     (clip_type,) = {n["inputs"]["type"] for n in api.values() if n["class_type"] == "CLIPLoader"}
-    ti2v = any("ti2v" in n["inputs"].get("unet_name", "") for n in api.values())
-    return "wan22" if clip_type == "wan" and ti2v else clip_type
+    if clip_type != "wan":
+        return clip_type
+    files = [n["inputs"].get("unet_name", "") for n in api.values()]
+    return next((kind for word, kind in WAN_FILES.items() if any(f"_{word}_" in name for name in files)), "wan")
 
 
 def _loader(node: dict, tiny, file_input: str) -> None:
@@ -278,7 +288,7 @@ def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
     Every Kiln node and every link stays as shipped."""
     api, kind_of = json.loads(json.dumps(api)), family(api)
     unet, clip, vae, _arch = TINY_MODELS[kind_of]
-    video = kind_of in ("wan", "wan22")
+    video = kind_of in ("wan", "wan22", "wan21_i2v")
     edit = not video and any(n["class_type"] == "LoadImage" for n in api.values())  # the edit workflows' reference
     dataset = TINY_FILES["clip_dataset" if video else "edit_dataset" if edit else "dataset"]
     clip_length = {"frames": VIDEO_FRAMES} if video else {}
@@ -288,6 +298,8 @@ def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
             _loader(node, unet, "unet_name")
         elif kind == "CLIPLoader":
             node.update(class_type="KilnTestTinyCLIP", inputs={"family": clip, "seed": 0})
+        elif kind == "CLIPVisionLoader":
+            node.update(_node("KilnTestTinyCLIPVision"))
         elif kind == "VAELoader":
             _loader(node, vae, "vae_name")
         elif kind == "KilnLoadDataset":
@@ -310,7 +322,7 @@ def tiny_example(api: dict, name: str, run_folder: str | None = None) -> dict:
             inputs.update(steps=2)
         elif kind.startswith("Empty") and kind.endswith("LatentImage"):
             inputs.update(width=64, height=64)
-        elif kind in ("EmptyHunyuanLatentVideo", "Wan22ImageToVideoLatent"):
+        elif kind in ("EmptyHunyuanLatentVideo", "Wan22ImageToVideoLatent", "WanImageToVideo"):
             inputs.update(width=64, height=64, length=VIDEO_FRAMES)
         elif kind == "KilnSaveLoRA":
             inputs.update(name=f"kiln_cli/{name}_{inputs['name'].rsplit('/', 1)[-1]}", overwrite=True)
@@ -340,9 +352,10 @@ def comfy_run(server, workflow: Path) -> subprocess.CompletedProcess:
 
 def test_example_workflows_run_through_comfy_cli(server, tmp_path):
     """`comfy run --workflow FILE --wait` (comfy-cli, the client users script ComfyUI with) runs each example
-    workflow on the tiny models against the live server (the Wan ones on a clip dataset, Qwen-Image-Edit on control →
-    target pairs): LoRAs saved with ComfyUI keys and the right arch, images and clips saved as the workflow's save
-    nodes say, and the resume workflow continues the Z-Image run the first workflow left."""
+    workflow on the tiny models against the live server (the Wan ones on a clip dataset, Wan 2.1 I2V with a tiny CLIP
+    vision model, Qwen-Image-Edit on control → target pairs): LoRAs saved with ComfyUI keys and the right arch, images
+    and clips saved as the workflow's save nodes say, and the resume workflow continues the Z-Image run the first
+    workflow left."""
     if shutil.which("comfy") is None:
         pytest.fail("comfy-cli is not installed: pip install -e '.[test]' installs it", pytrace=False)
     from safetensors import safe_open
@@ -358,6 +371,7 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
         "resume_from_run_folder",
         "wan21_t2v_lora",
         "wan22_ti2v_5b_lora",
+        "wan21_i2v_lora",
         "qwen_image_edit_lora",
     ]  # the graphs' names; their files are named by their titles
     assert sorted(order) == sorted(mw.TEMPLATE_TITLES)
@@ -375,10 +389,12 @@ def test_example_workflows_run_through_comfy_cli(server, tmp_path):
             run_folder = character.name
         workflow = tmp_path / f"{name}.json"
         workflow.write_text(json.dumps(tiny_example(api, name, run_folder)), encoding="utf-8")
-        started = time.monotonic()
+        started, log_before = time.monotonic(), len(server.log())
         done = comfy_run(server, workflow)
         seconds[name] = round(time.monotonic() - started, 1)
         assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{server.log_tail(60)}"
+        if name in START_IMAGE_SAMPLES:  # Kiln warns when an image-to-video model's samples carry no start image
+            assert "samples have no start image" not in server.log()[log_before:], server.log()[log_before:]
         saved = sorted(loras.glob(f"{name}_*.safetensors"))
         assert len(saved) == sum(n["class_type"] == "KilnSaveLoRA" for n in api.values()), (name, saved)
         arch = TINY_MODELS[family(api)][3]

@@ -1,5 +1,5 @@
 """Test-only ComfyUI custom nodes for tests/nodes/test_server.py: tiny text encoders, a tiny Z-Image and Qwen-Image,
-and a tiny Wan 2.2 VAE. Never shipped.
+a tiny Wan 2.2 VAE and a tiny CLIP vision model. Never shipped.
 
 Why a node: ComfyUI's CLIPLoader reads a text-encoder file, recognises Qwen3-4B from its keys and then
 builds the model at its real size (hidden 2560, 36 layers) from a fixed config, so a tiny Qwen3 file
@@ -152,7 +152,34 @@ class KilnTestTinyWan22VAE(io.ComfyNode):
         return io.NodeOutput(tiny_encoders.tiny_wan22_vae(seed=seed))
 
 
-NODES = [KilnTestTinyCLIP, KilnTestTinyZImage, KilnTestTinyQwenImage, KilnTestTinyWan22VAE]
+class KilnTestTinyCLIPVision(io.ComfyNode):
+    """ComfyUI's CLIP vision model (clip_vision_h's width, 1280) at a tiny size: CLIP Vision Loader recognises a
+    model by its layer count (23 and up) and builds it at full size, so no tiny file loads through it."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KilnTestTinyCLIPVision",
+            display_name="Kiln Test Tiny CLIP Vision",
+            category="Kiln/testing",
+            description="Test only: ComfyUI's CLIP vision model, 1280 wide as clip_vision_h, tiny (random weights).",
+            inputs=[_seed_input()],
+            outputs=[io.ClipVision.Output()],
+        )
+
+    @classmethod
+    def execute(cls, seed: int = 0):
+        if _TESTS not in sys.path:
+            sys.path.insert(0, _TESTS)
+        import tempfile
+
+        from helpers import tiny_wan
+
+        with tempfile.TemporaryDirectory() as folder:  # its config goes through a file (0.17 reads only a path)
+            return io.NodeOutput(tiny_wan.tiny_clip_vision(Path(folder), seed=seed))
+
+
+NODES = [KilnTestTinyCLIP, KilnTestTinyZImage, KilnTestTinyQwenImage, KilnTestTinyWan22VAE, KilnTestTinyCLIPVision]
 
 
 class _TestExtension(ComfyExtension):

@@ -123,15 +123,23 @@ class FolderSummary:
     """A candidate dataset folder, as Load Dataset's picker lists it (names and counts, no reading)."""
 
     name: str
-    images: int
+    images: int  # stills
     captions: int
+    clips: int = 0  # last, with a default: a summary built before clips were counted apart still builds
 
     def describe(self) -> str:
-        return f"{self.images} image{'s' * (self.images != 1)}, {self.captions} caption{'s' * (self.captions != 1)}"
+        """'4 images, 4 captions', '1 clip, 1 caption', '2 clips, 3 images, 5 captions' (a mixed folder)."""
+        counts = ((self.clips, "clip"), (self.images, "image"))
+        media = [_count(n, word) for n, word in counts if n] or [_count(0, "image")]
+        return ", ".join([*media, _count(self.captions, "caption")])
+
+
+def _count(number: int, word: str) -> str:
+    return f"{number} {word}{'s' * (number != 1)}"
 
 
 def list_datasets(root: str | Path, most_files: int = 100_000) -> list[FolderSummary]:
-    """Each folder directly under root that holds images (at any depth, as `N_name/` sub-folders do),
+    """Each folder directly under root that holds images or clips (at any depth, as `N_name/` sub-folders do),
     by name; hidden folders (.kiln_cache, .trash) are left out. Only names are listed, nothing is read;
     at most `most_files` entries are counted per folder, so a huge input/ cannot stall the page."""
     root = Path(root)
@@ -139,18 +147,18 @@ def list_datasets(root: str | Path, most_files: int = 100_000) -> list[FolderSum
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
         if folder.name.startswith(".") or not folder.is_dir():
             continue
-        images = captions = seen = 0
+        images = clips = captions = seen = 0
         for where, dirs, files in os.walk(folder, followlinks=False):
             top = where == str(folder)  # control/ folders and name.mask.png files are no training images
             dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (top and is_companion(f"{d}/x")))
             for name in files:
-                suffix = os.path.splitext(name)[1].lower()
-                media = suffix in IMAGE_EXTENSIONS or suffix in CLIP_FORMATS  # a clip counts as an image here
-                images += media and not name.startswith(".") and not is_companion(name)
+                suffix, counted = os.path.splitext(name)[1].lower(), not name.startswith(".") and not is_companion(name)
+                images += counted and suffix in IMAGE_EXTENSIONS
+                clips += counted and suffix in CLIP_FORMATS
                 captions += suffix == ".txt" and not name.startswith(".")
             seen += len(files)
             if seen >= most_files:
                 break
-        if images:
-            found.append(FolderSummary(folder.name, images, captions))
+        if images or clips:
+            found.append(FolderSummary(folder.name, images, captions, clips))
     return found

@@ -435,5 +435,27 @@ def test_list_datasets_names_the_folders_that_hold_images(tmp_path):
     Image.new("RGB", (64, 64)).save(tmp_path / "style" / "a.webp")
     found = list_datasets(tmp_path)
     assert [(f.name, f.images, f.captions) for f in found] == [("portraits", 3, 1), ("style", 1, 0)]
-    assert found[0].describe() == "3 images, 1 caption"
+    assert [f.describe() for f in found] == ["3 images, 1 caption", "1 image, 0 captions"]
     assert list_datasets(tmp_path / "missing") == []
+
+
+def test_list_datasets_counts_clips_as_clips(tmp_path):
+    """A folder of clips is described by its clips, singular where one; a mixed folder names both (names only:
+    the files are not read)."""
+    from trainer.data.folder.scan import list_datasets
+
+    (tmp_path / "dance").mkdir()
+    (tmp_path / "dance" / "a.mp4").write_bytes(b"")
+    (tmp_path / "dance" / "a.txt").write_text("x", encoding="utf-8")
+    (tmp_path / "mixed").mkdir()
+    for name in ("a.webm", "b.MOV", "c.png", "a.txt", "b.txt", "c.txt"):
+        (tmp_path / "mixed" / name).write_bytes(b"")
+    (tmp_path / "reels").mkdir()
+    for i in range(2):
+        (tmp_path / "reels" / f"{i}.gif").write_bytes(b"")
+    found = {f.name: (f.images, f.clips, f.describe()) for f in list_datasets(tmp_path)}
+    assert found == {
+        "dance": (0, 1, "1 clip, 1 caption"),
+        "mixed": (1, 2, "2 clips, 1 image, 3 captions"),
+        "reels": (0, 2, "2 clips, 0 captions"),
+    }
