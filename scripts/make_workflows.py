@@ -986,9 +986,9 @@ def _models(inputs: dict) -> list[dict]:
     out = []
     for name in ("unet_name", "clip_name", "vae_name", "training_adapter"):
         file = inputs.get(name)
-        if name == "clip_name" and file == "qwen_3_4b.safetensors":
+        if name == "clip_name":  # the text encoder the loader's type reads, where the file is the one published
             url = TEXT_ENCODER_URLS.get(inputs.get("type"))
-            if url:
+            if url and url.endswith(f"/{file}"):
                 out.append({"name": file, "url": url, "directory": "text_encoders"})
         elif file in MODEL_URLS:
             directory, url = MODEL_URLS[file]

@@ -31,7 +31,8 @@ class Video:
 
 def wan_video_lora(mw, g, files: dict, video: Video, *, prompt: str, name: str, start_image: bool):
     """A Wan LoRA on a folder of clips: validation samples as clips, Save LoRA, and a KSampler on the trained
-    model into a video file (from a start image through Wan22ImageToVideoLatent when start_image)."""
+    model into a video file (from a start image through Wan22ImageToVideoLatent when start_image: the validation
+    samples too, through Validation Settings' start_latent)."""
     loaders = mw.model_loaders(g, files)
     unet, clip, vae = loaders
     data = mw.dataset_chain(
@@ -41,6 +42,18 @@ def wan_video_lora(mw, g, files: dict, video: Video, *, prompt: str, name: str, 
     positive, negative = mw.prompts(g, clip, prompt)
     sampling = dict(steps=video.steps, cfg=video.cfg, sampler_name="uni_pc", scheduler="simple")
     size = dict(width=video.width, height=video.height)
+    first = [g.add("LoadImage", title="Start image", image="example.png")] if start_image else []
+    latent = (
+        g.add(
+            "Wan22ImageToVideoLatent",
+            vae=vae.out("VAE"),
+            **size,
+            length=video.frames,
+            start_image=first[0].out("IMAGE"),
+        )
+        if start_image
+        else g.add("EmptyHunyuanLatentVideo", **size, length=video.frames, batch_size=1)
+    )
     validation = g.add(
         "KilnValidationSettings",
         positive=positive.out("CONDITIONING"),
@@ -51,6 +64,8 @@ def wan_video_lora(mw, g, files: dict, video: Video, *, prompt: str, name: str, 
         **size,
         every=250,
         frames=video.frames,
+        # the 5B's image-to-video samples start from the test's start image too (its latent carries it)
+        **({"start_latent": latent.out("LATENT")} if start_image else {}),
     )
     train = g.add(
         "KilnTrainLoRA",
@@ -66,18 +81,6 @@ def wan_video_lora(mw, g, files: dict, video: Video, *, prompt: str, name: str, 
         validation=validation.out("validation"),
     )
     save = g.add("KilnSaveLoRA", lora=train.out("lora"), name=f"kiln/{name}", state=train.out("state"))
-    first = [g.add("LoadImage", title="Start image", image="example.png")] if start_image else []
-    latent = (
-        g.add(
-            "Wan22ImageToVideoLatent",
-            vae=vae.out("VAE"),
-            **size,
-            length=video.frames,
-            start_image=first[0].out("IMAGE"),
-        )
-        if start_image
-        else g.add("EmptyHunyuanLatentVideo", **size, length=video.frames, batch_size=1)
-    )
     sampler_node, decode = mw.sample_chain(
         g,
         train.out("model"),
@@ -143,7 +146,8 @@ def wan22_ti2v_5b_lora(mw, info: dict):
 
 Clips with `.txt` captions in `input/my_i2v_clips/` (33 frames each, 24 fps). It trains as text-to-video: the
 5B starts a clip from an image by its first latent frame alone, so the LoRA animates the start image of the
-test (Wan22ImageToVideoLatent). Models as ComfyUI's Wan 2.2 5B template names them.
+test (Wan22ImageToVideoLatent), which the validation samples start from too (Validation Settings' start_latent).
+Models as ComfyUI's Wan 2.2 5B template names them.
 """,
     )
     video = Video(width=832, height=480, fps=24.0, steps=20, cfg=5.0)
