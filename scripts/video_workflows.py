@@ -40,7 +40,6 @@ def wan_video_lora(mw, g, files: dict, video: Video, *, prompt: str, name: str, 
     )
     options = mw.options_for(g, "concept", ema=True)
     positive, negative = mw.prompts(g, clip, prompt)
-    sampling = dict(steps=video.steps, cfg=video.cfg, sampler_name="uni_pc", scheduler="simple")
     size = dict(width=video.width, height=video.height)
     first = [g.add("LoadImage", title="Start image", image="example.png")] if start_image else []
     latent = (
@@ -54,31 +53,17 @@ def wan_video_lora(mw, g, files: dict, video: Video, *, prompt: str, name: str, 
         if start_image
         else g.add("EmptyHunyuanLatentVideo", **size, length=video.frames, batch_size=1)
     )
-    validation = g.add(
-        "KilnValidationSettings",
+    validation, train = validated_training(
+        g,
+        video,
+        unet.out("MODEL"),
+        data[-1].out("dataset"),
+        options,
+        vae,
         positive=positive.out("CONDITIONING"),
         negative=negative.out("CONDITIONING"),
-        vae=vae.out("VAE"),
-        seed=42,
-        **sampling,
-        **size,
-        every=250,
-        frames=video.frames,
         # the 5B's image-to-video samples start from the test's start image too (its latent carries it)
         **({"start_latent": latent.out("LATENT")} if start_image else {}),
-    )
-    train = g.add(
-        "KilnTrainLoRA",
-        model=unet.out("MODEL"),
-        dataset=data[-1].out("dataset"),
-        steps=2000,
-        learning_rate=1e-4,
-        rank=32,
-        alpha=32.0,
-        preset="concept",
-        seed=42,
-        options=options.out("options"),
-        validation=validation.out("validation"),
     )
     save = g.add("KilnSaveLoRA", lora=train.out("lora"), name=f"kiln/{name}", state=train.out("state"))
     sampler_node, decode = mw.sample_chain(
@@ -115,6 +100,39 @@ def wan_video_lora(mw, g, files: dict, video: Video, *, prompt: str, name: str, 
         g.box(None, "", 3, [mw.NOTE]),
     ]
     return g
+
+
+def validated_training(g, video: Video, model, dataset, options, vae, **prompts):
+    """Validation Settings (clips of the video's size and frames; `prompts`: positive, negative, and a start_latent
+    where the samples start from one) into Train LoRA, as every Wan example trains: (validation, train)."""
+    validation = g.add(
+        "KilnValidationSettings",
+        vae=vae.out("VAE"),
+        seed=42,
+        steps=video.steps,
+        cfg=video.cfg,
+        sampler_name="uni_pc",
+        scheduler="simple",
+        width=video.width,
+        height=video.height,
+        every=250,
+        frames=video.frames,
+        **prompts,
+    )
+    train = g.add(
+        "KilnTrainLoRA",
+        model=model,
+        dataset=dataset,
+        steps=2000,
+        learning_rate=1e-4,
+        rank=32,
+        alpha=32.0,
+        preset="concept",
+        seed=42,
+        options=options.out("options"),
+        validation=validation.out("validation"),
+    )
+    return validation, train
 
 
 def wan21_t2v_lora(mw, info: dict):
@@ -197,39 +215,19 @@ def wan21_i2v_lora(mw, info: dict):
     options = mw.options_for(g, "concept", ema=True)
     text, negative = mw.prompts(g, clip, "ohwx, the subject turns towards the camera and smiles")
     first, encoded, i2v = start_image_conds(g, vision, vae, text, negative, video)
-    size = dict(width=video.width, height=video.height)
     positive, negative_i2v, latent = i2v.out("positive"), i2v.out("negative"), i2v.out("latent")
-    sampling = dict(steps=video.steps, cfg=video.cfg, sampler_name="uni_pc", scheduler="simple")
-    validation = g.add(
-        "KilnValidationSettings",
-        positive=positive,
-        negative=negative_i2v,
-        vae=vae.out("VAE"),
-        seed=42,
-        **sampling,
-        **size,
-        every=250,
-        frames=video.frames,
-    )
-    train = g.add(
-        "KilnTrainLoRA",
-        model=unet.out("MODEL"),
-        dataset=captions.out("dataset"),
-        steps=2000,
-        learning_rate=1e-4,
-        rank=32,
-        alpha=32.0,
-        preset="concept",
-        seed=42,
-        options=options.out("options"),
-        validation=validation.out("validation"),
+    validation, train = validated_training(
+        g, video, unet.out("MODEL"), captions.out("dataset"), options, vae, positive=positive, negative=negative_i2v
     )
     save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_i2v14b", state=train.out("state"))
     sampler = g.add(
         "KSampler",
         model=train.out("model"),
         seed=42,
-        **sampling,
+        steps=video.steps,
+        cfg=video.cfg,
+        sampler_name="uni_pc",
+        scheduler="simple",
         positive=positive,
         negative=negative_i2v,
         latent_image=latent,
