@@ -23,6 +23,15 @@ from comfy_api.latest import ComfyExtension, io
 _TESTS = str(Path(__file__).resolve().parents[2])  # tests/, for helpers (resolve: this folder is symlinked)
 
 
+def _helper(name: str):
+    """tests/helpers/<name>, imported when a node runs (the server loads this pack with tests/ off its path)."""
+    import importlib
+
+    if _TESTS not in sys.path:
+        sys.path.insert(0, _TESTS)
+    return importlib.import_module(f"helpers.{name}")
+
+
 # family → (tests/helpers module, builder); new families go last (the combo's options)
 _CLIPS = {
     "flux2_klein": ("tiny_comfy", "tiny_klein_clip"),
@@ -64,12 +73,8 @@ class KilnTestTinyCLIP(io.ComfyNode):
 
     @classmethod
     def execute(cls, family: str, seed: int = 0):
-        if _TESTS not in sys.path:
-            sys.path.insert(0, _TESTS)
-        import importlib
-
         module, function = _CLIPS[family]
-        return io.NodeOutput(getattr(importlib.import_module(f"helpers.{module}"), function)(seed=seed))
+        return io.NodeOutput(getattr(_helper(module), function)(seed=seed))
 
 
 class KilnTestTinyZImage(io.ComfyNode):
@@ -98,11 +103,7 @@ class KilnTestTinyZImage(io.ComfyNode):
 
     @classmethod
     def execute(cls, seed: int = 0):
-        if _TESTS not in sys.path:
-            sys.path.insert(0, _TESTS)
-        from helpers import tiny_comfy
-
-        return io.NodeOutput(tiny_comfy.tiny_zimage(seed=seed))
+        return io.NodeOutput(_helper("tiny_comfy").tiny_zimage(seed=seed))
 
 
 class KilnTestTinyQwenImage(io.ComfyNode):
@@ -122,11 +123,7 @@ class KilnTestTinyQwenImage(io.ComfyNode):
 
     @classmethod
     def execute(cls, seed: int = 0):
-        if _TESTS not in sys.path:
-            sys.path.insert(0, _TESTS)
-        from helpers import tiny_comfy
-
-        return io.NodeOutput(tiny_comfy.tiny_qwen_image(seed=seed, default_ref_method="index_timestep_zero"))
+        return io.NodeOutput(_helper("tiny_comfy").tiny_qwen_image(seed=seed, default_ref_method="index_timestep_zero"))
 
 
 class KilnTestTinyWan22VAE(io.ComfyNode):
@@ -145,11 +142,7 @@ class KilnTestTinyWan22VAE(io.ComfyNode):
 
     @classmethod
     def execute(cls, seed: int = 0):
-        if _TESTS not in sys.path:
-            sys.path.insert(0, _TESTS)
-        from helpers import tiny_encoders
-
-        return io.NodeOutput(tiny_encoders.tiny_wan22_vae(seed=seed))
+        return io.NodeOutput(_helper("tiny_encoders").tiny_wan22_vae(seed=seed))
 
 
 class KilnTestTinyCLIPVision(io.ComfyNode):
@@ -169,14 +162,10 @@ class KilnTestTinyCLIPVision(io.ComfyNode):
 
     @classmethod
     def execute(cls, seed: int = 0):
-        if _TESTS not in sys.path:
-            sys.path.insert(0, _TESTS)
         import tempfile
 
-        from helpers import tiny_wan
-
         with tempfile.TemporaryDirectory() as folder:  # its config goes through a file (0.17 reads only a path)
-            return io.NodeOutput(tiny_wan.tiny_clip_vision(Path(folder), seed=seed))
+            return io.NodeOutput(_helper("tiny_wan").tiny_clip_vision(Path(folder), seed=seed))
 
 
 NODES = [KilnTestTinyCLIP, KilnTestTinyZImage, KilnTestTinyQwenImage, KilnTestTinyWan22VAE, KilnTestTinyCLIPVision]
