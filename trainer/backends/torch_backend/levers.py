@@ -106,7 +106,7 @@ def estimated_step_bytes(model: nn.Module, cfg: TrainConfig, budget: float, offl
             lokr_full_w2=cfg.lokr_full_w2,
             frames=clip_frames(cfg),
             offload_activations=cfg.offload_activations is True if offload is None else offload,
-            **({"ema": cfg.ema, "shards": _shards(model)} if cfg.adapter == "full" else {}),  # a full run's state
+            **({"ema": cfg.ema, "shards": _shards(model)} if cfg.adapter == full.FULL else {}),  # a full run's state
         )
         # fp8_compute's copies are resident already (counted in `free`); edit training's reference tokens
         # are not known here (the data is not read): auto's margin covers the rest
