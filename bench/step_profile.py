@@ -37,7 +37,7 @@ KINDS = {
 }
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 # Ops whose own kernel time is reported by name: the NaN-skip check (isfinite), clipping's norm, the
-# optimizer, host->device copies.
+# optimizer, host->device copies, and a bf16 full fine-tune's stochastic rounding (random_) and fp32 copies (_to_copy).
 NAMED_OPS = (
     "aten::isfinite",
     "aten::_foreach_norm",
@@ -45,6 +45,8 @@ NAMED_OPS = (
     "aten::_fused_adamw_",
     "aten::_foreach_mul_",
     "aten::copy_",
+    "aten::random_",
+    "aten::_to_copy",
 )
 
 

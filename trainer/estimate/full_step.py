@@ -8,7 +8,10 @@ activations, per GPU, and what a base sharded over the ranks (sharding shard, `s
     step         at the optimizer step the activations are gone, and two things are held instead: bf16 weights are
                  updated on fp32 copies of them and of their gradients, stochastically rounded back (full.py:
                  4 + 4 − 2 = 6 B a weight), and a foreach optimizer's step makes one fp32 temporary per weight
-                 (AdamW's sqrt of exp_avg_sq: 4 B); the larger of that and the forward's workspace counts
+                 (AdamW's sqrt of exp_avg_sq: 4 B); an optimizer that steps each weight alone steps them a chunk
+                 (STEP_CHUNK_WEIGHTS) at a time, so that much is held for one chunk only (prodigy and schedulefree
+                 read every weight in one step: for all of them); the larger of that and the forward's workspace
+                 counts
     gathered     under shard, one block's weights whole while it computes (FSDP2's all-gather), in the workspace
 
 A sharded LoRA run (the frozen base split, the LoRA whole on every rank) counts 1/N of the base and the gathered
@@ -23,6 +26,17 @@ from .variants import linear_layers, param_count
 
 ROUNDING_BYTES = 6  # bf16 weights: the fp32 copies of a weight and its gradient during the step, less the bf16 grad
 STEP_TEMPORARY_BYTES = 4  # a foreach optimizer's fp32 temporary per weight during its step
+# Weights stepped together on fp32 copies (full.round_bf16_updates): ~2.5 GiB of copies and temporaries at a time,
+# a few dozen optimizer calls a step for a 6 B-weight model (each a multi-tensor kernel or two: no slower).
+STEP_CHUNK_WEIGHTS = 1 << 28
+# Optimizers whose step reads every weight at once (Prodigy's step size from sums over all of them, schedule-free's
+# averaging weights per step): stepped whole, never a chunk at a time.
+WHOLE_STEP = ("prodigy", "schedulefree")
+
+
+def step_chunk(optimizer: str) -> int | None:
+    """How many weights the optimizer steps at once on fp32 copies (None: all of them)."""
+    return None if optimizer in WHOLE_STEP else STEP_CHUNK_WEIGHTS
 
 
 def full_state(dims: ModelDims, optimizer: str, base_dtype: str, ema: bool, shards: int) -> dict[str, int]:
@@ -36,12 +50,15 @@ def full_state(dims: ModelDims, optimizer: str, base_dtype: str, ema: bool, shar
         weights - matrices
     )
     step = (ROUNDING_BYTES if base_dtype == "bf16" else 0) + STEP_TEMPORARY_BYTES
+    # bf16 weights step a chunk at a time (fp32 ones all at once); a chunk ends at the weight that reaches it
+    chunk = step_chunk(optimizer) if base_dtype == "bf16" else None
+    stepped = weights // shards if chunk is None else min(weights // shards, chunk + max(i * o for i, o in shapes))
     return {
         "weights": weights * per // shards,
         "ema": 4 * weights // shards if ema else 0,
         "gradients": weights * per // shards,
         "optimizer": optimizer_bytes // shards,
-        "step": step * weights // shards,
+        "step": step * stepped,
     }
 
 

@@ -62,7 +62,7 @@ class TorchBackend:
             weight_decay=cfg.weight_decay,
             device=self.device,
         )
-        full.round_bf16_updates(self.optimizer, list(self.params.values()))  # a no-op for fp32 or LoRA weights
+        full.round_bf16_updates(self.optimizer, list(self.params.values()), cfg.optimizer)  # no-op: fp32, LoRA
         self.ema = Ema(self.params, cfg.ema_decay) if cfg.ema else None
         # The model call; under torchrun a DDP module averaging the LoRA gradients over the ranks.
         # self.forward read at each call (a test, or a later wrapper, may replace it after setup)
