@@ -306,12 +306,21 @@ def test_wan21_i2v_counts_its_image_layers_and_clip_vision_tokens():
 
 def test_a_full_fine_tune_counts_every_weight_its_gradient_optimizer_state_and_ema_by_hand():
     """Z-Image's weights (ComfyUI's module holds P): bf16 weights and gradients 2 B each, AdamW 8 B, EMA 4 B;
-    the optimizer step's fp32 copies (6 B) and AdamW's temporary (4 B) where larger than the forward's."""
-    p = COMFYUI_COUNTS["zimage"]
+    the optimizer step's fp32 copies (6 B) and AdamW's temporary (4 B) for one chunk of weights (Prodigy: for
+    all of them), where larger than the forward's."""
+    from trainer.estimate.full_step import STEP_CHUNK_WEIGHTS, full_state
+    from trainer.estimate.variants import get_dims, linear_layers
+
+    p, dims = COMFYUI_COUNTS["zimage"], get_dims("zimage")
     est = estimate("zimage", resolution=1024, adapter="full", ema=True)
     assert (est.weights, est.lora, est.gradients, est.optimizer) == (2 * p, 4 * p, 2 * p, 8 * p)
-    assert est.workspace == 10 * p - est.activations  # the step's transient is the larger here
-    assert est.total == 26 * p and est.lora_params == p
+    largest = max(i * o for i, o in linear_layers(dims).values())
+    assert full_state(dims, "adamw", "bf16", True, 1)["step"] == 10 * (STEP_CHUNK_WEIGHTS + largest)
+    assert est.total == 16 * p + est.activations + est.workspace and est.lora_params == p
+    assert est.total < 18 * p  # the forward's activations and workspace outweigh one chunk's copies
+    prodigy = estimate("zimage", resolution=1024, adapter="full", optimizer="prodigy")
+    assert prodigy.workspace == 10 * p - prodigy.activations  # stepped whole: the step's transient is the larger
+    assert full_state(dims, "adamw", "fp32", False, 1)["step"] == 4 * p  # fp32 weights: all at once, no copies
     assert estimate("zimage", resolution=1024, adapter="full").lora == 0  # EMA off
     assert estimate("zimage", resolution=1024, adapter="full", optimizer="adamw8bit").optimizer == 2 * p
     lora = estimate("zimage", resolution=1024)

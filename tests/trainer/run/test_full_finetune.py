@@ -124,42 +124,54 @@ def test_bf16_updates_round_stochastically():
     assert abs(float(weight.detach().float().mean()) - (1 - 5e-4)) < 1e-4
 
 
-def _bf16_steps(name, monkeypatch, chunk=None, steps=3):
-    """Three AdamW steps of a few bf16 weights through round_bf16_updates; the weights, the moments, and the most
-    fp32 entries the optimizer held in one call."""
+def _bf16_steps(name, monkeypatch, chunk=None, steps=3, optimizer="adamw"):
+    """Three steps of a few bf16 weights through round_bf16_updates (chunked as `name` says); the weights, the
+    optimizer's state, and the most entries the optimizer was handed in one call."""
     from trainer.backends.torch_backend.full import round_bf16_updates
+    from trainer.backends.torch_backend.optim import build_optimizer, optimizer_arrays
     from trainer.estimate import full_step
 
     if chunk:
         monkeypatch.setattr(full_step, "STEP_CHUNK_WEIGHTS", chunk)
     generator = torch.Generator().manual_seed(0)
-    shapes = [(64, 32), (32,), (48, 64), (16, 16), (300,)]
+    shapes = [(64, 64), (32,), (128, 64), (16, 16), (4096,)]  # three reach torchao's 4096 entries (8-bit moments)
     weights = [torch.nn.Parameter(torch.randn(s, generator=generator).bfloat16()) for s in shapes]
-    optimizer = torch.optim.AdamW(weights, lr=1e-3)
-    held, step = [], optimizer.step
-    optimizer.step = lambda: (held.append(sum(p.numel() for g in optimizer.param_groups for p in g["params"])), step())
-    round_bf16_updates(optimizer, weights, name)
+    built = build_optimizer(
+        weights, optimizer, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, device=torch.device("cpu")
+    )
+    held, step = [], built.step
+    built.step = lambda: (held.append(sum(p.numel() for g in built.param_groups for p in g["params"])), step())
+    round_bf16_updates(built, weights, name)
     torch.manual_seed(1)
     for _ in range(steps):
         for w in weights:
             w.grad = torch.randn(w.shape, generator=generator).bfloat16() * 1e-3
-        optimizer.step()
-    state = [t.clone() for w in weights for t in optimizer.state[w].values()]
-    return [w.detach().clone() for w in weights], state, max(held)
+        built.step()
+    state = optimizer_arrays(built, [str(i) for i in range(len(weights))])[0]
+    return [w.detach().float().numpy() for w in weights], state, max(held)
 
 
-def test_bf16_steps_a_chunk_at_a_time_and_end_the_same(monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit_torchao"])
+def test_bf16_steps_a_chunk_at_a_time_and_end_the_same(monkeypatch, optimizer):
     """An optimizer that steps each weight alone steps the fp32 copies a chunk at a time (so a 6 B-weight model holds
     ~2.5 GiB of them at once, not ~57), and the weights and moments equal the all-at-once step's bit for bit."""
-    whole, whole_state, whole_held = _bf16_steps(None, monkeypatch)
-    chunked, chunked_state, chunked_held = _bf16_steps("adamw", monkeypatch, chunk=2048)
-    assert whole_held == 64 * 32 + 32 + 48 * 64 + 16 * 16 + 300 and chunked_held <= 2048 + 48 * 64
+    whole, whole_state, whole_held = _bf16_steps(None, monkeypatch, optimizer=optimizer)
+    chunked, chunked_state, chunked_held = _bf16_steps(optimizer, monkeypatch, chunk=6000, optimizer=optimizer)
+    assert whole_held == 64 * 64 + 32 + 128 * 64 + 16 * 16 + 4096 and chunked_held <= 6000 + 128 * 64
     assert chunked_held < whole_held
-    for a, b in zip(whole + whole_state, chunked + chunked_state):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    assert all(w.dtype == torch.bfloat16 for w in chunked)
-    # Prodigy's step size and schedule-free's averaging read every weight in one step: never chunked
-    assert _bf16_steps("prodigy", monkeypatch, chunk=2048)[2] == whole_held
+    for a, b in zip(whole, chunked):
+        np.testing.assert_array_equal(a, b)
+    assert whole_state.keys() == chunked_state.keys() and len(whole_state) >= 2 * len(whole)
+    for key in whole_state:
+        np.testing.assert_array_equal(whole_state[key], chunked_state[key], err_msg=key)
+
+
+def test_optimizers_that_read_every_weight_step_whole(monkeypatch):
+    """Prodigy's step size and schedule-free's averaging read every weight in one step: never a chunk at a time."""
+    from trainer.estimate.full_step import WHOLE_STEP
+
+    assert set(WHOLE_STEP) == {"prodigy", "schedulefree"}
+    assert _bf16_steps("prodigy", monkeypatch, chunk=6000)[2] == 64 * 64 + 32 + 128 * 64 + 16 * 16 + 4096
 
 
 def test_headless_train_writes_the_model_file_and_extract_reads_it(tmp_path):
