@@ -391,9 +391,9 @@ def prompts(g: Graph, clip: Node, text: str, title: str = "Validation prompt") -
 def sample_chain(
     g: Graph,
     model: list,
-    positive: Node,
-    negative: Node,
-    latent: Node,
+    positive: Node | list,
+    negative: Node | list,
+    latent: Node | list,
     *,
     steps: int,
     sampler: str,
@@ -404,7 +404,12 @@ def sample_chain(
     save: bool = True,
 ) -> list[Node]:
     """KSampler → VAE Decode → Save Image (cfg 1 by default: Turbo and Klein are distilled); save False: no Save Image (a
-    video's frames go on to CreateVideo)."""
+    video's frames go on to CreateVideo). positive, negative, latent: nodes whose CONDITIONING / LATENT output goes in,
+    or links to another output (WanImageToVideo's positive, negative and latent)."""
+
+    def link(value, name: str) -> list:
+        return value.out(name) if isinstance(value, Node) else value
+
     sampler_node = g.add(
         "KSampler",
         title=title,
@@ -414,9 +419,9 @@ def sample_chain(
         cfg=cfg,
         sampler_name=sampler,
         scheduler="simple",
-        positive=positive.out("CONDITIONING"),
-        negative=negative.out("CONDITIONING"),
-        latent_image=latent.out("LATENT"),
+        positive=link(positive, "CONDITIONING"),
+        negative=link(negative, "CONDITIONING"),
+        latent_image=link(latent, "LATENT"),
         denoise=1.0,
     )
     decode = g.add("VAEDecode", samples=sampler_node.out("LATENT"), vae=g.vae.out("VAE"))

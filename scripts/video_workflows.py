@@ -220,20 +220,18 @@ def wan21_i2v_lora(mw, info: dict):
         g, video, unet.out("MODEL"), captions.out("dataset"), options, vae, positive=positive, negative=negative_i2v
     )
     save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_i2v14b", state=train.out("state"))
-    sampler = g.add(
-        "KSampler",
-        model=train.out("model"),
-        seed=42,
+    sampler, decode = mw.sample_chain(
+        g,
+        train.out("model"),
+        positive,
+        negative_i2v,
+        latent,
         steps=video.steps,
+        sampler="uni_pc",
+        prefix="",
         cfg=video.cfg,
-        sampler_name="uni_pc",
-        scheduler="simple",
-        positive=positive,
-        negative=negative_i2v,
-        latent_image=latent,
-        denoise=1.0,
+        save=False,
     )
-    decode = g.add("VAEDecode", samples=sampler.out("LATENT"), vae=vae.out("VAE"))
     clip_out = g.add(
         "SaveWEBM", images=decode.out("IMAGE"), filename_prefix="kiln/my_i2v14b", codec="vp9", fps=video.fps
     )

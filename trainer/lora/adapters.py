@@ -219,12 +219,16 @@ def from_roles(roles: dict[str, np.ndarray], *, source: str) -> AdapterWeights:
     return weights
 
 
+# How each kind is named to a user: LyCORIS' and ComfyUI's spelling, in every message that names one.
+KIND_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa", "diff": "diff"}
+
+
 def require_lora(lora, what: str, source: str = "this LoRA") -> None:
     """Refuse LoKr/LoHa/DoRA where only LoRA pairs make sense (merge, resize, extract, init_lora)."""
     kinds = sorted({w.kind for w in lora.values() if isinstance(w, AdapterWeights)})
     if kinds:
         raise ValueError(
-            f"{source} is a {'/'.join(k.upper() for k in kinds)} adapter; {what} works on plain "
+            f"{source} is a {'/'.join(KIND_NAMES[k] for k in kinds)} adapter; {what} works on plain "
             'LoRA pairs only (train with adapter = "lora" for that, or use the file as it is)'
         )
 

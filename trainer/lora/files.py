@@ -17,7 +17,7 @@ from ..archs import Arch, get_arch
 from ..config import TrainConfig
 from . import adapter_files
 from . import sources as lora_sources
-from .adapters import AdapterWeights
+from .adapters import KIND_NAMES, AdapterWeights
 from .keys import (  # noqa: F401  (re-exported: callers reach the in-memory LoRA's types here too)
     COMFY_PREFIX,
     DIFFUSERS_PREFIX,
@@ -78,7 +78,7 @@ def from_tensors(
             "is the LoRA for another model (pass arch=), or are these not LoRA weights?"
         )
     if converted.passthrough:
-        kinds = "/".join(sorted(k.upper() if k != "diff" else k for k in converted.kinds.keys() - {"lora"}))
+        kinds = "/".join(KIND_NAMES[k] for k in sorted(converted.kinds.keys() - {"lora"}))
         example = next(keys for path, keys in converted.origins.items() if path not in converted.lora)
         raise ValueError(
             f"{source}: {len(converted.origins) - len(converted.lora)} module(s) are {kinds} weights, not LoRA "

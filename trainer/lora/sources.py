@@ -38,6 +38,7 @@ from .. import safetensors_io
 from ..archs import ARCHS, Arch, DiffusersRule
 from . import keys as lf
 from . import outside
+from .adapters import KIND_NAMES
 
 
 class KeyForm(NamedTuple):
@@ -89,7 +90,6 @@ SUFFIXES: dict[str, tuple[str, str]] = {
     ".lora_magnitude_vector.default.weight": ("", "dora_scale"),
 }
 DORA_SUFFIXES = tuple(s for s, (_, role) in SUFFIXES.items() if role == "dora_scale")  # kept F32 as ComfyUI's
-_KIND_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa", "diff": "diff"}
 DORA_KEYS = {"A": "lora_down.weight", "B": "lora_up.weight", "alpha": "alpha", "dora_scale": "dora_scale"}
 
 
@@ -108,7 +108,7 @@ class Converted:
 
     def report(self) -> str:
         """How the file was read; a DoRA, LoKr, LoHa or diff module (exact as it is) counts as a LoRA's does."""
-        counts = ", ".join(f"{self.kinds[kind]} {name}" for kind, name in _KIND_NAMES.items() if self.kinds[kind])
+        counts = ", ".join(f"{self.kinds[kind]} {name}" for kind, name in KIND_NAMES.items() if self.kinds[kind])
         lines = [*self.notes, f"{sum(self.kinds.values())} of {self.total} module(s) converted: {counts or 'none'}"]
         if self.unplaced:
             lines.append(f"{len(self.unplaced)} key(s) not placed: " + ", ".join(self.unplaced))

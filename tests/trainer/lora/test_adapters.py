@@ -174,7 +174,7 @@ def test_diffusers_and_lora_tools_refuse_adapters(tmp_path):
     lora = {"double_blocks.0.img_attn.qkv": lora_set.branches()["proj"].weights()}
     with pytest.raises(ValueError, match="diffusers.*no lokr layout"):
         lora_format.to_tensors(lora, "diffusers", "demo")
-    with pytest.raises(ValueError, match="LOKR adapter; merging"):
+    with pytest.raises(ValueError, match="LoKr adapter; merging"):
         adapters.require_lora(lora, "merging")
 
 
@@ -260,11 +260,11 @@ def test_lora_tools_and_init_lora_refuse_adapter_files(tmp_path):
     _, lora_set = _injected("loha")
     lora = {"double_blocks.0.img_attn.qkv": lora_set.branches()["proj"].weights()}
     lora_format.save_lora(tmp_path / "h.safetensors", lora, arch="demo", dtype="fp32", metadata={})
-    with pytest.raises(ValueError, match="LOHA adapter; resize works on plain LoRA pairs"):
+    with pytest.raises(ValueError, match="LoHa adapter; resize works on plain LoRA pairs"):
         lora_tools.resize(lora, lora_tools.RankRule(rank=2))
-    with pytest.raises(ValueError, match="LOHA adapter; merge"):
+    with pytest.raises(ValueError, match="LoHa adapter; merge"):
         lora_tools.merge([lora])
-    with pytest.raises(ValueError, match="h.safetensors is a LOHA adapter; init_lora"):
+    with pytest.raises(ValueError, match="h.safetensors is a LoHa adapter; init_lora"):
         init_lora.from_file(tmp_path / "h.safetensors")
 
 
