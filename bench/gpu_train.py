@@ -1342,6 +1342,12 @@ def main(argv=None) -> int:
         metavar="N",
         help="profile N steps after the timed ones (bench/step_profile.py; CUDA only)",
     )
+    parser.add_argument(
+        "--no-checkpoint",
+        action="store_true",
+        help="write no checkpoint, not even the final one (never timed; a full fine-tune's holds the weights and "
+        "the optimizer's moments: Z-Image with AdamW ~62 GB, more than the GPU machine's free disk)",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--matmul-n", type=int, help="matmul size for the rate (default 8192 on CUDA, 512 on CPU)")
     parser.add_argument("--tiny", action="store_true", help="tiny dims (hidden 256), same code path; CPU is fine")
@@ -1401,6 +1407,8 @@ def main(argv=None) -> int:
     import comfy.model_management as mm
 
     pack = import_pack(prepare, device_kind if ranks > 1 else None)
+    if args.no_checkpoint:
+        pack["loop"].save_run = skip_checkpoint
     archs_module = prepare.import_pack("trainer.archs")
     device = mm.get_torch_device()
     dtype_name = args.dtype or ("fp32" if args.tiny and device.type == "cpu" else "bf16")
@@ -1432,6 +1440,7 @@ def main(argv=None) -> int:
         "native_steps": None if args.no_native else native_steps,
         "tiny": args.tiny,
         "h2d_gbps": h2d_gbps,
+        **({"checkpoints": "none (--no-checkpoint)"} if args.no_checkpoint else {}),
         **card,
         **({"lever": ",".join(levers_set)} if levers_set else {}),
     }
@@ -1485,6 +1494,12 @@ def main(argv=None) -> int:
         print(summary(record), file=sys.stderr, flush=True)
         print(json.dumps(record), flush=True)
     return 0
+
+
+def skip_checkpoint(step: int, *, run, log):
+    """The loop's save_run under --no-checkpoint: the step's figures flushed, nothing written."""
+    log.flush()
+    return Path(run.run_dir) / f"step-{step:06d}"
 
 
 def import_pack(prepare, group_device: str | None = None) -> dict:

@@ -67,6 +67,7 @@ def test_tiny_rows_run_and_record(tmp_path):
         "3",
         "--warmup",
         "1",
+        "--no-checkpoint",  # the loop's final save skipped (a full fine-tune's is tens of GB); the run ends as ever
         "--out",
         str(out),
     ]
@@ -90,6 +91,7 @@ def test_tiny_rows_run_and_record(tmp_path):
         assert record["tiny"] and record["device"].startswith("cpu") and record["compile"] is False
         assert record["peak_alloc_gb"] is None and record["native_peak_reserved_gb"] is None  # CUDA-only
         assert record["kiln_error"] is None and record["native_error"] is None
+        assert record["checkpoints"] == "none (--no-checkpoint)"
         assert record["native_checkpoint_depth"] == 2  # per block, as Kiln checkpoints
         for key in (
             "kiln_s_per_step",
