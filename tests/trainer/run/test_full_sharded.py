@@ -185,3 +185,62 @@ def test_sharded_bf16_weights_take_updates_stochastically_rounded(tmp_path):
         shard = safetensors_io.read(tmp_path / f"rank{rank}.safetensors")[0]["shard"]
         assert shard.shape == (4096, 8) and set(np.unique(shard).tolist()) == {1 - 2**-8, 1.0}
         assert abs(float(shard.mean()) - (1 - 5e-4)) < 1e-4
+
+
+def _chunked_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Each rank trains two copies of a few bf16 weights sharded by FSDP2 with AdamW, one stepped whole and one a
+    small chunk at a time (the masters swapped in chunk by chunk); writes its shards of both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from trainer.estimate import full_step
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh, shards = init_device_mesh("cpu", (world,)), {}
+        for name, chunk in (("whole", None), ("chunked", 600)):
+            full_step.STEP_CHUNK_WEIGHTS = chunk or full_step.STEP_CHUNK_WEIGHTS
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*(torch.nn.Linear(16, 32, bias=True) for _ in range(3))).to(torch.bfloat16)
+            fully_shard(model, mesh=mesh)
+            weights = list(model.parameters())
+            optimizer, held = torch.optim.AdamW(weights, lr=1e-2), []
+            start = [w.detach().to_local().float().numpy().copy() for w in weights]
+            step = optimizer.step
+            optimizer.step = lambda: (held.append(sum(len(g["params"]) for g in optimizer.param_groups)), step())
+            full.round_bf16_updates(optimizer, weights, "adamw" if chunk else None)
+            generator = torch.Generator().manual_seed(1)
+            torch.manual_seed(2 + rank)
+            for _ in range(3):
+                for w in weights:
+                    grad = torch.randn(w.shape, generator=generator).bfloat16()
+                    w.grad = distribute_tensor(grad, mesh, w.placements)
+                optimizer.step()
+            shards.update({f"{name}.{i}": w.detach().to_local().float().numpy() for i, w in enumerate(weights)})
+            shards[f"{name}.held"] = np.array(max(held), np.float32)  # the most parameters one optimizer call saw
+            shards[f"{name}.moved"] = np.array(
+                all(not np.array_equal(a, w.detach().to_local().float().numpy()) for a, w in zip(start, weights)),
+                np.float32,
+            )
+        safetensors_io.write(Path(out) / f"rank{rank}.safetensors", shards)
+    finally:
+        distributed.stop()
+
+
+def test_sharded_bf16_weights_step_a_chunk_at_a_time_and_end_the_same(tmp_path):
+    """FSDP2's DTensor parameters stepped a chunk at a time (fp32 masters swapped in per chunk) end where the
+    all-at-once step ends, bit for bit, on every rank."""
+    torch.multiprocessing.start_processes(
+        _chunked_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="fork"
+    )
+    for rank in range(2):
+        shards = safetensors_io.read(tmp_path / f"rank{rank}.safetensors")[0]
+        whole = {k[6:]: v for k, v in shards.items() if k.startswith("whole.")}
+        assert float(whole.pop("held")) == 6 and float(shards["chunked.held"]) < 6  # chunks: fewer at once
+        assert float(whole.pop("moved")) == 1 and float(shards["chunked.moved"]) == 1
+        assert len(whole) == 6
+        for key, value in whole.items():
+            np.testing.assert_array_equal(value, shards[f"chunked.{key}"], err_msg=f"rank {rank} weight {key}")
