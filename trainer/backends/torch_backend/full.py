@@ -186,7 +186,7 @@ def _chunks(optimizer: torch.optim.Optimizer, chunk: int | None):
         yield None
         return
     members, size = set(), 0
-    for p in (p for group in optimizer.param_groups for p in group["params"]):
+    for p in [p for group in optimizer.param_groups for p in group["params"]]:  # listed before _only narrows them
         members.add(id(p))
         size += p.numel()
         if size >= chunk:
