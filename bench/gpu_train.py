@@ -1285,7 +1285,8 @@ def _round(value, digits=4):
     return round(value, digits) if isinstance(value, float) else value
 
 
-def main(argv=None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """The command line (this module's docstring says what the rows and options mean)."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1378,6 +1379,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"), help="JSON list to append to")
     parser.add_argument("--merge", nargs="+", metavar="FILE", help="append these files' records to --out and exit")
     gpu_ranks.add_arguments(parser, _bool)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = command_line()
     args = parser.parse_args(argv)
     ranks = gpu_ranks.check_arguments(parser, args)
     if args.uncapped and not args.card_gb:
