@@ -1414,7 +1414,7 @@ def main(argv=None) -> int:
 
     pack = import_pack(prepare, device_kind if ranks > 1 else None)
     if args.no_checkpoint:
-        pack["loop"].save_run = skip_checkpoint
+        pack["loop"].save_run = functools.partial(skip_checkpoint, pack["loop"].state)
     archs_module = prepare.import_pack("trainer.archs")
     device = mm.get_torch_device()
     dtype_name = args.dtype or ("fp32" if args.tiny and device.type == "cpu" else "bf16")
@@ -1502,10 +1502,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def skip_checkpoint(step: int, *, run, log):
-    """The loop's save_run under --no-checkpoint: the step's figures flushed, nothing written."""
+def skip_checkpoint(state, step: int, *, run, log):
+    """The loop's save_run under --no-checkpoint (`state`: the loop's trainer.run.state): the step's figures
+    flushed, nothing written; the step's folder named as save_run names it."""
     log.flush()
-    return Path(run.run_dir) / f"step-{step:06d}"
+    return state.step_dir(run.run_dir, step)
 
 
 def import_pack(prepare, group_device: str | None = None) -> dict:

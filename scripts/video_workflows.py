@@ -66,19 +66,7 @@ def wan_video_lora(mw, g, files: dict, video: Video, *, prompt: str, name: str, 
         **({"start_latent": latent.out("LATENT")} if start_image else {}),
     )
     save = g.add("KilnSaveLoRA", lora=train.out("lora"), name=f"kiln/{name}", state=train.out("state"))
-    sampler_node, decode = mw.sample_chain(
-        g,
-        train.out("model"),
-        positive,
-        negative,
-        latent,
-        steps=video.steps,
-        sampler="uni_pc",
-        prefix="",
-        cfg=video.cfg,
-        save=False,
-    )  # then SaveWEBM: a clip file whose inputs are the same in every supported ComfyUI (0.33's SaveVideo is not)
-    clip_out = g.add("SaveWEBM", images=decode.out("IMAGE"), filename_prefix=f"kiln/{name}", codec="vp9", fps=video.fps)
+    sampler_node, decode, clip_out = test_clip(mw, g, video, train, positive, negative, latent, name)
     folded = [mw.fold(n) for n in (negative, validation, latent, sampler_node, decode)]
     models = g.box("1. Models", "models", 0, loaders)
     dataset = g.box("2. Dataset", "dataset", 1, [data[0], mw.fold(data[1]), mw.fold(data[2])])
@@ -100,6 +88,27 @@ def wan_video_lora(mw, g, files: dict, video: Video, *, prompt: str, name: str, 
         g.box(None, "", 3, [mw.NOTE]),
     ]
     return g
+
+
+def test_clip(mw, g, video: Video, train, positive, negative, latent, name: str) -> list:
+    """The trained model's test clip: KSampler → VAE Decode (sample_chain) → SaveWEBM, a clip file whose inputs are the
+    same in every supported ComfyUI (0.33's SaveVideo is not): [KSampler, VAE Decode, SaveWEBM]."""
+    chain = mw.sample_chain(
+        g,
+        train.out("model"),
+        positive,
+        negative,
+        latent,
+        steps=video.steps,
+        sampler="uni_pc",
+        prefix="",
+        cfg=video.cfg,
+        save=False,
+    )
+    return [
+        *chain,
+        g.add("SaveWEBM", images=chain[1].out("IMAGE"), filename_prefix=f"kiln/{name}", codec="vp9", fps=video.fps),
+    ]
 
 
 def validated_training(g, video: Video, model, dataset, options, vae, **prompts):
@@ -220,21 +229,7 @@ def wan21_i2v_lora(mw, info: dict):
         g, video, unet.out("MODEL"), captions.out("dataset"), options, vae, positive=positive, negative=negative_i2v
     )
     save = g.add("KilnSaveLoRA", lora=train.out("lora"), name="kiln/my_i2v14b", state=train.out("state"))
-    sampler, decode = mw.sample_chain(
-        g,
-        train.out("model"),
-        positive,
-        negative_i2v,
-        latent,
-        steps=video.steps,
-        sampler="uni_pc",
-        prefix="",
-        cfg=video.cfg,
-        save=False,
-    )
-    clip_out = g.add(
-        "SaveWEBM", images=decode.out("IMAGE"), filename_prefix="kiln/my_i2v14b", codec="vp9", fps=video.fps
-    )
+    sampler, decode, clip_out = test_clip(mw, g, video, train, positive, negative_i2v, latent, "my_i2v14b")
     fold = mw.fold
     g.layout = [
         g.box("1. Models", "models", 0, [*loaders, vision]),
