@@ -1,4 +1,5 @@
-"""CUDA check of the PyTorch backend on a GPU: fused AdamW, bf16 autocast, checkpointing, EMA, resume.
+"""CUDA check of the PyTorch backend on a GPU: fused AdamW, bf16 autocast, checkpointing, EMA, resume (a LoRA and
+a full fine-tune), and bf16 stochastic rounding, eager against compiled.
 
 Not a speed benchmark (that is the full-size harness); it proves the CUDA code
 paths train, resume and report memory. Run: python bench/cuda_check.py
@@ -46,6 +47,66 @@ def run(cfg, folder, stop_at=None, resume=False):
     )
 
 
+def resume_check(cfg, holds=("lora.",)):
+    """A straight run, one stopped at step 15 and resumed, and a second straight run: the resumed (and the rerun's)
+    trained tensors against the straight run's, bit for bit."""
+    tmp = Path(tempfile.mkdtemp())
+    started = time.perf_counter()
+    straight = run(cfg, tmp / "a")
+    elapsed = time.perf_counter() - started
+    run(cfg, tmp / "b", stop_at=15)
+    resumed = run(cfg, tmp / "b", resume=True)
+    again = run(cfg, tmp / "c")  # a second uninterrupted run: tells kernel nondeterminism from resume drift
+    a, _ = safetensors_io.read(straight.checkpoint / "state.safetensors")
+    b, _ = safetensors_io.read(resumed.checkpoint / "state.safetensors")
+    c, _ = safetensors_io.read(again.checkpoint / "state.safetensors")
+
+    def diff(x, y):
+        return max(
+            float(np.abs(x[k].astype(np.float64) - y[k].astype(np.float64)).max()) for k in x if k.startswith(holds)
+        )
+
+    losses = straight.history.loss
+    return {
+        "wall_s_incl_setup": round(elapsed, 2),
+        "loss_first10": float(np.mean(losses[:10])),
+        "loss_last10": float(np.mean(losses[-10:])),
+        "resume_bitwise_equal": all(np.array_equal(a[k], b[k]) for k in a),
+        "resume_max_abs_diff": diff(a, b),
+        "rerun_bitwise_equal": all(np.array_equal(a[k], c[k]) for k in a),
+        "rerun_max_abs_diff": diff(a, c),
+    }
+
+
+def rounding_check(weights=1 << 28):
+    """bf16 stochastic rounding (full.stochastic_round_), the eager kernels against the compiled one: both land
+    on the two neighbours only, unbiased, the same draws from the same seed; GPU time each for `weights` weights."""
+    from trainer.backends.torch_backend import full
+
+    value = torch.full((weights,), 1 - 5e-4, device="cuda")  # between bf16's 1 - 2^-8 and 1
+    target = torch.empty_like(value, dtype=torch.bfloat16)
+    out = {}
+    for name, rounder in (("eager", full._round_eager), ("compiled", full._round_fused())):
+        draws = []
+        for _ in range(2):
+            torch.cuda.manual_seed(7)
+            rounder(target, value)
+            draws.append(target.clone())
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            rounder(target, value)
+        end.record()
+        torch.cuda.synchronize()
+        out[name] = {
+            "ms_per_call": start.elapsed_time(end) / 10,
+            "values": sorted(set(draws[0].unique().float().tolist())),
+            "mean_error": float(draws[0].double().mean()) - (1 - 5e-4),
+            "same_seed_same_draws": torch.equal(draws[0], draws[1]),
+        }
+    return {"weights": weights, **out}
+
+
 def main():
     cfg = config.from_dict(
         dict(
@@ -65,37 +126,20 @@ def main():
             caption_dropout=0.1,
         )
     )
-    tmp = Path(tempfile.mkdtemp())
-    started = time.perf_counter()
-    straight = run(cfg, tmp / "a")
-    elapsed = time.perf_counter() - started
-    run(cfg, tmp / "b", stop_at=15)
-    resumed = run(cfg, tmp / "b", resume=True)
-    again = run(cfg, tmp / "c")  # a second uninterrupted run: tells kernel nondeterminism from resume drift
-    a, _ = safetensors_io.read(straight.checkpoint / "state.safetensors")
-    b, _ = safetensors_io.read(resumed.checkpoint / "state.safetensors")
-    c, _ = safetensors_io.read(again.checkpoint / "state.safetensors")
-
-    def diff(x, y):
-        return max(
-            float(np.abs(x[k].astype(np.float64) - y[k].astype(np.float64)).max()) for k in x if k.startswith("lora.")
-        )
-
-    losses = straight.history.loss
+    lora = resume_check(cfg)
+    full = resume_check(
+        config.replace(cfg, adapter="full", learning_rate=1e-4, lora_dropout=0.0), holds=("full.", "ema.")
+    )
     print(
         json.dumps(
             {
                 "device": torch.cuda.get_device_name(),
                 "torch": torch.__version__,
                 "steps": cfg.steps,
-                "wall_s_incl_setup": round(elapsed, 2),
-                "loss_first10": float(np.mean(losses[:10])),
-                "loss_last10": float(np.mean(losses[-10:])),
                 "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-                "resume_bitwise_equal": all(np.array_equal(a[k], b[k]) for k in a),
-                "resume_max_abs_diff_lora": diff(a, b),
-                "rerun_bitwise_equal": all(np.array_equal(a[k], c[k]) for k in a),
-                "rerun_max_abs_diff_lora": diff(a, c),
+                **lora,
+                "full_finetune": full,
+                "bf16_rounding": rounding_check(),
                 "peak_alloc_mb": torch.cuda.max_memory_allocated() / 2**20,
                 "fused_adamw": True,
             },

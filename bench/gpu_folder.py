@@ -14,8 +14,9 @@ rebuilt only when the tree, the requirements or this script change; the commit i
 What goes in: the tree's Python files and data (no .git), and each requirement of the tree (and of Kiln's
 `gpu` needs below) with its dependencies, as wheels for the machine's Python and platform from this
 machine's package index, minus every project the GPU machine already has (bench/gpu_machine.txt: its
-`pip freeze`, recorded with the command that made it). comfy-kitchen loses its HIP (AMD) library; PyAV,
-a 35 MB video decoder the benches never call, is replaced by an import stub unless --video.
+`pip freeze`, recorded with the command that made it). comfy-kitchen loses its HIP (AMD) library,
+bitsandbytes every library but the machine's CUDA one; PyAV, a 35 MB video decoder the benches never call, is
+replaced by an import stub unless --video.
 The device tool carries at most 64 MiB per call: the script fails when the archive is larger.
 """
 
@@ -54,7 +55,8 @@ KILN_NEEDS = [
     "diffusers==0.42.1",
     "importlib_metadata",
     "torchao==0.18.0",
-]  # bench/peer.py; torchao: adamw8bit_torchao (a full run's 8-bit states); peft is on the machine
+    "bitsandbytes==0.50.2",
+]  # bench/peer.py; torchao: adamw8bit_torchao, bitsandbytes: adamw8bit (a full run's 8-bit states); peft is on the machine
 # av's modules ComfyUI imports at load time (comfy_api.latest); the stub answers any name with a placeholder.
 AV_STUB_MODULES = (
     "av",
@@ -118,7 +120,13 @@ def download(wanted: list[str], python: str, dest: Path, have: set[str]) -> list
         "-d",
         str(dest),
     ]
-    for platform in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any"):
+    for platform in (
+        "manylinux_2_28_x86_64",
+        "manylinux_2_24_x86_64",
+        "manylinux_2_17_x86_64",
+        "manylinux2014_x86_64",
+        "any",
+    ):
         command += ["--platform", platform]
     queue, seen = list(wanted), set()
     while queue:
@@ -161,12 +169,23 @@ def dependencies(wheel: Path, python: str) -> list[str]:
     return found
 
 
-def unpack(wheel: Path, site: Path) -> None:
+def machine_cuda(path: Path) -> str:
+    """The GPU machine's CUDA as bitsandbytes names its libraries ("130" for torch 2.11.0+cu130)."""
+    found = re.search(r"\+cu(\d+)", path.read_text())
+    if not found:
+        raise SystemExit(f"{path} names no torch CUDA build (+cuNNN): record the machine's pip list with its header")
+    return found.group(1)
+
+
+def unpack(wheel: Path, site: Path, cuda: str) -> None:
     """A wheel unpacked as pip would install it into site-packages (it is a zip of that layout)."""
     with zipfile.ZipFile(wheel) as archive:
         for member in archive.infolist():
             if wheel.name.startswith("comfy_kitchen") and "/backends/hip/" in member.filename:
                 continue  # the AMD library: 59 MB the NVIDIA machine never loads (the backend is optional)
+            library = re.fullmatch(r"bitsandbytes/libbitsandbytes_(\w+)\.so", member.filename)
+            if library and library.group(1) != f"cuda{cuda}":
+                continue  # one library per CUDA, ROCm and XPU build (125 MB); the machine loads its CUDA's alone
             archive.extract(member, site)
 
 
@@ -226,7 +245,7 @@ def build(tree: Path, out: Path, args: argparse.Namespace) -> None:
         wheels = download(wanted, args.python, scratch / "wheels", have)
         kept = [w for w in wheels if project(w.name.split("-")[0]) not in have | LEAVE_OUT]
         for wheel in kept:
-            unpack(wheel, site)
+            unpack(wheel, site, machine_cuda(Path(args.machine)))
         if not args.video:
             write_av_stub(site)
         shutil.copytree(tree, scratch / "comfyui", ignore=shutil.ignore_patterns(".git", "__pycache__"))
