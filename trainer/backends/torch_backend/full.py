@@ -150,27 +150,49 @@ def model_tensors(model: nn.Module, sharded: bool = False) -> dict[str, np.ndarr
 
 
 FUSED_ROUNDING = True  # an A/B lever for bench/gpu_train.py --set (RESULTS.md: the eager kernels' time)
+ROUND_SLICE = 1 << 24  # the eager rounding's slice: its int32 temporaries stay at 128 MiB
 
 
-def stochastic_round_(target: torch.Tensor, value: torch.Tensor) -> None:
-    """target (bf16) ← value (fp32) rounded up or down at random, in proportion to the distance: a random 16-bit
-    integer added below bf16's mantissa, then the low half cut (torch's global RNG: resume restores it). On CUDA
-    the draw, the cut and the copy run as one kernel compiled by inductor (FUSED_ROUNDING)."""
-    (_round_fused() if FUSED_ROUNDING and value.is_cuda else _round_eager)(target, value)
+def stochastic_round_(value: torch.Tensor) -> None:
+    """value (fp32, contiguous) rounded in place to a bf16 value, up or down at random in proportion to the distance:
+    a random 16-bit integer added below bf16's mantissa, then the low half cut (torch's global RNG: resume restores
+    it). On CUDA the draw, the add and the cut run as one kernel compiled by inductor (FUSED_ROUNDING)."""
+    flat = value.view(-1)
+    if FUSED_ROUNDING and value.is_cuda:
+        _round_fused()(flat)
+        return
+    for part in flat.split(ROUND_SLICE):  # in order: the draws are those of one call over the whole
+        _round_bits_(part)
 
 
-def _round_eager(target: torch.Tensor, value: torch.Tensor) -> None:
-    bits = value.contiguous().view(torch.int32)
-    noise = torch.randint_like(bits, 0, 1 << 16)
-    target.copy_(((bits + noise) & -65536).view(torch.float32))
+def _round_bits_(value: torch.Tensor) -> None:
+    bits = value.view(torch.int32)
+    bits.copy_((bits + torch.randint_like(bits, 0, 1 << 16)) & -65536)
 
 
 @functools.cache
 def _round_fused():
-    """_round_eager compiled: one pass reads 4 B and writes 2 B a weight, where the three eager kernels move 22 B
-    (Klein 4B's full step spent 28 ms rounding). Inductor draws its own Philox numbers, seeded from torch's CUDA
-    generator, which a checkpoint holds: a resume stays exact; the draws differ from the eager kernels'."""
-    return torch.compile(_round_eager, dynamic=True, fullgraph=True)
+    """_round_bits_ compiled (one graph: the input is always 1-D): one pass reads and writes 4 B a weight, where the
+    eager kernels move 20 B (Klein 4B's full step: 285 → 267 ms). Inductor draws its own Philox numbers, seeded from
+    torch's CUDA generator, which a checkpoint holds: a resume stays exact; the draws differ from the eager ones."""
+    return torch.compile(_round_bits_, dynamic=True, fullgraph=True)
+
+
+def fp32_copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """fp32 copies of `tensors` as views of one flat buffer per device, each buffer filled by one multi-tensor copy:
+    a few kernel launches for a chunk of weights, not one a weight (a host-paced step pays for every launch)."""
+    views: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    on: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        on.setdefault(tensor.device, []).append(i)
+    flats = []
+    for device, members in on.items():
+        flat = torch.empty(sum(tensors[i].numel() for i in members), dtype=torch.float32, device=device)
+        for i, part in zip(members, flat.split([tensors[i].numel() for i in members])):
+            views[i] = part.view(tensors[i].shape)
+        torch._foreach_copy_([views[i] for i in members], [tensors[i] for i in members])
+        flats.append(flat)
+    return flats, views
 
 
 def round_bf16_updates(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], name: str | None = None) -> None:
@@ -231,19 +253,25 @@ def _only(optimizer: torch.optim.Optimizer, members: set[int] | None):
 
 @contextmanager
 def _fp32_data(optimizer: torch.optim.Optimizer, low: list[nn.Parameter]):
-    """The bf16 weights hold fp32 copies of themselves and their gradients while the optimizer steps; then each
-    takes its update stochastically rounded, and its own bf16 gradient back (the step read only the copy)."""
+    """The bf16 weights hold fp32 copies of themselves and their gradients while the optimizer steps (fp32_copies);
+    then the copies are rounded in place, the weights take them back (bf16 holds them exactly) and their own bf16
+    gradients (the step read only the copies)."""
     stored = [(p.data, p.grad) for p in low]
-    for p in low:
-        grad = p.grad
-        p.data = p.data.float()
-        p.grad = None if grad is None else grad.float()
+    graded = [p for p in low if p.grad is not None]
+    values, weight_views = fp32_copies([p.data for p in low])
+    _, grad_views = fp32_copies([p.grad for p in graded])
+    for p, view in zip(low, weight_views):
+        p.data = view
+    for p, view in zip(graded, grad_views):
+        p.grad = view
     try:
         yield
     finally:
         with torch.no_grad():
+            for flat in values:
+                stochastic_round_(flat)
+            torch._foreach_copy_([kept for kept, _ in stored], weight_views)
             for p, (kept, grad) in zip(low, stored):
-                stochastic_round_(kept, p.data)
                 p.data = kept
                 p.grad = grad
 
@@ -268,7 +296,8 @@ def _masters(optimizer: torch.optim.Optimizer, low: list[nn.Parameter]):
     finally:
         with torch.no_grad():
             for p, master, group, i in masters:
-                stochastic_round_(local(p), local(master.detach()))
+                stochastic_round_(local(master.detach()))
+                local(p).copy_(local(master.detach()))
                 group["params"][i] = p
                 if master in optimizer.state:
                     optimizer.state[p] = optimizer.state.pop(master)
