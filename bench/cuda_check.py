@@ -79,8 +79,8 @@ def resume_check(cfg, holds=("lora.",)):
 
 
 def rounding_check(weights=1 << 28):
-    """bf16 stochastic rounding in place (full.stochastic_round_), the eager kernels against the compiled one: both
-    land on the two neighbours only, unbiased, the same draws from the same seed; GPU time each for `weights`."""
+    """bf16 stochastic rounding of a flat buffer in place (full.round_flat_), the eager kernels against the compiled
+    one: both land on the two neighbours only, unbiased, the same draws from the same seed; GPU time each."""
     from trainer.backends.torch_backend import full
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -91,11 +91,11 @@ def rounding_check(weights=1 << 28):
         for _ in range(2):
             torch.cuda.manual_seed(7)
             value = torch.full((weights,), 1 - 5e-4, device="cuda")  # between bf16's 1 - 2^-8 and 1
-            full.stochastic_round_(value)
+            full.round_flat_(value)
             draws.append(value)
         start.record()
         for _ in range(10):
-            full.stochastic_round_(value)  # values already on bf16's grid: the same work, nothing moves
+            full.round_flat_(value)  # values already on bf16's grid: the same work, nothing moves
         end.record()
         torch.cuda.synchronize()
         out[name] = {

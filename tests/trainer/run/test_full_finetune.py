@@ -214,3 +214,35 @@ def test_the_run_folders_model_file_is_found_under_either_name(tmp_path, make_mo
     assert run_model_file(run) == str(headless)
     save_diffusion_model(run / RUN_FILE, result.model, dtype="fp32", metadata={})
     assert run_model_file(run) == str(run / RUN_FILE)
+
+
+def test_flat_copies_step_as_the_copies_per_weight_do(monkeypatch):
+    """AdamW (FLAT_STEP) steps a chunk's fp32 copies as views of one flat buffer, rounded in place in slices; the
+    weights and moments equal those of one fp32 copy per weight, rounded one by one, bit for bit (CPU)."""
+    from trainer.backends.torch_backend import full
+
+    monkeypatch.setattr(full, "ROUND_SLICE", 1000)  # several slices, one of them across two weights
+    rounded, round_flat = [], full.round_flat_
+    monkeypatch.setattr(full, "round_flat_", lambda flat: (rounded.append(flat.numel()), round_flat(flat)))
+    flat, flat_state, _ = _bf16_steps("adamw", monkeypatch, chunk=6000)
+    assert len(rounded) >= 3 * 2 and max(rounded) > 4096  # each step's chunks, a buffer over several weights
+    flat_buffers = len(rounded)
+    monkeypatch.setattr(full, "FLAT_STEP", frozenset())
+    each, each_state, _ = _bf16_steps("adamw", monkeypatch, chunk=6000)
+    assert len(rounded) == flat_buffers  # the per-weight path rounds no buffer
+    assert all(np.array_equal(a, b) for a, b in zip(flat, each))
+    assert flat_state.keys() == each_state.keys()
+    assert all(np.array_equal(flat_state[k], each_state[k]) for k in flat_state)
+
+
+def test_fp32_copies_are_views_of_one_buffer():
+    """fp32_copies: exact fp32 values of the bf16 tensors, each a view of one flat buffer (what round_flat_ rounds)."""
+    from trainer.backends.torch_backend.full import fp32_copies
+
+    tensors = [torch.randn(s).bfloat16() for s in [(3, 5), (7,), (2, 2, 2)]]
+    flats, views = fp32_copies(tensors)
+    assert len(flats) == 1 and flats[0].numel() == 15 + 7 + 8 and flats[0].dtype == torch.float32
+    assert all(v.shape == t.shape and torch.equal(v, t.float()) for v, t in zip(views, tensors))
+    assert all(v.untyped_storage().data_ptr() == flats[0].untyped_storage().data_ptr() for v in views)
+    flats[0].zero_()
+    assert all(float(v.abs().sum()) == 0 for v in views)

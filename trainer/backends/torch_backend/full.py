@@ -150,32 +150,44 @@ def model_tensors(model: nn.Module, sharded: bool = False) -> dict[str, np.ndarr
 
 
 FUSED_ROUNDING = True  # an A/B lever for bench/gpu_train.py --set (RESULTS.md: the eager kernels' time)
-ROUND_SLICE = 1 << 24  # the eager rounding's slice: its int32 temporaries stay at 128 MiB
+ROUND_SLICE = 1 << 24  # the eager in-place rounding's slice: its int32 temporaries stay at 128 MiB
+# Optimizers whose step is a few multi-tensor kernels (torch's fused AdamW), paced by the GPU: a chunk's fp32 copies
+# are views of one flat buffer, rounded by one kernel compiled on CUDA (Klein 4B full on an H200: 0.284 → 0.261
+# s/step). The others step each weight with calls of its own (bitsandbytes, torchao, Adafactor, Prodigy...), paced by
+# the host, where the flat views and the compiled kernel measured slower (Z-Image with torchao's 8-bit AdamW: 0.67
+# → 0.76 and 0.88 s/step): a copy per weight, rounded by the eager kernels.
+FLAT_STEP = frozenset({"adamw"})
 
 
-def stochastic_round_(value: torch.Tensor) -> None:
-    """value (fp32, contiguous) rounded in place to a bf16 value, up or down at random in proportion to the distance:
-    a random 16-bit integer added below bf16's mantissa, then the low half cut (torch's global RNG: resume restores
-    it). On CUDA the draw, the add and the cut run as one kernel compiled by inductor (FUSED_ROUNDING)."""
-    flat = value.view(-1)
-    if FUSED_ROUNDING and value.is_cuda:
+def stochastic_round_(target: torch.Tensor, value: torch.Tensor) -> None:
+    """target (bf16, or value itself) ← value (fp32) rounded up or down at random, in proportion to the distance, to
+    a bf16 value: a random 16-bit integer added below bf16's mantissa, then the low half cut (torch's global RNG:
+    resume restores it)."""
+    bits = value.contiguous().view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    target.copy_(((bits + noise) & -65536).view(torch.float32))
+
+
+def _round_in_place(value: torch.Tensor) -> None:
+    stochastic_round_(value, value)
+
+
+def round_flat_(flat: torch.Tensor) -> None:
+    """A flat fp32 buffer rounded in place: on CUDA by one compiled kernel (FUSED_ROUNDING), elsewhere in slices."""
+    if FUSED_ROUNDING and flat.is_cuda:
         _round_fused()(flat)
         return
     for part in flat.split(ROUND_SLICE):  # in order: the draws are those of one call over the whole
-        _round_bits_(part)
-
-
-def _round_bits_(value: torch.Tensor) -> None:
-    bits = value.view(torch.int32)
-    bits.copy_((bits + torch.randint_like(bits, 0, 1 << 16)) & -65536)
+        _round_in_place(part)
 
 
 @functools.cache
 def _round_fused():
-    """_round_bits_ compiled (one graph: the input is always 1-D): one pass reads and writes 4 B a weight, where the
-    eager kernels move 20 B (Klein 4B's full step: 285 → 267 ms). Inductor draws its own Philox numbers, seeded from
-    torch's CUDA generator, which a checkpoint holds: a resume stays exact; the draws differ from the eager ones."""
-    return torch.compile(_round_bits_, dynamic=True, fullgraph=True)
+    """_round_in_place compiled (one graph: the buffer is always 1-D): one pass reads and writes 4 B a weight, where
+    the eager kernels move 20 B (2^28 weights on an H200: 0.80 ms against 2.91). Inductor draws its own Philox
+    numbers, seeded from torch's CUDA generator, which a checkpoint holds: a resume stays exact; the draws differ
+    from the eager ones."""
+    return torch.compile(_round_in_place, dynamic=True, fullgraph=True)
 
 
 def fp32_copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -200,12 +212,12 @@ def round_bf16_updates(optimizer: torch.optim.Optimizer, params: list[nn.Paramet
     Nothing changes for fp32 weights (the demo model, CPU tests). An optimizer that steps each weight alone (`name`
     not in WHOLE_STEP) steps them a chunk at a time: the fp32 copies of one chunk exist at once, not of every
     weight (Z-Image's 6.15 B weights: ~2.5 GiB instead of ~57), and the result is the same bit for bit (the same
-    updates, the same random draws in the same order)."""
+    updates, the same random draws in the same order). FLAT_STEP optimizers step a chunk's copies as one buffer."""
     low = [p for p in params if p.dtype == torch.bfloat16]
     if not low:
         return
     sharded = any(hasattr(p, "device_mesh") for p in low)  # FSDP2's DTensor parameters take no .data swap
-    swap = _masters if sharded else _fp32_data
+    swap = _masters if sharded else (_flat_fp32 if name in FLAT_STEP else _fp32_each)
     chunk = step_chunk(name) if name else None
     step = optimizer.step
 
@@ -252,10 +264,29 @@ def _only(optimizer: torch.optim.Optimizer, members: set[int] | None):
 
 
 @contextmanager
-def _fp32_data(optimizer: torch.optim.Optimizer, low: list[nn.Parameter]):
-    """The bf16 weights hold fp32 copies of themselves and their gradients while the optimizer steps (fp32_copies);
-    then the copies are rounded in place, the weights take them back (bf16 holds them exactly) and their own bf16
-    gradients (the step read only the copies)."""
+def _fp32_each(optimizer: torch.optim.Optimizer, low: list[nn.Parameter]):
+    """The bf16 weights hold fp32 copies of themselves and their gradients while the optimizer steps; then each
+    takes its update stochastically rounded, and its own bf16 gradient back (the step read only the copy)."""
+    stored = [(p.data, p.grad) for p in low]
+    for p in low:
+        grad = p.grad
+        p.data = p.data.float()
+        p.grad = None if grad is None else grad.float()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, (kept, grad) in zip(low, stored):
+                stochastic_round_(kept, p.data)
+                p.data = kept
+                p.grad = grad
+
+
+@contextmanager
+def _flat_fp32(optimizer: torch.optim.Optimizer, low: list[nn.Parameter]):
+    """_fp32_each with the copies as views of flat buffers (fp32_copies), rounded in place with round_flat_; the
+    weights take them back by one multi-tensor copy (bf16 holds them exactly). The same values as _fp32_each on the
+    CPU, bit for bit."""
     stored = [(p.data, p.grad) for p in low]
     graded = [p for p in low if p.grad is not None]
     values, weight_views = fp32_copies([p.data for p in low])
@@ -269,7 +300,7 @@ def _fp32_data(optimizer: torch.optim.Optimizer, low: list[nn.Parameter]):
     finally:
         with torch.no_grad():
             for flat in values:
-                stochastic_round_(flat)
+                round_flat_(flat)
             torch._foreach_copy_([kept for kept, _ in stored], weight_views)
             for p, (kept, grad) in zip(low, stored):
                 p.data = kept
@@ -296,8 +327,7 @@ def _masters(optimizer: torch.optim.Optimizer, low: list[nn.Parameter]):
     finally:
         with torch.no_grad():
             for p, master, group, i in masters:
-                stochastic_round_(local(master.detach()))
-                local(p).copy_(local(master.detach()))
+                stochastic_round_(local(p), local(master.detach()))
                 group["params"][i] = p
                 if master in optimizer.state:
                     optimizer.state[p] = optimizer.state.pop(master)
