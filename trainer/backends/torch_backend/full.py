@@ -309,7 +309,7 @@ def _flat_fp32(optimizer: torch.optim.Optimizer, low: list[nn.Parameter]):
 
 @contextmanager
 def _masters(optimizer: torch.optim.Optimizer, low: list[nn.Parameter]):
-    """_fp32_data for sharded (DTensor) weights: assigning .data to a DTensor parameter changes its dtype label but
+    """_fp32_each for sharded (DTensor) weights: assigning .data to a DTensor parameter changes its dtype label but
     not its shard (torch 2.13), so the optimizer steps fp32 copies put in the weights' places (their state moved
     with them), and each rank rounds its shard back stochastically into the bf16 weight."""
     slots = {id(p): (group, i) for group in optimizer.param_groups for i, p in enumerate(group["params"])}
