@@ -963,6 +963,7 @@ def run_kiln(
             counter.remove()
             streamed.remove()
             notes.remove()
+            print("".join(f"[bench] kiln: {line}\n" for line in notes.lines), end="", flush=True)  # a failed row's too
     out.update(notes.levers(cfg))
     # compiled graphs inductor ran without CUDA graphs although asked (cuda_graphs): each skip costs the speed
     out["kiln_cudagraph_skips"] = _cudagraph_skips() - skips_before

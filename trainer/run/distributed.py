@@ -324,6 +324,15 @@ def ddp_options(branches: list) -> dict:
     )
 
 
+# dynamo's DDPOptimizer cuts a compiled region at DDP's bucket boundaries so a bucket's all-reduce can start inside
+# it. Kiln compiles one block a region, whose backward already ends where its buckets' gradients are ready, so the
+# cut buys little; and a cut through a block that writes into its inputs (Flux2's `img += ...`, compiled on copies)
+# hands a tensor one piece saved for backward to the next piece's in-place write. Klein 4B on two H200s failed so
+# at step 1 ("modified by an inplace operation ... output 2 of CompiledFunctionBackward"); Z-Image's blocks are
+# pure and trained. Off: each block one compiled graph under DDP as on one GPU (a lever for bench/gpu_train.py).
+OPTIMIZE_DDP = False
+
+
 def data_parallel(call: Callable, branches: list) -> Callable:
     """`call(*inputs)` (the model's forward) with the LoRA gradients averaged over the ranks.
 
@@ -335,7 +344,10 @@ def data_parallel(call: Callable, branches: list) -> Callable:
     branches = list(branches)
     if current().world == 1 or not branches:  # none: FSDP2 averages a sharded full fine-tune's gradients itself
         return call
+    import torch
     from torch.nn.parallel import DistributedDataParallel
+
+    torch._dynamo.config.optimize_ddp = OPTIMIZE_DDP
 
     return DistributedDataParallel(_lora_forward_module()(call, branches), **ddp_options(branches))
 

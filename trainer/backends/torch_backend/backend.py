@@ -84,7 +84,7 @@ class TorchBackend:
         fp8_note = self._add_lora()
         self.parallel = distributed.current().world > 1  # auto levers never fall back mid-step on one rank alone
         plan = memory_plan.decide(model, cfg, self.device, self.blocks)
-        self.memory = sharding.place(cfg, plan, self.blocks, self.device, self.fp8 is not None, self.lora)
+        self.memory = sharding.place(cfg, plan, self.blocks, self.device, self.fp8 is not None, self.lora, model)
         self.sharded = sharding.is_sharded(p for _, p in self.lora.named_parameters())  # a sharded full run
         self.levers = levers.decide(
             model,
@@ -152,7 +152,7 @@ class TorchBackend:
     def _stream(self, released=({}, [])):
         """The memory plan's blocks streamed from host memory (streaming.py), or None; `released`: a smaller
         stream's weights, taken over."""
-        if not self.memory.stream:
+        if not self.memory.stream or self.memory.shards > 1:  # a sharded base's host shards: FSDP2 copies them
             return None
         stream = streaming.for_blocks(self.blocks, self.memory.chosen, self.device, released)
         return stream if self.fp8 is None else self.fp8.streamed(stream, self.blocks)  # no copy of it kept on the GPU

@@ -30,6 +30,8 @@ GIB = 2**30
 HOST_RESERVE_BYTES = 4 * GIB  # host RAM the plan leaves to the OS, ComfyUI and the data loader
 # Device types whose memory is the GPU's own: a Mac's unified memory has nothing to gain from streaming.
 STREAMS_ON = ("cuda",)
+# A sharded block's transient on the GPU: the block FSDP2 gathered whole and the all-gather buffer it is cut from.
+GATHERED = 2
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,18 @@ class MemoryPlan:
 
     @property
     def ring_bytes(self) -> int:
-        """The GPU slots they stream through."""
+        """The GPU slots they stream through; on a sharded base (shards > 1), whatever streams, the block FSDP2
+        gathers whole and its all-gather buffer."""
+        if self.shards > 1:
+            return GATHERED * max(self.slot_sizes, default=0)
         return min(SLOTS, self.stream) * max((self.slot_sizes[i] for i in self.chosen), default=0)
 
     @property
     def host_new_bytes(self) -> int:
-        """Pinned host memory newly taken: the streamed weights that were on the GPU."""
+        """Pinned host memory newly taken: the streamed weights that were on the GPU; on a sharded base, every
+        rank's shards of the streamed blocks (the ranks of one host together hold each block once)."""
+        if self.shards > 1:
+            return sum(self.sizes[i] for i in self.chosen)
         return sum(self.on_device[i] for i in self.chosen)
 
     @property
@@ -97,7 +105,8 @@ class MemoryPlan:
             for i, (size, on) in enumerate(zip(self.sizes, self.on_device))
             if i not in self.chosen
         )
-        return free + self.host_new_bytes - arriving - self.ring_bytes, total
+        freed = sum(self.on_device[i] for i in self.chosen)  # a streamed block's weights leave the GPU
+        return free + freed - arriving - self.ring_bytes, total
 
     def with_stream(self, count: int, note: str = "", fits: bool = True, offload: bool | None = None) -> MemoryPlan:
         offload = self.offload if offload is None else offload
@@ -111,6 +120,13 @@ class MemoryPlan:
             where = "on the GPU" if self.free_and_total is not None else "in memory"
             split = f", 1/{self.shards} on each of {self.shards} ranks" if self.shards > 1 else ""
             return f"frozen base {where} ({resident / GIB:.1f} GiB of block weights{split}); nothing streams{kept}"
+        if self.shards > 1:
+            return (
+                f"{self.blocks - self.stream} of {self.blocks} blocks' shards on the GPU ({resident / GIB:.1f} GiB of "
+                f"block weights, 1/{self.shards} on each of {self.shards} ranks), {self.stream} blocks' shards in "
+                f"pinned host memory ({self.host_new_bytes / GIB:.1f} GiB of RAM over the ranks; FSDP2 copies a "
+                "shard to the GPU for each all-gather)" + kept
+            )
         return (
             f"{self.blocks - self.stream} of {self.blocks} blocks on the GPU ({resident / GIB:.1f} GiB), "
             f"{self.stream} streamed from pinned host memory ({self.streamed_bytes / GIB:.1f} GiB of RAM, "
@@ -126,7 +142,7 @@ def arrive(modules: list[nn.Module], device: torch.device) -> list[tuple[torch.T
         return []
     moved = []
     for tensor in [t for module in modules for t in (*module.parameters(), *module.buffers())]:
-        if tensor.device.type != device.type:
+        if tensor.device.type != device.type and not hasattr(tensor, "device_mesh"):  # FSDP2 places its own shards
             moved.append((tensor, tensor.data))
             tensor.data = tensor.data.to(device)
     return moved
@@ -253,6 +269,37 @@ def _auto(model, cfg, plan: MemoryPlan) -> MemoryPlan:
         f"{plan.blocks - count} resident blocks)" + kept,
         offload=offload,
     )
+
+
+def split(model: nn.Module, cfg: TrainConfig, plan: MemoryPlan, ranks: int, note: str) -> MemoryPlan:
+    """The plan of a base sharded over `ranks` (sharding.py): each rank holds 1/ranks of every block. Where even
+    that share leaves the step no room (stream_blocks auto, on CUDA), the fewest blocks, spread as _auto spreads
+    them, keep their shards in pinned host memory instead: FSDP2's CPU offload copies a shard to the GPU for each
+    all-gather, so two 24 GB cards hold a base twice one card's size (bench/RESULTS.md)."""
+    from . import levers
+
+    plan = replace(plan, shards=ranks).with_stream(0, note)
+    if plan.free_and_total is None or cfg.stream_blocks != AUTO:
+        return plan
+    need = levers.estimated_step_bytes(model, cfg, 0.0)
+    count = _fewest(plan, need)
+    if need is None or count == 0:
+        return plan
+    if count is None:
+        plan = plan.with_stream(
+            plan.blocks,
+            f"{note}; every block's shards in pinned host memory, and the step (~{need / GIB:.1f} GiB estimated) may "
+            "still not fit: lower the resolution, the frames or the batch, or add GPUs",
+            fits=False,
+        )
+    else:
+        plan = plan.with_stream(
+            count,
+            f"{note}; {count} of {plan.blocks} blocks' shards in pinned host memory (so the step, "
+            f"~{need / GIB:.1f} GiB, fits beside the rest)",
+        )
+    _check_host(plan, host_available_bytes(), cfg)
+    return plan
 
 
 def _fewest(plan: MemoryPlan, need: int | None) -> int | None:

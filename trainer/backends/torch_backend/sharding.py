@@ -10,8 +10,10 @@ replicated run's, unchanged. The base is frozen, so FSDP reduces no gradient: it
 
 auto shards where the memory plan found the base does not fit one card beside the step (it would stream
 blocks from the host), else replicates; one process never shards. Validation samples keep the base whole:
-rank 0 samples alone while the others wait, and a sharded block's forward needs every rank's all-gather. Sharding and streaming are two answers to
-the same shortage: a sharded run streams nothing.
+rank 0 samples alone while the others wait, and a sharded block's forward needs every rank's all-gather. Sharding and
+streaming are two answers to the same shortage, and they compose: where a rank's 1/N of the base still leaves the
+step no room, the fewest blocks keep their shards in pinned host memory (FSDP2's CPU offload) instead of streaming
+through Kiln's ring (memory_plan.split).
 
 A full fine-tune (adapter full) trains the blocks' own weights: shard puts each block AND the root (the embedders,
 the final layer) under FSDP2, so each rank keeps 1/N of every weight, its gradient (reduce-scattered, averaged
@@ -32,7 +34,7 @@ from torch import nn
 
 from ...config import AUTO, ConfigError, TrainConfig
 from ...run import distributed
-from . import full
+from . import full, memory_plan
 from .memory_plan import GIB, MemoryPlan
 
 log = logging.getLogger("kiln")
@@ -68,7 +70,8 @@ def decide(cfg: TrainConfig, plan: MemoryPlan, quantized: bool, need: int = 0) -
     if cfg.stream_blocks not in (AUTO, 0):
         raise ConfigError(
             f"stream_blocks {cfg.stream_blocks} and sharding shard both answer a base too large for one card: "
-            "set stream_blocks auto (a sharded run streams nothing) or sharding replicate"
+            "set stream_blocks auto (a sharded run keeps the fewest blocks' shards on the host where the step needs "
+            "it) or sharding replicate"
         )
     why = "the base does not fit one card beside the step" if cfg.sharding == AUTO else "as set"
     return True, (
@@ -110,17 +113,22 @@ def _decide_full(cfg: TrainConfig, plan: MemoryPlan, world: int, need: int) -> t
     )
 
 
-def shard_blocks(blocks: list[nn.Module], device: torch.device, root: nn.Module | None = None) -> None:
-    """Each block an FSDP2 unit over all ranks; its shard on `device`. Each block is a root of its own (the
-    model's forward is ComfyUI's, not ours to wrap), so every block reshards after its forward explicitly
-    (a root would keep its gathered weights otherwise). No explicit prefetch: across roots it fails (each root
-    has its own communication context, torch 2.13), so a block's all-gather runs when its forward starts."""
+def shard_blocks(
+    blocks: list[nn.Module], device: torch.device, root: nn.Module | None = None, on_host: tuple[int, ...] = ()
+) -> None:
+    """Each block an FSDP2 unit over all ranks; its shard on `device`, or (the blocks numbered in `on_host`) in
+    pinned host memory, copied to the GPU for each all-gather (FSDP2's CPUOffloadPolicy). Each block is a root of
+    its own (the model's forward is ComfyUI's, not ours to wrap), so every block reshards after its forward
+    explicitly (a root would keep its gathered weights otherwise). No explicit prefetch: across roots it fails
+    (each root has its own communication context, torch 2.13), so a block's all-gather runs when its forward
+    starts."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (distributed.current().world,))
-    for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    for i, block in enumerate(blocks):
+        policy = CPUOffloadPolicy(pin_memory=True) if i in on_host else OffloadPolicy()
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
     if root is not None:  # a full fine-tune: the root's own weights (embedders, final layer) sharded too
         fully_shard(root, mesh=mesh, reshard_after_forward=True)
 
@@ -137,10 +145,18 @@ def local_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
 
 
 def place(
-    cfg: TrainConfig, plan: MemoryPlan, blocks: list[nn.Module], device: torch.device, quantized: bool, trained=None
+    cfg: TrainConfig,
+    plan: MemoryPlan,
+    blocks: list[nn.Module],
+    device: torch.device,
+    quantized: bool,
+    trained=None,
+    model: nn.Module | None = None,
 ):
-    """The memory plan after the sharding decision: a sharded base's (nothing streams), or `plan` itself.
-    `trained`: a full fine-tune's FullSet (its model's root is sharded with the blocks)."""
+    """The memory plan after the sharding decision: a sharded base's (memory_plan.split: 1/N of each block on
+    each rank, the fewest blocks' shards on the host where even that leaves the step no room), or `plan` itself.
+    `trained`: a full fine-tune's FullSet (its model's root is sharded with the blocks; nothing on the host: its
+    weights train on the GPU)."""
     full_run = isinstance(trained, full.FullSet)
     need = full_bytes([p for _, p in trained.named], cfg) if full_run else 0
     shard, note = decide(cfg, plan, quantized, need)
@@ -148,8 +164,13 @@ def place(
         if note:
             log.info("[Kiln] %s", note)
         return plan
-    shard_blocks(blocks, device, trained.model if full_run else None)
-    return replace(plan.with_stream(0, note), shards=distributed.current().world)  # `after` counts 1/N of the base
+    world = distributed.current().world
+    if full_run or model is None:
+        split = replace(plan.with_stream(0, note), shards=world)  # `after` counts 1/N of the base
+    else:
+        split = memory_plan.split(model, cfg, plan, world, note)
+    shard_blocks(blocks, device, trained.model if full_run else None, tuple(split.chosen) if split.stream else ())
+    return split
 
 
 def is_sharded(params) -> bool:

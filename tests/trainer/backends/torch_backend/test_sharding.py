@@ -95,3 +95,119 @@ def test_a_full_runs_training_state_by_hand():
     assert sharding.full_bytes(params, TrainConfig(adapter="full", optimizer="adamw8bit_torchao")) == 2 * 80 + 35 * 2
     assert sharding.full_bytes(params, TrainConfig(adapter="full", optimizer="prodigy")) == 2 * 80 + 35 * 16
     assert sharding.full_bytes(params, TrainConfig(adapter="full", optimizer="adafactor")) == 2 * 80 + 4 * (13 + 6)
+
+
+HOST = MemoryPlan(0, sizes=(4 * GIB,) * 8, on_device=(0,) * 8, slot_sizes=(4 * GIB,) * 8)
+
+
+def test_a_sharded_plan_leaves_room_for_the_block_fsdp_gathers_whole():
+    """The 2026-11-29 two-H200 run: Qwen-Image sharded over two 24 GB caps ran out of memory at step 1. A rank
+    holds 1/N of each block and, while a block runs, the block gathered whole and its all-gather buffer."""
+    plan = replace(HOST, free_and_total=(100 * GIB, 141 * GIB), shards=2)
+    assert plan.after == (100 * GIB - 16 * GIB - 2 * 4 * GIB, 141 * GIB)
+    assert replace(plan, shards=1).after == (100 * GIB - 32 * GIB, 141 * GIB)  # one process: no gather
+
+
+@pytest.fixture
+def step(monkeypatch):
+    from trainer.backends.torch_backend import levers, memory_plan
+
+    need = {"bytes": 6 * GIB}
+    monkeypatch.setattr(levers, "estimated_step_bytes", lambda *a, **k: need["bytes"])
+    monkeypatch.setattr(memory_plan, "host_available_bytes", lambda: 256 * GIB)
+    return need
+
+
+def test_a_sharded_base_keeps_the_fewest_blocks_shards_on_the_host_where_the_step_needs_it(step):
+    """Each rank: 16 GiB of shards + 8 GiB gathered + the step (6 GiB, with the estimate's margin) against a
+    24 GiB card. The fewest blocks whose shards wait on the host, spread over the model; none on a large card,
+    none off CUDA, none with stream_blocks 0."""
+    from trainer.backends.torch_backend import memory_plan
+
+    card = replace(HOST, free_and_total=(24 * GIB, 24 * GIB))
+    plan = memory_plan.split(None, TrainConfig(), card, 2, "sharding shard (as set)")
+    assert 0 < plan.stream < plan.blocks and plan.shards == 2 and plan.fits
+    assert step_fits_after(plan, step["bytes"]) and not step_fits_after(
+        plan.with_stream(plan.stream - 1), step["bytes"]
+    )
+    assert f"{plan.stream} of 8 blocks' shards in pinned host memory" in plan.note
+    assert "blocks' shards in pinned host memory" in plan.summary() and "1/2 on each of 2 ranks" in plan.summary()
+    assert plan.host_new_bytes == plan.stream * 4 * GIB  # the ranks' halves together: each block once
+    large = memory_plan.split(None, TrainConfig(), replace(HOST, free_and_total=(100 * GIB, 141 * GIB)), 2, "n")
+    assert large.stream == 0 and large.note == "n"
+    assert memory_plan.split(None, TrainConfig(), HOST, 2, "n").stream == 0  # off CUDA: nothing known
+    assert memory_plan.split(None, TrainConfig(stream_blocks=0), card, 2, "n").stream == 0
+    step["bytes"] = 40 * GIB
+    none = memory_plan.split(None, TrainConfig(), card, 2, "n")
+    assert none.stream == 8 and not none.fits and "may still not fit" in none.note
+
+
+def step_fits_after(plan, need):
+    from trainer.estimate.torch_step import step_fits
+
+    return step_fits(need, *plan.after)
+
+
+def test_the_host_must_hold_the_shards_it_is_given(step, monkeypatch):
+    from trainer.backends.torch_backend import memory_plan
+
+    monkeypatch.setattr(memory_plan, "host_available_bytes", lambda: 6 * GIB)
+    with pytest.raises(ConfigError, match="GiB of pinned host memory"):
+        memory_plan.split(None, TrainConfig(), replace(HOST, free_and_total=(24 * GIB, 24 * GIB)), 2, "n")
+
+
+def test_place_offloads_the_chosen_blocks_shards_and_a_full_run_none(two_ranks, step, monkeypatch):
+    import torch
+
+    from trainer.backends.torch_backend import full
+
+    calls = []
+    monkeypatch.setattr(sharding, "shard_blocks", lambda blocks, device, root, on_host: calls.append(on_host))
+    card = replace(HOST, free_and_total=(24 * GIB, 24 * GIB))
+    plan = sharding.place(TrainConfig(sharding="shard"), card, [], None, False, object(), object())
+    assert calls[-1] == tuple(plan.chosen) and plan.stream > 0
+    monkeypatch.setattr(sharding, "full_bytes", lambda params, cfg: 0)
+    trained = full.FullSet(torch.nn.Linear(2, 2), [])
+    plan = sharding.place(TrainConfig(sharding="shard", adapter="full"), card, [], None, False, trained, object())
+    assert calls[-1] == () and plan.stream == 0 and plan.shards == 2
+
+
+def test_shard_blocks_gives_the_host_blocks_fsdps_cpu_offload(two_ranks, monkeypatch):
+    import torch
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.fsdp as fsdp
+
+    policies = []
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda *a, **k: "mesh")
+    monkeypatch.setattr(
+        fsdp, "fully_shard", lambda block, mesh, reshard_after_forward, offload_policy: policies.append(offload_policy)
+    )
+    sharding.shard_blocks([torch.nn.Linear(2, 2) for _ in range(4)], torch.device("cpu"), on_host=(1, 3))
+    assert [type(p).__name__ for p in policies] == ["OffloadPolicy", "CPUOffloadPolicy"] * 2
+    assert policies[1].pin_memory
+
+
+def test_fsdps_own_shards_are_not_moved_to_the_gpu():
+    """memory_plan.arrive moves what a loader left on the host; a DTensor shard (on the host by FSDP2's CPU
+    offload) is FSDP2's to place."""
+    import torch
+
+    from trainer.backends.torch_backend import memory_plan
+
+    layer = torch.nn.Linear(2, 2)
+    for p in layer.parameters():
+        p.device_mesh = "mesh"
+    assert memory_plan.arrive([layer], torch.device("cuda")) == []  # nothing touched CUDA (none here)
+
+
+def test_ddp_keeps_each_compiled_block_one_graph(two_ranks, monkeypatch):
+    """The 2026-11-29 two-H200 run: Klein 4B under DDP failed at step 1 ("modified by an inplace operation ...
+    output 2 of CompiledFunctionBackward") where dynamo's DDPOptimizer cut Flux2's compiled blocks, which write into
+    their inputs, at bucket boundaries. DDP is built with the cut off."""
+    import torch
+    import torch.nn.parallel
+
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda module, **options: (module, options))
+    module, options = distributed.data_parallel(lambda x: x, [torch.nn.Linear(4, 4)])
+    assert torch._dynamo.config.optimize_ddp is False and options["gradient_as_bucket_view"]
