@@ -16,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kiln-rows}
 mkdir -p "$OUT"
-E="bash bench/gpu_env.sh"
+E="env KILN_BENCH_TRACE=1 bash bench/gpu_env.sh"  # a failed row prints its traceback into ROW.log
 G="$E python -m torch.distributed.run --standalone"
 T="bench/gpu_train.py --no-native"
 SHARDED="--baseline none --curve off --steps 20 --warmup 5"

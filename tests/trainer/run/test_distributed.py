@@ -10,9 +10,11 @@ bitwise on 2 ranks and is refused on 1, and a killed rank ends the run with a re
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -104,20 +106,31 @@ def _rank(rank: int, world: int, port: int, out: str, settings: dict, runs: list
             stop_at = stop_at.get(rank) if isinstance(stop_at, dict) else stop_at
             stop = functools.partial(_reached, progress, stop_at) if stop_at else None
             model = tiny_model()
+            blocks = find_blocks(model, get_arch(cfg.arch).block_lists)
+            originals = [weakref.ref(p) for block in blocks for p in block.parameters()]
+            alive = []  # the block weights the model came with still alive during the run (gc'd first)
+
+            def on_step(report, progress=progress, originals=originals, alive=alive):
+                progress.append(report)
+                gc.collect()
+                alive.append(sum(ref() is not None for ref in originals))
+
             result = train(
                 cfg,
                 model,
                 tiny_data(),
                 run_dir=run_dir,
                 resume=run_dir if resume else None,
-                on_step=progress.append,
+                on_step=on_step,
                 should_stop=stop,
             )
+            tensors_alive = np.asarray([max(alive, default=0), len(originals)], np.int64)
             ended[f"ended.{number}"] = np.asarray([result.step, result.stopped], np.int64)
         tensors = {f"written.{i}": np.asarray([c["epoch"], c["position"]]) for i, c in enumerate(writes)}
         tensors.update(ended)
         # the blocks' weight bytes this rank held at the end, and the whole blocks' (a sharded base stays sharded)
         tensors["held"] = np.asarray(sharding.local_bytes(find_blocks(model, get_arch(cfg.arch).block_lists)))
+        tensors["held.alive"] = tensors_alive
         tensors.update(flat_state(result, _ema_and_moments(result)))
         safetensors_io.write(Path(out) / f"rank{rank}.safetensors", tensors)
     finally:
@@ -186,6 +199,10 @@ def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(
         np.testing.assert_allclose(ranks[0][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
     for held, whole in (r["held"] for r in ranks):
         assert held == (whole // 2 if sharded else whole), (held, whole)  # the tiny blocks' shapes split evenly
+    # ... and the whole weights are gone: a list of the originals (teardown's requires_grad record) once kept the
+    # whole base on every rank beside its shards (Qwen-Image on two 24 GB caps, 2026-11-29)
+    for alive, count in (r["held.alive"] for r in ranks):
+        assert alive == (0 if sharded else count), (alive, count)
     # Every rank ends with the same LoRA, EMA and optimizer state (all-reduced gradients, same updates).
     assert set(ranks[0]) - {k for k in ranks[0] if k.startswith("written.")} == set(ranks[1]) - {
         k for k in ranks[1] if k.startswith("written.")

@@ -44,7 +44,8 @@ class TorchBackend:
         self.dtype = devices.model_dtype(model)
         self.autocast = cfg.mixed_precision == "bf16"
         self.attention = attention.resolve(cfg.attention, self.device)
-        self.frozen = [(p, p.requires_grad) for p in model.parameters()]  # teardown gives the model back as it came
+        # for teardown, by name: a list of the Parameters kept the whole base alive beside FSDP2's shards (sharding.py)
+        self.frozen = [(name, p.requires_grad) for name, p in model.named_parameters()]
         model.requires_grad_(False)
         try:
             self._place(model, cfg, arch)
@@ -392,7 +393,8 @@ class TorchBackend:
         if getattr(self, "outer_rng", None) is not None:
             self.load_rng_state(self.outer_rng)
             self.outer_rng = None
-        for param, requires_grad in getattr(self, "frozen", []):
-            param.requires_grad_(requires_grad)
+        params = dict(self.model.named_parameters()) if getattr(self, "frozen", None) else {}
+        for name, requires_grad in (item for item in getattr(self, "frozen", []) if item[0] in params):
+            params[name].requires_grad_(requires_grad)
         self.frozen = []
         self.optimizer = self.call = None

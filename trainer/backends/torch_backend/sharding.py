@@ -3,7 +3,9 @@
 shard puts each block of the base under FSDP2 (`torch.distributed.fsdp.fully_shard`, one unit per block, no
 flattening: a block's parameters stay its own, which a full fine-tune can shard the same way): a rank keeps
 1/N of each block's weights and all-gathers a block just before its forward (and again before its backward,
-resharding after each), so a base larger than one card trains across several. The LoRA branches are not
+resharding after each), so a base larger than one card trains across several. Nothing may keep a block's original
+Parameters: FSDP2 moves a host block's weights to the GPU before it cuts them, and a kept original keeps that whole
+weight there (the backend records requires_grad by name). The LoRA branches are not
 submodules of the model (lora.py hooks a Linear's forward), so FSDP never sees them: they stay whole on every
 rank under DDP (trainer/run/distributed.data_parallel), and optimizer, EMA, checkpoints and resume are the
 replicated run's, unchanged. The base is frozen, so FSDP reduces no gradient: its traffic is all-gathers only.
