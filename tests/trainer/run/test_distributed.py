@@ -131,11 +131,20 @@ def _rank(rank: int, world: int, port: int, out: str, settings: dict, runs: list
         # the blocks' weight bytes this rank held at the end, and the whole blocks' (a sharded base stays sharded)
         tensors["held"] = np.asarray(sharding.local_bytes(find_blocks(model, get_arch(cfg.arch).block_lists)))
         tensors["held.alive"] = tensors_alive
+        blocks = find_blocks(model, get_arch(cfg.arch).block_lists)
+        tensors["held.on_host"] = np.asarray(sum(_on_host(block) for block in blocks), np.int64)
         tensors.update(flat_state(result, _ema_and_moments(result)))
         safetensors_io.write(Path(out) / f"rank{rank}.safetensors", tensors)
     finally:
         checkpoint_writer.save_checkpoint = real_save
         distributed.stop()
+
+
+def _on_host(block) -> int:
+    """1 where `block` is an FSDP2 unit whose shards live on the host (CPU offload), else 0 (FSDP2's own state)."""
+    group = getattr(block, "_get_fsdp_state", lambda: None)()
+    group = getattr(group, "_fsdp_param_group", None)
+    return int(group is not None and all(p.offload_to_cpu for p in group.fsdp_params))
 
 
 def _reached(progress: list, steps: int) -> bool:
@@ -216,6 +225,30 @@ def test_two_ranks_train_what_one_process_with_the_doubled_batch_trains(
     assert sum(k.startswith("written.") for k in ranks[0]) == len(steps)
     assert not any(k.startswith("written.") for k in ranks[1])
     assert [s for s, _ in state.list_checkpoints(tmp_path / "two")] == steps
+
+
+def test_two_ranks_with_blocks_shards_on_the_host_train_what_one_process_trains(
+    tmp_path, make_model, make_data, make_config, monkeypatch
+):
+    """A sharded base whose plan keeps some blocks' shards on the host (memory_plan.split, chosen here: off CUDA
+    the plan knows no free memory): those blocks are FSDP2 units with its CPU offload, gathered from the host for
+    each forward and recompute; the LoRA is one process's with the doubled batch, each rank holds half the bytes."""
+    from dataclasses import replace
+
+    from trainer.backends.torch_backend import memory_plan
+
+    monkeypatch.setattr(
+        memory_plan, "split", lambda model, cfg, plan, ranks, note: replace(plan, shards=ranks).with_stream(2, note)
+    )
+    settings = {**EQUAL, "sharding": "shard"}
+    ranks = two_ranks(tmp_path, settings, [("two", False, None)], (make_model, make_data, make_config))
+    single = train(make_config(**{**settings, "batch_size": 4}), make_model(), make_data(), run_dir=tmp_path / "one")
+    for key, value in flat_state(single, {}).items():
+        np.testing.assert_allclose(ranks[0][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    for rank in ranks:
+        held, whole = rank["held"]
+        assert held == whole // 2 and rank["held.alive"][0] == 0
+        assert rank["held.on_host"] == 2  # the two chosen blocks' units offload their shards
 
 
 RESUME = {**EQUAL, "steps": 6, "lora_dropout": 0.2}  # LoRA dropout: each rank's own torch RNG stream

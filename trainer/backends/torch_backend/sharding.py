@@ -129,7 +129,8 @@ def shard_blocks(
 
     mesh = init_device_mesh(device.type, (distributed.current().world,))
     for i, block in enumerate(blocks):
-        policy = CPUOffloadPolicy(pin_memory=True) if i in on_host else OffloadPolicy()
+        # pinned where a GPU copies from it (a CPU-only build cannot pin; the CPU tests offload unpinned)
+        policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if i in on_host else OffloadPolicy()
         fully_shard(block, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
     if root is not None:  # a full fine-tune: the root's own weights (embedders, final layer) sharded too
         fully_shard(root, mesh=mesh, reshard_after_forward=True)

@@ -182,7 +182,7 @@ def test_shard_blocks_gives_the_host_blocks_fsdps_cpu_offload(two_ranks, monkeyp
     monkeypatch.setattr(
         fsdp, "fully_shard", lambda block, mesh, reshard_after_forward, offload_policy: policies.append(offload_policy)
     )
-    sharding.shard_blocks([torch.nn.Linear(2, 2) for _ in range(4)], torch.device("cpu"), on_host=(1, 3))
+    sharding.shard_blocks([torch.nn.Linear(2, 2) for _ in range(4)], torch.device("cuda"), on_host=(1, 3))
     assert [type(p).__name__ for p in policies] == ["OffloadPolicy", "CPUOffloadPolicy"] * 2
     assert policies[1].pin_memory
 
