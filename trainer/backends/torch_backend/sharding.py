@@ -128,12 +128,20 @@ def shard_blocks(
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (distributed.current().world,))
-    for i, block in enumerate(blocks):
+    # blocks already on the GPU first (ComfyUI's partial load left them whole: cutting them frees (N-1)/N), then
+    # those on the host (FSDP2 moves each whole to the GPU before it cuts it): the GPU never holds more than the
+    # plan's end state and one whole block
+    for i in sorted(range(len(blocks)), key=lambda i: not _on_gpu(blocks[i])):
+        block = blocks[i]
         # pinned where a GPU copies from it (a CPU-only build cannot pin; the CPU tests offload unpinned)
         policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if i in on_host else OffloadPolicy()
         fully_shard(block, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
     if root is not None:  # a full fine-tune: the root's own weights (embedders, final layer) sharded too
         fully_shard(root, mesh=mesh, reshard_after_forward=True)
+
+
+def _on_gpu(block: nn.Module) -> bool:
+    return any(p.device.type != "cpu" for p in block.parameters())
 
 
 def local_bytes(blocks: list[nn.Module]) -> tuple[int, int]:

@@ -173,6 +173,8 @@ def test_place_offloads_the_chosen_blocks_shards_and_a_full_run_none(two_ranks, 
 
 
 def test_shard_blocks_gives_the_host_blocks_fsdps_cpu_offload(two_ranks, monkeypatch):
+    """FSDP2's CPU offload (pinned: a GPU copies from it) for the blocks the plan puts on the host; the blocks a
+    loader left on the GPU are cut first, so the GPU never holds the host blocks whole beside them."""
     import torch
     import torch.distributed.device_mesh as device_mesh
     import torch.distributed.fsdp as fsdp
@@ -180,11 +182,16 @@ def test_shard_blocks_gives_the_host_blocks_fsdps_cpu_offload(two_ranks, monkeyp
     policies = []
     monkeypatch.setattr(device_mesh, "init_device_mesh", lambda *a, **k: "mesh")
     monkeypatch.setattr(
-        fsdp, "fully_shard", lambda block, mesh, reshard_after_forward, offload_policy: policies.append(offload_policy)
+        fsdp,
+        "fully_shard",
+        lambda block, mesh, reshard_after_forward, offload_policy: policies.append((block, offload_policy)),
     )
-    sharding.shard_blocks([torch.nn.Linear(2, 2) for _ in range(4)], torch.device("cuda"), on_host=(1, 3))
-    assert [type(p).__name__ for p in policies] == ["OffloadPolicy", "CPUOffloadPolicy"] * 2
-    assert policies[1].pin_memory
+    blocks = [torch.nn.Linear(2, 2) for _ in range(4)]
+    monkeypatch.setattr(sharding, "_on_gpu", lambda block: block in blocks[2:])  # ComfyUI loaded the last two
+    sharding.shard_blocks(blocks, torch.device("cuda"), on_host=(1, 3))
+    assert [blocks.index(block) for block, _ in policies] == [2, 3, 0, 1]  # those on the GPU cut first
+    assert [type(p).__name__ for _, p in policies] == ["OffloadPolicy", "CPUOffloadPolicy"] * 2
+    assert policies[1][1].pin_memory
 
 
 def test_fsdps_own_shards_are_not_moved_to_the_gpu():
