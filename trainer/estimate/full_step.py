@@ -62,10 +62,15 @@ def full_state(dims: ModelDims, optimizer: str, base_dtype: str, ema: bool, shar
     }
 
 
+# A sharded block's transient on a GPU while it computes: the block FSDP2 gathered whole, and the flat all-gather
+# buffer it copies the block out of (freed after the copy). The estimate and the trainer's memory plan both count it.
+GATHERED = 2
+
+
 def on_each_rank(weights: int, block_bytes: list[int], shards: int) -> int:
-    """A base's bytes on one GPU: all of it, or under shard its 1/N and the one block gathered whole while it
-    computes (FSDP2's all-gather)."""
-    return weights if shards <= 1 else weights // shards + max(block_bytes, default=0)
+    """A base's bytes on one GPU: all of it, or under shard its 1/N and the block gathered whole while it computes
+    with its all-gather buffer (GATHERED)."""
+    return weights if shards <= 1 else weights // shards + GATHERED * max(block_bytes, default=0)
 
 
 def full_estimate(s: dict, dims, activations: int, workspace: int, tokens: int, notes: list, blocks) -> Estimate:

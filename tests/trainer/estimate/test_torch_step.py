@@ -331,17 +331,17 @@ def test_a_full_fine_tune_counts_every_weight_its_gradient_optimizer_state_and_e
         estimate("zimage", resolution=1024, adapter="full", base_dtype="int8")
 
 
-def test_under_shard_each_gpu_holds_a_share_and_one_gathered_block():
+def test_under_shard_each_gpu_holds_a_share_and_the_gathered_block_with_its_buffer():
     from trainer.estimate.torch_step import block_weight_bytes
     from trainer.estimate.variants import get_dims
 
     p, block = COMFYUI_COUNTS["zimage"], max(block_weight_bytes(get_dims("zimage"), "bf16"))
     one = estimate("zimage", resolution=1024, adapter="full", ema=True)
     two = estimate("zimage", resolution=1024, adapter="full", ema=True, shards=2)
-    assert (two.weights, two.lora, two.gradients, two.optimizer) == (p + block, 2 * p, p, 4 * p)
+    assert (two.weights, two.lora, two.gradients, two.optimizer) == (p + 2 * block, 2 * p, p, 4 * p)
     assert two.activations == one.activations  # each rank its own rows
     lora, sharded = estimate("zimage", resolution=1024), estimate("zimage", resolution=1024, shards=4)
-    assert sharded.weights == lora.weights // 4 + block and sharded.lora == lora.lora  # the LoRA stays whole
+    assert sharded.weights == lora.weights // 4 + 2 * block and sharded.lora == lora.lora  # the LoRA stays whole
 
 
 def test_the_estimate_command_reads_a_full_run_and_its_ranks(tmp_path, capsys):

@@ -24,14 +24,13 @@ import torch
 from torch import nn
 
 from ...config import AUTO, ConfigError, TrainConfig
+from ...estimate.full_step import GATHERED
 from .streaming import SLOTS, frozen_bytes, frozen_weights, spread
 
 GIB = 2**30
 HOST_RESERVE_BYTES = 4 * GIB  # host RAM the plan leaves to the OS, ComfyUI and the data loader
 # Device types whose memory is the GPU's own: a Mac's unified memory has nothing to gain from streaming.
 STREAMS_ON = ("cuda",)
-# A sharded block's transient on the GPU: the block FSDP2 gathered whole and the all-gather buffer it is cut from.
-GATHERED = 2
 
 
 @dataclass(frozen=True)
