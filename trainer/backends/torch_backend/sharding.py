@@ -59,6 +59,11 @@ def decide(cfg: TrainConfig, plan: MemoryPlan, quantized: bool, need: int = 0) -
             "sharding auto → replicate, the base streaming instead: rank 0 samples sample_prompts alone, which a "
             "sharded base cannot (leave sample_prompts empty to shard it)"
         )
+    if quantized and cfg.sharding == AUTO:  # FSDP2 cuts bf16/fp32 weights; a quantized base streams instead
+        return False, (
+            "sharding auto → replicate, the base streaming instead: it is quantized (base_quantize int8 or "
+            "fp8_compute), and shard splits a bf16/fp32 base"
+        )
     if quantized:
         raise ConfigError(
             "sharding shard splits a bf16/fp32 base over the GPUs; the quantized base (base_quantize int8, or "

@@ -42,6 +42,10 @@ def test_shard_refuses_a_quantized_base_and_explicit_streaming(two_ranks):
     with pytest.raises(ConfigError, match="turn cuda_graphs off, or set sharding replicate"):
         sharding.decide(TrainConfig(sharding="shard", cuda_graphs=True), PLAN, False)
     assert sharding.decide(TrainConfig(sharding="replicate"), PLAN, True)[0] is False  # replicate: as before
+    # auto with a quantized base (an fp8 checkpoint under fp8_compute auto, base_quantize auto → int8) that streams:
+    # it replicates and streams, as one card would, instead of refusing a choice the user did not make
+    shard, note = sharding.decide(TrainConfig(), PLAN.with_stream(3), True)
+    assert not shard and note.startswith("sharding auto → replicate, the base streaming instead: it is quantized")
 
 
 @pytest.mark.parametrize(("size", "mb"), [(0, 1.0), (4 * 2**20, 1.0), (80 * 2**20, 10.0), (2**30, 25.0)])
