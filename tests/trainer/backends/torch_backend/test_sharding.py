@@ -218,7 +218,8 @@ def test_ddp_keeps_each_compiled_block_one_graph(two_ranks, monkeypatch):
     import torch
     import torch.nn.parallel
 
-    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda module, **options: (module, options))
-    module, options = distributed.data_parallel(lambda x: x, [torch.nn.Linear(4, 4)])
-    assert torch._dynamo.config.optimize_ddp is False and options["gradient_as_bucket_view"]
+    # torch's own patch, which gives the setting back after (pytest 9.2's monkeypatch deletes a config module's entry)
+    with torch._dynamo.config.patch(optimize_ddp=True):
+        module, options = distributed.data_parallel(lambda x: x, [torch.nn.Linear(4, 4)])
+        assert torch._dynamo.config.optimize_ddp is False and options["gradient_as_bucket_view"]
