@@ -15,7 +15,9 @@ twice that backward. Embedders, the final layer and the modulation Linears (< 1 
 The rate: bf16 tensor cores with fp32 accumulate (what torch's bf16 matmul uses), the fp8 rate where the base
 is stored in fp8 or fp8_compute is on (on Ampere, without fp8, the bf16 rate), the int8 rate for an int8 base.
 Copy: every streamed block twice a step (forward, then recompute and backward), as measured (Z-Image, all 34
-blocks: 22.9 GB a step = 2 x 11.44 GiB).
+blocks: 22.9 GB a step = 2 x 11.44 GiB). A base sharded over N GPUs (sharding shard): each GPU copies its own
+shards on the host twice, and receives (N-1)/N of every block twice in all-gathers, counted over the same link
+(consumer cards have no NVLink); not measured.
 
 EFFICIENCY and HOST_OVERHEAD_S are calibrated once, from the two resident default rows at 1024 px on the H200
 (bench/results.json, commit b73b35f, compiled blocks, checkpoint_budget auto → 1: nothing recomputed, the text
@@ -182,7 +184,11 @@ def predict_plan(card: Card, settings: dict, plan: CardPlan) -> Prediction:
         batch=settings["batch_size"] * (2 if settings.get("preservation") else 1),
         frames=settings.get("frames", 1),
     )
-    return predict(card, flops, 2 * plan.host_bytes, settings["base_dtype"], bool(settings.get("fp8_compute")))
+    copied = 2 * plan.host_bytes
+    if (shards := settings.get("shards", 1)) > 1:  # each GPU copies its own shards, and gathers the others' blocks
+        base = sum(block_weight_bytes(get_dims(settings["variant"]), settings["base_dtype"]))
+        copied = (copied + 2 * base * (shards - 1)) // shards  # over the card's link: no NVLink on consumer cards
+    return predict(card, flops, copied, settings["base_dtype"], bool(settings.get("fp8_compute")))
 
 
 def _streams(plan: CardPlan) -> str:
@@ -201,9 +207,14 @@ def plan_lines(settings: dict, memory_gib: float, budget: float | str = "auto", 
     if plan.streamed is None:
         lines = [where + f"does not fit even with every block streamed ({plan.total / GIB:.1f} GiB)"]
     else:
+        shards = settings.get("shards", 1)
         streams = (
             f"stream_blocks {plan.streamed} ({_streams(plan)}; {plan.host_bytes / GIB:.1f} GiB of pinned host RAM, "
             f"{2 * plan.host_bytes / 1e9:.1f} GB copied host→GPU a step)"
+            if plan.streamed and shards == 1
+            else f"stream_blocks auto → {plan.streamed} of {plan.blocks} blocks' shards in pinned host memory "
+            f"({plan.host_bytes / GIB:.1f} GiB of RAM over the {shards} ranks, {2 * plan.host_bytes / shards / 1e9:.1f} "
+            "GB copied host→GPU a step on each GPU)"
             if plan.streamed
             else "nothing streams (the whole base on the GPU)"
         )

@@ -152,7 +152,7 @@ def estimate(
     notes = _notes(dims, image_tokens, text_tokens, reference_images, preservation)
     notes += [adapter_note] if adapter_note else []
     notes += [PRODIGY_NOTE] if optimizer == "prodigy" else []
-    weights, stream_note = _on_the_gpu(dims, base_dtype, stream_blocks)
+    weights, stream_note = _on_the_gpu(dims, base_dtype, stream_blocks, shards)
     blocks, workspace = block_weight_bytes(dims, base_dtype), _workspace(dims, tokens, act, base_dtype)
     if adapter == "full":  # every weight trained (full_step.py)
         return full_step.full_estimate(settings, dims, activations, workspace, tokens, notes, blocks)
@@ -186,11 +186,17 @@ def _kept(s: dict, dims: ModelDims, rows: int, image_tokens: int, text_tokens: i
     return kept
 
 
-def _on_the_gpu(dims: ModelDims, base_dtype: str, stream_blocks: int) -> tuple[int, list[str]]:
-    """(bytes the stream takes off the GPU: the streamed blocks less the ring, its note)."""
+def _on_the_gpu(dims: ModelDims, base_dtype: str, stream_blocks: int, shards: int = 1) -> tuple[int, list[str]]:
+    """(bytes the stream takes off the GPU: the streamed blocks less the ring, its note). A sharded base (shards
+    > 1): those blocks' shards wait on the host, and FSDP2 gathers them into the block on_each_rank counts."""
     if not stream_blocks:
         return 0, []
     streamed, ring = streamed_bytes(dims, base_dtype, stream_blocks)
+    if shards > 1:
+        return streamed, [
+            f"{stream_blocks} blocks' shards in pinned host memory (FSDP2's CPU offload: {streamed / GIB:.2f} GiB "
+            f"over the {shards} ranks), {2 * streamed / shards / 1e9:.1f} GB copied host→GPU a step on each GPU"
+        ]
     return streamed - ring, [
         f"{stream_blocks} blocks streamed: {streamed / GIB:.2f} GiB of the base in pinned host memory, a ring of "
         f"{ring / GIB:.2f} GiB on the GPU, {2 * streamed / 1e9:.1f} GB copied host→GPU a step"
@@ -353,7 +359,10 @@ def advice(settings: dict) -> list[tuple[str, dict]]:
             (
                 "base weights fp8",
                 {"base_dtype": "fp8"},
-                settings["base_dtype"] not in ("fp8", "int8") and settings.get("adapter") != "full",  # trains them
+                # a full run trains them; sharding shard splits a bf16/fp32 base only
+                settings["base_dtype"] not in ("fp8", "int8")
+                and settings.get("adapter") != "full"
+                and settings.get("shards", 1) == 1,
             ),
             ("batch size 1 (raise grad_accum instead)", {"batch_size": 1}, settings["batch_size"] > 1),
             ("fp8_compute off (its fp8 weight copies)", {"fp8_compute": False}, settings.get("fp8_compute", False)),
@@ -385,6 +394,12 @@ def stream_advice(settings: dict, budget: float) -> str | None:
     (count, step), dims = found, get_dims(settings["variant"])
     blocks = len(block_weight_bytes(dims, settings["base_dtype"]))
     streamed, _ = streamed_bytes(dims, settings["base_dtype"], count)
+    if settings.get("shards", 1) > 1:  # a stream_blocks number is refused beside sharding shard; auto does this
+        return (
+            f"  or, every other setting kept: {count} of {blocks} blocks' shards in pinned host memory (what "
+            f"stream_blocks auto does beside sharding shard; {streamed / GIB:.1f} GiB of RAM over the ranks): "
+            f"{step.total / GIB:.1f} GiB (fits)"
+        )
     return (
         f"  or, every other setting kept: stream_blocks {count} ({count} of {blocks} blocks from pinned host "
         f"memory, {streamed / GIB:.1f} GiB of RAM; slower only where the copies outrun the compute): "

@@ -344,6 +344,21 @@ def test_under_shard_each_gpu_holds_a_share_and_the_gathered_block_with_its_buff
     assert sharded.weights == lora.weights // 4 + 2 * block and sharded.lora == lora.lora  # the LoRA stays whole
 
 
+def test_a_sharded_base_too_large_for_its_share_is_told_its_shards_go_to_the_host(tmp_path, capsys):
+    """Qwen-Image over two 24 GB cards: a rank's half of the base and the step do not fit, so the plan keeps some
+    blocks' shards on the host (what the run's stream_blocks auto does beside sharding shard). A stream_blocks
+    number and an fp8 base, both refused beside shard, are not offered."""
+    from trainer.cli.main import main
+
+    config = tmp_path / "qwen.toml"
+    config.write_text('arch = "qwen_image"\nsharding = "shard"\nresolutions = [1024]\n')
+    assert main(["estimate", str(config), "--processes", "2", "--memory-gb", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "stream_blocks auto → " in out and "blocks' shards in pinned host memory" in out
+    assert "over the 2 ranks" in out and "GB copied host→GPU a step on each GPU" in out
+    assert "stream_blocks 1" not in out.replace("stream_blocks auto", "") and "base weights fp8" not in out
+
+
 def test_the_estimate_command_reads_a_full_run_and_its_ranks(tmp_path, capsys):
     from trainer.cli.main import main
 
