@@ -56,12 +56,13 @@ MOVED = {
     "tiny_dit": "demo.tiny_dit",
     "tiny_weights": "demo.tiny_weights",
 }
-# names that left the module MOVED sends them to: old module → {name: the module that holds it now}
+# names that left the module MOVED or PACKAGES sends them to: old module → {name: the module that holds it now}
 ALSO = {
     "adapter_files": {"describe": "lora.report"},
     "data.scan": {"REPEAT_FOLDER": "data.folder.walk"},
     "lora_sources": {"convert_file": "lora.files"},
     "state": {"save_checkpoint": "run.checkpoint_writer"},
+    "estimate": {"advice": "estimate.torch_advice", "RULES": "estimate.torch_advice"},
 }
 # old modules whose name is now a package's: the package forwards their names to this module of its own
 PACKAGES = {"estimate": "torch_step", "objective": "flow", "demo": "run", "data.captioning": "jobs", "samples": "plan"}
@@ -74,6 +75,8 @@ def forward(package: str, old: str):
     def __getattr__(name: str):
         if name.startswith("__"):
             raise AttributeError(name)
+        if name in ALSO.get(old, {}):  # a name that left the module PACKAGES names
+            return getattr(importlib.import_module(f"{package[: -len(old)]}{ALSO[old][name]}"), name)
         return getattr(importlib.import_module(f"{package}.{PACKAGES[old]}"), name)
 
     return __getattr__

@@ -40,7 +40,8 @@ from typing import NamedTuple
 
 from ..archs.layout import ModelDims
 from .common import GIB, arch_of, get_dims, image_token_count, latent_frames, layout_of, lora_shapes
-from .torch_step import AUTO_SAFETY, block_weight_bytes, budget_on, estimate, fewest_streamed, runs_in, streamed_bytes
+from .torch_advice import fewest_streamed
+from .torch_step import AUTO_SAFETY, block_weight_bytes, budget_on, estimate, runs_in, streamed_bytes
 
 EFFICIENCY = 0.54  # share of the dense tensor rate a step reaches (calibrated above)
 HOST_OVERHEAD_S = 0.016  # per step, beside the GPU's work (calibrated above)

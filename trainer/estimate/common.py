@@ -266,7 +266,7 @@ class EstimatorRules(NamedTuple):
 
 
 # Backend -> the module whose RULES estimate for it, imported on first use.
-ESTIMATORS = {"torch": "torch_step", "mlx": "mlx_step"}
+ESTIMATORS = {"torch": "torch_advice", "mlx": "mlx_step"}
 
 
 def backend_rules(backend: str) -> EstimatorRules:

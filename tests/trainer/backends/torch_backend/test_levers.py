@@ -132,7 +132,7 @@ def test_estimate_counts_the_blocks_that_keep_their_activations():
     assert totals[2] - totals[0] == 7 * per_block  # the last blocks are alike (Z-Image's layers)
     off = estimate("zimage", resolution=1024, gradient_checkpointing=False).total
     assert totals[2] < off
-    from trainer.estimate.torch_step import advice
+    from trainer.estimate.torch_advice import advice
 
     first = advice(estimate("zimage", resolution=1024, skip_checkpoint_blocks=7).settings)[0]
     assert first[1] == {"skip_checkpoint_blocks": 0}
@@ -278,7 +278,7 @@ def test_checkpoint_budget_is_refused_where_it_cannot_work():
 
 
 def test_estimate_counts_the_checkpoint_budget_against_the_measured_peaks():
-    from trainer.estimate.torch_step import advice
+    from trainer.estimate.torch_advice import advice
 
     measured = {0.0: 15.25, 0.3: 19.38, 0.5: 22.05, 0.8: 26.33}  # GiB, H100, Z-Image 1024 px (RESULTS.md)
     totals = {b: estimate("zimage", resolution=1024, checkpoint_budget=b).total / 2**30 for b in measured}
