@@ -129,9 +129,8 @@ def _rank(rank: int, world: int, port: int, out: str, settings: dict, runs: list
         tensors = {f"written.{i}": np.asarray([c["epoch"], c["position"]]) for i, c in enumerate(writes)}
         tensors.update(ended)
         # the blocks' weight bytes this rank held at the end, and the whole blocks' (a sharded base stays sharded)
-        tensors["held"] = np.asarray(sharding.local_bytes(find_blocks(model, get_arch(cfg.arch).block_lists)))
+        tensors["held"] = np.asarray(sharding.local_bytes(blocks))
         tensors["held.alive"] = tensors_alive
-        blocks = find_blocks(model, get_arch(cfg.arch).block_lists)
         tensors["held.on_host"] = np.asarray(sum(_on_host(block) for block in blocks), np.int64)
         tensors.update(flat_state(result, _ema_and_moments(result)))
         safetensors_io.write(Path(out) / f"rank{rank}.safetensors", tensors)
