@@ -198,6 +198,22 @@ def _streams(plan: CardPlan) -> str:
     return f"{plan.streamed} of {plan.blocks} blocks" if plan.streamed else "nothing"
 
 
+def _on_host(plan: CardPlan, shards: int) -> str:
+    """What of the base `plan` keeps in host memory: streamed blocks, or under sharding shard their shards."""
+    if not plan.streamed:
+        return "nothing streams (the whole base on the GPU)"
+    if shards == 1:
+        return (
+            f"stream_blocks {plan.streamed} ({_streams(plan)}; {plan.host_bytes / GIB:.1f} GiB of pinned host RAM, "
+            f"{2 * plan.host_bytes / 1e9:.1f} GB copied host→GPU a step)"
+        )
+    return (
+        f"stream_blocks auto → {plan.streamed} of {plan.blocks} blocks' shards in pinned host memory "
+        f"({plan.host_bytes / GIB:.1f} GiB of RAM over the {shards} ranks, {2 * plan.host_bytes / shards / 1e9:.1f} "
+        "GB copied host→GPU a step on each GPU)"
+    )
+
+
 def plan_lines(settings: dict, memory_gib: float, budget: float | str = "auto", every: bool = False) -> list[str]:
     """The plan on a `memory_gib` card and the predicted step time on the named cards of about that memory."""
     plan = card_plan(settings, memory_gib, budget)
@@ -208,17 +224,7 @@ def plan_lines(settings: dict, memory_gib: float, budget: float | str = "auto", 
     if plan.streamed is None:
         lines = [where + f"does not fit even with every block streamed ({plan.total / GIB:.1f} GiB)"]
     else:
-        shards = settings.get("shards", 1)
-        streams = (
-            f"stream_blocks {plan.streamed} ({_streams(plan)}; {plan.host_bytes / GIB:.1f} GiB of pinned host RAM, "
-            f"{2 * plan.host_bytes / 1e9:.1f} GB copied host→GPU a step)"
-            if plan.streamed and shards == 1
-            else f"stream_blocks auto → {plan.streamed} of {plan.blocks} blocks' shards in pinned host memory "
-            f"({plan.host_bytes / GIB:.1f} GiB of RAM over the {shards} ranks, {2 * plan.host_bytes / shards / 1e9:.1f} "
-            "GB copied host→GPU a step on each GPU)"
-            if plan.streamed
-            else "nothing streams (the whole base on the GPU)"
-        )
+        streams = _on_host(plan, settings.get("shards", 1))
         lines = [where + f"{streams}, checkpoint_budget {plan.budget:g}: {plan.total / GIB:.1f} GiB"]
     cards = near(memory_gib, every)
     which = "every named card" if every else f"cards with about {memory_gib:g} GiB"

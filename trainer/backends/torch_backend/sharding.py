@@ -121,10 +121,15 @@ def _decide_full(cfg: TrainConfig, plan: MemoryPlan, world: int, need: int) -> t
 
 
 def shard_blocks(
-    blocks: list[nn.Module], device: torch.device, root: nn.Module | None = None, on_host: tuple[int, ...] = ()
+    blocks: list[nn.Module],
+    device: torch.device,
+    root: nn.Module | None = None,
+    on_host: tuple[int, ...] = (),
+    loaded: tuple[int, ...] = (),
 ) -> None:
     """Each block an FSDP2 unit over all ranks; its shard on `device`, or (the blocks numbered in `on_host`) in
-    pinned host memory, copied to the GPU for each all-gather (FSDP2's CPUOffloadPolicy). Each block is a root of
+    pinned host memory, copied to the GPU for each all-gather (FSDP2's CPUOffloadPolicy). `loaded`: each block's
+    bytes a loader already put on the GPU (the memory plan's on_device). Each block is a root of
     its own (the model's forward is ComfyUI's, not ours to wrap), so every block reshards after its forward
     explicitly (a root would keep its gathered weights otherwise). No explicit prefetch: across roots it fails
     (each root has its own communication context, torch 2.13), so a block's all-gather runs when its forward
@@ -136,17 +141,13 @@ def shard_blocks(
     # blocks already on the GPU first (ComfyUI's partial load left them whole: cutting them frees (N-1)/N), then
     # those on the host (FSDP2 moves each whole to the GPU before it cuts it): the GPU never holds more than the
     # plan's end state and one whole block
-    for i in sorted(range(len(blocks)), key=lambda i: not _on_gpu(blocks[i])):
+    for i in sorted(range(len(blocks)), key=lambda i: not (loaded and loaded[i])):
         block = blocks[i]
         # pinned where a GPU copies from it (a CPU-only build cannot pin; the CPU tests offload unpinned)
         policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if i in on_host else OffloadPolicy()
         fully_shard(block, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
     if root is not None:  # a full fine-tune: the root's own weights (embedders, final layer) sharded too
         fully_shard(root, mesh=mesh, reshard_after_forward=True)
-
-
-def _on_gpu(block: nn.Module) -> bool:
-    return any(p.device.type != "cpu" for p in block.parameters())
 
 
 def local_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
@@ -166,8 +167,8 @@ def place(
     blocks: list[nn.Module],
     device: torch.device,
     quantized: bool,
-    trained=None,
-    model: nn.Module | None = None,
+    trained,
+    model: nn.Module,
 ):
     """The memory plan after the sharding decision: a sharded base's (memory_plan.split: 1/N of each block on
     each rank, the fewest blocks' shards on the host where even that leaves the step no room), or `plan` itself.
@@ -181,11 +182,12 @@ def place(
             log.info("[Kiln] %s", note)
         return plan
     world = distributed.current().world
-    if full_run or model is None:
+    if full_run:
         split = replace(plan.with_stream(0, note), shards=world)  # `after` counts 1/N of the base
     else:
         split = memory_plan.split(model, cfg, plan, world, note)
-    shard_blocks(blocks, device, trained.model if full_run else None, tuple(split.chosen) if split.stream else ())
+    on_host = tuple(split.chosen) if split.stream else ()
+    shard_blocks(blocks, device, trained.model if full_run else None, on_host, split.on_device)
     return split
 
 

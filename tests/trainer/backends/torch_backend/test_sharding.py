@@ -166,7 +166,7 @@ def test_place_offloads_the_chosen_blocks_shards_and_a_full_run_none(two_ranks, 
     from trainer.backends.torch_backend import full
 
     calls = []
-    monkeypatch.setattr(sharding, "shard_blocks", lambda blocks, device, root, on_host: calls.append(on_host))
+    monkeypatch.setattr(sharding, "shard_blocks", lambda blocks, device, root, on_host, loaded: calls.append(on_host))
     card = replace(HOST, free_and_total=(24 * GIB, 24 * GIB))
     plan = sharding.place(TrainConfig(sharding="shard"), card, [], None, False, object(), object())
     assert calls[-1] == tuple(plan.chosen) and plan.stream > 0
@@ -191,8 +191,8 @@ def test_shard_blocks_gives_the_host_blocks_fsdps_cpu_offload(two_ranks, monkeyp
         lambda block, mesh, reshard_after_forward, offload_policy: policies.append((block, offload_policy)),
     )
     blocks = [torch.nn.Linear(2, 2) for _ in range(4)]
-    monkeypatch.setattr(sharding, "_on_gpu", lambda block: block in blocks[2:])  # ComfyUI loaded the last two
-    sharding.shard_blocks(blocks, torch.device("cuda"), on_host=(1, 3))
+    loaded = (0, 0, 8, 8)  # ComfyUI's partial load put the last two on the GPU (the plan's on_device)
+    sharding.shard_blocks(blocks, torch.device("cuda"), on_host=(1, 3), loaded=loaded)
     assert [blocks.index(block) for block, _ in policies] == [2, 3, 0, 1]  # those on the GPU cut first
     assert [type(p).__name__ for _, p in policies] == ["OffloadPolicy", "CPUOffloadPolicy"] * 2
     assert policies[1][1].pin_memory
