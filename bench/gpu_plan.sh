@@ -6,12 +6,13 @@
 #   OUT=$OUT bash bench/gpu_plan.sh n2z n2k        # on nvidia-h200-x2
 #   OUT=$OUT bash bench/gpu_plan.sh zfull kada24   # on one GPU
 #
-# 2 GPUs (issue 46): n1 (one process through torchrun, Z-Image and Klein 4B), n2z / n2k (DDP scaling, target
-# >= 0.9 x N), qwen / dev40 (the base sharded over two 24 / 40 GB caps), qstream (Qwen-Image streamed on one 24 GB
-# cap, to compare), fullz2 (Z-Image full fine-tune sharded, AdamW + EMA). 4 and 8 GPUs (issue 48): n4z, n4k, n8z,
-# n8k, and dev4 (Flux2 Dev's base sharded on 4). One GPU: zfull (Z-Image full, AdamW + EMA, estimate ~110 GiB),
-# kada24 (Klein 4B full, Adafactor, a 24 GB cap, estimate 17.7 GiB). Fresh machines compile for 60-100 s a model:
-# give a call of three rows 600 s.
+# 2 GPUs (issue 46): n1 (one process through torchrun, Z-Image and Klein 4B), n2z / n2k (DDP scaling, target >= 0.9 x
+# N), qwen / dev40 (the base sharded over two 24 / 40 GB caps), qstream (Qwen-Image streamed on one 24 GB cap, to
+# compare), qrep (Qwen-Image replicated and streamed on each of two 24 GB caps, against qwen), fullz2 (Z-Image full
+# fine-tune sharded, AdamW + EMA). 4 and 8 GPUs (issue 48): n4z, n4k, n8z, n8k, and dev4 (Flux2 Dev's base sharded on
+# 4). One GPU: zfull (Z-Image full, AdamW + EMA, estimate ~95 GiB at checkpoint_budget 0), kada24 (Klein 4B full,
+# Adafactor, a 24 GB cap, estimate 17.7 GiB). Fresh machines compile for 60-100 s a model: give a call of three rows
+# 600 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kiln-rows}
@@ -32,6 +33,7 @@ for row in "$@"; do
     dev4) $G --nproc_per_node 4 $T --rows dev:1024:1:on:default:host=on+sharding=shard --out "$OUT/$row.json" ;;
     qwen) $G --nproc_per_node 2 $T --rows qwen:1024:1:on:default:host=on+sharding=shard --card-gb 24 $SHARDED --out "$OUT/$row.json" ;;
     dev40) $G --nproc_per_node 2 $T --rows dev:1024:1:on:default:host=on+sharding=shard --card-gb 40 $SHARDED --out "$OUT/$row.json" ;;
+    qrep) $G --nproc_per_node 2 $T --rows qwen:1024:1:on:default:host=on+sharding=replicate --card-gb 24 $SHARDED --out "$OUT/$row.json" ;;
     qstream) $E python $T --rows qwen:1024:1:on:default:host=on --card-gb 24 --steps 20 --warmup 5 --out "$OUT/$row.json" ;;
     fullz2) $G --nproc_per_node 2 $T --rows zimage:1024:1:on:default:adapter=full+sharding=shard+ema=true $FULL --out "$OUT/$row.json" ;;
     zfull) $E python $T --rows zimage:1024:1:on:default:adapter=full+ema=true --no-checkpoint --out "$OUT/$row.json" ;;

@@ -256,9 +256,11 @@ def _as_a_prompt_left_them(module) -> None:
     loaders made them (same values, new Parameters as ComfyUI's set_attr_param makes them). Left normal,
     ComfyUI's later loads and evictions, which run under inference mode, fail on a quantized base's weights
     (its Linear re-wraps each moved weight: "Cannot set version_counter for inference tensor", on a model
-    trained on an fp8 checkpoint and unloaded and loaded again by a later prompt)."""
+    trained on an fp8 checkpoint and unloaded and loaded again by a later prompt). A sharded base's DTensors
+    are left alone: FSDP2 keeps each shard too, so a copy would hold every shard twice (Qwen-Image sharded over
+    two 24 GB cards ran out of memory here after its last step), and a sharded model never returns to a prompt."""
     with torch.inference_mode():
-        _copied(module, lambda tensor: tensor is not None and not tensor.is_inference())
+        _copied(module, lambda t: t is not None and not t.is_inference() and not hasattr(t, "device_mesh"))
 
 
 def _copied(module, chosen) -> int:

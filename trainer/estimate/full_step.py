@@ -103,5 +103,9 @@ def full_notes(state: dict[str, int], optimizer: str, shards: int) -> list[str]:
         + f"){split}",
         f"the optimizer step holds {state['step'] / GIB:.2f} GiB of fp32 copies and temporaries while the "
         "activations are gone: the workspace row is the larger of that and the forward's",
-        "an estimate: a full fine-tune's parts are counted, not yet checked against a GPU's peak",
+        # bench/RESULTS.md, session 33: fullz2 peaked at 63.4 GiB per GPU against 64.8 estimated at its budget
+        (
+            "an estimate: checked once against a GPU's peak (Z-Image, AdamW and EMA, sharded over 2 H200s, "
+            "checkpoint_budget 1: 63.4 GiB measured, 64.8 estimated)"
+        ),
     ]

@@ -823,3 +823,24 @@ def test_training_adapter_is_merged_in_fp32_even_where_comfy_would_use_fp16(zima
     finally:
         mm.LORA_COMPUTE_DTYPES.pop(device, None)
         mm.load_models_gpu([zimage], force_full_load=True)
+
+
+def test_a_session_in_a_prompt_leaves_a_sharded_base_alone():
+    """Qwen-Image sharded over two 24 GB H200 caps ran out of memory after its last step (session 33): the end
+    of a session in a prompt copied every weight into an inference tensor, and FSDP2 keeps each DTensor shard
+    it made, so every copy doubled the shards. Shards stay as they are; plain weights still become inference
+    tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        module = torch.nn.Linear(4, 4)
+        mesh = init_device_mesh("cpu", (1,))
+        shard = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Replicate()]), requires_grad=False)
+        module.weight = shard
+        bridge_session._as_a_prompt_left_them(module)
+        assert module.weight is shard  # the same shard FSDP2 holds, not a second copy
+        assert module.bias.is_inference() and module.bias.requires_grad
+    finally:
+        torch.distributed.destroy_process_group()

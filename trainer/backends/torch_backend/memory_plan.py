@@ -118,6 +118,8 @@ class MemoryPlan:
         if not self.stream:
             where = "on the GPU" if self.free_and_total is not None else "in memory"
             split = f", 1/{self.shards} on each of {self.shards} ranks" if self.shards > 1 else ""
+            if not any(self.sizes):  # a full fine-tune: its weights are the trained set's, on the GPU
+                return f"no frozen block weights (every weight trains{split}); nothing streams{kept}"
             return f"frozen base {where} ({resident / GIB:.1f} GiB of block weights{split}); nothing streams{kept}"
         if self.shards > 1:
             return (

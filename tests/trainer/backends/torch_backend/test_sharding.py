@@ -71,6 +71,9 @@ def test_a_sharded_plan_counts_a_ranks_share_of_the_base_arriving():
     whole = replace(host, on_device=(4 * GIB,) * 8, shards=4)  # loaded whole on the GPU, then sharded: 3/4 freed
     assert whole.after == (100 * GIB + 24 * GIB, 141 * GIB)
     assert "1/4 on each of 4 ranks" in whole.summary()
+    # a full fine-tune freezes nothing: the line said "frozen base on the GPU (0.0 GiB of block weights ...)"
+    trained = replace(host, sizes=(0,) * 8, shards=2).summary()
+    assert trained.startswith("no frozen block weights (every weight trains, 1/2 on each of 2 ranks)"), trained
 
 
 def test_a_full_run_shards_where_its_training_state_does_not_fit_the_card(two_ranks):
