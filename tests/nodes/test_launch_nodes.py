@@ -317,6 +317,7 @@ def test_a_launched_run_feeds_the_dashboard_and_returns_rank_0s_samples(comfy_di
     run_id = progress[0]["run_id"]
     status, detail = dashboard.REGISTRY.answer("GET", run_id)
     assert status == 200 and detail["status"] == "finished" and len(detail["history"]["loss"]) == 4
+    assert detail["plan"][0].startswith("memory plan: "), detail["plan"]  # rank 0's KILN_PLAN line
     assert detail["samples"] and not detail["can_save"]
     assert refusals and refusals[0][0] == 409 and "torchrun child process" in refusals[0][1]["error"]
     # The LoRA, read by ComfyUI's loader, places every key on the model.

@@ -19,6 +19,7 @@ from ..run.callbacks import Callbacks
 PROGRESS_ENV, PROGRESS_TAG, DONE_TAG = "KILN_PROGRESS_JSON", "KILN_PROGRESS", "KILN_DONE"
 SAMPLE_TAG = "KILN_SAMPLE"
 PAUSED_TAG = "KILN_PAUSED"  # {"paused": bool, "step": n}: every rank waits (or goes on) after step n
+PLAN_TAG = "KILN_PLAN"  # {"lines": [...]}: before the first step, the memory plan and what each auto setting chose
 # A file of this name in the run folder asks the run to stop after a step with a checkpoint (trainer/cli/launch.py
 # writes it; `touch <run>/stop.request` does the same by hand). The run removes it when it has stopped.
 STOP_FILE = "stop.request"
@@ -109,6 +110,14 @@ class Console(Callbacks):
         self.paused_flag = should_pause or file_flag(run_dir)
         self.validation = validation or Callbacks()
         self.validate_every, self.validate_first = self.validation.validate_every, self.validation.validate_first
+
+    def on_start(self, plan: list[str]) -> None:
+        """The memory plan and the auto choices (sharding, streaming, compile) on stderr, above the bar: the
+        headless run has no log handler, so without this a user never learns what auto chose."""
+        if self.speak:
+            for line in plan:
+                self.bar.write(f"[Kiln] {line}", file=sys.stderr)
+            emit(PLAN_TAG, {"lines": plan})
 
     def on_step(self, report) -> None:
         bar = self.bar

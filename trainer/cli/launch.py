@@ -37,6 +37,7 @@ from ..run.pause import PAUSE_FILE
 from .console import (
     DONE_TAG,
     PAUSED_TAG,
+    PLAN_TAG,
     PROGRESS_ENV,
     PROGRESS_TAG,
     SAMPLE_TAG,
@@ -60,11 +61,14 @@ class Outcome:
     tail: str  # the last lines of the run's output, for an error message
 
 
+TAGS = {PROGRESS_TAG: "progress", SAMPLE_TAG: "sample", PAUSED_TAG: "paused", PLAN_TAG: "plan", DONE_TAG: "done"}
+
+
 def parse_line(line: str) -> tuple[str, dict] | None:
-    """("progress" | "sample" | "paused" | "done", fields) for a machine-readable line, None for any other
+    """("progress" | "sample" | "paused" | "plan" | "done", fields) for a machine-readable line, None for any other
     output. The tag may follow a progress bar's unterminated redraw (tqdm writes on stderr, merged into the
     same pipe)."""
-    for tag, kind in ((PROGRESS_TAG, "progress"), (SAMPLE_TAG, "sample"), (PAUSED_TAG, "paused"), (DONE_TAG, "done")):
+    for tag, kind in TAGS.items():
         at = line.find(tag + " {")
         if at >= 0:
             try:
@@ -205,21 +209,20 @@ class Launch:
         on_sample: Callable[[dict], None] | None = None,
         should_pause: Callable[[], bool] | None = None,
         on_pause: Callable[[dict], None] | None = None,
+        on_plan: Callable[[dict], None] | None = None,
     ) -> Outcome:
-        """Runs `on_progress` for each step line, `on_sample` for each sample line and `on_pause` for each
-        paused line, and polls `should_stop` and `should_pause` (the PAUSE file follows it), in the calling
+        """Runs `on_progress` for each step line, `on_sample` for each sample line, `on_pause` for each
+        paused line and `on_plan` for the plan line, and polls `should_stop` and `should_pause` (the PAUSE file follows it), in the calling
         thread; the outcome. The PAUSE file is removed when the run has ended."""
+        handlers = {"progress": on_progress, "sample": on_sample, "paused": on_pause, "plan": on_plan}
         while not (self.closed and self.events.empty()):  # a second wait() returns too
             try:
                 kind, fields = self.events.get(timeout=poll_s)
             except queue.Empty:
                 kind, fields = None, {}
-            if kind == "progress" and on_progress is not None:
-                on_progress(fields)
-            if kind == "sample" and on_sample is not None:
-                on_sample(fields)
-            if kind == "paused" and on_pause is not None:
-                on_pause(fields)
+            handler = handlers.get(kind)
+            if handler is not None:
+                handler(fields)
             if kind == "closed":
                 break
             if should_stop is not None and not self.stopping and should_stop():

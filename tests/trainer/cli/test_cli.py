@@ -32,6 +32,7 @@ def demo_run(tmp_path_factory):
     first = cli("demo", "--output", out, "--steps", 12, "--stop-after", 6)
     assert first.returncode == 0, first.stderr
     assert "stopped at step 6/12" in first.stdout
+    assert "[Kiln] memory plan: " in first.stderr  # what auto chose, though the CLI has no log handler
     second = cli("demo", "--output", out, "--steps", 12, "--resume")
     assert second.returncode == 0, second.stderr
     assert "finished at step 12/12" in second.stdout

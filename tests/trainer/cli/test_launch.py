@@ -48,6 +48,7 @@ def test_parse_line_reads_only_the_tagged_lines():
         {"step": 2, "index": 0, "path": "/r/samples/step-000002-p0.png"},
     )
     assert launch.parse_line('KILN_PAUSED {"paused": true, "step": 4}') == ("paused", {"paused": True, "step": 4})
+    assert launch.parse_line('KILN_PLAN {"lines": ["memory plan: x"]}') == ("plan", {"lines": ["memory plan: x"]})
 
 
 def test_pause_writes_the_pause_file_and_resume_removes_it(tmp_path):
@@ -74,8 +75,13 @@ def test_two_ranks_report_progress_stop_with_a_checkpoint_and_resume(tmp_path):
     make_dataset(tmp_path / "shapes")
     run_dir = tmp_path / "runs" / "r"
     steps: list[int] = []
+    plans: list[dict] = []
     run = launch.Launch(demo_config(tmp_path / "shapes", STEPS), run_dir, processes=2).start()
-    stopped = run.wait(on_progress=lambda p: steps.append(p["step"]), should_stop=lambda: len(steps) >= 3)
+    stopped = run.wait(
+        on_progress=lambda p: steps.append(p["step"]), should_stop=lambda: len(steps) >= 3, on_plan=plans.append
+    )
+    # Rank 0 alone says its plan, once, before its first step.
+    assert len(plans) == 1 and plans[0]["lines"][0].startswith("memory plan: "), plans
     # The stop file, not Ctrl-C: the ranks saved and exited 0 by themselves, and the request was removed.
     assert stopped.stopped and stopped.returncode == 0 and stopped.checkpoint is not None, stopped.tail
     assert "stop requested" in stopped.tail and "Ctrl-C again" not in stopped.tail
