@@ -133,9 +133,10 @@ def outputs_images(run_dir: Path):
 
 def follow(job: launch.Launch, cfg, run_dir: Path, resume: Path | None) -> tuple[launch.Outcome, bool]:
     """The launched run until it ends: its steps on the node's bar and the dashboard, its memory plan and auto
-    choices (rank 0's) on the dashboard, its samples as previews on both, Stop from either as the stop file, the dashboard's Pause / Resume as <run>/PAUSE (the child's
-    KILN_PAUSED lines show it paused). An error here or Stop pressed stops the run cleanly first. Also whether
-    the node's lora and run_folder are blocked (a dashboard Stop, not Stop & save: the run is not done)."""
+    choices (rank 0's) on the dashboard, its samples as previews on both, Stop from either as the stop file,
+    the dashboard's Pause / Resume as <run>/PAUSE (the child's KILN_PAUSED lines show it paused). An error
+    here or Stop pressed stops the run cleanly first. Also whether the node's lora and run_folder are blocked
+    (a dashboard Stop, not Stop & save: the run is not done)."""
     tracker = live.Tracker(cfg, run_dir, None, resume, can_save=False)
     bar = bridge.progress(cfg.steps)
 

@@ -184,7 +184,9 @@ def test_the_dashboard_pauses_and_resumes_a_launched_run_and_comfyuis_stop_ends_
     names = [
         (n, d.get("paused")) for n, d in events if n == "kiln.run" or (n == "kiln.progress" and d["step"] == first + 1)
     ]
-    assert names[:4] == [("kiln.run", False), ("kiln.run", True), ("kiln.run", False), ("kiln.progress", None)], names
+    # (the run, its plan before the first step, paused, resumed, then the next step)
+    run, paused, resumed, step = ("kiln.run", False), ("kiln.run", True), ("kiln.run", False), ("kiln.progress", None)
+    assert names[:5] == [run, run, paused, resumed, step], names
     run_dir = comfy_dirs / "output" / "kiln" / "paused"
     assert state.list_checkpoints(run_dir)[-1][0] == second and not (run_dir / "PAUSE").exists()
     detail = dashboard.REGISTRY.answer("GET", events[-1][1]["id"])[1]

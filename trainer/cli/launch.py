@@ -1,19 +1,20 @@
 """A headless run under torchrun as a child process: what ComfyUI's "Train LoRA (several GPUs)"
 node starts, usable from any Python program.
 
-The run's config is written to `<run>/launch.toml` (atomically), then
-`python -m torch.distributed.run --standalone --nproc_per_node N -m trainer train <run>/launch.toml`
-starts in its own process group with `CUDA_VISIBLE_DEVICES` set to the chosen GPUs, the pack root on
-PYTHONPATH and as cwd (so `-m trainer` is this pack's), and `KILN_PROGRESS_JSON=1`: rank 0 prints one
-`KILN_PROGRESS {json}` line per step, a `KILN_SAMPLE {json}` line per validation sample it wrote (step,
-prompt index, the PNG's path in `<run>/samples/`) and one `KILN_DONE {json}` line at the end
-(trainer/cli/console.py), which a reader thread parses. `stop()` writes `<run>/stop.request`: the ranks see it at a step boundary,
-agree on the step (trainer/distributed.StopVote), save that step's checkpoint and exit 0, however long the
-step and the save take. `pause(True)` writes `<run>/PAUSE` (and `pause(False)` removes it): the ranks agree
-on the step to wait after, as on a stop, and rank 0 prints a `KILN_PAUSED {json}` line when they wait and
-when they go on; a stop while paused still ends the run with a checkpoint. `stop(force=True)` is Ctrl-C (SIGINT to torchrun, which forwards it to the ranks and
-kills them ~30 s later, torchrun's own window): the fallback where the file cannot be written. Nothing here imports ComfyUI; the child
-never runs ComfyUI's main (for ComfyUI archs it loads model files through headless.py, COMFYUI_PATH).
+The run's config is written to `<run>/launch.toml` (atomically), then `python -m torch.distributed.run --standalone
+--nproc_per_node N -m trainer train <run>/launch.toml` starts in its own process group with `CUDA_VISIBLE_DEVICES`
+set to the chosen GPUs, the pack root on PYTHONPATH and as cwd (so `-m trainer` is this pack's), and
+`KILN_PROGRESS_JSON=1`: rank 0 prints one `KILN_PROGRESS {json}` line per step, a `KILN_SAMPLE {json}` line per
+validation sample it wrote (step, prompt index, the PNG's path in `<run>/samples/`) and a `KILN_PLAN {json}` line
+(the memory plan and what each auto setting chose) before the first step and one `KILN_DONE {json}` line at the end
+(trainer/cli/console.py), which a reader thread parses. `stop()` writes `<run>/stop.request`: the ranks see it at a
+step boundary, agree on the step (trainer/distributed.StopVote), save that step's checkpoint and exit 0, however
+long the step and the save take. `pause(True)` writes `<run>/PAUSE` (and `pause(False)` removes it): the ranks agree
+on the step to wait after, as on a stop, and rank 0 prints a `KILN_PAUSED {json}` line when they wait and when they
+go on; a stop while paused still ends the run with a checkpoint. `stop(force=True)` is Ctrl-C (SIGINT to torchrun,
+which forwards it to the ranks and kills them ~30 s later, torchrun's own window): the fallback where the file
+cannot be written. Nothing here imports ComfyUI; the child never runs ComfyUI's main (for ComfyUI archs it loads
+model files through headless.py, COMFYUI_PATH).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ TAGS = {PROGRESS_TAG: "progress", SAMPLE_TAG: "sample", PAUSED_TAG: "paused", PL
 
 
 def parse_line(line: str) -> tuple[str, dict] | None:
-    """("progress" | "sample" | "paused" | "plan" | "done", fields) for a machine-readable line, None for any other
-    output. The tag may follow a progress bar's unterminated redraw (tqdm writes on stderr, merged into the
+    """("progress" | "sample" | "paused" | "plan" | "done", fields) for a machine-readable line, None for any
+    other output. The tag may follow a progress bar's unterminated redraw (tqdm writes on stderr, merged into the
     same pipe)."""
     for tag, kind in TAGS.items():
         at = line.find(tag + " {")
@@ -212,8 +213,8 @@ class Launch:
         on_plan: Callable[[dict], None] | None = None,
     ) -> Outcome:
         """Runs `on_progress` for each step line, `on_sample` for each sample line, `on_pause` for each
-        paused line and `on_plan` for the plan line, and polls `should_stop` and `should_pause` (the PAUSE file follows it), in the calling
-        thread; the outcome. The PAUSE file is removed when the run has ended."""
+        paused line and `on_plan` for the plan line, and polls `should_stop` and `should_pause` (the PAUSE file
+        follows it), in the calling thread; the outcome. The PAUSE file is removed when the run has ended."""
         handlers = {"progress": on_progress, "sample": on_sample, "paused": on_pause, "plan": on_plan}
         while not (self.closed and self.events.empty()):  # a second wait() returns too
             try:
